@@ -1,0 +1,8 @@
+//! Tally: idempotent, horizontally scaled account writes over the Celeriant event store.
+//!
+//! Layers, bottom up: [`store`] (the event-log port and its backends), [`account`] (events,
+//! codec, fold and business rules), [`projection`] (per-account state, the recent-writes
+//! index and catch-up), [`write_loop`] (the one write loop and [`verify`]), [`http`] (the
+//! hyper front end) and [`metrics`].
+
+pub mod store;

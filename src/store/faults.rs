@@ -1,0 +1,1 @@
+//! Placeholder: fault injection lands with issue 2.

@@ -1,0 +1,1 @@
+//! Placeholder: the embedded store lands with issue 2.

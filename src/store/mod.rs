@@ -1,0 +1,280 @@
+//! The event-log port: the one interface the rest of Tally talks to.
+//!
+//! Two implementations live beside it: [`memory::MemoryLog`], an in-process store with
+//! Celeriant's write and read semantics, and `celeriant::CeleriantLog`, the production
+//! backend. [`faults::FaultyLog`] decorates either with seeded, deterministic faults.
+//!
+//! The semantics every implementation must honour (and that `tests/conformance.rs` pins):
+//! - a write is checked in this order, for the whole request: aggregate existence
+//!   (`allow_create`), the version guard on every aggregate, then client idempotency on every
+//!   aggregate that enforces it (rejected when the write's lowest `client_seq` for that
+//!   aggregate is at or below the (aggregate, client id) high-water mark). Only then is
+//!   anything appended, to all aggregates or to none;
+//! - the high-water mark moves on every write, enforced or not, and survives `trim_start`;
+//! - one write to one aggregate appends one batch, which is one version;
+//! - reads below the trim point fail with [`StoreError::Trimmed`]; a read past the tip is
+//!   empty; filters apply to whole batches.
+
+pub mod faults;
+pub mod memory;
+
+use std::fmt;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+/// A writer's identity as Celeriant sees it. Names the service, never a replica or a request.
+pub type ClientId = u128;
+
+/// Celeriant's three-part aggregate key. Tally uses one org and one aggregate type; the
+/// account id is the aggregate id.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AggregateKey {
+    pub org_id: u128,
+    pub aggregate_type_id: u128,
+    pub aggregate_id: u128,
+}
+
+impl fmt::Debug for AggregateKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:032x}/{:032x}/{:032x}",
+            self.org_id, self.aggregate_type_id, self.aggregate_id
+        )
+    }
+}
+
+/// An event type: Celeriant's (major, minor) pair. Major 0 is reserved by the server.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct EventType {
+    pub major: u64,
+    pub minor: u64,
+}
+
+/// One event as written and as read back.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct Event {
+    /// The writer's per-(aggregate, client id) sequence: Celeriant's idempotency key.
+    pub client_seq: u64,
+    /// The caller's idempotency key, opaque to the store and handed back on read.
+    pub event_id: Option<u128>,
+    pub event_type: EventType,
+    pub payload: Bytes,
+    /// Client-side timestamp, epoch milliseconds. Informational only.
+    pub timestamp_ms: u64,
+}
+
+/// The events for one aggregate inside a write request.
+#[derive(Clone, Debug)]
+pub struct AggregateWrite {
+    pub key: AggregateKey,
+    pub events: Vec<Event>,
+    /// `Some(v)`: apply only if the aggregate is at version `v` (0 = does not exist yet).
+    pub expected_version: Option<u64>,
+    pub allow_create: bool,
+    pub enforce_client_idempotency: bool,
+}
+
+impl AggregateWrite {
+    /// The lowest `client_seq` of the write, which is what the idempotency check judges.
+    pub fn lowest_client_seq(&self) -> Option<u64> {
+        self.events.iter().map(|e| e.client_seq).min()
+    }
+
+    pub fn highest_client_seq(&self) -> Option<u64> {
+        self.events.iter().map(|e| e.client_seq).max()
+    }
+}
+
+/// A committed batch: everything one write appended to one aggregate.
+#[derive(Clone, Debug)]
+pub struct Batch {
+    pub version: u64,
+    pub client_id: ClientId,
+    /// Server time when the batch was committed, epoch milliseconds; non-decreasing per
+    /// aggregate.
+    pub server_timestamp_ms: u64,
+    pub events: Arc<[Event]>,
+}
+
+impl Batch {
+    pub fn min_client_seq(&self) -> u64 {
+        self.events.iter().map(|e| e.client_seq).min().unwrap_or(0)
+    }
+
+    pub fn max_client_seq(&self) -> u64 {
+        self.events.iter().map(|e| e.client_seq).max().unwrap_or(0)
+    }
+}
+
+/// Which batches a read returns. Every filter applies to a whole batch.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReadFilter {
+    /// First version to return, inclusive. 0 is read as 1.
+    pub from_version: u64,
+    /// Last version to return, inclusive.
+    pub to_version: Option<u64>,
+    /// Keep batches whose highest `client_seq` is at least this.
+    pub min_client_seq: Option<u64>,
+    /// Keep batches whose lowest `client_seq` is at most this.
+    pub max_client_seq: Option<u64>,
+    /// Keep only batches written by this client id.
+    pub include_client_id: Option<ClientId>,
+    /// Keep batches committed at or after this server time (epoch ms), inclusive.
+    pub min_server_timestamp_ms: Option<u64>,
+}
+
+impl ReadFilter {
+    pub fn from_version(from_version: u64) -> Self {
+        Self {
+            from_version,
+            ..Self::default()
+        }
+    }
+
+    /// Whether `batch` passes every batch-level filter except the version range.
+    pub fn admits(&self, batch: &Batch) -> bool {
+        if let Some(min) = self.min_client_seq
+            && batch.max_client_seq() < min
+        {
+            return false;
+        }
+        if let Some(max) = self.max_client_seq
+            && batch.min_client_seq() > max
+        {
+            return false;
+        }
+        if let Some(client) = self.include_client_id
+            && batch.client_id != client
+        {
+            return false;
+        }
+        if let Some(ts) = self.min_server_timestamp_ms
+            && batch.server_timestamp_ms < ts
+        {
+            return false;
+        }
+        true
+    }
+}
+
+/// One page of a read.
+#[derive(Clone, Debug, Default)]
+pub struct ReadPage {
+    pub batches: Vec<Batch>,
+    /// Where the next page starts, or `None` when the read is complete.
+    pub next_version: Option<u64>,
+}
+
+/// What the store knows about one aggregate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AggregateDetails {
+    /// Lowest version still readable (above a trim), 1 when nothing was trimmed.
+    pub min_available_version: u64,
+    pub max_version: u64,
+    pub last_server_timestamp_ms: u64,
+}
+
+/// Every outcome of a store call that the write loop must tell apart.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// 2003: the version guard failed. Nothing was appended.
+    #[error("version conflict: expected {expected}, current {current}")]
+    Conflict { expected: u64, current: u64 },
+    /// 2002: a committed batch from this client id already recorded a sequence at or above
+    /// the write's lowest one. Proves nothing about whose event that was.
+    #[error("client sequence {attempted_seq} at or below committed {last_seq}")]
+    IdempotencyViolation { last_seq: u64, attempted_seq: u64 },
+    /// 2013: a write holding this sequence is accepted but not yet durable.
+    #[error("a write holding this client sequence is in flight")]
+    InflightDuplicate,
+    /// The request may or may not have been applied (timeout, connection lost after send,
+    /// unreadable reply).
+    #[error("outcome unknown: {reason}")]
+    OutcomeUnknown { reason: String },
+    /// Definitely not applied (refused before sending, server busy, not leader). Safe to
+    /// retry as is.
+    #[error("not applied: {reason}")]
+    NotApplied { reason: String },
+    /// 1001/2005/7001: the aggregate does not exist (and the write did not allow creation).
+    #[error("aggregate not found")]
+    AggregateNotFound,
+    /// 1000: the read started below the trim point.
+    #[error("read below the trim point; minimum available version {min_available}")]
+    Trimmed { min_available: u64 },
+    /// 9001: the aggregates of one write live on different shards.
+    #[error("aggregates of one write are on different shards")]
+    CrossShard,
+    /// Any other server error.
+    #[error("store error {code}: {message}")]
+    Other { code: u32, message: String },
+}
+
+impl StoreError {
+    /// Whether a write that failed this way may have been applied.
+    pub fn may_have_applied(&self) -> bool {
+        matches!(self, StoreError::OutcomeUnknown { .. })
+    }
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// The event log port. Implementations are cheap to share behind an `Arc`.
+#[async_trait]
+pub trait EventLog: Send + Sync + 'static {
+    /// Appends each aggregate's events as one batch, all or nothing. Returns each
+    /// aggregate's new version, in the order of `writes`.
+    async fn write(&self, client_id: ClientId, writes: Vec<AggregateWrite>) -> StoreResult<Vec<u64>>;
+
+    /// Reads one page of batches. Reading a missing aggregate is `AggregateNotFound`.
+    async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage>;
+
+    /// Version bounds and last server timestamp of an aggregate.
+    async fn details(&self, key: AggregateKey) -> StoreResult<AggregateDetails>;
+
+    /// Drops every batch below `keep_from_version`. Versions and the client high-water marks
+    /// are kept.
+    async fn trim_start(&self, key: AggregateKey, keep_from_version: u64) -> StoreResult<()>;
+
+    /// A cheap liveness probe for readiness checks.
+    async fn ping(&self) -> StoreResult<()> {
+        Ok(())
+    }
+}
+
+pub type SharedLog = Arc<dyn EventLog>;
+
+/// Follows a read's pagination one page at a time, so a long history is never held whole.
+pub struct BatchStream<'a> {
+    log: &'a dyn EventLog,
+    key: AggregateKey,
+    filter: ReadFilter,
+    done: bool,
+}
+
+impl<'a> BatchStream<'a> {
+    pub fn new(log: &'a dyn EventLog, key: AggregateKey, filter: ReadFilter) -> Self {
+        Self {
+            log,
+            key,
+            filter,
+            done: false,
+        }
+    }
+
+    /// The next page, or `None` when the read is complete.
+    pub async fn next_page(&mut self) -> StoreResult<Option<Vec<Batch>>> {
+        if self.done {
+            return Ok(None);
+        }
+        let page = self.log.read(self.key, &self.filter).await?;
+        match page.next_version {
+            Some(next) if next > self.filter.from_version.max(1) => self.filter.from_version = next,
+            // No next page, or a cursor that does not move: stop rather than spin.
+            _ => self.done = true,
+        }
+        Ok(Some(page.batches))
+    }
+}
