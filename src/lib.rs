@@ -5,4 +5,5 @@
 //! index and catch-up), [`write_loop`] (the one write loop and [`verify`]), [`http`] (the
 //! hyper front end) and [`metrics`].
 
+pub mod metrics;
 pub mod store;

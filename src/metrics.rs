@@ -1,0 +1,260 @@
+//! Every Prometheus metric Tally exports, defined in one place.
+//!
+//! One [`Metrics`] per running instance (its own registry), so several instances in one
+//! test process never mix their counts. Base units are seconds; counters end in `_total`;
+//! no label ever carries an account id or an idempotency key.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
+};
+
+/// Latency buckets in seconds, from 100 µs to 10 s.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0,
+];
+/// Small-count buckets: attempts per write, round trips per write, events per batch.
+const COUNT_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0];
+
+/// Write-loop arms, the values of the `arm` label.
+pub mod arm {
+    pub const SUCCESS: &str = "success";
+    pub const CONFLICT: &str = "conflict";
+    pub const OUTCOME_UNKNOWN: &str = "outcome_unknown";
+    pub const INFLIGHT_DUPLICATE: &str = "inflight_duplicate";
+    pub const SEQ_OURS: &str = "seq_ours";
+    pub const SEQ_SIBLING: &str = "seq_sibling";
+    pub const UNVERIFIABLE: &str = "unverifiable";
+    pub const NOT_APPLIED: &str = "not_applied";
+    pub const GAVE_UP: &str = "gave_up";
+    pub const REJECTED: &str = "rejected";
+    pub const REPLAYED: &str = "replayed";
+    pub const STORE_ERROR: &str = "store_error";
+}
+
+pub struct Metrics {
+    registry: Registry,
+    // HTTP
+    pub http_requests: IntCounterVec,
+    pub http_duration: HistogramVec,
+    pub http_in_flight: IntGauge,
+    pub http_shed: IntCounter,
+    // Write loop
+    pub write_attempts: HistogramVec,
+    pub write_outcomes: IntCounterVec,
+    pub write_batch_events: Histogram,
+    // Idempotency
+    pub idem_replays: IntCounter,
+    pub idem_key_reuse: IntCounter,
+    pub idem_keys_minted: IntCounter,
+    pub idem_coalesced: IntCounter,
+    // Store
+    pub store_requests: IntCounterVec,
+    pub store_duration: HistogramVec,
+    pub store_round_trips_per_write: Histogram,
+    // Projection
+    pub events_folded: IntCounter,
+    pub catchup_duration: Histogram,
+    pub resident_accounts: IntGauge,
+    pub index_entries: IntGauge,
+    pub evictions: IntCounterVec,
+    pub poisoned_accounts: IntCounter,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let r = &registry;
+        Self {
+            http_requests: counter_vec(
+                r,
+                "tally_http_requests_total",
+                "HTTP requests by route template, method and status class.",
+                &["route", "method", "status_class"],
+            ),
+            http_duration: histogram_vec(
+                r,
+                "tally_http_request_duration_seconds",
+                "HTTP request duration by route template.",
+                &["route"],
+                LATENCY_BUCKETS,
+            ),
+            http_in_flight: gauge(r, "tally_http_requests_in_flight", "HTTP requests being served."),
+            http_shed: counter(
+                r,
+                "tally_http_requests_shed_total",
+                "Requests refused with 503 because the concurrency limit was reached.",
+            ),
+            write_attempts: histogram_vec(
+                r,
+                "tally_write_attempts",
+                "Store write attempts per completed write-loop run, by operation.",
+                &["operation"],
+                COUNT_BUCKETS,
+            ),
+            write_outcomes: counter_vec(
+                r,
+                "tally_write_outcomes_total",
+                "Write-loop arms taken, by operation and arm.",
+                &["operation", "arm"],
+            ),
+            write_batch_events: histogram(
+                r,
+                "tally_write_batch_events",
+                "Events sent in one store write (hot-account batching sends several).",
+                COUNT_BUCKETS,
+            ),
+            idem_replays: counter(
+                r,
+                "tally_idempotency_replays_total",
+                "Retries answered with the original response from the recent-writes index.",
+            ),
+            idem_key_reuse: counter(
+                r,
+                "tally_idempotency_key_reuse_total",
+                "Requests refused because their key was used for another operation or payload.",
+            ),
+            idem_keys_minted: counter(
+                r,
+                "tally_idempotency_keys_minted_total",
+                "Write requests that came without an Idempotency-Key, so the server minted one.",
+            ),
+            idem_coalesced: counter(
+                r,
+                "tally_idempotency_coalesced_total",
+                "Concurrent duplicates on one replica that waited for the first and shared its answer.",
+            ),
+            store_requests: counter_vec(
+                r,
+                "tally_store_requests_total",
+                "Store requests by operation and result.",
+                &["operation", "result"],
+            ),
+            store_duration: histogram_vec(
+                r,
+                "tally_store_request_duration_seconds",
+                "Store request duration by operation.",
+                &["operation"],
+                LATENCY_BUCKETS,
+            ),
+            store_round_trips_per_write: histogram(
+                r,
+                "tally_store_round_trips_per_write",
+                "Store round trips (reads and writes) one write request cost.",
+                COUNT_BUCKETS,
+            ),
+            events_folded: counter(
+                r,
+                "tally_projection_events_folded_total",
+                "Events applied to the in-memory fold by catch-up.",
+            ),
+            catchup_duration: histogram(
+                r,
+                "tally_projection_catchup_duration_seconds",
+                "Duration of one account catch-up.",
+                LATENCY_BUCKETS,
+            ),
+            resident_accounts: gauge(
+                r,
+                "tally_projection_resident_accounts",
+                "Accounts currently folded in memory.",
+            ),
+            index_entries: gauge(
+                r,
+                "tally_projection_index_entries",
+                "Live entries of the recent-writes index, over all resident accounts.",
+            ),
+            evictions: counter_vec(
+                r,
+                "tally_projection_evictions_total",
+                "Accounts dropped from memory, by reason (idle, capacity).",
+                &["reason"],
+            ),
+            poisoned_accounts: counter(
+                r,
+                "tally_projection_poisoned_accounts_total",
+                "Folds that stopped on an event they could not decode, or on a trimmed stream.",
+            ),
+            registry,
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let encoder = TextEncoder::new();
+        // Encoding into a Vec only fails on a malformed metric family, which the fixed
+        // definitions above rule out; an empty scrape is the safe answer if it ever does.
+        if encoder.encode(&self.registry.gather(), &mut buf).is_err() {
+            buf.clear();
+        }
+        String::from_utf8(buf).unwrap_or_default()
+    }
+
+    /// Counts one write-loop arm.
+    pub fn arm(&self, operation: &str, arm: &str) {
+        self.write_outcomes.with_label_values(&[operation, arm]).inc();
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+// The definitions above are fixed, so registration can only fail on a duplicate name, which
+// is a programming error caught by the first test that builds a `Metrics`.
+fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
+    let c = IntCounter::new(name, help).expect("valid counter definition");
+    r.register(Box::new(c.clone())).expect("unique metric name");
+    c
+}
+
+fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid counter definition");
+    r.register(Box::new(c.clone())).expect("unique metric name");
+    c
+}
+
+fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
+    let g = IntGauge::new(name, help).expect("valid gauge definition");
+    r.register(Box::new(g.clone())).expect("unique metric name");
+    g
+}
+
+fn histogram(r: &Registry, name: &str, help: &str, buckets: &[f64]) -> Histogram {
+    let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))
+        .expect("valid histogram definition");
+    r.register(Box::new(h.clone())).expect("unique metric name");
+    h
+}
+
+fn histogram_vec(
+    r: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+    buckets: &[f64],
+) -> HistogramVec {
+    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets.to_vec()), labels)
+        .expect("valid histogram definition");
+    r.register(Box::new(h.clone())).expect("unique metric name");
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_metric_registers_once_and_renders() {
+        let m = Metrics::new();
+        m.arm("deposit", arm::SUCCESS);
+        m.http_requests.with_label_values(&["/healthz", "GET", "2xx"]).inc();
+        let text = m.render();
+        assert!(text.contains("tally_write_outcomes_total{arm=\"success\",operation=\"deposit\"} 1"));
+        assert!(text.contains("tally_http_requests_total"));
+    }
+}
