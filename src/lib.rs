@@ -5,5 +5,9 @@
 //! index and catch-up), [`write_loop`] (the one write loop and [`verify`]), [`http`] (the
 //! hyper front end) and [`metrics`].
 
+pub mod account;
 pub mod metrics;
+pub mod projection;
 pub mod store;
+pub mod verify;
+pub mod write_loop;

@@ -80,7 +80,11 @@ impl Metrics {
                 &["route"],
                 LATENCY_BUCKETS,
             ),
-            http_in_flight: gauge(r, "tally_http_requests_in_flight", "HTTP requests being served."),
+            http_in_flight: gauge(
+                r,
+                "tally_http_requests_in_flight",
+                "HTTP requests being served.",
+            ),
             http_shed: counter(
                 r,
                 "tally_http_requests_shed_total",
@@ -194,7 +198,9 @@ impl Metrics {
 
     /// Counts one write-loop arm.
     pub fn arm(&self, operation: &str, arm: &str) {
-        self.write_outcomes.with_label_values(&[operation, arm]).inc();
+        self.write_outcomes
+            .with_label_values(&[operation, arm])
+            .inc();
     }
 }
 
@@ -238,8 +244,11 @@ fn histogram_vec(
     labels: &[&str],
     buckets: &[f64],
 ) -> HistogramVec {
-    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets.to_vec()), labels)
-        .expect("valid histogram definition");
+    let h = HistogramVec::new(
+        HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+        labels,
+    )
+    .expect("valid histogram definition");
     r.register(Box::new(h.clone())).expect("unique metric name");
     h
 }
@@ -252,9 +261,13 @@ mod tests {
     fn every_metric_registers_once_and_renders() {
         let m = Metrics::new();
         m.arm("deposit", arm::SUCCESS);
-        m.http_requests.with_label_values(&["/healthz", "GET", "2xx"]).inc();
+        m.http_requests
+            .with_label_values(&["/healthz", "GET", "2xx"])
+            .inc();
         let text = m.render();
-        assert!(text.contains("tally_write_outcomes_total{arm=\"success\",operation=\"deposit\"} 1"));
+        assert!(
+            text.contains("tally_write_outcomes_total{arm=\"success\",operation=\"deposit\"} 1")
+        );
         assert!(text.contains("tally_http_requests_total"));
     }
 }

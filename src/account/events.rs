@@ -1,0 +1,257 @@
+//! Account events and their wire codec, compatible with existing Celeriant account streams:
+//! event type majors 1 `Deposited`, 2 `Withdrawn`, 3 `TransferredOut`, 4 `TransferredIn`
+//! (minor 0), with JSON payloads in PascalCase: `{"AmountCents":100}`, plus `"ToAccountId"`
+//! or `"FromAccountId"` on the transfer legs.
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use super::AccountId;
+use crate::store::EventType;
+
+pub const DEPOSITED: EventType = EventType { major: 1, minor: 0 };
+pub const WITHDRAWN: EventType = EventType { major: 2, minor: 0 };
+pub const TRANSFERRED_OUT: EventType = EventType { major: 3, minor: 0 };
+pub const TRANSFERRED_IN: EventType = EventType { major: 4, minor: 0 };
+
+/// One fact about an account. Amounts are cents.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum AccountEvent {
+    Deposited { amount: i64 },
+    Withdrawn { amount: i64 },
+    TransferredOut { amount: i64, to: AccountId },
+    TransferredIn { amount: i64, from: AccountId },
+}
+
+/// Why an event could not be decoded. The fold stops on it: nothing is silently skipped.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CodecError {
+    #[error("unknown event type {major}.{minor}")]
+    UnknownType { major: u64, minor: u64 },
+    #[error("undecodable {kind} payload: {reason}")]
+    Payload { kind: &'static str, reason: String },
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct AmountPayload {
+    amount_cents: i64,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct OutPayload {
+    amount_cents: i64,
+    to_account_id: Uuid,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct InPayload {
+    amount_cents: i64,
+    from_account_id: Uuid,
+}
+
+impl AccountEvent {
+    pub fn amount(&self) -> i64 {
+        match *self {
+            AccountEvent::Deposited { amount }
+            | AccountEvent::Withdrawn { amount }
+            | AccountEvent::TransferredOut { amount, .. }
+            | AccountEvent::TransferredIn { amount, .. } => amount,
+        }
+    }
+
+    /// Whether this event adds to the balance (a credit) or takes from it (a debit).
+    pub fn is_credit(&self) -> bool {
+        matches!(
+            self,
+            AccountEvent::Deposited { .. } | AccountEvent::TransferredIn { .. }
+        )
+    }
+
+    /// The name used on the wire of the history API.
+    pub fn name(&self) -> &'static str {
+        match self {
+            AccountEvent::Deposited { .. } => "Deposited",
+            AccountEvent::Withdrawn { .. } => "Withdrawn",
+            AccountEvent::TransferredOut { .. } => "TransferredOut",
+            AccountEvent::TransferredIn { .. } => "TransferredIn",
+        }
+    }
+
+    pub fn event_type(&self) -> EventType {
+        match self {
+            AccountEvent::Deposited { .. } => DEPOSITED,
+            AccountEvent::Withdrawn { .. } => WITHDRAWN,
+            AccountEvent::TransferredOut { .. } => TRANSFERRED_OUT,
+            AccountEvent::TransferredIn { .. } => TRANSFERRED_IN,
+        }
+    }
+
+    pub fn encode(&self) -> Bytes {
+        let amount_cents = self.amount();
+        let json = match *self {
+            AccountEvent::Deposited { .. } | AccountEvent::Withdrawn { .. } => {
+                serde_json::to_vec(&AmountPayload { amount_cents })
+            }
+            AccountEvent::TransferredOut { to, .. } => serde_json::to_vec(&OutPayload {
+                amount_cents,
+                to_account_id: to.0,
+            }),
+            AccountEvent::TransferredIn { from, .. } => serde_json::to_vec(&InPayload {
+                amount_cents,
+                from_account_id: from.0,
+            }),
+        };
+        // Serialising these plain structs into a Vec cannot fail.
+        Bytes::from(json.unwrap_or_default())
+    }
+
+    pub fn decode(ty: EventType, payload: &[u8]) -> Result<Self, CodecError> {
+        match (ty.major, ty.minor) {
+            (1, 0) => Ok(AccountEvent::Deposited {
+                amount: decode_amount("Deposited", payload)?,
+            }),
+            (2, 0) => Ok(AccountEvent::Withdrawn {
+                amount: decode_amount("Withdrawn", payload)?,
+            }),
+            (3, 0) => {
+                let p: OutPayload = parse("TransferredOut", payload)?;
+                Ok(AccountEvent::TransferredOut {
+                    amount: p.amount_cents,
+                    to: AccountId(p.to_account_id),
+                })
+            }
+            (4, 0) => {
+                let p: InPayload = parse("TransferredIn", payload)?;
+                Ok(AccountEvent::TransferredIn {
+                    amount: p.amount_cents,
+                    from: AccountId(p.from_account_id),
+                })
+            }
+            (major, minor) => Err(CodecError::UnknownType { major, minor }),
+        }
+    }
+}
+
+fn parse<'a, T: Deserialize<'a>>(kind: &'static str, payload: &'a [u8]) -> Result<T, CodecError> {
+    serde_json::from_slice(payload).map_err(|e| CodecError::Payload {
+        kind,
+        reason: e.to_string(),
+    })
+}
+
+/// The exact bytes every writer of these streams produces for an amount-only payload.
+const AMOUNT_PREFIX: &[u8] = br#"{"AmountCents":"#;
+
+/// Decodes `{"AmountCents":N}`. The canonical compact form, which is what Tally and the
+/// existing services write, is read without a JSON parser (the fold's hot path); any other
+/// spelling of the same object goes through serde.
+fn decode_amount(kind: &'static str, payload: &[u8]) -> Result<i64, CodecError> {
+    if let Some(n) = canonical_amount(payload) {
+        return Ok(n);
+    }
+    parse::<AmountPayload>(kind, payload).map(|p| p.amount_cents)
+}
+
+/// `Some(N)` when `payload` is exactly `{"AmountCents":N}` with N a non-negative decimal of at
+/// most 18 digits and no leading zero (so it fits an i64 and has one spelling).
+fn canonical_amount(payload: &[u8]) -> Option<i64> {
+    let digits = payload.strip_prefix(AMOUNT_PREFIX)?.strip_suffix(b"}")?;
+    if digits.is_empty() || digits.len() > 18 || (digits.len() > 1 && digits[0] == b'0') {
+        return None;
+    }
+    let mut n: i64 = 0;
+    for &d in digits {
+        if !d.is_ascii_digit() {
+            return None;
+        }
+        n = n * 10 + i64::from(d - b'0');
+    }
+    Some(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn acct(n: u128) -> AccountId {
+        AccountId(Uuid::from_u128(n))
+    }
+
+    #[test]
+    fn payloads_match_existing_streams_byte_for_byte() {
+        assert_eq!(
+            &AccountEvent::Deposited { amount: 100 }.encode()[..],
+            br#"{"AmountCents":100}"#
+        );
+        let out = AccountEvent::TransferredOut {
+            amount: 5,
+            to: acct(1),
+        };
+        assert_eq!(
+            &out.encode()[..],
+            br#"{"AmountCents":5,"ToAccountId":"00000000-0000-0000-0000-000000000001"}"#
+        );
+        assert_eq!(out.event_type(), TRANSFERRED_OUT);
+    }
+
+    #[test]
+    fn decoding_accepts_any_json_spelling_of_the_same_object() {
+        let e = AccountEvent::decode(WITHDRAWN, br#"{ "AmountCents" : 42 , "Note": "x" }"#);
+        assert_eq!(e, Ok(AccountEvent::Withdrawn { amount: 42 }));
+        let big = AccountEvent::decode(DEPOSITED, b"{\"AmountCents\":9223372036854775807}");
+        assert_eq!(big, Ok(AccountEvent::Deposited { amount: i64::MAX }));
+    }
+
+    #[test]
+    fn unknown_types_and_bad_payloads_fail_loudly() {
+        assert_eq!(
+            AccountEvent::decode(EventType { major: 9, minor: 0 }, b"{}"),
+            Err(CodecError::UnknownType { major: 9, minor: 0 })
+        );
+        assert!(AccountEvent::decode(EventType { major: 1, minor: 1 }, b"{}").is_err());
+        for bad in [
+            &b"{}"[..],
+            b"{\"AmountCents\":\"7\"}",
+            b"not json",
+            b"{\"AmountCents\":01}",
+        ] {
+            assert!(
+                matches!(
+                    AccountEvent::decode(DEPOSITED, bad),
+                    Err(CodecError::Payload { .. })
+                ),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn every_event_round_trips(amount in 0i64..=i64::MAX, other in any::<u128>(), kind in 0u8..4) {
+            let e = match kind {
+                0 => AccountEvent::Deposited { amount },
+                1 => AccountEvent::Withdrawn { amount },
+                2 => AccountEvent::TransferredOut { amount, to: acct(other) },
+                _ => AccountEvent::TransferredIn { amount, from: acct(other) },
+            };
+            prop_assert_eq!(AccountEvent::decode(e.event_type(), &e.encode()), Ok(e));
+        }
+
+        #[test]
+        fn the_fast_path_agrees_with_serde(payload in proptest::collection::vec(any::<u8>(), 0..24), n in any::<i64>()) {
+            let canonical = format!("{{\"AmountCents\":{n}}}");
+            for p in [payload.as_slice(), canonical.as_bytes()] {
+                let serde = serde_json::from_slice::<AmountPayload>(p).ok().map(|a| a.amount_cents);
+                if let Some(fast) = canonical_amount(p) {
+                    prop_assert_eq!(Some(fast), serde);
+                }
+            }
+        }
+    }
+}

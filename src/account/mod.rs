@@ -1,0 +1,145 @@
+//! The account domain: identities, events and their codec, the fold, and the business rules.
+
+pub mod events;
+pub mod fold;
+pub mod rules;
+
+use std::fmt;
+use std::str::FromStr;
+
+use uuid::Uuid;
+
+use crate::store::{AggregateKey, ClientId};
+
+pub use events::{AccountEvent, CodecError};
+pub use rules::{Operation, RuleError};
+
+/// The namespace every default identity is derived in (UUIDv5 of a name), shared with the
+/// existing account streams so that Tally can take them over.
+pub const IDENTITY_NAMESPACE: Uuid = Uuid::from_u128(0xa1b2c3d4_e5f6_7890_abcd_ef1234567890);
+
+/// The largest amount one operation may move, in cents. Existing account streams decode
+/// `AmountCents` as a 32-bit integer, so anything larger would poison their readers.
+pub const MAX_AMOUNT_CENTS: i64 = i32::MAX as i64;
+
+/// UUIDv5 of `name` in [`IDENTITY_NAMESPACE`].
+pub fn named_id(name: &str) -> Uuid {
+    Uuid::new_v5(&IDENTITY_NAMESPACE, name.as_bytes())
+}
+
+/// An account id: the aggregate id of the account's stream.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AccountId(pub Uuid);
+
+impl AccountId {
+    pub fn as_u128(self) -> u128 {
+        self.0.as_u128()
+    }
+}
+
+impl fmt::Display for AccountId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.hyphenated().fmt(f)
+    }
+}
+
+impl fmt::Debug for AccountId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl FromStr for AccountId {
+    type Err = uuid::Error;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Uuid::parse_str(s).map(AccountId)
+    }
+}
+
+/// A positive amount of cents, at most [`MAX_AMOUNT_CENTS`]. Parsed at the edge; the rest of
+/// Tally never sees an invalid amount.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
+pub struct AmountCents(i64);
+
+impl AmountCents {
+    pub fn new(cents: i64) -> Result<Self, RuleError> {
+        if cents <= 0 {
+            return Err(RuleError::Validation(format!(
+                "amountCents must be positive, got {cents}"
+            )));
+        }
+        if cents > MAX_AMOUNT_CENTS {
+            return Err(RuleError::Validation(format!(
+                "amountCents must be at most {MAX_AMOUNT_CENTS}, got {cents}"
+            )));
+        }
+        Ok(Self(cents))
+    }
+
+    pub fn get(self) -> i64 {
+        self.0
+    }
+}
+
+/// Who Tally is on the store: the org, the aggregate type of accounts, and the service's
+/// client id (one per service, shared by every replica; never per replica or per request).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Identity {
+    pub org_id: Uuid,
+    pub account_type_id: Uuid,
+    pub client_id: Uuid,
+}
+
+impl Identity {
+    pub const DEFAULT_ORG: &'static str = "DemoOrg";
+    pub const DEFAULT_ACCOUNT_TYPE: &'static str = "Account";
+    pub const DEFAULT_CLIENT: &'static str = "Tally";
+    /// The client id name of the existing reference account service, for joining its fleet.
+    pub const REFERENCE_SERVICE_CLIENT: &'static str = "ReferenceApiService";
+
+    pub fn client(&self) -> ClientId {
+        self.client_id.as_u128()
+    }
+
+    pub fn key(&self, account: AccountId) -> AggregateKey {
+        AggregateKey {
+            org_id: self.org_id.as_u128(),
+            aggregate_type_id: self.account_type_id.as_u128(),
+            aggregate_id: account.as_u128(),
+        }
+    }
+}
+
+impl Default for Identity {
+    fn default() -> Self {
+        Self {
+            org_id: named_id(Self::DEFAULT_ORG),
+            account_type_id: named_id(Self::DEFAULT_ACCOUNT_TYPE),
+            client_id: named_id(Self::DEFAULT_CLIENT),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn amounts_are_positive_and_bounded() {
+        assert!(AmountCents::new(0).is_err());
+        assert!(AmountCents::new(-5).is_err());
+        assert!(AmountCents::new(MAX_AMOUNT_CENTS + 1).is_err());
+        assert_eq!(
+            AmountCents::new(MAX_AMOUNT_CENTS).unwrap().get(),
+            MAX_AMOUNT_CENTS
+        );
+    }
+
+    #[test]
+    fn default_identity_uses_the_names_of_existing_streams() {
+        let id = Identity::default();
+        assert_eq!(id.org_id, Uuid::new_v5(&IDENTITY_NAMESPACE, b"DemoOrg"));
+        assert_ne!(id.client_id, named_id(Identity::REFERENCE_SERVICE_CLIENT));
+        assert_eq!(id.key(AccountId(Uuid::nil())).aggregate_id, 0);
+    }
+}
