@@ -2,10 +2,13 @@
 //!
 //! Layers, bottom up: [`store`] (the event-log port and its backends), [`account`] (events,
 //! codec, fold and business rules), [`projection`] (per-account state, the recent-writes
-//! index and catch-up), [`write_loop`] (the one write loop and [`verify`]), [`http`] (the
-//! hyper front end) and [`metrics`].
+//! index and catch-up), [`write_loop`] (the one write loop, with [`verify`] for contested
+//! sequences), [`http`] (the hyper front end), [`app`] (wiring), [`config`] and [`metrics`].
 
 pub mod account;
+pub mod app;
+pub mod config;
+pub mod http;
 pub mod metrics;
 pub mod projection;
 pub mod store;

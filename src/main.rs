@@ -1,1 +1,85 @@
-fn main() {}
+//! `tally`: serve the account API. Thin: configuration, tracing, serve, graceful shutdown.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use tally::app::App;
+use tally::config::{Config, LogFormat};
+use tracing_subscriber::EnvFilter;
+
+fn main() -> ExitCode {
+    let config = Config::parse();
+    if let Err(e) = config.validate() {
+        eprintln!("tally: {e}");
+        return ExitCode::from(2);
+    }
+    init_tracing(config.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("tally: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(run(config))
+}
+
+async fn run(config: Config) -> ExitCode {
+    let listen = config.listen;
+    let app = match App::builder(config).build().await {
+        Ok(app) => app,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start");
+            return ExitCode::FAILURE;
+        }
+    };
+    let listener = match tokio::net::TcpListener::bind(listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(error = %e, %listen, "cannot listen");
+            return ExitCode::FAILURE;
+        }
+    };
+    let addr = listener.local_addr().map_or(listen, |a| a);
+    tracing::info!(
+        %addr,
+        store = ?app.config.store,
+        window_secs = app.config.idempotency_window,
+        client_id = %app.identity.client_id,
+        "tally listening"
+    );
+    tally::http::serve(app, listener, shutdown_signal()).await;
+    tracing::info!("stopped");
+    ExitCode::SUCCESS
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Human => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}

@@ -17,6 +17,7 @@
 
 pub mod faults;
 pub mod memory;
+pub mod metered;
 
 use std::fmt;
 use std::sync::Arc;

@@ -1,0 +1,193 @@
+//! One running Tally instance: its store, fold, write service and metrics, wired from the
+//! configuration. Tests build several over one shared store to form a fleet in one process.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+
+use crate::account::{AccountEvent, AccountId, Identity};
+use crate::config::{Config, ConfigError, DEMO_ACCOUNTS, StoreKind, demo_account_id};
+use crate::metrics::Metrics;
+use crate::projection::{Clock, MonotonicClock, Projection};
+use crate::store::faults::{FaultConfig, FaultyLog};
+use crate::store::memory::MemoryLog;
+use crate::store::metered::MeteredLog;
+use crate::store::{AggregateWrite, Event, SharedLog, StoreError};
+use crate::write_loop::WriteService;
+
+/// How often resident accounts are swept for expired index entries and idle accounts.
+const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
+/// The client sequence of a demo account's opening deposit: its stream's first own event.
+const SEED_CLIENT_SEQ: u64 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("could not connect to the store: {0}")]
+    Store(String),
+    #[error("could not seed demo accounts: {0}")]
+    Seed(StoreError),
+}
+
+pub struct App {
+    pub config: Config,
+    pub identity: Identity,
+    pub metrics: Arc<Metrics>,
+    /// The store as the rest of Tally sees it (metered, and fault-injected when asked).
+    pub log: SharedLog,
+    pub faults: Option<Arc<FaultyLog>>,
+    pub projection: Arc<Projection>,
+    pub writes: Arc<WriteService>,
+    pub(crate) limiter: Arc<Semaphore>,
+    shutting_down: AtomicBool,
+    sweeper: JoinHandle<()>,
+}
+
+/// Builds an [`App`]; the store and clock can be supplied (tests, in-process fleets).
+pub struct AppBuilder {
+    config: Config,
+    store: Option<SharedLog>,
+    clock: Option<Arc<dyn Clock>>,
+}
+
+impl AppBuilder {
+    /// Use this store instead of the one the configuration names.
+    pub fn store(mut self, log: SharedLog) -> Self {
+        self.store = Some(log);
+        self
+    }
+
+    /// Use this clock for index lifetimes instead of the process's monotonic clock.
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = Some(clock);
+        self
+    }
+
+    pub async fn build(self) -> Result<Arc<App>, StartError> {
+        let config = self.config;
+        config.validate()?;
+        let identity = config.identity();
+        let metrics = Arc::new(Metrics::new());
+        let base: SharedLog = match self.store {
+            Some(log) => log,
+            None => open_store(&config).await?,
+        };
+        let (inner, faults): (SharedLog, _) = match &config.faults {
+            Some(spec) => {
+                let fc = FaultConfig::parse(spec).map_err(|e| ConfigError(e.to_string()))?;
+                tracing::warn!(spec = %spec, "FAULT INJECTION IS ON: the store will lose acks, drop requests and lag reads on purpose");
+                let f = Arc::new(FaultyLog::new(base, fc));
+                (f.clone(), Some(f))
+            }
+            None => (base, None),
+        };
+        let log: SharedLog = Arc::new(MeteredLog::new(inner, metrics.clone()));
+        let clock = self
+            .clock
+            .unwrap_or_else(|| Arc::new(MonotonicClock::new()));
+        let projection = Arc::new(Projection::new(
+            log.clone(),
+            identity,
+            config.projection(),
+            clock,
+            metrics.clone(),
+        ));
+        let writes = Arc::new(WriteService::new(projection.clone(), config.write()));
+        if config.seeds_demo_accounts() {
+            seed_demo_accounts(&log, &identity).await?;
+        }
+        let sweeper = tokio::spawn(
+            projection
+                .clone()
+                .run_sweeper(SWEEP_INTERVAL, std::future::pending()),
+        );
+        Ok(Arc::new(App {
+            limiter: Arc::new(Semaphore::new(config.max_concurrent_requests)),
+            config,
+            identity,
+            metrics,
+            log,
+            faults,
+            projection,
+            writes,
+            shutting_down: AtomicBool::new(false),
+            sweeper,
+        }))
+    }
+}
+
+impl App {
+    pub fn builder(config: Config) -> AppBuilder {
+        AppBuilder {
+            config,
+            store: None,
+            clock: None,
+        }
+    }
+
+    /// The demo accounts this instance serves in `GET /api/accounts`.
+    pub fn demo_accounts(&self) -> Vec<(AccountId, &'static str)> {
+        if !self.config.seeds_demo_accounts() {
+            return Vec::new();
+        }
+        DEMO_ACCOUNTS
+            .iter()
+            .map(|(name, _)| (AccountId(demo_account_id(name)), *name))
+            .collect()
+    }
+
+    pub fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for App {
+    fn drop(&mut self) {
+        self.sweeper.abort();
+    }
+}
+
+async fn open_store(config: &Config) -> Result<SharedLog, StartError> {
+    match config.store {
+        StoreKind::Memory => Ok(Arc::new(MemoryLog::new())),
+        StoreKind::Celeriant => Err(StartError::Store(
+            "this build has no Celeriant adapter".into(),
+        )),
+    }
+}
+
+/// Seeds each demo account with its opening deposit, create-only (expected version 0), so a
+/// fleet of replicas seeds each account exactly once.
+async fn seed_demo_accounts(log: &SharedLog, identity: &Identity) -> Result<(), StartError> {
+    for (name, cents) in DEMO_ACCOUNTS {
+        let account = AccountId(demo_account_id(name));
+        let event = AccountEvent::Deposited { amount: cents };
+        let write = AggregateWrite {
+            key: identity.key(account),
+            events: vec![Event {
+                client_seq: SEED_CLIENT_SEQ,
+                event_id: Some(demo_account_id(&format!("seed:{name}")).as_u128()),
+                event_type: event.event_type(),
+                payload: event.encode(),
+                timestamp_ms: 0,
+            }],
+            expected_version: Some(0),
+            allow_create: true,
+            enforce_client_idempotency: true,
+        };
+        match log.write(identity.client(), vec![write]).await {
+            // Already there (a sibling replica, or an earlier run on a durable store).
+            Ok(_) | Err(StoreError::Conflict { .. } | StoreError::IdempotencyViolation { .. }) => {}
+            Err(e) => return Err(StartError::Seed(e)),
+        }
+    }
+    Ok(())
+}

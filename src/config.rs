@@ -1,0 +1,221 @@
+//! One typed configuration, from flags and environment, validated at start.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use uuid::Uuid;
+
+use crate::account::{Identity, named_id};
+use crate::projection::{DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_RESIDENT_ACCOUNTS, ProjectionConfig};
+use crate::store::faults::FaultConfig;
+use crate::write_loop::{DEFAULT_DEADLINE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BATCH_EVENTS, WriteConfig};
+
+/// The longest idempotency window accepted, in seconds (one day).
+pub const MAX_WINDOW_SECS: u64 = 86_400;
+/// The most requests served at once, unless configured; beyond it requests get 503 at once.
+pub const DEFAULT_MAX_CONCURRENT_REQUESTS: usize = 1024;
+/// How long shutdown waits for in-flight requests, unless configured.
+pub const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 10;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum StoreKind {
+    /// The embedded in-process store: for development and tests; keeps nothing across restarts.
+    Memory,
+    /// A Celeriant cluster: the durable store every replica shares.
+    Celeriant,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Human,
+    Json,
+}
+
+/// Tally: idempotent account writes over the Celeriant event store.
+#[derive(Clone, Debug, Parser)]
+#[command(name = "tally", version, about)]
+pub struct Config {
+    /// Address to serve HTTP on.
+    #[arg(long, env = "TALLY_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+
+    /// Event store backend.
+    #[arg(long, env = "TALLY_STORE", value_enum, default_value_t = StoreKind::Memory)]
+    pub store: StoreKind,
+
+    /// How long a write's response can be replayed for a retry with the same Idempotency-Key,
+    /// in seconds. A stated API property: sent on every write response.
+    #[arg(long, env = "TALLY_IDEMPOTENCY_WINDOW", default_value_t = 90)]
+    pub idempotency_window: u64,
+
+    /// The service's Celeriant client id (a UUID). One id for the whole service, shared by
+    /// every replica; never per replica or per request. Default: UUIDv5 of "Tally".
+    #[arg(long, env = "TALLY_CLIENT_ID")]
+    pub client_id: Option<Uuid>,
+
+    /// The Celeriant org id (a UUID). Default: UUIDv5 of "DemoOrg".
+    #[arg(long, env = "TALLY_ORG_ID")]
+    pub org_id: Option<Uuid>,
+
+    /// The aggregate type id of accounts (a UUID). Default: UUIDv5 of "Account".
+    #[arg(long, env = "TALLY_ACCOUNT_TYPE_ID")]
+    pub account_type_id: Option<Uuid>,
+
+    /// Seed the demo accounts (Alice, Bob, Charlie) at start, create-only. Default: true on
+    /// the memory store, false on Celeriant.
+    #[arg(long, env = "TALLY_SEED_DEMO_ACCOUNTS")]
+    pub seed_demo_accounts: Option<bool>,
+
+    /// Wrap the store in the fault injector, for demos and black-box tests, e.g.
+    /// `lost-ack=0.1,lost-request=0.05,refused=0.05,inflight=0.1,read-lag=0.2,seed=7`.
+    #[arg(long, env = "TALLY_FAULTS")]
+    pub faults: Option<String>,
+
+    /// Requests served at once; beyond it, 503 at once.
+    #[arg(long, env = "TALLY_MAX_CONCURRENT_REQUESTS", default_value_t = DEFAULT_MAX_CONCURRENT_REQUESTS)]
+    pub max_concurrent_requests: usize,
+
+    /// How long one write may spend retrying before it answers a retryable 409, in ms.
+    #[arg(long, env = "TALLY_WRITE_DEADLINE_MS", default_value_t = DEFAULT_DEADLINE.as_millis() as u64)]
+    pub write_deadline_ms: u64,
+
+    /// Store writes one request may make before it answers a retryable 409.
+    #[arg(long, env = "TALLY_WRITE_MAX_ATTEMPTS", default_value_t = DEFAULT_MAX_ATTEMPTS)]
+    pub write_max_attempts: u32,
+
+    /// Write at the local cursor first on a warm account (one store round trip), catching up
+    /// only when the version guard says the fold was stale.
+    #[arg(long, env = "TALLY_ONE_ROUND_TRIP", default_value_t = true, action = clap::ArgAction::Set)]
+    pub one_round_trip: bool,
+
+    /// Batch single-account writes that queue on one account into one store write.
+    #[arg(long, env = "TALLY_BATCHING", default_value_t = true, action = clap::ArgAction::Set)]
+    pub batching: bool,
+
+    /// The most operations written together in one batch.
+    #[arg(long, env = "TALLY_MAX_BATCH_EVENTS", default_value_t = DEFAULT_MAX_BATCH_EVENTS)]
+    pub max_batch_events: usize,
+
+    /// Most accounts kept folded in memory; the least recently used beyond it are dropped.
+    #[arg(long, env = "TALLY_MAX_RESIDENT_ACCOUNTS", default_value_t = DEFAULT_MAX_RESIDENT_ACCOUNTS)]
+    pub max_resident_accounts: usize,
+
+    /// Drop an account from memory after this many idle seconds.
+    #[arg(long, env = "TALLY_IDLE_TIMEOUT_SECS", default_value_t = DEFAULT_IDLE_TIMEOUT.as_secs())]
+    pub idle_timeout_secs: u64,
+
+    /// How long shutdown waits for in-flight requests, in seconds.
+    #[arg(long, env = "TALLY_SHUTDOWN_GRACE_SECS", default_value_t = DEFAULT_SHUTDOWN_GRACE_SECS)]
+    pub shutdown_grace_secs: u64,
+
+    /// Log format; the level comes from RUST_LOG (default info).
+    #[arg(long, env = "TALLY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Human)]
+    pub log_format: LogFormat,
+}
+
+/// A configuration that cannot run.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid configuration: {0}")]
+pub struct ConfigError(pub String);
+
+impl Config {
+    /// A configuration with every default, for tests and embedding.
+    pub fn defaults() -> Self {
+        Self::parse_from(["tally"])
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(1..=MAX_WINDOW_SECS).contains(&self.idempotency_window) {
+            return Err(ConfigError(format!(
+                "--idempotency-window must be 1..={MAX_WINDOW_SECS} seconds"
+            )));
+        }
+        if self.max_concurrent_requests == 0 {
+            return Err(ConfigError("--max-concurrent-requests must be positive".into()));
+        }
+        if self.write_max_attempts == 0 || self.write_deadline_ms == 0 {
+            return Err(ConfigError(
+                "--write-max-attempts and --write-deadline-ms must be positive".into(),
+            ));
+        }
+        if self.max_batch_events == 0 || self.max_resident_accounts == 0 {
+            return Err(ConfigError(
+                "--max-batch-events and --max-resident-accounts must be positive".into(),
+            ));
+        }
+        if let Some(spec) = &self.faults {
+            FaultConfig::parse(spec).map_err(|e| ConfigError(format!("--faults: {e}")))?;
+        }
+        Ok(())
+    }
+
+    pub fn identity(&self) -> Identity {
+        let d = Identity::default();
+        Identity {
+            org_id: self.org_id.unwrap_or(d.org_id),
+            account_type_id: self.account_type_id.unwrap_or(d.account_type_id),
+            client_id: self.client_id.unwrap_or(d.client_id),
+        }
+    }
+
+    pub fn seeds_demo_accounts(&self) -> bool {
+        self.seed_demo_accounts
+            .unwrap_or(self.store == StoreKind::Memory)
+    }
+
+    pub fn window(&self) -> Duration {
+        Duration::from_secs(self.idempotency_window)
+    }
+
+    pub fn projection(&self) -> ProjectionConfig {
+        ProjectionConfig {
+            window: self.window(),
+            max_resident_accounts: self.max_resident_accounts,
+            idle_timeout: Duration::from_secs(self.idle_timeout_secs),
+        }
+    }
+
+    pub fn write(&self) -> WriteConfig {
+        WriteConfig {
+            max_attempts: self.write_max_attempts,
+            deadline: Duration::from_millis(self.write_deadline_ms),
+            one_round_trip: self.one_round_trip,
+            batching: self.batching,
+            max_batch_events: self.max_batch_events,
+        }
+    }
+}
+
+/// The demo accounts seeded on the embedded store: (name, opening balance in cents). Their
+/// ids are UUIDv5 of the name, in the shared identity namespace.
+pub const DEMO_ACCOUNTS: [(&str, i64); 3] = [("Alice", 50_000), ("Bob", 25_000), ("Charlie", 10_000)];
+
+/// The id of a demo account.
+pub fn demo_account_id(name: &str) -> Uuid {
+    named_id(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_name_the_service() {
+        let c = Config::defaults();
+        c.validate().unwrap();
+        assert_eq!(c.identity().client_id, named_id("Tally"));
+        assert!(c.seeds_demo_accounts());
+        assert_eq!(c.listen.to_string(), "127.0.0.1:8080");
+    }
+
+    #[test]
+    fn out_of_range_settings_are_refused() {
+        let c = Config::parse_from(["tally", "--idempotency-window", "0"]);
+        assert!(c.validate().is_err());
+        let c = Config::parse_from(["tally", "--faults", "lost-ack=2"]);
+        assert!(c.validate().is_err());
+        let c = Config::parse_from(["tally", "--store", "celeriant"]);
+        assert!(!c.seeds_demo_accounts());
+    }
+}

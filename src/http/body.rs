@@ -1,0 +1,105 @@
+//! JSON in and out: content-type and size checks, decoding that tells malformed JSON (400)
+//! from a well-formed body with wrong fields or types (422).
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
+use hyper::{Request, Response, StatusCode};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::error::ApiError;
+
+/// The largest request body accepted. Tally's bodies are tiny; this is generous.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+pub type Resp = Response<Full<Bytes>>;
+
+pub fn json_response(status: StatusCode, body: &impl Serialize) -> Resp {
+    // Serialising our own response types into a Vec cannot fail.
+    let bytes = serde_json::to_vec(body).unwrap_or_default();
+    let mut resp = Response::new(Full::new(Bytes::from(bytes)));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+pub fn text_response(status: StatusCode, content_type: &'static str, body: String) -> Resp {
+    let mut resp = Response::new(Full::new(Bytes::from(body)));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    resp
+}
+
+/// Reads and decodes a JSON body of at most [`MAX_BODY_BYTES`].
+pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, ApiError> {
+    let is_json = req
+        .headers()
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|mime| mime.trim().eq_ignore_ascii_case("application/json"));
+    if !is_json {
+        return Err(ApiError::UnsupportedMediaType);
+    }
+    let declared = req
+        .headers()
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        return Err(ApiError::PayloadTooLarge {
+            limit: MAX_BODY_BYTES,
+        });
+    }
+    let bytes = Limited::new(req.into_body(), MAX_BODY_BYTES)
+        .collect()
+        .await
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                ApiError::PayloadTooLarge {
+                    limit: MAX_BODY_BYTES,
+                }
+            } else {
+                ApiError::bad_request("BAD_REQUEST", format!("could not read the body: {e}"))
+            }
+        })?
+        .to_bytes();
+    decode_json(&bytes)
+}
+
+/// Malformed JSON is a 400; valid JSON of the wrong shape (unknown field, wrong type, missing
+/// field) is a 422.
+pub fn decode_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(bytes).map_err(|e| match e.classify() {
+        serde_json::error::Category::Data => ApiError::Validation(e.to_string()),
+        _ => ApiError::bad_request("INVALID_JSON", format!("malformed JSON: {e}")),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(serde::Deserialize, Debug)]
+    #[serde(deny_unknown_fields, rename_all = "camelCase")]
+    struct Amount {
+        #[allow(dead_code)]
+        amount_cents: i64,
+    }
+
+    #[test]
+    fn malformed_json_is_400_and_wrong_shape_is_422() {
+        let status = |b: &[u8]| decode_json::<Amount>(b).unwrap_err().status().as_u16();
+        assert_eq!(status(b"{"), 400);
+        assert_eq!(status(b"not json"), 400);
+        assert_eq!(status(br#"{"amountCents":"7"}"#), 422);
+        assert_eq!(status(br#"{"amountCents":7,"x":1}"#), 422);
+        assert_eq!(status(br#"{"amountCents":1.5}"#), 422);
+        assert_eq!(status(br#"{}"#), 422);
+        assert!(decode_json::<Amount>(br#"{"amountCents":7}"#).is_ok());
+    }
+}

@@ -1,0 +1,211 @@
+//! Every error the API answers, and the one place it becomes a status, a JSON body
+//! `{"error":"CODE","message":"..."}` and headers.
+
+use hyper::StatusCode;
+use hyper::header::{ALLOW, HeaderValue, RETRY_AFTER};
+use serde_json::json;
+use uuid::Uuid;
+
+use super::body::{Resp, json_response};
+use crate::account::RuleError;
+use crate::projection::ProjectionError;
+use crate::store::StoreError;
+use crate::write_loop::WriteError;
+
+/// Seconds a client should wait before retrying a retryable error.
+const RETRY_AFTER_SECS: &str = "1";
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ApiError {
+    #[error("{message}")]
+    BadRequest { code: &'static str, message: String },
+    #[error("request body exceeds {limit} bytes")]
+    PayloadTooLarge { limit: usize },
+    #[error("no route for {path}")]
+    NotFound { path: String },
+    #[error("method not allowed; allowed: {allow}")]
+    MethodNotAllowed { allow: &'static str },
+    #[error("content type must be application/json")]
+    UnsupportedMediaType,
+    #[error("{0}")]
+    Validation(String),
+    #[error("insufficient funds")]
+    InsufficientFunds { balance: i64 },
+    #[error("this Idempotency-Key was already used for a different operation or payload")]
+    KeyReused,
+    /// Retryable: the write gave up or could not be verified. Nothing is known to be wrong
+    /// with the request.
+    #[error("{0}")]
+    Conflict(String),
+    /// Retryable: the store is unreachable, the replica is not ready, or it is shedding load.
+    #[error("{0}")]
+    Unavailable(String),
+    /// A bug, a poisoned stream, or a configuration the operator must fix.
+    #[error("{message}")]
+    Internal { code: &'static str, message: String },
+}
+
+impl ApiError {
+    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+        ApiError::BadRequest {
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
+            ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::Validation(_) | ApiError::InsufficientFunds { .. } | ApiError::KeyReused => {
+                StatusCode::UNPROCESSABLE_ENTITY
+            }
+            ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    pub fn code(&self) -> &'static str {
+        match self {
+            ApiError::BadRequest { code, .. } | ApiError::Internal { code, .. } => code,
+            ApiError::PayloadTooLarge { .. } => "PAYLOAD_TOO_LARGE",
+            ApiError::NotFound { .. } => "NOT_FOUND",
+            ApiError::MethodNotAllowed { .. } => "METHOD_NOT_ALLOWED",
+            ApiError::UnsupportedMediaType => "UNSUPPORTED_MEDIA_TYPE",
+            ApiError::Validation(_) => "VALIDATION_ERROR",
+            ApiError::InsufficientFunds { .. } => "INSUFFICIENT_FUNDS",
+            ApiError::KeyReused => "IDEMPOTENCY_KEY_REUSED",
+            ApiError::Conflict(_) => "CONFLICT",
+            ApiError::Unavailable(_) => "SERVICE_UNAVAILABLE",
+        }
+    }
+
+    /// The response. A 500 carries an error id, logged here with the cause.
+    pub fn into_response(self) -> Resp {
+        let status = self.status();
+        let mut body = json!({ "error": self.code(), "message": self.to_string() });
+        if let ApiError::InsufficientFunds { balance } = &self {
+            body["balanceCents"] = json!(balance);
+        }
+        if status == StatusCode::INTERNAL_SERVER_ERROR {
+            let error_id = Uuid::new_v4();
+            tracing::error!(%error_id, code = self.code(), message = %self, "request failed");
+            body["errorId"] = json!(error_id.to_string());
+        }
+        let mut resp = json_response(status, &body);
+        let headers = resp.headers_mut();
+        match &self {
+            ApiError::MethodNotAllowed { allow } => {
+                headers.insert(ALLOW, HeaderValue::from_static(allow));
+            }
+            ApiError::Conflict(_) | ApiError::Unavailable(_) => {
+                headers.insert(RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
+            }
+            _ => {}
+        }
+        resp
+    }
+}
+
+impl From<RuleError> for ApiError {
+    fn from(e: RuleError) -> Self {
+        match e {
+            RuleError::InsufficientFunds { balance } => ApiError::InsufficientFunds { balance },
+            RuleError::Validation(_) | RuleError::Overflow => ApiError::Validation(e.to_string()),
+        }
+    }
+}
+
+impl From<ProjectionError> for ApiError {
+    fn from(e: ProjectionError) -> Self {
+        match e {
+            ProjectionError::Poisoned { .. } => ApiError::Internal {
+                code: "ACCOUNT_UNREADABLE",
+                message: e.to_string(),
+            },
+            ProjectionError::Trimmed { .. } => ApiError::Internal {
+                code: "ACCOUNT_TRIMMED",
+                message: e.to_string(),
+            },
+            ProjectionError::Store(s) => s.into(),
+        }
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::CrossShard => ApiError::Internal {
+                code: "CROSS_SHARD",
+                message: WriteError::CrossShard.to_string(),
+            },
+            other => ApiError::Unavailable(format!("the event store did not answer: {other}")),
+        }
+    }
+}
+
+impl From<WriteError> for ApiError {
+    fn from(e: WriteError) -> Self {
+        match e {
+            WriteError::Rule(r) => r.into(),
+            WriteError::KeyReused => ApiError::KeyReused,
+            WriteError::Unverifiable { .. } | WriteError::GaveUp { .. } => {
+                ApiError::Conflict(e.to_string())
+            }
+            WriteError::Account(p) => p.into(),
+            WriteError::CrossShard => StoreError::CrossShard.into(),
+            WriteError::Store(s) => s.into(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_write_error_maps_to_one_status() {
+        let cases = [
+            (WriteError::KeyReused, 422),
+            (
+                WriteError::Rule(RuleError::InsufficientFunds { balance: 3 }),
+                422,
+            ),
+            (
+                WriteError::Unverifiable {
+                    reason: "x".into(),
+                },
+                409,
+            ),
+            (
+                WriteError::GaveUp {
+                    attempts: 3,
+                    last: "x".into(),
+                },
+                409,
+            ),
+            (WriteError::CrossShard, 500),
+            (
+                WriteError::Store(StoreError::NotApplied {
+                    reason: "down".into(),
+                }),
+                503,
+            ),
+        ];
+        for (e, status) in cases {
+            assert_eq!(ApiError::from(e.clone()).status().as_u16(), status, "{e:?}");
+        }
+    }
+
+    #[test]
+    fn retryable_errors_say_when_to_retry() {
+        let r = ApiError::Conflict("x".into()).into_response();
+        assert_eq!(r.headers()[RETRY_AFTER], "1");
+        let r = ApiError::MethodNotAllowed { allow: "GET" }.into_response();
+        assert_eq!(r.headers()[ALLOW], "GET");
+    }
+}

@@ -1,0 +1,138 @@
+//! The hyper front end: accept loop, per-request limits, metrics and access logs, and
+//! graceful shutdown.
+
+pub mod body;
+pub mod error;
+pub mod idempotency;
+pub mod routes;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tracing::Instrument;
+
+use crate::app::App;
+use body::Resp;
+use error::ApiError;
+use routes::Route;
+
+/// How long a client may take to send a request's headers.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Pause after a failed accept (for example out of file descriptors) before trying again.
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
+
+/// Serves `app` on `listener` until `shutdown` resolves, then stops accepting, lets in-flight
+/// requests finish within the configured grace period, and returns.
+pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<Output = ()>) {
+    let graceful = GracefulShutdown::new();
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT);
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let stream = match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let app = app.clone();
+                let svc = service_fn(move |req| {
+                    let app = app.clone();
+                    async move { Ok::<_, Infallible>(handle(app, req).await) }
+                });
+                let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc));
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!(error = %e, "connection ended with an error");
+                    }
+                });
+            }
+            _ = &mut shutdown => break,
+        }
+    }
+    app.begin_shutdown();
+    drop(listener);
+    let grace = Duration::from_secs(app.config.shutdown_grace_secs);
+    tracing::info!(grace_secs = grace.as_secs(), "shutting down: draining in-flight requests");
+    tokio::select! {
+        _ = graceful.shutdown() => tracing::info!("all connections closed"),
+        _ = tokio::time::sleep(grace) => tracing::warn!("grace period over; closing remaining connections"),
+    }
+}
+
+/// One request: route, limit, dispatch, then count and log it.
+pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
+    let started = Instant::now();
+    let method = routes::method_label(req.method());
+    let routed = Route::resolve(req.method(), req.uri().path());
+    let template = routed.as_ref().map_or("unmatched", Route::template);
+    let span = tracing::info_span!("request", method, route = template);
+    let m = &app.metrics;
+    m.http_in_flight.inc();
+    let resp = async {
+        let route = routed?;
+        let _permit = if route.is_api() {
+            match app.limiter.clone().try_acquire_owned() {
+                Ok(p) => Some(p),
+                Err(_) => {
+                    app.metrics.http_shed.inc();
+                    return Err(ApiError::Unavailable(
+                        "too many requests in flight; retry shortly".into(),
+                    ));
+                }
+            }
+        } else {
+            None
+        };
+        match tokio::time::timeout(routes::request_deadline(&app), routes::dispatch(&app, route, req)).await {
+            Ok(result) => result,
+            Err(_) => Err(ApiError::Unavailable("the request took too long; retry it".into())),
+        }
+    }
+    .instrument(span.clone())
+    .await;
+    let resp = routes::finish(resp);
+    m.http_in_flight.dec();
+    let status = resp.status();
+    m.http_requests
+        .with_label_values(&[template, method, status_class(status)])
+        .inc();
+    let elapsed = started.elapsed();
+    m.http_duration
+        .with_label_values(&[template])
+        .observe(elapsed.as_secs_f64());
+    span.in_scope(|| {
+        tracing::info!(
+            status = status.as_u16(),
+            latency_us = elapsed.as_micros() as u64,
+            "served"
+        )
+    });
+    resp
+}
+
+fn status_class(s: StatusCode) -> &'static str {
+    match s.as_u16() {
+        100..=199 => "1xx",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        _ => "5xx",
+    }
+}
