@@ -9,7 +9,9 @@ use uuid::Uuid;
 use crate::account::{Identity, named_id};
 use crate::projection::{DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_RESIDENT_ACCOUNTS, ProjectionConfig};
 use crate::store::faults::FaultConfig;
-use crate::write_loop::{DEFAULT_DEADLINE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BATCH_EVENTS, WriteConfig};
+use crate::write_loop::{
+    DEFAULT_DEADLINE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BATCH_EVENTS, WriteConfig,
+};
 
 /// The longest idempotency window accepted, in seconds (one day).
 pub const MAX_WINDOW_SECS: u64 = 86_400;
@@ -132,7 +134,9 @@ impl Config {
             )));
         }
         if self.max_concurrent_requests == 0 {
-            return Err(ConfigError("--max-concurrent-requests must be positive".into()));
+            return Err(ConfigError(
+                "--max-concurrent-requests must be positive".into(),
+            ));
         }
         if self.write_max_attempts == 0 || self.write_deadline_ms == 0 {
             return Err(ConfigError(
@@ -189,7 +193,8 @@ impl Config {
 
 /// The demo accounts seeded on the embedded store: (name, opening balance in cents). Their
 /// ids are UUIDv5 of the name, in the shared identity namespace.
-pub const DEMO_ACCOUNTS: [(&str, i64); 3] = [("Alice", 50_000), ("Bob", 25_000), ("Charlie", 10_000)];
+pub const DEMO_ACCOUNTS: [(&str, i64); 3] =
+    [("Alice", 50_000), ("Bob", 25_000), ("Charlie", 10_000)];
 
 /// The id of a demo account.
 pub fn demo_account_id(name: &str) -> Uuid {

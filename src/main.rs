@@ -14,7 +14,10 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     init_tracing(config.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("tally: cannot start the runtime: {e}");

@@ -175,12 +175,7 @@ mod tests {
                 WriteError::Rule(RuleError::InsufficientFunds { balance: 3 }),
                 422,
             ),
-            (
-                WriteError::Unverifiable {
-                    reason: "x".into(),
-                },
-                409,
-            ),
+            (WriteError::Unverifiable { reason: "x".into() }, 409),
             (
                 WriteError::GaveUp {
                     attempts: 3,

@@ -121,7 +121,10 @@ mod tests {
         let b = IdempotencyKey::parse("\"order-42\"").unwrap();
         assert_eq!(a.event_id, b.event_id);
         assert_eq!(a.event_id, Uuid::new_v5(&KEY_NAMESPACE, b"order-42"));
-        assert_ne!(a.event_id, IdempotencyKey::parse("order-43").unwrap().event_id);
+        assert_ne!(
+            a.event_id,
+            IdempotencyKey::parse("order-43").unwrap().event_id
+        );
         assert_eq!(
             IdempotencyKey::parse(r#""a \"b\" c""#).unwrap().key,
             r#"a "b" c"#

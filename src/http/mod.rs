@@ -69,7 +69,10 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
     app.begin_shutdown();
     drop(listener);
     let grace = Duration::from_secs(app.config.shutdown_grace_secs);
-    tracing::info!(grace_secs = grace.as_secs(), "shutting down: draining in-flight requests");
+    tracing::info!(
+        grace_secs = grace.as_secs(),
+        "shutting down: draining in-flight requests"
+    );
     tokio::select! {
         _ = graceful.shutdown() => tracing::info!("all connections closed"),
         _ = tokio::time::sleep(grace) => tracing::warn!("grace period over; closing remaining connections"),
@@ -100,9 +103,16 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
         } else {
             None
         };
-        match tokio::time::timeout(routes::request_deadline(&app), routes::dispatch(&app, route, req)).await {
+        match tokio::time::timeout(
+            routes::request_deadline(&app),
+            routes::dispatch(&app, route, req),
+        )
+        .await
+        {
             Ok(result) => result,
-            Err(_) => Err(ApiError::Unavailable("the request took too long; retry it".into())),
+            Err(_) => Err(ApiError::Unavailable(
+                "the request took too long; retry it".into(),
+            )),
         }
     }
     .instrument(span.clone())

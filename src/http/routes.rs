@@ -66,9 +66,10 @@ impl Route {
 
     fn method(&self) -> Method {
         match self {
-            Route::Deposit(_) | Route::Withdraw(_) | Route::AccountTransfer(_) | Route::Transfers => {
-                Method::POST
-            }
+            Route::Deposit(_)
+            | Route::Withdraw(_)
+            | Route::AccountTransfer(_)
+            | Route::Transfers => Method::POST,
             _ => Method::GET,
         }
     }
@@ -84,7 +85,10 @@ impl Route {
         let segs: Vec<&str> = path.split('/').skip(1).collect();
         let id = |s: &str| -> Result<AccountId, ApiError> {
             s.parse().map_err(|_| {
-                ApiError::bad_request("INVALID_ID", format!("{s:?} is not a valid account id (a UUID)"))
+                ApiError::bad_request(
+                    "INVALID_ID",
+                    format!("{s:?} is not a valid account id (a UUID)"),
+                )
             })
         };
         let route = match segs.as_slice() {
@@ -122,7 +126,11 @@ impl Route {
     }
 
     fn method_name(&self) -> &'static str {
-        if self.method() == Method::POST { "POST" } else { "GET" }
+        if self.method() == Method::POST {
+            "POST"
+        } else {
+            "GET"
+        }
     }
 }
 
@@ -134,7 +142,11 @@ fn not_found(path: &str) -> ApiError {
     ApiError::NotFound { path: shown }
 }
 
-pub async fn dispatch(app: &Arc<App>, route: Route, req: Request<Incoming>) -> Result<Resp, ApiError> {
+pub async fn dispatch(
+    app: &Arc<App>,
+    route: Route,
+    req: Request<Incoming>,
+) -> Result<Resp, ApiError> {
     match route {
         Route::Healthz => Ok(json_response(StatusCode::OK, &json!({"status": "ok"}))),
         Route::Readyz => readyz(app).await,
@@ -305,8 +317,10 @@ fn outcome_response(outcome: &WriteOutcome) -> Resp {
         }
     };
     if outcome.replayed {
-        resp.headers_mut()
-            .insert(idempotency::REPLAYED_HEADER, HeaderValue::from_static("true"));
+        resp.headers_mut().insert(
+            idempotency::REPLAYED_HEADER,
+            HeaderValue::from_static("true"),
+        );
     }
     resp
 }
@@ -320,7 +334,10 @@ fn query_u64s(query: Option<&str>, allowed: &[&str]) -> Result<Vec<(String, u64)
         if !allowed.contains(&name) {
             return Err(ApiError::bad_request(
                 "BAD_QUERY",
-                format!("unknown query parameter {name:?}; allowed: {}", allowed.join(", ")),
+                format!(
+                    "unknown query parameter {name:?}; allowed: {}",
+                    allowed.join(", ")
+                ),
             ));
         }
         let n = value.parse::<u64>().map_err(|_| {
@@ -334,7 +351,11 @@ fn query_u64s(query: Option<&str>, allowed: &[&str]) -> Result<Vec<(String, u64)
     Ok(out)
 }
 
-async fn balance(app: &Arc<App>, account: AccountId, query: Option<&str>) -> Result<Resp, ApiError> {
+async fn balance(
+    app: &Arc<App>,
+    account: AccountId,
+    query: Option<&str>,
+) -> Result<Resp, ApiError> {
     let min_version = query_u64s(query, &["minVersion"])?
         .into_iter()
         .map(|(_, v)| v)
@@ -376,7 +397,11 @@ async fn balance(app: &Arc<App>, account: AccountId, query: Option<&str>) -> Res
     }
 }
 
-async fn history(app: &Arc<App>, account: AccountId, query: Option<&str>) -> Result<Resp, ApiError> {
+async fn history(
+    app: &Arc<App>,
+    account: AccountId,
+    query: Option<&str>,
+) -> Result<Resp, ApiError> {
     let mut from_version = 1;
     let mut limit = DEFAULT_HISTORY_LIMIT;
     for (name, v) in query_u64s(query, &["fromVersion", "limit"])? {
@@ -399,7 +424,14 @@ async fn history(app: &Arc<App>, account: AccountId, query: Option<&str>) -> Res
     let (balance, current) = match app.projection.catch_up(account).await {
         Ok((_, snap)) => (Some(snap.balance), snap.version),
         Err(crate::projection::ProjectionError::Store(e)) => return Err(e.into()),
-        Err(_) => (None, app.log.details(key).await.map(|d| d.max_version).unwrap_or(0)),
+        Err(_) => (
+            None,
+            app.log
+                .details(key)
+                .await
+                .map(|d| d.max_version)
+                .unwrap_or(0),
+        ),
     };
     let mut first_available = None;
     let filter = |from| ReadFilter {
@@ -434,7 +466,12 @@ async fn history(app: &Arc<App>, account: AccountId, query: Option<&str>) -> Res
                         ),
                     }
                 })?;
-                events.push(history_event(batch.version, batch.server_timestamp_ms, e.event_id, &event));
+                events.push(history_event(
+                    batch.version,
+                    batch.server_timestamp_ms,
+                    e.event_id,
+                    &event,
+                ));
             }
             last_version = batch.version;
             if events.len() >= limit {
@@ -456,7 +493,12 @@ async fn history(app: &Arc<App>, account: AccountId, query: Option<&str>) -> Res
     Ok(json_response(StatusCode::OK, &body))
 }
 
-fn history_event(version: u64, ts: u64, event_id: Option<u128>, e: &AccountEvent) -> serde_json::Value {
+fn history_event(
+    version: u64,
+    ts: u64,
+    event_id: Option<u128>,
+    e: &AccountEvent,
+) -> serde_json::Value {
     let mut v = json!({
         "aggregateVersion": version,
         "timestamp": ts,
@@ -509,7 +551,10 @@ mod tests {
         );
         assert!(matches!(
             Route::resolve(&Method::POST, "/api/accounts/nope/deposit"),
-            Err(ApiError::BadRequest { code: "INVALID_ID", .. })
+            Err(ApiError::BadRequest {
+                code: "INVALID_ID",
+                ..
+            })
         ));
         assert!(matches!(
             Route::resolve(&Method::GET, "/api/nothing"),

@@ -51,7 +51,11 @@ fn result_label<T>(result: &StoreResult<T>) -> &'static str {
 
 #[async_trait]
 impl EventLog for MeteredLog {
-    async fn write(&self, client_id: ClientId, writes: Vec<AggregateWrite>) -> StoreResult<Vec<u64>> {
+    async fn write(
+        &self,
+        client_id: ClientId,
+        writes: Vec<AggregateWrite>,
+    ) -> StoreResult<Vec<u64>> {
         let t = Instant::now();
         let r = self.inner.write(client_id, writes).await;
         self.observe("write", t, &r);
