@@ -1,0 +1,255 @@
+#!/usr/bin/env bash
+# Runs a local Tally fleet: N replicas on 127.0.0.1 behind nginx, which hashes by account id.
+#
+#   CELERIANT_ADDRESS=127.0.0.1:10000 deploy/fleet.sh       run until Ctrl-C (or the time limit)
+#   deploy/fleet.sh render OUT_FILE                          only write the nginx config
+#
+# Environment:
+#   CELERIANT_ADDRESS    the store every replica shares (required, unless TALLY_STORE=memory)
+#   TALLY_BIN            the tally binary (default target/release/tally)
+#   TALLY_STORE          celeriant (default) or memory (each replica then has its OWN store)
+#   TALLY_CLIENT_ID      one id for the whole fleet (default: a fixed development id)
+#   FLEET_SIZE           replicas, 1..16 (default 3)
+#   FLEET_BASE_PORT      first replica port (default 8081; replica i listens on base+i)
+#   FLEET_LISTEN         where nginx listens, loopback only (default 127.0.0.1:8080)
+#   FLEET_MAX_SECONDS    stop by itself after this long, 0 = only on Ctrl-C (default 3600)
+#   FLEET_KEEP_LOGS      1 = keep the work dir (logs, nginx config) after a clean stop
+# Every other TALLY_* / CELERIANT_* / RUST_LOG variable reaches the replicas unchanged.
+set -euo pipefail
+
+# shellcheck source-path=SCRIPTDIR source=lib/common.sh
+source "$(dirname -- "${BASH_SOURCE[0]}")/lib/common.sh"
+
+TEMPLATE="$DEPLOY_DIR/nginx/tally.conf"
+FLEET_SIZE=${FLEET_SIZE:-3}
+FLEET_BASE_PORT=${FLEET_BASE_PORT:-8081}
+FLEET_LISTEN=${FLEET_LISTEN:-127.0.0.1:8080}
+FLEET_MAX_SECONDS=${FLEET_MAX_SECONDS:-3600}
+FLEET_KEEP_LOGS=${FLEET_KEEP_LOGS:-0}
+# Replicas drain within 10 s after SIGTERM; give them a little more before SIGKILL.
+SHUTDOWN_SECONDS=15
+STARTUP_SECONDS=30
+
+usage() {
+    sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+}
+
+check_settings() {
+    if ! [[ $FLEET_SIZE =~ ^[0-9]+$ ]] || ((FLEET_SIZE < 1 || FLEET_SIZE > 16)); then
+        die 2 "FLEET_SIZE must be 1..16, got '$FLEET_SIZE'"
+    fi
+    if ! [[ $FLEET_BASE_PORT =~ ^[0-9]+$ ]] || ((FLEET_BASE_PORT < 1024 || FLEET_BASE_PORT + FLEET_SIZE - 1 > 65535)); then
+        die 2 "FLEET_BASE_PORT must leave FLEET_SIZE ports in 1024..65535, got '$FLEET_BASE_PORT'"
+    fi
+    is_loopback_listen "$FLEET_LISTEN" ||
+        die 2 "FLEET_LISTEN must be a loopback HOST:PORT (127.x.x.x, localhost or [::1]), got '$FLEET_LISTEN'"
+    local lb_port=${FLEET_LISTEN##*:}
+    if ((lb_port >= FLEET_BASE_PORT && lb_port < FLEET_BASE_PORT + FLEET_SIZE)); then
+        die 2 "FLEET_LISTEN port $lb_port collides with the replica ports $FLEET_BASE_PORT..$((FLEET_BASE_PORT + FLEET_SIZE - 1))"
+    fi
+    [[ $FLEET_MAX_SECONDS =~ ^[0-9]+$ ]] || die 2 "FLEET_MAX_SECONDS must be a whole number of seconds"
+}
+
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+    usage
+    exit 0
+fi
+
+if [[ ${1:-} == render ]]; then
+    [[ $# -eq 2 ]] || die 2 "usage: deploy/fleet.sh render OUT_FILE"
+    check_settings
+    render_nginx "$TEMPLATE" "$2" "$FLEET_LISTEN" "$FLEET_BASE_PORT" "$FLEET_SIZE"
+    exit 0
+fi
+[[ $# -eq 0 ]] || die 2 "unknown arguments: $* (see deploy/fleet.sh --help)"
+
+check_settings
+
+# --- the store -------------------------------------------------------------------------
+TALLY_STORE=${TALLY_STORE:-celeriant}
+case $TALLY_STORE in
+celeriant)
+    [[ -n ${CELERIANT_ADDRESS:-} ]] || die 2 "CELERIANT_ADDRESS is not set. The replicas must share one Celeriant store: set CELERIANT_ADDRESS=HOST:PORT (or TALLY_STORE=memory for a demo whose replicas do NOT share a store)."
+    ;;
+memory)
+    cat >&2 <<'EOF'
+######################################################################################
+#  WARNING: TALLY_STORE=memory. Every replica gets its OWN in-memory store.           #
+#  The replicas do NOT share a store: a write on one is invisible to the others, a    #
+#  retry that lands on another replica writes again, and POST /api/transfers (spread  #
+#  at random) scatters balances over unrelated stores. Fine for poking at the API,    #
+#  meaningless for anything about correctness. Set CELERIANT_ADDRESS for a real fleet.#
+######################################################################################
+EOF
+    ;;
+*) die 2 "TALLY_STORE must be celeriant or memory, got '$TALLY_STORE'" ;;
+esac
+
+# One writer identity for the whole fleet, stable across runs: the replicas are one service.
+# A fresh id per run (or per replica) would restart Celeriant's duplicate-sequence history.
+export TALLY_CLIENT_ID=${TALLY_CLIENT_ID:-8e026b68-4774-4ac4-87f6-d945c2fd96f4}
+
+TALLY_BIN=${TALLY_BIN:-target/release/tally}
+if [[ $TALLY_BIN != /* && ! -e $TALLY_BIN && -e "$REPO_DIR/$TALLY_BIN" ]]; then
+    TALLY_BIN="$REPO_DIR/$TALLY_BIN"
+fi
+[[ -x $TALLY_BIN ]] || die 2 "no tally binary at '$TALLY_BIN': build it (cargo build --release) or set TALLY_BIN"
+
+lb_host=${FLEET_LISTEN%:*}
+lb_port=${FLEET_LISTEN##*:}
+for ((i = 0; i < FLEET_SIZE; i++)); do
+    port_open 127.0.0.1 $((FLEET_BASE_PORT + i)) && die 2 "127.0.0.1:$((FLEET_BASE_PORT + i)) is already in use"
+done
+port_open "${lb_host//[\[\]]/}" "$lb_port" && die 2 "$FLEET_LISTEN is already in use"
+
+NGINX=$(ensure_nginx) || die 2 "nginx is missing and could not be installed (Debian: apt-get install nginx-light)"
+SETSID=$(command -v setsid || true)
+
+# --- lifecycle ---------------------------------------------------------------------------
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/tally-fleet.XXXXXX")
+# nginx workers drop to an unprivileged user when started as root; they need to reach the
+# temp dirs nginx creates here.
+chmod 755 "$WORK"
+REPLICA_PIDS=()
+NGINX_PID=""
+STOP=0
+FAILED=0
+CLEANED=0
+
+# Starts a command in its own session (so a Ctrl-C in the terminal reaches only this script,
+# which then stops everything in order) and records nothing else.
+spawn() {
+    if [[ -n $SETSID ]]; then
+        "$SETSID" "$@" &
+    else
+        "$@" &
+    fi
+}
+
+alive() { [[ -n $1 ]] && kill -0 "$1" 2>/dev/null; }
+
+cleanup() {
+    [[ $CLEANED -eq 1 ]] && return
+    CLEANED=1
+    trap - INT TERM
+    say ""
+    say "stopping the fleet"
+    # nginx first (QUIT: finish in-flight requests), then the replicas (TERM: drain).
+    if alive "$NGINX_PID"; then kill -QUIT "$NGINX_PID" 2>/dev/null || true; fi
+    local pid deadline=$((SECONDS + SHUTDOWN_SECONDS))
+    for pid in "${REPLICA_PIDS[@]}"; do
+        if alive "$pid"; then kill -TERM "$pid" 2>/dev/null || true; fi
+    done
+    while ((SECONDS < deadline)); do
+        local left=0
+        for pid in "$NGINX_PID" "${REPLICA_PIDS[@]}"; do
+            if alive "$pid"; then left=1; fi
+        done
+        ((left)) || break
+        sleep 0.2
+    done
+    for pid in "$NGINX_PID" "${REPLICA_PIDS[@]}"; do
+        if alive "$pid"; then
+            warn "pid $pid did not stop within ${SHUTDOWN_SECONDS}s; killing it"
+            kill -KILL "$pid" 2>/dev/null || true
+            FAILED=1
+        fi
+    done
+    wait 2>/dev/null || true
+    if [[ $FAILED -eq 0 && $FLEET_KEEP_LOGS != 1 ]]; then
+        rm -rf -- "$WORK"
+    else
+        say "logs and config kept in $WORK"
+    fi
+}
+trap cleanup EXIT
+trap 'STOP=1' INT TERM
+
+# --- replicas ------------------------------------------------------------------------------
+store_args=(--store "$TALLY_STORE")
+if [[ $TALLY_STORE == celeriant ]]; then
+    store_args+=(--celeriant-address "$CELERIANT_ADDRESS")
+fi
+for ((i = 0; i < FLEET_SIZE; i++)); do
+    port=$((FLEET_BASE_PORT + i))
+    spawn "$TALLY_BIN" --listen "127.0.0.1:$port" "${store_args[@]}" >"$WORK/replica-$port.log" 2>&1
+    REPLICA_PIDS+=("$!")
+    say "replica $i: pid $! on 127.0.0.1:$port (log $WORK/replica-$port.log)"
+done
+
+# Wait until every replica is alive (/healthz); report readiness (/readyz) without waiting
+# for it, since a replica that cannot reach the store is alive but not ready.
+deadline=$((SECONDS + STARTUP_SECONDS))
+for ((i = 0; i < FLEET_SIZE; i++)); do
+    port=$((FLEET_BASE_PORT + i))
+    until [[ $(http_status 127.0.0.1 "$port" /healthz) == 200 ]]; do
+        if ! alive "${REPLICA_PIDS[i]}"; then
+            FAILED=1
+            tail -n 20 "$WORK/replica-$port.log" >&2 || true
+            die 1 "replica on port $port exited during startup"
+        fi
+        if ((SECONDS >= deadline || STOP)); then
+            FAILED=1
+            die 1 "replica on port $port did not answer /healthz within ${STARTUP_SECONDS}s"
+        fi
+        sleep 0.2
+    done
+    ready=$(http_status 127.0.0.1 "$port" /readyz)
+    [[ $ready == 200 ]] || warn "replica on port $port is alive but not ready (/readyz: ${ready:-no answer}); is the store reachable?"
+done
+
+# --- nginx ---------------------------------------------------------------------------------
+render_nginx "$TEMPLATE" "$WORK/nginx.conf" "$FLEET_LISTEN" "$FLEET_BASE_PORT" "$FLEET_SIZE" ||
+    die 1 "could not render the nginx config"
+"$NGINX" -t -q -p "$WORK/" -e "$WORK/error.log" -c "$WORK/nginx.conf" ||
+    {
+        FAILED=1
+        die 1 "nginx -t rejected $WORK/nginx.conf"
+    }
+# `daemon off` keeps the nginx master as this script's child, so the trap can stop it.
+spawn "$NGINX" -p "$WORK/" -e "$WORK/error.log" -c "$WORK/nginx.conf" -g 'daemon off;'
+NGINX_PID=$!
+deadline=$((SECONDS + 10))
+until port_open "${lb_host//[\[\]]/}" "$lb_port"; do
+    if ! alive "$NGINX_PID" || ((SECONDS >= deadline)); then
+        FAILED=1
+        tail -n 20 "$WORK/error.log" >&2 || true
+        die 1 "nginx did not start on $FLEET_LISTEN"
+    fi
+    sleep 0.1
+done
+
+cat <<EOF
+
+Tally fleet up: $FLEET_SIZE replicas, store=$TALLY_STORE${CELERIANT_ADDRESS:+ at $CELERIANT_ADDRESS}, client id $TALLY_CLIENT_ID
+  send requests to   http://$FLEET_LISTEN/api/accounts
+                     (the X-Tally-Upstream response header names the replica that answered)
+  metrics, per replica: $(for ((i = 0; i < FLEET_SIZE; i++)); do printf 'http://127.0.0.1:%s/metrics ' $((FLEET_BASE_PORT + i)); done)
+  logs               $WORK
+Ctrl-C stops everything$( ((FLEET_MAX_SECONDS > 0)) && printf ' (or it stops by itself after %ss)' "$FLEET_MAX_SECONDS").
+EOF
+
+# --- run until told to stop, a process dies, or the time limit -----------------------------
+started=$SECONDS
+while ((!STOP)); do
+    if ! alive "$NGINX_PID"; then
+        warn "nginx exited; see $WORK/error.log"
+        FAILED=1
+        break
+    fi
+    for ((i = 0; i < FLEET_SIZE; i++)); do
+        if ! alive "${REPLICA_PIDS[i]}"; then
+            warn "replica on port $((FLEET_BASE_PORT + i)) exited; see $WORK/replica-$((FLEET_BASE_PORT + i)).log"
+            FAILED=1
+            STOP=1
+        fi
+    done
+    if ((FLEET_MAX_SECONDS > 0 && SECONDS - started >= FLEET_MAX_SECONDS)); then
+        say "FLEET_MAX_SECONDS=$FLEET_MAX_SECONDS reached"
+        break
+    fi
+    sleep 1 &
+    wait $! || true
+done
+cleanup
+exit "$FAILED"

@@ -1,0 +1,266 @@
+#!/usr/bin/env python3
+"""Generates tally-dashboard.json, the Grafana dashboard over src/metrics.rs.
+
+Edit this file, not the JSON, then run `python3 deploy/grafana/gen_dashboard.py`;
+deploy/check.sh fails when the committed JSON differs from what this prints.
+
+Every metric lives in src/metrics.rs. Panels come in pairs where it helps: the aggregate
+over the fleet, then the same quantity per replica (`instance`). The variables pick the
+Prometheus data source, the scrape job and the replicas, and `resident_cap` repeats
+TALLY_MAX_RESIDENT_ACCOUNTS from deploy/k8s/configmap.yaml (check.sh keeps them equal).
+"""
+
+import json
+import os
+import sys
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tally-dashboard.json")
+DS = {"type": "prometheus", "uid": "${datasource}"}
+SEL = 'job=~"$job", instance=~"$instance"'
+RI = "$__rate_interval"
+RESIDENT_CAP = "100000"
+FIVEXX = 'status_class="5xx"'
+NOT_2XX = 'status_class!="2xx"'
+UNVERIFIABLE = 'arm="unverifiable"'
+NOT_SUCCESS = 'arm!="success"'
+# The store's `result` label: "ok" for success (not pinned in src/metrics.rs, see README).
+NOT_OK = 'result!="ok"'  # TALLY_MAX_RESIDENT_ACCOUNTS in deploy/k8s/configmap.yaml
+
+
+def sel(extra=""):
+    return "{" + SEL + (", " + extra if extra else "") + "}"
+
+
+def rate(metric, extra=""):
+    return f"rate({metric}{sel(extra)}[{RI}])"
+
+
+def quantile(q, hist, by):
+    group = ", ".join(["le"] + by)
+    return f"histogram_quantile({q}, sum by ({group}) ({rate(hist + '_bucket')}))"
+
+
+def mean(hist, by=None):
+    grp = f"sum by ({', '.join(by)}) " if by else "sum"
+    return f"{grp}({rate(hist + '_sum')}) / {grp}({rate(hist + '_count')})"
+
+
+def t(expr, legend):
+    return {"expr": expr, "legendFormat": legend}
+
+
+class Layout:
+    def __init__(self):
+        self.panels = []
+        self.next_id = 1
+        self.y = 0
+        self.x = 0
+        self.row_h = 0
+
+    def _id(self):
+        i = self.next_id
+        self.next_id += 1
+        return i
+
+    def row(self, title):
+        if self.x:
+            self.y += self.row_h
+            self.x = 0
+        self.panels.append({
+            "type": "row", "id": self._id(), "title": title, "collapsed": False,
+            "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y}, "panels": [],
+        })
+        self.y += 1
+        self.row_h = 0
+
+    def _place(self, w, h):
+        if self.x + w > 24:
+            self.y += self.row_h
+            self.x = 0
+            self.row_h = 0
+        pos = {"h": h, "w": w, "x": self.x, "y": self.y}
+        self.x += w
+        self.row_h = max(self.row_h, h)
+        return pos
+
+    def _targets(self, targets):
+        out = []
+        for n, tgt in enumerate(targets):
+            out.append({"refId": chr(ord("A") + n), "datasource": DS, "expr": tgt["expr"],
+                        "legendFormat": tgt["legendFormat"], "range": True})
+        return out
+
+    def ts(self, title, targets, unit="short", desc="", w=12, h=8, stack=False, min0=True):
+        custom = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10, "showPoints": "never",
+                  "stacking": {"mode": "normal" if stack else "none", "group": "A"}}
+        defaults = {"unit": unit, "custom": custom}
+        if min0:
+            defaults["min"] = 0
+        self.panels.append({
+            "type": "timeseries", "id": self._id(), "title": title, "description": desc,
+            "datasource": DS, "gridPos": self._place(w, h), "targets": self._targets(targets),
+            "fieldConfig": {"defaults": defaults, "overrides": []},
+            "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                        "tooltip": {"mode": "multi", "sort": "desc"}},
+        })
+
+    def stat(self, title, expr, unit="short", desc="", red_above=None, w=4, h=4):
+        steps = [{"color": "green", "value": None}]
+        if red_above is not None:
+            steps.append({"color": "red", "value": red_above})
+        self.panels.append({
+            "type": "stat", "id": self._id(), "title": title, "description": desc,
+            "datasource": DS, "gridPos": self._place(w, h),
+            "targets": self._targets([t(expr, title)]),
+            "fieldConfig": {"defaults": {"unit": unit, "thresholds": {"mode": "absolute", "steps": steps}},
+                            "overrides": []},
+            "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                        "colorMode": "value", "graphMode": "area", "justifyMode": "auto",
+                        "orientation": "auto", "textMode": "auto"},
+        })
+
+
+def build():
+    L = Layout()
+
+    L.row("Overview (whole fleet)")
+    L.stat("Requests/s", f"sum({rate('tally_http_requests_total')})", "reqps")
+    L.stat("5xx share", f"sum({rate('tally_http_requests_total', FIVEXX)}) / sum({rate('tally_http_requests_total')})",
+           "percentunit", "Share of requests answered 5xx.", red_above=0.01)
+    L.stat("Writes/s", f"sum({rate('tally_write_attempts_count')})", "ops",
+           "Completed write-loop runs (deposit, withdraw, transfer).")
+    L.stat("Unverifiable (range)", f"sum(increase(tally_write_outcomes_total{sel(UNVERIFIABLE)}[$__range]))",
+           "short", "2002 answers whose sequence owner could not be read back: refused retryably.", red_above=1)
+    L.stat("Poisoned folds (range)", f"sum(increase(tally_projection_poisoned_accounts_total{sel()}[$__range]))",
+           "short", "Folds stopped on an undecodable event or a trimmed stream.", red_above=1)
+    L.stat("Replicas reporting", f"count(tally_http_requests_in_flight{sel()})", "short",
+           "Replicas whose /metrics this Prometheus scrapes.")
+
+    L.row("HTTP")
+    L.ts("Request rate by route", [t(f"sum by (route, method) ({rate('tally_http_requests_total')})", "{{method}} {{route}}")], "reqps")
+    L.ts("Request rate by replica", [t(f"sum by (instance) ({rate('tally_http_requests_total')})", "{{instance}}")], "reqps")
+    L.ts("Status classes", [t(f"sum by (status_class) ({rate('tally_http_requests_total')})", "{{status_class}}")], "reqps", stack=True)
+    L.ts("Status classes by replica (non-2xx)",
+         [t(f"sum by (instance, status_class) ({rate('tally_http_requests_total', NOT_2XX)})", "{{instance}} {{status_class}}")], "reqps")
+    L.ts("Latency p50 by route", [t(quantile(0.5, "tally_http_request_duration_seconds", ["route"]), "{{route}}")], "s")
+    L.ts("Latency p99 by route", [t(quantile(0.99, "tally_http_request_duration_seconds", ["route"]), "{{route}}")], "s")
+    L.ts("Latency p99 by replica", [t(quantile(0.99, "tally_http_request_duration_seconds", ["instance"]), "{{instance}}")], "s")
+    L.ts("In flight by replica", [t(f"sum by (instance) (tally_http_requests_in_flight{sel()})", "{{instance}}")], "short",
+         "Requests being served. Compare with TALLY_MAX_CONCURRENT_REQUESTS.")
+    L.ts("Shed (503 at the concurrency limit)",
+         [t(f"sum({rate('tally_http_requests_shed_total')})", "fleet"),
+          t(f"sum by (instance) ({rate('tally_http_requests_shed_total')})", "{{instance}}")], "reqps", w=24)
+
+    L.row("Write loop")
+    L.ts("Arms taken, by arm", [t(f"sum by (arm) ({rate('tally_write_outcomes_total')})", "{{arm}}")], "ops",
+         "Every arm of the write loop: success, conflict (2003, re-derive), outcome_unknown (hold the sequence), "
+         "inflight_duplicate (2013), seq_ours / seq_sibling / unverifiable (verdicts on a 2002), and the rest.")
+    L.ts("Arms other than success, by replica",
+         [t(f"sum by (instance, arm) ({rate('tally_write_outcomes_total', NOT_SUCCESS)})", "{{instance}} {{arm}}")], "ops")
+    L.ts("Arms by operation", [t(f"sum by (operation, arm) ({rate('tally_write_outcomes_total')})", "{{operation}} {{arm}}")], "ops")
+    L.ts("Store attempts per write",
+         [t(quantile(0.5, "tally_write_attempts", ["operation"]), "p50 {{operation}}"),
+          t(quantile(0.99, "tally_write_attempts", ["operation"]), "p99 {{operation}}"),
+          t(mean("tally_write_attempts", ["operation"]), "mean {{operation}}")], "short",
+         "1 is a write that landed first time; more means conflicts, timeouts or 2013s.")
+    L.ts("Events per store write (hot-account batching)",
+         [t(quantile(0.5, "tally_write_batch_events", []), "p50"),
+          t(quantile(0.99, "tally_write_batch_events", []), "p99"),
+          t(mean("tally_write_batch_events"), "mean")], "short")
+    L.ts("Mean attempts per write, by replica",
+         [t(mean("tally_write_attempts", ["instance"]), "{{instance}}")], "short")
+
+    L.row("Idempotency")
+    L.ts("Idempotency events",
+         [t(f"sum({rate('tally_idempotency_replays_total')})", "replays (original response)"),
+          t(f"sum({rate('tally_idempotency_key_reuse_total')})", "key reuse refused"),
+          t(f"sum({rate('tally_idempotency_keys_minted_total')})", "keys minted (no Idempotency-Key)"),
+          t(f"sum({rate('tally_idempotency_coalesced_total')})", "coalesced duplicates")], "ops")
+    L.ts("Idempotency events by replica",
+         [t(f"sum by (instance) ({rate('tally_idempotency_replays_total')})", "replays {{instance}}"),
+          t(f"sum by (instance) ({rate('tally_idempotency_coalesced_total')})", "coalesced {{instance}}"),
+          t(f"sum by (instance) ({rate('tally_idempotency_key_reuse_total')})", "reuse {{instance}}"),
+          t(f"sum by (instance) ({rate('tally_idempotency_keys_minted_total')})", "minted {{instance}}")], "ops")
+
+    L.row("Store (Celeriant)")
+    L.ts("Store requests by operation", [t(f"sum by (operation) ({rate('tally_store_requests_total')})", "{{operation}}")], "reqps")
+    L.ts("Store requests by result", [t(f"sum by (operation, result) ({rate('tally_store_requests_total')})", "{{operation}} {{result}}")], "reqps")
+    L.ts("Store requests not ok, by replica",
+         [t(f"sum by (instance, result) ({rate('tally_store_requests_total', NOT_OK)})", "{{instance}} {{result}}")], "reqps",
+         "Includes the protocol answers the write loop expects (conflicts, 2002, 2013) as well as errors.")
+    L.ts("Store latency p50 / p99 by operation",
+         [t(quantile(0.5, "tally_store_request_duration_seconds", ["operation"]), "p50 {{operation}}"),
+          t(quantile(0.99, "tally_store_request_duration_seconds", ["operation"]), "p99 {{operation}}")], "s")
+    L.ts("Store round trips per write",
+         [t(quantile(0.5, "tally_store_round_trips_per_write", []), "p50"),
+          t(quantile(0.99, "tally_store_round_trips_per_write", []), "p99"),
+          t(mean("tally_store_round_trips_per_write"), "mean")], "short",
+         "Reads and writes one write request cost. Grows when catch-up misses locality (hash reshuffles, spread).")
+    L.ts("Store latency p99 by replica", [t(quantile(0.99, "tally_store_request_duration_seconds", ["instance"]), "{{instance}}")], "s")
+
+    L.row("Projection (in-memory folds)")
+    L.ts("Events folded/s", [t(f"sum({rate('tally_projection_events_folded_total')})", "fleet"),
+                             t(f"sum by (instance) ({rate('tally_projection_events_folded_total')})", "{{instance}}")], "ops")
+    L.ts("Catch-up latency", [t(quantile(0.5, "tally_projection_catchup_duration_seconds", []), "p50"),
+                              t(quantile(0.99, "tally_projection_catchup_duration_seconds", []), "p99"),
+                              t(quantile(0.99, "tally_projection_catchup_duration_seconds", ["instance"]), "p99 {{instance}}")], "s")
+    L.ts("Resident accounts vs cap",
+         [t(f"sum by (instance) (tally_projection_resident_accounts{sel()})", "{{instance}}"),
+          t("vector($resident_cap)", "cap (TALLY_MAX_RESIDENT_ACCOUNTS)")], "short",
+         "Per replica, against the cap set by --max-resident-accounts (dashboard variable resident_cap).")
+    L.ts("Recent-writes index entries", [t(f"sum by (instance) (tally_projection_index_entries{sel()})", "{{instance}}")], "short")
+    L.ts("Evictions by reason", [t(f"sum by (reason) ({rate('tally_projection_evictions_total')})", "{{reason}}"),
+                                 t(f"sum by (instance, reason) ({rate('tally_projection_evictions_total')})", "{{instance}} {{reason}}")], "ops",
+         "idle is housekeeping; capacity means the cap is too small for this replica's share of accounts.")
+    L.ts("Poisoned folds", [t(f"sum by (instance) (increase(tally_projection_poisoned_accounts_total{sel()}[{RI}]))", "{{instance}}")], "short",
+         "Any value above 0 needs a look: see the TallyPoisonedAccount alert.")
+
+    templating = {"list": [
+        {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",
+         "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []},
+        {"type": "query", "name": "job", "label": "Job", "datasource": DS,
+         "query": {"query": "label_values(tally_http_requests_total, job)", "refId": "job"},
+         "definition": "label_values(tally_http_requests_total, job)",
+         "current": {}, "hide": 0, "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*",
+         "sort": 1, "regex": "", "options": []},
+        {"type": "query", "name": "instance", "label": "Replica", "datasource": DS,
+         "query": {"query": 'label_values(tally_http_requests_total{job=~"$job"}, instance)', "refId": "instance"},
+         "definition": 'label_values(tally_http_requests_total{job=~"$job"}, instance)',
+         "current": {}, "hide": 0, "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*",
+         "sort": 1, "regex": "", "options": []},
+        {"type": "textbox", "name": "resident_cap", "label": "Resident-account cap", "query": RESIDENT_CAP,
+         "current": {"text": RESIDENT_CAP, "value": RESIDENT_CAP}, "hide": 0,
+         "options": [{"selected": True, "text": RESIDENT_CAP, "value": RESIDENT_CAP}]},
+    ]}
+
+    return {
+        "title": "Tally",
+        "uid": "tally-overview",
+        "description": "Tally account service: HTTP, write loop, idempotency, store and in-memory projection. "
+                       "Metrics defined in src/metrics.rs; generated by deploy/grafana/gen_dashboard.py.",
+        "tags": ["tally", "celeriant"],
+        "editable": True,
+        "graphTooltip": 1,
+        "refresh": "30s",
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-3h", "to": "now"},
+        "timezone": "",
+        "annotations": {"list": []},
+        "links": [],
+        "templating": templating,
+        "panels": L.panels,
+    }
+
+
+def render():
+    return json.dumps(build(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--stdout"]:
+        sys.stdout.write(render())
+    else:
+        with open(OUT, "w") as f:
+            f.write(render())
+        print(f"wrote {OUT}")
