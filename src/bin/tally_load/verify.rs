@@ -128,21 +128,52 @@ struct HistoryPage {
     next_from_version: Option<u64>,
 }
 
-/// One history event as the API returns it (fields the verifier needs).
+/// One history event as the API returns it (fields the verifier needs; lenient so that an
+/// unfamiliar event type does not stop the read).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct HistoryEvent {
     pub aggregate_version: u64,
-    #[serde(rename = "type")]
+    #[serde(rename = "type", default)]
     pub kind: String,
+    #[serde(default)]
     pub amount_cents: i64,
-    pub to_account_id: Option<Uuid>,
-    pub from_account_id: Option<Uuid>,
+    #[serde(default)]
+    pub to_account_id: Option<String>,
+    #[serde(default)]
+    pub from_account_id: Option<String>,
+    #[serde(default)]
     pub event_id: Option<String>,
 }
 
+impl HistoryEvent {
+    /// The idempotency key this event was written under, when it names one as a UUID.
+    fn key(&self) -> Option<Uuid> {
+        self.event_id
+            .as_deref()
+            .and_then(|id| Uuid::parse_str(id).ok())
+    }
+
+    /// The other account of a transfer leg, when given.
+    fn counterparty(&self) -> Option<Uuid> {
+        self.to_account_id
+            .as_deref()
+            .or(self.from_account_id.as_deref())
+            .and_then(|id| Uuid::parse_str(id).ok())
+    }
+}
+
+/// One account's history as read: only the events written under this run's keys are kept,
+/// so long-lived accounts do not fill memory.
+#[derive(Debug, Clone, Default)]
+pub struct StreamRead {
+    pub ours: Vec<HistoryEvent>,
+    /// Every event in the stream, ours or not.
+    pub total: u64,
+}
+
 /// Account streams read so far.
-pub type Streams = HashMap<Uuid, Vec<HistoryEvent>>;
+pub type Streams = HashMap<Uuid, StreamRead>;
 
 /// Reads history for every account `records` touched and checks each key.
 pub async fn verify(config: &Config, client: &Client, records: &[KeyRecord]) -> ExactlyOnce {
@@ -152,8 +183,16 @@ pub async fn verify(config: &Config, client: &Client, records: &[KeyRecord]) -> 
         .flat_map(|r| [Some(r.op.account), r.op.to])
         .flatten()
         .collect();
-    let (mut streams, mut error) =
-        read_streams(config, client, accounts.into_iter().collect(), 0, deadline).await;
+    let keys: Arc<HashSet<Uuid>> = Arc::new(records.iter().map(|r| r.key).collect());
+    let (mut streams, mut error) = read_streams(
+        config,
+        client,
+        &keys,
+        accounts.into_iter().collect(),
+        0,
+        deadline,
+    )
+    .await;
     let mut round = 0;
     loop {
         let (mut found, unsettled) = evaluate(records, &streams);
@@ -173,6 +212,7 @@ pub async fn verify(config: &Config, client: &Client, records: &[KeyRecord]) -> 
         let (fresh, fresh_error) = read_streams(
             config,
             client,
+            &keys,
             unsettled.into_iter().collect(),
             round as usize,
             deadline,
@@ -188,6 +228,7 @@ pub async fn verify(config: &Config, client: &Client, records: &[KeyRecord]) -> 
 async fn read_streams(
     config: &Config,
     client: &Client,
+    keys: &Arc<HashSet<Uuid>>,
     accounts: Vec<Uuid>,
     round: usize,
     deadline: Instant,
@@ -200,7 +241,7 @@ async fn read_streams(
         .max(1);
     let mut tasks = JoinSet::new();
     for _ in 0..workers {
-        let (accounts, next) = (accounts.clone(), next.clone());
+        let (accounts, next, keys) = (accounts.clone(), next.clone(), keys.clone());
         let (targets, client, timeout) = (config.targets.clone(), client.clone(), config.timeout);
         tasks.spawn(async move {
             let mut read = Vec::new();
@@ -212,7 +253,7 @@ async fn read_streams(
                 let target = &targets[(i + round) % targets.len()];
                 let result = tokio::time::timeout_at(
                     deadline,
-                    read_stream(&client, target, account, timeout),
+                    read_stream(&client, target, account, &keys, timeout),
                 )
                 .await
                 .unwrap_or_else(|_| Err("verification deadline reached".to_string()));
@@ -238,10 +279,11 @@ async fn read_stream(
     client: &Client,
     target: &Target,
     account: Uuid,
+    keys: &HashSet<Uuid>,
     timeout: Duration,
-) -> Result<Vec<HistoryEvent>, String> {
+) -> Result<StreamRead, String> {
     let mut from = 0u64;
-    let mut events = Vec::new();
+    let mut read = StreamRead::default();
     for _ in 0..MAX_HISTORY_PAGES {
         let path = format!(
             "/api/accounts/{account}/history?fromVersion={from}&limit={HISTORY_PAGE_LIMIT}"
@@ -253,13 +295,18 @@ async fn read_stream(
                 quote(&answer.body)
             )
         })?;
-        events.extend(
-            page.events
-                .into_iter()
-                .filter(|e| e.aggregate_version >= from),
-        );
+        for event in page.events {
+            // Pages start at `from`; anything below it was on an earlier page.
+            if event.aggregate_version < from {
+                continue;
+            }
+            read.total += 1;
+            if event.key().is_some_and(|k| keys.contains(&k)) {
+                read.ours.push(event);
+            }
+        }
         match page.next_from_version {
-            None => return Ok(events),
+            None => return Ok(read),
             Some(next) if next > from => from = next,
             Some(next) => {
                 return Err(format!(
@@ -349,16 +396,12 @@ pub fn evaluate(records: &[KeyRecord], streams: &Streams) -> (ExactlyOnce, HashS
     let mut found = ExactlyOnce::skipped();
     found.accounts_read = streams.len() as u64;
     let mut seen: HashMap<usize, Vec<(Uuid, &HistoryEvent)>> = HashMap::new();
-    for (&account, events) in streams {
-        for event in events {
-            found.events_read += 1;
-            let key = event
-                .event_id
-                .as_deref()
-                .and_then(|id| Uuid::parse_str(id).ok());
-            match key.and_then(|k| index.get(&k)) {
-                Some(&i) => seen.entry(i).or_default().push((account, event)),
-                None => found.foreign_events += 1,
+    for (&account, stream) in streams {
+        found.events_read += stream.total;
+        found.foreign_events += stream.total.saturating_sub(stream.ours.len() as u64);
+        for event in &stream.ours {
+            if let Some(&i) = event.key().and_then(|k| index.get(&k)) {
+                seen.entry(i).or_default().push((account, event));
             }
         }
     }
@@ -380,10 +423,12 @@ pub fn evaluate(records: &[KeyRecord], streams: &Streams) -> (ExactlyOnce, HashS
             let leg = legs
                 .iter()
                 .position(|l| l.account == *account && l.kind == event.kind);
-            let counterparty = event.to_account_id.or(event.from_account_id);
+            let counterparty = event.counterparty();
             match leg {
+                // The sign convention of debit amounts is the server's; compare magnitudes.
                 Some(j)
-                    if event.amount_cents == record.op.amount_cents
+                    if event.amount_cents.unsigned_abs()
+                        == record.op.amount_cents.unsigned_abs()
                         && (counterparty.is_none() || counterparty == legs[j].counterparty) =>
                 {
                     counts[j] += 1;
@@ -515,13 +560,15 @@ mod tests {
         ok(&mut unknown, 503);
         let streams = Streams::from([(
             a,
-            vec![
-                event(1, "Deposited", 5, dup.key),
-                event(2, "Deposited", 5, dup.key),
-                event(3, "Deposited", 5, phantom.key),
-                event(4, "Deposited", 5, unknown.key),
-                event(5, "Deposited", 9, Uuid::from_u128(99)),
-            ],
+            StreamRead {
+                ours: vec![
+                    event(1, "Deposited", 5, dup.key),
+                    event(2, "Deposited", 5, dup.key),
+                    event(3, "Deposited", 5, phantom.key),
+                    event(4, "Deposited", 5, unknown.key),
+                ],
+                total: 5,
+            },
         )]);
         let (found, unsettled) = evaluate(&[dup, lost, phantom, unknown], &streams);
         let kinds: Vec<_> = found.violations.iter().map(|v| v.kind).collect();
@@ -538,5 +585,65 @@ mod tests {
             (4, 1, 1)
         );
         assert!(unsettled.contains(&a));
+    }
+
+    #[test]
+    fn transfers_need_both_legs() {
+        let (a, b) = (Uuid::from_u128(1), Uuid::from_u128(2));
+        let transfer = || Op {
+            kind: OpKind::Transfer,
+            account: a,
+            to: Some(b),
+            amount_cents: 5,
+        };
+        let mut whole = KeyRecord::new(Uuid::from_u128(20), transfer());
+        ok(&mut whole, 200);
+        let mut half = KeyRecord::new(Uuid::from_u128(21), transfer());
+        ok(&mut half, 409);
+        let mut wrong = KeyRecord::new(Uuid::from_u128(22), Op::deposit(b, 5));
+        ok(&mut wrong, 200);
+        let leg = |v, kind: &str, other: Uuid, field_to: bool, key| {
+            let mut e = event(v, kind, -5, key);
+            let id = Some(other.to_string());
+            if field_to {
+                e.to_account_id = id;
+            } else {
+                e.from_account_id = id;
+            }
+            e
+        };
+        let streams = Streams::from([
+            (
+                a,
+                StreamRead {
+                    ours: vec![
+                        leg(1, "TransferredOut", b, true, whole.key),
+                        leg(2, "TransferredOut", b, true, half.key),
+                    ],
+                    total: 2,
+                },
+            ),
+            (
+                b,
+                StreamRead {
+                    ours: vec![
+                        leg(1, "TransferredIn", a, false, whole.key),
+                        event(2, "Deposited", 6, wrong.key),
+                    ],
+                    total: 2,
+                },
+            ),
+        ]);
+        let (found, unsettled) = evaluate(&[whole, half, wrong], &streams);
+        let kinds: Vec<_> = found.violations.iter().map(|v| v.kind).collect();
+        assert_eq!(
+            kinds,
+            [
+                ViolationKind::Partial,
+                ViolationKind::Misapplied,
+                ViolationKind::Lost
+            ]
+        );
+        assert_eq!(unsettled, HashSet::from([a, b]));
     }
 }
