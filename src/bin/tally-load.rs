@@ -1,0 +1,45 @@
+//! `tally-load`: drives a Tally node or fleet (loopback only unless `--allow-remote`) and
+//! verifies exactly-once application of every idempotency key it sent.
+//!
+//! Exit status: 0 when the verdict passes (or verification is off), 1 when it fails or could
+//! not complete, 2 on bad options or a failed setup.
+
+mod tally_load;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+/// Exit status for a failed or incomplete exactly-once verdict.
+const EXIT_VERDICT_FAILED: u8 = 1;
+/// Exit status for bad options or a run that could not produce a report.
+const EXIT_ERROR: u8 = 2;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let options = tally_load::Options::parse();
+    let json = options.json;
+    let report = match tally_load::run(options).await {
+        Ok(report) => report,
+        Err(e) => {
+            eprintln!("tally-load: {e}");
+            return ExitCode::from(EXIT_ERROR);
+        }
+    };
+    if json {
+        match serde_json::to_string(&report) {
+            Ok(text) => println!("{text}"),
+            Err(e) => {
+                eprintln!("tally-load: cannot encode report: {e}");
+                return ExitCode::from(EXIT_ERROR);
+            }
+        }
+    } else {
+        print!("{report}");
+    }
+    if report.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(EXIT_VERDICT_FAILED)
+    }
+}

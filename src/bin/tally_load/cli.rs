@@ -1,0 +1,222 @@
+//! Command-line options (clap, every flag also readable from a `TALLY_LOAD_*` variable) and
+//! their validation into a [`Config`] the run can trust.
+
+use std::time::Duration;
+
+use clap::{ArgAction, Parser, ValueEnum};
+use serde::Serialize;
+
+use super::LoadError;
+use super::http::Target;
+
+/// Target used when no `--target` is given.
+pub const DEFAULT_TARGET: &str = "http://127.0.0.1:8080";
+/// Most targets one run may address.
+pub const MAX_TARGETS: usize = 64;
+/// Most concurrent workers.
+pub const MAX_CONNECTIONS: usize = 4096;
+/// Run length when neither `--duration` nor `--requests` is given.
+pub const DEFAULT_DURATION_SECS: u64 = 10;
+/// Hard ceiling on the measured phase, whatever else is asked.
+pub const MAX_DURATION_SECS: u64 = 3600;
+/// Most operations (tickets) one run may issue.
+pub const MAX_REQUESTS: u64 = 5_000_000;
+/// Highest open-loop rate, requests per second.
+pub const MAX_RATE: f64 = 1_000_000.0;
+/// Most accounts a scenario may spread over.
+pub const MAX_ACCOUNTS: usize = 100_000;
+/// Largest single amount, in cents.
+pub const MAX_AMOUNT_CENTS: i64 = 1_000_000_000;
+/// Longest per-request timeout.
+pub const MAX_TIMEOUT_MS: u64 = 120_000;
+
+/// The traffic shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scenario {
+    /// Deposits over `--accounts` fresh, pre-funded accounts.
+    Spread,
+    /// Deposits over three accounts (the server's demo accounts when it lists them).
+    Hot,
+    /// Deposits, withdrawals and transfers among `--accounts` generously pre-funded accounts.
+    Mixed,
+    /// `GET balance` over `--accounts` fresh, pre-funded accounts.
+    Balance,
+}
+
+/// Load generator for the Tally account API, with an exactly-once verifier.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "tally-load", version)]
+pub struct Options {
+    /// Base URL of a Tally node; repeat (or comma-separate) for a fleet. Loopback only
+    /// unless `--allow-remote`.
+    #[arg(long = "target", env = "TALLY_LOAD_TARGETS", value_delimiter = ',', default_value = DEFAULT_TARGET)]
+    pub targets: Vec<String>,
+    /// Traffic shape.
+    #[arg(long, env = "TALLY_LOAD_SCENARIO", value_enum, default_value_t = Scenario::Spread)]
+    pub scenario: Scenario,
+    /// Concurrent workers (closed loop) or most requests in flight (open loop).
+    #[arg(long, env = "TALLY_LOAD_CONNECTIONS", default_value_t = 64)]
+    pub connections: usize,
+    /// Length of the measured phase in seconds (default 10 without `--requests`).
+    #[arg(long, env = "TALLY_LOAD_DURATION")]
+    pub duration: Option<u64>,
+    /// Number of operations to issue (retries come on top).
+    #[arg(long, env = "TALLY_LOAD_REQUESTS")]
+    pub requests: Option<u64>,
+    /// Open loop at this many operations per second; closed loop without it.
+    #[arg(long, env = "TALLY_LOAD_RATE")]
+    pub rate: Option<f64>,
+    /// Accounts for spread, mixed and balance (hot always uses 3).
+    #[arg(long, env = "TALLY_LOAD_ACCOUNTS", default_value_t = 100)]
+    pub accounts: usize,
+    /// Share of writes re-sent with the same Idempotency-Key after the first answer.
+    #[arg(long, env = "TALLY_LOAD_RETRY_RATIO", default_value_t = 0.0)]
+    pub retry_ratio: f64,
+    /// Seed for account ids and the operation mix (random when absent; always reported).
+    #[arg(long, env = "TALLY_LOAD_SEED")]
+    pub seed: Option<u64>,
+    /// Print one JSON object instead of text.
+    #[arg(long, env = "TALLY_LOAD_JSON")]
+    pub json: bool,
+    /// Amount of each write, in cents.
+    #[arg(long, env = "TALLY_LOAD_AMOUNT_CENTS", default_value_t = 100)]
+    pub amount_cents: i64,
+    /// Read back every touched account's history and check exactly-once.
+    #[arg(long, env = "TALLY_LOAD_VERIFY", default_value_t = true, action = ArgAction::Set)]
+    pub verify: bool,
+    /// Per-request timeout in milliseconds.
+    #[arg(long, env = "TALLY_LOAD_TIMEOUT_MS", default_value_t = 5000)]
+    pub timeout_ms: u64,
+    /// Permit targets that are not loopback addresses.
+    #[arg(long, env = "TALLY_LOAD_ALLOW_REMOTE")]
+    pub allow_remote: bool,
+}
+
+/// Validated run settings.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub targets: Vec<Target>,
+    pub scenario: Scenario,
+    pub connections: usize,
+    pub duration: Duration,
+    pub max_ops: Option<u64>,
+    pub rate: Option<f64>,
+    pub accounts: usize,
+    pub retry_ratio: f64,
+    pub seed: u64,
+    pub amount_cents: i64,
+    pub verify: bool,
+    pub timeout: Duration,
+}
+
+fn bad(msg: impl Into<String>) -> LoadError {
+    LoadError::Config(msg.into())
+}
+
+impl Options {
+    /// Checks every option against its limit; nothing is sent before this passes.
+    pub fn validate(&self) -> Result<Config, LoadError> {
+        if self.targets.is_empty() {
+            return Err(bad("at least one --target is required"));
+        }
+        if self.targets.len() > MAX_TARGETS {
+            return Err(bad(format!("at most {MAX_TARGETS} targets")));
+        }
+        let targets = self
+            .targets
+            .iter()
+            .map(|t| Target::parse(t, self.allow_remote))
+            .collect::<Result<Vec<_>, _>>()?;
+        if !(1..=MAX_CONNECTIONS).contains(&self.connections) {
+            return Err(bad(format!("--connections must be 1..={MAX_CONNECTIONS}")));
+        }
+        let duration_secs = match (self.duration, self.requests) {
+            (Some(d), _) => d,
+            (None, Some(_)) => MAX_DURATION_SECS,
+            (None, None) => DEFAULT_DURATION_SECS,
+        };
+        if !(1..=MAX_DURATION_SECS).contains(&duration_secs) {
+            return Err(bad(format!(
+                "--duration must be 1..={MAX_DURATION_SECS} seconds"
+            )));
+        }
+        if let Some(n) = self.requests
+            && !(1..=MAX_REQUESTS).contains(&n)
+        {
+            return Err(bad(format!("--requests must be 1..={MAX_REQUESTS}")));
+        }
+        if let Some(r) = self.rate
+            && !(r.is_finite() && r > 0.0 && r <= MAX_RATE)
+        {
+            return Err(bad(format!("--rate must be > 0 and <= {MAX_RATE}")));
+        }
+        if !(1..=MAX_ACCOUNTS).contains(&self.accounts) {
+            return Err(bad(format!("--accounts must be 1..={MAX_ACCOUNTS}")));
+        }
+        if self.scenario == Scenario::Mixed && self.accounts < 2 {
+            return Err(bad("--scenario mixed needs --accounts >= 2 for transfers"));
+        }
+        if !(0.0..=1.0).contains(&self.retry_ratio) {
+            return Err(bad("--retry-ratio must be within 0..=1"));
+        }
+        if !(1..=MAX_AMOUNT_CENTS).contains(&self.amount_cents) {
+            return Err(bad(format!(
+                "--amount-cents must be 1..={MAX_AMOUNT_CENTS}"
+            )));
+        }
+        if !(1..=MAX_TIMEOUT_MS).contains(&self.timeout_ms) {
+            return Err(bad(format!("--timeout-ms must be 1..={MAX_TIMEOUT_MS}")));
+        }
+        let seed = self
+            .seed
+            .unwrap_or_else(|| uuid::Uuid::new_v4().as_u64_pair().0);
+        Ok(Config {
+            targets,
+            scenario: self.scenario,
+            connections: self.connections,
+            duration: Duration::from_secs(duration_secs),
+            max_ops: self.requests,
+            rate: self.rate,
+            accounts: self.accounts,
+            retry_ratio: self.retry_ratio,
+            seed,
+            amount_cents: self.amount_cents,
+            verify: self.verify,
+            timeout: Duration::from_millis(self.timeout_ms),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Config, LoadError> {
+        let mut all = vec!["tally-load"];
+        all.extend_from_slice(args);
+        Options::try_parse_from(all)
+            .map_err(|e| bad(e.to_string()))?
+            .validate()
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let c = parse(&[]).unwrap();
+        assert_eq!(c.connections, 64);
+        assert_eq!(c.duration, Duration::from_secs(DEFAULT_DURATION_SECS));
+        assert!(c.verify);
+    }
+
+    #[test]
+    fn limits_are_enforced() {
+        assert!(parse(&["--connections", "0"]).is_err());
+        assert!(parse(&["--retry-ratio", "1.5"]).is_err());
+        assert!(parse(&["--rate", "NaN"]).is_err());
+        assert!(parse(&["--rate", "-3"]).is_err());
+        assert!(parse(&["--scenario", "mixed", "--accounts", "1"]).is_err());
+        assert!(parse(&["--amount-cents", "0"]).is_err());
+        assert!(parse(&["--verify", "maybe"]).is_err());
+        assert!(!parse(&["--verify", "false"]).unwrap().verify);
+    }
+}

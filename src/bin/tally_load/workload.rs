@@ -1,0 +1,365 @@
+//! Operations, the per-scenario mix, and the setup phase (account choice and pre-funding).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hyper::Method;
+use serde::Deserialize;
+use tokio::task::JoinSet;
+use uuid::Uuid;
+
+use super::LoadError;
+use super::cli::{Config, Scenario};
+use super::http::{Client, Outcome, Target, TransportError, exchange};
+use super::ledger::{KeyRecord, is_definitive_failure};
+use super::rng::Rng;
+
+/// Accounts the hot scenario writes to.
+pub const HOT_ACCOUNTS: usize = 3;
+/// Mixed scenario: share of deposits, in percent.
+pub const MIXED_DEPOSIT_PERCENT: u64 = 50;
+/// Mixed scenario: share of withdrawals, in percent (the rest are transfers).
+pub const MIXED_WITHDRAW_PERCENT: u64 = 25;
+/// Mixed scenario: each account is pre-funded with this many times `--amount-cents`.
+pub const MIXED_PREFUND_MULTIPLIER: i64 = 1000;
+/// Attempts per pre-funding deposit (same key each time) before setup gives up.
+pub const SETUP_MAX_ATTEMPTS: u32 = 8;
+/// Pause before re-sending a setup deposit when the server gave no Retry-After.
+pub const SETUP_BACKOFF: Duration = Duration::from_millis(50);
+/// Longest pause honoured from a Retry-After during setup.
+pub const SETUP_MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// Most characters of a response body quoted in an error message.
+pub const MAX_QUOTED_BODY: usize = 200;
+/// RNG stream for account ids (ticket streams use the ticket number, far below this).
+const ACCOUNT_STREAM: u64 = u64::MAX;
+
+/// What one operation does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpKind {
+    Deposit,
+    Withdraw,
+    Transfer,
+    Balance,
+}
+
+/// One API operation; `to` is set for transfers only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Op {
+    pub kind: OpKind,
+    pub account: Uuid,
+    pub to: Option<Uuid>,
+    pub amount_cents: i64,
+}
+
+impl Op {
+    /// A deposit of `amount_cents` into `account`.
+    pub fn deposit(account: Uuid, amount_cents: i64) -> Self {
+        Op {
+            kind: OpKind::Deposit,
+            account,
+            to: None,
+            amount_cents,
+        }
+    }
+
+    /// True for operations that carry an idempotency key.
+    pub fn is_write(&self) -> bool {
+        self.kind != OpKind::Balance
+    }
+
+    fn method(&self) -> Method {
+        if self.is_write() {
+            Method::POST
+        } else {
+            Method::GET
+        }
+    }
+
+    fn path(&self) -> String {
+        let suffix = match self.kind {
+            OpKind::Deposit => "deposit",
+            OpKind::Withdraw => "withdraw",
+            OpKind::Transfer => "transfers",
+            OpKind::Balance => "balance",
+        };
+        format!("/api/accounts/{}/{suffix}", self.account)
+    }
+
+    fn body(&self) -> Option<Bytes> {
+        let value = match (self.kind, self.to) {
+            (OpKind::Balance, _) => return None,
+            (OpKind::Transfer, Some(to)) => serde_json::json!({
+                "toAccountId": to.to_string(),
+                "amountCents": self.amount_cents,
+            }),
+            _ => serde_json::json!({ "amountCents": self.amount_cents }),
+        };
+        Some(Bytes::from(value.to_string()))
+    }
+}
+
+/// Sends `op` to `target`, with `key` as its Idempotency-Key when given.
+pub async fn send_op(
+    client: &Client,
+    target: &Target,
+    op: &Op,
+    key: Option<Uuid>,
+    timeout: Duration,
+) -> Outcome {
+    let uri = target.uri(&op.path()).map_err(|detail| TransportError {
+        kind: "request",
+        detail,
+    })?;
+    let key = key.map(|k| k.to_string());
+    exchange(client, op.method(), uri, key.as_deref(), op.body(), timeout).await
+}
+
+/// The accounts and mix of the measured phase.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    pub scenario: Scenario,
+    pub accounts: Vec<Uuid>,
+    pub amount_cents: i64,
+}
+
+impl Workload {
+    /// Draws the next operation from `rng`.
+    pub fn next_op(&self, rng: &mut Rng) -> Op {
+        let n = self.accounts.len() as u64;
+        let from = rng.below(n) as usize;
+        let account = self.accounts[from];
+        let amount_cents = self.amount_cents;
+        let kind = match self.scenario {
+            Scenario::Spread | Scenario::Hot => OpKind::Deposit,
+            Scenario::Balance => OpKind::Balance,
+            Scenario::Mixed => match rng.below(100) {
+                r if r < MIXED_DEPOSIT_PERCENT => OpKind::Deposit,
+                r if r < MIXED_DEPOSIT_PERCENT + MIXED_WITHDRAW_PERCENT => OpKind::Withdraw,
+                _ if n >= 2 => OpKind::Transfer,
+                _ => OpKind::Withdraw,
+            },
+        };
+        let to = (kind == OpKind::Transfer).then(|| {
+            let offset = 1 + rng.below(n - 1) as usize;
+            self.accounts[(from + offset) % self.accounts.len()]
+        });
+        Op {
+            kind,
+            account,
+            to,
+            amount_cents,
+        }
+    }
+}
+
+/// The outcome of the setup phase.
+#[derive(Debug)]
+pub struct Setup {
+    pub workload: Workload,
+    /// Keys of the pre-funding deposits, verified like the rest.
+    pub records: Vec<KeyRecord>,
+    pub requests: u64,
+    pub elapsed: Duration,
+}
+
+#[derive(Deserialize)]
+struct AccountList {
+    accounts: Vec<AccountEntry>,
+}
+
+#[derive(Deserialize)]
+struct AccountEntry {
+    id: Uuid,
+}
+
+/// Shortens a body for quoting in an error.
+pub fn quote(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    text.chars().take(MAX_QUOTED_BODY).collect()
+}
+
+/// Chooses the accounts and pre-funds them, retrying each deposit with its own key.
+pub async fn prepare(config: &Config, client: &Client) -> Result<Setup, LoadError> {
+    let started = Instant::now();
+    let mut seeded = Rng::derive(config.seed, ACCOUNT_STREAM);
+    let mut requests = 0;
+    let (accounts, prefund) = match config.scenario {
+        Scenario::Hot => {
+            requests += 1;
+            let mut accounts = list_accounts(config, client).await?;
+            accounts.truncate(HOT_ACCOUNTS);
+            while accounts.len() < HOT_ACCOUNTS {
+                accounts.push(seeded.uuid_v4());
+            }
+            (accounts, None)
+        }
+        Scenario::Spread | Scenario::Balance | Scenario::Mixed => {
+            let accounts: Vec<Uuid> = (0..config.accounts).map(|_| seeded.uuid_v4()).collect();
+            let amount = if config.scenario == Scenario::Mixed {
+                config.amount_cents.saturating_mul(MIXED_PREFUND_MULTIPLIER)
+            } else {
+                config.amount_cents
+            };
+            (accounts, Some(amount))
+        }
+    };
+    let mut records = Vec::new();
+    if let Some(amount) = prefund {
+        let (funded, sent) = prefund_all(config, client, &accounts, amount).await?;
+        records = funded;
+        requests += sent;
+    }
+    Ok(Setup {
+        workload: Workload {
+            scenario: config.scenario,
+            accounts,
+            amount_cents: config.amount_cents,
+        },
+        records,
+        requests,
+        elapsed: started.elapsed(),
+    })
+}
+
+async fn list_accounts(config: &Config, client: &Client) -> Result<Vec<Uuid>, LoadError> {
+    let target = &config.targets[0];
+    let fail =
+        |why: String| LoadError::Setup(format!("GET {}/api/accounts: {why}", target.as_str()));
+    let uri = target.uri("/api/accounts").map_err(fail)?;
+    let answer = exchange(client, Method::GET, uri, None, None, config.timeout)
+        .await
+        .map_err(|e| fail(format!("{}: {}", e.kind, e.detail)))?;
+    if !(200..300).contains(&answer.status) {
+        return Err(fail(format!(
+            "status {}: {}",
+            answer.status,
+            quote(&answer.body)
+        )));
+    }
+    let list: AccountList = serde_json::from_slice(&answer.body)
+        .map_err(|e| fail(format!("unexpected body ({e}): {}", quote(&answer.body))))?;
+    Ok(list.accounts.into_iter().map(|a| a.id).collect())
+}
+
+async fn prefund_all(
+    config: &Config,
+    client: &Client,
+    accounts: &[Uuid],
+    amount: i64,
+) -> Result<(Vec<KeyRecord>, u64), LoadError> {
+    let accounts: Arc<Vec<Uuid>> = Arc::new(accounts.to_vec());
+    let next = Arc::new(AtomicUsize::new(0));
+    let workers = config.connections.min(accounts.len()).max(1);
+    let mut tasks = JoinSet::new();
+    for _ in 0..workers {
+        let (accounts, next) = (accounts.clone(), next.clone());
+        let (config, client) = (config.clone(), client.clone());
+        tasks.spawn(async move {
+            let mut records = Vec::new();
+            let mut sent = 0u64;
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&account) = accounts.get(i) else {
+                    break;
+                };
+                let (record, attempts) = fund_one(&config, &client, i, account, amount).await?;
+                sent += attempts;
+                records.push(record);
+            }
+            Ok::<_, String>((records, sent))
+        });
+    }
+    let mut all = Vec::with_capacity(accounts.len());
+    let mut sent = 0;
+    while let Some(joined) = tasks.join_next().await {
+        let (records, n) = joined
+            .map_err(|e| LoadError::Setup(format!("pre-funding task failed: {e}")))?
+            .map_err(LoadError::Setup)?;
+        all.extend(records);
+        sent += n;
+    }
+    Ok((all, sent))
+}
+
+async fn fund_one(
+    config: &Config,
+    client: &Client,
+    index: usize,
+    account: Uuid,
+    amount: i64,
+) -> Result<(KeyRecord, u64), String> {
+    let op = Op::deposit(account, amount);
+    let mut record = KeyRecord::new(Uuid::new_v4(), op);
+    let mut last = String::new();
+    for attempt in 0..SETUP_MAX_ATTEMPTS {
+        let target = &config.targets[(index + attempt as usize) % config.targets.len()];
+        let outcome = send_op(client, target, &op, Some(record.key), config.timeout).await;
+        record.observe(&outcome);
+        let pause = match &outcome {
+            Ok(a) if (200..300).contains(&a.status) => {
+                return Ok((record, u64::from(attempt) + 1));
+            }
+            Ok(a) if is_definitive_failure(a.status) => {
+                return Err(format!(
+                    "pre-funding deposit into {account} refused with {}: {}",
+                    a.status,
+                    quote(&a.body)
+                ));
+            }
+            Ok(a) => {
+                last = format!("status {}: {}", a.status, quote(&a.body));
+                a.retry_after.map(|d| d.min(SETUP_MAX_BACKOFF))
+            }
+            Err(e) => {
+                last = format!("{}: {}", e.kind, e.detail);
+                None
+            }
+        };
+        tokio::time::sleep(pause.unwrap_or(SETUP_BACKOFF * (attempt + 1))).await;
+    }
+    Err(format!(
+        "pre-funding deposit into {account} did not succeed after {SETUP_MAX_ATTEMPTS} attempts (last: {last})"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mixed_transfers_never_target_self() {
+        let mut r = Rng::derive(3, 0);
+        let w = Workload {
+            scenario: Scenario::Mixed,
+            accounts: (0..4).map(|_| r.uuid_v4()).collect(),
+            amount_cents: 5,
+        };
+        let mut kinds = std::collections::HashSet::new();
+        for ticket in 0..2000 {
+            let op = w.next_op(&mut Rng::derive(3, ticket));
+            kinds.insert(op.kind as u8);
+            if let Some(to) = op.to {
+                assert_ne!(to, op.account);
+                assert!(w.accounts.contains(&to));
+            }
+        }
+        assert_eq!(kinds.len(), 3);
+    }
+
+    #[test]
+    fn bodies_are_camel_case_json() {
+        let a = Uuid::nil();
+        let t = Op {
+            kind: OpKind::Transfer,
+            account: a,
+            to: Some(a),
+            amount_cents: 7,
+        };
+        let v: serde_json::Value = serde_json::from_slice(&t.body().unwrap()).unwrap();
+        assert_eq!(v["amountCents"], 7);
+        assert_eq!(v["toAccountId"], a.to_string());
+        assert_eq!(t.path(), format!("/api/accounts/{a}/transfers"));
+    }
+}

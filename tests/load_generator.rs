@@ -1,0 +1,615 @@
+//! Drives the `tally-load` core against a small in-process fake of the Tally HTTP API
+//! (in-memory accounts, idempotency-key dedup, optional faults) and checks its report.
+
+#[allow(dead_code)]
+#[path = "../src/bin/tally_load/mod.rs"]
+mod tally_load;
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use clap::Parser;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use uuid::Uuid;
+
+use tally_load::verify::{Verdict, ViolationKind};
+use tally_load::{Options, Report};
+
+/// Longest any single generator run may take in these tests.
+const RUN_LIMIT: Duration = Duration::from_secs(120);
+/// Largest request body the fake reads.
+const MAX_FAKE_BODY: usize = 64 * 1024;
+/// The fake's demo accounts and their opening balances.
+const DEMO: [(u128, &str, i64); 3] = [
+    (0xA11CE, "Alice", 50_000),
+    (0xB0B, "Bob", 25_000),
+    (0xCA201, "Carol", 10_000),
+];
+
+/// Misbehaviour the fake can be asked for.
+#[derive(Clone, Copy, Default)]
+struct Faults {
+    /// Apply a retried key again instead of replaying it (the bug the verifier must catch).
+    double_apply_retries: bool,
+    /// Answer every Nth write 503 without applying it (0 = never).
+    shed_every: u64,
+    /// Apply every Nth fresh write but answer 503, as if the answer were lost (0 = never).
+    lost_answer_every: u64,
+}
+
+/// A stored first answer for an idempotency key.
+struct Stored {
+    fingerprint: String,
+    status: u16,
+    body: String,
+}
+
+#[derive(Default)]
+struct State {
+    streams: HashMap<Uuid, Vec<Value>>,
+    balances: HashMap<Uuid, i64>,
+    keys: HashMap<String, Stored>,
+    writes: u64,
+    fresh_writes: u64,
+}
+
+/// The fake server: one shared state behind any number of listeners (a "fleet").
+struct Fake {
+    faults: Faults,
+    state: Mutex<State>,
+    /// Requests other than history reads, i.e. what the generator's own counters cover.
+    load_requests: AtomicU64,
+}
+
+/// A reply before it becomes an HTTP response.
+struct Reply {
+    status: u16,
+    body: String,
+    replayed: bool,
+    retry_after: bool,
+}
+
+impl Reply {
+    fn new(status: u16, body: Value) -> Self {
+        Reply {
+            status,
+            body: body.to_string(),
+            replayed: false,
+            retry_after: false,
+        }
+    }
+
+    fn error(status: u16, code: &str) -> Self {
+        Reply::new(status, json!({ "error": { "code": code } }))
+    }
+}
+
+impl Fake {
+    fn new(faults: Faults) -> Arc<Self> {
+        let fake = Fake {
+            faults,
+            state: Mutex::new(State::default()),
+            load_requests: AtomicU64::new(0),
+        };
+        {
+            let mut state = fake.state.lock().unwrap();
+            for (id, _, cents) in DEMO {
+                append(
+                    &mut state,
+                    Uuid::from_u128(id),
+                    "Deposited",
+                    cents,
+                    None,
+                    None,
+                );
+            }
+        }
+        Arc::new(fake)
+    }
+
+    fn route(
+        &self,
+        method: &Method,
+        path: &str,
+        query: &str,
+        key: Option<&str>,
+        body: &[u8],
+    ) -> Reply {
+        let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+        let is_history = matches!(parts.as_slice(), ["api", "accounts", _, "history"]);
+        if !is_history {
+            self.load_requests.fetch_add(1, Ordering::Relaxed);
+        }
+        match (method, parts.as_slice()) {
+            (&Method::GET, ["api", "accounts"]) => Reply::new(
+                200,
+                json!({ "accounts": DEMO.iter().map(|(id, name, _)| json!({
+                    "id": Uuid::from_u128(*id).to_string(), "name": name,
+                })).collect::<Vec<_>>() }),
+            ),
+            (_, ["api", "accounts", id, action]) => {
+                let Ok(account) = Uuid::parse_str(id) else {
+                    return Reply::error(422, "VALIDATION_ERROR");
+                };
+                match (method, *action) {
+                    (&Method::GET, "balance") => {
+                        let state = self.state.lock().unwrap();
+                        Reply::new(200, position(&state, account))
+                    }
+                    (&Method::GET, "history") => self.history(account, query),
+                    (&Method::POST, "deposit" | "withdraw" | "transfers") => {
+                        self.write(account, action, key, body)
+                    }
+                    _ => Reply::error(404, "NOT_FOUND"),
+                }
+            }
+            _ => Reply::error(404, "NOT_FOUND"),
+        }
+    }
+
+    fn history(&self, account: Uuid, query: &str) -> Reply {
+        let param = |name: &str| {
+            query
+                .split('&')
+                .filter_map(|kv| kv.split_once('='))
+                .find(|(k, _)| *k == name)
+                .and_then(|(_, v)| v.parse::<u64>().ok())
+        };
+        let from = param("fromVersion").unwrap_or(0);
+        let limit = param("limit").unwrap_or(100).clamp(1, 1000) as usize;
+        let state = self.state.lock().unwrap();
+        let all = state
+            .streams
+            .get(&account)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let rest: Vec<&Value> = all
+            .iter()
+            .filter(|e| e["aggregateVersion"].as_u64().unwrap_or(0) >= from)
+            .collect();
+        let page: Vec<Value> = rest.iter().take(limit).map(|e| (*e).clone()).collect();
+        let mut body = json!({
+            "events": page,
+            "currentAggregateVersion": all.len(),
+            "balanceCents": state.balances.get(&account).copied().unwrap_or(0),
+        });
+        if rest.len() > limit {
+            let last = page
+                .last()
+                .and_then(|e| e["aggregateVersion"].as_u64())
+                .unwrap_or(from);
+            body["nextFromVersion"] = json!(last + 1);
+        }
+        Reply::new(200, body)
+    }
+
+    fn write(&self, account: Uuid, action: &str, key: Option<&str>, body: &[u8]) -> Reply {
+        let Some(key) = key.filter(|k| !k.is_empty() && k.len() <= 255) else {
+            return Reply::error(422, "VALIDATION_ERROR");
+        };
+        let Ok(request) = serde_json::from_slice::<Value>(body) else {
+            return Reply::error(422, "VALIDATION_ERROR");
+        };
+        let amount = request["amountCents"].as_i64().filter(|a| *a > 0);
+        let to = request["toAccountId"]
+            .as_str()
+            .and_then(|s| Uuid::parse_str(s).ok());
+        let Some(amount) = amount else {
+            return Reply::error(422, "VALIDATION_ERROR");
+        };
+        if action == "transfers" && to.is_none_or(|t| t == account) {
+            return Reply::error(422, "VALIDATION_ERROR");
+        }
+        let fingerprint = format!("{action} {account} {request}");
+        let event_id = Uuid::parse_str(key).ok();
+        let mut state = self.state.lock().unwrap();
+        state.writes += 1;
+        if self.faults.shed_every > 0 && state.writes.is_multiple_of(self.faults.shed_every) {
+            let mut reply = Reply::error(503, "OVERLOADED");
+            reply.retry_after = true;
+            return reply;
+        }
+        if let Some(stored) = state.keys.get(key) {
+            if stored.fingerprint != fingerprint {
+                return Reply::error(422, "IDEMPOTENCY_KEY_REUSED");
+            }
+            if !self.faults.double_apply_retries {
+                return Reply {
+                    status: stored.status,
+                    body: stored.body.clone(),
+                    replayed: true,
+                    retry_after: false,
+                };
+            }
+        }
+        let balance = state.balances.get(&account).copied().unwrap_or(0);
+        let answer = match (action, to) {
+            ("deposit", _) => {
+                append(&mut state, account, "Deposited", amount, None, event_id);
+                position(&state, account)
+            }
+            (_, _) if balance < amount => return Reply::error(422, "INSUFFICIENT_FUNDS"),
+            ("withdraw", _) => {
+                append(&mut state, account, "Withdrawn", -amount, None, event_id);
+                position(&state, account)
+            }
+            (_, Some(to)) => {
+                append(
+                    &mut state,
+                    account,
+                    "TransferredOut",
+                    -amount,
+                    Some(("toAccountId", to)),
+                    event_id,
+                );
+                append(
+                    &mut state,
+                    to,
+                    "TransferredIn",
+                    amount,
+                    Some(("fromAccountId", account)),
+                    event_id,
+                );
+                json!({ "from": position(&state, account), "to": position(&state, to) })
+            }
+            _ => return Reply::error(422, "VALIDATION_ERROR"),
+        };
+        let reply = Reply::new(200, answer);
+        state.keys.insert(
+            key.to_string(),
+            Stored {
+                fingerprint,
+                status: reply.status,
+                body: reply.body.clone(),
+            },
+        );
+        state.fresh_writes += 1;
+        if self.faults.lost_answer_every > 0
+            && state
+                .fresh_writes
+                .is_multiple_of(self.faults.lost_answer_every)
+        {
+            let mut lost = Reply::error(503, "UNAVAILABLE");
+            lost.retry_after = true;
+            return lost;
+        }
+        reply
+    }
+}
+
+/// Appends one event; `delta` is signed, the event's amount is its magnitude.
+fn append(
+    state: &mut State,
+    account: Uuid,
+    kind: &str,
+    delta: i64,
+    counterparty: Option<(&str, Uuid)>,
+    event_id: Option<Uuid>,
+) {
+    let stream = state.streams.entry(account).or_default();
+    let mut event = json!({
+        "aggregateVersion": stream.len() + 1,
+        "timestamp": "2025-01-01T00:00:00Z",
+        "type": kind,
+        "amountCents": delta.abs(),
+    });
+    if let Some((field, other)) = counterparty {
+        event[field] = json!(other.to_string());
+    }
+    if let Some(id) = event_id {
+        event["eventId"] = json!(id.to_string());
+    }
+    stream.push(event);
+    *state.balances.entry(account).or_default() += delta;
+}
+
+fn position(state: &State, account: Uuid) -> Value {
+    json!({
+        "balanceCents": state.balances.get(&account).copied().unwrap_or(0),
+        "aggregateVersion": state.streams.get(&account).map_or(0, Vec::len),
+    })
+}
+
+async fn handle(
+    fake: Arc<Fake>,
+    request: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
+    let method = request.method().clone();
+    let path = request.uri().path().to_string();
+    let query = request.uri().query().unwrap_or_default().to_string();
+    let key = request
+        .headers()
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let body = match Limited::new(request.into_body(), MAX_FAKE_BODY)
+        .collect()
+        .await
+    {
+        Ok(collected) => collected.to_bytes(),
+        Err(_) => Bytes::new(),
+    };
+    let reply = fake.route(&method, &path, &query, key.as_deref(), &body);
+    let mut response = Response::builder()
+        .status(StatusCode::from_u16(reply.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR))
+        .header("content-type", "application/json");
+    if reply.replayed {
+        response = response.header("idempotent-replayed", "true");
+    }
+    if reply.retry_after {
+        response = response.header("retry-after", "0");
+    }
+    Ok(response
+        .body(Full::new(Bytes::from(reply.body)))
+        .unwrap_or_else(|_| Response::new(Full::new(Bytes::new()))))
+}
+
+/// Serves `fake` on a fresh loopback port; the listener is bound before this returns.
+async fn serve(fake: Arc<Fake>) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let fake = fake.clone();
+            tokio::spawn(async move {
+                let service = service_fn(move |req| handle(fake.clone(), req));
+                let _ = http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+/// Runs the generator core with `command_line` (flags separated by whitespace).
+async fn run_generator(command_line: &str) -> Report {
+    let argv = std::iter::once("tally-load").chain(command_line.split_whitespace());
+    let options = Options::try_parse_from(argv).expect("options parse");
+    tokio::time::timeout(RUN_LIMIT, tally_load::run(options))
+        .await
+        .expect("generator finished in time")
+        .expect("generator ran")
+}
+
+fn target(addr: SocketAddr) -> String {
+    format!("http://{addr}")
+}
+
+/// The counts a report must satisfy whatever the scenario.
+fn assert_counts_add_up(report: &Report, fake: &Fake) {
+    let answered: u64 = report.status_counts.values().sum();
+    assert_eq!(report.requests, report.operations + report.retries);
+    assert_eq!(answered + report.errors, report.requests);
+    assert_eq!(report.latency_us.count, answered);
+    assert!(report.latency_us.p50 <= report.latency_us.p90);
+    assert!(report.latency_us.p90 <= report.latency_us.p99);
+    assert!(report.latency_us.p99 <= report.latency_us.p999);
+    assert_eq!(
+        fake.load_requests.load(Ordering::Relaxed),
+        report.requests + report.setup.requests,
+        "the fake saw exactly the requests the generator counted"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mixed_fleet_with_retries_and_faults_passes() {
+    let fake = Fake::new(Faults {
+        shed_every: 13,
+        lost_answer_every: 17,
+        ..Faults::default()
+    });
+    let (a, b) = (serve(fake.clone()).await, serve(fake.clone()).await);
+    let report = run_generator(&format!(
+        "--target {} --target {} --scenario mixed --accounts 6 --requests 300 --connections 8 --retry-ratio 0.4 --seed 7 --amount-cents 250",
+        target(a), target(b)
+    ))
+    .await;
+    print!("{report}");
+    assert_eq!(report.operations, 300);
+    assert!(report.retries > 0);
+    assert_counts_add_up(&report, &fake);
+    assert_eq!(report.errors, 0);
+    assert!(report.replays > 0, "retries of landed writes are replayed");
+    assert!(report.status_counts.get(&503).is_some_and(|n| *n > 0));
+    let e = &report.exactly_once;
+    assert_eq!(e.verdict, Verdict::Pass, "{:?}", e.violations);
+    assert!(report.passed());
+    assert_eq!(e.checked, report.operations + report.setup.accounts as u64);
+    assert_eq!(e.checked, e.succeeded + e.rejected + e.unknown);
+    assert!(
+        e.unknown > 0 && e.unknown_landed > 0,
+        "shed and lost answers are unknown"
+    );
+    assert_eq!(e.violation_count, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn double_applied_retry_fails_the_verdict() {
+    let fake = Fake::new(Faults {
+        double_apply_retries: true,
+        ..Faults::default()
+    });
+    let addr = serve(fake.clone()).await;
+    let report = run_generator(&format!(
+        "--target {} --scenario spread --accounts 20 --requests 200 --connections 4 --retry-ratio 0.5 --seed 11",
+        target(addr)
+    ))
+    .await;
+    print!("{report}");
+    assert_counts_add_up(&report, &fake);
+    assert_eq!(report.replays, 0);
+    let e = &report.exactly_once;
+    assert_eq!(e.verdict, Verdict::Fail);
+    assert!(!report.passed());
+    let kinds: Vec<ViolationKind> = e.violations.iter().map(|v| v.kind).collect();
+    assert!(kinds.contains(&ViolationKind::Duplicate));
+    assert!(kinds.contains(&ViolationKind::BodyMismatch));
+    assert!(
+        e.violation_count >= report.retries,
+        "each double apply is caught"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_loop_hot_uses_the_demo_accounts() {
+    let fake = Fake::new(Faults::default());
+    let addr = serve(fake.clone()).await;
+    let report = run_generator(&format!(
+        "--target {} --scenario hot --rate 2000 --requests 200 --connections 16 --retry-ratio 0.2 --json",
+        target(addr)
+    ))
+    .await;
+    assert_eq!(report.mode, "open-loop");
+    assert_eq!(report.operations, 200);
+    assert_counts_add_up(&report, &fake);
+    assert_eq!(report.setup.accounts, 3);
+    assert_eq!(
+        report.status_counts.get(&200).copied(),
+        Some(report.requests)
+    );
+    assert_eq!(report.replays, report.retries);
+    let e = &report.exactly_once;
+    assert_eq!(e.verdict, Verdict::Pass, "{:?}", e.violations);
+    assert_eq!(
+        (e.checked, e.foreign_events),
+        (200, 3),
+        "demo deposits carry no eventId"
+    );
+    let json = serde_json::to_value(&report).unwrap();
+    for field in ["throughput", "status_counts", "replays", "errors"] {
+        assert!(json.get(field).is_some(), "{field}");
+    }
+    for field in ["p50", "p90", "p99", "p999"] {
+        assert!(json["latency_us"][field].is_u64(), "{field}");
+    }
+    assert_eq!(json["exactly_once"]["verdict"], "pass");
+    assert!(json["exactly_once"]["violations"].is_array());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn balance_reads_and_paged_history() {
+    let fake = Fake::new(Faults::default());
+    let addr = serve(fake.clone()).await;
+    let report = run_generator(&format!(
+        "--target {} --scenario balance --accounts 5 --requests 150 --connections 4 --retry-ratio 1",
+        target(addr)
+    ))
+    .await;
+    assert_counts_add_up(&report, &fake);
+    assert_eq!(report.retries, 0, "reads are never re-sent");
+    assert_eq!(report.status_counts.get(&200).copied(), Some(150));
+    assert_eq!(report.exactly_once.verdict, Verdict::Pass);
+    assert_eq!(
+        report.exactly_once.checked, 5,
+        "only the pre-funding deposits carry keys"
+    );
+
+    // One hot account with more events than a history page holds.
+    let deep = Fake::new(Faults::default());
+    let addr = serve(deep.clone()).await;
+    let report = run_generator(&format!(
+        "--target {} --scenario spread --accounts 1 --requests 1200 --connections 8 --seed 3",
+        target(addr)
+    ))
+    .await;
+    let e = &report.exactly_once;
+    assert_eq!(e.verdict, Verdict::Pass, "{:?}", e.violations);
+    assert_eq!((e.checked, e.events_read), (1201, 1201));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_prints_json_and_sets_exit_codes() {
+    let exe = env!("CARGO_BIN_EXE_tally-load");
+    let good = serve(Fake::new(Faults::default())).await;
+    let output = tokio::process::Command::new(exe)
+        .args([
+            "--target",
+            &target(good),
+            "--scenario",
+            "mixed",
+            "--accounts",
+            "4",
+        ])
+        .args([
+            "--requests",
+            "200",
+            "--connections",
+            "8",
+            "--retry-ratio",
+            "0.3",
+            "--json",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let json: Value = serde_json::from_slice(&output.stdout).expect("one JSON object");
+    assert_eq!(json["exactly_once"]["verdict"], "pass");
+    assert_eq!(json["operations"], 200);
+
+    let bad = serve(Fake::new(Faults {
+        double_apply_retries: true,
+        ..Faults::default()
+    }))
+    .await;
+    let output = tokio::process::Command::new(exe)
+        .args([
+            "--target",
+            &target(bad),
+            "--requests",
+            "100",
+            "--accounts",
+            "5",
+        ])
+        .args(["--connections", "4", "--retry-ratio", "0.5"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(text.contains("exactly-once: FAIL"), "{text}");
+
+    let output = tokio::process::Command::new(exe)
+        .args(["--target", "http://example.invalid:8080", "--requests", "1"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("loopback"));
+
+    let closed = {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        listener.local_addr().unwrap()
+    };
+    let output = tokio::process::Command::new(exe)
+        .args([
+            "--target",
+            &target(closed),
+            "--scenario",
+            "hot",
+            "--requests",
+            "1",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("setup failed"));
+}
