@@ -444,6 +444,9 @@ impl<'a> Run<'a> {
             // 5. Append and classify.
             skip_backoff = self.write(&batch).await;
         }
+        let span = tracing::Span::current();
+        span.record("attempts", self.attempt);
+        span.record("outcome", self.outcome_label());
         let m = self.svc.metrics();
         m.write_attempts
             .with_label_values(&[self.op_label])
@@ -841,6 +844,23 @@ impl<'a> Run<'a> {
                 }
                 false
             }
+        }
+    }
+
+    /// A one-word summary of the run for the request span.
+    fn outcome_label(&self) -> &'static str {
+        let mut ok = 0;
+        let mut failed = 0;
+        for p in &self.pending {
+            match &p.answer {
+                Some(Ok(_)) => ok += 1,
+                _ => failed += 1,
+            }
+        }
+        match (ok, failed) {
+            (_, 0) => "ok",
+            (0, _) => "failed",
+            _ => "partial",
         }
     }
 

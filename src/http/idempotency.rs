@@ -50,6 +50,14 @@ impl IdempotencyKey {
         Self::parse(raw)
     }
 
+    /// A short, stable hash of the key for logs: enough to correlate a retry with its first
+    /// attempt, never enough to recover the key.
+    pub fn short_hash(&self) -> String {
+        let id = self.event_id.as_u128();
+        let mixed = (id as u64 ^ (id >> 64) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        format!("{:08x}", mixed >> 32)
+    }
+
     pub fn parse(raw: &str) -> Result<Self, ApiError> {
         let key = unquote(raw)?;
         if key.is_empty() || key.chars().count() > MAX_KEY_LEN {

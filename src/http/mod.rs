@@ -85,7 +85,14 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
     let method = routes::method_label(req.method());
     let routed = Route::resolve(req.method(), req.uri().path());
     let template = routed.as_ref().map_or("unmatched", Route::template);
-    let span = tracing::info_span!("request", method, route = template);
+    let span = tracing::info_span!(
+        "request",
+        method,
+        route = template,
+        key_hash = tracing::field::Empty,
+        attempts = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+    );
     let m = &app.metrics;
     m.http_in_flight.inc();
     let resp = async {

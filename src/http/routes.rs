@@ -11,6 +11,7 @@ use hyper::header::HeaderValue;
 use hyper::{Method, Request, Response, StatusCode};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use tracing::Instrument;
 use uuid::Uuid;
 
 use super::body::{Resp, json_response, read_json, text_response};
@@ -270,6 +271,7 @@ where
     F: FnOnce(B) -> Result<Operation, ApiError>,
 {
     let key = IdempotencyKey::from_headers(req.headers())?;
+    tracing::Span::current().record("key_hash", key.short_hash().as_str());
     let body: B = read_json(req).await?;
     let op = build(body)?;
     if key.minted {
@@ -280,7 +282,8 @@ where
         op,
         event_id: key.event_id.as_u128(),
     };
-    let answer = tokio::spawn(async move { writes.execute(request).await })
+    let span = tracing::Span::current();
+    let answer = tokio::spawn(async move { writes.execute(request).await }.instrument(span))
         .await
         .map_err(|e| ApiError::Internal {
             code: "INTERNAL",
