@@ -30,7 +30,10 @@ unsafe impl GlobalAlloc for Counting {
         unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(new_size as isize - layout.size() as isize, Ordering::Relaxed);
+        LIVE.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
         unsafe { System.realloc(ptr, layout, new_size) }
     }
 }
@@ -50,7 +53,10 @@ fn rss_bytes() -> u64 {
 }
 
 fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 fn projection(cap: usize) -> Arc<Projection> {
@@ -104,7 +110,7 @@ fn main() {
         let mut peak_live = 0;
         for i in 0..touched as u64 {
             p.catch_up(account(1_000_000_000 + i)).await.expect("catch-up");
-            if (i as usize + 1) % step == 0 {
+            if (i as usize + 1).is_multiple_of(step) {
                 // Let the sweeper run between bursts, as it does between requests.
                 tokio::task::yield_now().await;
                 let resident = p.resident_accounts();
