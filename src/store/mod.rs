@@ -15,6 +15,7 @@
 //! - reads below the trim point fail with [`StoreError::Trimmed`]; a read past the tip is
 //!   empty; filters apply to whole batches.
 
+pub mod celeriant;
 pub mod faults;
 pub mod memory;
 
@@ -226,7 +227,11 @@ pub type StoreResult<T> = Result<T, StoreError>;
 pub trait EventLog: Send + Sync + 'static {
     /// Appends each aggregate's events as one batch, all or nothing. Returns each
     /// aggregate's new version, in the order of `writes`.
-    async fn write(&self, client_id: ClientId, writes: Vec<AggregateWrite>) -> StoreResult<Vec<u64>>;
+    async fn write(
+        &self,
+        client_id: ClientId,
+        writes: Vec<AggregateWrite>,
+    ) -> StoreResult<Vec<u64>>;
 
     /// Reads one page of batches. Reading a missing aggregate is `AggregateNotFound`.
     async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage>;
