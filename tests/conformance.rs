@@ -1,0 +1,1296 @@
+//! Conformance suite for the event-log port.
+//!
+//! Every rule is written once, in [`rules`], as an async function over a [`SharedLog`] and a
+//! [`Keys`] generator that mints fresh aggregate keys and client ids (uuid v4), so runs never
+//! collide on a shared server. [`conformance_suite!`] turns the rules into one `#[tokio::test]`
+//! per rule for a backend:
+//!
+//! ```ignore
+//! conformance_suite!(memory, || async { Arc::new(MemoryLog::new()) as SharedLog });
+//! conformance_suite!(celeriant, env = "CELERIANT_ADDRESS", |address: String| async move {
+//!     Arc::new(CeleriantLog::connect(&address).await.unwrap()) as SharedLog
+//! });
+//! ```
+//!
+//! The second form prints `skipped: CELERIANT_ADDRESS not set` and passes when the variable is
+//! unset. Tests that need MemoryLog internals (a manual clock, a small page size) live in
+//! [`memory_only`].
+
+use std::sync::Arc;
+
+use tally::store::faults::{FaultConfig, FaultyLog};
+use tally::store::memory::MemoryLog;
+use tally::store::{EventLog, SharedLog};
+
+/// Generates one `#[tokio::test]` per conformance rule, in a module named `$suite`.
+///
+/// `conformance_suite!(name, factory)`: `factory()` returns a future of a [`SharedLog`].
+/// `conformance_suite!(name, env = "VAR", factory)`: runs only when `VAR` is set;
+/// `factory(value_of_var)` returns a future of a [`SharedLog`].
+macro_rules! conformance_suite {
+    ($suite:ident, env = $var:literal, $factory:expr) => {
+        conformance_suite!(@rules $suite, {
+            match std::env::var($var) {
+                Ok(value) => Some(($factory)(value).await),
+                Err(_) => {
+                    eprintln!("skipped: {} not set", $var);
+                    None
+                }
+            }
+        });
+    };
+    ($suite:ident, $factory:expr) => {
+        conformance_suite!(@rules $suite, { Some(($factory)().await) });
+    };
+    (@rules $suite:ident, $make:block) => {
+        conformance_suite!(@tests $suite, $make, [
+            write_appends_one_batch_per_write_and_versions_start_at_one,
+            write_returns_versions_in_request_order,
+            write_to_missing_aggregate_without_allow_create_is_not_found,
+            expected_version_zero_means_must_not_exist,
+            version_guard_conflict_reports_expected_and_current,
+            existence_is_checked_before_the_version_guard,
+            retried_conditional_write_that_landed_gets_conflict_not_idempotency_violation,
+            retry_with_refreshed_expected_version_gets_idempotency_violation,
+            idempotency_rejects_lowest_seq_at_or_below_the_mark,
+            idempotency_is_scoped_per_client_id,
+            idempotency_is_scoped_per_aggregate,
+            mark_moves_on_unenforced_writes,
+            mark_never_moves_down,
+            multi_aggregate_write_fails_whole_when_one_leg_fails_the_version_guard,
+            multi_aggregate_write_fails_whole_when_one_leg_fails_idempotency,
+            multi_aggregate_write_fails_whole_when_one_leg_is_missing,
+            failed_create_leaves_no_aggregate_behind,
+            empty_write_is_rejected_with_code_2000,
+            event_type_major_zero_is_rejected_with_code_2001,
+            server_timestamps_are_non_decreasing,
+            read_of_missing_aggregate_is_not_found,
+            read_returns_events_as_written,
+            read_from_version_zero_reads_from_one,
+            read_past_the_tip_is_empty,
+            read_to_version_is_inclusive,
+            filter_min_client_seq_keeps_batches_whose_highest_seq_reaches_it,
+            filter_max_client_seq_keeps_batches_whose_lowest_seq_is_within_it,
+            filter_client_id_keeps_only_that_writer,
+            filter_min_server_timestamp_is_inclusive,
+            batch_stream_visits_every_batch_exactly_once_in_order,
+            details_report_bounds_and_last_server_timestamp,
+            details_of_missing_aggregate_is_not_found,
+            trim_drops_batches_below_keep_from_and_keeps_versions,
+            read_below_the_trim_point_is_trimmed_with_min_available,
+            client_mark_survives_trim,
+            trim_beyond_tip_plus_one_is_rejected,
+            trim_of_missing_aggregate_is_not_found,
+            concurrent_conditional_writers_exactly_one_wins_per_version,
+            multi_aggregate_write_is_never_torn_under_concurrency,
+        ]);
+    };
+    (@tests $suite:ident, $make:block, [$($rule:ident),* $(,)?]) => {
+        mod $suite {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $rule() {
+                    let made: Option<tally::store::SharedLog> = $make;
+                    if let Some(log) = made {
+                        super::rules::$rule(log, super::rules::Keys::random()).await;
+                    }
+                }
+            )*
+        }
+    };
+}
+
+conformance_suite!(memory, || async { Arc::new(MemoryLog::new()) as SharedLog });
+
+// Exercises the env-gated form the Celeriant suite uses: skipped unless the variable is set.
+conformance_suite!(
+    memory_env_gated,
+    env = "TALLY_CONFORMANCE_MEMORY",
+    |_value: String| async { Arc::new(MemoryLog::new()) as SharedLog }
+);
+
+// A FaultyLog with no faults configured must be a transparent decorator.
+conformance_suite!(faulty_without_faults, || async {
+    let inner: SharedLog = Arc::new(MemoryLog::new());
+    Arc::new(FaultyLog::new(inner, FaultConfig::default())) as SharedLog
+});
+
+/// The rules, each a function of the backend under test.
+mod rules {
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+    use tally::store::{
+        AggregateKey, AggregateWrite, BatchStream, ClientId, Event, EventType, ReadFilter,
+        SharedLog, StoreError,
+    };
+    use tokio::task::JoinSet;
+
+    /// Mints fresh keys and client ids. The org and aggregate type are fixed per run.
+    pub struct Keys {
+        pub org_id: u128,
+        pub aggregate_type_id: u128,
+    }
+
+    impl Keys {
+        pub fn random() -> Self {
+            Self {
+                org_id: uuid::Uuid::new_v4().as_u128(),
+                aggregate_type_id: uuid::Uuid::new_v4().as_u128(),
+            }
+        }
+
+        /// A key nobody has written to.
+        pub fn key(&self) -> AggregateKey {
+            AggregateKey {
+                org_id: self.org_id,
+                aggregate_type_id: self.aggregate_type_id,
+                aggregate_id: uuid::Uuid::new_v4().as_u128(),
+            }
+        }
+
+        /// A client id nobody has written with.
+        pub fn client(&self) -> ClientId {
+            uuid::Uuid::new_v4().as_u128()
+        }
+    }
+
+    pub fn event(seq: u64) -> Event {
+        Event {
+            client_seq: seq,
+            event_id: Some(u128::from(seq) << 64 | 0xabc),
+            event_type: EventType { major: 1, minor: 0 },
+            payload: Bytes::from(format!("payload-{seq}")),
+            timestamp_ms: 1_700_000_000_000 + seq,
+        }
+    }
+
+    /// A write of events with the given sequences.
+    pub fn write(
+        key: AggregateKey,
+        seqs: &[u64],
+        expected_version: Option<u64>,
+        enforce: bool,
+    ) -> AggregateWrite {
+        AggregateWrite {
+            key,
+            events: seqs.iter().copied().map(event).collect(),
+            expected_version,
+            allow_create: true,
+            enforce_client_idempotency: enforce,
+        }
+    }
+
+    async fn versions(log: &SharedLog, key: AggregateKey) -> Vec<u64> {
+        let mut out = Vec::new();
+        let mut stream = BatchStream::new(&**log, key, ReadFilter::default());
+        while let Some(page) = stream.next_page().await.expect("read") {
+            out.extend(page.iter().map(|b| b.version));
+        }
+        out
+    }
+
+    async fn max_version(log: &SharedLog, key: AggregateKey) -> u64 {
+        log.details(key).await.expect("details").max_version
+    }
+
+    async fn read_versions(log: &SharedLog, key: AggregateKey, filter: ReadFilter) -> Vec<u64> {
+        let mut out = Vec::new();
+        let mut stream = BatchStream::new(&**log, key, filter);
+        while let Some(page) = stream.next_page().await.expect("read") {
+            out.extend(page.iter().map(|b| b.version));
+        }
+        out
+    }
+
+    pub async fn write_appends_one_batch_per_write_and_versions_start_at_one(
+        log: SharedLog,
+        k: Keys,
+    ) {
+        let (key, c) = (k.key(), k.client());
+        assert_eq!(
+            log.write(c, vec![write(key, &[1, 2, 3], None, true)]).await,
+            Ok(vec![1])
+        );
+        assert_eq!(
+            log.write(c, vec![write(key, &[4], None, true)]).await,
+            Ok(vec![2])
+        );
+        let page = log.read(key, &ReadFilter::default()).await.expect("read");
+        assert_eq!(page.batches.len(), 2, "{key:?}");
+        assert_eq!(page.batches[0].version, 1);
+        assert_eq!(page.batches[0].events.len(), 3);
+        assert_eq!(page.batches[1].version, 2);
+        assert_eq!(page.batches[1].events.len(), 1);
+        assert_eq!(page.next_version, None);
+    }
+
+    pub async fn write_returns_versions_in_request_order(log: SharedLog, k: Keys) {
+        let (a, b, c) = (k.key(), k.key(), k.client());
+        log.write(c, vec![write(b, &[1], None, false)])
+            .await
+            .expect("seed b");
+        log.write(c, vec![write(b, &[2], None, false)])
+            .await
+            .expect("seed b");
+        let got = log
+            .write(
+                c,
+                vec![write(b, &[3], None, false), write(a, &[1], None, false)],
+            )
+            .await;
+        assert_eq!(got, Ok(vec![3, 1]), "a={a:?} b={b:?}");
+        let got = log
+            .write(
+                c,
+                vec![write(a, &[2], None, false), write(b, &[4], None, false)],
+            )
+            .await;
+        assert_eq!(got, Ok(vec![2, 4]));
+    }
+
+    pub async fn write_to_missing_aggregate_without_allow_create_is_not_found(
+        log: SharedLog,
+        k: Keys,
+    ) {
+        let (key, c) = (k.key(), k.client());
+        let mut w = write(key, &[1], None, true);
+        w.allow_create = false;
+        assert_eq!(
+            log.write(c, vec![w.clone()]).await,
+            Err(StoreError::AggregateNotFound)
+        );
+        assert_eq!(log.details(key).await, Err(StoreError::AggregateNotFound));
+        // Once it exists, allow_create=false writes append.
+        log.write(c, vec![write(key, &[1], None, true)])
+            .await
+            .expect("create");
+        w.events = vec![event(2)];
+        assert_eq!(log.write(c, vec![w]).await, Ok(vec![2]));
+    }
+
+    pub async fn expected_version_zero_means_must_not_exist(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        assert_eq!(
+            log.write(c, vec![write(key, &[1], Some(0), true)]).await,
+            Ok(vec![1])
+        );
+        assert_eq!(
+            log.write(c, vec![write(key, &[2], Some(0), true)]).await,
+            Err(StoreError::Conflict {
+                expected: 0,
+                current: 1
+            })
+        );
+    }
+
+    pub async fn version_guard_conflict_reports_expected_and_current(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        log.write(c, vec![write(key, &[1], None, true)])
+            .await
+            .expect("v1");
+        log.write(c, vec![write(key, &[2], None, true)])
+            .await
+            .expect("v2");
+        assert_eq!(
+            log.write(c, vec![write(key, &[3], Some(1), true)]).await,
+            Err(StoreError::Conflict {
+                expected: 1,
+                current: 2
+            })
+        );
+        assert_eq!(
+            log.write(c, vec![write(key, &[3], Some(7), true)]).await,
+            Err(StoreError::Conflict {
+                expected: 7,
+                current: 2
+            })
+        );
+        // A missing aggregate is at version 0.
+        let fresh = k.key();
+        assert_eq!(
+            log.write(c, vec![write(fresh, &[1], Some(3), true)]).await,
+            Err(StoreError::Conflict {
+                expected: 3,
+                current: 0
+            })
+        );
+        assert_eq!(
+            log.write(c, vec![write(key, &[3], Some(2), true)]).await,
+            Ok(vec![3])
+        );
+    }
+
+    pub async fn existence_is_checked_before_the_version_guard(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        let mut w = write(key, &[1], Some(5), true);
+        w.allow_create = false;
+        assert_eq!(
+            log.write(c, vec![w]).await,
+            Err(StoreError::AggregateNotFound)
+        );
+    }
+
+    pub async fn retried_conditional_write_that_landed_gets_conflict_not_idempotency_violation(
+        log: SharedLog,
+        k: Keys,
+    ) {
+        let (key, c) = (k.key(), k.client());
+        log.write(c, vec![write(key, &[1], Some(0), true)])
+            .await
+            .expect("v1");
+        let attempt = write(key, &[2], Some(1), true);
+        assert_eq!(log.write(c, vec![attempt.clone()]).await, Ok(vec![2]));
+        // The same request again (its ack was lost): the version moved, so 2003.
+        assert_eq!(
+            log.write(c, vec![attempt]).await,
+            Err(StoreError::Conflict {
+                expected: 1,
+                current: 2
+            })
+        );
+    }
+
+    pub async fn retry_with_refreshed_expected_version_gets_idempotency_violation(
+        log: SharedLog,
+        k: Keys,
+    ) {
+        let (key, c) = (k.key(), k.client());
+        log.write(c, vec![write(key, &[1], Some(0), true)])
+            .await
+            .expect("v1");
+        log.write(c, vec![write(key, &[2], Some(1), true)])
+            .await
+            .expect("v2");
+        let fresh = max_version(&log, key).await;
+        assert_eq!(
+            log.write(c, vec![write(key, &[2], Some(fresh), true)])
+                .await,
+            Err(StoreError::IdempotencyViolation {
+                last_seq: 2,
+                attempted_seq: 2
+            })
+        );
+        assert_eq!(max_version(&log, key).await, 2, "nothing appended");
+    }
+
+    pub async fn idempotency_rejects_lowest_seq_at_or_below_the_mark(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        log.write(c, vec![write(key, &[5], None, true)])
+            .await
+            .expect("seq 5");
+        assert_eq!(
+            log.write(c, vec![write(key, &[5], None, true)]).await,
+            Err(StoreError::IdempotencyViolation {
+                last_seq: 5,
+                attempted_seq: 5
+            })
+        );
+        // Judged by the lowest sequence of the write, whatever the order of events.
+        assert_eq!(
+            log.write(c, vec![write(key, &[9, 3, 7], None, true)]).await,
+            Err(StoreError::IdempotencyViolation {
+                last_seq: 5,
+                attempted_seq: 3
+            })
+        );
+        assert_eq!(
+            log.write(c, vec![write(key, &[6, 7], None, true)]).await,
+            Ok(vec![2])
+        );
+        assert_eq!(
+            log.write(c, vec![write(key, &[7], None, true)]).await,
+            Err(StoreError::IdempotencyViolation {
+                last_seq: 7,
+                attempted_seq: 7
+            })
+        );
+        assert_eq!(versions(&log, key).await, vec![1, 2]);
+    }
+
+    pub async fn idempotency_is_scoped_per_client_id(log: SharedLog, k: Keys) {
+        let (key, c1, c2) = (k.key(), k.client(), k.client());
+        log.write(c1, vec![write(key, &[10], None, true)])
+            .await
+            .expect("c1");
+        assert_eq!(
+            log.write(c2, vec![write(key, &[1], None, true)]).await,
+            Ok(vec![2])
+        );
+        assert!(matches!(
+            log.write(c1, vec![write(key, &[1], None, true)]).await,
+            Err(StoreError::IdempotencyViolation {
+                last_seq: 10,
+                attempted_seq: 1
+            })
+        ));
+    }
+
+    pub async fn idempotency_is_scoped_per_aggregate(log: SharedLog, k: Keys) {
+        let (a, b, c) = (k.key(), k.key(), k.client());
+        log.write(c, vec![write(a, &[10], None, true)])
+            .await
+            .expect("a");
+        assert_eq!(
+            log.write(c, vec![write(b, &[1], None, true)]).await,
+            Ok(vec![1])
+        );
+    }
+
+    pub async fn mark_moves_on_unenforced_writes(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        log.write(c, vec![write(key, &[500], None, false)])
+            .await
+            .expect("unenforced 500");
+        assert_eq!(
+            log.write(c, vec![write(key, &[8], None, true)]).await,
+            Err(StoreError::IdempotencyViolation {
+                last_seq: 500,
+                attempted_seq: 8
+            })
+        );
+        // Unenforced writes below the mark still land.
+        assert_eq!(
+            log.write(c, vec![write(key, &[8], None, false)]).await,
+            Ok(vec![2])
+        );
+    }
+
+    pub async fn mark_never_moves_down(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        log.write(c, vec![write(key, &[500], None, false)])
+            .await
+            .expect("500");
+        log.write(c, vec![write(key, &[10], None, false)])
+            .await
+            .expect("10");
+        assert_eq!(
+            log.write(c, vec![write(key, &[500], None, true)]).await,
+            Err(StoreError::IdempotencyViolation {
+                last_seq: 500,
+                attempted_seq: 500
+            })
+        );
+        assert_eq!(
+            log.write(c, vec![write(key, &[501], None, true)]).await,
+            Ok(vec![3])
+        );
+    }
+
+    pub async fn multi_aggregate_write_fails_whole_when_one_leg_fails_the_version_guard(
+        log: SharedLog,
+        k: Keys,
+    ) {
+        let (a, b, c) = (k.key(), k.key(), k.client());
+        log.write(
+            c,
+            vec![write(a, &[1], None, true), write(b, &[1], None, true)],
+        )
+        .await
+        .expect("seed");
+        let got = log
+            .write(
+                c,
+                vec![write(a, &[2], Some(1), true), write(b, &[2], Some(0), true)],
+            )
+            .await;
+        assert_eq!(
+            got,
+            Err(StoreError::Conflict {
+                expected: 0,
+                current: 1
+            }),
+            "{a:?} {b:?}"
+        );
+        assert_eq!(
+            versions(&log, a).await,
+            vec![1],
+            "leg a must not be appended"
+        );
+        assert_eq!(versions(&log, b).await, vec![1]);
+        // The failed write moved no mark: its sequences are still free on both legs.
+        let got = log
+            .write(
+                c,
+                vec![write(a, &[2], Some(1), true), write(b, &[2], Some(1), true)],
+            )
+            .await;
+        assert_eq!(got, Ok(vec![2, 2]));
+    }
+
+    pub async fn multi_aggregate_write_fails_whole_when_one_leg_fails_idempotency(
+        log: SharedLog,
+        k: Keys,
+    ) {
+        let (a, b, c) = (k.key(), k.key(), k.client());
+        log.write(c, vec![write(a, &[1], None, true)])
+            .await
+            .expect("a1");
+        log.write(c, vec![write(b, &[9], None, true)])
+            .await
+            .expect("b9");
+        // The version guard passes on both; idempotency fails on b only.
+        let got = log
+            .write(
+                c,
+                vec![write(a, &[2], Some(1), true), write(b, &[5], Some(1), true)],
+            )
+            .await;
+        assert_eq!(
+            got,
+            Err(StoreError::IdempotencyViolation {
+                last_seq: 9,
+                attempted_seq: 5
+            })
+        );
+        assert_eq!(
+            versions(&log, a).await,
+            vec![1],
+            "leg a must not be appended"
+        );
+        assert_eq!(versions(&log, b).await, vec![1]);
+        // a's mark did not move to 2.
+        assert_eq!(
+            log.write(c, vec![write(a, &[2], Some(1), true)]).await,
+            Ok(vec![2])
+        );
+    }
+
+    pub async fn multi_aggregate_write_fails_whole_when_one_leg_is_missing(
+        log: SharedLog,
+        k: Keys,
+    ) {
+        let (a, b, c) = (k.key(), k.key(), k.client());
+        log.write(c, vec![write(a, &[1], None, true)])
+            .await
+            .expect("a1");
+        let mut missing = write(b, &[1], None, true);
+        missing.allow_create = false;
+        // b is missing: existence fails first, even though a also fails its version guard.
+        let got = log
+            .write(c, vec![write(a, &[2], Some(7), true), missing])
+            .await;
+        assert_eq!(got, Err(StoreError::AggregateNotFound));
+        assert_eq!(versions(&log, a).await, vec![1]);
+    }
+
+    pub async fn failed_create_leaves_no_aggregate_behind(log: SharedLog, k: Keys) {
+        let (a, b, c) = (k.key(), k.key(), k.client());
+        log.write(c, vec![write(b, &[1], None, true)])
+            .await
+            .expect("b1");
+        let got = log
+            .write(
+                c,
+                vec![write(a, &[1], Some(0), true), write(b, &[2], Some(0), true)],
+            )
+            .await;
+        assert_eq!(
+            got,
+            Err(StoreError::Conflict {
+                expected: 0,
+                current: 1
+            })
+        );
+        assert_eq!(log.details(a).await, Err(StoreError::AggregateNotFound));
+        assert_eq!(
+            log.read(a, &ReadFilter::default())
+                .await
+                .map(|p| p.batches.len()),
+            Err(StoreError::AggregateNotFound)
+        );
+        let mut append = write(a, &[1], None, true);
+        append.allow_create = false;
+        assert_eq!(
+            log.write(c, vec![append]).await,
+            Err(StoreError::AggregateNotFound)
+        );
+    }
+
+    pub async fn empty_write_is_rejected_with_code_2000(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        let got = log.write(c, vec![write(key, &[], None, true)]).await;
+        assert!(
+            matches!(got, Err(StoreError::Other { code: 2000, .. })),
+            "{got:?}"
+        );
+        let got = log.write(c, vec![]).await;
+        assert!(
+            matches!(got, Err(StoreError::Other { code: 2000, .. })),
+            "{got:?}"
+        );
+        assert_eq!(log.details(key).await, Err(StoreError::AggregateNotFound));
+    }
+
+    pub async fn event_type_major_zero_is_rejected_with_code_2001(log: SharedLog, k: Keys) {
+        let (a, b, c) = (k.key(), k.key(), k.client());
+        let mut bad = write(b, &[1, 2], None, true);
+        bad.events[1].event_type = EventType { major: 0, minor: 3 };
+        let got = log.write(c, vec![write(a, &[1], None, true), bad]).await;
+        assert!(
+            matches!(got, Err(StoreError::Other { code: 2001, .. })),
+            "{got:?}"
+        );
+        assert_eq!(log.details(a).await, Err(StoreError::AggregateNotFound));
+        assert_eq!(log.details(b).await, Err(StoreError::AggregateNotFound));
+    }
+
+    pub async fn server_timestamps_are_non_decreasing(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        for seq in 1..=20 {
+            log.write(c, vec![write(key, &[seq], None, true)])
+                .await
+                .expect("write");
+        }
+        let page = log.read(key, &ReadFilter::default()).await.expect("read");
+        let ts: Vec<u64> = page.batches.iter().map(|b| b.server_timestamp_ms).collect();
+        assert!(ts.windows(2).all(|w| w[0] <= w[1]), "{ts:?}");
+        assert!(ts[0] > 0, "timestamps are epoch milliseconds");
+        let details = log.details(key).await.expect("details");
+        assert_eq!(Some(&details.last_server_timestamp_ms), ts.last());
+    }
+
+    pub async fn read_of_missing_aggregate_is_not_found(log: SharedLog, k: Keys) {
+        let got = log.read(k.key(), &ReadFilter::default()).await;
+        assert!(matches!(got, Err(StoreError::AggregateNotFound)), "{got:?}");
+    }
+
+    pub async fn read_returns_events_as_written(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        let mut w = write(key, &[3, 4], None, true);
+        w.events[0].event_type = EventType { major: 7, minor: 2 };
+        w.events[1].event_id = None;
+        w.events[1].payload = Bytes::from_static(b"\x00\xffbinary");
+        log.write(c, vec![w.clone()]).await.expect("write");
+        let page = log.read(key, &ReadFilter::default()).await.expect("read");
+        assert_eq!(page.batches.len(), 1);
+        assert_eq!(page.batches[0].client_id, c);
+        assert_eq!(&*page.batches[0].events, &w.events[..]);
+    }
+
+    pub async fn read_from_version_zero_reads_from_one(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        for seq in 1..=3 {
+            log.write(c, vec![write(key, &[seq], None, true)])
+                .await
+                .expect("write");
+        }
+        let zero = log
+            .read(key, &ReadFilter::from_version(0))
+            .await
+            .expect("read");
+        let one = log
+            .read(key, &ReadFilter::from_version(1))
+            .await
+            .expect("read");
+        let v =
+            |p: &tally::store::ReadPage| p.batches.iter().map(|b| b.version).collect::<Vec<_>>();
+        assert_eq!(v(&zero), vec![1, 2, 3]);
+        assert_eq!(v(&zero), v(&one));
+        let two = log
+            .read(key, &ReadFilter::from_version(2))
+            .await
+            .expect("read");
+        assert_eq!(v(&two), vec![2, 3]);
+    }
+
+    pub async fn read_past_the_tip_is_empty(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        log.write(c, vec![write(key, &[1], None, true)])
+            .await
+            .expect("write");
+        for from in [2, 3, 1_000_000, u64::MAX] {
+            let page = log.read(key, &ReadFilter::from_version(from)).await;
+            let page = page.unwrap_or_else(|e| panic!("from {from}: {e:?}"));
+            assert!(page.batches.is_empty(), "from {from}");
+            assert_eq!(page.next_version, None, "from {from}");
+        }
+    }
+
+    pub async fn read_to_version_is_inclusive(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        for seq in 1..=5 {
+            log.write(c, vec![write(key, &[seq], None, true)])
+                .await
+                .expect("write");
+        }
+        let f = |from, to| ReadFilter {
+            from_version: from,
+            to_version: Some(to),
+            ..ReadFilter::default()
+        };
+        assert_eq!(read_versions(&log, key, f(2, 4)).await, vec![2, 3, 4]);
+        assert_eq!(read_versions(&log, key, f(3, 3)).await, vec![3]);
+        assert_eq!(read_versions(&log, key, f(4, 99)).await, vec![4, 5]);
+        assert_eq!(read_versions(&log, key, f(4, 2)).await, Vec::<u64>::new());
+    }
+
+    pub async fn filter_min_client_seq_keeps_batches_whose_highest_seq_reaches_it(
+        log: SharedLog,
+        k: Keys,
+    ) {
+        let (key, c) = (k.key(), k.client());
+        log.write(c, vec![write(key, &[1, 2], None, true)])
+            .await
+            .expect("v1");
+        log.write(c, vec![write(key, &[3, 4], None, true)])
+            .await
+            .expect("v2");
+        log.write(c, vec![write(key, &[5], None, true)])
+            .await
+            .expect("v3");
+        let f = |min| ReadFilter {
+            min_client_seq: Some(min),
+            ..ReadFilter::default()
+        };
+        assert_eq!(read_versions(&log, key, f(4)).await, vec![2, 3]);
+        assert_eq!(read_versions(&log, key, f(3)).await, vec![2, 3]);
+        assert_eq!(read_versions(&log, key, f(5)).await, vec![3]);
+        assert_eq!(read_versions(&log, key, f(6)).await, Vec::<u64>::new());
+    }
+
+    pub async fn filter_max_client_seq_keeps_batches_whose_lowest_seq_is_within_it(
+        log: SharedLog,
+        k: Keys,
+    ) {
+        let (key, c) = (k.key(), k.client());
+        log.write(c, vec![write(key, &[1, 2], None, true)])
+            .await
+            .expect("v1");
+        log.write(c, vec![write(key, &[3, 4], None, true)])
+            .await
+            .expect("v2");
+        log.write(c, vec![write(key, &[5], None, true)])
+            .await
+            .expect("v3");
+        let point = |seq| ReadFilter {
+            min_client_seq: Some(seq),
+            max_client_seq: Some(seq),
+            ..ReadFilter::default()
+        };
+        // The point read of the guide: the batch holding that sequence.
+        assert_eq!(read_versions(&log, key, point(4)).await, vec![2]);
+        assert_eq!(read_versions(&log, key, point(3)).await, vec![2]);
+        assert_eq!(read_versions(&log, key, point(1)).await, vec![1]);
+        let max = ReadFilter {
+            max_client_seq: Some(3),
+            ..ReadFilter::default()
+        };
+        assert_eq!(read_versions(&log, key, max).await, vec![1, 2]);
+    }
+
+    pub async fn filter_client_id_keeps_only_that_writer(log: SharedLog, k: Keys) {
+        let (key, c1, c2) = (k.key(), k.client(), k.client());
+        log.write(c1, vec![write(key, &[1], None, true)])
+            .await
+            .expect("v1");
+        log.write(c2, vec![write(key, &[1], None, true)])
+            .await
+            .expect("v2");
+        log.write(c1, vec![write(key, &[2], None, true)])
+            .await
+            .expect("v3");
+        let f = |c| ReadFilter {
+            include_client_id: Some(c),
+            ..ReadFilter::default()
+        };
+        assert_eq!(read_versions(&log, key, f(c1)).await, vec![1, 3]);
+        assert_eq!(read_versions(&log, key, f(c2)).await, vec![2]);
+        assert_eq!(
+            read_versions(&log, key, f(k.client())).await,
+            Vec::<u64>::new()
+        );
+        // Point read scoped to a client id: c2's seq 1, not c1's.
+        let scoped = ReadFilter {
+            min_client_seq: Some(1),
+            max_client_seq: Some(1),
+            include_client_id: Some(c2),
+            ..ReadFilter::default()
+        };
+        assert_eq!(read_versions(&log, key, scoped).await, vec![2]);
+    }
+
+    pub async fn filter_min_server_timestamp_is_inclusive(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        for seq in 1..=10 {
+            log.write(c, vec![write(key, &[seq], None, true)])
+                .await
+                .expect("write");
+            if seq % 3 == 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(3)).await;
+            }
+        }
+        let all = log
+            .read(key, &ReadFilter::default())
+            .await
+            .expect("read")
+            .batches;
+        let distinct: BTreeSet<u64> = all.iter().map(|b| b.server_timestamp_ms).collect();
+        for &ts in &distinct {
+            let f = ReadFilter {
+                min_server_timestamp_ms: Some(ts),
+                ..ReadFilter::default()
+            };
+            let expected: Vec<u64> = all
+                .iter()
+                .filter(|b| b.server_timestamp_ms >= ts)
+                .map(|b| b.version)
+                .collect();
+            assert!(!expected.is_empty());
+            assert_eq!(read_versions(&log, key, f).await, expected, "min ts {ts}");
+        }
+        let last = distinct.last().copied().unwrap_or(0);
+        let f = ReadFilter {
+            min_server_timestamp_ms: Some(last + 1),
+            ..ReadFilter::default()
+        };
+        assert_eq!(read_versions(&log, key, f).await, Vec::<u64>::new());
+    }
+
+    /// Enough batches to span several pages of any reasonable page size.
+    const STREAM_BATCHES: u64 = 2_500;
+
+    pub async fn batch_stream_visits_every_batch_exactly_once_in_order(log: SharedLog, k: Keys) {
+        let (key, c1, c2) = (k.key(), k.client(), k.client());
+        for seq in 1..=STREAM_BATCHES {
+            let c = if seq % 3 == 0 { c2 } else { c1 };
+            log.write(c, vec![write(key, &[seq], None, false)])
+                .await
+                .expect("write");
+        }
+        let all: Vec<u64> = (1..=STREAM_BATCHES).collect();
+        assert_eq!(versions(&log, key).await, all);
+        // With a filter, pages skip non-matching batches and still visit each match once.
+        let only_c2 = ReadFilter {
+            include_client_id: Some(c2),
+            ..ReadFilter::default()
+        };
+        let expected: Vec<u64> = all.iter().copied().filter(|v| v % 3 == 0).collect();
+        assert_eq!(read_versions(&log, key, only_c2).await, expected);
+        let mut stream = BatchStream::new(&*log, key, ReadFilter::from_version(1000));
+        let mut seqs = Vec::new();
+        while let Some(page) = stream.next_page().await.expect("read") {
+            seqs.extend(
+                page.iter()
+                    .flat_map(|b| b.events.iter().map(|e| e.client_seq)),
+            );
+        }
+        assert_eq!(seqs, (1000..=STREAM_BATCHES).collect::<Vec<_>>());
+    }
+
+    pub async fn details_report_bounds_and_last_server_timestamp(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        for seq in 1..=4 {
+            log.write(c, vec![write(key, &[seq], None, true)])
+                .await
+                .expect("write");
+        }
+        let d = log.details(key).await.expect("details");
+        assert_eq!(d.min_available_version, 1);
+        assert_eq!(d.max_version, 4);
+        let page = log
+            .read(key, &ReadFilter::from_version(4))
+            .await
+            .expect("read");
+        assert_eq!(
+            d.last_server_timestamp_ms,
+            page.batches[0].server_timestamp_ms
+        );
+    }
+
+    pub async fn details_of_missing_aggregate_is_not_found(log: SharedLog, k: Keys) {
+        assert_eq!(
+            log.details(k.key()).await,
+            Err(StoreError::AggregateNotFound)
+        );
+    }
+
+    pub async fn trim_drops_batches_below_keep_from_and_keeps_versions(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        for seq in 1..=5 {
+            log.write(c, vec![write(key, &[seq], None, true)])
+                .await
+                .expect("write");
+        }
+        log.trim_start(key, 3).await.expect("trim");
+        let d = log.details(key).await.expect("details");
+        assert_eq!((d.min_available_version, d.max_version), (3, 5));
+        assert_eq!(
+            read_versions(&log, key, ReadFilter::from_version(3)).await,
+            vec![3, 4, 5]
+        );
+        assert_eq!(
+            log.write(c, vec![write(key, &[6], Some(5), true)]).await,
+            Ok(vec![6])
+        );
+        // Trimming lower than before is a no-op; trimming everything keeps the version.
+        log.trim_start(key, 2).await.expect("trim lower");
+        assert_eq!(
+            log.details(key)
+                .await
+                .expect("details")
+                .min_available_version,
+            3
+        );
+        log.trim_start(key, 7).await.expect("trim all");
+        let d = log.details(key).await.expect("details");
+        assert_eq!((d.min_available_version, d.max_version), (7, 6));
+        let page = log
+            .read(key, &ReadFilter::from_version(7))
+            .await
+            .expect("read");
+        assert!(page.batches.is_empty());
+        assert_eq!(
+            log.write(c, vec![write(key, &[7], Some(6), true)]).await,
+            Ok(vec![7])
+        );
+        assert_eq!(
+            read_versions(&log, key, ReadFilter::from_version(7)).await,
+            vec![7]
+        );
+    }
+
+    pub async fn read_below_the_trim_point_is_trimmed_with_min_available(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        for seq in 1..=5 {
+            log.write(c, vec![write(key, &[seq], None, true)])
+                .await
+                .expect("write");
+        }
+        log.trim_start(key, 4).await.expect("trim");
+        for from in [0, 1, 3] {
+            assert_eq!(
+                log.read(key, &ReadFilter::from_version(from))
+                    .await
+                    .map(|p| p.batches.len()),
+                Err(StoreError::Trimmed { min_available: 4 }),
+                "from {from}"
+            );
+        }
+    }
+
+    pub async fn client_mark_survives_trim(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        log.write(c, vec![write(key, &[40], None, true)])
+            .await
+            .expect("v1");
+        log.write(c, vec![write(key, &[41], None, true)])
+            .await
+            .expect("v2");
+        log.trim_start(key, 3).await.expect("trim all");
+        assert_eq!(
+            log.write(c, vec![write(key, &[41], Some(2), true)]).await,
+            Err(StoreError::IdempotencyViolation {
+                last_seq: 41,
+                attempted_seq: 41
+            })
+        );
+        assert_eq!(
+            log.write(c, vec![write(key, &[42], Some(2), true)]).await,
+            Ok(vec![3])
+        );
+    }
+
+    pub async fn trim_beyond_tip_plus_one_is_rejected(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        log.write(c, vec![write(key, &[1], None, true)])
+            .await
+            .expect("v1");
+        let got = log.trim_start(key, 3).await;
+        assert!(matches!(got, Err(StoreError::Other { .. })), "{got:?}");
+        assert_eq!(versions(&log, key).await, vec![1], "nothing trimmed");
+    }
+
+    pub async fn trim_of_missing_aggregate_is_not_found(log: SharedLog, k: Keys) {
+        assert_eq!(
+            log.trim_start(k.key(), 1).await,
+            Err(StoreError::AggregateNotFound)
+        );
+    }
+
+    /// Concurrent conditional writers, and attempts each.
+    const WRITERS: u64 = 8;
+    const ATTEMPTS: u64 = 40;
+
+    pub async fn concurrent_conditional_writers_exactly_one_wins_per_version(
+        log: SharedLog,
+        k: Keys,
+    ) {
+        let (key, c) = (k.key(), k.client());
+        log.write(c, vec![write(key, &[0], Some(0), false)])
+            .await
+            .expect("create");
+        let mut tasks = JoinSet::new();
+        for writer in 0..WRITERS {
+            let log = Arc::clone(&log);
+            tasks.spawn(async move {
+                let mut wins = Vec::new();
+                for attempt in 0..ATTEMPTS {
+                    let seen = log.details(key).await.expect("details").max_version;
+                    let seq = writer * 1_000 + attempt + 1;
+                    match log
+                        .write(writer as u128, vec![write(key, &[seq], Some(seen), false)])
+                        .await
+                    {
+                        Ok(v) => {
+                            assert_eq!(v, vec![seen + 1]);
+                            wins.push((seen + 1, seq));
+                        }
+                        Err(StoreError::Conflict { expected, current }) => {
+                            assert_eq!(expected, seen);
+                            assert!(current > seen, "a conflict means someone moved on");
+                        }
+                        Err(e) => panic!("unexpected {e:?}"),
+                    }
+                    tokio::task::yield_now().await;
+                }
+                wins
+            });
+        }
+        let mut winners: BTreeMap<u64, u64> = BTreeMap::new();
+        while let Some(done) = tasks.join_next().await {
+            for (version, seq) in done.expect("writer task") {
+                assert!(
+                    winners.insert(version, seq).is_none(),
+                    "two winners for version {version}"
+                );
+            }
+        }
+        let tip = max_version(&log, key).await;
+        assert_eq!(
+            winners.len() as u64,
+            tip - 1,
+            "every version after the first has one winner"
+        );
+        // No lost update: every acknowledged write is in the log, at the version it was told.
+        let page_versions = {
+            let mut got = BTreeMap::new();
+            let mut stream = BatchStream::new(&*log, key, ReadFilter::from_version(2));
+            while let Some(page) = stream.next_page().await.expect("read") {
+                for b in page {
+                    got.insert(b.version, b.events[0].client_seq);
+                }
+            }
+            got
+        };
+        assert_eq!(page_versions, winners);
+    }
+
+    /// Concurrent transfer tasks and transfers each.
+    const TRANSFER_TASKS: u64 = 6;
+    const TRANSFERS: u64 = 50;
+
+    pub async fn multi_aggregate_write_is_never_torn_under_concurrency(log: SharedLog, k: Keys) {
+        let (a, b) = (k.key(), k.key());
+        let mut tasks = JoinSet::new();
+        for t in 0..TRANSFER_TASKS {
+            let log = Arc::clone(&log);
+            let client = k.client();
+            tasks.spawn(async move {
+                let mut landed = BTreeSet::new();
+                for i in 1..=TRANSFERS {
+                    // Every fifth transfer reuses a sequence on leg b, so it must fail whole.
+                    let seq_b = if i % 5 == 0 { i - 1 } else { i };
+                    let mut wa = write(a, &[i], None, true);
+                    let mut wb = write(b, &[seq_b], None, true);
+                    let id = u128::from(t) << 64 | u128::from(i);
+                    wa.events[0].event_id = Some(id);
+                    wb.events[0].event_id = Some(id);
+                    let legs = if i % 2 == 0 {
+                        vec![wa, wb]
+                    } else {
+                        vec![wb, wa]
+                    };
+                    match log.write(client, legs).await {
+                        Ok(_) => {
+                            landed.insert(id);
+                        }
+                        Err(StoreError::IdempotencyViolation { .. }) if i % 5 == 0 => {}
+                        Err(e) => panic!("transfer {t}/{i}: {e:?}"),
+                    }
+                }
+                landed
+            });
+        }
+        let mut landed = BTreeSet::new();
+        while let Some(done) = tasks.join_next().await {
+            landed.extend(done.expect("transfer task"));
+        }
+        assert_eq!(
+            landed.len() as u64,
+            TRANSFER_TASKS * (TRANSFERS - TRANSFERS / 5)
+        );
+        let ids = |key| {
+            let log = Arc::clone(&log);
+            async move {
+                let mut out = BTreeSet::new();
+                let mut stream = BatchStream::new(&*log, key, ReadFilter::default());
+                while let Some(page) = stream.next_page().await.expect("read") {
+                    out.extend(
+                        page.iter()
+                            .flat_map(|b| b.events.iter().filter_map(|e| e.event_id)),
+                    );
+                }
+                out
+            }
+        };
+        assert_eq!(
+            ids(a).await,
+            landed,
+            "leg a holds exactly the landed transfers"
+        );
+        assert_eq!(
+            ids(b).await,
+            landed,
+            "leg b holds exactly the landed transfers"
+        );
+    }
+}
+
+/// Rules that need MemoryLog's knobs: a manual clock and a small page size.
+mod memory_only {
+    use std::sync::Arc;
+
+    use tally::store::memory::{DEFAULT_PAGE_SIZE, ManualClock, MemoryLog, MemoryOptions};
+    use tally::store::{EventLog, ReadFilter, StoreError};
+
+    use super::rules::{Keys, write};
+
+    fn log_with(page_size: usize, clock: Arc<ManualClock>) -> MemoryLog {
+        MemoryLog::with_options(MemoryOptions { page_size, clock })
+    }
+
+    #[tokio::test]
+    async fn server_timestamps_come_from_the_clock_and_never_go_back() {
+        let clock = Arc::new(ManualClock::new(1_000));
+        let log = log_with(DEFAULT_PAGE_SIZE, Arc::clone(&clock));
+        let (k, c) = (Keys::random(), 7);
+        let (a, b) = (k.key(), k.key());
+        log.write(c, vec![write(a, &[1], None, true)])
+            .await
+            .expect("a1");
+        clock.advance(500);
+        log.write(c, vec![write(a, &[2], None, true)])
+            .await
+            .expect("a2");
+        clock.set(200);
+        log.write(
+            c,
+            vec![write(a, &[3], None, true), write(b, &[1], None, true)],
+        )
+        .await
+        .expect("a3 b1");
+        let ts: Vec<u64> = log
+            .read(a, &ReadFilter::default())
+            .await
+            .expect("read")
+            .batches
+            .iter()
+            .map(|x| x.server_timestamp_ms)
+            .collect();
+        assert_eq!(
+            ts,
+            vec![1_000, 1_500, 1_500],
+            "clamped to the aggregate's last"
+        );
+        assert_eq!(
+            log.details(b).await.expect("b").last_server_timestamp_ms,
+            200
+        );
+        let f = ReadFilter {
+            min_server_timestamp_ms: Some(1_500),
+            ..ReadFilter::default()
+        };
+        let got: Vec<u64> = log
+            .read(a, &f)
+            .await
+            .expect("read")
+            .batches
+            .iter()
+            .map(|x| x.version)
+            .collect();
+        assert_eq!(got, vec![2, 3]);
+    }
+
+    #[tokio::test]
+    async fn pages_hold_at_most_page_size_matching_batches_and_point_to_the_next() {
+        let log = log_with(3, Arc::new(ManualClock::new(1)));
+        let (k, c1, c2) = (Keys::random(), 1, 2);
+        let key = k.key();
+        for seq in 1..=10 {
+            let c = if seq % 2 == 0 { c2 } else { c1 };
+            log.write(c, vec![write(key, &[seq], None, false)])
+                .await
+                .expect("write");
+        }
+        let page = log.read(key, &ReadFilter::default()).await.expect("read");
+        let v: Vec<u64> = page.batches.iter().map(|b| b.version).collect();
+        assert_eq!((v, page.next_version), (vec![1, 2, 3], Some(4)));
+        let page = log
+            .read(key, &ReadFilter::from_version(7))
+            .await
+            .expect("read");
+        let v: Vec<u64> = page.batches.iter().map(|b| b.version).collect();
+        assert_eq!((v, page.next_version), (vec![7, 8, 9], Some(10)));
+        let page = log
+            .read(key, &ReadFilter::from_version(8))
+            .await
+            .expect("read");
+        assert_eq!(page.next_version, None, "exactly page_size left: done");
+        let f = ReadFilter {
+            include_client_id: Some(c2),
+            ..ReadFilter::default()
+        };
+        let page = log.read(key, &f).await.expect("read");
+        let v: Vec<u64> = page.batches.iter().map(|b| b.version).collect();
+        assert_eq!((v, page.next_version), (vec![2, 4, 6], Some(7)));
+        let f = ReadFilter {
+            from_version: 7,
+            ..f
+        };
+        let page = log.read(key, &f).await.expect("read");
+        let v: Vec<u64> = page.batches.iter().map(|b| b.version).collect();
+        assert_eq!((v, page.next_version), (vec![8, 10], None));
+    }
+
+    #[tokio::test]
+    async fn batch_count_and_marks_follow_writes_and_trims() {
+        let log = MemoryLog::new();
+        let (k, c) = (Keys::random(), 9);
+        let key = k.key();
+        assert_eq!(log.batch_count(key), 0);
+        log.write(c, vec![write(key, &[3, 8], None, false)])
+            .await
+            .expect("v1");
+        log.write(c, vec![write(key, &[5], None, false)])
+            .await
+            .expect("v2");
+        assert_eq!(log.batch_count(key), 2);
+        assert_eq!(log.client_mark(key, c), Some(8));
+        assert_eq!(log.client_mark(key, c + 1), None);
+        log.trim_start(key, 2).await.expect("trim");
+        assert_eq!(log.batch_count(key), 1);
+        assert_eq!(log.client_mark(key, c), Some(8));
+    }
+
+    #[tokio::test]
+    async fn the_same_aggregate_twice_in_one_write_is_rejected() {
+        let log = MemoryLog::new();
+        let key = Keys::random().key();
+        let got = log
+            .write(
+                1,
+                vec![write(key, &[1], None, true), write(key, &[2], None, true)],
+            )
+            .await;
+        assert!(matches!(got, Err(StoreError::Other { .. })), "{got:?}");
+        assert_eq!(log.batch_count(key), 0);
+    }
+}
+
+/// Keeps `EventLog` in scope for the macro-generated modules.
+#[allow(dead_code)]
+fn _uses(_: &dyn EventLog) {}
