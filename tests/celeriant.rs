@@ -357,36 +357,128 @@ mod live {
         assert_eq!(pages.concat(), vec![1, n]);
         assert!(pages.len() >= 2, "{pages:?}");
     }
+
+    /// Both keys on one shard: the same org and aggregate type (the live server routes by
+    /// type), fresh aggregate ids.
+    fn two_keys() -> (AggregateKey, AggregateKey) {
+        let a = fresh_key();
+        let b = AggregateKey {
+            aggregate_id: uuid::Uuid::new_v4().as_u128(),
+            ..a
+        };
+        (a, b)
+    }
+
+    /// Attempts per mixed-failure case. The server's own answer depends on hash order, so
+    /// each case is repeated until both orders have certainly come up.
+    const ORDER_ROUNDS: usize = 16;
+
+    #[tokio::test]
+    async fn mixed_multi_aggregate_rejections_come_back_in_port_order() {
+        let Some(log) = live() else { return };
+        let c = 19;
+        for _ in 0..ORDER_ROUNDS {
+            let (a, b) = two_keys();
+            log.write(
+                c,
+                vec![write(a, &[5], None, true), write(b, &[1], None, true)],
+            )
+            .await
+            .expect("seed");
+            // a repeats its sequence (2002), b is stale (2003): the version guard wins.
+            let got = log
+                .write(
+                    c,
+                    vec![write(a, &[5], Some(1), true), write(b, &[2], Some(0), true)],
+                )
+                .await;
+            assert_eq!(
+                got,
+                Err(StoreError::Conflict {
+                    expected: 0,
+                    current: 1
+                })
+            );
+            // m must exist and does not (2005), b is stale: existence wins.
+            let m = AggregateKey {
+                aggregate_id: uuid::Uuid::new_v4().as_u128(),
+                ..a
+            };
+            let mut missing = write(m, &[1], None, true);
+            missing.allow_create = false;
+            let got = log
+                .write(c, vec![write(b, &[9], Some(0), true), missing])
+                .await;
+            assert_eq!(got, Err(StoreError::AggregateNotFound));
+            assert_eq!(log.details(b).await.map(|d| d.max_version), Ok(1));
+        }
+    }
+
+    #[tokio::test]
+    async fn the_client_mark_survives_a_trim() {
+        let Some(log) = live() else { return };
+        let (key, c) = (fresh_key(), 20);
+        log.write(c, vec![write(key, &[40], None, true)])
+            .await
+            .expect("v1");
+        log.write(c, vec![write(key, &[41], None, true)])
+            .await
+            .expect("v2");
+        log.trim_start(key, 2).await.expect("trim to the tip");
+        assert_eq!(
+            log.write(c, vec![write(key, &[41], Some(2), true)]).await,
+            Err(StoreError::IdempotencyViolation {
+                last_seq: 41,
+                attempted_seq: 41
+            })
+        );
+        assert_eq!(
+            log.write(c, vec![write(key, &[42], Some(2), true)]).await,
+            Ok(vec![3])
+        );
+    }
+
+    /// Where Celeriant differs from the port's memory store: the tip batch cannot be trimmed.
+    #[tokio::test]
+    async fn trimming_past_the_tip_is_refused_even_by_one() {
+        let Some(log) = live() else { return };
+        let (key, c) = (fresh_key(), 21);
+        log.write(c, vec![write(key, &[1], None, true)])
+            .await
+            .expect("v1");
+        let got = log.trim_start(key, 2).await;
+        assert!(
+            matches!(got, Err(StoreError::Other { code: 3004, .. })),
+            "{got:?}"
+        );
+        let d = log.details(key).await.expect("details");
+        assert_eq!((d.min_available_version, d.max_version), (1, 1));
+    }
 }
 
 mod cross_shard {
     use super::*;
 
-    /// Pairs to try: two random ids share a shard with chance 1/shards, so the chance that
-    /// none of these pairs is split is at most 2^-PAIRS.
-    const PAIRS: u32 = 32;
-
+    /// The server routes by `aggregate_id % shards`, so ids `n` and `n + 1` always land on two
+    /// shards when there are at least two.
     #[tokio::test]
     async fn aggregates_on_two_shards_cannot_share_a_write() {
         let Some(address) = live_address("CELERIANT_SHARDED_ADDRESS") else {
             return;
         };
         let log = log_at(address);
-        let mut split = 0;
-        for _ in 0..PAIRS {
-            let (a, b) = (fresh_key(), fresh_key());
-            match log
-                .write(
-                    18,
-                    vec![write(a, &[1], None, false), write(b, &[1], None, false)],
-                )
-                .await
-            {
-                Ok(_) => {}
-                Err(StoreError::CrossShard) => split += 1,
-                Err(e) => panic!("{e:?}"),
-            }
-        }
-        assert!(split > 0, "no pair of {PAIRS} landed on two shards");
+        let a = fresh_key();
+        let b = AggregateKey {
+            aggregate_id: a.aggregate_id.wrapping_add(1),
+            ..a
+        };
+        let got = log
+            .write(
+                18,
+                vec![write(a, &[1], None, false), write(b, &[1], None, false)],
+            )
+            .await;
+        assert_eq!(got, Err(StoreError::CrossShard));
+        assert_eq!(log.details(a).await, Err(StoreError::AggregateNotFound));
     }
 }

@@ -15,6 +15,10 @@
 //!   exclusive; the server code and a live test say inclusive), so it is passed through as is;
 //! - pagination: a page covers at most [`READ_PAGE_MAX_VERSIONS`] versions, and the server's
 //!   own byte-bounded cursor is honoured inside that window;
+//! - multi-aggregate rejections: the server runs all checks on one aggregate before the next,
+//!   in hash order, so a write failing on two legs for different reasons gets either error.
+//!   The adapter restates such a rejection in the port's order (see `in_port_order`);
+//! - an empty write is refused here with code 2000 (a sharded server would answer 9002);
 //! - server timestamps are taken as epoch milliseconds, which is the server's default
 //!   (`--timestamp-precision milliseconds`, epoch offset 0). Other settings are unsupported.
 
@@ -905,15 +909,12 @@ impl CeleriantLog {
     /// expected version the new version is `expected + 1`; without one it is read back from
     /// the aggregate's details, which can name a later version if another write landed in
     /// between. A failed look-up is `OutcomeUnknown`, since the write itself did commit.
-    async fn committed_versions(
-        &self,
-        plan: &[(AggregateKey, Option<u64>)],
-    ) -> StoreResult<Vec<u64>> {
-        let mut versions = Vec::with_capacity(plan.len());
-        for &(key, expected) in plan {
-            let version = match expected {
+    async fn committed_versions(&self, legs: &[Leg]) -> StoreResult<Vec<u64>> {
+        let mut versions = Vec::with_capacity(legs.len());
+        for leg in legs {
+            let version = match leg.expected {
                 Some(v) => v.saturating_add(1),
-                None => match self.details_as(Op::Details, key).await {
+                None => match self.details_as(Op::Details, leg.key).await {
                     Ok(d) => d.max_version,
                     Err(e) => {
                         return Err(StoreError::OutcomeUnknown {
@@ -928,6 +929,83 @@ impl CeleriantLog {
         }
         Ok(versions)
     }
+
+    /// Restates a multi-aggregate rejection in the port's check order.
+    ///
+    /// The server runs every check on one aggregate before it moves to the next, visiting
+    /// them in hash order, so a write with a missing leg and a stale leg can come back as
+    /// either error, and one with a stale leg and a duplicate sequence as either 2003 or 2002.
+    /// The port checks existence on every leg, then every version guard, then idempotency.
+    /// Nothing was appended, so this reads each leg's current version and answers as the port
+    /// would. Versions only grow and aggregates are never deleted here, so a leg found missing
+    /// or stale now was so when the server checked, or is stale for any retry. A failed
+    /// look-up keeps the server's answer.
+    async fn in_port_order(&self, legs: &[Leg], server: StoreError) -> StoreError {
+        let mut observed = Vec::with_capacity(legs.len());
+        for leg in legs {
+            let current = if leg.allow_create && leg.expected.is_none() {
+                // Neither check can fail on this leg.
+                Observed::Skipped
+            } else {
+                match self.details_as(Op::Details, leg.key).await {
+                    Ok(d) => Observed::At(d.max_version),
+                    Err(StoreError::AggregateNotFound) => Observed::Missing,
+                    Err(_) => return server,
+                }
+            };
+            observed.push(current);
+        }
+        port_order(legs, &observed, server)
+    }
+}
+
+/// One aggregate of a write, as far as the version checks go.
+#[derive(Clone, Copy, Debug)]
+struct Leg {
+    key: AggregateKey,
+    expected: Option<u64>,
+    allow_create: bool,
+}
+
+/// A leg's state after a rejected write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Observed {
+    Skipped,
+    Missing,
+    At(u64),
+}
+
+/// The port's answer for a rejected multi-aggregate write: the first leg (in request order)
+/// that must exist and does not, else the first stale version guard, else the server's
+/// answer.
+fn port_order(legs: &[Leg], observed: &[Observed], server: StoreError) -> StoreError {
+    let pairs = || legs.iter().zip(observed);
+    if pairs().any(|(leg, seen)| !leg.allow_create && *seen == Observed::Missing) {
+        return StoreError::AggregateNotFound;
+    }
+    for (leg, seen) in pairs() {
+        let current = match seen {
+            Observed::At(v) => *v,
+            Observed::Missing => 0,
+            Observed::Skipped => continue,
+        };
+        if let Some(expected) = leg.expected
+            && expected != current
+        {
+            return StoreError::Conflict { expected, current };
+        }
+    }
+    server
+}
+
+/// Whether a multi-aggregate rejection may name a later check than the port would.
+fn order_sensitive(e: &StoreError) -> bool {
+    matches!(
+        e,
+        StoreError::Conflict { .. }
+            | StoreError::IdempotencyViolation { .. }
+            | StoreError::InflightDuplicate
+    )
 }
 
 #[async_trait]
@@ -948,10 +1026,21 @@ impl EventLog for CeleriantLog {
                 ),
             });
         }
-        let mut plan = Vec::with_capacity(writes.len());
+        if writes.is_empty() {
+            // A sharded server calls this a routing error (9002), a single shard 2000.
+            return Err(StoreError::Other {
+                code: codes::WRITE_EMPTY_EVENTS_LIST,
+                message: "a write must name at least one aggregate".into(),
+            });
+        }
+        let mut legs = Vec::with_capacity(writes.len());
         let mut request = HashMap::with_capacity(writes.len());
         for w in writes {
-            plan.push((w.key, w.expected_version));
+            legs.push(Leg {
+                key: w.key,
+                expected: w.expected_version,
+                allow_create: w.allow_create,
+            });
             let single = SingleAggregateWrite {
                 events: w.events.into_iter().map(wire_event).collect(),
                 allow_create: w.allow_create,
@@ -965,7 +1054,7 @@ impl EventLog for CeleriantLog {
                 });
             }
         }
-        let response = self
+        let sent = self
             .pool
             .write(WriteRequest {
                 correlation_id: None,
@@ -973,11 +1062,20 @@ impl EventLog for CeleriantLog {
                 user_id: None,
                 writes: request,
             })
-            .await
-            .map_err(|e| map_error(Op::Write, e))?;
-        match (plan.as_slice(), response.max_aggregate_version) {
+            .await;
+        let response = match sent {
+            Ok(response) => response,
+            Err(e) => {
+                let e = map_error(Op::Write, e);
+                if legs.len() > 1 && order_sensitive(&e) {
+                    return Err(self.in_port_order(&legs, e).await);
+                }
+                return Err(e);
+            }
+        };
+        match (legs.as_slice(), response.max_aggregate_version) {
             ([_], Some(version)) => Ok(vec![version]),
-            _ => self.committed_versions(&plan).await,
+            _ => self.committed_versions(&legs).await,
         }
     }
 
