@@ -4,7 +4,10 @@
 //! always runs. `live`: against a real server named by `CELERIANT_ADDRESS` (skipped when
 //! unset); its keys are fresh uuids, so it can run again and again on one server.
 //! `cross_shard`: needs a server with at least two shards routed by aggregate id, named by
-//! `CELERIANT_SHARDED_ADDRESS`.
+//! `CELERIANT_SHARDED_ADDRESS`. `api_key`: needs a server with API keys enabled and
+//! `--require-client-identity` (without it the server lets a client that never identifies
+//! through with full access), named by `CELERIANT_AUTH_ADDRESS`, with a read-write key in
+//! `CELERIANT_AUTH_RW_KEY` and a read-only one in `CELERIANT_AUTH_RO_KEY`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -480,5 +483,60 @@ mod cross_shard {
             .await;
         assert_eq!(got, Err(StoreError::CrossShard));
         assert_eq!(log.details(a).await, Err(StoreError::AggregateNotFound));
+    }
+}
+
+mod api_key {
+    use super::*;
+
+    fn with_key(address: &str, key: Option<&str>) -> CeleriantLog {
+        let cfg = CeleriantConfig {
+            address: address.to_owned(),
+            api_key: key.map(|k| k.parse().expect("non-empty key")),
+            ..CeleriantConfig::default()
+        };
+        CeleriantLog::connect(&cfg).expect("valid config")
+    }
+
+    fn code(got: Result<impl std::fmt::Debug, StoreError>) -> u32 {
+        match got {
+            Err(StoreError::Other { code, .. }) => code,
+            other => panic!("expected a server refusal, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn keys_are_sent_and_refusals_are_not_retryable() {
+        let (Some(address), Some(rw), Some(ro)) = (
+            live_address("CELERIANT_AUTH_ADDRESS"),
+            live_address("CELERIANT_AUTH_RW_KEY"),
+            live_address("CELERIANT_AUTH_RO_KEY"),
+        ) else {
+            return;
+        };
+        let key = fresh_key();
+        let writer = with_key(&address, Some(&rw));
+        assert_eq!(writer.ping().await, Ok(()));
+        assert_eq!(
+            writer.write(22, vec![write(key, &[1], None, true)]).await,
+            Ok(vec![1])
+        );
+
+        let reader = with_key(&address, Some(&ro));
+        let page = reader
+            .read(key, &ReadFilter::default())
+            .await
+            .expect("read-only reads");
+        assert_eq!(page.batches.len(), 1);
+        // 10007: insufficient permissions.
+        assert_eq!(
+            code(reader.write(22, vec![write(key, &[2], None, true)]).await),
+            10_007
+        );
+
+        // 10004: no identify handshake at all; 10006: a key the server does not know.
+        assert_eq!(code(with_key(&address, None).ping().await), 10_004);
+        let forged = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+        assert_eq!(code(with_key(&address, Some(forged)).ping().await), 10_006);
     }
 }
