@@ -4,7 +4,7 @@
 //! Every client-library type stays inside this module; the rest of Tally sees only the port.
 //!
 //! How the port maps onto the server (each point checked against a real server):
-//! - outcomes: [`map_error`] sorts every client error into the port's classes. A write that
+//! - outcomes: `map_error` sorts every client error into the port's classes. A write that
 //!   was sent and got no readable answer is `OutcomeUnknown`; anything refused before it was
 //!   sent is `NotApplied`. Reads are safe to repeat, so a read that lost its reply is retried
 //!   a bounded number of times before it fails as `NotApplied`;
@@ -21,6 +21,16 @@
 //! - an empty write is refused here with code 2000 (a sharded server would answer 9002);
 //! - server timestamps are taken as epoch milliseconds, which is the server's default
 //!   (`--timestamp-precision milliseconds`, epoch offset 0). Other settings are unsupported.
+//!
+//! Where the server still differs from the port's documented semantics (passed through):
+//! - `trim_start` past the tip is refused even by one (`keep_from > max_version` is 3004,
+//!   `Other`): the newest batch can never be trimmed;
+//! - `client_seq` 0 is the server's "no sequence" sentinel: an enforced write whose lowest
+//!   sequence is 0 is accepted while the durable high-water mark is 0;
+//! - when several legs of one write violate idempotency, which leg's sequences the 2002
+//!   reports is arbitrary;
+//! - a multi-aggregate write must stay on one shard (9001 `CrossShard`); with the default
+//!   `--routing-rule aggregate_id` two accounts usually sit on different shards.
 
 use std::collections::HashMap;
 use std::fmt;
