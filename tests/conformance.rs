@@ -117,6 +117,20 @@ conformance_suite!(faulty_without_faults, || async {
     Arc::new(FaultyLog::new(inner, FaultConfig::default())) as SharedLog
 });
 
+// The real server, when CELERIANT_ADDRESS names one.
+conformance_suite!(
+    celeriant,
+    env = "CELERIANT_ADDRESS",
+    |address: String| async move {
+        let cfg = tally::store::celeriant::CeleriantConfig {
+            address,
+            ..Default::default()
+        };
+        Arc::new(tally::store::celeriant::CeleriantLog::connect(&cfg).expect("Celeriant config"))
+            as SharedLog
+    }
+);
+
 /// The rules, each a function of the backend under test.
 mod rules {
     use std::collections::{BTreeMap, BTreeSet};

@@ -15,6 +15,7 @@
 //! - reads below the trim point fail with [`StoreError::Trimmed`]; a read past the tip is
 //!   empty; filters apply to whole batches.
 
+pub mod celeriant;
 pub mod faults;
 pub mod memory;
 pub mod metered;
