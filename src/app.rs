@@ -12,6 +12,8 @@ use crate::account::{AccountEvent, AccountId, Identity};
 use crate::config::{Config, ConfigError, DEMO_ACCOUNTS, StoreKind, demo_account_id};
 use crate::metrics::Metrics;
 use crate::projection::{Clock, MonotonicClock, Projection};
+use crate::store::EventLog;
+use crate::store::celeriant::CeleriantLog;
 use crate::store::faults::{FaultConfig, FaultyLog};
 use crate::store::memory::MemoryLog;
 use crate::store::metered::MeteredLog;
@@ -158,9 +160,15 @@ impl Drop for App {
 async fn open_store(config: &Config) -> Result<SharedLog, StartError> {
     match config.store {
         StoreKind::Memory => Ok(Arc::new(MemoryLog::new())),
-        StoreKind::Celeriant => Err(StartError::Store(
-            "this build has no Celeriant adapter".into(),
-        )),
+        StoreKind::Celeriant => {
+            let log = CeleriantLog::connect(&config.celeriant)
+                .map_err(|e| StartError::Store(e.to_string()))?;
+            // Fail fast on a store that does not answer, rather than on the first request.
+            log.ping().await.map_err(|e| {
+                StartError::Store(format!("{} did not answer: {e}", config.celeriant.address))
+            })?;
+            Ok(Arc::new(log))
+        }
     }
 }
 

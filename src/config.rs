@@ -8,6 +8,7 @@ use uuid::Uuid;
 
 use crate::account::{Identity, named_id};
 use crate::projection::{DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_RESIDENT_ACCOUNTS, ProjectionConfig};
+use crate::store::celeriant::CeleriantConfig;
 use crate::store::faults::FaultConfig;
 use crate::write_loop::{
     DEFAULT_DEADLINE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BATCH_EVENTS, WriteConfig,
@@ -114,6 +115,10 @@ pub struct Config {
     /// Log format; the level comes from RUST_LOG (default info).
     #[arg(long, env = "TALLY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Human)]
     pub log_format: LogFormat,
+
+    /// How to reach Celeriant (used with `--store celeriant`).
+    #[command(flatten)]
+    pub celeriant: CeleriantConfig,
 }
 
 /// A configuration that cannot run.
@@ -147,6 +152,11 @@ impl Config {
             return Err(ConfigError(
                 "--max-batch-events and --max-resident-accounts must be positive".into(),
             ));
+        }
+        if self.store == StoreKind::Celeriant {
+            self.celeriant
+                .validate()
+                .map_err(|e| ConfigError(e.to_string()))?;
         }
         if let Some(spec) = &self.faults {
             FaultConfig::parse(spec).map_err(|e| ConfigError(format!("--faults: {e}")))?;

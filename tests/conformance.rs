@@ -79,7 +79,7 @@ macro_rules! conformance_suite {
             trim_drops_batches_below_keep_from_and_keeps_versions,
             read_below_the_trim_point_is_trimmed_with_min_available,
             client_mark_survives_trim,
-            trim_beyond_tip_plus_one_is_rejected,
+            trim_beyond_the_tip_is_rejected,
             trim_of_missing_aggregate_is_not_found,
             concurrent_conditional_writers_exactly_one_wins_per_version,
             multi_aggregate_write_is_never_torn_under_concurrency,
@@ -949,21 +949,25 @@ mod rules {
                 .min_available_version,
             3
         );
-        log.trim_start(key, 7).await.expect("trim all");
+        // The newest batch can never be trimmed: keep-from is at most the tip.
+        assert!(matches!(
+            log.trim_start(key, 7).await,
+            Err(StoreError::Other { .. })
+        ));
+        log.trim_start(key, 6).await.expect("trim to the tip");
         let d = log.details(key).await.expect("details");
-        assert_eq!((d.min_available_version, d.max_version), (7, 6));
-        let page = log
-            .read(key, &ReadFilter::from_version(7))
-            .await
-            .expect("read");
-        assert!(page.batches.is_empty());
+        assert_eq!((d.min_available_version, d.max_version), (6, 6));
+        assert_eq!(
+            read_versions(&log, key, ReadFilter::from_version(6)).await,
+            vec![6]
+        );
         assert_eq!(
             log.write(c, vec![write(key, &[7], Some(6), true)]).await,
             Ok(vec![7])
         );
         assert_eq!(
-            read_versions(&log, key, ReadFilter::from_version(7)).await,
-            vec![7]
+            read_versions(&log, key, ReadFilter::from_version(6)).await,
+            vec![6, 7]
         );
     }
 
@@ -994,7 +998,7 @@ mod rules {
         log.write(c, vec![write(key, &[41], None, true)])
             .await
             .expect("v2");
-        log.trim_start(key, 3).await.expect("trim all");
+        log.trim_start(key, 2).await.expect("trim to the tip");
         assert_eq!(
             log.write(c, vec![write(key, &[41], Some(2), true)]).await,
             Err(StoreError::IdempotencyViolation {
@@ -1008,12 +1012,12 @@ mod rules {
         );
     }
 
-    pub async fn trim_beyond_tip_plus_one_is_rejected(log: SharedLog, k: Keys) {
+    pub async fn trim_beyond_the_tip_is_rejected(log: SharedLog, k: Keys) {
         let (key, c) = (k.key(), k.client());
         log.write(c, vec![write(key, &[1], None, true)])
             .await
             .expect("v1");
-        let got = log.trim_start(key, 3).await;
+        let got = log.trim_start(key, 2).await;
         assert!(matches!(got, Err(StoreError::Other { .. })), "{got:?}");
         assert_eq!(versions(&log, key).await, vec![1], "nothing trimmed");
     }

@@ -310,11 +310,13 @@ impl MemoryLog {
         if !agg.exists() {
             return Err(StoreError::AggregateNotFound);
         }
-        if keep_from_version > agg.version + 1 {
+        // As on Celeriant: the newest batch is never trimmed, so keep-from is at most the
+        // tip; a keep-from at or below the current minimum changes nothing.
+        if keep_from_version > agg.version {
             return Err(StoreError::Other {
                 code: error_codes::TRIM_INDEX_OUT_OF_RANGE,
                 message: format!(
-                    "keep-from version {keep_from_version} is beyond the tip {} + 1",
+                    "keep-from version {keep_from_version} is beyond the tip {}",
                     agg.version
                 ),
             });
