@@ -1226,6 +1226,66 @@ async fn requests_over_the_concurrency_limit_are_shed_with_a_retryable_503() {
 }
 
 #[tokio::test]
+async fn a_client_that_disconnects_mid_write_is_not_counted_in_flight_forever_and_its_write_still_lands()
+ {
+    let t = spawn(test_config(&["--faults", "seed=1"]), None, None).await;
+    let app = t.app.clone();
+    let account = new_account();
+    let mut hold = faults(&t).hold_next_write();
+    let request = {
+        let (client, url) = (t.client.clone(), t.url(&deposit_path(&account)));
+        tokio::spawn(async move {
+            client
+                .post(url)
+                .header("idempotency-key", "disconnect-1")
+                .json(&json!({ "amountCents": 100 }))
+                .send()
+                .await
+        })
+    };
+    assert!(hold.held().await);
+    assert_eq!(app.metrics.http_in_flight.get(), 1);
+    // The client gives up while its write is held in the store, and closes the connection.
+    request.abort();
+    assert!(request.await.is_err_and(|e| e.is_cancelled()));
+    // Graceful shutdown returns once every connection is gone: the server has dropped the
+    // abandoned request by then, while its write is still held.
+    t.shutdown().await;
+    assert_eq!(
+        app.metrics.http_in_flight.get(),
+        0,
+        "an abandoned request is still counted in flight"
+    );
+    // The write was detached from the connection: it lands, and a retry of its key (served
+    // by the same app on a new listener) is answered from it.
+    hold.release();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(tally::http::serve(
+        app.clone(),
+        listener,
+        std::future::pending(),
+    ));
+    let r = reply(
+        reqwest::Client::new()
+            .post(format!("http://{addr}{}", deposit_path(&account)))
+            .header("idempotency-key", "disconnect-1")
+            .json(&json!({ "amountCents": 100 }))
+            .send()
+            .await
+            .expect("sent"),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert!(
+        r.replayed(),
+        "the abandoned write was cancelled, not detached"
+    );
+    assert_eq!(leg(&r.body), (100, 1));
+    server.abort();
+}
+
+#[tokio::test]
 async fn a_poisoned_stream_is_500_with_an_error_id_and_nothing_is_written_to_it() {
     let mem = Arc::new(MemoryLog::new());
     let t = spawn(test_config(&[]), Some(mem.clone() as SharedLog), None).await;
