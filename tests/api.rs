@@ -19,8 +19,9 @@ use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use tally::account::AccountId;
 use tally::config::Config;
+use tally::projection::ManualClock;
 use tally::store::faults::{Fault, FaultyLog};
-use tally::store::memory::MemoryLog;
+use tally::store::memory::{ManualClock as StoreClock, MemoryLog, MemoryOptions};
 use tally::store::{AggregateWrite, Event, EventType, SharedLog};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinSet;
@@ -1579,6 +1580,186 @@ async fn reusing_a_key_for_a_different_amount_or_operation_is_422_and_writes_not
     assert_eq!(t.balance(&other).await, (50, 1));
     assert_eq!(t.balance(&funded_from).await, (450, 2));
     t.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_409_without_a_key_returns_the_minted_key_and_a_retry_with_it_replays_the_transfer() {
+    let t = spawn(
+        test_config(&[
+            "--faults",
+            "seed=1",
+            "--write-max-attempts",
+            "1",
+            "--one-round-trip",
+            "false",
+        ]),
+        None,
+        None,
+    )
+    .await;
+    let (from, to) = (funded(&t, 1_000).await, new_account());
+    faults(&t).fail_next_write(Fault::LostAck);
+    let r = t.transfer(&from, &to, 300, None).await;
+    assert_error(&r, 409, "CONFLICT");
+    let minted = r
+        .header("idempotency-key")
+        .expect("a 409 carries the minted key, so the caller can retry safely")
+        .to_owned();
+    let again = t.transfer(&from, &to, 300, Some(&minted)).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.text);
+    assert!(again.replayed());
+    assert_eq!(
+        again.body,
+        json!({
+            "from": { "balanceCents": 700, "aggregateVersion": 2 },
+            "to": { "balanceCents": 300, "aggregateVersion": 1 },
+        })
+    );
+    assert_eq!(t.history(&from).await.len(), 2);
+    assert_eq!(t.history(&to).await.len(), 1);
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_retry_on_another_replica_is_a_replay_of_the_original() {
+    let store: SharedLog = Arc::new(MemoryLog::new());
+    let fleet = spawn_fleet(2, store, &[]).await;
+    let (a, b) = (&fleet[0], &fleet[1]);
+    let (account, payee) = (new_account(), new_account());
+    let first = a.deposit(&account, 500, Some("fleet-1")).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text);
+    let again = b.deposit(&account, 500, Some("fleet-1")).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.text);
+    assert_eq!(again.body, first.body);
+    assert!(again.replayed());
+    let tr = a.transfer(&account, &payee, 200, Some("fleet-2")).await;
+    let tr2 = b.transfer(&account, &payee, 200, Some("fleet-2")).await;
+    assert_eq!(tr2.body, tr.body);
+    assert!(tr2.replayed());
+    // The key stays bound to its operation on the other replica too.
+    let r = b.deposit(&account, 501, Some("fleet-1")).await;
+    assert_error(&r, 422, "IDEMPOTENCY_KEY_REUSED");
+    assert_eq!(b.balance(&account).await, (300, 2));
+    assert_eq!(a.history(&payee).await.len(), 1);
+    for t in fleet {
+        t.shutdown().await;
+    }
+}
+
+#[tokio::test]
+#[ignore = "reason: bug in src/write_loop.rs (not src/http): a replica whose fold of the \
+            account is warm but behind writes first, bounces off the version guard, then finds \
+            the original in its index; answer_from_index sets replayed = !self.wrote, so the \
+            original's answer comes back without Idempotent-Replayed"]
+async fn a_retry_on_a_replica_that_folded_the_account_earlier_is_marked_replayed() {
+    let store: SharedLog = Arc::new(MemoryLog::new());
+    let fleet = spawn_fleet(2, store, &[]).await;
+    let (a, b) = (&fleet[0], &fleet[1]);
+    let account = new_account();
+    // b folds the account (warm at version 0), then a serves the original request.
+    assert_eq!(b.balance(&account).await, (0, 0));
+    let first = a.deposit(&account, 500, Some("fleet-warm")).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text);
+    let again = b.deposit(&account, 500, Some("fleet-warm")).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.text);
+    assert_eq!(again.body, first.body);
+    assert_eq!(
+        b.history(&account).await.len(),
+        1,
+        "one write, as it should be"
+    );
+    assert!(
+        again.replayed(),
+        "the retry's answer is the original write's, but is not marked replayed"
+    );
+    for t in fleet {
+        t.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn a_replay_is_honoured_for_the_stated_window_measured_in_server_time() {
+    let server_clock = Arc::new(StoreClock::new(1_000_000));
+    let store: SharedLog = Arc::new(MemoryLog::with_options(MemoryOptions {
+        clock: server_clock.clone(),
+        ..MemoryOptions::default()
+    }));
+    let (clock_a, clock_b) = (Arc::new(ManualClock::new(0)), Arc::new(ManualClock::new(0)));
+    let a = spawn(test_config(&[]), Some(store.clone()), Some(clock_a.clone())).await;
+    let b = spawn(test_config(&[]), Some(store.clone()), Some(clock_b.clone())).await;
+    let (account, other, late) = (new_account(), new_account(), new_account());
+    let first = a.deposit(&account, 100, Some("window-1")).await;
+    let first_other = a.deposit(&other, 100, Some("window-2")).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text);
+
+    // On the replica that wrote: the whole window, from its own clock.
+    clock_a.advance_ms(89_999);
+    let r = a.deposit(&account, 100, Some("window-1")).await;
+    assert!(r.replayed(), "{}", r.text);
+    assert_eq!(r.body, first.body);
+    clock_a.advance_ms(1);
+    let r = a.deposit(&account, 100, Some("window-1")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert!(
+        !r.replayed(),
+        "past the window the key is forgotten: a new write"
+    );
+    assert_eq!(leg(&r.body), (200, 2));
+
+    // On a replica that only reads the write back, the age comes from server time: 89 s
+    // after it was written, one second of the window is left.
+    server_clock.advance(89_000);
+    assert_eq!(a.deposit(&late, 1, None).await.status, StatusCode::OK);
+    assert_eq!(b.balance(&late).await, (1, 1));
+    let r = b.deposit(&other, 100, Some("window-2")).await;
+    assert!(r.replayed(), "{}", r.text);
+    assert_eq!(r.body, first_other.body);
+    clock_b.advance_ms(999);
+    let r = b.deposit(&other, 100, Some("window-2")).await;
+    assert!(r.replayed(), "{}", r.text);
+    clock_b.advance_ms(1);
+    let r = b.deposit(&other, 100, Some("window-2")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert!(!r.replayed());
+    assert_eq!(leg(&r.body), (200, 2));
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test]
+async fn history_of_a_trimmed_stream_starts_at_the_first_available_version() {
+    let mem = Arc::new(MemoryLog::new());
+    let store: SharedLog = mem.clone();
+    let a = spawn(test_config(&[]), Some(store.clone()), None).await;
+    let account = new_account();
+    for cents in [1, 2, 3] {
+        assert_eq!(
+            a.deposit(&account, cents, None).await.status,
+            StatusCode::OK
+        );
+    }
+    let key = a.app.identity.key(AccountId(account.parse().unwrap()));
+    mem.trim_start_now(key, 3).expect("trimmed");
+    // A replica that folded the stream before the trim still knows the balance.
+    let r = a.get(&format!("/api/accounts/{account}/history")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.body["firstAvailableVersion"], 3);
+    assert_eq!(r.body["balanceCents"], 6);
+    assert_eq!(r.body["events"].as_array().unwrap().len(), 1);
+    assert_eq!(r.body["events"][0]["aggregateVersion"], 3);
+    // A fresh replica can list what is left, but cannot derive a balance.
+    let b = spawn(test_config(&[]), Some(store.clone()), None).await;
+    let r = b.get(&format!("/api/accounts/{account}/history")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.body["firstAvailableVersion"], 3);
+    assert_eq!(r.body["balanceCents"], Value::Null);
+    assert_eq!(r.body["currentAggregateVersion"], 3);
+    assert_eq!(r.body["events"][0]["amountCents"], 3);
+    let r = b.get(&format!("/api/accounts/{account}/balance")).await;
+    assert_error(&r, 500, "ACCOUNT_TRIMMED");
+    assert!(r.body["errorId"].is_string(), "{}", r.text);
+    a.shutdown().await;
+    b.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
