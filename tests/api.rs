@@ -543,36 +543,35 @@ async fn account_scoped_transfer_has_the_same_semantics_as_the_transfers_route()
     assert!(second.replayed());
     assert_eq!(t.balance(&from).await, (650, 3));
     assert_eq!(t.balance(&to).await, (350, 2));
-    // The payer comes from the path: naming it in the body is an unknown field.
-    let before = observe(&t, &from).await;
-    let r = t
-        .post(
-            &account_transfer_path(&from),
-            &json!({ "fromAccountId": from, "toAccountId": to, "amountCents": 1 }),
-            None,
-        )
-        .await;
-    assert_error(&r, 422, "VALIDATION_ERROR");
-    // Insufficient funds and the same-account rule hold on this route too.
-    let r = t
-        .post(
-            &account_transfer_path(&from),
-            &json!({ "toAccountId": to, "amountCents": 651 }),
-            None,
-        )
-        .await;
-    assert_error(&r, 422, "INSUFFICIENT_FUNDS");
-    assert_eq!(r.body["balanceCents"], 650);
-    let r = t
-        .post(
-            &account_transfer_path(&from),
-            &json!({ "toAccountId": from, "amountCents": 1 }),
-            None,
-        )
-        .await;
-    assert_error(&r, 422, "VALIDATION_ERROR");
-    assert_eq!(observe(&t, &from).await, before);
-    assert_eq!(t.balance(&to).await, (350, 2));
+    let before = (observe(&t, &from).await, observe(&t, &to).await);
+    let rejected = [
+        // The payer comes from the path: naming it in the body is an unknown field.
+        (
+            json!({ "fromAccountId": from, "toAccountId": to, "amountCents": 1 }),
+            "VALIDATION_ERROR",
+        ),
+        // Insufficient funds and the same-account rule hold on this route too.
+        (
+            json!({ "toAccountId": to, "amountCents": 651 }),
+            "INSUFFICIENT_FUNDS",
+        ),
+        (
+            json!({ "toAccountId": from, "amountCents": 1 }),
+            "VALIDATION_ERROR",
+        ),
+    ];
+    for (body, code) in rejected {
+        let r = t.post(&account_transfer_path(&from), &body, None).await;
+        assert_error(&r, 422, code);
+        if code == "INSUFFICIENT_FUNDS" {
+            assert_eq!(r.body["balanceCents"], 650);
+        }
+        assert_eq!(
+            (observe(&t, &from).await, observe(&t, &to).await),
+            before,
+            "{body} changed something"
+        );
+    }
     t.shutdown().await;
 }
 
@@ -670,15 +669,16 @@ async fn malformed_json_is_400_and_changes_nothing() {
         br#"{"amountCents":1}x"#,
         br#"{"amountCents":1,}"#,
     ] {
-        for path in [deposit_path(&account), withdraw_path(&account)] {
+        for path in [
+            deposit_path(&account),
+            withdraw_path(&account),
+            "/api/transfers".to_string(),
+            account_transfer_path(&account),
+        ] {
             let r = post_raw(&t, &path, body, None).await;
             assert_error(&r, 400, "INVALID_JSON");
+            assert_eq!(observe(&t, &account).await, before, "{path} {body:?}");
         }
-        let r = post_raw(&t, "/api/transfers", body, None).await;
-        assert_error(&r, 400, "INVALID_JSON");
-        let r = post_raw(&t, &account_transfer_path(&account), body, None).await;
-        assert_error(&r, 400, "INVALID_JSON");
-        assert_eq!(observe(&t, &account).await, before, "{body:?}");
     }
     t.shutdown().await;
 }
@@ -889,47 +889,47 @@ async fn a_wrong_method_is_405_with_allow() {
 #[tokio::test]
 async fn a_missing_or_wrong_content_type_is_415_and_changes_nothing() {
     let t = spawn_default().await;
-    let account = funded(&t, 100).await;
-    let before = observe(&t, &account).await;
-    let body = br#"{"amountCents":5}"#.to_vec();
-    let path = withdraw_path(&account);
-    let r = send(&t, Method::POST, &path, &[], Some(body.clone())).await;
-    assert_error(&r, 415, "UNSUPPORTED_MEDIA_TYPE");
-    for ct in [
-        "text/plain",
-        "application/x-www-form-urlencoded",
-        "application/jsonx",
-        "application/problem+json",
-        "",
-    ] {
-        let r = send(
-            &t,
-            Method::POST,
-            &path,
-            &[("content-type", ct.as_bytes())],
-            Some(body.clone()),
-        )
-        .await;
-        assert_error(&r, 415, "UNSUPPORTED_MEDIA_TYPE");
+    let (account, payee) = (funded(&t, 100).await, new_account());
+    let before = (observe(&t, &account).await, observe(&t, &payee).await);
+    let withdraw = br#"{"amountCents":5}"#.to_vec();
+    let transfer = json!({ "fromAccountId": account, "toAccountId": payee, "amountCents": 5 })
+        .to_string()
+        .into_bytes();
+    let requests = [
+        (withdraw_path(&account), withdraw.clone()),
+        ("/api/transfers".to_string(), transfer),
+    ];
+    let content_types: [Option<&str>; 6] = [
+        None,
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+        Some("application/jsonx"),
+        Some("application/problem+json"),
+        Some(""),
+    ];
+    for (path, body) in &requests {
+        for ct in content_types {
+            let headers: Vec<(&str, &[u8])> = ct
+                .map(|ct| ("content-type", ct.as_bytes()))
+                .into_iter()
+                .collect();
+            let r = send(&t, Method::POST, path, &headers, Some(body.clone())).await;
+            assert_error(&r, 415, "UNSUPPORTED_MEDIA_TYPE");
+            assert_eq!(
+                (observe(&t, &account).await, observe(&t, &payee).await),
+                before,
+                "{path} with {ct:?} changed something"
+            );
+        }
     }
-    let r = send(
-        &t,
-        Method::POST,
-        "/api/transfers",
-        &[("content-type", b"text/plain")],
-        Some(br#"{"fromAccountId":"x","toAccountId":"y","amountCents":1}"#.to_vec()),
-    )
-    .await;
-    assert_error(&r, 415, "UNSUPPORTED_MEDIA_TYPE");
-    assert_eq!(observe(&t, &account).await, before);
     // Parameters and case do not matter.
     for ct in ["application/json; charset=utf-8", "Application/JSON"] {
         let r = send(
             &t,
             Method::POST,
-            &path,
+            &withdraw_path(&account),
             &[("content-type", ct.as_bytes())],
-            Some(body.clone()),
+            Some(withdraw.clone()),
         )
         .await;
         assert_eq!(r.status, StatusCode::OK, "{ct}: {}", r.text);
@@ -943,7 +943,10 @@ async fn invalid_amounts_and_body_shapes_are_422_validation_errors_and_change_no
     let t = spawn_default().await;
     let (account, other) = (funded(&t, 1_000).await, funded(&t, 1_000).await);
     let before = (observe(&t, &account).await, observe(&t, &other).await);
-    let amounts = [
+    // Every case is (path, raw body).
+    let mut cases: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut case = |path: String, body: Value| cases.push((path, body.to_string().into_bytes()));
+    for amount in [
         json!(0),
         json!(-1),
         json!(-2_147_483_647),
@@ -956,26 +959,63 @@ async fn invalid_amounts_and_body_shapes_are_422_validation_errors_and_change_no
         json!(true),
         json!([1]),
         json!({ "cents": 1 }),
-    ];
-    for amount in &amounts {
-        let bodies = [
-            (deposit_path(&account), json!({ "amountCents": amount })),
-            (withdraw_path(&account), json!({ "amountCents": amount })),
-            (
-                "/api/transfers".to_string(),
-                json!({ "fromAccountId": account, "toAccountId": other, "amountCents": amount }),
-            ),
-            (
-                account_transfer_path(&account),
-                json!({ "toAccountId": other, "amountCents": amount }),
-            ),
-        ];
-        for (path, body) in bodies {
-            let r = t.post(&path, &body, None).await;
-            assert_error(&r, 422, "VALIDATION_ERROR");
-        }
+    ] {
+        case(deposit_path(&account), json!({ "amountCents": amount }));
+        case(withdraw_path(&account), json!({ "amountCents": amount }));
+        case(
+            "/api/transfers".into(),
+            json!({ "fromAccountId": account, "toAccountId": other, "amountCents": amount }),
+        );
+        case(
+            account_transfer_path(&account),
+            json!({ "toAccountId": other, "amountCents": amount }),
+        );
     }
-    let raw_bodies: [(String, &[u8]); 4] = [
+    // Unknown fields.
+    case(
+        deposit_path(&account),
+        json!({ "amountCents": 1, "memo": "x" }),
+    );
+    case(withdraw_path(&account), json!({ "amount": 1 }));
+    case(
+        "/api/transfers".into(),
+        json!({ "fromAccountId": account, "toAccountId": other, "amountCents": 1, "x": 0 }),
+    );
+    // Missing fields.
+    case(deposit_path(&account), json!({}));
+    case(
+        "/api/transfers".into(),
+        json!({ "toAccountId": other, "amountCents": 1 }),
+    );
+    case(
+        "/api/transfers".into(),
+        json!({ "fromAccountId": account, "amountCents": 1 }),
+    );
+    case(
+        "/api/transfers".into(),
+        json!({ "fromAccountId": account, "toAccountId": other }),
+    );
+    case(account_transfer_path(&account), json!({ "amountCents": 1 }));
+    // Not an account id.
+    case(
+        "/api/transfers".into(),
+        json!({ "fromAccountId": account, "toAccountId": "nope", "amountCents": 1 }),
+    );
+    case(
+        account_transfer_path(&account),
+        json!({ "toAccountId": 7, "amountCents": 1 }),
+    );
+    // Not an object: a scalar, or a positional array even when its items line up with the
+    // fields.
+    case(deposit_path(&account), json!(5));
+    case(deposit_path(&account), json!("amountCents"));
+    case(deposit_path(&account), json!([5]));
+    case(withdraw_path(&account), json!([5]));
+    case("/api/transfers".into(), json!([account, other, 5]));
+    case(account_transfer_path(&account), json!([other, 5]));
+    case(withdraw_path(&account), json!([{ "amountCents": 1 }]));
+    // Spellings `json!` cannot produce.
+    let raw: [(String, &[u8]); 3] = [
         // Too large even for 64 bits.
         (
             deposit_path(&account),
@@ -986,66 +1026,19 @@ async fn invalid_amounts_and_body_shapes_are_422_validation_errors_and_change_no
             deposit_path(&account),
             br#"{"amountCents":1,"amountCents":2}"#,
         ),
-        (withdraw_path(&account), br#"[{"amountCents":1}]"#),
     ];
-    for (path, body) in raw_bodies {
-        let r = post_raw(&t, &path, body, None).await;
+    cases.extend(raw.into_iter().map(|(p, b)| (p, b.to_vec())));
+    for (path, body) in cases {
+        let r = post_raw(&t, &path, &body, None).await;
+        let shown = String::from_utf8_lossy(&body);
+        assert_eq!(r.status.as_u16(), 422, "{path} {shown}: {}", r.text);
         assert_error(&r, 422, "VALIDATION_ERROR");
+        assert_eq!(
+            (observe(&t, &account).await, observe(&t, &other).await),
+            before,
+            "{path} {shown} changed something"
+        );
     }
-    // A positional array is not an object, even when its items line up with the fields.
-    let arrays = [
-        (deposit_path(&account), json!([5])),
-        (withdraw_path(&account), json!([5])),
-        ("/api/transfers".to_string(), json!([account, other, 5])),
-        (account_transfer_path(&account), json!([other, 5])),
-    ];
-    for (path, body) in arrays {
-        let r = t.post(&path, &body, None).await;
-        assert_error(&r, 422, "VALIDATION_ERROR");
-    }
-    let shapes = [
-        // Unknown field.
-        (
-            deposit_path(&account),
-            json!({ "amountCents": 1, "memo": "x" }),
-        ),
-        (withdraw_path(&account), json!({ "amount": 1 })),
-        // Missing field.
-        (deposit_path(&account), json!({})),
-        (
-            "/api/transfers".to_string(),
-            json!({ "toAccountId": other, "amountCents": 1 }),
-        ),
-        (
-            "/api/transfers".to_string(),
-            json!({ "fromAccountId": account, "amountCents": 1 }),
-        ),
-        (
-            "/api/transfers".to_string(),
-            json!({ "fromAccountId": account, "toAccountId": other }),
-        ),
-        (account_transfer_path(&account), json!({ "amountCents": 1 })),
-        // Not an account id.
-        (
-            "/api/transfers".to_string(),
-            json!({ "fromAccountId": account, "toAccountId": "nope", "amountCents": 1 }),
-        ),
-        (
-            account_transfer_path(&account),
-            json!({ "toAccountId": 7, "amountCents": 1 }),
-        ),
-        // Not an object.
-        (deposit_path(&account), json!(5)),
-        (deposit_path(&account), json!("amountCents")),
-    ];
-    for (path, body) in shapes {
-        let r = t.post(&path, &body, None).await;
-        assert_error(&r, 422, "VALIDATION_ERROR");
-    }
-    assert_eq!(
-        (observe(&t, &account).await, observe(&t, &other).await),
-        before
-    );
     t.shutdown().await;
 }
 
@@ -1054,42 +1047,58 @@ async fn a_transfer_to_the_same_account_is_422_and_changes_nothing() {
     let t = spawn_default().await;
     let account = funded(&t, 1_000).await;
     let before = observe(&t, &account).await;
-    let r = t.transfer(&account, &account, 10, None).await;
-    assert_error(&r, 422, "VALIDATION_ERROR");
-    // Also with an amount the account cannot cover: the shape is checked before the funds.
-    let r = t.transfer(&account, &account, 5_000, None).await;
-    assert_error(&r, 422, "VALIDATION_ERROR");
-    // The same id in another spelling is the same account.
+    // Also with an amount the account cannot cover (the shape is checked before the funds),
+    // and with the same id in another spelling.
     let upper = account.to_uppercase();
-    let r = t.transfer(&account, &upper, 10, None).await;
-    assert_error(&r, 422, "VALIDATION_ERROR");
-    assert_eq!(observe(&t, &account).await, before);
+    for (to, cents) in [(&account, 10), (&account, 5_000), (&upper, 10)] {
+        let r = t.transfer(&account, to, cents, None).await;
+        assert_error(&r, 422, "VALIDATION_ERROR");
+        assert_eq!(observe(&t, &account).await, before);
+    }
     t.shutdown().await;
 }
 
 #[tokio::test]
 async fn overdrawing_is_422_insufficient_funds_with_the_balance_and_changes_nothing() {
     let t = spawn_default().await;
-    let (account, payee) = (funded(&t, 1_000).await, new_account());
-    let before = observe(&t, &account).await;
-    let r = t.withdraw(&account, 1_001, None).await;
-    assert_error(&r, 422, "INSUFFICIENT_FUNDS");
-    assert_eq!(r.body["balanceCents"], 1000);
-    assert_eq!(r.header("idempotency-window"), Some("90"));
-    let r = t.transfer(&account, &payee, 1_001, None).await;
-    assert_error(&r, 422, "INSUFFICIENT_FUNDS");
-    assert_eq!(r.body["balanceCents"], 1000);
-    // An account with no events has nothing to give.
-    let empty = new_account();
-    let r = t.withdraw(&empty, 1, None).await;
-    assert_error(&r, 422, "INSUFFICIENT_FUNDS");
-    assert_eq!(r.body["balanceCents"], 0);
-    let r = t.transfer(&empty, &account, 1, None).await;
-    assert_error(&r, 422, "INSUFFICIENT_FUNDS");
-    assert_eq!(r.body["balanceCents"], 0);
-    assert_eq!(observe(&t, &account).await, before);
-    assert_eq!(observe(&t, &payee).await, (0, 0, vec![]));
-    assert_eq!(observe(&t, &empty).await, (0, 0, vec![]));
+    // `empty` has no events, so it has nothing to give.
+    let (account, payee, empty) = (funded(&t, 1_000).await, new_account(), new_account());
+    let before = (observe(&t, &account).await, (0, 0, vec![]));
+    let cases = [
+        (
+            withdraw_path(&account),
+            json!({ "amountCents": 1_001 }),
+            1_000,
+        ),
+        (
+            "/api/transfers".to_string(),
+            json!({ "fromAccountId": account, "toAccountId": payee, "amountCents": 1_001 }),
+            1_000,
+        ),
+        (
+            account_transfer_path(&account),
+            json!({ "toAccountId": payee, "amountCents": 2_147_483_647 }),
+            1_000,
+        ),
+        (withdraw_path(&empty), json!({ "amountCents": 1 }), 0),
+        (
+            "/api/transfers".to_string(),
+            json!({ "fromAccountId": empty, "toAccountId": account, "amountCents": 1 }),
+            0,
+        ),
+    ];
+    for (path, body, balance) in cases {
+        let r = t.post(&path, &body, None).await;
+        assert_error(&r, 422, "INSUFFICIENT_FUNDS");
+        assert_eq!(r.body["balanceCents"], balance, "{path} {body}");
+        assert_eq!(r.header("idempotency-window"), Some("90"));
+        assert_eq!(
+            (observe(&t, &account).await, observe(&t, &payee).await),
+            before,
+            "{path} {body} changed something"
+        );
+        assert_eq!(observe(&t, &empty).await, (0, 0, vec![]));
+    }
     t.shutdown().await;
 }
 
@@ -1418,8 +1427,8 @@ async fn uuid_and_opaque_keys_dedup_and_a_quoted_key_is_the_same_key() {
 #[tokio::test]
 async fn keys_too_long_or_with_invalid_characters_are_400_and_write_nothing() {
     let t = spawn_default().await;
-    let account = funded(&t, 100).await;
-    let before = observe(&t, &account).await;
+    let (account, payee) = (funded(&t, 100).await, new_account());
+    let before = (observe(&t, &account).await, observe(&t, &payee).await);
     let too_long = "k".repeat(256);
     let quoted_too_long = format!("\"{too_long}\"");
     let bad: Vec<&[u8]> = vec![
@@ -1464,13 +1473,19 @@ async fn keys_too_long_or_with_invalid_characters_are_400_and_write_nothing() {
                 ("idempotency-key", key),
             ],
             Some(
-                json!({ "fromAccountId": account, "toAccountId": new_account(), "amountCents": 1 })
+                json!({ "fromAccountId": account, "toAccountId": payee, "amountCents": 1 })
                     .to_string()
                     .into_bytes(),
             ),
         )
         .await;
         assert_error(&r, 400, "INVALID_IDEMPOTENCY_KEY");
+        assert_eq!(
+            (observe(&t, &account).await, observe(&t, &payee).await),
+            before,
+            "key {:?} changed something",
+            String::from_utf8_lossy(key)
+        );
     }
     // Two keys on one request are refused, not picked from.
     let r = send(
@@ -1486,7 +1501,10 @@ async fn keys_too_long_or_with_invalid_characters_are_400_and_write_nothing() {
     )
     .await;
     assert_error(&r, 400, "INVALID_IDEMPOTENCY_KEY");
-    assert_eq!(observe(&t, &account).await, before);
+    assert_eq!(
+        (observe(&t, &account).await, observe(&t, &payee).await),
+        before
+    );
     // 255 characters is the longest key accepted.
     let longest = "k".repeat(255);
     let r = t.deposit(&account, 1, Some(&longest)).await;
@@ -1540,26 +1558,32 @@ async fn reusing_a_key_for_a_different_amount_or_operation_is_422_and_writes_not
     assert_eq!(first.status, StatusCode::OK, "{}", first.text);
     let before = (observe(&t, &account).await, observe(&t, &other).await);
     let attempts = [
-        t.deposit(&account, 101, Some(&key)).await,
-        t.withdraw(&account, 100, Some(&key)).await,
-        t.transfer(&account, &other, 100, Some(&key)).await,
-        t.post(
-            &account_transfer_path(&account),
-            &json!({ "toAccountId": other, "amountCents": 100 }),
-            Some(&key),
-        )
-        .await,
-        t.transfer(&other, &account, 100, Some(&key)).await,
+        (deposit_path(&account), json!({ "amountCents": 101 })),
+        (withdraw_path(&account), json!({ "amountCents": 100 })),
+        (
+            "/api/transfers".to_string(),
+            json!({ "fromAccountId": account, "toAccountId": other, "amountCents": 100 }),
+        ),
+        (
+            account_transfer_path(&account),
+            json!({ "toAccountId": other, "amountCents": 100 }),
+        ),
+        (
+            "/api/transfers".to_string(),
+            json!({ "fromAccountId": other, "toAccountId": account, "amountCents": 100 }),
+        ),
     ];
-    for r in &attempts {
-        assert_error(r, 422, "IDEMPOTENCY_KEY_REUSED");
+    for (path, body) in attempts {
+        let r = t.post(&path, &body, Some(&key)).await;
+        assert_error(&r, 422, "IDEMPOTENCY_KEY_REUSED");
         assert!(!r.replayed());
         assert_eq!(r.header("idempotency-window"), Some("90"));
+        assert_eq!(
+            (observe(&t, &account).await, observe(&t, &other).await),
+            before,
+            "{path} {body} changed something"
+        );
     }
-    assert_eq!(
-        (observe(&t, &account).await, observe(&t, &other).await),
-        before
-    );
     // The original request still replays.
     let again = t.deposit(&account, 100, Some(&key)).await;
     assert!(again.replayed());
