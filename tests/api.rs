@@ -152,6 +152,9 @@ fn metric(text: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// How long a raw exchange waits for the server before the test fails (instead of hanging).
+const RAW_READ_BOUND: Duration = Duration::from_secs(30);
+
 /// Sends raw bytes over one TCP connection (`head` and then each body chunk) and reads one
 /// response. For what a well-behaved client cannot send: chunked bodies past the limit, a
 /// declared length with no body.
@@ -179,7 +182,10 @@ async fn raw_exchange(addr: SocketAddr, head: String, chunks: Vec<Vec<u8>>) -> R
         if let Some(parsed) = parse_response(&buf) {
             break parsed;
         }
-        match rd.read(&mut chunk).await {
+        let read = tokio::time::timeout(RAW_READ_BOUND, rd.read(&mut chunk))
+            .await
+            .expect("the server answers");
+        match read {
             Ok(0) | Err(_) => break parse_response(&buf).expect("a whole response"),
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
         }
@@ -2148,6 +2154,7 @@ fn binary_help_lists_every_flag_with_its_env_name() {
     assert_eq!(blocks.len(), FLAGS.len() + 2, "{names:?}");
 }
 
+#[cfg(unix)]
 #[tokio::test]
 async fn binary_starts_like_make_run_serves_the_demo_accounts_and_stops_on_sigterm() {
     // `make run` is the binary with every default; only the port (0) and the log format
@@ -2215,6 +2222,7 @@ async fn binary_starts_like_make_run_serves_the_demo_accounts_and_stops_on_sigte
     assert!(server.position("stopped").is_some(), "{:#?}", server.log);
 }
 
+#[cfg(unix)]
 #[tokio::test]
 async fn binary_drains_an_in_flight_request_on_sigterm_and_exits_0() {
     // Every store write is held for 1.5 s: a deterministic slow request.
