@@ -72,12 +72,35 @@ pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T,
 }
 
 /// Malformed JSON is a 400; valid JSON of the wrong shape (unknown field, wrong type, missing
-/// field) is a 422.
+/// field, not an object) is a 422.
 pub fn decode_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(bytes).map_err(|e| match e.classify() {
-        serde_json::error::Category::Data => ApiError::Validation(e.to_string()),
-        _ => ApiError::bad_request("INVALID_JSON", format!("malformed JSON: {e}")),
-    })
+    let malformed = |e: serde_json::Error| {
+        ApiError::bad_request("INVALID_JSON", format!("malformed JSON: {e}"))
+    };
+    match serde_json::from_slice::<T>(bytes) {
+        // serde fills a struct from a positional array too; the API takes objects only.
+        Ok(_) if !is_object(bytes) => Err(ApiError::Validation(
+            "the body must be a JSON object".into(),
+        )),
+        Ok(value) => Ok(value),
+        // The shape can fail before the parser reaches a syntax error further on (trailing
+        // characters after a complete object): a body that is not JSON at all is a 400.
+        Err(e) if e.classify() == serde_json::error::Category::Data => {
+            match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
+                Ok(_) => Err(ApiError::Validation(e.to_string())),
+                Err(syntax) => Err(malformed(syntax)),
+            }
+        }
+        Err(e) => Err(malformed(e)),
+    }
+}
+
+/// Whether the first non-whitespace byte opens a JSON object.
+fn is_object(bytes: &[u8]) -> bool {
+    bytes
+        .iter()
+        .find(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+        .is_some_and(|&b| b == b'{')
 }
 
 #[cfg(test)]
@@ -100,6 +123,11 @@ mod tests {
         assert_eq!(status(br#"{"amountCents":7,"x":1}"#), 422);
         assert_eq!(status(br#"{"amountCents":1.5}"#), 422);
         assert_eq!(status(br#"{}"#), 422);
+        assert_eq!(status(br#"[7]"#), 422);
+        assert_eq!(status(br#" [7] "#), 422);
+        assert_eq!(status(br#"[7"#), 400);
+        assert_eq!(status(br#"{"amountCents":7}x"#), 400);
+        assert_eq!(status(br#"{}x"#), 400);
         assert!(decode_json::<Amount>(br#"{"amountCents":7}"#).is_ok());
     }
 }

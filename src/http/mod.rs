@@ -94,7 +94,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
         outcome = tracing::field::Empty,
     );
     let m = &app.metrics;
-    m.http_in_flight.inc();
+    let in_flight = InFlight::enter(&m.http_in_flight);
     let resp = async {
         let route = routed?;
         let _permit = if route.is_api() {
@@ -125,7 +125,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
     .instrument(span.clone())
     .await;
     let resp = routes::finish(resp);
-    m.http_in_flight.dec();
+    drop(in_flight);
     let status = resp.status();
     m.http_requests
         .with_label_values(&[template, method, status_class(status)])
@@ -142,6 +142,23 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
         )
     });
     resp
+}
+
+/// Counts a request in flight until it is dropped: hyper drops a request's future when its
+/// client disconnects, and such a request must not stay counted.
+struct InFlight<'a>(&'a prometheus::IntGauge);
+
+impl<'a> InFlight<'a> {
+    fn enter(gauge: &'a prometheus::IntGauge) -> Self {
+        gauge.inc();
+        Self(gauge)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 fn status_class(s: StatusCode) -> &'static str {
