@@ -316,8 +316,6 @@ struct Run<'a> {
     /// Sequences are assigned and must be kept (a write carrying them was sent and not
     /// refused by the version guard or proven a sibling's).
     held: bool,
-    /// This run sent at least one write.
-    wrote: bool,
     round_trips: u32,
     last_failure: String,
 }
@@ -364,7 +362,6 @@ impl<'a> Run<'a> {
             accounts,
             attempt: 0,
             held: false,
-            wrote: false,
             round_trips: 0,
             last_failure: String::new(),
         }
@@ -504,7 +501,6 @@ impl<'a> Run<'a> {
     /// reused key.
     fn answer_from_index(&mut self) {
         let now = self.svc.projection.now_ms();
-        let replayed = !self.wrote;
         let mut replays = 0u64;
         for pi in 0..self.pending.len() {
             if self.pending[pi].answer.is_some() {
@@ -555,6 +551,9 @@ impl<'a> Run<'a> {
                         }
                     })
                     .collect();
+                // A hit is this request's own write only if one of its attempts may have
+                // landed; otherwise it is an earlier request's answer, replayed.
+                let replayed = !self.pending[pi].ambiguous;
                 if replayed {
                     replays += 1;
                 }
@@ -663,7 +662,6 @@ impl<'a> Run<'a> {
             .collect();
         let events: usize = writes.iter().map(|w| w.events.len()).sum();
         svc.metrics().write_batch_events.observe(events as f64);
-        self.wrote = true;
         self.round_trips += 1;
         match svc.projection.log().write(identity.client(), writes).await {
             Ok(versions) => {

@@ -514,7 +514,8 @@ async fn faulty_log_wraps_and_is_a_shared_log() {
     let log: SharedLog = Arc::new(FaultyLog::new(inner, FaultConfig::default()));
     let k = key(1);
     assert_eq!(log.write(CLIENT, vec![write(k, &[1])]).await, Ok(vec![1]));
-    assert_eq!(log.details(k).await.expect("details").max_version, 1);
+    assert_eq!(log.write(CLIENT, vec![write(k, &[2])]).await, Ok(vec![2]));
+    assert_eq!(log.details(k).await.expect("details").max_version, 2);
     log.trim_start(k, 2).await.expect("trim");
     assert_eq!(
         log.read(k, &ReadFilter::default())
