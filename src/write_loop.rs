@@ -24,7 +24,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use dashmap::DashMap;
 use tokio::sync::{oneshot, watch};
 
-use crate::account::rules::{Legs, decide_leg};
+use crate::account::rules::{Leg, Legs, decide_leg};
 use crate::account::{AccountId, Operation, RuleError};
 use crate::metrics::{Metrics, arm};
 use crate::projection::{
@@ -637,22 +637,14 @@ impl<'a> Run<'a> {
             .iter()
             .map(|t| AggregateWrite {
                 key: identity.key(t.account),
-                events: batch
-                    .iter()
-                    .flat_map(|&pi| {
-                        let p = &self.pending[pi];
-                        p.legs
-                            .as_slice()
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, leg)| leg.account == t.account)
-                            .map(move |(li, leg)| Event {
-                                client_seq: p.seqs[li],
-                                event_id: Some(p.req.event_id),
-                                event_type: leg.event.event_type(),
-                                payload: leg.event.encode(),
-                                timestamp_ms: now_ms,
-                            })
+                events: self
+                    .legs_on(batch, t.account)
+                    .map(|(_, p, li, leg)| Event {
+                        client_seq: p.seqs[li],
+                        event_id: Some(p.req.event_id),
+                        event_type: leg.event.event_type(),
+                        payload: leg.event.encode(),
+                        timestamp_ms: now_ms,
                     })
                     .collect(),
                 expected_version: Some(t.snap.version),
@@ -705,6 +697,24 @@ impl<'a> Run<'a> {
         }
     }
 
+    /// The legs of `batch` that write to `account`, in write order:
+    /// (request index, request, leg index, leg).
+    fn legs_on<'b>(
+        &'b self,
+        batch: &'b [usize],
+        account: AccountId,
+    ) -> impl Iterator<Item = (usize, &'b Pending, usize, &'b Leg)> + 'b {
+        batch.iter().flat_map(move |&pi| {
+            let p = &self.pending[pi];
+            p.legs
+                .as_slice()
+                .iter()
+                .enumerate()
+                .filter(move |(_, leg)| leg.account == account)
+                .map(move |(li, leg)| (pi, p, li, leg))
+        })
+    }
+
     fn mark_ambiguous(&mut self, batch: &[usize]) {
         for &pi in batch {
             self.pending[pi].ambiguous = true;
@@ -720,15 +730,10 @@ impl<'a> Run<'a> {
             let mut events = Vec::with_capacity(batch.len());
             let mut max_seq = 0;
             let mut balance_after = t.snap.balance;
-            for &pi in batch {
-                let p = &self.pending[pi];
-                for (li, leg) in p.legs.as_slice().iter().enumerate() {
-                    if leg.account == t.account {
-                        events.push((p.req.event_id, p.balances[li], leg.event));
-                        max_seq = max_seq.max(p.seqs[li]);
-                        balance_after = p.balances[li];
-                    }
-                }
+            for (_, p, li, leg) in self.legs_on(batch, t.account) {
+                events.push((p.req.event_id, p.balances[li], leg.event));
+                max_seq = max_seq.max(p.seqs[li]);
+                balance_after = p.balances[li];
             }
             if let Some(slot) = &t.slot {
                 projection.record_write(
@@ -775,17 +780,9 @@ impl<'a> Run<'a> {
         let identity = *svc.projection.identity();
         let mut verdicts: Vec<(usize, usize, SeqOwnership)> = Vec::new();
         for t in &self.accounts {
-            let seqs: Vec<(usize, usize, u64)> = batch
-                .iter()
-                .flat_map(|&pi| {
-                    let p = &self.pending[pi];
-                    p.legs
-                        .as_slice()
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, leg)| leg.account == t.account)
-                        .map(move |(li, _)| (pi, li, p.seqs[li]))
-                })
+            let seqs: Vec<(usize, usize, u64)> = self
+                .legs_on(batch, t.account)
+                .map(|(pi, p, li, _)| (pi, li, p.seqs[li]))
                 .collect();
             let (Some(first), Some(last)) = (
                 seqs.iter().map(|s| s.2).min(),

@@ -57,20 +57,6 @@ fn assert_error(r: &Reply, status: u16, code: &str) {
     );
 }
 
-/// Reads a reqwest response whole.
-async fn reply(resp: reqwest::Response) -> Reply {
-    let status = resp.status();
-    let headers = resp.headers().clone();
-    let text = resp.text().await.expect("body");
-    let body = serde_json::from_str(&text).unwrap_or(Value::Null);
-    Reply {
-        status,
-        headers,
-        body,
-        text,
-    }
-}
-
 /// Sends any request: method, path, extra headers (raw bytes allowed) and an optional body.
 async fn send(
     t: &TestApp,
@@ -89,7 +75,7 @@ async fn send(
     if let Some(b) = body {
         req = req.body(b);
     }
-    reply(req.send().await.expect("request sent")).await
+    common::read(req.send().await.expect("request sent")).await
 }
 
 /// POSTs a raw JSON body (any bytes) with `Content-Type: application/json`.
@@ -138,18 +124,6 @@ fn leg(v: &Value) -> (i64, u64) {
 /// The fault injector of an app started with `--faults`.
 fn faults(t: &TestApp) -> &Arc<FaultyLog> {
     t.app.faults.as_ref().expect("started with --faults")
-}
-
-/// The value of an unlabelled metric, or the sum over every series of a labelled one.
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 /// How long a raw exchange waits for the server before the test fails (instead of hanging).
@@ -647,7 +621,7 @@ async fn metrics_are_prometheus_text_labelled_by_route_template_never_by_raw_pat
         "{text}"
     );
     assert!(
-        metric(text, "tally_idempotency_replays_total") >= 1.0,
+        common::metric_sum(text, "tally_idempotency_replays_total") >= 1.0,
         "{text}"
     );
     assert!(
@@ -1206,7 +1180,7 @@ async fn requests_over_the_concurrency_limit_are_shed_with_a_retryable_503() {
     let held = {
         let (client, url) = (t.client.clone(), t.url(&deposit_path(&account)));
         tokio::spawn(async move {
-            reply(
+            common::read(
                 client
                     .post(url)
                     .json(&json!({ "amountCents": 1 }))
@@ -1228,7 +1202,10 @@ async fn requests_over_the_concurrency_limit_are_shed_with_a_retryable_503() {
     assert_eq!(t.get("/healthz").await.status, StatusCode::OK);
     assert_eq!(t.get("/readyz").await.status, StatusCode::OK);
     let m = t.get("/metrics").await;
-    assert_eq!(metric(&m.text, "tally_http_requests_shed_total"), 2.0);
+    assert_eq!(
+        common::metric_sum(&m.text, "tally_http_requests_shed_total"),
+        2.0
+    );
     hold.release();
     let first = held.await.expect("held request");
     assert_eq!(first.status, StatusCode::OK, "{}", first.text);
@@ -1282,7 +1259,7 @@ async fn a_client_that_disconnects_mid_write_is_not_counted_in_flight_forever_an
         listener,
         std::future::pending(),
     ));
-    let r = reply(
+    let r = common::read(
         reqwest::Client::new()
             .post(format!("http://{addr}{}", deposit_path(&account)))
             .header("idempotency-key", "disconnect-1")
@@ -1825,8 +1802,8 @@ async fn concurrent_duplicates_are_answered_once_and_replayed_to_the_rest() {
     // Every duplicate was either coalesced onto the in-flight write or answered from the
     // index: never written.
     let m = t.get("/metrics").await;
-    let coalesced = metric(&m.text, "tally_idempotency_coalesced_total");
-    let replays = metric(&m.text, "tally_idempotency_replays_total");
+    let coalesced = common::metric_sum(&m.text, "tally_idempotency_coalesced_total");
+    let replays = common::metric_sum(&m.text, "tally_idempotency_replays_total");
     assert_eq!(coalesced + replays, (N - 1) as f64, "{}", m.text);
     let Ok(t) = Arc::try_unwrap(t) else {
         panic!("every request task has finished")
@@ -1872,7 +1849,7 @@ async fn a_concurrent_request_reusing_an_in_flight_key_with_another_amount_is_re
             key.clone(),
         );
         tokio::spawn(async move {
-            reply(
+            common::read(
                 client
                     .post(url)
                     .header("idempotency-key", key)
@@ -1892,7 +1869,7 @@ async fn a_concurrent_request_reusing_an_in_flight_key_with_another_amount_is_re
             key.clone(),
         );
         tokio::spawn(async move {
-            reply(
+            common::read(
                 client
                     .post(url)
                     .header("idempotency-key", key)
@@ -2182,11 +2159,11 @@ async fn binary_starts_like_make_run_serves_the_demo_accounts_and_stops_on_sigte
     assert_eq!(listening["fields"]["window_secs"], 90);
     assert_eq!(listening["fields"]["store"], "Memory");
     let client = reqwest::Client::new();
-    let r = reply(client.get(server.url("/healthz")).send().await.unwrap()).await;
+    let r = common::read(client.get(server.url("/healthz")).send().await.unwrap()).await;
     assert_eq!(r.status, StatusCode::OK);
-    let r = reply(client.get(server.url("/readyz")).send().await.unwrap()).await;
+    let r = common::read(client.get(server.url("/readyz")).send().await.unwrap()).await;
     assert_eq!(r.status, StatusCode::OK);
-    let r = reply(
+    let r = common::read(
         client
             .get(server.url("/api/accounts"))
             .send()
@@ -2202,7 +2179,7 @@ async fn binary_starts_like_make_run_serves_the_demo_accounts_and_stops_on_sigte
         .collect();
     assert_eq!(names, ["Alice", "Bob", "Charlie"]);
     let alice = accounts[0]["id"].as_str().unwrap();
-    let r = reply(
+    let r = common::read(
         client
             .get(server.url(&format!("/api/accounts/{alice}/balance")))
             .send()
@@ -2214,7 +2191,7 @@ async fn binary_starts_like_make_run_serves_the_demo_accounts_and_stops_on_sigte
         r.body,
         json!({ "balanceCents": 50000, "aggregateVersion": 1 })
     );
-    let r = reply(
+    let r = common::read(
         client
             .post(server.url(&format!("/api/accounts/{alice}/withdraw")))
             .json(&json!({ "amountCents": 1000 }))
@@ -2259,7 +2236,7 @@ async fn binary_drains_an_in_flight_request_on_sigterm_and_exits_0() {
             server.url(&format!("/api/accounts/{account}/deposit")),
         );
         tokio::spawn(async move {
-            reply(
+            common::read(
                 client
                     .post(url)
                     .header("idempotency-key", "drain-1")
@@ -2274,8 +2251,8 @@ async fn binary_drains_an_in_flight_request_on_sigterm_and_exits_0() {
     // Wait (bounded) until the deposit is being served: the scrape counts itself, so two.
     let deadline = Instant::now() + PROCESS_BOUND;
     loop {
-        let m = reply(client.get(server.url("/metrics")).send().await.unwrap()).await;
-        if metric(&m.text, "tally_http_requests_in_flight") >= 2.0 {
+        let m = common::read(client.get(server.url("/metrics")).send().await.unwrap()).await;
+        if common::metric_sum(&m.text, "tally_http_requests_in_flight") >= 2.0 {
             break;
         }
         assert!(Instant::now() < deadline, "the deposit never arrived");

@@ -5,21 +5,9 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{new_account, spawn_fleet};
+use common::{metric_sample as sample, new_account, spawn_fleet};
 use tally::store::SharedLog;
 use tally::store::memory::MemoryLog;
-
-/// The value of the sample whose name and labels are exactly `series` (labels in the
-/// exposition's order), or 0 when absent.
-fn sample(text: &str, series: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let (name, value) = l.rsplit_once(' ')?;
-            (name == series).then(|| value.parse().ok())?
-        })
-        .unwrap_or(0.0)
-}
 
 #[tokio::test]
 async fn counters_move_by_exactly_what_the_scripted_sequence_did() {

@@ -196,7 +196,8 @@ impl TestApp {
     }
 }
 
-async fn read(resp: reqwest::Response) -> Reply {
+/// Reads a response whole.
+pub async fn read(resp: reqwest::Response) -> Reply {
     let status = resp.status();
     let headers = resp.headers().clone();
     let text = resp.text().await.expect("body");
@@ -212,4 +213,28 @@ async fn read(resp: reqwest::Response) -> Reply {
 /// A fresh random account id.
 pub fn new_account() -> String {
     uuid::Uuid::new_v4().to_string()
+}
+
+/// The value of the sample whose name and labels are exactly `series` (labels in the
+/// exposition's order), or 0 when absent.
+pub fn metric_sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            (name == series).then(|| value.parse().ok())?
+        })
+        .unwrap_or(0.0)
+}
+
+/// The value of an unlabelled metric, or the sum over every series of a labelled one.
+pub fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
