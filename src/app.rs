@@ -163,10 +163,12 @@ async fn open_store(config: &Config) -> Result<SharedLog, StartError> {
         StoreKind::Celeriant => {
             let log = CeleriantLog::connect(&config.celeriant)
                 .map_err(|e| StartError::Store(e.to_string()))?;
-            // Fail fast on a store that does not answer, rather than on the first request.
-            log.ping().await.map_err(|e| {
-                StartError::Store(format!("{} did not answer: {e}", config.celeriant.address))
-            })?;
+            // A store that is down at boot is not fatal: the replica starts not ready
+            // (`/readyz` answers 503) and recovers when the store does, instead of
+            // crash-looping through a transient outage.
+            if let Err(e) = log.ping().await {
+                tracing::warn!(address = %config.celeriant.address, error = %e, "Celeriant does not answer yet; not ready until it does");
+            }
             Ok(Arc::new(log))
         }
     }
