@@ -18,6 +18,7 @@
 
 use std::sync::Arc;
 
+use tally::store::faults::{FaultConfig, FaultyLog};
 use tally::store::memory::MemoryLog;
 use tally::store::{EventLog, SharedLog};
 
@@ -102,6 +103,19 @@ macro_rules! conformance_suite {
 }
 
 conformance_suite!(memory, || async { Arc::new(MemoryLog::new()) as SharedLog });
+
+// Exercises the env-gated form the Celeriant suite uses: skipped unless the variable is set.
+conformance_suite!(
+    memory_env_gated,
+    env = "TALLY_CONFORMANCE_MEMORY",
+    |_value: String| async { Arc::new(MemoryLog::new()) as SharedLog }
+);
+
+// A FaultyLog with no faults configured must be a transparent decorator.
+conformance_suite!(faulty_without_faults, || async {
+    let inner: SharedLog = Arc::new(MemoryLog::new());
+    Arc::new(FaultyLog::new(inner, FaultConfig::default())) as SharedLog
+});
 
 /// The rules, each a function of the backend under test.
 mod rules {

@@ -176,9 +176,9 @@ impl MemoryLog {
     pub fn write_now(
         &self,
         client_id: ClientId,
-        writes: &[AggregateWrite],
+        mut writes: Vec<AggregateWrite>,
     ) -> StoreResult<Vec<u64>> {
-        validate(writes)?;
+        validate(&writes)?;
 
         // Existence, first pass: a missing aggregate that may not be created fails the whole
         // request before anything is locked. Slots are taken in key order.
@@ -233,7 +233,8 @@ impl MemoryLog {
         let now = self.clock.now_ms();
         let mut versions = vec![0; writes.len()];
         for (g, &i) in guards.iter_mut().zip(&order) {
-            let w = &writes[i];
+            let w = &mut writes[i];
+            let highest = w.highest_client_seq();
             let version = g.version + 1;
             let ts = now.max(g.last_server_timestamp_ms);
             if g.batches.is_empty() {
@@ -243,11 +244,11 @@ impl MemoryLog {
                 version,
                 client_id,
                 server_timestamp_ms: ts,
-                events: w.events.clone().into(),
+                events: std::mem::take(&mut w.events).into(),
             });
             g.version = version;
             g.last_server_timestamp_ms = ts;
-            if let Some(highest) = w.highest_client_seq() {
+            if let Some(highest) = highest {
                 let mark = g.marks.entry(client_id).or_insert(highest);
                 *mark = (*mark).max(highest);
             }
@@ -369,7 +370,7 @@ impl EventLog for MemoryLog {
         client_id: ClientId,
         writes: Vec<AggregateWrite>,
     ) -> StoreResult<Vec<u64>> {
-        self.write_now(client_id, &writes)
+        self.write_now(client_id, writes)
     }
 
     async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage> {
