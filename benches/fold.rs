@@ -57,7 +57,11 @@ fn event(version: u64) -> Event {
     Event {
         client_seq: version,
         event_id: Some(u128::from(version).wrapping_mul(31) | (1 << 100)),
-        event_type: if version % 2 == 0 { DEPOSITED } else { WITHDRAWN },
+        event_type: if version.is_multiple_of(2) {
+            DEPOSITED
+        } else {
+            WITHDRAWN
+        },
         payload: Bytes::from_static(br#"{"AmountCents":100}"#),
         timestamp_ms: server_ts(version),
     }
@@ -90,7 +94,10 @@ fn check(state: &AccountState, applied: u64, indexed: bool) {
     assert_eq!(state.version, EVENTS);
     assert_eq!(state.max_client_seq, EVENTS);
     // Withdraw first, then deposit, alternating: an even count nets to zero.
-    assert_eq!(state.balance, if EVENTS % 2 == 0 { 0 } else { -100 });
+    assert_eq!(
+        state.balance,
+        if EVENTS.is_multiple_of(2) { 0 } else { -100 }
+    );
     let want = if indexed { EVENTS as usize } else { 0 };
     assert_eq!(state.recent.len(), want);
 }
