@@ -612,6 +612,50 @@ async fn after_an_ambiguous_failure_the_next_write_holds_the_seq_with_a_refreshe
 }
 
 #[tokio::test(start_paused = true)]
+async fn the_held_seq_catches_a_landed_write_that_the_index_cannot_answer() {
+    let env = Env::new();
+    // No index: only the held sequence stands between the retry and a second deposit.
+    let a = env.replica_with(
+        ProjectionConfig {
+            window: Duration::ZERO,
+            ..ProjectionConfig::default()
+        },
+        WriteConfig::default(),
+    );
+    let b = env.sibling();
+    let x = acct(1);
+    a.ok(deposit(x, 100, E0)).await;
+
+    // A's deposit lands under seq 2 and the ack is lost; sibling B (same client id) lands
+    // seq 3 on top. Re-deriving now would take seq 4 and deposit again.
+    env.faulty.fail_next_write(Fault::LostAck);
+    let b2 = b.clone();
+    env.script.push(Step::After(hook(async move {
+        b2.ok(deposit(x, 7, E_SIB)).await;
+    })));
+    let got = a.run(deposit(x, 50, E1)).await;
+
+    // Proven by the point read, answered from current state (no index entry to replay).
+    assert_eq!(got, Ok(outcome(&[(x, 157, 3)], false)));
+    assert_eq!(
+        shape(&env.script.records()),
+        vec![
+            (0, vec![1], "ok"),
+            (1, vec![2], "unknown"),
+            (3, vec![2], "2002"),
+        ]
+    );
+    assert_eq!(a.arm("deposit", arm::SEQ_OURS), 1);
+    let s = env.stream(x);
+    assert_eq!(env.batches(x), 3);
+    assert_eq!(
+        events_with_id(&s, E1),
+        vec![(2, AccountEvent::Deposited { amount: 50 })]
+    );
+    assert_eq!(folded_balance(&s), 157);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_conflict_re_derives_the_seq_from_fresh_state() {
     let env = Env::new();
     let a = env.replica();
