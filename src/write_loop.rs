@@ -16,7 +16,9 @@
 //! | `NotApplied` | definitely not applied | retry as is after backoff |
 //!
 //! A sequence is re-derived only on fresh state, after a catch-up that checked the index:
-//! never straight after an ambiguous failure.
+//! never straight after an ambiguous failure. A business-rule rejection is final only on state
+//! that reached the store's tip: a local fold or a lagging read may hide an earlier landing of
+//! the very request being rejected.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -318,6 +320,9 @@ struct Run<'a> {
     held: bool,
     round_trips: u32,
     last_failure: String,
+    /// Each account's tip as the store reported it during this run: any state read later
+    /// that reaches it folds everything that landed before this run started.
+    tips: Option<Vec<u64>>,
 }
 
 impl<'a> Run<'a> {
@@ -364,6 +369,7 @@ impl<'a> Run<'a> {
             held: false,
             round_trips: 0,
             last_failure: String::new(),
+            tips: None,
         }
     }
 
@@ -423,9 +429,14 @@ impl<'a> Run<'a> {
             };
             // 2. Did it already land? (On a catch-up, this is the read-back.)
             self.answer_from_index();
-            // 3. Decide on this state.
-            if !self.decide(fresh) {
-                continue;
+            // 3. Decide on this state. A rule rejection is final only on state known to be
+            // current: not the local fold, and not a catch-up that a lagging read left behind
+            // the store's tip (it may hide this very request, landed by an earlier attempt).
+            if !self.decide(false) {
+                if !fresh || !self.reached_tip().await {
+                    continue;
+                }
+                self.decide(true);
             }
             let batch: Vec<usize> = self
                 .open()
@@ -493,6 +504,42 @@ impl<'a> Run<'a> {
             }
         }
         Ok(true)
+    }
+
+    /// Whether the caught-up state reaches each account's tip, so a rule rejection decided on
+    /// it is final. Compared with tips the store reported earlier in this run if there are
+    /// any; otherwise the tips are asked for now (one round trip per account, on the
+    /// rejection path only) and remembered, and a state behind them is read again.
+    async fn reached_tip(&mut self) -> bool {
+        let reached = |tips: &[u64], accounts: &[Touched]| {
+            accounts
+                .iter()
+                .zip(tips)
+                .all(|(t, &tip)| t.snap.version >= tip)
+        };
+        if let Some(tips) = &self.tips {
+            return reached(tips, &self.accounts);
+        }
+        let projection = &self.svc.projection;
+        let mut tips = Vec::with_capacity(self.accounts.len());
+        for t in &self.accounts {
+            self.round_trips += 1;
+            let key = projection.identity().key(t.account);
+            match projection.log().details(key).await {
+                Ok(d) => tips.push(d.max_version),
+                Err(StoreError::AggregateNotFound) => tips.push(0),
+                Err(e) => {
+                    self.last_failure = format!("tip check: {e}");
+                    return false;
+                }
+            }
+        }
+        let done = reached(&tips, &self.accounts);
+        if !done {
+            self.last_failure = "the state read lags behind the store's tip".into();
+        }
+        self.tips = Some(tips);
+        done
     }
 
     /// Answers every open request that the index (or a proven landing) shows as done. An
@@ -568,9 +615,10 @@ impl<'a> Run<'a> {
     }
 
     /// Decides every open request in order on the loaded state, each on top of the ones
-    /// before it. Returns false when the state was local and a rule said no: the rule is
-    /// only final on fresh state, so the caller retries with a catch-up.
-    fn decide(&mut self, fresh: bool) -> bool {
+    /// before it. Returns false, answering nothing, when a rule said no and the state is not
+    /// known to be `current`: the rule is only final on current state, so the caller makes
+    /// sure of it (or retries with a catch-up) first.
+    fn decide(&mut self, current: bool) -> bool {
         let mut running: Vec<i64> = self.accounts.iter().map(|t| t.snap.balance).collect();
         let open: Vec<usize> = self.open().collect();
         for pi in open {
@@ -592,7 +640,7 @@ impl<'a> Run<'a> {
             }
             match broke {
                 None => running = next,
-                Some(_) if !fresh => return false,
+                Some(_) if !current => return false,
                 Some(_) if self.pending[pi].ambiguous => {
                     // An earlier attempt may yet land; a rule failure now is not the truth.
                     self.pending[pi].answer = Some(Err(WriteError::Unverifiable {
