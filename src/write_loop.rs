@@ -295,6 +295,10 @@ struct Pending {
     balances: [i64; 2],
     /// An attempt may have landed: a rule failure on later state is not final.
     ambiguous: bool,
+    /// A write of this request sent by this run may have been applied (its outcome was
+    /// unknown). Only then can a landed write be this run's own; otherwise an answer found in
+    /// the index is another request's result, a replay.
+    sent_unknown: bool,
     /// The point read found our event here: never write this request again.
     landed_at: [Option<u64>; 2],
     answer: Option<Answer>,
@@ -316,8 +320,6 @@ struct Run<'a> {
     /// Sequences are assigned and must be kept (a write carrying them was sent and not
     /// refused by the version guard or proven a sibling's).
     held: bool,
-    /// This run sent at least one write.
-    wrote: bool,
     round_trips: u32,
     last_failure: String,
 }
@@ -352,6 +354,7 @@ impl<'a> Run<'a> {
                     seqs: [0; 2],
                     balances: [0; 2],
                     ambiguous: false,
+                    sent_unknown: false,
                     landed_at: [None; 2],
                     answer: None,
                 }
@@ -364,7 +367,6 @@ impl<'a> Run<'a> {
             accounts,
             attempt: 0,
             held: false,
-            wrote: false,
             round_trips: 0,
             last_failure: String::new(),
         }
@@ -501,13 +503,13 @@ impl<'a> Run<'a> {
     /// reused key.
     fn answer_from_index(&mut self) {
         let now = self.svc.projection.now_ms();
-        let replayed = !self.wrote;
         let mut replays = 0u64;
         for pi in 0..self.pending.len() {
             if self.pending[pi].answer.is_some() {
                 continue;
             }
             let p = &self.pending[pi];
+            let replayed = !p.sent_unknown;
             let legs = p.legs.as_slice();
             let hits: Vec<Option<RecentWrite>> = legs
                 .iter()
@@ -660,7 +662,6 @@ impl<'a> Run<'a> {
             .collect();
         let events: usize = writes.iter().map(|w| w.events.len()).sum();
         svc.metrics().write_batch_events.observe(events as f64);
-        self.wrote = true;
         self.round_trips += 1;
         match svc.projection.log().write(identity.client(), writes).await {
             Ok(versions) => {
@@ -677,6 +678,9 @@ impl<'a> Run<'a> {
                 self.arm(arm::OUTCOME_UNKNOWN);
                 self.last_failure = format!("outcome unknown: {reason}");
                 self.mark_ambiguous(batch);
+                for &pi in batch {
+                    self.pending[pi].sent_unknown = true;
+                }
                 false
             }
             Err(StoreError::InflightDuplicate) => {

@@ -27,12 +27,22 @@ pub struct TestApp {
 /// A configuration for tests: loopback, port 0, no demo accounts unless asked.
 pub fn test_config(extra: &[&str]) -> Config {
     use clap::Parser;
-    let mut args = vec!["tally", "--listen", "127.0.0.1:0", "--seed-demo-accounts", "false"];
+    let mut args = vec![
+        "tally",
+        "--listen",
+        "127.0.0.1:0",
+        "--seed-demo-accounts",
+        "false",
+    ];
     args.extend_from_slice(extra);
     Config::parse_from(args)
 }
 
-pub async fn spawn(config: Config, store: Option<SharedLog>, clock: Option<Arc<dyn Clock>>) -> TestApp {
+pub async fn spawn(
+    config: Config,
+    store: Option<SharedLog>,
+    clock: Option<Arc<dyn Clock>>,
+) -> TestApp {
     let mut builder = App::builder(config);
     if let Some(s) = store {
         builder = builder.store(s);
@@ -41,7 +51,9 @@ pub async fn spawn(config: Config, store: Option<SharedLog>, clock: Option<Arc<d
         builder = builder.clock(c);
     }
     let app = builder.build().await.expect("app builds");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(tally::http::serve(app.clone(), listener, async {
@@ -99,7 +111,14 @@ impl TestApp {
     }
 
     pub async fn get(&self, path: &str) -> Reply {
-        read(self.client.get(self.url(path)).send().await.expect("GET sent")).await
+        read(
+            self.client
+                .get(self.url(path))
+                .send()
+                .await
+                .expect("GET sent"),
+        )
+        .await
     }
 
     /// POSTs JSON with an optional Idempotency-Key.
@@ -153,7 +172,9 @@ impl TestApp {
         let mut from = 1u64;
         loop {
             let r = self
-                .get(&format!("/api/accounts/{account}/history?fromVersion={from}&limit=1000"))
+                .get(&format!(
+                    "/api/accounts/{account}/history?fromVersion={from}&limit=1000"
+                ))
                 .await;
             assert_eq!(r.status, StatusCode::OK, "{}", r.text);
             events.extend(r.body["events"].as_array().cloned().unwrap_or_default());
