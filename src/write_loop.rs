@@ -427,7 +427,7 @@ impl<'a> Run<'a> {
                 }
             };
             // 2. Did it already land? (On a catch-up, this is the read-back.)
-            self.answer_from_index();
+            self.answer_from_index().await;
             // 3. Decide on this state.
             if !self.decide(fresh) {
                 continue;
@@ -499,9 +499,12 @@ impl<'a> Run<'a> {
 
     /// Answers every open request that the index (or a proven landing) shows as done. An
     /// index hit on any leg proves the whole request landed (writes are all or nothing); a
-    /// leg without a hit is rebuilt from current state. A hit for a different operation is a
+    /// leg without a hit is rebuilt from current state, but only once that state is known to
+    /// hold the write: its fold is past the proven landing, or at the store's tip (then the
+    /// leg's entry has expired). Until then the request is held as landed, never written
+    /// again, and answered after a later catch-up. A hit for a different operation is a
     /// reused key.
-    fn answer_from_index(&mut self) {
+    async fn answer_from_index(&mut self) {
         let now = self.svc.projection.now_ms();
         let mut replays = 0u64;
         for pi in 0..self.pending.len() {
@@ -510,7 +513,8 @@ impl<'a> Run<'a> {
             }
             let p = &self.pending[pi];
             let replayed = !p.sent_unknown;
-            let legs = p.legs.as_slice();
+            let legs = p.legs;
+            let legs = legs.as_slice();
             let hits: Vec<Option<RecentWrite>> = legs
                 .iter()
                 .map(|leg| {
@@ -531,6 +535,17 @@ impl<'a> Run<'a> {
                 .iter()
                 .zip(legs)
                 .any(|(h, leg)| h.is_some_and(|h| h.event != leg.event));
+            if !reused && !self.rebuildable(pi, &hits).await {
+                // Landed, but a leg's fold may not have reached it yet (a stale local fold, a
+                // lagging read): its current state would not be this write's answer.
+                let p = &mut self.pending[pi];
+                for (li, hit) in hits.iter().enumerate() {
+                    if let Some(h) = hit {
+                        p.landed_at[li] = Some(h.version);
+                    }
+                }
+                continue;
+            }
             let answer = if reused {
                 self.svc.metrics().idem_key_reuse.inc();
                 Err(WriteError::KeyReused)
@@ -567,6 +582,35 @@ impl<'a> Run<'a> {
         }
     }
 
+    /// Whether every leg of a landed request without an index hit can be rebuilt from the
+    /// state just loaded: that state is past the leg's proven landing, or at the store's tip
+    /// (so the write is behind the cursor and its entry expired).
+    async fn rebuildable(&mut self, pi: usize, hits: &[Option<RecentWrite>]) -> bool {
+        let svc = self.svc;
+        let identity = *svc.projection.identity();
+        let legs = self.pending[pi].legs;
+        for (li, leg) in legs.as_slice().iter().enumerate() {
+            if hits[li].is_some() {
+                continue;
+            }
+            let snap = self.accounts[self.acct_index(leg.account)].snap;
+            if self.pending[pi].landed_at[li].is_some_and(|v| snap.version >= v) {
+                continue;
+            }
+            self.round_trips += 1;
+            match svc
+                .projection
+                .log()
+                .details(identity.key(leg.account))
+                .await
+            {
+                Ok(d) if snap.version >= d.max_version => {}
+                _ => return false,
+            }
+        }
+        true
+    }
+
     /// Decides every open request in order on the loaded state, each on top of the ones
     /// before it. Returns false when the state was local and a rule said no: the rule is
     /// only final on fresh state, so the caller retries with a catch-up.
@@ -590,8 +634,11 @@ impl<'a> Run<'a> {
                     }
                 }
             }
+            let landed = self.pending[pi].landed_at.iter().any(Option::is_some);
             match broke {
                 None => running = next,
+                // Proven landed: no rule decides it now; a later fold answers it.
+                Some(_) if landed => {}
                 Some(_) if !fresh => return false,
                 Some(_) if self.pending[pi].ambiguous => {
                     // An earlier attempt may yet land; a rule failure now is not the truth.

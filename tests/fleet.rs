@@ -454,6 +454,42 @@ async fn a_transfer_retried_on_the_other_replica_replays_both_legs() {
     f.assert_stream(1, &y, &[("TransferredIn", 200, &kt)]).await;
 }
 
+/// Replica 1 is warm on both accounts, then folds only the payee's stream after the transfer
+/// landed through replica 0. The retry finds the payee's index entry but not the payer's:
+/// the payer's leg must not be rebuilt from replica 1's stale fold (version 1, before the
+/// transfer) but answered once a catch-up has reached the transfer.
+#[tokio::test]
+async fn a_transfer_retried_where_one_legs_fold_is_stale_replays_both_original_legs() {
+    let f = Fleet::plain(2).await;
+    let (x, y) = (new_account(), new_account());
+    let (kx, kt) = (idem_key(), idem_key());
+    assert_balance(
+        &f.apps[0].deposit(&x, 500, Some(&kx)).await,
+        &kx,
+        500,
+        1,
+        false,
+    );
+    assert_eq!(f.apps[1].balance(&x).await, (500, 1), "replica 1 warm on x");
+    assert_eq!(f.apps[1].balance(&y).await, (0, 0), "replica 1 warm on y");
+    let t = f.apps[0].transfer(&x, &y, 200, Some(&kt)).await;
+    assert_transfer(&t, &kt, (300, 2), (200, 1), false);
+    assert_eq!(
+        f.apps[1].balance(&y).await,
+        (200, 1),
+        "replica 1 folds y only"
+    );
+    let retry = f.apps[1].transfer(&x, &y, 200, Some(&kt)).await;
+    assert_transfer(&retry, &kt, (300, 2), (200, 1), true);
+    f.assert_stream(
+        1,
+        &x,
+        &[("Deposited", 500, &kx), ("TransferredOut", 200, &kt)],
+    )
+    .await;
+    f.assert_stream(1, &y, &[("TransferredIn", 200, &kt)]).await;
+}
+
 /// Replica 0 writes several times, replica 1 writes, then replica 0 writes again: its local
 /// fold is stale, so its first attempt bounces on the version guard and it folds replica 1's
 /// event. Retries of the oldest request and of replica 1's request, on replica 0, still get
