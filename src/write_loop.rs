@@ -299,6 +299,9 @@ struct Pending {
     /// unknown). Only then can a landed write be this run's own; otherwise an answer found in
     /// the index is another request's result, a replay.
     sent_unknown: bool,
+    /// This attempt's decision refused it on top of earlier requests of the batch that have
+    /// not landed: not final, and not written; it is decided again on the state after them.
+    deferred: bool,
     /// The point read found our event here: never write this request again.
     landed_at: [Option<u64>; 2],
     answer: Option<Answer>,
@@ -355,6 +358,7 @@ impl<'a> Run<'a> {
                     balances: [0; 2],
                     ambiguous: false,
                     sent_unknown: false,
+                    deferred: false,
                     landed_at: [None; 2],
                     answer: None,
                 }
@@ -434,7 +438,10 @@ impl<'a> Run<'a> {
             }
             let batch: Vec<usize> = self
                 .open()
-                .filter(|&i| self.pending[i].landed_at.iter().all(Option::is_none))
+                .filter(|&i| {
+                    let p = &self.pending[i];
+                    p.landed_at.iter().all(Option::is_none) && !p.deferred
+                })
                 .collect();
             if batch.is_empty() {
                 continue;
@@ -613,10 +620,17 @@ impl<'a> Run<'a> {
 
     /// Decides every open request in order on the loaded state, each on top of the ones
     /// before it. Returns false when the state was local and a rule said no: the rule is
-    /// only final on fresh state, so the caller retries with a catch-up.
+    /// only final on fresh state, so the caller retries with a catch-up. A refusal is final
+    /// only on a state the account really had: one decided on top of earlier requests of
+    /// this batch is deferred until they have landed.
     fn decide(&mut self, fresh: bool) -> bool {
         let mut running: Vec<i64> = self.accounts.iter().map(|t| t.snap.balance).collect();
         let open: Vec<usize> = self.open().collect();
+        // `running` includes requests that have not landed (or not visibly).
+        let mut speculative = false;
+        for &pi in &open {
+            self.pending[pi].deferred = false;
+        }
         for pi in open {
             let mut next = running.clone();
             let mut broke: Option<RuleError> = None;
@@ -636,10 +650,14 @@ impl<'a> Run<'a> {
             }
             let landed = self.pending[pi].landed_at.iter().any(Option::is_some);
             match broke {
-                None => running = next,
+                None => {
+                    running = next;
+                    speculative = true;
+                }
                 // Proven landed: no rule decides it now; a later fold answers it.
                 Some(_) if landed => {}
                 Some(_) if !fresh => return false,
+                Some(_) if speculative => self.pending[pi].deferred = true,
                 Some(_) if self.pending[pi].ambiguous => {
                     // An earlier attempt may yet land; a rule failure now is not the truth.
                     self.pending[pi].answer = Some(Err(WriteError::Unverifiable {
@@ -762,6 +780,8 @@ impl<'a> Run<'a> {
     }
 
     fn record_success(&mut self, batch: &[usize], versions: &[u64]) {
+        // The batch's sequences are used; a request still open takes fresh ones.
+        self.held = false;
         let projection = &self.svc.projection;
         for (ai, t) in self.accounts.iter().enumerate() {
             let Some(new_version) = versions.get(ai).copied() else {
@@ -916,4 +936,103 @@ fn wall_clock_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use uuid::Uuid;
+
+    use super::*;
+    use crate::account::{AmountCents, Identity};
+    use crate::projection::{ManualClock, ProjectionConfig};
+    use crate::store::memory::MemoryLog;
+
+    fn service() -> WriteService {
+        let projection = Projection::new(
+            Arc::new(MemoryLog::new()),
+            Identity::default(),
+            ProjectionConfig::default(),
+            Arc::new(ManualClock::new(0)),
+            Arc::new(Metrics::new()),
+        );
+        WriteService::new(Arc::new(projection), WriteConfig::default())
+    }
+
+    fn withdraw(account: AccountId, cents: i64, event_id: u128) -> WriteRequest {
+        WriteRequest {
+            op: Operation::Withdraw {
+                account,
+                amount: AmountCents::new(cents).expect("amount"),
+            },
+            event_id,
+        }
+    }
+
+    /// Simulation seed 4197: on replica 0 a batch [withdraw 55, withdraw 28] was decided on
+    /// a balance of 57. The 28 was refused on top of the 55 ("balance 2"), but the 55's write
+    /// conflicted and never landed in that run; the account went 57, 104, 171, ... and never
+    /// had 2. Such a refusal is deferred, not answered, and not written; it is decided again
+    /// once the requests before it are settled.
+    #[test]
+    fn a_refusal_on_top_of_unlanded_batch_members_is_deferred_not_answered() {
+        let svc = service();
+        let account = AccountId(Uuid::from_u128(1));
+        let mut run = Run::new(
+            &svc,
+            vec![withdraw(account, 55, 1), withdraw(account, 28, 2)],
+        );
+        run.accounts[0].snap = Snapshot {
+            balance: 57,
+            version: 3,
+            max_client_seq: 3,
+        };
+        assert!(run.decide(true));
+        assert_eq!(run.pending[0].balances[0], 2);
+        assert!(run.pending[0].answer.is_none() && !run.pending[0].deferred);
+        assert!(
+            run.pending[1].answer.is_none(),
+            "not final on a speculative balance"
+        );
+        assert!(run.pending[1].deferred, "and not written with the first");
+
+        // The first gave up without landing; a deposit landed meanwhile. The second is
+        // decided on the balance the account has, and goes through.
+        run.pending[0].answer = Some(Err(WriteError::GaveUp {
+            attempts: 3,
+            last: "version conflict".into(),
+        }));
+        run.accounts[0].snap = Snapshot {
+            balance: 104,
+            version: 4,
+            max_client_seq: 4,
+        };
+        assert!(run.decide(true));
+        assert!(run.pending[1].answer.is_none() && !run.pending[1].deferred);
+        assert_eq!(run.pending[1].balances[0], 76);
+    }
+
+    /// A refusal with nothing speculative before it is final at once.
+    #[test]
+    fn a_refusal_on_the_loaded_state_is_final() {
+        let svc = service();
+        let account = AccountId(Uuid::from_u128(1));
+        let mut run = Run::new(
+            &svc,
+            vec![withdraw(account, 55, 1), withdraw(account, 18, 2)],
+        );
+        run.accounts[0].snap = Snapshot {
+            balance: 26,
+            version: 2,
+            max_client_seq: 2,
+        };
+        assert!(run.decide(true));
+        assert_eq!(
+            run.pending[0].answer,
+            Some(Err(WriteError::Rule(RuleError::InsufficientFunds {
+                balance: 26
+            })))
+        );
+        assert!(run.pending[1].answer.is_none() && !run.pending[1].deferred);
+        assert_eq!(run.pending[1].balances[0], 8);
+    }
 }
