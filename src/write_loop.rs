@@ -297,6 +297,13 @@ struct Pending {
     balances: [i64; 2],
     /// An attempt may have landed: a rule failure on later state is not final.
     ambiguous: bool,
+    /// A write of this request sent by this run may have been applied (its outcome was
+    /// unknown). Only then can a landed write be this run's own; otherwise an answer found in
+    /// the index is another request's result, a replay.
+    sent_unknown: bool,
+    /// This attempt's decision refused it on top of earlier requests of the batch that have
+    /// not landed: not final, and not written; it is decided again on the state after them.
+    deferred: bool,
     /// The point read found our event here: never write this request again.
     landed_at: [Option<u64>; 2],
     answer: Option<Answer>,
@@ -355,6 +362,8 @@ impl<'a> Run<'a> {
                     seqs: [0; 2],
                     balances: [0; 2],
                     ambiguous: false,
+                    sent_unknown: false,
+                    deferred: false,
                     landed_at: [None; 2],
                     answer: None,
                 }
@@ -428,7 +437,7 @@ impl<'a> Run<'a> {
                 }
             };
             // 2. Did it already land? (On a catch-up, this is the read-back.)
-            self.answer_from_index();
+            self.answer_from_index().await;
             // 3. Decide on this state. A rule rejection is final only on state known to be
             // current: not the local fold, and not a catch-up that a lagging read left behind
             // the store's tip (it may hide this very request, landed by an earlier attempt).
@@ -440,7 +449,10 @@ impl<'a> Run<'a> {
             }
             let batch: Vec<usize> = self
                 .open()
-                .filter(|&i| self.pending[i].landed_at.iter().all(Option::is_none))
+                .filter(|&i| {
+                    let p = &self.pending[i];
+                    p.landed_at.iter().all(Option::is_none) && !p.deferred
+                })
                 .collect();
             if batch.is_empty() {
                 continue;
@@ -544,9 +556,12 @@ impl<'a> Run<'a> {
 
     /// Answers every open request that the index (or a proven landing) shows as done. An
     /// index hit on any leg proves the whole request landed (writes are all or nothing); a
-    /// leg without a hit is rebuilt from current state. A hit for a different operation is a
+    /// leg without a hit is rebuilt from current state, but only once that state is known to
+    /// hold the write: its fold is past the proven landing, or at the store's tip (then the
+    /// leg's entry has expired). Until then the request is held as landed, never written
+    /// again, and answered after a later catch-up. A hit for a different operation is a
     /// reused key.
-    fn answer_from_index(&mut self) {
+    async fn answer_from_index(&mut self) {
         let now = self.svc.projection.now_ms();
         let mut replays = 0u64;
         for pi in 0..self.pending.len() {
@@ -554,7 +569,9 @@ impl<'a> Run<'a> {
                 continue;
             }
             let p = &self.pending[pi];
-            let legs = p.legs.as_slice();
+            let replayed = !p.sent_unknown;
+            let legs = p.legs;
+            let legs = legs.as_slice();
             let hits: Vec<Option<RecentWrite>> = legs
                 .iter()
                 .map(|leg| {
@@ -575,6 +592,17 @@ impl<'a> Run<'a> {
                 .iter()
                 .zip(legs)
                 .any(|(h, leg)| h.is_some_and(|h| h.event != leg.event));
+            if !reused && !self.rebuildable(pi, &hits).await {
+                // Landed, but a leg's fold may not have reached it yet (a stale local fold, a
+                // lagging read): its current state would not be this write's answer.
+                let p = &mut self.pending[pi];
+                for (li, hit) in hits.iter().enumerate() {
+                    if let Some(h) = hit {
+                        p.landed_at[li] = Some(h.version);
+                    }
+                }
+                continue;
+            }
             let answer = if reused {
                 self.svc.metrics().idem_key_reuse.inc();
                 Err(WriteError::KeyReused)
@@ -598,9 +626,6 @@ impl<'a> Run<'a> {
                         }
                     })
                     .collect();
-                // A hit is this request's own write only if one of its attempts may have
-                // landed; otherwise it is an earlier request's answer, replayed.
-                let replayed = !self.pending[pi].ambiguous;
                 if replayed {
                     replays += 1;
                 }
@@ -614,13 +639,49 @@ impl<'a> Run<'a> {
         }
     }
 
+    /// Whether every leg of a landed request without an index hit can be rebuilt from the
+    /// state just loaded: that state is past the leg's proven landing, or at the store's tip
+    /// (so the write is behind the cursor and its entry expired).
+    async fn rebuildable(&mut self, pi: usize, hits: &[Option<RecentWrite>]) -> bool {
+        let svc = self.svc;
+        let identity = *svc.projection.identity();
+        let legs = self.pending[pi].legs;
+        for (li, leg) in legs.as_slice().iter().enumerate() {
+            if hits[li].is_some() {
+                continue;
+            }
+            let snap = self.accounts[self.acct_index(leg.account)].snap;
+            if self.pending[pi].landed_at[li].is_some_and(|v| snap.version >= v) {
+                continue;
+            }
+            self.round_trips += 1;
+            match svc
+                .projection
+                .log()
+                .details(identity.key(leg.account))
+                .await
+            {
+                Ok(d) if snap.version >= d.max_version => {}
+                _ => return false,
+            }
+        }
+        true
+    }
+
     /// Decides every open request in order on the loaded state, each on top of the ones
     /// before it. Returns false, answering nothing, when a rule said no and the state is not
     /// known to be `current`: the rule is only final on current state, so the caller makes
-    /// sure of it (or retries with a catch-up) first.
+    /// sure of it (or retries with a catch-up) first. A refusal is final only on a state the
+    /// account really had: one decided on top of earlier requests of this batch is deferred
+    /// until they have landed.
     fn decide(&mut self, current: bool) -> bool {
         let mut running: Vec<i64> = self.accounts.iter().map(|t| t.snap.balance).collect();
         let open: Vec<usize> = self.open().collect();
+        // `running` includes requests that have not landed (or not visibly).
+        let mut speculative = false;
+        for &pi in &open {
+            self.pending[pi].deferred = false;
+        }
         for pi in open {
             let mut next = running.clone();
             let mut broke: Option<RuleError> = None;
@@ -638,9 +699,16 @@ impl<'a> Run<'a> {
                     }
                 }
             }
+            let landed = self.pending[pi].landed_at.iter().any(Option::is_some);
             match broke {
-                None => running = next,
+                None => {
+                    running = next;
+                    speculative = true;
+                }
+                // Proven landed: no rule decides it now; a later fold answers it.
+                Some(_) if landed => {}
                 Some(_) if !current => return false,
+                Some(_) if speculative => self.pending[pi].deferred = true,
                 Some(_) if self.pending[pi].ambiguous => {
                     // An earlier attempt may yet land; a rule failure now is not the truth.
                     self.pending[pi].answer = Some(Err(WriteError::Unverifiable {
@@ -718,6 +786,9 @@ impl<'a> Run<'a> {
                 self.arm(arm::OUTCOME_UNKNOWN);
                 self.last_failure = format!("outcome unknown: {reason}");
                 self.mark_ambiguous(batch);
+                for &pi in batch {
+                    self.pending[pi].sent_unknown = true;
+                }
                 false
             }
             Err(StoreError::InflightDuplicate) => {
@@ -770,6 +841,8 @@ impl<'a> Run<'a> {
     }
 
     fn record_success(&mut self, batch: &[usize], versions: &[u64]) {
+        // The batch's sequences are used; a request still open takes fresh ones.
+        self.held = false;
         let projection = &self.svc.projection;
         for (ai, t) in self.accounts.iter().enumerate() {
             let Some(new_version) = versions.get(ai).copied() else {
@@ -928,4 +1001,103 @@ fn wall_clock_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use uuid::Uuid;
+
+    use super::*;
+    use crate::account::{AmountCents, Identity};
+    use crate::projection::{ManualClock, ProjectionConfig};
+    use crate::store::memory::MemoryLog;
+
+    fn service() -> WriteService {
+        let projection = Projection::new(
+            Arc::new(MemoryLog::new()),
+            Identity::default(),
+            ProjectionConfig::default(),
+            Arc::new(ManualClock::new(0)),
+            Arc::new(Metrics::new()),
+        );
+        WriteService::new(Arc::new(projection), WriteConfig::default())
+    }
+
+    fn withdraw(account: AccountId, cents: i64, event_id: u128) -> WriteRequest {
+        WriteRequest {
+            op: Operation::Withdraw {
+                account,
+                amount: AmountCents::new(cents).expect("amount"),
+            },
+            event_id,
+        }
+    }
+
+    /// Simulation seed 4197: on replica 0 a batch [withdraw 55, withdraw 28] was decided on
+    /// a balance of 57. The 28 was refused on top of the 55 ("balance 2"), but the 55's write
+    /// conflicted and never landed in that run; the account went 57, 104, 171, ... and never
+    /// had 2. Such a refusal is deferred, not answered, and not written; it is decided again
+    /// once the requests before it are settled.
+    #[test]
+    fn a_refusal_on_top_of_unlanded_batch_members_is_deferred_not_answered() {
+        let svc = service();
+        let account = AccountId(Uuid::from_u128(1));
+        let mut run = Run::new(
+            &svc,
+            vec![withdraw(account, 55, 1), withdraw(account, 28, 2)],
+        );
+        run.accounts[0].snap = Snapshot {
+            balance: 57,
+            version: 3,
+            max_client_seq: 3,
+        };
+        assert!(run.decide(true));
+        assert_eq!(run.pending[0].balances[0], 2);
+        assert!(run.pending[0].answer.is_none() && !run.pending[0].deferred);
+        assert!(
+            run.pending[1].answer.is_none(),
+            "not final on a speculative balance"
+        );
+        assert!(run.pending[1].deferred, "and not written with the first");
+
+        // The first gave up without landing; a deposit landed meanwhile. The second is
+        // decided on the balance the account has, and goes through.
+        run.pending[0].answer = Some(Err(WriteError::GaveUp {
+            attempts: 3,
+            last: "version conflict".into(),
+        }));
+        run.accounts[0].snap = Snapshot {
+            balance: 104,
+            version: 4,
+            max_client_seq: 4,
+        };
+        assert!(run.decide(true));
+        assert!(run.pending[1].answer.is_none() && !run.pending[1].deferred);
+        assert_eq!(run.pending[1].balances[0], 76);
+    }
+
+    /// A refusal with nothing speculative before it is final at once.
+    #[test]
+    fn a_refusal_on_the_loaded_state_is_final() {
+        let svc = service();
+        let account = AccountId(Uuid::from_u128(1));
+        let mut run = Run::new(
+            &svc,
+            vec![withdraw(account, 55, 1), withdraw(account, 18, 2)],
+        );
+        run.accounts[0].snap = Snapshot {
+            balance: 26,
+            version: 2,
+            max_client_seq: 2,
+        };
+        assert!(run.decide(true));
+        assert_eq!(
+            run.pending[0].answer,
+            Some(Err(WriteError::Rule(RuleError::InsufficientFunds {
+                balance: 26
+            })))
+        );
+        assert!(run.pending[1].answer.is_none() && !run.pending[1].deferred);
+        assert_eq!(run.pending[1].balances[0], 8);
+    }
 }

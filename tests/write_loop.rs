@@ -1530,10 +1530,12 @@ async fn an_overdraw_inside_a_batch_is_rejected_alone() {
 
     assert_eq!(first.await.unwrap(), Ok(outcome(&[(x, 101, 2)], false)));
     assert_eq!(w1.await.unwrap(), Ok(outcome(&[(x, 41, 3)], false)));
+    // Refused on top of w1, which had not landed yet, so the refusal waits for the batch:
+    // it is final on the state the account really reached (41 + 5), never on a speculative one.
     assert_eq!(
         w2.await.unwrap(),
         Err(WriteError::Rule(RuleError::InsufficientFunds {
-            balance: 41
+            balance: 46
         }))
     );
     assert_eq!(d3.await.unwrap(), Ok(outcome(&[(x, 46, 3)], false)));

@@ -1,0 +1,772 @@
+//! A fleet of Tally replicas in one process: each with its own projection and recent-writes
+//! index, all sharing one store and one client id, driven over HTTP.
+//!
+//! Every scenario asserts each response whole (status, body, `Idempotent-Replayed`) and the
+//! exact contents of every stream it touched. Fault-injected scenarios share one FaultyLog
+//! between the replicas and script the fault for a specific write; requests are sequenced
+//! (never raced) so that "the next write" is the one the test means.
+
+mod common;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use common::{Reply, TestApp, new_account, spawn_fleet};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use tally::account::AccountId;
+use tally::metrics::arm;
+use tally::store::faults::{Fault, FaultConfig, FaultyLog};
+use tally::store::memory::MemoryLog;
+use tally::store::{
+    AggregateDetails, AggregateKey, AggregateWrite, ClientId, EventLog, ReadFilter, ReadPage,
+    SharedLog, StoreError, StoreResult,
+};
+use tokio::sync::watch;
+
+/// Replicas over one store, with the handles a test needs to inspect and fault it.
+struct Fleet {
+    mem: Arc<MemoryLog>,
+    /// Present when the store is wrapped in a (scripted-only) FaultyLog.
+    faults: Option<Arc<FaultyLog<MemoryLog>>>,
+    /// Counts the store's `InflightDuplicate` answers, so a test can wait for one.
+    inflight_duplicates: watch::Receiver<u64>,
+    apps: Vec<TestApp>,
+}
+
+impl Fleet {
+    /// `n` replicas over a bare MemoryLog.
+    async fn plain(n: usize) -> Self {
+        Self::build(n, false, &[]).await
+    }
+
+    /// `n` replicas over one shared FaultyLog (no probabilistic faults: only scripted ones).
+    async fn faulty(n: usize, extra: &[&str]) -> Self {
+        Self::build(n, true, extra).await
+    }
+
+    async fn build(n: usize, faulty: bool, extra: &[&str]) -> Self {
+        let mem = Arc::new(MemoryLog::new());
+        let faults = faulty.then(|| Arc::new(FaultyLog::new(mem.clone(), FaultConfig::default())));
+        let inner: SharedLog = match &faults {
+            Some(f) => f.clone(),
+            None => mem.clone(),
+        };
+        let (tx, inflight_duplicates) = watch::channel(0);
+        let store: SharedLog = Arc::new(Tap { inner, tx });
+        let apps = spawn_fleet(n, store, extra).await;
+        Self {
+            mem,
+            faults,
+            inflight_duplicates,
+            apps,
+        }
+    }
+
+    fn faults(&self) -> &FaultyLog<MemoryLog> {
+        self.faults.as_deref().expect("a faulty fleet")
+    }
+
+    fn key(&self, account: &str) -> AggregateKey {
+        let id: AccountId = account.parse().expect("account id");
+        self.apps[0].app.identity.key(id)
+    }
+
+    /// Batches in the account's stream, straight from the store.
+    fn batches(&self, account: &str) -> usize {
+        self.mem.batch_count(self.key(account))
+    }
+
+    /// Asserts the account's whole history, read over HTTP from `via`: one event per batch,
+    /// in order, as (type, amount, idempotency key). Also checks the store's batch count.
+    async fn assert_stream(&self, via: usize, account: &str, expected: &[(&str, i64, &str)]) {
+        let got = self.apps[via].history(account).await;
+        let want: Vec<Value> = expected
+            .iter()
+            .enumerate()
+            .map(|(i, (ty, amount, key))| {
+                json!({"aggregateVersion": i + 1, "type": ty, "amountCents": amount, "eventId": key})
+            })
+            .collect();
+        let got_trimmed: Vec<Value> = got
+            .iter()
+            .map(|e| {
+                json!({
+                    "aggregateVersion": e["aggregateVersion"],
+                    "type": e["type"],
+                    "amountCents": e["amountCents"],
+                    "eventId": e["eventId"],
+                })
+            })
+            .collect();
+        assert_eq!(got_trimmed, want, "history of {account}");
+        assert_eq!(
+            self.batches(account),
+            expected.len(),
+            "batches of {account}"
+        );
+    }
+
+    /// How often replica `i` took a write-loop arm for an operation.
+    fn arm(&self, i: usize, op: &str, arm: &str) -> u64 {
+        self.apps[i]
+            .app
+            .metrics
+            .write_outcomes
+            .with_label_values(&[op, arm])
+            .get()
+    }
+}
+
+/// A pass-through store that publishes how many writes it answered with
+/// `InflightDuplicate`: the signal the in-flight test waits on.
+struct Tap {
+    inner: SharedLog,
+    tx: watch::Sender<u64>,
+}
+
+#[async_trait]
+impl EventLog for Tap {
+    async fn write(
+        &self,
+        client_id: ClientId,
+        writes: Vec<AggregateWrite>,
+    ) -> StoreResult<Vec<u64>> {
+        let result = self.inner.write(client_id, writes).await;
+        if matches!(result, Err(StoreError::InflightDuplicate)) {
+            self.tx.send_modify(|n| *n += 1);
+        }
+        result
+    }
+
+    async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage> {
+        self.inner.read(key, filter).await
+    }
+
+    async fn details(&self, key: AggregateKey) -> StoreResult<AggregateDetails> {
+        self.inner.details(key).await
+    }
+
+    async fn trim_start(&self, key: AggregateKey, keep_from_version: u64) -> StoreResult<()> {
+        self.inner.trim_start(key, keep_from_version).await
+    }
+}
+
+/// A fresh idempotency key. A UUID key is its own event id, so it shows up verbatim as the
+/// `eventId` of the events it wrote.
+fn idem_key() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
+/// The whole success response of a single-account write.
+fn assert_balance(r: &Reply, key: &str, balance: i64, version: u64, replayed: bool) {
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(
+        r.body,
+        json!({"balanceCents": balance, "aggregateVersion": version}),
+        "{}",
+        r.text
+    );
+    assert_eq!(r.replayed(), replayed, "Idempotent-Replayed of {}", r.text);
+    assert_eq!(r.header("idempotency-key"), Some(key));
+    assert_eq!(r.header("idempotency-window"), Some("90"));
+}
+
+/// The whole success response of a transfer: (balance, version) of each leg.
+fn assert_transfer(r: &Reply, key: &str, from: (i64, u64), to: (i64, u64), replayed: bool) {
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(
+        r.body,
+        json!({
+            "from": {"balanceCents": from.0, "aggregateVersion": from.1},
+            "to": {"balanceCents": to.0, "aggregateVersion": to.1},
+        }),
+        "{}",
+        r.text
+    );
+    assert_eq!(r.replayed(), replayed, "Idempotent-Replayed of {}", r.text);
+    assert_eq!(r.header("idempotency-key"), Some(key));
+}
+
+/// A retryable refusal: 409 CONFLICT with Retry-After, the key echoed back.
+fn assert_retryable(r: &Reply, key: &str, message_part: &str) {
+    assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.text);
+    assert_eq!(r.error_code(), "CONFLICT", "{}", r.text);
+    let message = r.body["message"].as_str().unwrap_or("");
+    assert!(message.contains(message_part), "{}", r.text);
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(r.header("idempotency-key"), Some(key));
+    assert!(!r.replayed());
+}
+
+// --- Fault-free fleet ---
+
+#[tokio::test]
+async fn plain_deposit_lands_once_and_answers_balance_and_version() {
+    let f = Fleet::plain(2).await;
+    let acct = new_account();
+    let k = idem_key();
+    let r = f.apps[0].deposit(&acct, 500, Some(&k)).await;
+    assert_balance(&r, &k, 500, 1, false);
+    f.assert_stream(1, &acct, &[("Deposited", 500, &k)]).await;
+    assert_eq!(f.apps[1].balance(&acct).await, (500, 1));
+}
+
+#[tokio::test]
+async fn retry_on_the_same_replica_replays_the_original_and_writes_nothing() {
+    let f = Fleet::plain(2).await;
+    let acct = new_account();
+    let (k1, k2) = (idem_key(), idem_key());
+    assert_balance(
+        &f.apps[0].deposit(&acct, 500, Some(&k1)).await,
+        &k1,
+        500,
+        1,
+        false,
+    );
+    assert_balance(
+        &f.apps[0].deposit(&acct, 200, Some(&k2)).await,
+        &k2,
+        700,
+        2,
+        false,
+    );
+    // The original response, not the current balance.
+    let retry = f.apps[0].deposit(&acct, 500, Some(&k1)).await;
+    assert_balance(&retry, &k1, 500, 1, true);
+    f.assert_stream(
+        0,
+        &acct,
+        &[("Deposited", 500, &k1), ("Deposited", 200, &k2)],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn retry_on_another_replica_replays_the_original() {
+    let f = Fleet::plain(2).await;
+    let acct = new_account();
+    let (k1, k2) = (idem_key(), idem_key());
+    assert_balance(
+        &f.apps[0].deposit(&acct, 500, Some(&k1)).await,
+        &k1,
+        500,
+        1,
+        false,
+    );
+    assert_balance(
+        &f.apps[0].withdraw(&acct, 120, Some(&k2)).await,
+        &k2,
+        380,
+        2,
+        false,
+    );
+    // Replica 1 has never seen the account: it folds the stream and finds both.
+    assert_balance(
+        &f.apps[1].deposit(&acct, 500, Some(&k1)).await,
+        &k1,
+        500,
+        1,
+        true,
+    );
+    assert_balance(
+        &f.apps[1].withdraw(&acct, 120, Some(&k2)).await,
+        &k2,
+        380,
+        2,
+        true,
+    );
+    f.assert_stream(
+        1,
+        &acct,
+        &[("Deposited", 500, &k1), ("Withdrawn", 120, &k2)],
+    )
+    .await;
+}
+
+/// Both replicas are warm on the account, so both decide on their local fold and write at
+/// once. Whichever loses (a version conflict, or the index after the winner) answers with the
+/// winner's response, marked as a replay. Several rounds, so some are true races.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_request_sent_to_two_replicas_at_once_lands_once_with_one_answer() {
+    let f = Fleet::plain(2).await;
+    for round in 0..10 {
+        let acct = new_account();
+        let k0 = idem_key();
+        assert_balance(
+            &f.apps[0].deposit(&acct, 100, Some(&k0)).await,
+            &k0,
+            100,
+            1,
+            false,
+        );
+        assert_eq!(f.apps[1].balance(&acct).await, (100, 1), "warm replica 1");
+        let k = idem_key();
+        let (a, b) = tokio::join!(
+            f.apps[0].deposit(&acct, 25, Some(&k)),
+            f.apps[1].deposit(&acct, 25, Some(&k)),
+        );
+        assert_eq!(a.status, StatusCode::OK, "round {round}: {}", a.text);
+        assert_eq!(
+            b.body, a.body,
+            "round {round}: both answers are the one write's"
+        );
+        assert_balance(&a, &k, 125, 2, a.replayed());
+        assert_balance(&b, &k, 125, 2, b.replayed());
+        assert!(
+            a.replayed() != b.replayed(),
+            "round {round}: exactly one answer is the write, the other its replay \
+             (replayed: {} and {})",
+            a.replayed(),
+            b.replayed()
+        );
+        f.assert_stream(0, &acct, &[("Deposited", 100, &k0), ("Deposited", 25, &k)])
+            .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_requests_on_one_account_on_two_replicas_both_land_once_each() {
+    let f = Fleet::plain(2).await;
+    for round in 0..10 {
+        let acct = new_account();
+        let k0 = idem_key();
+        assert_balance(
+            &f.apps[0].deposit(&acct, 100, Some(&k0)).await,
+            &k0,
+            100,
+            1,
+            false,
+        );
+        assert_eq!(f.apps[1].balance(&acct).await, (100, 1), "warm replica 1");
+        let (kd, kw) = (idem_key(), idem_key());
+        let (d, w) = tokio::join!(
+            f.apps[0].deposit(&acct, 30, Some(&kd)),
+            f.apps[1].withdraw(&acct, 50, Some(&kw)),
+        );
+        // Whichever landed first is at version 2; the other folded it and is at 3.
+        let history = f.apps[0].history(&acct).await;
+        let deposit_first = history[1]["eventId"] == json!(kd);
+        let expected_round = format!("round {round}");
+        if deposit_first {
+            assert_balance(&d, &kd, 130, 2, false);
+            assert_balance(&w, &kw, 80, 3, false);
+            f.assert_stream(
+                1,
+                &acct,
+                &[
+                    ("Deposited", 100, &k0),
+                    ("Deposited", 30, &kd),
+                    ("Withdrawn", 50, &kw),
+                ],
+            )
+            .await;
+        } else {
+            assert_balance(&w, &kw, 50, 2, false);
+            assert_balance(&d, &kd, 80, 3, false);
+            f.assert_stream(
+                1,
+                &acct,
+                &[
+                    ("Deposited", 100, &k0),
+                    ("Withdrawn", 50, &kw),
+                    ("Deposited", 30, &kd),
+                ],
+            )
+            .await;
+        }
+        assert_eq!(f.batches(&acct), 3, "{expected_round}");
+    }
+}
+
+/// Replica 0's local fold is stale (replica 1 deposited since): a withdraw it would refuse
+/// locally is decided again on fresh state and lands; one that is over the fresh balance is
+/// refused with that balance, and writes nothing.
+#[tokio::test]
+async fn an_over_balance_withdraw_is_refused_with_the_fresh_balance_and_writes_nothing() {
+    let f = Fleet::plain(2).await;
+    let acct = new_account();
+    let (k0, k1, k2, k3) = (idem_key(), idem_key(), idem_key(), idem_key());
+    assert_balance(
+        &f.apps[0].deposit(&acct, 100, Some(&k0)).await,
+        &k0,
+        100,
+        1,
+        false,
+    );
+    assert_balance(
+        &f.apps[1].deposit(&acct, 50, Some(&k1)).await,
+        &k1,
+        150,
+        2,
+        false,
+    );
+    assert_balance(
+        &f.apps[0].withdraw(&acct, 120, Some(&k2)).await,
+        &k2,
+        30,
+        3,
+        false,
+    );
+    let r = f.apps[1].withdraw(&acct, 31, Some(&k3)).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.text);
+    assert_eq!(
+        r.body,
+        json!({"error": "INSUFFICIENT_FUNDS", "message": "insufficient funds", "balanceCents": 30})
+    );
+    assert!(!r.replayed());
+    assert_eq!(r.header("idempotency-key"), Some(k3.as_str()));
+    f.assert_stream(
+        0,
+        &acct,
+        &[
+            ("Deposited", 100, &k0),
+            ("Deposited", 50, &k1),
+            ("Withdrawn", 120, &k2),
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_transfer_retried_on_the_other_replica_replays_both_legs() {
+    let f = Fleet::plain(2).await;
+    let (x, y) = (new_account(), new_account());
+    let (kx, kt) = (idem_key(), idem_key());
+    assert_balance(
+        &f.apps[0].deposit(&x, 500, Some(&kx)).await,
+        &kx,
+        500,
+        1,
+        false,
+    );
+    let t = f.apps[0].transfer(&x, &y, 200, Some(&kt)).await;
+    assert_transfer(&t, &kt, (300, 2), (200, 1), false);
+    let retry = f.apps[1].transfer(&x, &y, 200, Some(&kt)).await;
+    assert_transfer(&retry, &kt, (300, 2), (200, 1), true);
+    assert_eq!(retry.body, t.body);
+    f.assert_stream(
+        1,
+        &x,
+        &[("Deposited", 500, &kx), ("TransferredOut", 200, &kt)],
+    )
+    .await;
+    f.assert_stream(1, &y, &[("TransferredIn", 200, &kt)]).await;
+}
+
+/// Replica 1 is warm on both accounts, then folds only the payee's stream after the transfer
+/// landed through replica 0. The retry finds the payee's index entry but not the payer's:
+/// the payer's leg must not be rebuilt from replica 1's stale fold (version 1, before the
+/// transfer) but answered once a catch-up has reached the transfer.
+#[tokio::test]
+async fn a_transfer_retried_where_one_legs_fold_is_stale_replays_both_original_legs() {
+    let f = Fleet::plain(2).await;
+    let (x, y) = (new_account(), new_account());
+    let (kx, kt) = (idem_key(), idem_key());
+    assert_balance(
+        &f.apps[0].deposit(&x, 500, Some(&kx)).await,
+        &kx,
+        500,
+        1,
+        false,
+    );
+    assert_eq!(f.apps[1].balance(&x).await, (500, 1), "replica 1 warm on x");
+    assert_eq!(f.apps[1].balance(&y).await, (0, 0), "replica 1 warm on y");
+    let t = f.apps[0].transfer(&x, &y, 200, Some(&kt)).await;
+    assert_transfer(&t, &kt, (300, 2), (200, 1), false);
+    assert_eq!(
+        f.apps[1].balance(&y).await,
+        (200, 1),
+        "replica 1 folds y only"
+    );
+    let retry = f.apps[1].transfer(&x, &y, 200, Some(&kt)).await;
+    assert_transfer(&retry, &kt, (300, 2), (200, 1), true);
+    f.assert_stream(
+        1,
+        &x,
+        &[("Deposited", 500, &kx), ("TransferredOut", 200, &kt)],
+    )
+    .await;
+    f.assert_stream(1, &y, &[("TransferredIn", 200, &kt)]).await;
+}
+
+/// Replica 0 writes several times, replica 1 writes, then replica 0 writes again: its local
+/// fold is stale, so its first attempt bounces on the version guard and it folds replica 1's
+/// event. Retries of the oldest request and of replica 1's request, on replica 0, still get
+/// their original responses.
+#[tokio::test]
+async fn an_old_request_is_still_answered_after_folding_a_siblings_write() {
+    let f = Fleet::plain(2).await;
+    let acct = new_account();
+    let old: Vec<String> = (0..5).map(|_| idem_key()).collect();
+    for (i, k) in old.iter().enumerate() {
+        let n = i as i64 + 1;
+        let r = f.apps[0].deposit(&acct, 10, Some(k)).await;
+        assert_balance(&r, k, 10 * n, n as u64, false);
+    }
+    let kb = idem_key();
+    assert_balance(
+        &f.apps[1].deposit(&acct, 7, Some(&kb)).await,
+        &kb,
+        57,
+        6,
+        false,
+    );
+    let ka = idem_key();
+    assert_balance(
+        &f.apps[0].deposit(&acct, 3, Some(&ka)).await,
+        &ka,
+        60,
+        7,
+        false,
+    );
+    assert_eq!(
+        f.arm(0, "deposit", arm::CONFLICT),
+        1,
+        "replica 0 folded replica 1's write"
+    );
+
+    assert_balance(
+        &f.apps[0].deposit(&acct, 10, Some(&old[0])).await,
+        &old[0],
+        10,
+        1,
+        true,
+    );
+    assert_balance(
+        &f.apps[0].deposit(&acct, 7, Some(&kb)).await,
+        &kb,
+        57,
+        6,
+        true,
+    );
+    let mut expected: Vec<(&str, i64, &str)> =
+        old.iter().map(|k| ("Deposited", 10, k.as_str())).collect();
+    expected.push(("Deposited", 7, &kb));
+    expected.push(("Deposited", 3, &ka));
+    f.assert_stream(1, &acct, &expected).await;
+}
+
+// --- Faults on the shared store ---
+
+/// The store applied the write and the ack was lost: the writer's own catch-up finds it and
+/// answers. A caller that never saw that answer retries on the other replica and gets it.
+#[tokio::test]
+async fn a_lost_ack_is_resolved_by_catch_up_and_replayed_by_the_other_replica() {
+    let f = Fleet::faulty(2, &[]).await;
+    let acct = new_account();
+    let (k0, k1) = (idem_key(), idem_key());
+    assert_balance(
+        &f.apps[0].deposit(&acct, 100, Some(&k0)).await,
+        &k0,
+        100,
+        1,
+        false,
+    );
+    f.faults().fail_next_write(Fault::LostAck);
+    assert_balance(
+        &f.apps[0].deposit(&acct, 50, Some(&k1)).await,
+        &k1,
+        150,
+        2,
+        false,
+    );
+    assert_eq!(f.arm(0, "deposit", arm::OUTCOME_UNKNOWN), 1);
+    assert_balance(
+        &f.apps[1].deposit(&acct, 50, Some(&k1)).await,
+        &k1,
+        150,
+        2,
+        true,
+    );
+    f.assert_stream(1, &acct, &[("Deposited", 100, &k0), ("Deposited", 50, &k1)])
+        .await;
+    assert_eq!(f.faults().counts().lost_ack, 1);
+}
+
+/// With one attempt allowed, the writer gives up on the lost ack with a retryable 409; the
+/// caller's retry on the other replica gets the response of the write that did land.
+#[tokio::test]
+async fn lost_ack_then_retry_on_another_replica_returns_the_landed_write() {
+    let f = Fleet::faulty(2, &["--write-max-attempts", "1"]).await;
+    let acct = new_account();
+    let k = idem_key();
+    f.faults().fail_next_write(Fault::LostAck);
+    let first = f.apps[0].deposit(&acct, 100, Some(&k)).await;
+    assert_retryable(&first, &k, "did not complete after 1 attempts");
+    f.assert_stream(0, &acct, &[("Deposited", 100, &k)]).await;
+    let retry = f.apps[1].deposit(&acct, 100, Some(&k)).await;
+    assert_balance(&retry, &k, 100, 1, true);
+    f.assert_stream(1, &acct, &[("Deposited", 100, &k)]).await;
+}
+
+/// Replica 0 holds sequence 2 after an ambiguous failure, but replica 1's request already
+/// landed under sequence 2. The 2002 that follows is about the sibling's event: the point
+/// read proves it, replica 0 re-derives and lands its own request once, at sequence 3.
+#[tokio::test]
+async fn a_sibling_that_took_the_held_sequence_is_detected_and_the_request_lands_once() {
+    let f = Fleet::faulty(2, &[]).await;
+    let acct = new_account();
+    let (k0, kb, ka) = (idem_key(), idem_key(), idem_key());
+    assert_balance(
+        &f.apps[0].deposit(&acct, 100, Some(&k0)).await,
+        &k0,
+        100,
+        1,
+        false,
+    );
+    assert_balance(
+        &f.apps[1].deposit(&acct, 10, Some(&kb)).await,
+        &kb,
+        110,
+        2,
+        false,
+    );
+    // Replica 0 decides on its stale fold (version 1, sequence 2); the store refuses it on the
+    // version guard, and the refusal is lost with the ack.
+    f.faults().fail_next_write(Fault::LostAck);
+    assert_balance(
+        &f.apps[0].deposit(&acct, 5, Some(&ka)).await,
+        &ka,
+        115,
+        3,
+        false,
+    );
+    assert_eq!(f.arm(0, "deposit", arm::OUTCOME_UNKNOWN), 1);
+    assert_eq!(f.arm(0, "deposit", arm::SEQ_SIBLING), 1);
+    assert_eq!(f.arm(0, "deposit", arm::SEQ_OURS), 0);
+    assert_eq!(
+        f.mem
+            .client_mark(f.key(&acct), f.apps[0].app.identity.client()),
+        Some(3)
+    );
+    assert_balance(
+        &f.apps[1].deposit(&acct, 5, Some(&ka)).await,
+        &ka,
+        115,
+        3,
+        true,
+    );
+    f.assert_stream(
+        1,
+        &acct,
+        &[
+            ("Deposited", 100, &k0),
+            ("Deposited", 10, &kb),
+            ("Deposited", 5, &ka),
+        ],
+    )
+    .await;
+}
+
+/// The first attempt is held in flight at the store; the same request arriving at the other
+/// replica meets it (2013), holds its sequence and waits. Once the first lands, the duplicate
+/// answers with its response, as a replay, and nothing is written twice.
+#[tokio::test]
+async fn an_in_flight_duplicate_waits_for_the_first_attempt_and_replays_it() {
+    let f = Fleet::faulty(2, &[]).await;
+    let acct = new_account();
+    let (k0, k) = (idem_key(), idem_key());
+    assert_balance(
+        &f.apps[0].deposit(&acct, 100, Some(&k0)).await,
+        &k0,
+        100,
+        1,
+        false,
+    );
+    let hold = f.faults().hold_next_write();
+    let mut duplicates = f.inflight_duplicates.clone();
+    let (first, dup) = tokio::join!(f.apps[0].deposit(&acct, 50, Some(&k)), async {
+        let mut hold = hold;
+        assert!(hold.held().await, "replica 0's write is held at the store");
+        let (dup, ()) = tokio::join!(f.apps[1].deposit(&acct, 50, Some(&k)), async {
+            duplicates
+                .wait_for(|&n| n >= 1)
+                .await
+                .expect("store tap alive");
+            assert_eq!(f.batches(&acct), 1, "nothing lands while the first is held");
+            hold.release();
+        });
+        dup
+    });
+    assert_balance(&first, &k, 150, 2, false);
+    assert_balance(&dup, &k, 150, 2, true);
+    assert!(f.arm(1, "deposit", arm::INFLIGHT_DUPLICATE) >= 1);
+    f.assert_stream(0, &acct, &[("Deposited", 100, &k0), ("Deposited", 50, &k)])
+        .await;
+}
+
+/// A 2002 whose contested sequence the point read cannot see (a lagging read) is not taken as
+/// proof either way: the request fails with a retryable 409 and writes nothing, and its retry
+/// lands once.
+#[tokio::test]
+async fn an_unverifiable_violation_answers_409_with_retry_after_and_writes_nothing() {
+    let f = Fleet::faulty(2, &[]).await;
+    let acct = new_account();
+    let (k0, kb, ka) = (idem_key(), idem_key(), idem_key());
+    assert_balance(
+        &f.apps[0].deposit(&acct, 100, Some(&k0)).await,
+        &k0,
+        100,
+        1,
+        false,
+    );
+    assert_balance(
+        &f.apps[1].deposit(&acct, 10, Some(&kb)).await,
+        &kb,
+        110,
+        2,
+        false,
+    );
+    // Replica 0's stale write is refused and the refusal lost; its catch-up reads everything
+    // (a lag of 0); the point read of the contested sequence lags one batch and sees nothing.
+    f.faults().fail_next_write(Fault::LostAck);
+    f.faults().lag_next_read(0);
+    f.faults().lag_next_read(1);
+    let r = f.apps[0].deposit(&acct, 5, Some(&ka)).await;
+    assert_retryable(&r, &ka, "could not be verified");
+    assert_eq!(f.arm(0, "deposit", arm::UNVERIFIABLE), 1);
+    f.assert_stream(1, &acct, &[("Deposited", 100, &k0), ("Deposited", 10, &kb)])
+        .await;
+    let retry = f.apps[0].deposit(&acct, 5, Some(&ka)).await;
+    assert_balance(&retry, &ka, 115, 3, false);
+    f.assert_stream(
+        1,
+        &acct,
+        &[
+            ("Deposited", 100, &k0),
+            ("Deposited", 10, &kb),
+            ("Deposited", 5, &ka),
+        ],
+    )
+    .await;
+}
+
+/// Both legs of a transfer land in one write whose ack is lost: the writer's catch-up finds
+/// both legs, and a retry on the other replica replays both.
+#[tokio::test]
+async fn a_transfer_whose_ack_was_lost_lands_once_and_replays_both_legs() {
+    let f = Fleet::faulty(2, &[]).await;
+    let (x, y) = (new_account(), new_account());
+    let (kx, kt) = (idem_key(), idem_key());
+    assert_balance(
+        &f.apps[0].deposit(&x, 500, Some(&kx)).await,
+        &kx,
+        500,
+        1,
+        false,
+    );
+    f.faults().fail_next_write(Fault::LostAck);
+    let t = f.apps[0].transfer(&x, &y, 200, Some(&kt)).await;
+    assert_transfer(&t, &kt, (300, 2), (200, 1), false);
+    assert_eq!(f.arm(0, "transfer", arm::OUTCOME_UNKNOWN), 1);
+    let retry = f.apps[1].transfer(&x, &y, 200, Some(&kt)).await;
+    assert_transfer(&retry, &kt, (300, 2), (200, 1), true);
+    f.assert_stream(
+        0,
+        &x,
+        &[("Deposited", 500, &kx), ("TransferredOut", 200, &kt)],
+    )
+    .await;
+    f.assert_stream(0, &y, &[("TransferredIn", 200, &kt)]).await;
+}

@@ -1,0 +1,1047 @@
+//! A deterministic simulation of a Tally fleet.
+//!
+//! One seed fixes everything: the fleet (2-3 replicas sharing one store and one client id),
+//! the accounts (3-5), the callers (several in flight at once, each with its own generator),
+//! their operations and amounts, which replica each attempt goes to, when a caller retries
+//! the same key, sends it to two replicas at once, or gives up, and the store's faults
+//! (lost acks, lost requests, refusals, in-flight holds, lagging reads, each with a seeded
+//! probability) plus a seeded latency layer that interleaves replicas between a catch-up and
+//! a write. Each seed runs on its own single-threaded tokio runtime with paused time, so
+//! backoff sleeps and holds advance virtual time and the run is reproducible.
+//!
+//! After each run the streams are read back and every rule is checked:
+//! - each key that ever got a success landed exactly once (a transfer: once per leg), and a
+//!   key that never did landed at most once, all legs or none;
+//! - every success for a key carries the same response, and that response is what the
+//!   stream says (balance right after the event, version of its batch): no success for a
+//!   write absent from the stream;
+//! - each account's stream folds, prefix by prefix, to a balance never below zero, and to
+//!   what every replica (and a fresh one) reports after catching up;
+//! - every refusal names a balance the account really had, below the amount asked for;
+//! - every error is a typed, expected one; retryable ones only when faults are on.
+//!
+//! Knobs (environment):
+//! - `TALLY_SIM_SEED=N`: run seed N alone and print its trace hash;
+//! - `TALLY_SIM_SEEDS=K`, `TALLY_SIM_FIRST_SEED=F`: run seeds F..F+K (default 0 and
+//!   [`DEFAULT_SEEDS`]), plus [`REGRESSION_SEEDS`], on every core; `make soak` runs 5000;
+//! - `TALLY_SIM_TRACE=1`: a violation carries every answer and every stream;
+//! - `TALLY_SIM_KEEP_GOING=1`: run every seed and list all that fail;
+//! - `TALLY_SIM_HASHES=1`: print every seed's trace hash (diff two runs to check
+//!   reproducibility across processes).
+//!
+//! Determinism: the in-process run is a pure function of the seed (checked by
+//! `a_seed_reproduces_the_same_run`, and across processes with `TALLY_SIM_HASHES`). The
+//! write loop's deadline runs on the real clock, so it is set to an hour here and the
+//! attempt cap bounds a request instead. The HTTP variant is not reproducible: real sockets
+//! and a multi-threaded runtime order its requests; only its workload and faults follow the
+//! seed.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use parking_lot::Mutex;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use reqwest::StatusCode;
+use sha2::{Digest, Sha256};
+use tally::account::{AccountEvent, AccountId, AmountCents, Operation, RuleError};
+use tally::app::App;
+use tally::metrics::arm;
+use tally::projection::ManualClock;
+use tally::store::faults::{FaultConfig, FaultCounts, FaultyLog};
+use tally::store::memory::{self, MemoryLog, MemoryOptions};
+use tally::store::{
+    AggregateDetails, AggregateKey, AggregateWrite, BatchStream, ClientId, EventLog, ReadFilter,
+    ReadPage, SharedLog, StoreResult,
+};
+use tally::write_loop::{WriteError, WriteRequest};
+use uuid::Uuid;
+
+/// Seeds a plain `cargo test` runs.
+const DEFAULT_SEEDS: u64 = 300;
+/// Times one caller sends one key before it gives up.
+const MAX_TRIES: u32 = 4;
+/// Retrying a key after a retryable error, when it did not give up.
+const GIVE_UP: f64 = 0.15;
+/// Sending one attempt to two replicas at once (a client that timed out and retried while
+/// the first was still running).
+const DUPLICATE: f64 = 0.15;
+/// Sending a key again after its success (the success was lost on the way back).
+const REPLAY_AFTER_SUCCESS: f64 = 0.3;
+
+// --- The plan a seed expands to ---
+
+#[derive(Clone, Debug)]
+struct Plan {
+    seed: u64,
+    replicas: usize,
+    accounts: Vec<AccountId>,
+    callers: usize,
+    ops_per_caller: usize,
+    /// `None`: no faults at all (retryable errors are then violations).
+    faults: Option<FaultConfig>,
+    /// Probability that a store call is delayed (virtual time) or yields.
+    latency: f64,
+    page_size: usize,
+    batching: bool,
+    one_round_trip: bool,
+    /// Store writes one request may make; small ones (only with faults on) make replicas give
+    /// up with a retryable error, so callers retry keys whose fate is unknown.
+    max_attempts: u32,
+}
+
+impl Plan {
+    fn new(seed: u64) -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let replicas = rng.gen_range(2..=3);
+        let accounts = (0..rng.gen_range(3..=5))
+            .map(|_| AccountId(Uuid::from_u128(rng.r#gen())))
+            .collect();
+        let faults_on = !rng.gen_bool(0.2);
+        let faults = faults_on.then(|| FaultConfig {
+            lost_ack: rng.gen_range(0.0..0.15),
+            lost_request: rng.gen_range(0.0..0.1),
+            refused: rng.gen_range(0.0..0.1),
+            inflight: rng.gen_range(0.0..0.1),
+            read_lag: rng.gen_range(0.0..0.3),
+            read_lag_batches: rng.gen_range(1..=2),
+            seed,
+            inflight_hold: Duration::from_millis(rng.gen_range(1..=30)),
+        });
+        Self {
+            seed,
+            replicas,
+            accounts,
+            callers: rng.gen_range(2..=5),
+            ops_per_caller: rng.gen_range(4..=10),
+            faults,
+            latency: rng.gen_range(0.0..0.5),
+            page_size: [1, 2, 3, memory::DEFAULT_PAGE_SIZE][rng.gen_range(0..4)],
+            batching: rng.gen_bool(0.7),
+            one_round_trip: rng.gen_bool(0.7),
+            max_attempts: if faults_on && rng.gen_bool(0.3) {
+                rng.gen_range(1..=4)
+            } else {
+                12
+            },
+        }
+    }
+
+    fn flags(&self) -> Vec<String> {
+        vec![
+            // The loop's deadline runs on the real clock; the attempt cap is the bound here.
+            "--write-deadline-ms".into(),
+            "3600000".into(),
+            "--batching".into(),
+            self.batching.to_string(),
+            "--one-round-trip".into(),
+            self.one_round_trip.to_string(),
+            "--write-max-attempts".into(),
+            self.max_attempts.to_string(),
+        ]
+    }
+}
+
+// --- What callers saw ---
+
+/// One answer, as a caller saw it (in process or over HTTP).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Seen {
+    /// Each leg's (account, balance, version), and whether it was marked a replay.
+    Ok {
+        legs: Vec<(AccountId, i64, u64)>,
+        replayed: bool,
+    },
+    /// Insufficient funds, with the balance the refusal names.
+    Refused { balance: i64 },
+    /// A retryable error (the write gave up or could not be verified).
+    Retryable(String),
+    /// Anything else: always a violation.
+    Unexpected(String),
+}
+
+impl Seen {
+    fn from_answer(answer: Result<tally::write_loop::WriteOutcome, WriteError>) -> Self {
+        match answer {
+            Ok(o) => Seen::Ok {
+                legs: o
+                    .legs
+                    .iter()
+                    .map(|l| (l.account, l.balance, l.version))
+                    .collect(),
+                replayed: o.replayed,
+            },
+            Err(WriteError::Rule(RuleError::InsufficientFunds { balance })) => {
+                Seen::Refused { balance }
+            }
+            Err(e @ (WriteError::Unverifiable { .. } | WriteError::GaveUp { .. })) => {
+                Seen::Retryable(e.to_string())
+            }
+            Err(e) => Seen::Unexpected(format!("{e:?}")),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// A caller's attempt at its key.
+    Attempt,
+    /// The second copy of an attempt, sent to another replica at the same time.
+    Duplicate,
+    /// A resend after the key's success.
+    Replay,
+}
+
+#[derive(Clone, Debug)]
+struct Obs {
+    caller: usize,
+    key: u128,
+    replica: usize,
+    kind: Kind,
+    seen: Seen,
+}
+
+/// Every key's operation and every answer, in completion order.
+#[derive(Default)]
+struct Journal {
+    ops: BTreeMap<u128, Operation>,
+    obs: Vec<Obs>,
+}
+
+/// How a caller reaches a replica: in process, or over HTTP.
+#[async_trait]
+trait Fleet: Send + Sync + 'static {
+    fn replicas(&self) -> usize;
+    async fn send(&self, replica: usize, key: u128, op: Operation) -> Seen;
+}
+
+struct InProcess(Vec<Arc<App>>);
+
+#[async_trait]
+impl Fleet for InProcess {
+    fn replicas(&self) -> usize {
+        self.0.len()
+    }
+
+    async fn send(&self, replica: usize, key: u128, op: Operation) -> Seen {
+        let req = WriteRequest { op, event_id: key };
+        Seen::from_answer(self.0[replica].writes.execute(req).await)
+    }
+}
+
+// --- The callers ---
+
+fn random_op(rng: &mut ChaCha8Rng, accounts: &[AccountId]) -> Operation {
+    let account = accounts[rng.gen_range(0..accounts.len())];
+    let roll: f64 = rng.r#gen();
+    if roll < 0.45 {
+        Operation::Deposit {
+            account,
+            amount: AmountCents::new(rng.gen_range(1..=100)).expect("amount"),
+        }
+    } else if roll < 0.75 {
+        Operation::Withdraw {
+            account,
+            amount: AmountCents::new(rng.gen_range(1..=80)).expect("amount"),
+        }
+    } else {
+        let to = loop {
+            let to = accounts[rng.gen_range(0..accounts.len())];
+            if to != account {
+                break to;
+            }
+        };
+        Operation::transfer(
+            account,
+            to,
+            AmountCents::new(rng.gen_range(1..=80)).expect("amount"),
+        )
+        .expect("two accounts")
+    }
+}
+
+fn virtual_pause(rng: &mut ChaCha8Rng, max_us: u64) -> Duration {
+    Duration::from_micros(rng.gen_range(0..=max_us))
+}
+
+async fn caller<F: Fleet>(
+    fleet: Arc<F>,
+    journal: Arc<Mutex<Journal>>,
+    plan: Arc<Plan>,
+    id: usize,
+    mut rng: ChaCha8Rng,
+) {
+    let n = fleet.replicas();
+    let record = |key, replica, kind, seen: &Seen| {
+        journal.lock().obs.push(Obs {
+            caller: id,
+            key,
+            replica,
+            kind,
+            seen: seen.clone(),
+        });
+    };
+    for _ in 0..plan.ops_per_caller {
+        if rng.gen_bool(0.5) {
+            tokio::time::sleep(virtual_pause(&mut rng, 3_000)).await;
+        }
+        let op = random_op(&mut rng, &plan.accounts);
+        let key: u128 = rng.r#gen();
+        journal.lock().ops.insert(key, op);
+        let mut tries = 0;
+        let success = loop {
+            tries += 1;
+            let first = rng.gen_range(0..n);
+            let seen: Vec<Seen> = if rng.gen_bool(DUPLICATE) {
+                // Another replica, or the same one (where the copies coalesce).
+                let second = rng.gen_range(0..n);
+                let (a, b) = tokio::join!(fleet.send(first, key, op), fleet.send(second, key, op));
+                record(key, first, Kind::Attempt, &a);
+                record(key, second, Kind::Duplicate, &b);
+                vec![a, b]
+            } else {
+                let a = fleet.send(first, key, op).await;
+                record(key, first, Kind::Attempt, &a);
+                vec![a]
+            };
+            if seen.iter().any(|s| matches!(s, Seen::Ok { .. })) {
+                break true;
+            }
+            let retryable = seen.iter().all(|s| matches!(s, Seen::Retryable(_)));
+            if !retryable || tries >= MAX_TRIES || rng.gen_bool(GIVE_UP) {
+                break false;
+            }
+            tokio::time::sleep(virtual_pause(&mut rng, 20_000)).await;
+        };
+        if success && rng.gen_bool(REPLAY_AFTER_SUCCESS) {
+            tokio::time::sleep(virtual_pause(&mut rng, 10_000)).await;
+            let replica = rng.gen_range(0..n);
+            let seen = fleet.send(replica, key, op).await;
+            record(key, replica, Kind::Replay, &seen);
+        }
+    }
+}
+
+/// Runs every caller to completion, several in flight at once.
+async fn drive<F: Fleet>(fleet: Arc<F>, plan: &Plan, journal: &Arc<Mutex<Journal>>) {
+    let plan = Arc::new(plan.clone());
+    let mut rng = ChaCha8Rng::seed_from_u64(plan.seed ^ 0xca11_e125);
+    let tasks: Vec<_> = (0..plan.callers)
+        .map(|id| {
+            let rng = ChaCha8Rng::seed_from_u64(rng.r#gen());
+            tokio::spawn(caller(
+                fleet.clone(),
+                journal.clone(),
+                plan.clone(),
+                id,
+                rng,
+            ))
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("caller task");
+    }
+}
+
+// --- The store as the simulation sees it ---
+
+/// Seeded latency in front of the shared store: before a call (and after a write) it may
+/// sleep a little virtual time or yield, so replicas interleave between a catch-up and the
+/// write it feeds.
+struct Latency {
+    inner: SharedLog,
+    p: f64,
+    rng: Mutex<ChaCha8Rng>,
+}
+
+impl Latency {
+    async fn pause(&self) {
+        let (draw, us) = {
+            let mut rng = self.rng.lock();
+            (rng.r#gen::<f64>(), rng.gen_range(0..2_000u64))
+        };
+        if draw < self.p / 2.0 {
+            tokio::time::sleep(Duration::from_micros(us)).await;
+        } else if draw < self.p {
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+#[async_trait]
+impl EventLog for Latency {
+    async fn write(&self, client: ClientId, writes: Vec<AggregateWrite>) -> StoreResult<Vec<u64>> {
+        self.pause().await;
+        let result = self.inner.write(client, writes).await;
+        self.pause().await;
+        result
+    }
+
+    async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage> {
+        self.pause().await;
+        self.inner.read(key, filter).await
+    }
+
+    async fn details(&self, key: AggregateKey) -> StoreResult<AggregateDetails> {
+        self.inner.details(key).await
+    }
+
+    async fn trim_start(&self, key: AggregateKey, keep_from_version: u64) -> StoreResult<()> {
+        self.inner.trim_start(key, keep_from_version).await
+    }
+}
+
+struct Store {
+    mem: Arc<MemoryLog>,
+    faults: Option<Arc<FaultyLog<MemoryLog>>>,
+    /// What the replicas are given.
+    shared: SharedLog,
+}
+
+fn store(plan: &Plan) -> Store {
+    let mem = Arc::new(MemoryLog::with_options(MemoryOptions {
+        page_size: plan.page_size,
+        clock: Arc::new(memory::ManualClock::new(1_700_000_000_000)),
+    }));
+    let faults = plan
+        .faults
+        .clone()
+        .map(|c| Arc::new(FaultyLog::new(mem.clone(), c)));
+    let below: SharedLog = match &faults {
+        Some(f) => f.clone(),
+        None => mem.clone(),
+    };
+    let shared: SharedLog = Arc::new(Latency {
+        inner: below,
+        p: plan.latency,
+        rng: Mutex::new(ChaCha8Rng::seed_from_u64(plan.seed ^ 0x001a_7ec7)),
+    });
+    Store {
+        mem,
+        faults,
+        shared,
+    }
+}
+
+async fn replica(plan: &Plan, log: SharedLog) -> Arc<App> {
+    let flags = plan.flags();
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    App::builder(common::test_config(&flags))
+        .store(log)
+        .clock(Arc::new(ManualClock::new(1_000_000)))
+        .build()
+        .await
+        .expect("replica builds")
+}
+
+// --- The truth, from the stream ---
+
+/// One event as the stream holds it.
+#[derive(Clone, Debug)]
+struct Landed {
+    account: AccountId,
+    version: u64,
+    /// The account's balance right after this event.
+    balance: i64,
+    event: AccountEvent,
+}
+
+struct Truth {
+    /// Per account: final balance, version, highest own client sequence, and every balance
+    /// it ever had (0 before its first event, then after each event).
+    accounts: BTreeMap<AccountId, (i64, u64, u64, BTreeSet<i64>)>,
+    /// Per event id: its events, in stream order.
+    by_key: BTreeMap<u128, Vec<Landed>>,
+    /// A stable rendering of every stream, for the trace hash.
+    dump: String,
+}
+
+async fn read_truth(
+    plan: &Plan,
+    mem: &MemoryLog,
+    client: ClientId,
+    key_of: impl Fn(AccountId) -> AggregateKey,
+) -> Result<Truth, String> {
+    let mut truth = Truth {
+        accounts: BTreeMap::new(),
+        by_key: BTreeMap::new(),
+        dump: String::new(),
+    };
+    for &account in &plan.accounts {
+        let mut balance = 0i64;
+        let mut version = 0;
+        let mut max_seq = 0;
+        let mut seen = BTreeSet::from([0]);
+        let mut stream = BatchStream::new(mem, key_of(account), ReadFilter::from_version(1));
+        loop {
+            let page = match stream.next_page().await {
+                Ok(Some(page)) => page,
+                Ok(None) | Err(tally::store::StoreError::AggregateNotFound) => break,
+                Err(e) => return Err(format!("reading {account}: {e}")),
+            };
+            for batch in &page {
+                if batch.version != version + 1 {
+                    return Err(format!(
+                        "{account}: version {} after {version}",
+                        batch.version
+                    ));
+                }
+                version = batch.version;
+                for e in batch.events.iter() {
+                    let event = AccountEvent::decode(e.event_type, &e.payload)
+                        .map_err(|err| format!("{account} v{version}: {err}"))?;
+                    balance = if event.is_credit() {
+                        balance + event.amount()
+                    } else {
+                        balance - event.amount()
+                    };
+                    if balance < 0 {
+                        return Err(format!(
+                            "{account} goes below zero at version {version}: {balance}"
+                        ));
+                    }
+                    seen.insert(balance);
+                    if batch.client_id == client {
+                        max_seq = max_seq.max(e.client_seq);
+                    }
+                    let _ = writeln!(
+                        truth.dump,
+                        "{account} v{version} seq{} {:?} {event:?} ={balance}",
+                        e.client_seq, e.event_id
+                    );
+                    let Some(id) = e.event_id else {
+                        return Err(format!("{account} v{version}: an event without an id"));
+                    };
+                    truth.by_key.entry(id).or_default().push(Landed {
+                        account,
+                        version,
+                        balance,
+                        event,
+                    });
+                }
+            }
+        }
+        truth
+            .accounts
+            .insert(account, (balance, version, max_seq, seen));
+    }
+    Ok(truth)
+}
+
+// --- The rules ---
+
+#[derive(Default, Debug, Clone, Copy)]
+struct Stats {
+    keys: usize,
+    landed: usize,
+    successes: usize,
+    replays: usize,
+    refusals: usize,
+    retryable: usize,
+    gave_up_keys: usize,
+}
+
+fn check(plan: &Plan, journal: &Journal, truth: &Truth) -> Result<Stats, String> {
+    let mut stats = Stats {
+        keys: journal.ops.len(),
+        ..Stats::default()
+    };
+    // Every landed event belongs to a known request, on the right account, with the right
+    // payload; each leg exactly once; a transfer all or nothing.
+    for (key, landed) in &truth.by_key {
+        let Some(op) = journal.ops.get(key) else {
+            return Err(format!("an event for unknown key {key:x} is in the stream"));
+        };
+        let legs = op.legs();
+        let legs = legs.as_slice();
+        if landed.len() != legs.len() {
+            return Err(format!(
+                "key {key:x} ({op:?}) has {} events in the streams, expected {} (exactly once per leg): {landed:?}",
+                landed.len(),
+                legs.len()
+            ));
+        }
+        for leg in legs {
+            let here: Vec<&Landed> = landed.iter().filter(|l| l.account == leg.account).collect();
+            if here.len() != 1 || here[0].event != leg.event {
+                return Err(format!(
+                    "key {key:x}: leg {leg:?} landed as {here:?}, expected exactly once"
+                ));
+            }
+        }
+        stats.landed += 1;
+    }
+    // Per key: every success is the stream's answer; every error is expected.
+    let mut by_key: BTreeMap<u128, Vec<&Obs>> = BTreeMap::new();
+    for o in &journal.obs {
+        by_key.entry(o.key).or_default().push(o);
+    }
+    for (key, obs) in &by_key {
+        let op = journal.ops[key];
+        let landed = truth.by_key.get(key);
+        let mut first_hand = 0;
+        let mut any_ok = false;
+        for o in obs {
+            match &o.seen {
+                Seen::Ok { legs, replayed } => {
+                    any_ok = true;
+                    stats.successes += 1;
+                    if *replayed {
+                        stats.replays += 1;
+                    } else {
+                        first_hand += 1;
+                    }
+                    let Some(landed) = landed else {
+                        return Err(format!(
+                            "key {key:x} ({op:?}) got a success {legs:?} from replica {} but is not in the stream",
+                            o.replica
+                        ));
+                    };
+                    let want: Vec<(AccountId, i64, u64)> = op
+                        .legs()
+                        .as_slice()
+                        .iter()
+                        .map(|leg| {
+                            let l = landed
+                                .iter()
+                                .find(|l| l.account == leg.account)
+                                .expect("checked above");
+                            (l.account, l.balance, l.version)
+                        })
+                        .collect();
+                    if *legs != want {
+                        return Err(format!(
+                            "key {key:x} ({op:?}): replica {} answered {legs:?} ({:?}, replayed {replayed}), the stream says {want:?}",
+                            o.replica, o.kind
+                        ));
+                    }
+                }
+                Seen::Refused { balance } => {
+                    stats.refusals += 1;
+                    let debit = op.legs().as_slice()[0];
+                    let had = &truth.accounts[&debit.account].3;
+                    if *balance >= debit.event.amount() || !had.contains(balance) {
+                        return Err(format!(
+                            "key {key:x} ({op:?}) refused by replica {} naming balance {balance}, \
+                             which {} never had or which covers {}; it had {had:?}",
+                            o.replica,
+                            debit.account,
+                            debit.event.amount()
+                        ));
+                    }
+                }
+                Seen::Retryable(why) => {
+                    stats.retryable += 1;
+                    if plan.faults.is_none() {
+                        return Err(format!(
+                            "key {key:x} ({op:?}) got a retryable error from replica {} with no faults on: {why}",
+                            o.replica
+                        ));
+                    }
+                }
+                Seen::Unexpected(e) => {
+                    return Err(format!(
+                        "key {key:x} ({op:?}) got an unexpected error from replica {}: {e}",
+                        o.replica
+                    ));
+                }
+            }
+        }
+        if !any_ok && obs.iter().all(|o| matches!(o.seen, Seen::Retryable(_))) {
+            stats.gave_up_keys += 1;
+        }
+        // Without faults nothing is ambiguous: the run whose write landed answers it, as its
+        // own; every other answer is a replay.
+        if plan.faults.is_none() && landed.is_some() && !any_ok {
+            return Err(format!(
+                "key {key:x} ({op:?}) landed with no faults on, but no caller got a success: {obs:?}"
+            ));
+        }
+        if plan.faults.is_none() && any_ok && first_hand != 1 {
+            return Err(format!(
+                "key {key:x} ({op:?}): {first_hand} answers not marked as replays, expected exactly 1: {obs:?}"
+            ));
+        }
+    }
+    Ok(stats)
+}
+
+/// Each replica, caught up to the store's tip (a lagging read is retried), reports what the
+/// stream folds to; so does a fresh replica over the bare store.
+async fn check_replicas(
+    replicas: &[Arc<App>],
+    fresh: &Arc<App>,
+    truth: &Truth,
+) -> Result<(), String> {
+    for (i, app) in replicas.iter().chain(std::iter::once(fresh)).enumerate() {
+        for (&account, &(balance, version, max_seq, _)) in &truth.accounts {
+            let mut snap = None;
+            for _ in 0..100 {
+                match app.projection.catch_up(account).await {
+                    Ok((_, s)) if s.version >= version => {
+                        snap = Some(s);
+                        break;
+                    }
+                    Ok(_) | Err(tally::projection::ProjectionError::Store(_)) => continue,
+                    Err(e) => return Err(format!("replica {i}: {account}: {e}")),
+                }
+            }
+            let Some(s) = snap else {
+                return Err(format!("replica {i} never caught up on {account}"));
+            };
+            if (s.balance, s.version, s.max_client_seq) != (balance, version, max_seq) {
+                return Err(format!(
+                    "replica {i} reports {account} at (balance {}, version {}, max seq {}); \
+                     the stream folds to ({balance}, {version}, {max_seq}) (replica {} is fresh)",
+                    s.balance,
+                    s.version,
+                    s.max_client_seq,
+                    replicas.len()
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+// --- One seed ---
+
+struct RunResult {
+    stats: Stats,
+    trace_hash: String,
+    faults: FaultCounts,
+    /// How often each write-loop arm was taken, over every replica.
+    arms: BTreeMap<&'static str, u64>,
+}
+
+/// Every arm of the write loop, as the replicas' metrics count them.
+const ARMS: &[&str] = &[
+    arm::SUCCESS,
+    arm::CONFLICT,
+    arm::OUTCOME_UNKNOWN,
+    arm::INFLIGHT_DUPLICATE,
+    arm::SEQ_OURS,
+    arm::SEQ_SIBLING,
+    arm::UNVERIFIABLE,
+    arm::NOT_APPLIED,
+    arm::GAVE_UP,
+    arm::REJECTED,
+    arm::REPLAYED,
+];
+
+fn arms_taken(replicas: &[Arc<App>]) -> BTreeMap<&'static str, u64> {
+    let mut arms = BTreeMap::new();
+    for app in replicas {
+        for &a in ARMS {
+            for op in ["deposit", "withdraw", "transfer", "batch"] {
+                let n = app.metrics.write_outcomes.with_label_values(&[op, a]).get();
+                *arms.entry(a).or_default() += n;
+            }
+        }
+        *arms.entry("coalesced").or_default() += app.metrics.idem_coalesced.get();
+    }
+    arms
+}
+
+fn trace_hash(journal: &Journal, truth: &Truth, faults: &FaultCounts) -> String {
+    let mut h = Sha256::new();
+    for o in &journal.obs {
+        h.update(format!(
+            "{} {:x} {} {:?} {:?}\n",
+            o.caller, o.key, o.replica, o.kind, o.seen
+        ));
+    }
+    h.update(truth.dump.as_bytes());
+    h.update(format!("{faults:?}"));
+    h.finalize().iter().fold(String::new(), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+async fn run_in_process(plan: &Plan) -> Result<RunResult, String> {
+    let store = store(plan);
+    let mut replicas = Vec::with_capacity(plan.replicas);
+    for _ in 0..plan.replicas {
+        replicas.push(replica(plan, store.shared.clone()).await);
+    }
+    let journal = Arc::new(Mutex::new(Journal::default()));
+    drive(Arc::new(InProcess(replicas.clone())), plan, &journal).await;
+    let fresh = replica(plan, store.mem.clone()).await;
+    let identity = fresh.identity;
+    let truth = read_truth(plan, &store.mem, identity.client(), |a| identity.key(a)).await?;
+    let faults = store
+        .faults
+        .as_ref()
+        .map(|f| f.counts())
+        .unwrap_or_default();
+    let (stats, trace_hash) = {
+        let journal = journal.lock();
+        let stats = check(plan, &journal, &truth).map_err(|v| with_trace(v, &journal, &truth))?;
+        (stats, trace_hash(&journal, &truth, &faults))
+    };
+    check_replicas(&replicas, &fresh, &truth).await?;
+    Ok(RunResult {
+        stats,
+        trace_hash,
+        faults,
+        arms: arms_taken(&replicas),
+    })
+}
+
+/// With `TALLY_SIM_TRACE` set, a violation carries the whole run: every answer in completion
+/// order, then every stream.
+fn with_trace(violation: String, journal: &Journal, truth: &Truth) -> String {
+    if std::env::var_os("TALLY_SIM_TRACE").is_none() {
+        return violation;
+    }
+    let mut out = format!("{violation}\n  answers, in completion order:\n");
+    for o in &journal.obs {
+        let _ = writeln!(
+            out,
+            "    caller {} key {:x} {:?} -> replica {} ({:?}): {:?}",
+            o.caller, o.key, journal.ops[&o.key], o.replica, o.kind, o.seen
+        );
+    }
+    out.push_str("  streams:\n");
+    for line in truth.dump.lines() {
+        let _ = writeln!(out, "    {line}");
+    }
+    out
+}
+
+/// One seed on its own single-threaded runtime with paused time.
+fn run_seed(seed: u64) -> Result<RunResult, String> {
+    let plan = Plan::new(seed);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .expect("runtime");
+    rt.block_on(run_in_process(&plan))
+        .map_err(|violation| format!("{violation}\n  plan: {plan:?}"))
+}
+
+fn env_u64(name: &str) -> Option<u64> {
+    let v = std::env::var(name).ok()?;
+    Some(
+        v.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={v} is not a number")),
+    )
+}
+
+/// Seeds that broke a rule before the write-loop fixes they led to, run on every default
+/// run: 2 (two answers for one key not marked as replays), 6, 71 and 115 (a transfer leg
+/// rebuilt from a fold that had not reached it; 71 and 115 without faults), 4197 and 4244
+/// (a refusal on a balance that only existed inside an unlanded batch).
+const REGRESSION_SEEDS: &[u64] = &[2, 6, 71, 115, 4197, 4244];
+
+fn seeds() -> Vec<u64> {
+    if let Some(seed) = env_u64("TALLY_SIM_SEED") {
+        return vec![seed];
+    }
+    let first = env_u64("TALLY_SIM_FIRST_SEED").unwrap_or(0);
+    let count = env_u64("TALLY_SIM_SEEDS").unwrap_or(DEFAULT_SEEDS);
+    let mut seeds: Vec<u64> = (first..first + count).collect();
+    seeds.extend(
+        REGRESSION_SEEDS
+            .iter()
+            .filter(|s| !(first..first + count).contains(s)),
+    );
+    seeds
+}
+
+#[test]
+fn seeded_fleet_runs_keep_every_write_exactly_once_with_one_answer() {
+    let seeds = seeds();
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(seeds.len().max(1));
+    let next = AtomicUsize::new(0);
+    let keep_going = std::env::var_os("TALLY_SIM_KEEP_GOING").is_some();
+    let print_hashes = std::env::var_os("TALLY_SIM_HASHES").is_some();
+    let started = Instant::now();
+    let results: Mutex<Vec<(u64, Result<RunResult, String>)>> = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&seed) = seeds.get(i) else { break };
+                    let result = run_seed(seed);
+                    let failed = result.is_err();
+                    results.lock().push((seed, result));
+                    if failed && !keep_going {
+                        // Stop handing out seeds; the others finish theirs.
+                        next.store(usize::MAX / 2, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    let elapsed = started.elapsed();
+    let mut results = results.into_inner();
+    results.sort_by_key(|(seed, _)| *seed);
+    let failed: Vec<&(u64, Result<RunResult, String>)> =
+        results.iter().filter(|(_, r)| r.is_err()).collect();
+    if failed.len() > 1 {
+        println!("{} of {} seeds failed:", failed.len(), results.len());
+        for (seed, r) in &failed {
+            if let Err(v) = r {
+                println!("  seed {seed}: {}", v.lines().next().unwrap_or(""));
+            }
+        }
+    }
+    let mut total = Stats::default();
+    let mut faults = FaultCounts::default();
+    let mut arms: BTreeMap<&str, u64> = BTreeMap::new();
+    for (seed, result) in &results {
+        match result {
+            Err(violation) => panic!(
+                "simulation seed {seed} broke a rule: {violation}\n  reproduce: TALLY_SIM_SEED={seed} cargo test --test simulation -- --nocapture"
+            ),
+            Ok(r) => {
+                let s = r.stats;
+                total.keys += s.keys;
+                total.landed += s.landed;
+                total.successes += s.successes;
+                total.replays += s.replays;
+                total.refusals += s.refusals;
+                total.retryable += s.retryable;
+                total.gave_up_keys += s.gave_up_keys;
+                faults.lost_ack += r.faults.lost_ack;
+                faults.lost_request += r.faults.lost_request;
+                faults.refused += r.faults.refused;
+                faults.inflight += r.faults.inflight;
+                faults.inflight_duplicate += r.faults.inflight_duplicate;
+                faults.read_lag += r.faults.read_lag;
+                for (a, n) in &r.arms {
+                    *arms.entry(*a).or_default() += n;
+                }
+                if results.len() == 1 || print_hashes {
+                    println!("seed {seed}: trace {} {:?} {:?}", r.trace_hash, s, r.faults);
+                }
+            }
+        }
+    }
+    println!(
+        "{} seeds in {:.2?} ({:.0} seeds/s on {workers} threads): {total:?}\n  faults {faults:?}\n  write-loop arms {arms:?}",
+        results.len(),
+        elapsed,
+        results.len() as f64 / elapsed.as_secs_f64()
+    );
+}
+
+/// The same seed gives the same run: every answer, in the same order, and the same streams.
+#[test]
+fn a_seed_reproduces_the_same_run() {
+    for seed in (0..12).chain([4197]) {
+        let a = run_seed(seed).unwrap_or_else(|v| panic!("seed {seed}: {v}"));
+        let b = run_seed(seed).unwrap_or_else(|v| panic!("seed {seed}: {v}"));
+        assert_eq!(
+            a.trace_hash, b.trace_hash,
+            "seed {seed} is not reproducible"
+        );
+    }
+}
+
+// --- The same workload over HTTP ---
+
+/// Replicas behind real HTTP servers; the caller side maps each response to what it saw.
+struct OverHttp(Vec<common::TestApp>);
+
+#[async_trait]
+impl Fleet for OverHttp {
+    fn replicas(&self) -> usize {
+        self.0.len()
+    }
+
+    async fn send(&self, replica: usize, key: u128, op: Operation) -> Seen {
+        let app = &self.0[replica];
+        let k = Uuid::from_u128(key).to_string();
+        let r = match op {
+            Operation::Deposit { account, amount } => {
+                app.deposit(&account.to_string(), amount.get(), Some(&k))
+                    .await
+            }
+            Operation::Withdraw { account, amount } => {
+                app.withdraw(&account.to_string(), amount.get(), Some(&k))
+                    .await
+            }
+            Operation::Transfer { from, to, amount } => {
+                app.transfer(&from.to_string(), &to.to_string(), amount.get(), Some(&k))
+                    .await
+            }
+        };
+        let leg = |v: &serde_json::Value, account: AccountId| {
+            Some((
+                account,
+                v["balanceCents"].as_i64()?,
+                v["aggregateVersion"].as_u64()?,
+            ))
+        };
+        let legs: Option<Vec<_>> = match op {
+            Operation::Deposit { account, .. } | Operation::Withdraw { account, .. } => {
+                leg(&r.body, account).map(|l| vec![l])
+            }
+            Operation::Transfer { from, to, .. } => leg(&r.body["from"], from)
+                .zip(leg(&r.body["to"], to))
+                .map(|(a, b)| vec![a, b]),
+        };
+        match (r.status, r.error_code()) {
+            (StatusCode::OK, _) => match legs {
+                Some(legs) => Seen::Ok {
+                    legs,
+                    replayed: r.replayed(),
+                },
+                None => Seen::Unexpected(r.text),
+            },
+            (StatusCode::UNPROCESSABLE_ENTITY, "INSUFFICIENT_FUNDS") => {
+                match r.body["balanceCents"].as_i64() {
+                    Some(balance) => Seen::Refused { balance },
+                    None => Seen::Unexpected(r.text),
+                }
+            }
+            (StatusCode::CONFLICT, "CONFLICT") if r.header("retry-after") == Some("1") => {
+                Seen::Retryable(r.text)
+            }
+            _ => Seen::Unexpected(format!("{} {}", r.status, r.text)),
+        }
+    }
+}
+
+/// A few seeds through real HTTP servers on a multi-threaded runtime. The workload and the
+/// faults follow the seed; the interleaving does not (real sockets and threads), so a failing
+/// seed here may need a few runs to reproduce.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_runs_over_http_keep_every_write_exactly_once_with_one_answer() {
+    for seed in [3u64, 11, 29] {
+        let mut plan = Plan::new(seed);
+        plan.ops_per_caller = plan.ops_per_caller.min(5);
+        let store = store(&plan);
+        let flags = plan.flags();
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let servers = common::spawn_fleet(plan.replicas, store.shared.clone(), &flags).await;
+        let replicas: Vec<Arc<App>> = servers.iter().map(|s| s.app.clone()).collect();
+        let journal = Arc::new(Mutex::new(Journal::default()));
+        let fleet = Arc::new(OverHttp(servers));
+        drive(fleet, &plan, &journal).await;
+        let fresh = replica(&plan, store.mem.clone()).await;
+        let identity = fresh.identity;
+        let truth = read_truth(&plan, &store.mem, identity.client(), |a| identity.key(a))
+            .await
+            .unwrap_or_else(|v| panic!("HTTP seed {seed}: {v}"));
+        check(&plan, &journal.lock(), &truth)
+            .unwrap_or_else(|v| panic!("HTTP seed {seed}: {v}\n  plan: {plan:?}"));
+        check_replicas(&replicas, &fresh, &truth)
+            .await
+            .unwrap_or_else(|v| panic!("HTTP seed {seed}: {v}"));
+    }
+}
