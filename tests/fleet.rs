@@ -5,6 +5,14 @@
 //! exact contents of every stream it touched. Fault-injected scenarios share one FaultyLog
 //! between the replicas and script the fault for a specific write; requests are sequenced
 //! (never raced) so that "the next write" is the one the test means.
+//!
+//! Each scenario is an async function of the base store, written once and run by
+//! [`fleet_scenarios!`] twice: in `memory`, over a fresh MemoryLog, always; and in
+//! `celeriant`, over a real Celeriant server when `CELERIANT_ADDRESS` names one (otherwise
+//! each test prints `skipped: CELERIANT_ADDRESS not set` and passes). The fleet inspects the
+//! store only through the `EventLog` port, and every scenario mints fresh account ids and
+//! idempotency keys, so runs never collide on a shared, durable server. No scenario needs a
+//! MemoryLog-only feature (such as a manual server clock), so all of them run on both.
 
 mod common;
 
@@ -19,51 +27,121 @@ use tally::metrics::arm;
 use tally::store::faults::{Fault, FaultConfig, FaultyLog};
 use tally::store::memory::MemoryLog;
 use tally::store::{
-    AggregateDetails, AggregateKey, AggregateWrite, ClientId, EventLog, ReadFilter, ReadPage,
-    SharedLog, StoreError, StoreResult,
+    AggregateDetails, AggregateKey, AggregateWrite, Batch, BatchStream, ClientId, EventLog,
+    ReadFilter, ReadPage, SharedLog, StoreError, StoreResult,
 };
 use tokio::sync::watch;
 
+/// Generates one `#[tokio::test]` per scenario for each backend: module `memory` over a fresh
+/// MemoryLog, and module `celeriant` over the server `CELERIANT_ADDRESS` names, skipped (with
+/// a line saying so) when it is unset. Each entry is the test attribute, then the scenario.
+macro_rules! fleet_scenarios {
+    ($(#[$attr:meta] $scenario:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[$attr]
+                async fn $scenario() {
+                    super::$scenario(super::memory_log()).await;
+                }
+            )*
+        }
+
+        mod celeriant {
+            $(
+                #[$attr]
+                async fn $scenario() {
+                    if let Some(base) = super::celeriant_log() {
+                        super::$scenario(base).await;
+                    }
+                }
+            )*
+        }
+    };
+}
+
+fleet_scenarios! {
+    #[tokio::test] plain_deposit_lands_once_and_answers_balance_and_version,
+    #[tokio::test] retry_on_the_same_replica_replays_the_original_and_writes_nothing,
+    #[tokio::test] retry_on_another_replica_replays_the_original,
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    one_request_sent_to_two_replicas_at_once_lands_once_with_one_answer,
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    two_requests_on_one_account_on_two_replicas_both_land_once_each,
+    #[tokio::test] an_over_balance_withdraw_is_refused_with_the_fresh_balance_and_writes_nothing,
+    #[tokio::test] a_transfer_retried_on_the_other_replica_replays_both_legs,
+    #[tokio::test] a_transfer_retried_where_one_legs_fold_is_stale_replays_both_original_legs,
+    #[tokio::test] an_old_request_is_still_answered_after_folding_a_siblings_write,
+    #[tokio::test] a_lost_ack_is_resolved_by_catch_up_and_replayed_by_the_other_replica,
+    #[tokio::test] lost_ack_then_retry_on_another_replica_returns_the_landed_write,
+    #[tokio::test] a_sibling_that_took_the_held_sequence_is_detected_and_the_request_lands_once,
+    #[tokio::test] an_in_flight_duplicate_waits_for_the_first_attempt_and_replays_it,
+    #[tokio::test] an_unverifiable_violation_answers_409_with_retry_after_and_writes_nothing,
+    #[tokio::test] a_transfer_whose_ack_was_lost_lands_once_and_replays_both_legs,
+}
+
+/// A fresh in-process store.
+fn memory_log() -> SharedLog {
+    Arc::new(MemoryLog::new())
+}
+
+/// The real server `CELERIANT_ADDRESS` names, or `None` (and a line saying the test was
+/// skipped) when it is unset.
+fn celeriant_log() -> Option<SharedLog> {
+    const VAR: &str = "CELERIANT_ADDRESS";
+    let Ok(address) = std::env::var(VAR) else {
+        eprintln!("skipped: {VAR} not set");
+        return None;
+    };
+    let cfg = tally::store::celeriant::CeleriantConfig {
+        address,
+        ..Default::default()
+    };
+    let log = tally::store::celeriant::CeleriantLog::connect(&cfg).expect("Celeriant config");
+    Some(Arc::new(log))
+}
+
 /// Replicas over one store, with the handles a test needs to inspect and fault it.
 struct Fleet {
-    mem: Arc<MemoryLog>,
+    /// The store under any fault injection: what the test inspects, never faulted or lagged.
+    base: SharedLog,
     /// Present when the store is wrapped in a (scripted-only) FaultyLog.
-    faults: Option<Arc<FaultyLog<MemoryLog>>>,
+    faults: Option<Arc<FaultyLog>>,
     /// Counts the store's `InflightDuplicate` answers, so a test can wait for one.
     inflight_duplicates: watch::Receiver<u64>,
     apps: Vec<TestApp>,
 }
 
 impl Fleet {
-    /// `n` replicas over a bare MemoryLog.
-    async fn plain(n: usize) -> Self {
-        Self::build(n, false, &[]).await
+    /// `n` replicas over the bare `base` store.
+    async fn plain(base: SharedLog, n: usize) -> Self {
+        Self::build(base, n, false, &[]).await
     }
 
-    /// `n` replicas over one shared FaultyLog (no probabilistic faults: only scripted ones).
-    async fn faulty(n: usize, extra: &[&str]) -> Self {
-        Self::build(n, true, extra).await
+    /// `n` replicas over one FaultyLog around `base` (no probabilistic faults: only scripted
+    /// ones).
+    async fn faulty(base: SharedLog, n: usize, extra: &[&str]) -> Self {
+        Self::build(base, n, true, extra).await
     }
 
-    async fn build(n: usize, faulty: bool, extra: &[&str]) -> Self {
-        let mem = Arc::new(MemoryLog::new());
-        let faults = faulty.then(|| Arc::new(FaultyLog::new(mem.clone(), FaultConfig::default())));
+    async fn build(base: SharedLog, n: usize, faulty: bool, extra: &[&str]) -> Self {
+        let faults: Option<Arc<FaultyLog>> =
+            faulty.then(|| Arc::new(FaultyLog::new(base.clone(), FaultConfig::default())));
         let inner: SharedLog = match &faults {
             Some(f) => f.clone(),
-            None => mem.clone(),
+            None => base.clone(),
         };
         let (tx, inflight_duplicates) = watch::channel(0);
         let store: SharedLog = Arc::new(Tap { inner, tx });
         let apps = spawn_fleet(n, store, extra).await;
         Self {
-            mem,
+            base,
             faults,
             inflight_duplicates,
             apps,
         }
     }
 
-    fn faults(&self) -> &FaultyLog<MemoryLog> {
+    fn faults(&self) -> &FaultyLog {
         self.faults.as_deref().expect("a faulty fleet")
     }
 
@@ -72,9 +150,40 @@ impl Fleet {
         self.apps[0].app.identity.key(id)
     }
 
+    /// Every batch in the account's stream, in order, read from the base store (never through
+    /// the FaultyLog, so a scripted read lag is left for the replica it was meant for). A
+    /// stream that does not exist has no batches.
+    async fn stored_batches(&self, account: &str, filter: ReadFilter) -> Vec<Batch> {
+        let mut stream = BatchStream::new(self.base.as_ref(), self.key(account), filter);
+        let mut batches = Vec::new();
+        loop {
+            match stream.next_page().await {
+                Ok(Some(page)) => batches.extend(page),
+                Ok(None) | Err(StoreError::AggregateNotFound) => return batches,
+                Err(e) => panic!("reading the stream of {account}: {e}"),
+            }
+        }
+    }
+
     /// Batches in the account's stream, straight from the store.
-    fn batches(&self, account: &str) -> usize {
-        self.mem.batch_count(self.key(account))
+    async fn batches(&self, account: &str) -> usize {
+        self.stored_batches(account, ReadFilter::from_version(1))
+            .await
+            .len()
+    }
+
+    /// The highest client sequence the store holds from `client` on the account's stream:
+    /// with nothing trimmed, the store's (aggregate, client id) high-water mark.
+    async fn highest_client_seq(&self, account: &str, client: ClientId) -> Option<u64> {
+        let filter = ReadFilter {
+            include_client_id: Some(client),
+            ..ReadFilter::from_version(1)
+        };
+        self.stored_batches(account, filter)
+            .await
+            .iter()
+            .map(Batch::max_client_seq)
+            .max()
     }
 
     /// Asserts the account's whole history, read over HTTP from `via`: one event per batch,
@@ -101,7 +210,7 @@ impl Fleet {
             .collect();
         assert_eq!(got_trimmed, want, "history of {account}");
         assert_eq!(
-            self.batches(account),
+            self.batches(account).await,
             expected.len(),
             "batches of {account}"
         );
@@ -201,9 +310,8 @@ fn assert_retryable(r: &Reply, key: &str, message_part: &str) {
 
 // --- Fault-free fleet ---
 
-#[tokio::test]
-async fn plain_deposit_lands_once_and_answers_balance_and_version() {
-    let f = Fleet::plain(2).await;
+async fn plain_deposit_lands_once_and_answers_balance_and_version(base: SharedLog) {
+    let f = Fleet::plain(base, 2).await;
     let acct = new_account();
     let k = idem_key();
     let r = f.apps[0].deposit(&acct, 500, Some(&k)).await;
@@ -212,9 +320,8 @@ async fn plain_deposit_lands_once_and_answers_balance_and_version() {
     assert_eq!(f.apps[1].balance(&acct).await, (500, 1));
 }
 
-#[tokio::test]
-async fn retry_on_the_same_replica_replays_the_original_and_writes_nothing() {
-    let f = Fleet::plain(2).await;
+async fn retry_on_the_same_replica_replays_the_original_and_writes_nothing(base: SharedLog) {
+    let f = Fleet::plain(base, 2).await;
     let acct = new_account();
     let (k1, k2) = (idem_key(), idem_key());
     assert_balance(
@@ -242,9 +349,8 @@ async fn retry_on_the_same_replica_replays_the_original_and_writes_nothing() {
     .await;
 }
 
-#[tokio::test]
-async fn retry_on_another_replica_replays_the_original() {
-    let f = Fleet::plain(2).await;
+async fn retry_on_another_replica_replays_the_original(base: SharedLog) {
+    let f = Fleet::plain(base, 2).await;
     let acct = new_account();
     let (k1, k2) = (idem_key(), idem_key());
     assert_balance(
@@ -287,9 +393,8 @@ async fn retry_on_another_replica_replays_the_original() {
 /// Both replicas are warm on the account, so both decide on their local fold and write at
 /// once. Whichever loses (a version conflict, or the index after the winner) answers with the
 /// winner's response, marked as a replay. Several rounds, so some are true races.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_request_sent_to_two_replicas_at_once_lands_once_with_one_answer() {
-    let f = Fleet::plain(2).await;
+async fn one_request_sent_to_two_replicas_at_once_lands_once_with_one_answer(base: SharedLog) {
+    let f = Fleet::plain(base, 2).await;
     for round in 0..10 {
         let acct = new_account();
         let k0 = idem_key();
@@ -325,9 +430,8 @@ async fn one_request_sent_to_two_replicas_at_once_lands_once_with_one_answer() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_requests_on_one_account_on_two_replicas_both_land_once_each() {
-    let f = Fleet::plain(2).await;
+async fn two_requests_on_one_account_on_two_replicas_both_land_once_each(base: SharedLog) {
+    let f = Fleet::plain(base, 2).await;
     for round in 0..10 {
         let acct = new_account();
         let k0 = idem_key();
@@ -375,16 +479,17 @@ async fn two_requests_on_one_account_on_two_replicas_both_land_once_each() {
             )
             .await;
         }
-        assert_eq!(f.batches(&acct), 3, "{expected_round}");
+        assert_eq!(f.batches(&acct).await, 3, "{expected_round}");
     }
 }
 
 /// Replica 0's local fold is stale (replica 1 deposited since): a withdraw it would refuse
 /// locally is decided again on fresh state and lands; one that is over the fresh balance is
 /// refused with that balance, and writes nothing.
-#[tokio::test]
-async fn an_over_balance_withdraw_is_refused_with_the_fresh_balance_and_writes_nothing() {
-    let f = Fleet::plain(2).await;
+async fn an_over_balance_withdraw_is_refused_with_the_fresh_balance_and_writes_nothing(
+    base: SharedLog,
+) {
+    let f = Fleet::plain(base, 2).await;
     let acct = new_account();
     let (k0, k1, k2, k3) = (idem_key(), idem_key(), idem_key(), idem_key());
     assert_balance(
@@ -428,9 +533,8 @@ async fn an_over_balance_withdraw_is_refused_with_the_fresh_balance_and_writes_n
     .await;
 }
 
-#[tokio::test]
-async fn a_transfer_retried_on_the_other_replica_replays_both_legs() {
-    let f = Fleet::plain(2).await;
+async fn a_transfer_retried_on_the_other_replica_replays_both_legs(base: SharedLog) {
+    let f = Fleet::plain(base, 2).await;
     let (x, y) = (new_account(), new_account());
     let (kx, kt) = (idem_key(), idem_key());
     assert_balance(
@@ -458,9 +562,10 @@ async fn a_transfer_retried_on_the_other_replica_replays_both_legs() {
 /// landed through replica 0. The retry finds the payee's index entry but not the payer's:
 /// the payer's leg must not be rebuilt from replica 1's stale fold (version 1, before the
 /// transfer) but answered once a catch-up has reached the transfer.
-#[tokio::test]
-async fn a_transfer_retried_where_one_legs_fold_is_stale_replays_both_original_legs() {
-    let f = Fleet::plain(2).await;
+async fn a_transfer_retried_where_one_legs_fold_is_stale_replays_both_original_legs(
+    base: SharedLog,
+) {
+    let f = Fleet::plain(base, 2).await;
     let (x, y) = (new_account(), new_account());
     let (kx, kt) = (idem_key(), idem_key());
     assert_balance(
@@ -494,9 +599,8 @@ async fn a_transfer_retried_where_one_legs_fold_is_stale_replays_both_original_l
 /// fold is stale, so its first attempt bounces on the version guard and it folds replica 1's
 /// event. Retries of the oldest request and of replica 1's request, on replica 0, still get
 /// their original responses.
-#[tokio::test]
-async fn an_old_request_is_still_answered_after_folding_a_siblings_write() {
-    let f = Fleet::plain(2).await;
+async fn an_old_request_is_still_answered_after_folding_a_siblings_write(base: SharedLog) {
+    let f = Fleet::plain(base, 2).await;
     let acct = new_account();
     let old: Vec<String> = (0..5).map(|_| idem_key()).collect();
     for (i, k) in old.iter().enumerate() {
@@ -551,9 +655,8 @@ async fn an_old_request_is_still_answered_after_folding_a_siblings_write() {
 
 /// The store applied the write and the ack was lost: the writer's own catch-up finds it and
 /// answers. A caller that never saw that answer retries on the other replica and gets it.
-#[tokio::test]
-async fn a_lost_ack_is_resolved_by_catch_up_and_replayed_by_the_other_replica() {
-    let f = Fleet::faulty(2, &[]).await;
+async fn a_lost_ack_is_resolved_by_catch_up_and_replayed_by_the_other_replica(base: SharedLog) {
+    let f = Fleet::faulty(base, 2, &[]).await;
     let acct = new_account();
     let (k0, k1) = (idem_key(), idem_key());
     assert_balance(
@@ -586,9 +689,8 @@ async fn a_lost_ack_is_resolved_by_catch_up_and_replayed_by_the_other_replica() 
 
 /// With one attempt allowed, the writer gives up on the lost ack with a retryable 409; the
 /// caller's retry on the other replica gets the response of the write that did land.
-#[tokio::test]
-async fn lost_ack_then_retry_on_another_replica_returns_the_landed_write() {
-    let f = Fleet::faulty(2, &["--write-max-attempts", "1"]).await;
+async fn lost_ack_then_retry_on_another_replica_returns_the_landed_write(base: SharedLog) {
+    let f = Fleet::faulty(base, 2, &["--write-max-attempts", "1"]).await;
     let acct = new_account();
     let k = idem_key();
     f.faults().fail_next_write(Fault::LostAck);
@@ -603,9 +705,10 @@ async fn lost_ack_then_retry_on_another_replica_returns_the_landed_write() {
 /// Replica 0 holds sequence 2 after an ambiguous failure, but replica 1's request already
 /// landed under sequence 2. The 2002 that follows is about the sibling's event: the point
 /// read proves it, replica 0 re-derives and lands its own request once, at sequence 3.
-#[tokio::test]
-async fn a_sibling_that_took_the_held_sequence_is_detected_and_the_request_lands_once() {
-    let f = Fleet::faulty(2, &[]).await;
+async fn a_sibling_that_took_the_held_sequence_is_detected_and_the_request_lands_once(
+    base: SharedLog,
+) {
+    let f = Fleet::faulty(base, 2, &[]).await;
     let acct = new_account();
     let (k0, kb, ka) = (idem_key(), idem_key(), idem_key());
     assert_balance(
@@ -636,8 +739,8 @@ async fn a_sibling_that_took_the_held_sequence_is_detected_and_the_request_lands
     assert_eq!(f.arm(0, "deposit", arm::SEQ_SIBLING), 1);
     assert_eq!(f.arm(0, "deposit", arm::SEQ_OURS), 0);
     assert_eq!(
-        f.mem
-            .client_mark(f.key(&acct), f.apps[0].app.identity.client()),
+        f.highest_client_seq(&acct, f.apps[0].app.identity.client())
+            .await,
         Some(3)
     );
     assert_balance(
@@ -662,9 +765,8 @@ async fn a_sibling_that_took_the_held_sequence_is_detected_and_the_request_lands
 /// The first attempt is held in flight at the store; the same request arriving at the other
 /// replica meets it (2013), holds its sequence and waits. Once the first lands, the duplicate
 /// answers with its response, as a replay, and nothing is written twice.
-#[tokio::test]
-async fn an_in_flight_duplicate_waits_for_the_first_attempt_and_replays_it() {
-    let f = Fleet::faulty(2, &[]).await;
+async fn an_in_flight_duplicate_waits_for_the_first_attempt_and_replays_it(base: SharedLog) {
+    let f = Fleet::faulty(base, 2, &[]).await;
     let acct = new_account();
     let (k0, k) = (idem_key(), idem_key());
     assert_balance(
@@ -684,7 +786,11 @@ async fn an_in_flight_duplicate_waits_for_the_first_attempt_and_replays_it() {
                 .wait_for(|&n| n >= 1)
                 .await
                 .expect("store tap alive");
-            assert_eq!(f.batches(&acct), 1, "nothing lands while the first is held");
+            assert_eq!(
+                f.batches(&acct).await,
+                1,
+                "nothing lands while the first is held"
+            );
             hold.release();
         });
         dup
@@ -699,9 +805,10 @@ async fn an_in_flight_duplicate_waits_for_the_first_attempt_and_replays_it() {
 /// A 2002 whose contested sequence the point read cannot see (a lagging read) is not taken as
 /// proof either way: the request fails with a retryable 409 and writes nothing, and its retry
 /// lands once.
-#[tokio::test]
-async fn an_unverifiable_violation_answers_409_with_retry_after_and_writes_nothing() {
-    let f = Fleet::faulty(2, &[]).await;
+async fn an_unverifiable_violation_answers_409_with_retry_after_and_writes_nothing(
+    base: SharedLog,
+) {
+    let f = Fleet::faulty(base, 2, &[]).await;
     let acct = new_account();
     let (k0, kb, ka) = (idem_key(), idem_key(), idem_key());
     assert_balance(
@@ -744,9 +851,8 @@ async fn an_unverifiable_violation_answers_409_with_retry_after_and_writes_nothi
 
 /// Both legs of a transfer land in one write whose ack is lost: the writer's catch-up finds
 /// both legs, and a retry on the other replica replays both.
-#[tokio::test]
-async fn a_transfer_whose_ack_was_lost_lands_once_and_replays_both_legs() {
-    let f = Fleet::faulty(2, &[]).await;
+async fn a_transfer_whose_ack_was_lost_lands_once_and_replays_both_legs(base: SharedLog) {
+    let f = Fleet::faulty(base, 2, &[]).await;
     let (x, y) = (new_account(), new_account());
     let (kx, kt) = (idem_key(), idem_key());
     assert_balance(
