@@ -148,7 +148,10 @@ impl AccountState {
             // prefetch them a few batches ahead, so the fold does not wait on a cache miss or
             // two per batch.
             if let Some(b) = batches.get(at + 2 * FOLD_LOOKAHEAD) {
-                index::prefetch(b.events.as_ptr());
+                // An event spans two cache lines; its allocation need not start on one.
+                let first = b.events.as_ptr().cast::<u8>();
+                index::prefetch(first);
+                index::prefetch(first.wrapping_add(64));
             }
             if let Some(e) = batches
                 .get(at + FOLD_LOOKAHEAD)
