@@ -1026,13 +1026,14 @@ mod rules {
         let mut tasks = JoinSet::new();
         for writer in 0..WRITERS {
             let log = Arc::clone(&log);
+            let client = k.client();
             tasks.spawn(async move {
                 let mut wins = Vec::new();
                 for attempt in 0..ATTEMPTS {
                     let seen = log.details(key).await.expect("details").max_version;
                     let seq = writer * 1_000 + attempt + 1;
                     match log
-                        .write(writer as u128, vec![write(key, &[seq], Some(seen), false)])
+                        .write(client, vec![write(key, &[seq], Some(seen), false)])
                         .await
                     {
                         Ok(v) => {

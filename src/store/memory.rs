@@ -277,7 +277,8 @@ impl MemoryLog {
             return Ok(page);
         }
         let start = usize::try_from(from - min_available).unwrap_or(usize::MAX);
-        for batch in agg.batches.iter().skip(start) {
+        // `from <= last <= version`, so `start` indexes a stored batch.
+        for batch in agg.batches.range(start.min(agg.batches.len())..) {
             if batch.version > last {
                 break;
             }
