@@ -980,6 +980,54 @@ async fn a_transfer_retried_after_a_lost_ack_lands_both_legs_exactly_once() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_transfer_2002_is_settled_by_either_leg_a_sibling_on_one_leg_means_it_never_landed() {
+    let env = Env::new();
+    let a = env.replica();
+    let b = env.sibling();
+    let (from, to) = (acct(1), acct(2));
+    a.ok(deposit(from, 100, E0)).await;
+
+    // The transfer (seqs: from 2, to 1) is lost before the server; sibling B lands seq 2 on
+    // `from`. The held retry gets a 2002: `from`'s seq 2 is B's, `to`'s seq 1 is unwritten
+    // (the violation was on the other leg), which together say: never landed.
+    env.faulty.fail_next_write(Fault::LostRequest);
+    let b2 = b.clone();
+    env.script.push(Step::After(hook(async move {
+        b2.ok(deposit(from, 20, E_SIB)).await;
+    })));
+    let got = a.run(transfer(from, to, 30, E1)).await;
+
+    assert_eq!(got, Ok(outcome(&[(from, 90, 3), (to, 30, 1)], false)));
+    let legs: Vec<Vec<(Option<u64>, Vec<u64>)>> = env.script.records()[1..]
+        .iter()
+        .map(|r| {
+            r.legs
+                .iter()
+                .map(|l| (l.expected_version, l.seqs.clone()))
+                .collect()
+        })
+        .collect();
+    assert_eq!(
+        legs,
+        vec![
+            vec![(Some(1), vec![2]), (Some(0), vec![1])],
+            vec![(Some(2), vec![2]), (Some(0), vec![1])],
+            vec![(Some(2), vec![3]), (Some(0), vec![1])],
+        ]
+    );
+    let labels: Vec<_> = env.script.records()[1..]
+        .iter()
+        .map(|r| label(&r.result))
+        .collect();
+    assert_eq!(labels, vec!["unknown", "2002", "ok"]);
+    assert_eq!(a.arm("transfer", arm::SEQ_SIBLING), 1);
+    let (sf, st) = (env.stream(from), env.stream(to));
+    assert_eq!(events_with_id(&sf, E1).len(), 1);
+    assert_eq!(events_with_id(&st, E1).len(), 1);
+    assert_eq!((folded_balance(&sf), folded_balance(&st)), (90, 30));
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_transfer_is_answered_from_either_legs_entry_and_a_missing_leg_is_rebuilt_not_rewritten()
 {
     let env = Env::new();
@@ -1522,7 +1570,10 @@ async fn an_overdraw_inside_a_batch_is_rejected_alone() {
     let w1 = spawn(withdraw(x, 60, 0xA1));
     let w2 = spawn(withdraw(x, 60, 0xA2));
     let d3 = spawn(deposit(x, 5, 0xA3));
-    // Let the three reach the queue (each enqueues on its first poll).
+    // Current-thread runtime: the spawned tasks run in spawn order as soon as this task
+    // yields; each enqueues its request on its first poll, then waits for the account's
+    // writer. (Had one missed the queue, it would land in a batch of its own and the
+    // batch assertions below would fail, not pass.)
     for _ in 0..10 {
         tokio::task::yield_now().await;
     }

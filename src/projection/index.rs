@@ -2,12 +2,23 @@
 //! what it wrote, for a bounded window.
 //!
 //! It restores a lost response; it does not prevent double writes (the store's client
-//! sequence check does that). Entries are kept in insertion order beside the map, so expiry
-//! pops from the front without scanning.
+//! sequence check does that).
+//!
+//! Layout, chosen for the fold's hot path (a cold catch-up indexes every event of the window):
+//! records live in insertion order in one deque, appended sequentially, and expiry pops them
+//! from the front without scanning. Lookup goes through a compact open-addressing table of
+//! 8-byte slots (linear probing, at most half full), each holding 32 bits of the id's hash
+//! and the record's position in the deque, so an insert touches one random cache line
+//! instead of a map bucket of the whole record. A slot always points at the latest record of
+//! its id; older records of the same id stay in the deque until they expire, exactly like
+//! the order log of a map-plus-queue index.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+use std::hash::BuildHasher;
 
-use crate::account::AccountEvent;
+use uuid::Uuid;
+
+use crate::account::{AccountEvent, AccountId};
 
 /// The response one write produced on one account, and what it wrote there.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -22,51 +33,386 @@ pub struct RecentWrite {
     pub event: AccountEvent,
 }
 
-type Map = HashMap<u128, RecentWrite, foldhash::fast::RandomState>;
-
 /// One account's index. Empty indexes cost one pointer, so idle accounts stay small.
 #[derive(Default)]
 pub struct RecentIndex {
     inner: Option<Box<Inner>>,
 }
 
-#[derive(Default)]
+/// A record: what one event answers, in 56 bytes. The id is kept as two words (no 16-byte
+/// alignment), and the event as its kind and amount; a transfer's counterparty lives in
+/// `Inner::parties`, so the other events do not carry 16 unused bytes each.
+#[derive(Clone, Copy)]
+struct Record {
+    id_lo: u64,
+    id_hi: u64,
+    balance: i64,
+    version: u64,
+    expires_at_ms: u64,
+    amount: i64,
+    /// The event kind in the low two bits; for a transfer, the low 32 bits of its
+    /// counterparty's sequence in `Inner::parties` in the high 32.
+    meta: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<Record>() == 56);
+
+const KIND_MASK: u64 = 0b11;
+const KIND_DEPOSITED: u64 = 0;
+const KIND_WITHDRAWN: u64 = 1;
+const KIND_TRANSFERRED_OUT: u64 = 2;
+const KIND_TRANSFERRED_IN: u64 = 3;
+
+impl Record {
+    fn id(&self) -> u128 {
+        (u128::from(self.id_hi) << 64) | u128::from(self.id_lo)
+    }
+
+    fn is_transfer(&self) -> bool {
+        self.meta & KIND_MASK >= KIND_TRANSFERRED_OUT
+    }
+}
+
+/// An unused slot. Used slots are never 0: their tag has its low bit set.
+const EMPTY: u64 = 0;
+/// The smallest table.
+const MIN_SLOTS: usize = 16;
+/// Records the deque keeps room for before a shrink is considered.
+const SHRINK_ABOVE: usize = 64;
+/// How far ahead of the insert in progress a bulk commit prefetches slots.
+const LOOKAHEAD: usize = 32;
+/// The largest pending-tag buffer kept between bulks (a catch-up page's worth).
+const TAG_BUFFER_KEEP: usize = 4096;
+
+/// 32 hash bits with the low bit forced on, so a used slot is never [`EMPTY`].
+#[inline]
+fn tag_of(hash: u64) -> u32 {
+    ((hash >> 32) as u32) | 1
+}
+
+/// The slot a tag probes from. Uses the tag's 31 hash bits, so a table can be rebuilt from
+/// its slots alone (up to 2^31 slots).
+#[inline]
+fn home(tag: u32, mask: usize) -> usize {
+    (tag >> 1) as usize & mask
+}
+
+#[inline]
+fn slot_tag(slot: u64) -> u32 {
+    (slot >> 32) as u32
+}
+
+/// Asks the CPU to start loading the cache line of `p`. Only a hint: it reads nothing for
+/// the program and cannot fault.
+#[inline(always)]
+pub(crate) fn prefetch<T>(p: *const T) {
+    // SAFETY: a prefetch has no memory-safety preconditions (it never dereferences for the
+    // program and cannot fault, whatever the address); it needs SSE, which every x86-64 CPU
+    // has and the x86_64 targets enable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast())
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 struct Inner {
-    map: Map,
-    /// (expires_at_ms, event id) in insertion order; expiries are near-monotonic in it.
-    order: VecDeque<(u64, u128)>,
+    hasher: foldhash::fast::RandomState,
+    /// Every record not yet expired out, oldest first.
+    records: VecDeque<Record>,
+    /// The insertion sequence number of `records[0]`.
+    front_seq: u64,
+    /// Power-of-two table: [`EMPTY`], or (tag << 32) | (low 32 bits of the record's sequence).
+    slots: Vec<u64>,
+    /// Used slots: distinct ids indexed.
+    live: usize,
+    /// Records with a sequence below this are indexed; later ones were appended by a
+    /// [`Bulk`] that has not committed yet.
+    indexed_seq: u64,
+    /// The tags of those pending records, in order, computed as they were appended.
+    pending_tags: Vec<u32>,
+    /// The counterparties of the transfer records, in record order.
+    parties: VecDeque<[u8; 16]>,
+    /// The sequence number of `parties[0]`.
+    parties_front_seq: u64,
+}
+
+impl Inner {
+    fn new() -> Self {
+        Self {
+            hasher: foldhash::fast::RandomState::default(),
+            records: VecDeque::new(),
+            front_seq: 0,
+            slots: vec![EMPTY; MIN_SLOTS],
+            live: 0,
+            indexed_seq: 0,
+            pending_tags: Vec::new(),
+            parties: VecDeque::new(),
+            parties_front_seq: 0,
+        }
+    }
+
+    /// Appends a record to be indexed by the next [`Inner::commit`].
+    #[inline]
+    fn append(&mut self, event_id: u128, write: RecentWrite) {
+        self.pending_tags.push(self.tag(event_id));
+        let (kind, amount, party) = match write.event {
+            AccountEvent::Deposited { amount } => (KIND_DEPOSITED, amount, None),
+            AccountEvent::Withdrawn { amount } => (KIND_WITHDRAWN, amount, None),
+            AccountEvent::TransferredOut { amount, to } => (KIND_TRANSFERRED_OUT, amount, Some(to)),
+            AccountEvent::TransferredIn { amount, from } => {
+                (KIND_TRANSFERRED_IN, amount, Some(from))
+            }
+        };
+        let mut meta = kind;
+        if let Some(party) = party {
+            let seq = self
+                .parties_front_seq
+                .wrapping_add(self.parties.len() as u64);
+            meta |= (seq & u64::from(u32::MAX)) << 32;
+            self.parties.push_back(*party.0.as_bytes());
+        }
+        self.records.push_back(Record {
+            id_lo: event_id as u64,
+            id_hi: (event_id >> 64) as u64,
+            balance: write.balance,
+            version: write.version,
+            expires_at_ms: write.expires_at_ms,
+            amount,
+            meta,
+        });
+    }
+
+    /// What `record` answers.
+    fn write_of(&self, record: &Record) -> RecentWrite {
+        let amount = record.amount;
+        let party = || {
+            let at = ((record.meta >> 32) as u32).wrapping_sub(self.parties_front_seq as u32);
+            AccountId(Uuid::from_bytes(self.parties[at as usize]))
+        };
+        let event = match record.meta & KIND_MASK {
+            KIND_DEPOSITED => AccountEvent::Deposited { amount },
+            KIND_WITHDRAWN => AccountEvent::Withdrawn { amount },
+            KIND_TRANSFERRED_OUT => AccountEvent::TransferredOut {
+                amount,
+                to: party(),
+            },
+            _ => AccountEvent::TransferredIn {
+                amount,
+                from: party(),
+            },
+        };
+        RecentWrite {
+            balance: record.balance,
+            version: record.version,
+            expires_at_ms: record.expires_at_ms,
+            event,
+        }
+    }
+
+    /// Drops the oldest record (and its counterparty, for a transfer).
+    fn pop_front(&mut self) {
+        if let Some(popped) = self.records.pop_front() {
+            self.front_seq = self.front_seq.wrapping_add(1);
+            if popped.is_transfer() {
+                self.parties.pop_front();
+                self.parties_front_seq = self.parties_front_seq.wrapping_add(1);
+            }
+        }
+    }
+
+    /// The sequence the next appended record gets.
+    #[inline]
+    fn end_seq(&self) -> u64 {
+        self.front_seq.wrapping_add(self.records.len() as u64)
+    }
+
+    #[inline]
+    fn tag(&self, event_id: u128) -> u32 {
+        tag_of(self.hasher.hash_one(event_id))
+    }
+
+    #[inline]
+    fn mask(&self) -> usize {
+        self.slots.len() - 1
+    }
+
+    /// Where the record a used slot points at sits in `records`. Sequences are compared in
+    /// 32 bits, which is exact while fewer than 2^32 records are held.
+    #[inline]
+    fn position(&self, slot: u64) -> usize {
+        (slot as u32).wrapping_sub(self.front_seq as u32) as usize
+    }
+
+    #[inline]
+    fn record(&self, slot: u64) -> &Record {
+        &self.records[self.position(slot)]
+    }
+
+    /// The slot holding `event_id`, if it is indexed.
+    fn find(&self, event_id: u128, tag: u32) -> Option<usize> {
+        let mask = self.mask();
+        let mut i = home(tag, mask);
+        loop {
+            let slot = self.slots[i];
+            if slot == EMPTY {
+                return None;
+            }
+            if slot_tag(slot) == tag && self.record(slot).id() == event_id {
+                return Some(i);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Makes room for `additional` more ids at a load of at most one half.
+    fn grow_for(&mut self, additional: usize) {
+        let need = (self.live + additional).saturating_mul(2);
+        if need <= self.slots.len() {
+            return;
+        }
+        self.rebuild(need.next_power_of_two());
+    }
+
+    /// Re-lays the table at `capacity` slots (a power of two, at least the minimum).
+    fn rebuild(&mut self, capacity: usize) {
+        let capacity = capacity.max(MIN_SLOTS);
+        let old = std::mem::replace(&mut self.slots, vec![EMPTY; capacity]);
+        let mask = capacity - 1;
+        for slot in old.into_iter().filter(|&s| s != EMPTY) {
+            let mut i = home(slot_tag(slot), mask);
+            while self.slots[i] != EMPTY {
+                i = (i + 1) & mask;
+            }
+            self.slots[i] = slot;
+        }
+    }
+
+    fn insert(&mut self, event_id: u128, write: RecentWrite) {
+        self.append(event_id, write);
+        self.commit();
+    }
+
+    /// Indexes the record at position `at` (whose id hashes to `tag`): takes a free slot, or
+    /// re-points its id's slot at it, keeping the later expiry.
+    #[inline]
+    fn place(&mut self, at: usize, tag: u32) {
+        let seq = self.front_seq.wrapping_add(at as u64);
+        let mask = self.mask();
+        let mut i = home(tag, mask);
+        loop {
+            let slot = self.slots[i];
+            if slot == EMPTY {
+                self.live += 1;
+                break;
+            }
+            if slot_tag(slot) == tag {
+                let old = self.record(slot);
+                if old.id() == self.records[at].id() {
+                    // A re-record keeps the later expiry: a fold that re-indexes a write never
+                    // shortens the writer's full window.
+                    let keep = old.expires_at_ms;
+                    let r = &mut self.records[at];
+                    r.expires_at_ms = r.expires_at_ms.max(keep);
+                    break;
+                }
+            }
+            i = (i + 1) & mask;
+        }
+        self.slots[i] = (u64::from(tag) << 32) | (seq & u64::from(u32::MAX));
+    }
+
+    /// Indexes every record appended since the last commit, in order (so the result is the
+    /// same as inserting them one by one). The table is sized once, and each record's slot
+    /// is prefetched [`LOOKAHEAD`] records ahead of placing it, so the cache misses of a long
+    /// run of inserts overlap instead of queueing one behind the other.
+    fn commit(&mut self) {
+        let end = self.end_seq();
+        let tags = std::mem::take(&mut self.pending_tags);
+        debug_assert_eq!(tags.len() as u64, end.wrapping_sub(self.indexed_seq));
+        if tags.is_empty() {
+            self.pending_tags = tags;
+            return;
+        }
+        self.grow_for(tags.len());
+        let first = self.indexed_seq.wrapping_sub(self.front_seq) as usize;
+        let mask = self.mask();
+        for &tag in tags.iter().take(LOOKAHEAD) {
+            prefetch(&self.slots[home(tag, mask)]);
+        }
+        for (k, &tag) in tags.iter().enumerate() {
+            if let Some(&ahead) = tags.get(k + LOOKAHEAD) {
+                prefetch(&self.slots[home(ahead, mask)]);
+            }
+            self.place(first + k, tag);
+        }
+        self.indexed_seq = end;
+        // Keep the buffer for the next bulk, unless it was a long one.
+        let mut tags = tags;
+        tags.clear();
+        if tags.capacity() <= TAG_BUFFER_KEEP {
+            self.pending_tags = tags;
+        }
+    }
+
+    /// Empties slot `i`, shifting later members of its probe run back (no tombstones).
+    fn remove_slot(&mut self, mut i: usize) {
+        let mask = self.mask();
+        let mut j = i;
+        loop {
+            j = (j + 1) & mask;
+            let slot = self.slots[j];
+            if slot == EMPTY {
+                break;
+            }
+            let k = home(slot_tag(slot), mask);
+            // Move `slot` into the hole at `i` unless its home lies cyclically in (i, j].
+            let stays = if i <= j {
+                i < k && k <= j
+            } else {
+                i < k || k <= j
+            };
+            if !stays {
+                self.slots[i] = slot;
+                i = j;
+            }
+        }
+        self.slots[i] = EMPTY;
+        self.live -= 1;
+    }
 }
 
 impl RecentIndex {
     /// Records `write` under `event_id`. A second record of the same id keeps the later
     /// expiry, so a fold that re-indexes a write never shortens the writer's full window.
     pub fn insert(&mut self, event_id: u128, write: RecentWrite) {
-        let inner = self.inner.get_or_insert_with(Box::default);
-        let expires = match inner.map.get(&event_id) {
-            Some(old) if old.expires_at_ms > write.expires_at_ms => old.expires_at_ms,
-            _ => write.expires_at_ms,
-        };
-        inner.map.insert(
-            event_id,
-            RecentWrite {
-                expires_at_ms: expires,
-                ..write
-            },
-        );
-        inner.order.push_back((expires, event_id));
+        self.inner
+            .get_or_insert_with(|| Box::new(Inner::new()))
+            .insert(event_id, write);
     }
 
     /// Reserves room for `n` more entries (a long catch-up knows its size up front).
     pub fn reserve(&mut self, n: usize) {
-        let inner = self.inner.get_or_insert_with(Box::default);
-        inner.map.reserve(n);
-        inner.order.reserve(n);
+        let inner = self.inner.get_or_insert_with(|| Box::new(Inner::new()));
+        inner.records.reserve(n);
+        inner.pending_tags.reserve(n);
+        inner.grow_for(n);
+    }
+
+    /// Appends records in bulk; they are indexed when the returned guard is dropped, exactly
+    /// as if each had been [`RecentIndex::insert`]ed in turn. Nothing else can use the index
+    /// meanwhile: the guard borrows it.
+    pub fn bulk(&mut self) -> Bulk<'_> {
+        Bulk { index: self }
     }
 
     /// The live entry for `event_id`; an expired entry is a miss.
     pub fn get(&self, event_id: u128, now_ms: u64) -> Option<RecentWrite> {
-        let w = self.inner.as_ref()?.map.get(&event_id)?;
-        (w.expires_at_ms > now_ms).then_some(*w)
+        let inner = self.inner.as_ref()?;
+        let i = inner.find(event_id, inner.tag(event_id))?;
+        let record = inner.record(inner.slots[i]);
+        (record.expires_at_ms > now_ms).then(|| inner.write_of(record))
     }
 
     /// Drops entries that expired at or before `now_ms`, oldest first; returns how many.
@@ -75,32 +421,39 @@ impl RecentIndex {
             return 0;
         };
         let mut evicted = 0;
-        while let Some(&(expires, id)) = inner.order.front() {
-            if expires > now_ms {
+        while let Some(front) = inner.records.front() {
+            if front.expires_at_ms > now_ms {
                 break;
             }
-            inner.order.pop_front();
-            // The map may hold a newer record of the same id with a later expiry.
-            if inner
-                .map
-                .get(&id)
-                .is_some_and(|w| w.expires_at_ms <= now_ms)
+            // The id may have a newer record with a later expiry.
+            let id = front.id();
+            if let Some(i) = inner.find(id, inner.tag(id))
+                && inner.record(inner.slots[i]).expires_at_ms <= now_ms
             {
-                inner.map.remove(&id);
+                inner.remove_slot(i);
                 evicted += 1;
             }
+            inner.pop_front();
         }
-        if inner.map.is_empty() {
+        if inner.live == 0 {
             self.inner = None;
-        } else if inner.order.capacity() > 64 && inner.order.len() < inner.order.capacity() / 4 {
-            inner.order.shrink_to_fit();
-            inner.map.shrink_to_fit();
+        } else {
+            if inner.records.capacity() > SHRINK_ABOVE
+                && inner.records.len() < inner.records.capacity() / 4
+            {
+                inner.records.shrink_to_fit();
+                inner.parties.shrink_to_fit();
+            }
+            if inner.slots.len() > MIN_SLOTS && inner.live * 8 < inner.slots.len() {
+                let capacity = (inner.live * 2).next_power_of_two();
+                inner.rebuild(capacity);
+            }
         }
         evicted
     }
 
     pub fn len(&self) -> usize {
-        self.inner.as_ref().map_or(0, |i| i.map.len())
+        self.inner.as_ref().map_or(0, |i| i.live)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -108,9 +461,35 @@ impl RecentIndex {
     }
 }
 
+/// Bulk appends to a [`RecentIndex`], indexed on drop. See [`RecentIndex::bulk`].
+pub struct Bulk<'a> {
+    index: &'a mut RecentIndex,
+}
+
+impl Bulk<'_> {
+    /// Records `write` under `event_id`, after every record appended before it.
+    #[inline]
+    pub fn push(&mut self, event_id: u128, write: RecentWrite) {
+        self.index
+            .inner
+            .get_or_insert_with(|| Box::new(Inner::new()))
+            .append(event_id, write);
+    }
+}
+
+impl Drop for Bulk<'_> {
+    fn drop(&mut self) {
+        if let Some(inner) = self.index.inner.as_mut() {
+            inner.commit();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
 
     fn write(expires_at_ms: u64) -> RecentWrite {
         RecentWrite {
@@ -144,5 +523,192 @@ mod tests {
         // The stale order record at 300 must not evict the entry that lives to 900.
         assert_eq!(idx.evict_expired(500), 0);
         assert!(idx.get(7, 500).is_some());
+    }
+
+    #[test]
+    fn a_re_record_answers_with_the_latest_response() {
+        let mut idx = RecentIndex::default();
+        idx.insert(7, write(900));
+        let later = RecentWrite {
+            balance: 5,
+            version: 4,
+            ..write(100)
+        };
+        idx.insert(7, later);
+        assert_eq!(
+            idx.get(7, 0),
+            Some(RecentWrite {
+                expires_at_ms: 900,
+                ..later
+            })
+        );
+        assert_eq!(idx.len(), 1);
+    }
+
+    #[test]
+    fn a_large_index_grows_finds_everything_and_drains_to_nothing() {
+        let mut idx = RecentIndex::default();
+        let n = 100_000u64;
+        for i in 0..n {
+            // Ids that differ only in their high word, to exercise the hashing of both.
+            idx.insert(u128::from(i) << 64, write(i + 1));
+        }
+        assert_eq!(idx.len(), n as usize);
+        for i in (0..n).step_by(997) {
+            assert_eq!(
+                idx.get(u128::from(i) << 64, 0).map(|w| w.expires_at_ms),
+                Some(i + 1)
+            );
+        }
+        assert!(idx.get(u128::from(n) << 64, 0).is_none());
+        assert_eq!(idx.evict_expired(n / 2), (n / 2) as usize);
+        assert!(idx.get(u128::from(n / 2) << 64, 0).is_some());
+        assert!(idx.get(u128::from(n / 2 - 1) << 64, 0).is_none());
+        assert_eq!(idx.evict_expired(n), (n / 2) as usize);
+        assert!(idx.is_empty());
+        assert!(idx.inner.is_none());
+    }
+
+    /// The reference semantics: a map of the latest record per id (with the latest expiry)
+    /// plus an insertion-order log of (expiry, id) that eviction pops from the front.
+    #[derive(Default)]
+    struct Model {
+        map: HashMap<u128, RecentWrite>,
+        order: VecDeque<(u64, u128)>,
+    }
+
+    impl Model {
+        fn insert(&mut self, id: u128, w: RecentWrite) {
+            let expires = match self.map.get(&id) {
+                Some(old) if old.expires_at_ms > w.expires_at_ms => old.expires_at_ms,
+                _ => w.expires_at_ms,
+            };
+            self.map.insert(
+                id,
+                RecentWrite {
+                    expires_at_ms: expires,
+                    ..w
+                },
+            );
+            self.order.push_back((expires, id));
+        }
+
+        fn get(&self, id: u128, now: u64) -> Option<RecentWrite> {
+            self.map.get(&id).filter(|w| w.expires_at_ms > now).copied()
+        }
+
+        fn evict(&mut self, now: u64) -> usize {
+            let mut n = 0;
+            while let Some(&(expires, id)) = self.order.front() {
+                if expires > now {
+                    break;
+                }
+                self.order.pop_front();
+                if self.map.get(&id).is_some_and(|w| w.expires_at_ms <= now) {
+                    self.map.remove(&id);
+                    n += 1;
+                }
+            }
+            // An index left with no id is dropped whole, order log included.
+            if self.map.is_empty() {
+                self.order.clear();
+            }
+            n
+        }
+    }
+
+    /// A record of one of the four kinds, its fields derived from the draws; transfers
+    /// name a counterparty that differs per record, so a mix-up of parties shows.
+    fn drawn(expires: u16, balance: i8, kind: u8, party: u16) -> RecentWrite {
+        let amount = i64::from(party) - 300;
+        let party = AccountId(uuid::Uuid::from_u128(u128::from(party) * 0x1_0000_0001));
+        RecentWrite {
+            balance: i64::from(balance),
+            version: u64::from(party.0.as_u128() as u16),
+            expires_at_ms: u64::from(expires),
+            event: match kind % 4 {
+                0 => AccountEvent::Deposited { amount },
+                1 => AccountEvent::Withdrawn { amount },
+                2 => AccountEvent::TransferredOut { amount, to: party },
+                _ => AccountEvent::TransferredIn {
+                    amount,
+                    from: party,
+                },
+            },
+        }
+    }
+
+    /// (id, expires, balance, kind, party)
+    type Draw = (u8, u16, i8, u8, u16);
+
+    fn draw() -> impl Strategy<Value = Draw> {
+        (
+            any::<u8>(),
+            any::<u16>(),
+            any::<i8>(),
+            any::<u8>(),
+            any::<u16>(),
+        )
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Insert(Draw),
+        Get { id: u8, now: u16 },
+        Evict { now: u16 },
+        Reserve { n: u8 },
+        Bulk(Vec<Draw>),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => draw().prop_map(Op::Insert),
+            3 => (any::<u8>(), any::<u16>()).prop_map(|(id, now)| Op::Get { id, now }),
+            1 => any::<u16>().prop_map(|now| Op::Evict { now }),
+            1 => any::<u8>().prop_map(|n| Op::Reserve { n }),
+            2 => proptest::collection::vec(draw(), 0..40).prop_map(Op::Bulk),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn behaves_exactly_like_a_map_with_an_order_log(ops in proptest::collection::vec(op(), 0..400)) {
+            let mut idx = RecentIndex::default();
+            let mut model = Model::default();
+            // Ids spread over both words, from a small space so that ids repeat.
+            let id_of = |id: u8| (u128::from(id % 64) << 70) ^ u128::from(id);
+            for op in ops {
+                match op {
+                    Op::Insert((id, expires, balance, kind, party)) => {
+                        let w = drawn(expires, balance, kind, party);
+                        idx.insert(id_of(id), w);
+                        model.insert(id_of(id), w);
+                    }
+                    Op::Get { id, now } => {
+                        prop_assert_eq!(idx.get(id_of(id), u64::from(now)), model.get(id_of(id), u64::from(now)));
+                    }
+                    Op::Evict { now } => {
+                        prop_assert_eq!(idx.evict_expired(u64::from(now)), model.evict(u64::from(now)));
+                    }
+                    Op::Reserve { n } => idx.reserve(usize::from(n)),
+                    Op::Bulk(records) => {
+                        let mut bulk = idx.bulk();
+                        for &(id, expires, balance, kind, party) in &records {
+                            bulk.push(id_of(id), drawn(expires, balance, kind, party));
+                        }
+                        drop(bulk);
+                        for (id, expires, balance, kind, party) in records {
+                            model.insert(id_of(id), drawn(expires, balance, kind, party));
+                        }
+                    }
+                }
+                prop_assert_eq!(idx.len(), model.map.len());
+            }
+            for id in 0..=255u8 {
+                prop_assert_eq!(idx.get(id_of(id), 0), model.get(id_of(id), 0));
+            }
+        }
     }
 }
