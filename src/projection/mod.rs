@@ -335,6 +335,7 @@ impl Projection {
             self.identity.key(account),
             ReadFilter::from_version(from),
         );
+        let mut first_page = true;
         loop {
             let page = match stream.next_page().await {
                 Ok(Some(page)) => page,
@@ -353,6 +354,15 @@ impl Projection {
             };
             let Some(last) = page.last() else { continue };
             self.observe_server_time(last.server_timestamp_ms);
+            if first_page && stream.has_more() {
+                // A long catch-up: age its early pages against the stream's real tip, not
+                // against their own last batch, or long-expired entries would come back.
+                // One extra call, only for reads longer than a page.
+                if let Ok(d) = self.log.details(self.identity.key(account)).await {
+                    self.observe_server_time(d.last_server_timestamp_ms);
+                }
+            }
+            first_page = false;
             let ctx = self.fold_context();
             let mut st = slot.state.lock();
             let before = st.recent.len();
@@ -560,5 +570,76 @@ fn broken_error(account: AccountId, st: &AccountState) -> ProjectionError {
             version: st.version,
             reason: "unknown".into(),
         },
+    }
+}
+
+#[cfg(test)]
+mod catch_up_tests {
+    use super::*;
+    use crate::account::AccountEvent;
+    use crate::store::memory::{ManualClock as ServerClock, MemoryLog, MemoryOptions};
+    use crate::store::{AggregateWrite, Event};
+    use uuid::Uuid;
+
+    const WINDOW_MS: u64 = 90_000;
+
+    async fn deposit(log: &MemoryLog, identity: &Identity, account: AccountId, seq: u64) {
+        let e = AccountEvent::Deposited { amount: 1 };
+        let w = AggregateWrite {
+            key: identity.key(account),
+            events: vec![Event {
+                client_seq: seq,
+                event_id: Some(u128::from(seq)),
+                event_type: e.event_type(),
+                payload: e.encode(),
+                timestamp_ms: 0,
+            }],
+            expected_version: Some(seq - 1),
+            allow_create: true,
+            enforce_client_idempotency: true,
+        };
+        log.write_now(identity.client(), vec![w]).expect("write");
+    }
+
+    /// Rule: a replayed batch's age is measured against the newest server time, even when a
+    /// cold replica reads the stream in several pages (each page's own tip is older).
+    #[tokio::test]
+    async fn a_cold_multi_page_catch_up_never_revives_entries_older_than_the_window() {
+        let server = Arc::new(ServerClock::new(1_000_000));
+        let log = Arc::new(MemoryLog::with_options(MemoryOptions {
+            page_size: 3,
+            clock: server.clone(),
+        }));
+        let identity = Identity::default();
+        let account = AccountId(Uuid::new_v4());
+        for seq in 1..=6 {
+            deposit(&log, &identity, account, seq).await;
+        }
+        server.advance(WINDOW_MS + 1_000);
+        for seq in 7..=9 {
+            deposit(&log, &identity, account, seq).await;
+        }
+        let projection = Projection::new(
+            log,
+            identity,
+            ProjectionConfig {
+                window: Duration::from_millis(WINDOW_MS),
+                ..ProjectionConfig::default()
+            },
+            Arc::new(ManualClock::new(0)),
+            Arc::new(Metrics::new()),
+        );
+        let (slot, snap) = projection.catch_up(account).await.expect("catch-up");
+        assert_eq!((snap.balance, snap.version), (9, 9));
+        let st = slot.state.lock();
+        for seq in 1..=6u64 {
+            assert!(
+                st.recent.get(u128::from(seq), 0).is_none(),
+                "event {seq} is older than the window and must not answer"
+            );
+        }
+        for seq in 7..=9u64 {
+            assert!(st.recent.get(u128::from(seq), 0).is_some(), "event {seq}");
+        }
     }
 }

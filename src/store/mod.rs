@@ -270,6 +270,11 @@ impl<'a> BatchStream<'a> {
         }
     }
 
+    /// Whether the read may have more pages (always true before the first page).
+    pub fn has_more(&self) -> bool {
+        !self.done
+    }
+
     /// The next page, or `None` when the read is complete.
     pub async fn next_page(&mut self) -> StoreResult<Option<Vec<Batch>>> {
         if self.done {
