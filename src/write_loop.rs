@@ -293,6 +293,8 @@ struct Pending {
     legs: Legs,
     /// Each leg's client sequence, while held.
     seqs: [u64; 2],
+    /// `seqs` were assigned and still count (cleared when sequences are re-derived).
+    has_seqs: bool,
     /// Each leg's balance after this request, as decided in the current attempt.
     balances: [i64; 2],
     /// An attempt may have landed: a rule failure on later state is not final.
@@ -360,6 +362,7 @@ impl<'a> Run<'a> {
                     req,
                     legs,
                     seqs: [0; 2],
+                    has_seqs: false,
                     balances: [0; 2],
                     ambiguous: false,
                     sent_unknown: false,
@@ -458,9 +461,7 @@ impl<'a> Run<'a> {
                 continue;
             }
             // 4. Sequences: held ones stay; otherwise derived from the fold just read.
-            if !self.held {
-                self.assign_seqs(&batch);
-            }
+            self.assign_seqs(&batch);
             // 5. Append and classify.
             skip_backoff = self.write(&batch).await;
         }
@@ -724,21 +725,50 @@ impl<'a> Run<'a> {
         true
     }
 
-    /// Fresh sequences from the fold just read: each account's events in write order get
-    /// consecutive sequences above the highest this service has written there.
+    /// Sequences for this write. While sequences are held, a request that holds one keeps
+    /// it; every other request of the batch (one that joins after a deferral) gets a fresh
+    /// one above both the fold's highest and every sequence this run holds, so no event is
+    /// ever sent without a sequence or with one another request of the run holds. Otherwise
+    /// all are fresh: each account's events in write order get consecutive sequences above
+    /// the highest this service has written there.
     fn assign_seqs(&mut self, batch: &[usize]) {
         let mut next: Vec<u64> = self
             .accounts
             .iter()
             .map(|t| t.snap.max_client_seq + 1)
             .collect();
+        if self.held {
+            for p in self.pending.iter().filter(|p| p.has_seqs) {
+                for (li, leg) in p.legs.as_slice().iter().enumerate() {
+                    let ai = self.acct_index(leg.account);
+                    next[ai] = next[ai].max(p.seqs[li] + 1);
+                }
+            }
+        } else {
+            for p in &mut self.pending {
+                p.has_seqs = false;
+            }
+        }
         for &pi in batch {
-            for li in 0..self.pending[pi].legs.as_slice().len() {
-                let ai = self.acct_index(self.pending[pi].legs.as_slice()[li].account);
+            if self.pending[pi].has_seqs {
+                continue;
+            }
+            let legs = self.pending[pi].legs;
+            for (li, leg) in legs.as_slice().iter().enumerate() {
+                let ai = self.acct_index(leg.account);
                 self.pending[pi].seqs[li] = next[ai];
                 next[ai] += 1;
             }
+            self.pending[pi].has_seqs = true;
         }
+        debug_assert!(
+            batch.iter().all(
+                |&pi| self.pending[pi].seqs[..self.pending[pi].legs.as_slice().len()]
+                    .iter()
+                    .all(|&s| s > 0)
+            ),
+            "every event of a write carries a sequence"
+        );
         self.held = true;
     }
 

@@ -840,8 +840,10 @@ fn env_u64(name: &str) -> Option<u64> {
 /// Seeds that broke a rule before the write-loop fixes they led to, run on every default
 /// run: 2 (two answers for one key not marked as replays), 6, 71 and 115 (a transfer leg
 /// rebuilt from a fold that had not reached it; 71 and 115 without faults), 4197 and 4244
-/// (a refusal on a balance that only existed inside an unlanded batch).
-const REGRESSION_SEEDS: &[u64] = &[2, 6, 71, 115, 4197, 4244];
+/// (a refusal on a balance that only existed inside an unlanded batch), 2791 (a deferred
+/// batch member joining a write while sequences were held went out without a sequence;
+/// caught by the write loop's "every event carries a sequence" assertion).
+const REGRESSION_SEEDS: &[u64] = &[2, 6, 71, 115, 2791, 4197, 4244];
 
 fn seeds() -> Vec<u64> {
     if let Some(seed) = env_u64("TALLY_SIM_SEED") {
