@@ -288,6 +288,26 @@ impl Env {
         stream(&self.mem, self.key(account))
     }
 
+    /// The account's stream holds `batches` batches, `event_id`'s deposit of `amount`
+    /// exactly once, at `version`, and folds to `balance`.
+    fn assert_deposit_landed_once(
+        &self,
+        account: AccountId,
+        event_id: u128,
+        version: u64,
+        amount: i64,
+        batches: usize,
+        balance: i64,
+    ) {
+        let s = self.stream(account);
+        assert_eq!(self.batches(account), batches);
+        assert_eq!(
+            events_with_id(&s, event_id),
+            vec![(version, AccountEvent::Deposited { amount })]
+        );
+        assert_eq!(folded_balance(&s), balance);
+    }
+
     fn batches(&self, account: AccountId) -> usize {
         self.mem.batch_count(self.key(account))
     }
@@ -506,13 +526,7 @@ async fn the_retry_after_a_lost_ack_is_the_read_back_and_never_writes_again() {
         vec![(0, vec![1], "ok"), (1, vec![2], "unknown")],
         "the catch-up found the landed event by id: no second write"
     );
-    let s = env.stream(x);
-    assert_eq!(env.batches(x), 2);
-    assert_eq!(
-        events_with_id(&s, E1),
-        vec![(2, AccountEvent::Deposited { amount: 50 })]
-    );
-    assert_eq!(folded_balance(&s), 150);
+    env.assert_deposit_landed_once(x, E1, 2, 50, 2, 150);
 }
 
 #[tokio::test(start_paused = true)]
@@ -553,13 +567,7 @@ async fn the_lost_ack_followed_by_a_conflict_must_not_deposit_twice() {
         ]
     );
     assert_eq!(a.arm("deposit", arm::CONFLICT), 1);
-    let s = env.stream(x);
-    assert_eq!(env.batches(x), 3);
-    assert_eq!(
-        events_with_id(&s, E1),
-        vec![(2, AccountEvent::Deposited { amount: 50 })]
-    );
-    assert_eq!(folded_balance(&s), 157);
+    env.assert_deposit_landed_once(x, E1, 2, 50, 3, 157);
 }
 
 #[tokio::test(start_paused = true)]
@@ -646,13 +654,7 @@ async fn the_held_seq_catches_a_landed_write_that_the_index_cannot_answer() {
         ]
     );
     assert_eq!(a.arm("deposit", arm::SEQ_OURS), 1);
-    let s = env.stream(x);
-    assert_eq!(env.batches(x), 3);
-    assert_eq!(
-        events_with_id(&s, E1),
-        vec![(2, AccountEvent::Deposited { amount: 50 })]
-    );
-    assert_eq!(folded_balance(&s), 157);
+    env.assert_deposit_landed_once(x, E1, 2, 50, 3, 157);
 }
 
 #[tokio::test(start_paused = true)]
@@ -847,13 +849,7 @@ async fn an_in_flight_duplicate_is_held_and_resolves_to_a_clean_write() {
     );
     assert_eq!(env.faulty.counts().inflight_duplicate, 1);
     assert_eq!(a.arm("deposit", arm::INFLIGHT_DUPLICATE), 1);
-    let s = env.stream(x);
-    assert_eq!(env.batches(x), 2);
-    assert_eq!(
-        events_with_id(&s, E1),
-        vec![(2, AccountEvent::Deposited { amount: 50 })]
-    );
-    assert_eq!(folded_balance(&s), 150);
+    env.assert_deposit_landed_once(x, E1, 2, 50, 2, 150);
 }
 
 #[tokio::test(start_paused = true)]
@@ -891,13 +887,7 @@ async fn an_in_flight_duplicate_that_resolves_to_a_2002_is_verified_as_ours() {
         ]
     );
     assert_eq!(a.arm("deposit", arm::SEQ_OURS), 1);
-    let s = env.stream(x);
-    assert_eq!(env.batches(x), 2);
-    assert_eq!(
-        events_with_id(&s, E1),
-        vec![(2, AccountEvent::Deposited { amount: 50 })]
-    );
-    assert_eq!(folded_balance(&s), 150);
+    env.assert_deposit_landed_once(x, E1, 2, 50, 2, 150);
 }
 
 #[tokio::test(start_paused = true)]
