@@ -112,6 +112,27 @@ struct Fleet {
 }
 
 impl Fleet {
+    /// Replica 0 lands a 100 deposit (version 1), then replica 1 lands 10 on top (version 2),
+    /// leaving replica 0's fold one version stale. Returns the two keys.
+    async fn stale_fold_on_replica_0(&self, acct: &str) -> (String, String) {
+        let (k0, kb) = (idem_key(), idem_key());
+        assert_balance(
+            &self.apps[0].deposit(acct, 100, Some(&k0)).await,
+            &k0,
+            100,
+            1,
+            false,
+        );
+        assert_balance(
+            &self.apps[1].deposit(acct, 10, Some(&kb)).await,
+            &kb,
+            110,
+            2,
+            false,
+        );
+        (k0, kb)
+    }
+
     /// `n` replicas over the bare `base` store.
     async fn plain(base: SharedLog, n: usize) -> Self {
         Self::build(base, n, false, &[]).await
@@ -710,21 +731,8 @@ async fn a_sibling_that_took_the_held_sequence_is_detected_and_the_request_lands
 ) {
     let f = Fleet::faulty(base, 2, &[]).await;
     let acct = new_account();
-    let (k0, kb, ka) = (idem_key(), idem_key(), idem_key());
-    assert_balance(
-        &f.apps[0].deposit(&acct, 100, Some(&k0)).await,
-        &k0,
-        100,
-        1,
-        false,
-    );
-    assert_balance(
-        &f.apps[1].deposit(&acct, 10, Some(&kb)).await,
-        &kb,
-        110,
-        2,
-        false,
-    );
+    let (k0, kb) = f.stale_fold_on_replica_0(&acct).await;
+    let ka = idem_key();
     // Replica 0 decides on its stale fold (version 1, sequence 2); the store refuses it on the
     // version guard, and the refusal is lost with the ack.
     f.faults().fail_next_write(Fault::LostAck);
@@ -810,21 +818,8 @@ async fn an_unverifiable_violation_answers_409_with_retry_after_and_writes_nothi
 ) {
     let f = Fleet::faulty(base, 2, &[]).await;
     let acct = new_account();
-    let (k0, kb, ka) = (idem_key(), idem_key(), idem_key());
-    assert_balance(
-        &f.apps[0].deposit(&acct, 100, Some(&k0)).await,
-        &k0,
-        100,
-        1,
-        false,
-    );
-    assert_balance(
-        &f.apps[1].deposit(&acct, 10, Some(&kb)).await,
-        &kb,
-        110,
-        2,
-        false,
-    );
+    let (k0, kb) = f.stale_fold_on_replica_0(&acct).await;
+    let ka = idem_key();
     // Replica 0's stale write is refused and the refusal lost; its catch-up reads everything
     // (a lag of 0); the point read of the contested sequence lags one batch and sees nothing.
     f.faults().fail_next_write(Fault::LostAck);
