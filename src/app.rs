@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinHandle;
 
 use crate::account::{AccountEvent, AccountId, Identity};
@@ -24,6 +24,10 @@ use crate::write_loop::WriteService;
 const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
 /// The client sequence of a demo account's opening deposit: its stream's first own event.
 const SEED_CLIENT_SEQ: u64 = 1;
+/// First wait before the start-up work (demo accounts, server clock) is tried again when the
+/// store did not take it; doubles per attempt up to [`STARTUP_RETRY_MAX`].
+const STARTUP_RETRY_BASE: Duration = Duration::from_millis(200);
+const STARTUP_RETRY_MAX: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -31,8 +35,6 @@ pub enum StartError {
     Config(#[from] ConfigError),
     #[error("could not connect to the store: {0}")]
     Store(String),
-    #[error("could not seed demo accounts: {0}")]
-    Seed(StoreError),
 }
 
 pub struct App {
@@ -46,7 +48,11 @@ pub struct App {
     pub writes: Arc<WriteService>,
     pub(crate) limiter: Arc<Semaphore>,
     shutting_down: AtomicBool,
+    /// The start-up work is done: demo accounts seeded (when asked) and the server clock
+    /// anchored. Until then the replica serves, but `/readyz` says it is not ready.
+    started: watch::Receiver<bool>,
     sweeper: JoinHandle<()>,
+    startup: Option<JoinHandle<()>>,
 }
 
 /// Builds an [`App`]; the store and clock can be supplied (tests, in-process fleets).
@@ -99,9 +105,24 @@ impl AppBuilder {
             metrics.clone(),
         ));
         let writes = Arc::new(WriteService::new(projection.clone(), config.write()));
-        if config.seeds_demo_accounts() {
-            seed_demo_accounts(&log, &identity).await?;
-        }
+        // Tried once now, so a healthy store starts ready; a store that is down or faulty at
+        // boot does not stop the replica: the work is retried in the background.
+        let (started_tx, started) = watch::channel(false);
+        let seed = config.seeds_demo_accounts();
+        let startup = match start_up(&projection, seed).await {
+            Ok(()) => {
+                started_tx.send_replace(true);
+                None
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "start-up work not done yet (demo accounts, server clock); retrying in the background, not ready until it is");
+                let projection = projection.clone();
+                Some(tokio::spawn(async move {
+                    retry_start_up(&projection, seed).await;
+                    started_tx.send_replace(true);
+                }))
+            }
+        };
         let sweeper = tokio::spawn(
             projection
                 .clone()
@@ -117,7 +138,9 @@ impl AppBuilder {
             projection,
             writes,
             shutting_down: AtomicBool::new(false),
+            started,
             sweeper,
+            startup,
         }))
     }
 }
@@ -149,11 +172,54 @@ impl App {
     pub fn is_shutting_down(&self) -> bool {
         self.shutting_down.load(Ordering::SeqCst)
     }
+
+    /// The start-up work (demo accounts, server clock) is done.
+    pub fn is_started(&self) -> bool {
+        *self.started.borrow()
+    }
+
+    /// Resolves once the start-up work is done.
+    pub async fn started(&self) {
+        let mut started = self.started.clone();
+        // An error means the task ended without finishing: it was aborted with the app.
+        let _ = started.wait_for(|done| *done).await;
+    }
 }
 
 impl Drop for App {
     fn drop(&mut self) {
         self.sweeper.abort();
+        if let Some(startup) = &self.startup {
+            startup.abort();
+        }
+    }
+}
+
+/// What a replica does once before it calls itself ready: seed the demo accounts (when
+/// asked) and anchor its server-time tip, which ages the recent-writes index.
+async fn start_up(projection: &Projection, seed: bool) -> Result<(), StoreError> {
+    if seed {
+        seed_demo_accounts(projection.log(), projection.identity()).await?;
+    }
+    let server_ms = projection.sync_server_clock().await?;
+    tracing::debug!(server_ms, "server clock anchored");
+    Ok(())
+}
+
+async fn retry_start_up(projection: &Projection, seed: bool) {
+    let mut wait = STARTUP_RETRY_BASE;
+    loop {
+        tokio::time::sleep(wait).await;
+        match start_up(projection, seed).await {
+            Ok(()) => {
+                tracing::info!("start-up work done (demo accounts, server clock)");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "start-up work failed; retrying");
+                wait = (wait * 2).min(STARTUP_RETRY_MAX);
+            }
+        }
     }
 }
 
@@ -176,7 +242,7 @@ async fn open_store(config: &Config) -> Result<SharedLog, StartError> {
 
 /// Seeds each demo account with its opening deposit, create-only (expected version 0), so a
 /// fleet of replicas seeds each account exactly once.
-async fn seed_demo_accounts(log: &SharedLog, identity: &Identity) -> Result<(), StartError> {
+async fn seed_demo_accounts(log: &SharedLog, identity: &Identity) -> Result<(), StoreError> {
     for (name, cents) in DEMO_ACCOUNTS {
         let account = AccountId(demo_account_id(name));
         let event = AccountEvent::Deposited { amount: cents };
@@ -196,7 +262,7 @@ async fn seed_demo_accounts(log: &SharedLog, identity: &Identity) -> Result<(), 
         match log.write(identity.client(), vec![write]).await {
             // Already there (a sibling replica, or an earlier run on a durable store).
             Ok(_) | Err(StoreError::Conflict { .. } | StoreError::IdempotencyViolation { .. }) => {}
-            Err(e) => return Err(StartError::Seed(e)),
+            Err(e) => return Err(e),
         }
     }
     Ok(())

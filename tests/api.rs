@@ -235,6 +235,43 @@ async fn seeded_demo_accounts_are_listed_with_named_ids_and_opening_balances() {
     t.shutdown().await;
 }
 
+/// Black-box finding: a store fault during demo seeding stopped the process at boot. Now the
+/// replica starts and serves, `/readyz` says it is not ready, and the seeding is retried until
+/// it lands (once: the opening deposits are create-only).
+#[tokio::test]
+async fn a_store_fault_during_start_up_leaves_the_replica_serving_and_not_ready_until_retried() {
+    let faulty = Arc::new(FaultyLog::new(
+        Arc::new(MemoryLog::new()),
+        Default::default(),
+    ));
+    faulty.fail_next_write(Fault::Refused);
+    faulty.fail_next_write(Fault::LostAck);
+    let config = Config::parse_from([
+        "tally",
+        "--listen",
+        "127.0.0.1:0",
+        "--seed-demo-accounts",
+        "true",
+    ]);
+    let t = spawn(config, Some(faulty.clone()), None).await;
+    assert!(!t.app.is_started());
+    let r = t.get("/readyz").await;
+    assert_error(&r, 503, "SERVICE_UNAVAILABLE");
+    assert!(r.text.contains("starting"), "{}", r.text);
+    assert_eq!(t.get("/healthz").await.status, StatusCode::OK);
+
+    t.app.started().await;
+    assert_eq!(t.get("/readyz").await.status, StatusCode::OK);
+    let ns = Uuid::parse_str("a1b2c3d4-e5f6-7890-abcd-ef1234567890").unwrap();
+    for (name, cents) in [("Alice", 50_000), ("Bob", 25_000), ("Charlie", 10_000)] {
+        let id = Uuid::new_v5(&ns, name.as_bytes()).to_string();
+        assert_eq!(t.balance(&id).await, (cents, 1), "{name}: seeded once");
+    }
+    let counts = faulty.counts();
+    assert_eq!((counts.refused, counts.lost_ack), (1, 1));
+    t.shutdown().await;
+}
+
 #[tokio::test]
 async fn balance_of_an_account_without_events_is_zero_at_version_zero_and_creates_nothing() {
     let t = spawn_default().await;
@@ -433,6 +470,105 @@ async fn history_pages_with_limit_and_next_from_version() {
     assert_eq!(versions(&r), Vec::<u64>::new());
     assert!(r.body.get("nextFromVersion").is_none(), "{}", r.text);
     assert_eq!(r.body["currentAggregateVersion"], 5);
+    // Far past it, too: the version reported is the account's, not the one asked for.
+    let r = page(1000, 10).await;
+    assert_eq!(r.body["currentAggregateVersion"], 5, "{}", r.text);
+    let r = t
+        .get(&format!(
+            "/api/accounts/{}/history?fromVersion=5",
+            new_account()
+        ))
+        .await;
+    assert_eq!(r.body["currentAggregateVersion"], 0, "{}", r.text);
+    t.shutdown().await;
+}
+
+/// Black-box finding: a hot account's batch holds several events under one version, and a
+/// page overran `limit` by the rest of a batch. A page ends on a batch boundary and holds at
+/// most `limit` events, unless one batch alone holds more.
+#[tokio::test]
+async fn a_history_page_ends_on_a_batch_boundary_within_the_limit() {
+    let mem = Arc::new(MemoryLog::new());
+    let t = spawn(test_config(&[]), Some(mem.clone() as SharedLog), None).await;
+    let account = new_account();
+    assert_eq!(t.deposit(&account, 1, None).await.status, StatusCode::OK);
+    let key = t.app.identity.key(AccountId(account.parse().unwrap()));
+    let deposit = tally::account::AccountEvent::Deposited { amount: 2 };
+    mem.write_now(
+        0xf0e1,
+        vec![AggregateWrite {
+            key,
+            events: (1..=3)
+                .map(|seq| Event {
+                    client_seq: seq,
+                    event_id: None,
+                    event_type: deposit.event_type(),
+                    payload: deposit.encode(),
+                    timestamp_ms: 0,
+                })
+                .collect(),
+            expected_version: Some(1),
+            allow_create: false,
+            enforce_client_idempotency: false,
+        }],
+    )
+    .expect("a 3-event batch at version 2");
+    assert_eq!(t.deposit(&account, 4, None).await.status, StatusCode::OK);
+
+    let page = |from: u64, limit: u64| {
+        let path = format!("/api/accounts/{account}/history?fromVersion={from}&limit={limit}");
+        let t = &t;
+        async move {
+            let r = t.get(&path).await;
+            assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+            let versions: Vec<u64> = r.body["events"]
+                .as_array()
+                .expect("events")
+                .iter()
+                .map(|e| e["aggregateVersion"].as_u64().unwrap())
+                .collect();
+            (versions, r.body["nextFromVersion"].as_u64())
+        }
+    };
+    assert_eq!(page(1, 2).await, (vec![1], Some(2)));
+    assert_eq!(page(1, 4).await, (vec![1, 2, 2, 2], Some(3)));
+    assert_eq!(
+        page(2, 1).await,
+        (vec![2, 2, 2], Some(3)),
+        "one batch, whole"
+    );
+    assert_eq!(page(2, 3).await, (vec![2, 2, 2], Some(3)));
+    assert_eq!(page(2, 4).await, (vec![2, 2, 2, 3], None));
+    t.shutdown().await;
+}
+
+/// Black-box finding: under a lagging read, a page came back empty without `nextFromVersion`
+/// although the account had more, and a client following the pages stopped early.
+#[tokio::test]
+async fn a_history_page_cut_short_by_a_lagging_read_still_points_at_the_rest() {
+    let faulty = Arc::new(FaultyLog::new(
+        Arc::new(MemoryLog::new()),
+        Default::default(),
+    ));
+    let t = spawn(test_config(&[]), Some(faulty.clone() as SharedLog), None).await;
+    let account = new_account();
+    for cents in 1..=3 {
+        assert_eq!(
+            t.deposit(&account, cents, None).await.status,
+            StatusCode::OK
+        );
+    }
+    // The history's catch-up read is current; its page read hides the newest 2 batches.
+    faulty.lag_next_read(0);
+    faulty.lag_next_read(2);
+    let r = t
+        .get(&format!("/api/accounts/{account}/history?fromVersion=3"))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.body["events"], json!([]));
+    assert_eq!(r.body["currentAggregateVersion"], 3);
+    assert_eq!(r.body["nextFromVersion"], 3, "{}", r.text);
+    assert_eq!(faulty.counts().read_lag, 2);
     t.shutdown().await;
 }
 
@@ -1102,7 +1238,17 @@ async fn a_write_that_cannot_complete_is_a_retryable_409_and_writes_nothing() {
     // Nothing to move: the rule refuses before any write is tried.
     assert_error(&r, 422, "INSUFFICIENT_FUNDS");
     assert_eq!(observe(&t, &account).await, (0, 0, vec![]));
-    assert_eq!(faults(&t).counts().refused, 3);
+    // The deposit tried 3 writes, each refused (the start-up probe, retried in the
+    // background, is refused too, so the fault count alone would not say this).
+    let refused = t
+        .app
+        .metrics
+        .write_outcomes
+        .with_label_values(&["deposit", tally::metrics::arm::NOT_APPLIED])
+        .get();
+    assert_eq!(refused, 3);
+    assert!(faults(&t).counts().refused >= 3);
+    assert!(!t.app.is_started(), "the probe cannot land either");
     t.shutdown().await;
 }
 

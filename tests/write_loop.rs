@@ -47,6 +47,7 @@ const E0: u128 = 0xE0;
 const E1: u128 = 0xE1;
 const E2: u128 = 0xE2;
 const E3: u128 = 0xE3;
+const E4: u128 = 0xE4;
 const E_SIB: u128 = 0x5B;
 
 // ---------------------------------------------------------------------------------------------
@@ -1028,28 +1029,34 @@ async fn a_transfer_is_answered_from_either_legs_entry_and_a_missing_leg_is_rebu
         a.ok(transfer(from, to, 30, E1)).await,
         outcome(&[(from, 70, 2), (to, 30, 1)], false)
     );
-    // Later writes on both accounts, so "current state" differs from the original response.
-    a.ok(deposit(to, 5, E2)).await;
+    // Later writes on both accounts, so "current state" differs from the original response;
+    // `to`'s a minute later in server time, and another account's later still.
     a.ok(withdraw(from, 10, E3)).await;
+    env.server_clock.advance(60_000);
+    a.ok(deposit(to, 5, E2)).await;
+    env.server_clock.advance(30_000);
+    let z = acct(3);
+    a.ok(deposit(z, 1, E4)).await;
     let batches = (env.batches(from), env.batches(to));
     assert_eq!(batches, (3, 2));
 
-    // Replica B folds `to` first and `from` a minute later (no newer server time seen in
-    // between, so the `from` entry gets the later expiry). Past `to`'s expiry, only the
-    // `from` leg still answers. Replica C does the mirror image.
+    // A replica ages what it folds against the newest server time it has seen. Replica B
+    // folds `from` (newest batch at T0) before `to` (newest at T0 + 60 s): `from`'s entry was
+    // aged 0, `to`'s 60 s, so past `to`'s expiry only the `from` leg still answers.
     let b = env.replica();
-    b.projection.catch_up(to).await.expect("fold to");
-    b.clock.advance_ms(60_000);
     b.projection.catch_up(from).await.expect("fold from");
+    b.projection.catch_up(to).await.expect("fold to");
     b.clock.advance_ms(WINDOW_MS - 60_000 + 1);
     assert_eq!(b.indexed(to, E1), None);
     assert_eq!(b.indexed(from, E1), Some((70, 2)));
 
+    // Replica C folds `to` (aged 60 s), then sees z's newer server time before folding
+    // `from` (aged 90 s): the mirror image.
     let c = env.replica();
-    c.projection.catch_up(from).await.expect("fold from");
-    c.clock.advance_ms(60_000);
     c.projection.catch_up(to).await.expect("fold to");
-    c.clock.advance_ms(WINDOW_MS - 60_000 + 1);
+    c.projection.catch_up(z).await.expect("fold z");
+    c.projection.catch_up(from).await.expect("fold from");
+    c.clock.advance_ms(WINDOW_MS - 90_000 + 1);
     assert_eq!(c.indexed(from, E1), None);
     assert_eq!(c.indexed(to, E1), Some((30, 1)));
 
@@ -1126,7 +1133,10 @@ async fn a_write_gets_the_full_window_even_when_the_replicas_server_tip_is_old()
         a.ok(deposit(x, 50, E1)).await,
         outcome(&[(x, 150, 2)], false)
     );
-    assert_eq!(a.projection.server_tip_ms(), tip);
+    assert!(
+        a.projection.server_tip_ms() < T0 + 80_000,
+        "A's tip is behind its own new batch"
+    );
 
     // A retry just inside the window from the write is answered, not written again.
     a.clock.advance_ms(WINDOW_MS - 1);
@@ -1176,6 +1186,75 @@ async fn folding_an_old_batch_never_revives_its_entry_when_any_account_shows_a_n
     d.projection.catch_up(x).await.expect("fold x");
     assert_eq!(d.indexed(x, E1), None);
     assert_eq!(d.indexed(x, E3), Some((101, 2)));
+}
+
+/// Black-box finding: a replica started after the window folded an idle account and replayed
+/// a retry of its last write as if the window were still open, while a replica that had kept
+/// the account wrote it again. Anchored to the server's clock at start, the new replica
+/// measures the batch's real age.
+#[tokio::test(start_paused = true)]
+async fn a_replica_anchored_to_the_server_clock_never_revives_an_idle_accounts_expired_entries() {
+    let env = Env::new();
+    let w = env.sibling();
+    let x = acct(1);
+    w.ok(deposit(x, 100, E1)).await; // x at T0, nothing written since
+    env.server_clock.advance(WINDOW_MS + 10_000);
+
+    let b = env.replica();
+    assert_eq!(
+        b.projection.sync_server_clock().await,
+        Ok(T0 + WINDOW_MS + 10_000)
+    );
+    b.projection.catch_up(x).await.expect("fold x");
+    assert_eq!(b.indexed(x, E1), None, "an expired write is not revived");
+
+    // Past the window a retry is a new request: it writes again, as the API says.
+    assert_eq!(
+        b.run(deposit(x, 100, E1)).await,
+        Ok(outcome(&[(x, 200, 2)], false))
+    );
+    assert_eq!(events_with_id(&env.stream(x), E1).len(), 2);
+    let clock = env.identity.server_clock_key();
+    assert_eq!(env.mem.batch_count(clock), 1, "one probe");
+    assert_ne!(
+        clock.aggregate_type_id,
+        env.key(x).aggregate_type_id,
+        "the probe is never in an account's stream"
+    );
+}
+
+/// Black-box finding: a replica that wrote an account itself, dropped it as idle and folded it
+/// again after the window revived its entry: its tip was the last server time it had read.
+/// The tip runs on with the local clock between reads.
+#[tokio::test(start_paused = true)]
+async fn refolding_an_evicted_account_after_the_window_does_not_revive_its_own_write() {
+    let env = Env::new();
+    let a = env.replica_with(
+        ProjectionConfig {
+            idle_timeout: Duration::from_secs(1),
+            ..ProjectionConfig::default()
+        },
+        WriteConfig::default(),
+    );
+    a.projection.sync_server_clock().await.expect("anchor");
+    let x = acct(1);
+    a.ok(deposit(x, 100, E1)).await;
+
+    env.server_clock.advance(WINDOW_MS + 10_000);
+    a.clock.advance_ms(WINDOW_MS + 10_000);
+    assert_eq!(a.projection.sweep().evicted_idle, 1);
+    assert!(a.projection.resident_slot(x).is_none());
+
+    a.projection.catch_up(x).await.expect("re-fold x");
+    assert_eq!(
+        a.indexed(x, E1),
+        None,
+        "its own expired write is not revived"
+    );
+    assert_eq!(
+        a.run(deposit(x, 100, E1)).await,
+        Ok(outcome(&[(x, 200, 2)], false))
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

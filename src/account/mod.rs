@@ -96,6 +96,8 @@ impl Identity {
     pub const DEFAULT_CLIENT: &'static str = "Tally";
     /// The client id name of the existing reference account service, for joining its fleet.
     pub const REFERENCE_SERVICE_CLIENT: &'static str = "ReferenceApiService";
+    /// The aggregate type of the server-clock probe: never an account type.
+    pub const SERVER_CLOCK_TYPE: &'static str = "TallyServerClock";
 
     pub fn client(&self) -> ClientId {
         self.client_id.as_u128()
@@ -106,6 +108,16 @@ impl Identity {
             org_id: self.org_id.as_u128(),
             aggregate_type_id: self.account_type_id.as_u128(),
             aggregate_id: account.as_u128(),
+        }
+    }
+
+    /// Where a replica writes its server-clock probe: one aggregate per service (keyed by
+    /// the client id), of a type of its own, so it is never read as an account.
+    pub fn server_clock_key(&self) -> AggregateKey {
+        AggregateKey {
+            org_id: self.org_id.as_u128(),
+            aggregate_type_id: named_id(Self::SERVER_CLOCK_TYPE).as_u128(),
+            aggregate_id: self.client(),
         }
     }
 }

@@ -208,6 +208,11 @@ async fn readyz(app: &Arc<App>) -> Result<Resp, ApiError> {
     if app.is_shutting_down() {
         return Err(ApiError::Unavailable("shutting down".into()));
     }
+    if !app.is_started() {
+        return Err(ApiError::Unavailable(
+            "starting: demo accounts or the server clock are not set up yet".into(),
+        ));
+    }
     match tokio::time::timeout(READY_PROBE_TIMEOUT, app.log.ping()).await {
         Ok(Ok(())) => Ok(json_response(StatusCode::OK, &json!({"status": "ready"}))),
         Ok(Err(e)) => Err(ApiError::Unavailable(format!("store not reachable: {e}"))),
@@ -444,7 +449,11 @@ async fn history(
         ..ReadFilter::default()
     };
     let mut events = Vec::with_capacity(limit.min(DEFAULT_HISTORY_LIMIT));
+    // The version after which the next page starts: the last batch returned, or the one
+    // before where this page started.
     let mut last_version = from_version.saturating_sub(1);
+    // The newest version any read showed (the fold's `current` may lag a read).
+    let mut newest_read = 0;
     let mut stream = BatchStream::new(app.log.as_ref(), key, filter(from_version));
     'pages: loop {
         let page = match stream.next_page().await {
@@ -459,6 +468,12 @@ async fn history(
             Err(e) => return Err(e.into()),
         };
         for batch in &page {
+            newest_read = newest_read.max(batch.version);
+            // A page ends on a batch boundary (a version is the unit `fromVersion` names),
+            // and holds at most `limit` events, unless one batch alone holds more.
+            if !events.is_empty() && events.len() + batch.events.len() > limit {
+                break 'pages;
+            }
             for e in batch.events.iter() {
                 let event = AccountEvent::decode(e.event_type, &e.payload).map_err(|err| {
                     ApiError::Internal {
@@ -482,12 +497,15 @@ async fn history(
             }
         }
     }
+    let current = current.max(newest_read);
     let mut body = json!({
         "events": events,
-        "currentAggregateVersion": current.max(last_version),
+        "currentAggregateVersion": current,
         "balanceCents": balance,
     });
-    if last_version < current.max(last_version) && !events.is_empty() {
+    // More exists: a full page, or a read that came back short of the version the fold has
+    // (a lagging read). A client that follows `nextFromVersion` gets all of it.
+    if last_version < current {
         body["nextFromVersion"] = json!(last_version + 1);
     }
     if let Some(v) = first_available {

@@ -11,15 +11,18 @@ pub mod clock;
 pub mod index;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use dashmap::DashMap;
 use parking_lot::Mutex;
 
 use crate::account::{AccountEvent, AccountId, Identity, fold};
 use crate::metrics::Metrics;
-use crate::store::{Batch, BatchStream, ReadFilter, SharedLog, StoreError};
+use crate::store::{
+    AggregateWrite, Batch, BatchStream, Event, EventType, ReadFilter, SharedLog, StoreError,
+};
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use index::{RecentIndex, RecentWrite};
 
@@ -35,6 +38,8 @@ const EVICTION_SLACK_DIVISOR: usize = 100;
 /// How many batches ahead of the one being folded the fold prefetches payloads (and twice
 /// as far, events).
 const FOLD_LOOKAHEAD: usize = 8;
+/// The event type of a server-clock probe (in the clock aggregate, never in an account).
+const SERVER_CLOCK_PROBE_EVENT: EventType = EventType { major: 1, minor: 0 };
 
 #[derive(Clone, Copy, Debug)]
 pub struct ProjectionConfig {
@@ -239,8 +244,11 @@ pub struct Projection {
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
     accounts: DashMap<AccountId, Arc<AccountSlot>, foldhash::fast::RandomState>,
-    /// The newest server timestamp seen on any account: the reference for batch ages.
-    server_tip_ms: AtomicU64,
+    /// The reference for batch ages: the largest (server timestamp - local monotonic now)
+    /// observed, so that local now + this is an estimate of the server's now that never runs
+    /// ahead of it (a batch's timestamp is never later than the server's now when it is
+    /// read). `i64::MIN` until the first observation.
+    server_offset_ms: AtomicI64,
     index_entries: AtomicI64,
     evict_signal: tokio::sync::Notify,
 }
@@ -260,7 +268,7 @@ impl Projection {
             clock,
             metrics,
             accounts: DashMap::default(),
-            server_tip_ms: AtomicU64::new(0),
+            server_offset_ms: AtomicI64::new(i64::MIN),
             index_entries: AtomicI64::new(0),
             evict_signal: tokio::sync::Notify::new(),
         }
@@ -290,8 +298,16 @@ impl Projection {
         u64::try_from(self.config.window.as_millis()).unwrap_or(u64::MAX)
     }
 
+    /// The server's now as this replica can vouch for it: the newest server time observed,
+    /// run on by the local monotonic clock since. 0 before any observation (every batch is
+    /// then as young as can be).
     pub fn server_tip_ms(&self) -> u64 {
-        self.server_tip_ms.load(Ordering::Acquire)
+        let offset = self.server_offset_ms.load(Ordering::Acquire);
+        if offset == i64::MIN {
+            return 0;
+        }
+        let now = i64::try_from(self.now_ms()).unwrap_or(i64::MAX);
+        u64::try_from(now.saturating_add(offset)).unwrap_or(0)
     }
 
     pub fn resident_accounts(&self) -> usize {
@@ -401,9 +417,39 @@ impl Projection {
         }
     }
 
-    /// Raises the replica's server-time tip.
+    /// Raises the replica's server-time tip: the server's now was at least `ts_ms` at this
+    /// local moment.
     pub fn observe_server_time(&self, ts_ms: u64) {
-        self.server_tip_ms.fetch_max(ts_ms, Ordering::AcqRel);
+        let ts = i64::try_from(ts_ms).unwrap_or(i64::MAX);
+        let now = i64::try_from(self.now_ms()).unwrap_or(i64::MAX);
+        self.server_offset_ms
+            .fetch_max(ts.saturating_sub(now), Ordering::AcqRel);
+    }
+
+    /// Anchors the server-time tip to the server's now: writes one probe event to the
+    /// service's clock aggregate and reads back its commit time. Without an anchor, a replica
+    /// that has seen no newer batch would take an idle account's last batch as "now", and
+    /// revive its expired index entries when it folds it. Returns the commit time read.
+    pub async fn sync_server_clock(&self) -> Result<u64, StoreError> {
+        let key = self.identity.server_clock_key();
+        let probe = AggregateWrite {
+            key,
+            events: vec![Event {
+                // Not an idempotent write: it may land twice, and that is harmless.
+                client_seq: 0,
+                event_id: None,
+                event_type: SERVER_CLOCK_PROBE_EVENT,
+                payload: Bytes::from_static(b"{}"),
+                timestamp_ms: 0,
+            }],
+            expected_version: None,
+            allow_create: true,
+            enforce_client_idempotency: false,
+        };
+        self.log.write(self.identity.client(), vec![probe]).await?;
+        let details = self.log.details(key).await?;
+        self.observe_server_time(details.last_server_timestamp_ms);
+        Ok(details.last_server_timestamp_ms)
     }
 
     /// Records this replica's own successful write to one account: index entries first (or
