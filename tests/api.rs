@@ -845,12 +845,23 @@ async fn bad_query_parameters_are_400() {
         "limit=-5",
         "minVersion=1",
         "cursor=1",
+        "limit=1&limit=2",
+        "limit=+2",
+        "limit=1%2E5",
     ] {
         let r = t
             .get(&format!("/api/accounts/{account}/history?{query}"))
             .await;
         assert_error(&r, 400, "BAD_QUERY");
     }
+    // Values and names are percent-decoded like any query string.
+    assert_eq!(t.deposit(&account, 1, None).await.status, StatusCode::OK);
+    let r = t
+        .get(&format!("/api/accounts/{account}/history?%6Cimit=%31"))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.body["events"].as_array().map(Vec::len), Some(1));
+    assert_eq!(r.body["nextFromVersion"], 2);
     t.shutdown().await;
 }
 
@@ -970,21 +981,21 @@ async fn a_wrong_method_is_405_with_allow() {
         (
             Method::POST,
             format!("/api/accounts/{account}/balance"),
-            "GET",
+            "GET, HEAD",
         ),
         (
             Method::POST,
             format!("/api/accounts/{account}/history"),
-            "GET",
+            "GET, HEAD",
         ),
-        (Method::POST, "/api/accounts".to_string(), "GET"),
-        (Method::POST, "/healthz".to_string(), "GET"),
-        (Method::POST, "/readyz".to_string(), "GET"),
-        (Method::POST, "/metrics".to_string(), "GET"),
+        (Method::POST, "/api/accounts".to_string(), "GET, HEAD"),
+        (Method::POST, "/healthz".to_string(), "GET, HEAD"),
+        (Method::POST, "/readyz".to_string(), "GET, HEAD"),
+        (Method::POST, "/metrics".to_string(), "GET, HEAD"),
         (
             Method::DELETE,
             format!("/api/accounts/{account}/balance"),
-            "GET",
+            "GET, HEAD",
         ),
         // The method is checked before the id, so a bad id with a wrong method is still 405.
         (
@@ -999,6 +1010,20 @@ async fn a_wrong_method_is_405_with_allow() {
         assert_eq!(r.header("allow"), Some(allow), "{method} {path}");
     }
     assert_eq!(t.balance(&account).await, (0, 0));
+    // A HEAD answer has no body, so the 405 is its status and `Allow` only.
+    let r = send(&t, Method::HEAD, &deposit_path(&account), &[], None).await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(r.header("allow"), Some("POST"));
+    // GET routes answer HEAD: the GET's status and headers, no body.
+    for path in [
+        "/healthz".to_string(),
+        format!("/api/accounts/{account}/balance"),
+    ] {
+        let r = send(&t, Method::HEAD, &path, &[], None).await;
+        assert_eq!(r.status, StatusCode::OK, "HEAD {path}");
+        assert_eq!(r.header("content-type"), Some("application/json"));
+        assert!(r.text.is_empty(), "HEAD {path}: {}", r.text);
+    }
     t.shutdown().await;
 }
 
@@ -1544,6 +1569,10 @@ async fn uuid_and_opaque_keys_dedup_and_a_quoted_key_is_the_same_key() {
     assert_eq!(spaced.status, StatusCode::OK, "{}", spaced.text);
     let spaced2 = t.deposit(&account, 30, Some(r#""a \"b\" c""#)).await;
     assert!(!spaced.replayed() && spaced2.replayed());
+    // The key comes back as it was sent, so resending the echoed header is the same key.
+    let echoed = spaced.header("idempotency-key").expect("echoed").to_owned();
+    assert_eq!(echoed, r#""a \"b\" c""#);
+    assert!(t.deposit(&account, 30, Some(&echoed)).await.replayed());
 
     // Different keys are different requests.
     let f = t.deposit(&account, 20, Some("order-43")).await;

@@ -25,8 +25,11 @@ pub const KEY_NAMESPACE: Uuid = Uuid::from_u128(0x9b1b_4a3c_2d3f_5e8a_9c0d_1e2f_
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IdempotencyKey {
     pub event_id: Uuid,
-    /// The key as the caller sent it, or the minted one.
+    /// The key (unquoted), or the minted one.
     pub key: String,
+    /// The header value as the client sent it (quotes and escapes kept), echoed back so the
+    /// client can resend it as is.
+    pub echo: String,
     pub minted: bool,
 }
 
@@ -35,9 +38,11 @@ impl IdempotencyKey {
         let mut values = headers.get_all(HEADER).iter();
         let Some(value) = values.next() else {
             let id = Uuid::new_v4();
+            let key = id.hyphenated().to_string();
             return Ok(Self {
                 event_id: id,
-                key: id.hyphenated().to_string(),
+                echo: key.clone(),
+                key,
                 minted: true,
             });
         };
@@ -72,6 +77,7 @@ impl IdempotencyKey {
         Ok(Self {
             event_id,
             key,
+            echo: raw.to_owned(),
             minted: false,
         })
     }

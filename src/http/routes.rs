@@ -75,6 +75,12 @@ impl Route {
         }
     }
 
+    /// GET routes also answer HEAD (hyper sends the headers without the body).
+    fn accepts(&self, method: &Method) -> bool {
+        let own = self.method();
+        *method == own || (own == Method::GET && *method == Method::HEAD)
+    }
+
     /// Whether the route counts against the concurrency limit (probes and scrapes do not).
     pub fn is_api(&self) -> bool {
         !matches!(self, Route::Healthz | Route::Readyz | Route::Metrics)
@@ -109,7 +115,7 @@ impl Route {
                 };
                 // Resolve the method before the id, so a wrong method is 405 either way.
                 let probe = make(AccountId(Uuid::nil()));
-                if probe.method() != *method {
+                if !probe.accepts(method) {
                     return Err(ApiError::MethodNotAllowed {
                         allow: probe.method_name(),
                     });
@@ -118,7 +124,7 @@ impl Route {
             }
             _ => return Err(not_found(path)),
         };
-        if route.method() != *method {
+        if !route.accepts(method) {
             return Err(ApiError::MethodNotAllowed {
                 allow: route.method_name(),
             });
@@ -130,7 +136,7 @@ impl Route {
         if self.method() == Method::POST {
             "POST"
         } else {
-            "GET"
+            "GET, HEAD"
         }
     }
 }
@@ -299,7 +305,7 @@ where
         Err(e) => ApiError::from(e).into_response(),
     };
     let h = resp.headers_mut();
-    if let Ok(v) = HeaderValue::from_str(&key.key) {
+    if let Ok(v) = HeaderValue::from_str(&key.echo) {
         h.insert(idempotency::HEADER, v);
     }
     h.insert(
@@ -335,26 +341,30 @@ fn outcome_response(outcome: &WriteOutcome) -> Resp {
 
 /// Parses `name=value` pairs of a query string into u64 settings; unknown names are refused
 /// so a typo never silently changes what is read.
+/// Parses a query of non-negative integer parameters: percent-decoded, each named in
+/// `allowed`, each at most once, each plain decimal digits.
 fn query_u64s(query: Option<&str>, allowed: &[&str]) -> Result<Vec<(String, u64)>, ApiError> {
-    let mut out = Vec::new();
-    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-        if !allowed.contains(&name) {
-            return Err(ApiError::bad_request(
-                "BAD_QUERY",
-                format!(
-                    "unknown query parameter {name:?}; allowed: {}",
-                    allowed.join(", ")
-                ),
-            ));
+    let bad = |message: String| ApiError::bad_request("BAD_QUERY", message);
+    let mut out: Vec<(String, u64)> = Vec::new();
+    for (name, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+        if !allowed.contains(&name.as_ref()) {
+            return Err(bad(format!(
+                "unknown query parameter {name:?}; allowed: {}",
+                allowed.join(", ")
+            )));
         }
-        let n = value.parse::<u64>().map_err(|_| {
-            ApiError::bad_request(
-                "BAD_QUERY",
-                format!("{name} must be a non-negative integer, got {value:?}"),
-            )
-        })?;
-        out.push((name.to_owned(), n));
+        if out.iter().any(|(n, _)| *n == name) {
+            return Err(bad(format!("{name} is given more than once")));
+        }
+        let n = Some(value.as_ref())
+            .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|v| v.parse::<u64>().ok())
+            .ok_or_else(|| {
+                bad(format!(
+                    "{name} must be a non-negative integer, got {value:?}"
+                ))
+            })?;
+        out.push((name.into_owned(), n));
     }
     Ok(out)
 }
