@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 use crate::account::{AccountEvent, AccountId, Identity};
 use crate::config::{Config, ConfigError, DEMO_ACCOUNTS, StoreKind, demo_account_id};
 use crate::metrics::Metrics;
-use crate::projection::{Clock, MonotonicClock, Projection};
+use crate::projection::{Clock, MonotonicClock, Projection, SERVER_CLOCK_RESYNC};
 use crate::store::EventLog;
 use crate::store::celeriant::CeleriantLog;
 use crate::store::faults::{FaultConfig, FaultyLog};
@@ -48,11 +48,13 @@ pub struct App {
     pub writes: Arc<WriteService>,
     pub(crate) limiter: Arc<Semaphore>,
     shutting_down: AtomicBool,
-    /// The start-up work is done: demo accounts seeded (when asked) and the server clock
-    /// anchored. Until then the replica serves, but `/readyz` says it is not ready.
+    /// The start-up work is done: the server clock anchored and the demo accounts seeded
+    /// (when asked). Until then API routes answer 503 and `/readyz` says not ready.
     started: watch::Receiver<bool>,
     sweeper: JoinHandle<()>,
-    startup: Option<JoinHandle<()>>,
+    /// Finishes the start-up work if it failed at first, then re-anchors the server clock
+    /// every [`SERVER_CLOCK_RESYNC`].
+    clock_task: JoinHandle<()>,
 }
 
 /// Builds an [`App`]; the store and clock can be supplied (tests, in-process fleets).
@@ -109,19 +111,21 @@ impl AppBuilder {
         // boot does not stop the replica: the work is retried in the background.
         let (started_tx, started) = watch::channel(false);
         let seed = config.seeds_demo_accounts();
-        let startup = match start_up(&projection, seed).await {
-            Ok(()) => {
-                started_tx.send_replace(true);
-                None
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "start-up work not done yet (demo accounts, server clock); retrying in the background, not ready until it is");
-                let projection = projection.clone();
-                Some(tokio::spawn(async move {
+        let first = start_up(&projection, seed).await;
+        if let Err(e) = &first {
+            tracing::warn!(error = %e, "start-up work not done yet (server clock, demo accounts); retrying in the background, not serving until it is");
+        } else {
+            started_tx.send_replace(true);
+        }
+        let clock_task = {
+            let projection = projection.clone();
+            tokio::spawn(async move {
+                if first.is_err() {
                     retry_start_up(&projection, seed).await;
                     started_tx.send_replace(true);
-                }))
-            }
+                }
+                resync_server_clock(&projection).await;
+            })
         };
         let sweeper = tokio::spawn(
             projection
@@ -140,7 +144,7 @@ impl AppBuilder {
             shutting_down: AtomicBool::new(false),
             started,
             sweeper,
-            startup,
+            clock_task,
         }))
     }
 }
@@ -189,21 +193,30 @@ impl App {
 impl Drop for App {
     fn drop(&mut self) {
         self.sweeper.abort();
-        if let Some(startup) = &self.startup {
-            startup.abort();
-        }
+        self.clock_task.abort();
     }
 }
 
 /// What a replica does once before it calls itself ready: seed the demo accounts (when
 /// asked) and anchor its server-time tip, which ages the recent-writes index.
 async fn start_up(projection: &Projection, seed: bool) -> Result<(), StoreError> {
+    let server_ms = projection.sync_server_clock().await?;
+    tracing::debug!(server_ms, "server clock anchored");
     if seed {
         seed_demo_accounts(projection.log(), projection.identity()).await?;
     }
-    let server_ms = projection.sync_server_clock().await?;
-    tracing::debug!(server_ms, "server clock anchored");
     Ok(())
+}
+
+/// Re-anchors the estimate of the server's now, for the replica's lifetime. A failed probe
+/// keeps the old anchor (reads still raise it) and is tried again next period.
+async fn resync_server_clock(projection: &Projection) {
+    loop {
+        tokio::time::sleep(SERVER_CLOCK_RESYNC).await;
+        if let Err(e) = projection.sync_server_clock().await {
+            tracing::warn!(error = %e, "could not re-anchor the server clock; keeping the last anchor");
+        }
+    }
 }
 
 async fn retry_start_up(projection: &Projection, seed: bool) {

@@ -1175,7 +1175,9 @@ async fn folding_an_old_batch_never_revives_its_entry_when_any_account_shows_a_n
         Some(0)
     );
 
-    // Contrast: a replica that has seen nothing newer than x's batch measures its age as 0.
+    // Contrast: a replica that has seen nothing newer than x's batch, and is not anchored to
+    // the server's clock, measures its age as 0. That is why an App serves nothing until its
+    // start-up has anchored it.
     let c = env.replica();
     c.projection.catch_up(x).await.expect("fold x");
     assert_eq!(c.indexed(x, E1), Some((100, 1)));
@@ -1220,6 +1222,38 @@ async fn a_replica_anchored_to_the_server_clock_never_revives_an_idle_accounts_e
         clock.aggregate_type_id,
         env.key(x).aggregate_type_id,
         "the probe is never in an account's stream"
+    );
+}
+
+/// Review finding: reads only ever raise the estimate of the server's now, so one that ran
+/// ahead (a local clock running fast, a server clock stepped back) would age every later
+/// batch too much, and a fresh write would not be indexed. A re-anchor replaces it.
+#[tokio::test(start_paused = true)]
+async fn a_re_anchor_corrects_an_estimate_of_the_servers_now_that_ran_ahead() {
+    let env = Env::new();
+    let (w, b) = (env.sibling(), env.replica());
+    let x = acct(1);
+    b.projection.sync_server_clock().await.expect("anchor");
+    assert_eq!(b.projection.server_tip_ms(), T0);
+
+    // B's clock runs fast: 200 s pass locally while 100 s pass on the server.
+    b.clock.advance_ms(200_000);
+    env.server_clock.advance(100_000);
+    assert_eq!(b.projection.server_tip_ms(), T0 + 200_000, "ahead by 100 s");
+
+    b.projection.sync_server_clock().await.expect("re-anchor");
+    assert_eq!(b.projection.server_tip_ms(), T0 + 100_000, "corrected");
+    w.ok(deposit(x, 100, E1)).await;
+    b.projection.catch_up(x).await.expect("fold x");
+    assert_eq!(b.indexed(x, E1), Some((100, 1)), "a fresh write is indexed");
+    assert_eq!(
+        b.run(deposit(x, 100, E1)).await,
+        Ok(outcome(&[(x, 100, 1)], true))
+    );
+    assert_eq!(
+        env.mem.batch_count(env.identity.server_clock_key()),
+        1,
+        "each probe trims the ones before it"
     );
 }
 

@@ -79,6 +79,9 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
     }
 }
 
+/// What a request to a replica that has not finished starting is told.
+pub(crate) const STARTING: &str = "starting: the server clock is not anchored or the demo accounts are not seeded yet; retry shortly";
+
 /// One request: route, limit, dispatch, then count and log it.
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
     let started = Instant::now();
@@ -97,6 +100,12 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
     let in_flight = InFlight::enter(&m.http_in_flight);
     let resp = async {
         let route = routed?;
+        if route.is_api() && !app.is_started() {
+            // Until it is anchored to the server's clock, the fold cannot age the
+            // recent-writes index, and until the demo accounts are seeded a write could
+            // take their first version: the store is needed for either, so retry shortly.
+            return Err(ApiError::Unavailable(STARTING.into()));
+        }
         let _permit = if route.is_api() {
             match app.limiter.clone().try_acquire_owned() {
                 Ok(p) => Some(p),

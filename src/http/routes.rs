@@ -215,9 +215,7 @@ async fn readyz(app: &Arc<App>) -> Result<Resp, ApiError> {
         return Err(ApiError::Unavailable("shutting down".into()));
     }
     if !app.is_started() {
-        return Err(ApiError::Unavailable(
-            "starting: demo accounts or the server clock are not set up yet".into(),
-        ));
+        return Err(ApiError::Unavailable(super::STARTING.into()));
     }
     match tokio::time::timeout(READY_PROBE_TIMEOUT, app.log.ping()).await {
         Ok(Ok(())) => Ok(json_response(StatusCode::OK, &json!({"status": "ready"}))),
@@ -339,10 +337,9 @@ fn outcome_response(outcome: &WriteOutcome) -> Resp {
     resp
 }
 
-/// Parses `name=value` pairs of a query string into u64 settings; unknown names are refused
-/// so a typo never silently changes what is read.
 /// Parses a query of non-negative integer parameters: percent-decoded, each named in
-/// `allowed`, each at most once, each plain decimal digits.
+/// `allowed` (a typo never silently changes what is read), each at most once, each plain
+/// decimal digits.
 fn query_u64s(query: Option<&str>, allowed: &[&str]) -> Result<Vec<(String, u64)>, ApiError> {
     let bad = |message: String| ApiError::bad_request("BAD_QUERY", message);
     let mut out: Vec<(String, u64)> = Vec::new();
@@ -514,8 +511,15 @@ async fn history(
         "balanceCents": balance,
     });
     // More exists: a full page, or a read that came back short of the version the fold has
-    // (a lagging read). A client that follows `nextFromVersion` gets all of it.
+    // (a lagging read). A client that follows `nextFromVersion` gets all of it, and every
+    // page moves it forward: a read that showed nothing at all where the fold has events
+    // is a retryable 503, never an empty page pointing at itself.
     if last_version < current {
+        if events.is_empty() {
+            return Err(ApiError::Unavailable(format!(
+                "the store's read shows nothing from version {from_version}, but the account is at {current}; retry"
+            )));
+        }
         body["nextFromVersion"] = json!(last_version + 1);
     }
     if let Some(v) = first_available {

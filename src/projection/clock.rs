@@ -1,5 +1,7 @@
-//! The local monotonic clock that runs the remaining lifetime of index entries. Ages are
-//! measured in server time (see the fold); only what is left of a lifetime runs here.
+//! The local monotonic clock. It runs the remaining lifetime of index entries, and carries
+//! the replica's estimate of the server's now forward between observations of server time
+//! (see `Projection::server_tip_ms`). Ages are measured in server time, never by the local
+//! wall clock.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;

@@ -40,6 +40,10 @@ const EVICTION_SLACK_DIVISOR: usize = 100;
 const FOLD_LOOKAHEAD: usize = 8;
 /// The event type of a server-clock probe (in the clock aggregate, never in an account).
 const SERVER_CLOCK_PROBE_EVENT: EventType = EventType { major: 1, minor: 0 };
+/// How often a replica re-anchors its estimate of the server's now. Between anchors the
+/// estimate runs on the local monotonic clock, so this bounds how long a clock rate error or
+/// a server clock step can skew index lifetimes.
+pub const SERVER_CLOCK_RESYNC: Duration = Duration::from_secs(60);
 
 #[derive(Clone, Copy, Debug)]
 pub struct ProjectionConfig {
@@ -101,7 +105,7 @@ pub struct FoldContext {
     /// Only batches of this client id raise the account's max client sequence.
     pub client_id: u128,
     pub window_ms: u64,
-    /// The newest server timestamp this replica has seen, on any account.
+    /// The server's now as this replica estimates it ([`Projection::server_tip_ms`]).
     pub tip_ms: u64,
     /// Local monotonic now.
     pub now_ms: u64,
@@ -429,7 +433,12 @@ impl Projection {
     /// Anchors the server-time tip to the server's now: writes one probe event to the
     /// service's clock aggregate and reads back its commit time. Without an anchor, a replica
     /// that has seen no newer batch would take an idle account's last batch as "now", and
-    /// revive its expired index entries when it folds it. Returns the commit time read.
+    /// revive its expired index entries when it folds it.
+    ///
+    /// The anchor *replaces* the estimate (reads in between only raise it), so an estimate
+    /// that ran ahead of the server (a server clock stepped back, a local clock running fast)
+    /// is corrected at the next anchor: the caller repeats this every
+    /// [`SERVER_CLOCK_RESYNC`]. Returns the commit time read.
     pub async fn sync_server_clock(&self) -> Result<u64, StoreError> {
         let key = self.identity.server_clock_key();
         let probe = AggregateWrite {
@@ -446,9 +455,26 @@ impl Projection {
             allow_create: true,
             enforce_client_idempotency: false,
         };
-        self.log.write(self.identity.client(), vec![probe]).await?;
+        let version = self
+            .log
+            .write(self.identity.client(), vec![probe])
+            .await?
+            .first()
+            .copied()
+            .unwrap_or(0);
         let details = self.log.details(key).await?;
-        self.observe_server_time(details.last_server_timestamp_ms);
+        // Measured after the read: the offset is a lower bound, by about the probe's round
+        // trip, so entries may outlive their window by that much but are never cut short.
+        let ts = i64::try_from(details.last_server_timestamp_ms).unwrap_or(i64::MAX);
+        let now = i64::try_from(self.now_ms()).unwrap_or(i64::MAX);
+        self.server_offset_ms
+            .store(ts.saturating_sub(now), Ordering::Release);
+        // Only the newest probe matters: keep the aggregate at one batch.
+        if version > 1
+            && let Err(e) = self.log.trim_start(key, version).await
+        {
+            tracing::debug!(error = %e, "could not trim the server-clock aggregate");
+        }
         Ok(details.last_server_timestamp_ms)
     }
 
