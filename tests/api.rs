@@ -209,29 +209,49 @@ async fn no_accounts_are_listed_unless_demo_accounts_are_seeded() {
     t.shutdown().await;
 }
 
-#[tokio::test]
-async fn seeded_demo_accounts_are_listed_with_named_ids_and_opening_balances() {
-    // The harness config turns seeding off; this one is the harness's with it on.
-    let config = Config::parse_from([
+/// The harness config with demo-account seeding on (the harness turns it off).
+fn seeding_config() -> Config {
+    Config::parse_from([
         "tally",
         "--listen",
         "127.0.0.1:0",
         "--seed-demo-accounts",
         "true",
-    ]);
-    let t = spawn(config, None, None).await;
+    ])
+}
+
+/// A demo account's id: UUIDv5 of its name in the documented namespace.
+fn demo_id(name: &str) -> String {
     let ns = Uuid::parse_str("a1b2c3d4-e5f6-7890-abcd-ef1234567890").unwrap();
+    Uuid::new_v5(&ns, name.as_bytes()).to_string()
+}
+
+/// Every demo account holds exactly its opening deposit, at version 1.
+async fn assert_demo_accounts_seeded_once(t: &TestApp) {
+    for (name, cents) in [("Alice", 50_000), ("Bob", 25_000), ("Charlie", 10_000)] {
+        assert_eq!(t.balance(&demo_id(name)).await, (cents, 1), "{name}");
+    }
+}
+
+/// The embedded store behind a fault injector that injects only what a test scripts.
+fn scripted_faults() -> Arc<FaultyLog<MemoryLog>> {
+    Arc::new(FaultyLog::new(
+        Arc::new(MemoryLog::new()),
+        Default::default(),
+    ))
+}
+
+#[tokio::test]
+async fn seeded_demo_accounts_are_listed_with_named_ids_and_opening_balances() {
+    let t = spawn(seeding_config(), None, None).await;
     let r = t.get("/api/accounts").await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     let expected: Vec<Value> = ["Alice", "Bob", "Charlie"]
         .iter()
-        .map(|name| json!({ "id": Uuid::new_v5(&ns, name.as_bytes()).to_string(), "name": name }))
+        .map(|name| json!({ "id": demo_id(name), "name": name }))
         .collect();
     assert_eq!(r.body["accounts"], Value::Array(expected));
-    for (name, cents) in [("Alice", 50_000), ("Bob", 25_000), ("Charlie", 10_000)] {
-        let id = Uuid::new_v5(&ns, name.as_bytes()).to_string();
-        assert_eq!(t.balance(&id).await, (cents, 1), "{name}");
-    }
+    assert_demo_accounts_seeded_once(&t).await;
     t.shutdown().await;
 }
 
@@ -240,20 +260,10 @@ async fn seeded_demo_accounts_are_listed_with_named_ids_and_opening_balances() {
 /// it lands (once: the opening deposits are create-only).
 #[tokio::test]
 async fn a_store_fault_during_start_up_leaves_the_replica_serving_and_not_ready_until_retried() {
-    let faulty = Arc::new(FaultyLog::new(
-        Arc::new(MemoryLog::new()),
-        Default::default(),
-    ));
+    let faulty = scripted_faults();
     faulty.fail_next_write(Fault::Refused);
     faulty.fail_next_write(Fault::LostAck);
-    let config = Config::parse_from([
-        "tally",
-        "--listen",
-        "127.0.0.1:0",
-        "--seed-demo-accounts",
-        "true",
-    ]);
-    let t = spawn(config, Some(faulty.clone()), None).await;
+    let t = spawn(seeding_config(), Some(faulty.clone()), None).await;
     assert!(!t.app.is_started());
     let r = t.get("/readyz").await;
     assert_error(&r, 503, "SERVICE_UNAVAILABLE");
@@ -261,8 +271,7 @@ async fn a_store_fault_during_start_up_leaves_the_replica_serving_and_not_ready_
     assert_eq!(t.get("/healthz").await.status, StatusCode::OK);
     // The API waits too: a write now could take a demo account's first version, and the
     // fold cannot age the index before the server clock is anchored.
-    let ns = Uuid::parse_str("a1b2c3d4-e5f6-7890-abcd-ef1234567890").unwrap();
-    let alice = Uuid::new_v5(&ns, b"Alice").to_string();
+    let alice = demo_id("Alice");
     let r = t.deposit(&alice, 100, Some("early")).await;
     assert_error(&r, 503, "SERVICE_UNAVAILABLE");
     assert_eq!(r.header("retry-after"), Some("1"));
@@ -271,10 +280,7 @@ async fn a_store_fault_during_start_up_leaves_the_replica_serving_and_not_ready_
     t.app.started().await;
     assert!(t.app.projection.server_tip_ms() > 0, "anchored");
     assert_eq!(t.get("/readyz").await.status, StatusCode::OK);
-    for (name, cents) in [("Alice", 50_000), ("Bob", 25_000), ("Charlie", 10_000)] {
-        let id = Uuid::new_v5(&ns, name.as_bytes()).to_string();
-        assert_eq!(t.balance(&id).await, (cents, 1), "{name}: seeded once");
-    }
+    assert_demo_accounts_seeded_once(&t).await;
     let r = t.deposit(&alice, 100, Some("early")).await;
     assert_eq!(leg(&r.body), (50_100, 2), "{}", r.text);
     let counts = faulty.counts();
@@ -557,10 +563,7 @@ async fn a_history_page_ends_on_a_batch_boundary_within_the_limit() {
 /// now either moves forward or is a retryable 503.
 #[tokio::test]
 async fn a_history_page_cut_short_by_a_lagging_read_still_points_at_the_rest() {
-    let faulty = Arc::new(FaultyLog::new(
-        Arc::new(MemoryLog::new()),
-        Default::default(),
-    ));
+    let faulty = scripted_faults();
     let t = spawn(test_config(&[]), Some(faulty.clone() as SharedLog), None).await;
     let account = new_account();
     for cents in 1..=3 {
