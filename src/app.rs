@@ -24,7 +24,7 @@ use crate::write_loop::WriteService;
 const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
 /// The client sequence of a demo account's opening deposit: its stream's first own event.
 const SEED_CLIENT_SEQ: u64 = 1;
-/// First wait before the start-up work (demo accounts, server clock) is tried again when the
+/// First wait before the start-up work (server clock, demo accounts) is tried again when the
 /// store did not take it; doubles per attempt up to [`STARTUP_RETRY_MAX`].
 const STARTUP_RETRY_BASE: Duration = Duration::from_millis(200);
 const STARTUP_RETRY_MAX: Duration = Duration::from_secs(10);
@@ -177,7 +177,7 @@ impl App {
         self.shutting_down.load(Ordering::SeqCst)
     }
 
-    /// The start-up work (demo accounts, server clock) is done.
+    /// The start-up work (server clock, demo accounts) is done.
     pub fn is_started(&self) -> bool {
         *self.started.borrow()
     }
@@ -197,8 +197,8 @@ impl Drop for App {
     }
 }
 
-/// What a replica does once before it calls itself ready: seed the demo accounts (when
-/// asked) and anchor its server-time tip, which ages the recent-writes index.
+/// What a replica does once before it serves: anchor its estimate of the server's now, which
+/// ages the recent-writes index, then seed the demo accounts (when asked).
 async fn start_up(projection: &Projection, seed: bool) -> Result<(), StoreError> {
     let server_ms = projection.sync_server_clock().await?;
     tracing::debug!(server_ms, "server clock anchored");
@@ -225,7 +225,7 @@ async fn retry_start_up(projection: &Projection, seed: bool) {
         tokio::time::sleep(wait).await;
         match start_up(projection, seed).await {
             Ok(()) => {
-                tracing::info!("start-up work done (demo accounts, server clock)");
+                tracing::info!("start-up work done (server clock, demo accounts)");
                 return;
             }
             Err(e) => {

@@ -248,10 +248,11 @@ pub struct Projection {
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
     accounts: DashMap<AccountId, Arc<AccountSlot>, foldhash::fast::RandomState>,
-    /// The reference for batch ages: the largest (server timestamp - local monotonic now)
-    /// observed, so that local now + this is an estimate of the server's now that never runs
-    /// ahead of it (a batch's timestamp is never later than the server's now when it is
-    /// read). `i64::MIN` until the first observation.
+    /// The reference for batch ages: (server timestamp - local monotonic now) as of the last
+    /// anchor, raised by every larger one observed since, so that local now + this estimates
+    /// the server's now without running ahead of it (a batch's timestamp is never later than
+    /// the server's now when it is read), as long as the two clocks run at the same rate.
+    /// `i64::MIN` until the first observation.
     server_offset_ms: AtomicI64,
     index_entries: AtomicI64,
     evict_signal: tokio::sync::Notify,
