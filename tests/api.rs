@@ -1324,11 +1324,11 @@ async fn a_409_after_a_refused_write_is_retried_with_the_same_key_and_writes_onc
     t.shutdown().await;
 }
 
-#[tokio::test]
-async fn a_409_after_a_lost_ack_is_answered_by_the_retry_as_a_replay_without_a_second_write() {
-    // One attempt per request, each starting with a catch-up read, so the first request
-    // gives up right after the lost ack and the retry reads the stream before writing.
-    let t = spawn(
+/// An instance whose store injects only scripted faults, and whose writes get one attempt
+/// each, starting with a catch-up read: a scripted fault ends the request, and its retry
+/// reads the stream before it writes.
+async fn spawn_one_attempt_with_scripted_faults() -> TestApp {
+    spawn(
         test_config(&[
             "--faults",
             "seed=1",
@@ -1340,7 +1340,14 @@ async fn a_409_after_a_lost_ack_is_answered_by_the_retry_as_a_replay_without_a_s
         None,
         None,
     )
-    .await;
+    .await
+}
+
+#[tokio::test]
+async fn a_409_after_a_lost_ack_is_answered_by_the_retry_as_a_replay_without_a_second_write() {
+    // One attempt per request, each starting with a catch-up read, so the first request
+    // gives up right after the lost ack and the retry reads the stream before writing.
+    let t = spawn_one_attempt_with_scripted_faults().await;
     let account = new_account();
     let key = Uuid::new_v4().to_string();
     // The write lands, but its answer is lost: the loop cannot know and gives up.
@@ -1787,19 +1794,7 @@ async fn reusing_a_key_for_a_different_amount_or_operation_is_422_and_writes_not
 
 #[tokio::test]
 async fn a_409_without_a_key_returns_the_minted_key_and_a_retry_with_it_replays_the_transfer() {
-    let t = spawn(
-        test_config(&[
-            "--faults",
-            "seed=1",
-            "--write-max-attempts",
-            "1",
-            "--one-round-trip",
-            "false",
-        ]),
-        None,
-        None,
-    )
-    .await;
+    let t = spawn_one_attempt_with_scripted_faults().await;
     let (from, to) = (funded(&t, 1_000).await, new_account());
     faults(&t).fail_next_write(Fault::LostAck);
     let r = t.transfer(&from, &to, 300, None).await;

@@ -112,6 +112,26 @@ struct Fleet {
 }
 
 impl Fleet {
+    /// A new account: replica 0 lands a 100 deposit (version 1) and replica 1 folds it, so
+    /// both decide on a warm local fold. Returns the account and the deposit's key.
+    async fn funded_and_warm_on_both(&self) -> (String, String) {
+        let acct = new_account();
+        let k0 = idem_key();
+        assert_balance(
+            &self.apps[0].deposit(&acct, 100, Some(&k0)).await,
+            &k0,
+            100,
+            1,
+            false,
+        );
+        assert_eq!(
+            self.apps[1].balance(&acct).await,
+            (100, 1),
+            "warm replica 1"
+        );
+        (acct, k0)
+    }
+
     /// Replica 0 lands a 100 deposit (version 1), then replica 1 lands 10 on top (version 2),
     /// leaving replica 0's fold one version stale. Returns the two keys.
     async fn stale_fold_on_replica_0(&self, acct: &str) -> (String, String) {
@@ -417,16 +437,7 @@ async fn retry_on_another_replica_replays_the_original(base: SharedLog) {
 async fn one_request_sent_to_two_replicas_at_once_lands_once_with_one_answer(base: SharedLog) {
     let f = Fleet::plain(base, 2).await;
     for round in 0..10 {
-        let acct = new_account();
-        let k0 = idem_key();
-        assert_balance(
-            &f.apps[0].deposit(&acct, 100, Some(&k0)).await,
-            &k0,
-            100,
-            1,
-            false,
-        );
-        assert_eq!(f.apps[1].balance(&acct).await, (100, 1), "warm replica 1");
+        let (acct, k0) = f.funded_and_warm_on_both().await;
         let k = idem_key();
         let (a, b) = tokio::join!(
             f.apps[0].deposit(&acct, 25, Some(&k)),
@@ -454,16 +465,7 @@ async fn one_request_sent_to_two_replicas_at_once_lands_once_with_one_answer(bas
 async fn two_requests_on_one_account_on_two_replicas_both_land_once_each(base: SharedLog) {
     let f = Fleet::plain(base, 2).await;
     for round in 0..10 {
-        let acct = new_account();
-        let k0 = idem_key();
-        assert_balance(
-            &f.apps[0].deposit(&acct, 100, Some(&k0)).await,
-            &k0,
-            100,
-            1,
-            false,
-        );
-        assert_eq!(f.apps[1].balance(&acct).await, (100, 1), "warm replica 1");
+        let (acct, k0) = f.funded_and_warm_on_both().await;
         let (kd, kw) = (idem_key(), idem_key());
         let (d, w) = tokio::join!(
             f.apps[0].deposit(&acct, 30, Some(&kd)),
