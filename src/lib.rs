@@ -2,8 +2,8 @@
 //!
 //! Layers, bottom up: [`store`] (the event-log port and its backends), [`account`] (events,
 //! codec, fold and business rules), [`projection`] (per-account state, the recent-writes
-//! index and catch-up), [`write_loop`] (the one write loop, with [`verify`] for contested
-//! sequences), [`http`] (the hyper front end), [`app`] (wiring), [`config`] and [`metrics`].
+//! index and catch-up), [`write_loop`] (the one write loop, with `write_loop::verify` for
+//! contested sequences), [`http`] (the hyper front end), [`app`] (wiring), [`config`] and [`metrics`].
 
 pub mod account;
 pub mod app;
@@ -12,5 +12,4 @@ pub mod http;
 pub mod metrics;
 pub mod projection;
 pub mod store;
-pub mod verify;
 pub mod write_loop;

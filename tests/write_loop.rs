@@ -32,7 +32,7 @@ use tally::store::{
     AggregateDetails, AggregateKey, AggregateWrite, Batch, ClientId, Event, EventLog, EventType,
     ReadFilter, ReadPage, SharedLog, StoreError, StoreResult,
 };
-use tally::verify::{self, SeqOwnership};
+use tally::write_loop::verify::{self, SeqOwnership};
 use tally::write_loop::{
     LegResult, WriteConfig, WriteError, WriteOutcome, WriteRequest, WriteService,
 };

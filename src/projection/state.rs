@@ -1,0 +1,149 @@
+//! One account's folded state and the fold itself: how a page of batches moves balance,
+//! cursor, highest own sequence and recent-writes index together.
+
+use crate::account::AccountEvent;
+use crate::account::fold;
+use crate::store::Batch;
+
+use super::index::{self, RecentIndex, RecentWrite};
+
+/// How many batches ahead of the one being folded the fold prefetches payloads (and twice
+/// as far, events).
+const FOLD_LOOKAHEAD: usize = 8;
+
+/// Why a fold stopped; kept on the account so every later request answers the same.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Broken {
+    Poisoned { version: u64, reason: String },
+    Trimmed { min_available: u64 },
+}
+
+/// A consistent view of one account at one version.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Snapshot {
+    pub balance: i64,
+    pub version: u64,
+    pub max_client_seq: u64,
+}
+
+/// What the fold needs besides the batches.
+#[derive(Clone, Copy, Debug)]
+pub struct FoldContext {
+    /// Only batches of this client id raise the account's max client sequence.
+    pub client_id: u128,
+    pub window_ms: u64,
+    /// The server's now as this replica estimates it ([`Projection::server_tip_ms`]).
+    pub tip_ms: u64,
+    /// Local monotonic now.
+    pub now_ms: u64,
+}
+
+/// One account's folded state.
+#[derive(Default)]
+pub struct AccountState {
+    pub balance: i64,
+    /// The stream cursor: the last version folded.
+    pub version: u64,
+    /// The highest client sequence of this service's own batches.
+    pub max_client_seq: u64,
+    /// Caught up from the store at least once since it was loaded.
+    pub warm: bool,
+    pub broken: Option<Box<Broken>>,
+    pub recent: RecentIndex,
+    pub last_touch_ms: u64,
+}
+
+impl AccountState {
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            balance: self.balance,
+            version: self.version,
+            max_client_seq: self.max_client_seq,
+        }
+    }
+
+    /// Folds `batches` in order, skipping any at or behind the cursor, and indexes every
+    /// event of a batch younger than the window. A batch's age is measured in server time
+    /// against the fold's tip; only the remaining lifetime runs on the local clock.
+    /// Returns how many events were applied. On an event it cannot apply, the state stays
+    /// at the last whole batch and the reason is returned.
+    pub fn fold(&mut self, batches: &[Batch], ctx: &FoldContext) -> Result<u64, Broken> {
+        // Server time never decreases along a stream, so the batches young enough to index
+        // are a suffix: make room for them once instead of growing the index as it fills.
+        let old = batches
+            .partition_point(|b| ctx.tip_ms.saturating_sub(b.server_timestamp_ms) >= ctx.window_ms);
+        if old < batches.len() {
+            self.recent.reserve(batches.len() - old);
+        }
+        let mut applied = 0u64;
+        // Records are appended as the fold goes and indexed in one pass when `index` drops,
+        // on every return path.
+        let mut index = self.recent.bulk();
+        for (at, batch) in batches.iter().enumerate() {
+            // Each batch's events sit in their own allocation, and each payload in another:
+            // prefetch them a few batches ahead, so the fold does not wait on a cache miss or
+            // two per batch.
+            if let Some(b) = batches.get(at + 2 * FOLD_LOOKAHEAD) {
+                // An event spans two cache lines; its allocation need not start on one.
+                let first = b.events.as_ptr().cast::<u8>();
+                index::prefetch(first);
+                index::prefetch(first.wrapping_add(64));
+            }
+            if let Some(e) = batches
+                .get(at + FOLD_LOOKAHEAD)
+                .and_then(|b| b.events.first())
+            {
+                index::prefetch(e.payload.as_ptr());
+            }
+            if batch.version <= self.version {
+                continue;
+            }
+            if batch.version != self.version + 1 {
+                return Err(Broken::Poisoned {
+                    version: batch.version,
+                    reason: format!(
+                        "gap in the stream: expected version {}, read {}",
+                        self.version + 1,
+                        batch.version
+                    ),
+                });
+            }
+            let age = ctx.tip_ms.saturating_sub(batch.server_timestamp_ms);
+            let expires = (age < ctx.window_ms).then(|| ctx.now_ms + (ctx.window_ms - age));
+            let own = batch.client_id == ctx.client_id;
+            let mut balance = self.balance;
+            let mut max_seq = self.max_client_seq;
+            for e in batch.events.iter() {
+                let event = AccountEvent::decode(e.event_type, &e.payload).map_err(|err| {
+                    Broken::Poisoned {
+                        version: batch.version,
+                        reason: err.to_string(),
+                    }
+                })?;
+                balance = fold::apply(balance, &event).map_err(|err| Broken::Poisoned {
+                    version: batch.version,
+                    reason: err.to_string(),
+                })?;
+                if own && e.client_seq > max_seq {
+                    max_seq = e.client_seq;
+                }
+                if let (Some(expires_at_ms), Some(eid)) = (expires, e.event_id) {
+                    index.push(
+                        eid,
+                        RecentWrite {
+                            balance,
+                            version: batch.version,
+                            expires_at_ms,
+                            event,
+                        },
+                    );
+                }
+            }
+            self.balance = balance;
+            self.max_client_seq = max_seq;
+            self.version = batch.version;
+            applied += batch.events.len() as u64;
+        }
+        Ok(applied)
+    }
+}

@@ -1,0 +1,160 @@
+//! What one store write's outcome means for the run, as pure functions: the write's result
+//! becomes a [`Step`], and a 2002's point read becomes a [`Settlement`]. The run applies them.
+//!
+//! The seed's rule in one line: **conflict means re-derive; ambiguous means hold the
+//! sequence and refresh the version.**
+
+use super::WriteError;
+use super::verify::SeqOwnership;
+use crate::metrics::arm;
+use crate::store::StoreError;
+
+/// The next step after one write.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Step {
+    /// Applied: one new version per aggregate, in write order.
+    Landed { versions: Vec<u64> },
+    /// 2003: rejected, nothing appended, so our sequences were never used. Release them;
+    /// the next attempt catches up, re-decides and derives fresh ones.
+    Rejected { arm: &'static str, failure: String },
+    /// May have landed, or an earlier attempt is not durable yet: hold the sequences; the
+    /// next attempt's catch-up refreshes the version and checks the index. `sent_unknown`:
+    /// this very write may have applied (so a landing found later is this run's own).
+    Hold {
+        arm: &'static str,
+        failure: String,
+        sent_unknown: bool,
+    },
+    /// Definitely not applied: send the same again after the backoff.
+    Retry { arm: &'static str, failure: String },
+    /// 2002: someone landed one of our sequences; the stream knows who.
+    Contested,
+    /// Nothing the loop can fix: answer every open request with this error.
+    Fail {
+        arm: &'static str,
+        error: WriteError,
+    },
+}
+
+/// Classifies a write's result.
+pub(super) fn classify(result: Result<Vec<u64>, StoreError>) -> Step {
+    match result {
+        Ok(versions) => Step::Landed { versions },
+        Err(StoreError::Conflict { .. }) => Step::Rejected {
+            arm: arm::CONFLICT,
+            failure: "version conflict".into(),
+        },
+        Err(StoreError::OutcomeUnknown { reason }) => Step::Hold {
+            arm: arm::OUTCOME_UNKNOWN,
+            failure: format!("outcome unknown: {reason}"),
+            sent_unknown: true,
+        },
+        Err(StoreError::InflightDuplicate) => Step::Hold {
+            arm: arm::INFLIGHT_DUPLICATE,
+            failure: "an earlier attempt is still in flight".into(),
+            sent_unknown: false,
+        },
+        Err(StoreError::NotApplied { reason }) => Step::Retry {
+            arm: arm::NOT_APPLIED,
+            failure: format!("not applied: {reason}"),
+        },
+        Err(StoreError::IdempotencyViolation { .. }) => Step::Contested,
+        Err(StoreError::CrossShard) => Step::Fail {
+            arm: arm::STORE_ERROR,
+            error: WriteError::CrossShard,
+        },
+        Err(e) => Step::Fail {
+            arm: arm::STORE_ERROR,
+            error: WriteError::Store(e),
+        },
+    }
+}
+
+/// What a 2002's point read settles, for the whole write (it was all or nothing).
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Settlement {
+    /// Our event id holds a contested sequence: the write landed. Never write it again;
+    /// read it back at once (no backoff).
+    Ours,
+    /// A sibling's event holds it: ours never landed. Release the sequences and re-derive.
+    Sibling { failure: String },
+    /// Nothing visible holds it: refuse to guess, answer the batch retryably.
+    Unverifiable { error: WriteError },
+}
+
+/// The settlement for a write, given every contested sequence's verdict.
+pub(super) fn settle(combined: SeqOwnership) -> Settlement {
+    match combined {
+        SeqOwnership::Ours { .. } => Settlement::Ours,
+        SeqOwnership::Sibling => Settlement::Sibling {
+            failure: "a sibling request holds the sequence".into(),
+        },
+        SeqOwnership::Unwritten => Settlement::Unverifiable {
+            error: WriteError::Unverifiable {
+                reason: "the store reports the sequence used, but no event holds it".into(),
+            },
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rule: conflict means re-derive; ambiguous means hold the sequence and refresh the
+    /// version.
+    #[test]
+    fn conflict_releases_the_sequence_and_ambiguity_holds_it() {
+        assert!(matches!(
+            classify(Err(StoreError::Conflict {
+                expected: 1,
+                current: 2
+            })),
+            Step::Rejected { .. }
+        ));
+        assert!(matches!(
+            classify(Err(StoreError::OutcomeUnknown {
+                reason: "timeout".into()
+            })),
+            Step::Hold {
+                sent_unknown: true,
+                ..
+            }
+        ));
+        assert!(matches!(
+            classify(Err(StoreError::InflightDuplicate)),
+            Step::Hold {
+                sent_unknown: false,
+                ..
+            }
+        ));
+        assert!(matches!(
+            classify(Err(StoreError::NotApplied {
+                reason: "refused".into()
+            })),
+            Step::Retry { .. }
+        ));
+        assert_eq!(
+            classify(Err(StoreError::IdempotencyViolation {
+                last_seq: 3,
+                attempted_seq: 3
+            })),
+            Step::Contested
+        );
+    }
+
+    /// Rule: a 2002 is never taken at face value; only our own event id proves a landing,
+    /// and nothing visible is not a verdict.
+    #[test]
+    fn only_our_event_id_settles_a_2002_as_landed() {
+        assert_eq!(settle(SeqOwnership::Ours { version: 4 }), Settlement::Ours);
+        assert!(matches!(
+            settle(SeqOwnership::Sibling),
+            Settlement::Sibling { .. }
+        ));
+        assert!(matches!(
+            settle(SeqOwnership::Unwritten),
+            Settlement::Unverifiable { .. }
+        ));
+    }
+}

@@ -1,0 +1,126 @@
+//! The one write loop, shared by every operation (deposit, withdraw, transfer, and batches of
+//! single-account operations on a hot account).
+//!
+//! Each attempt: get fresh state (catch up; on the first attempt of a warm account, the
+//! local fold, trusting the version guard to bounce a stale decision), answer from the
+//! recent-writes index if the request already landed, decide on that state, then append
+//! with `expected_version` + `client_seq` + `event_id`, and classify the outcome:
+//!
+//! | outcome | what it means | next |
+//! |---|---|---|
+//! | success | landed | index it, bump the cursor, answer |
+//! | `Conflict` (2003) | rejected; the world changed | catch up, re-decide, fresh sequence |
+//! | `OutcomeUnknown` | may have landed | hold the sequence; catch up (refreshing the version and checking the index) before writing again |
+//! | `InflightDuplicate` (2013) | an earlier attempt is not yet durable | hold, back off, retry |
+//! | `IdempotencyViolation` (2002) | someone landed this sequence | point-read it: ours = landed; a sibling's = re-derive; nothing visible = refuse to guess |
+//! | `NotApplied` | definitely not applied | retry as is after backoff |
+//!
+//! A sequence is re-derived only on fresh state, after a catch-up that checked the index:
+//! never straight after an ambiguous failure. A business-rule rejection is final only on state
+//! that reached the store's tip: a local fold or a lagging read may hide an earlier landing of
+//! the very request being rejected.
+//!
+//! Where each part lives:
+//! - [`service`]: the entry point; coalesces duplicates of one key on this replica, and queues
+//!   single-account writes behind their account's lane so they go out as one batch;
+//! - `run`: one run of the loop over one request or one batch: each member's `Phase`,
+//!   and the `drive` function that owns every branch;
+//! - `lanes`: the write side's per-account lane (the gate one writer holds, and the queue);
+//! - `decide`: the business rules over a run's members, as a pure function;
+//! - `classify`: what a store outcome means for the run, as a pure function;
+//! - [`verify`]: who owns a contested sequence (the 2002 arm's point read).
+
+mod classify;
+mod decide;
+mod lanes;
+mod run;
+pub mod service;
+pub mod verify;
+
+use std::time::Duration;
+
+use crate::account::{AccountId, Operation, RuleError};
+use crate::projection::ProjectionError;
+use crate::store::StoreError;
+
+pub use service::WriteService;
+
+/// Store writes one request may make before it gives up with a retryable error.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 12;
+/// How long one request may spend in the loop before it gives up with a retryable error.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(5);
+/// The most single-account operations written together as one batch.
+pub const DEFAULT_MAX_BATCH_EVENTS: usize = 64;
+
+#[derive(Clone, Copy, Debug)]
+pub struct WriteConfig {
+    pub max_attempts: u32,
+    pub deadline: Duration,
+    /// First attempt on a warm account writes at the local cursor without a catch-up read.
+    pub one_round_trip: bool,
+    /// Single-account operations on one account queue behind one writer and go together.
+    pub batching: bool,
+    pub max_batch_events: usize,
+}
+
+impl Default for WriteConfig {
+    fn default() -> Self {
+        Self {
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            deadline: DEFAULT_DEADLINE,
+            one_round_trip: true,
+            batching: true,
+            max_batch_events: DEFAULT_MAX_BATCH_EVENTS,
+        }
+    }
+}
+
+/// One caller intent: an operation and the request's event id (its idempotency key).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriteRequest {
+    pub op: Operation,
+    pub event_id: u128,
+}
+
+/// One account's part of a response.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LegResult {
+    pub account: AccountId,
+    pub balance: i64,
+    pub version: u64,
+}
+
+/// A write that is proven to have landed, with the response it produced.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WriteOutcome {
+    /// In the operation's leg order (a transfer: payer, then payee).
+    pub legs: Vec<LegResult>,
+    /// Answered from an earlier request's result, not from this request's own write.
+    pub replayed: bool,
+}
+
+/// Why a write did not produce an outcome.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WriteError {
+    #[error(transparent)]
+    Rule(#[from] RuleError),
+    #[error("this idempotency key was used for a different operation or payload")]
+    KeyReused,
+    /// Could not prove whether an earlier attempt landed. Retryable.
+    #[error("the write's outcome could not be verified ({reason}); retry the request")]
+    Unverifiable { reason: String },
+    /// Attempts or deadline exhausted. Retryable.
+    #[error("the write did not complete after {attempts} attempts ({last}); retry the request")]
+    GaveUp { attempts: u32, last: String },
+    #[error(transparent)]
+    Account(#[from] ProjectionError),
+    #[error(
+        "the accounts of this transfer are on different store shards; route every account to one shard"
+    )]
+    CrossShard,
+    #[error("store error: {0}")]
+    Store(StoreError),
+}
+
+/// What a request gets back from the write loop.
+pub type Answer = Result<WriteOutcome, WriteError>;

@@ -1,0 +1,784 @@
+//! One run of the write loop, over one request or a batch of single-account requests on one
+//! account. Each request of the run is a [`Member`] in one [`Phase`]; [`Run::drive`] owns
+//! every branch, one attempt per turn:
+//!
+//! 1. state: the local fold on a warm account's first attempt, else a catch-up;
+//! 2. read-back: answer what the recent-writes index (or a proven landing) shows as done;
+//! 3. decide ([`super::decide`]) on that state; a refusal only on state known to be current;
+//! 4. sequences: held ones stay, otherwise fresh from the fold just read;
+//! 5. append and classify ([`super::classify`]); a 2002 settles by point read
+//!    ([`super::verify`]).
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use super::classify::{self, Settlement, Step};
+use super::decide::{self, Candidate, NeedsCurrentState, Verdict};
+use super::service::WriteService;
+use super::verify::{self, SeqOwnership};
+use super::{Answer, LegResult, WriteError, WriteOutcome, WriteRequest};
+use crate::account::AccountId;
+use crate::account::rules::{Leg, Legs};
+use crate::metrics::arm;
+use crate::projection::{AccountSlot, ProjectionError, RecentWrite, RecordedWrite, Snapshot};
+use crate::store::{AggregateWrite, Event, StoreError};
+
+/// Where one request of a run stands.
+#[derive(Debug)]
+pub(super) enum Phase {
+    /// Not answered and not proven landed: decided again on each attempt's state.
+    Open,
+    /// The stream holds our event on these legs, at these versions (a point read or an index
+    /// hit on a fold that had not reached it): never written again; answered once a fold
+    /// reaches the landing.
+    Landed { at: [Option<u64>; 2] },
+    /// Answered.
+    Done(Answer),
+}
+
+/// One request inside a run.
+struct Member {
+    req: WriteRequest,
+    legs: Legs,
+    /// Each leg's account, as an index into [`Run::accounts`].
+    accounts: [usize; 2],
+    phase: Phase,
+    /// Each leg's client sequence (Celeriant's key) while the run holds it: from the write
+    /// that carried it until a write with it is rejected (2003), proven a sibling's, or lands.
+    /// `None`: the next write derives fresh ones from the fold.
+    seqs: Option<[u64; 2]>,
+    /// Each leg's balance after this request, as decided on this attempt's state.
+    balances: [i64; 2],
+    /// Sticky: an attempt may have landed (outcome unknown, 2013, a proven landing), so a
+    /// refusal on later state is not final.
+    may_have_landed: bool,
+    /// Sticky: a write of this run that carried it had an unknown outcome. Only then can a
+    /// landing found in the index be this run's own; otherwise it is another request's
+    /// result, a replay.
+    sent_unknown: bool,
+}
+
+impl Member {
+    fn is_done(&self) -> bool {
+        matches!(self.phase, Phase::Done(_))
+    }
+
+    fn landed_at(&self) -> [Option<u64>; 2] {
+        match self.phase {
+            Phase::Landed { at } => at,
+            _ => [None; 2],
+        }
+    }
+
+    /// Records that the stream holds this request's event on leg `li` at `version`.
+    fn mark_landed(&mut self, li: usize, version: u64) {
+        let mut at = self.landed_at();
+        at[li] = Some(version);
+        self.phase = Phase::Landed { at };
+    }
+}
+
+/// One account touched by a run, with its state for the current attempt.
+struct Touched {
+    account: AccountId,
+    slot: Option<Arc<AccountSlot>>,
+    snap: Snapshot,
+}
+
+/// Why an attempt's state could not be loaded.
+enum LoadFailure {
+    /// Transient (the store): try the attempt again.
+    Retry,
+    /// The account cannot be answered (poisoned, trimmed): answer every open request.
+    Fail(WriteError),
+}
+
+pub(super) struct Run<'a> {
+    svc: &'a WriteService,
+    op_label: &'static str,
+    members: Vec<Member>,
+    accounts: Vec<Touched>,
+    attempt: u32,
+    round_trips: u32,
+    last_failure: String,
+    /// Each account's tip as the store reported it during this run: any state read later
+    /// that reaches it folds everything that landed before this run started.
+    tips: Option<Vec<u64>>,
+}
+
+impl<'a> Run<'a> {
+    pub(super) fn new(svc: &'a WriteService, reqs: Vec<WriteRequest>) -> Self {
+        let op_label = match reqs.as_slice() {
+            [one] => one.op.name(),
+            _ => "batch",
+        };
+        let mut accounts: Vec<Touched> = Vec::with_capacity(2);
+        let members = reqs
+            .into_iter()
+            .map(|req| {
+                let legs = req.op.legs();
+                let mut idx = [0; 2];
+                for (li, leg) in legs.as_slice().iter().enumerate() {
+                    idx[li] = match accounts.iter().position(|t| t.account == leg.account) {
+                        Some(ai) => ai,
+                        None => {
+                            accounts.push(Touched {
+                                account: leg.account,
+                                slot: None,
+                                snap: Snapshot {
+                                    balance: 0,
+                                    version: 0,
+                                    max_client_seq: 0,
+                                },
+                            });
+                            accounts.len() - 1
+                        }
+                    };
+                }
+                Member {
+                    req,
+                    legs,
+                    accounts: idx,
+                    phase: Phase::Open,
+                    seqs: None,
+                    balances: [0; 2],
+                    may_have_landed: false,
+                    sent_unknown: false,
+                }
+            })
+            .collect();
+        Self {
+            svc,
+            op_label,
+            members,
+            accounts,
+            attempt: 0,
+            round_trips: 0,
+            last_failure: String::new(),
+            tips: None,
+        }
+    }
+
+    fn arm(&self, arm: &str) {
+        self.svc.metrics().arm(self.op_label, arm);
+    }
+
+    /// Members not answered yet (open or landed), by index.
+    fn unanswered(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.members.len()).filter(|&i| !self.members[i].is_done())
+    }
+
+    fn answer_unanswered(&mut self, err: WriteError) {
+        for m in self.members.iter_mut().filter(|m| !m.is_done()) {
+            m.phase = Phase::Done(Err(err.clone()));
+        }
+    }
+
+    /// Drives the run until every member is answered, or attempts or time run out.
+    pub(super) async fn drive(&mut self) {
+        let cfg = self.svc.config;
+        let deadline = Instant::now() + cfg.deadline;
+        let mut skip_backoff = false;
+        while self.unanswered().next().is_some() {
+            if self.attempt >= cfg.max_attempts || Instant::now() >= deadline {
+                self.arm(arm::GAVE_UP);
+                let err = WriteError::GaveUp {
+                    attempts: self.attempt,
+                    last: std::mem::take(&mut self.last_failure),
+                };
+                self.answer_unanswered(err);
+                break;
+            }
+            self.attempt += 1;
+            if self.attempt > 1 && !skip_backoff {
+                let salt = self.members[0].req.event_id;
+                self.svc.backoff(self.attempt, salt).await;
+            }
+            skip_backoff = false;
+
+            // 1. State: the local fold on a warm account's first attempt, else a catch-up.
+            let caught_up = match self
+                .load_state(cfg.one_round_trip && self.attempt == 1)
+                .await
+            {
+                Ok(caught_up) => caught_up,
+                Err(LoadFailure::Retry) => continue,
+                Err(LoadFailure::Fail(err)) => {
+                    self.answer_unanswered(err);
+                    break;
+                }
+            };
+            // 2. Did it already land? (On a catch-up, this is the read-back.)
+            self.answer_from_index().await;
+            // 3. Decide on this state.
+            let Some(batch) = self.decide(caught_up).await else {
+                continue;
+            };
+            if batch.is_empty() {
+                continue;
+            }
+            // 4. Sequences: held ones stay; otherwise derived from the fold just read.
+            self.assign_seqs(&batch);
+            // 5. Append and classify.
+            skip_backoff = self.write(&batch).await;
+        }
+        let span = tracing::Span::current();
+        span.record("attempts", self.attempt);
+        span.record("outcome", self.outcome_label());
+        let m = self.svc.metrics();
+        m.write_attempts
+            .with_label_values(&[self.op_label])
+            .observe(f64::from(self.attempt));
+        m.store_round_trips_per_write
+            .observe(f64::from(self.round_trips));
+    }
+
+    /// Loads each account's state: `Ok(true)` from a catch-up, `Ok(false)` from the local
+    /// fold (only when `try_local` and every account is warm and readable).
+    async fn load_state(&mut self, try_local: bool) -> Result<bool, LoadFailure> {
+        let projection = &self.svc.projection;
+        let local: Option<Vec<(Arc<AccountSlot>, Snapshot)>> = if try_local {
+            self.accounts
+                .iter()
+                .map(|t| {
+                    let slot = projection.resident_slot(t.account)?;
+                    let st = slot.state.lock();
+                    let usable = st.warm && st.broken.is_none();
+                    let snap = st.snapshot();
+                    drop(st);
+                    usable.then_some((slot, snap))
+                })
+                .collect()
+        } else {
+            None
+        };
+        if let Some(local) = local {
+            for (t, (slot, snap)) in self.accounts.iter_mut().zip(local) {
+                t.slot = Some(slot);
+                t.snap = snap;
+            }
+            return Ok(false);
+        }
+        for i in 0..self.accounts.len() {
+            self.round_trips += 1;
+            match projection.catch_up(self.accounts[i].account).await {
+                Ok((slot, snap)) => {
+                    self.accounts[i].slot = Some(slot);
+                    self.accounts[i].snap = snap;
+                }
+                Err(ProjectionError::Store(e)) => {
+                    self.last_failure = format!("catch-up: {e}");
+                    return Err(LoadFailure::Retry);
+                }
+                Err(e) => return Err(LoadFailure::Fail(WriteError::Account(e))),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Whether the caught-up state reaches each account's tip, so a rule rejection decided on
+    /// it is final. Compared with tips the store reported earlier in this run if there are
+    /// any; otherwise the tips are asked for now (one round trip per account, on the
+    /// rejection path only) and remembered, and a state behind them is read again.
+    async fn reached_tip(&mut self) -> bool {
+        let reached = |tips: &[u64], accounts: &[Touched]| {
+            accounts
+                .iter()
+                .zip(tips)
+                .all(|(t, &tip)| t.snap.version >= tip)
+        };
+        if let Some(tips) = &self.tips {
+            return reached(tips, &self.accounts);
+        }
+        let projection = &self.svc.projection;
+        let mut tips = Vec::with_capacity(self.accounts.len());
+        for t in &self.accounts {
+            self.round_trips += 1;
+            let key = projection.identity().key(t.account);
+            match projection.log().details(key).await {
+                Ok(d) => tips.push(d.max_version),
+                Err(StoreError::AggregateNotFound) => tips.push(0),
+                Err(e) => {
+                    self.last_failure = format!("tip check: {e}");
+                    return false;
+                }
+            }
+        }
+        let done = reached(&tips, &self.accounts);
+        if !done {
+            self.last_failure = "the state read lags behind the store's tip".into();
+        }
+        self.tips = Some(tips);
+        done
+    }
+
+    /// Answers every unanswered member that the index (or a proven landing) shows as done.
+    /// An index hit on any leg proves the whole request landed (writes are all or nothing);
+    /// a leg without a hit is rebuilt from current state, but only once that state is known
+    /// to hold the write: its fold is past the proven landing, or at the store's tip (then
+    /// the leg's entry has expired). Until then the member is [`Phase::Landed`], never
+    /// written again, and answered after a later catch-up. A hit for a different operation
+    /// is a reused key.
+    async fn answer_from_index(&mut self) {
+        let now = self.svc.projection.now_ms();
+        let mut replays = 0u64;
+        for mi in 0..self.members.len() {
+            let m = &self.members[mi];
+            if m.is_done() {
+                continue;
+            }
+            let landed_at = m.landed_at();
+            let replayed = !m.sent_unknown;
+            let legs = m.legs;
+            let legs = legs.as_slice();
+            let hits: Vec<Option<RecentWrite>> = (0..legs.len())
+                .map(|li| {
+                    let t = &self.accounts[m.accounts[li]];
+                    t.slot
+                        .as_ref()
+                        .and_then(|s| s.state.lock().recent.get(m.req.event_id, now))
+                })
+                .collect();
+            let landed_visible = landed_at.iter().zip(legs).any(|(v, _)| v.is_some())
+                && landed_at
+                    .iter()
+                    .enumerate()
+                    .take(legs.len())
+                    .all(|(li, v)| {
+                        v.is_none_or(|v| self.accounts[m.accounts[li]].snap.version >= v)
+                    });
+            if hits.iter().all(Option::is_none) && !landed_visible {
+                continue;
+            }
+            let reused = hits
+                .iter()
+                .zip(legs)
+                .any(|(h, leg)| h.is_some_and(|h| h.event != leg.event));
+            if !reused && !self.rebuildable(mi, &hits).await {
+                // Landed, but a leg's fold may not have reached it yet (a stale local fold, a
+                // lagging read): its current state would not be this write's answer.
+                let m = &mut self.members[mi];
+                for (li, hit) in hits.iter().enumerate() {
+                    if let Some(h) = hit {
+                        m.mark_landed(li, h.version);
+                    }
+                }
+                continue;
+            }
+            let answer = if reused {
+                self.svc.metrics().idem_key_reuse.inc();
+                Err(WriteError::KeyReused)
+            } else {
+                let m = &self.members[mi];
+                let legs = legs
+                    .iter()
+                    .zip(&hits)
+                    .enumerate()
+                    .map(|(li, (leg, hit))| match hit {
+                        Some(h) => LegResult {
+                            account: leg.account,
+                            balance: h.balance,
+                            version: h.version,
+                        },
+                        None => {
+                            let snap = self.accounts[m.accounts[li]].snap;
+                            LegResult {
+                                account: leg.account,
+                                balance: snap.balance,
+                                version: snap.version,
+                            }
+                        }
+                    })
+                    .collect();
+                if replayed {
+                    replays += 1;
+                }
+                Ok(WriteOutcome { legs, replayed })
+            };
+            self.members[mi].phase = Phase::Done(answer);
+        }
+        if replays > 0 {
+            self.svc.metrics().idem_replays.inc_by(replays);
+            self.arm(arm::REPLAYED);
+        }
+    }
+
+    /// Whether every leg of a landed member without an index hit can be rebuilt from the
+    /// state just loaded: that state is past the leg's proven landing, or at the store's tip
+    /// (so the write is behind the cursor and its entry expired).
+    async fn rebuildable(&mut self, mi: usize, hits: &[Option<RecentWrite>]) -> bool {
+        let svc = self.svc;
+        let identity = *svc.projection.identity();
+        let (legs, accounts, landed_at) = {
+            let m = &self.members[mi];
+            (m.legs, m.accounts, m.landed_at())
+        };
+        for (li, leg) in legs.as_slice().iter().enumerate() {
+            if hits[li].is_some() {
+                continue;
+            }
+            let snap = self.accounts[accounts[li]].snap;
+            if landed_at[li].is_some_and(|v| snap.version >= v) {
+                continue;
+            }
+            self.round_trips += 1;
+            match svc
+                .projection
+                .log()
+                .details(identity.key(leg.account))
+                .await
+            {
+                Ok(d) if snap.version >= d.max_version => {}
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    /// Decides every unanswered member on this attempt's state and applies the verdicts.
+    /// Returns the members to write, or `None` when a rule said no on a state not known to
+    /// be current and it could not be made sure of (try again with a catch-up).
+    async fn decide(&mut self, caught_up: bool) -> Option<Vec<usize>> {
+        let open: Vec<usize> = self.unanswered().collect();
+        let candidates: Vec<Candidate> = open
+            .iter()
+            .map(|&mi| {
+                let m = &self.members[mi];
+                Candidate {
+                    legs: m.legs,
+                    accounts: m.accounts,
+                    landed: matches!(m.phase, Phase::Landed { .. }),
+                    may_have_landed: m.may_have_landed,
+                }
+            })
+            .collect();
+        let balances: Vec<i64> = self.accounts.iter().map(|t| t.snap.balance).collect();
+        let verdicts = match decide::decide(&balances, &candidates, false) {
+            Ok(verdicts) => verdicts,
+            Err(NeedsCurrentState) => {
+                // Only a catch-up that reached the store's tip is current: not the local
+                // fold, and not a read a lagging replica left behind (it may hide this very
+                // request, landed by an earlier attempt).
+                if !caught_up || !self.reached_tip().await {
+                    return None;
+                }
+                decide::decide(&balances, &candidates, true).ok()?
+            }
+        };
+        let mut batch = Vec::with_capacity(open.len());
+        for (mi, verdict) in open.into_iter().zip(verdicts) {
+            let m = &mut self.members[mi];
+            match verdict {
+                Verdict::Write { balances } => {
+                    m.balances = balances;
+                    batch.push(mi);
+                }
+                Verdict::Landed | Verdict::Deferred => {}
+                Verdict::Unverifiable => {
+                    m.phase = Phase::Done(Err(WriteError::Unverifiable {
+                        reason: "an earlier attempt's outcome is unknown".into(),
+                    }));
+                }
+                Verdict::Refused(e) => {
+                    m.phase = Phase::Done(Err(WriteError::Rule(e)));
+                    self.arm(arm::REJECTED);
+                }
+            }
+        }
+        Some(batch)
+    }
+
+    /// Sequences for this write. A member that holds sequences keeps them; every other member
+    /// of the batch (one that joins after a deferral, or any after a release) gets fresh ones
+    /// above both the fold's highest and every sequence the run still holds, so no event is
+    /// ever sent without a sequence or with one another member of the run holds. Each
+    /// account's events in write order get consecutive sequences.
+    fn assign_seqs(&mut self, batch: &[usize]) {
+        let mut next: Vec<u64> = self
+            .accounts
+            .iter()
+            .map(|t| t.snap.max_client_seq + 1)
+            .collect();
+        for m in &self.members {
+            if let Some(seqs) = m.seqs {
+                let legs = m.legs.as_slice().len();
+                for (&ai, &seq) in m.accounts.iter().zip(&seqs).take(legs) {
+                    next[ai] = next[ai].max(seq + 1);
+                }
+            }
+        }
+        for &mi in batch {
+            let m = &mut self.members[mi];
+            if m.seqs.is_some() {
+                continue;
+            }
+            let mut seqs = [0; 2];
+            for (li, seq) in seqs.iter_mut().enumerate().take(m.legs.as_slice().len()) {
+                let ai = m.accounts[li];
+                *seq = next[ai];
+                next[ai] += 1;
+            }
+            m.seqs = Some(seqs);
+        }
+        debug_assert!(
+            batch.iter().all(|&mi| {
+                let m = &self.members[mi];
+                m.seqs
+                    .is_some_and(|s| s[..m.legs.as_slice().len()].iter().all(|&s| s > 0))
+            }),
+            "every event of a write carries a sequence"
+        );
+    }
+
+    /// Releases every sequence the run holds: a write with them was rejected, proven a
+    /// sibling's, or landed. The next write derives fresh ones.
+    fn release_seqs(&mut self) {
+        for m in &mut self.members {
+            m.seqs = None;
+        }
+    }
+
+    fn seq(m: &Member, li: usize) -> u64 {
+        m.seqs.map_or(0, |s| s[li])
+    }
+
+    /// Sends one write for `batch` and applies what its outcome means. Returns true when the
+    /// next attempt should not back off (a proven landing only needs a read-back).
+    async fn write(&mut self, batch: &[usize]) -> bool {
+        let svc = self.svc;
+        let identity = *svc.projection.identity();
+        let now_ms = wall_clock_ms();
+        let writes: Vec<AggregateWrite> = (0..self.accounts.len())
+            .map(|ai| AggregateWrite {
+                key: identity.key(self.accounts[ai].account),
+                events: self
+                    .legs_on(batch, ai)
+                    .map(|(_, m, li, leg)| Event {
+                        client_seq: Self::seq(m, li),
+                        event_id: Some(m.req.event_id),
+                        event_type: leg.event.event_type(),
+                        payload: leg.event.encode(),
+                        timestamp_ms: now_ms,
+                    })
+                    .collect(),
+                expected_version: Some(self.accounts[ai].snap.version),
+                allow_create: true,
+                enforce_client_idempotency: true,
+            })
+            .collect();
+        let events: usize = writes.iter().map(|w| w.events.len()).sum();
+        svc.metrics().write_batch_events.observe(events as f64);
+        self.round_trips += 1;
+        let result = svc.projection.log().write(identity.client(), writes).await;
+        match classify::classify(result) {
+            Step::Landed { versions } => {
+                self.record_success(batch, &versions);
+                false
+            }
+            Step::Rejected { arm, failure } => {
+                self.arm(arm);
+                self.last_failure = failure;
+                self.release_seqs();
+                false
+            }
+            Step::Hold {
+                arm,
+                failure,
+                sent_unknown,
+            } => {
+                self.arm(arm);
+                self.last_failure = failure;
+                for &mi in batch {
+                    self.members[mi].may_have_landed = true;
+                    self.members[mi].sent_unknown |= sent_unknown;
+                }
+                false
+            }
+            Step::Retry { arm, failure } => {
+                self.arm(arm);
+                self.last_failure = failure;
+                false
+            }
+            Step::Contested => self.settle_violation(batch).await,
+            Step::Fail { arm, error } => {
+                self.arm(arm);
+                self.answer_unanswered(error);
+                false
+            }
+        }
+    }
+
+    /// The legs of `batch` that write to account `ai`, in write order:
+    /// (member index, member, leg index, leg).
+    fn legs_on<'b>(
+        &'b self,
+        batch: &'b [usize],
+        ai: usize,
+    ) -> impl Iterator<Item = (usize, &'b Member, usize, &'b Leg)> + 'b {
+        batch.iter().flat_map(move |&mi| {
+            let m = &self.members[mi];
+            m.legs
+                .as_slice()
+                .iter()
+                .enumerate()
+                .filter(move |&(li, _)| m.accounts[li] == ai)
+                .map(move |(li, leg)| (mi, m, li, leg))
+        })
+    }
+
+    fn record_success(&mut self, batch: &[usize], versions: &[u64]) {
+        let projection = &self.svc.projection;
+        for (ai, t) in self.accounts.iter().enumerate() {
+            let Some(new_version) = versions.get(ai).copied() else {
+                continue;
+            };
+            let mut events = Vec::with_capacity(batch.len());
+            let mut max_seq = 0;
+            let mut balance_after = t.snap.balance;
+            for (_, m, li, leg) in self.legs_on(batch, ai) {
+                events.push((m.req.event_id, m.balances[li], leg.event));
+                max_seq = max_seq.max(Self::seq(m, li));
+                balance_after = m.balances[li];
+            }
+            if let Some(slot) = &t.slot {
+                projection.record_write(
+                    slot,
+                    &RecordedWrite {
+                        expected_version: t.snap.version,
+                        new_version,
+                        balance_after,
+                        max_client_seq: max_seq,
+                        events: &events,
+                    },
+                );
+            }
+        }
+        for &mi in batch {
+            let m = &self.members[mi];
+            let legs = m
+                .legs
+                .as_slice()
+                .iter()
+                .enumerate()
+                .map(|(li, leg)| LegResult {
+                    account: leg.account,
+                    balance: m.balances[li],
+                    version: versions.get(m.accounts[li]).copied().unwrap_or(0),
+                })
+                .collect();
+            self.members[mi].phase = Phase::Done(Ok(WriteOutcome {
+                legs,
+                replayed: false,
+            }));
+        }
+        // The batch's sequences are used; a member still open takes fresh ones.
+        self.release_seqs();
+        self.arm(arm::SUCCESS);
+    }
+
+    /// 2002: point-read the contested sequences. The batch was one all-or-nothing write, so
+    /// one settlement covers it.
+    async fn settle_violation(&mut self, batch: &[usize]) -> bool {
+        let svc = self.svc;
+        let identity = *svc.projection.identity();
+        let mut verdicts: Vec<(usize, usize, SeqOwnership)> = Vec::new();
+        for ai in 0..self.accounts.len() {
+            let seqs: Vec<(usize, usize, u64)> = self
+                .legs_on(batch, ai)
+                .map(|(mi, m, li, _)| (mi, li, Self::seq(m, li)))
+                .collect();
+            let (Some(first), Some(last)) = (
+                seqs.iter().map(|s| s.2).min(),
+                seqs.iter().map(|s| s.2).max(),
+            ) else {
+                continue;
+            };
+            self.round_trips += 1;
+            let owners = match verify::read_seq_owners(
+                svc.projection.log().as_ref(),
+                identity.key(self.accounts[ai].account),
+                identity.client(),
+                first,
+                last,
+            )
+            .await
+            {
+                Ok(owners) => owners,
+                Err(e) => {
+                    // Could not look: hold everything and try again after a catch-up.
+                    self.last_failure = format!("ownership read: {e}");
+                    for &mi in batch {
+                        self.members[mi].may_have_landed = true;
+                    }
+                    return false;
+                }
+            };
+            for (mi, li, seq) in seqs {
+                let v = verify::ownership(&owners, seq, self.members[mi].req.event_id);
+                verdicts.push((mi, li, v));
+            }
+        }
+        match classify::settle(verify::combine(verdicts.iter().map(|v| v.2))) {
+            Settlement::Ours => {
+                self.arm(arm::SEQ_OURS);
+                for &(mi, li, v) in &verdicts {
+                    if let SeqOwnership::Ours { version } = v {
+                        self.members[mi].mark_landed(li, version);
+                    }
+                }
+                for &mi in batch {
+                    self.members[mi].may_have_landed = true;
+                }
+                true
+            }
+            Settlement::Sibling { failure } => {
+                self.arm(arm::SEQ_SIBLING);
+                self.last_failure = failure;
+                self.release_seqs();
+                false
+            }
+            Settlement::Unverifiable { error } => {
+                self.arm(arm::UNVERIFIABLE);
+                for &mi in batch {
+                    self.members[mi].phase = Phase::Done(Err(error.clone()));
+                }
+                false
+            }
+        }
+    }
+
+    /// A one-word summary of the run for the request span.
+    fn outcome_label(&self) -> &'static str {
+        let ok = self
+            .members
+            .iter()
+            .filter(|m| matches!(m.phase, Phase::Done(Ok(_))))
+            .count();
+        match (ok, self.members.len() - ok) {
+            (_, 0) => "ok",
+            (0, _) => "failed",
+            _ => "partial",
+        }
+    }
+
+    pub(super) fn finish(self) -> Vec<Answer> {
+        self.members
+            .into_iter()
+            .map(|m| match m.phase {
+                Phase::Done(answer) => answer,
+                Phase::Open | Phase::Landed { .. } => Err(WriteError::GaveUp {
+                    attempts: 0,
+                    last: "no answer".into(),
+                }),
+            })
+            .collect()
+    }
+}
+
+/// Client-side event timestamp: informational, so the wall clock is fine here.
+fn wall_clock_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
