@@ -9,19 +9,20 @@
 //! 5. append and classify ([`super::classify`]); a 2002 settles by point read
 //!    ([`super::verify`]).
 
-use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+mod append;
+mod readback;
 
-use super::classify::{self, Settlement, Step};
+use std::sync::Arc;
+use std::time::Instant;
+
 use super::decide::{self, Candidate, NeedsCurrentState, Verdict};
 use super::service::WriteService;
-use super::verify::{self, SeqOwnership};
-use super::{Answer, LegResult, WriteError, WriteOutcome, WriteRequest};
+use super::{Answer, WriteError, WriteRequest};
 use crate::account::AccountId;
-use crate::account::rules::{Leg, Legs};
+use crate::account::rules::Legs;
 use crate::metrics::arm;
-use crate::projection::{AccountSlot, ProjectionError, RecentWrite, RecordedWrite, Snapshot};
-use crate::store::{AggregateWrite, Event, StoreError};
+use crate::projection::{AccountSlot, ProjectionError, Snapshot};
+use crate::store::StoreError;
 
 /// Where one request of a run stands.
 #[derive(Debug)]
@@ -312,129 +313,6 @@ impl<'a> Run<'a> {
         done
     }
 
-    /// Answers every unanswered member that the index (or a proven landing) shows as done.
-    /// An index hit on any leg proves the whole request landed (writes are all or nothing);
-    /// a leg without a hit is rebuilt from current state, but only once that state is known
-    /// to hold the write: its fold is past the proven landing, or at the store's tip (then
-    /// the leg's entry has expired). Until then the member is [`Phase::Landed`], never
-    /// written again, and answered after a later catch-up. A hit for a different operation
-    /// is a reused key.
-    async fn answer_from_index(&mut self) {
-        let now = self.svc.projection.now_ms();
-        let mut replays = 0u64;
-        for mi in 0..self.members.len() {
-            let m = &self.members[mi];
-            if m.is_done() {
-                continue;
-            }
-            let landed_at = m.landed_at();
-            let replayed = !m.sent_unknown;
-            let legs = m.legs;
-            let legs = legs.as_slice();
-            let hits: Vec<Option<RecentWrite>> = (0..legs.len())
-                .map(|li| {
-                    let t = &self.accounts[m.accounts[li]];
-                    t.slot
-                        .as_ref()
-                        .and_then(|s| s.state.lock().recent.get(m.req.event_id, now))
-                })
-                .collect();
-            let landed_visible = landed_at.iter().zip(legs).any(|(v, _)| v.is_some())
-                && landed_at
-                    .iter()
-                    .enumerate()
-                    .take(legs.len())
-                    .all(|(li, v)| {
-                        v.is_none_or(|v| self.accounts[m.accounts[li]].snap.version >= v)
-                    });
-            if hits.iter().all(Option::is_none) && !landed_visible {
-                continue;
-            }
-            let reused = hits
-                .iter()
-                .zip(legs)
-                .any(|(h, leg)| h.is_some_and(|h| h.event != leg.event));
-            if !reused && !self.rebuildable(mi, &hits).await {
-                // Landed, but a leg's fold may not have reached it yet (a stale local fold, a
-                // lagging read): its current state would not be this write's answer.
-                let m = &mut self.members[mi];
-                for (li, hit) in hits.iter().enumerate() {
-                    if let Some(h) = hit {
-                        m.mark_landed(li, h.version);
-                    }
-                }
-                continue;
-            }
-            let answer = if reused {
-                self.svc.metrics().idem_key_reuse.inc();
-                Err(WriteError::KeyReused)
-            } else {
-                let m = &self.members[mi];
-                let legs = legs
-                    .iter()
-                    .zip(&hits)
-                    .enumerate()
-                    .map(|(li, (leg, hit))| match hit {
-                        Some(h) => LegResult {
-                            account: leg.account,
-                            balance: h.balance,
-                            version: h.version,
-                        },
-                        None => {
-                            let snap = self.accounts[m.accounts[li]].snap;
-                            LegResult {
-                                account: leg.account,
-                                balance: snap.balance,
-                                version: snap.version,
-                            }
-                        }
-                    })
-                    .collect();
-                if replayed {
-                    replays += 1;
-                }
-                Ok(WriteOutcome { legs, replayed })
-            };
-            self.members[mi].phase = Phase::Done(answer);
-        }
-        if replays > 0 {
-            self.svc.metrics().idem_replays.inc_by(replays);
-            self.arm(arm::REPLAYED);
-        }
-    }
-
-    /// Whether every leg of a landed member without an index hit can be rebuilt from the
-    /// state just loaded: that state is past the leg's proven landing, or at the store's tip
-    /// (so the write is behind the cursor and its entry expired).
-    async fn rebuildable(&mut self, mi: usize, hits: &[Option<RecentWrite>]) -> bool {
-        let svc = self.svc;
-        let identity = *svc.projection.identity();
-        let (legs, accounts, landed_at) = {
-            let m = &self.members[mi];
-            (m.legs, m.accounts, m.landed_at())
-        };
-        for (li, leg) in legs.as_slice().iter().enumerate() {
-            if hits[li].is_some() {
-                continue;
-            }
-            let snap = self.accounts[accounts[li]].snap;
-            if landed_at[li].is_some_and(|v| snap.version >= v) {
-                continue;
-            }
-            self.round_trips += 1;
-            match svc
-                .projection
-                .log()
-                .details(identity.key(leg.account))
-                .await
-            {
-                Ok(d) if snap.version >= d.max_version => {}
-                _ => return false,
-            }
-        }
-        true
-    }
-
     /// Decides every unanswered member on this attempt's state and applies the verdicts.
     /// Returns the members to write, or `None` when a rule said no on a state not known to
     /// be current and it could not be made sure of (try again with a catch-up).
@@ -542,211 +420,6 @@ impl<'a> Run<'a> {
         m.seqs.map_or(0, |s| s[li])
     }
 
-    /// Sends one write for `batch` and applies what its outcome means. Returns true when the
-    /// next attempt should not back off (a proven landing only needs a read-back).
-    async fn write(&mut self, batch: &[usize]) -> bool {
-        let svc = self.svc;
-        let identity = *svc.projection.identity();
-        let now_ms = wall_clock_ms();
-        let writes: Vec<AggregateWrite> = (0..self.accounts.len())
-            .map(|ai| AggregateWrite {
-                key: identity.key(self.accounts[ai].account),
-                events: self
-                    .legs_on(batch, ai)
-                    .map(|(_, m, li, leg)| Event {
-                        client_seq: Self::seq(m, li),
-                        event_id: Some(m.req.event_id),
-                        event_type: leg.event.event_type(),
-                        payload: leg.event.encode(),
-                        timestamp_ms: now_ms,
-                    })
-                    .collect(),
-                expected_version: Some(self.accounts[ai].snap.version),
-                allow_create: true,
-                enforce_client_idempotency: true,
-            })
-            .collect();
-        let events: usize = writes.iter().map(|w| w.events.len()).sum();
-        svc.metrics().write_batch_events.observe(events as f64);
-        self.round_trips += 1;
-        let result = svc.projection.log().write(identity.client(), writes).await;
-        match classify::classify(result) {
-            Step::Landed { versions } => {
-                self.record_success(batch, &versions);
-                false
-            }
-            Step::Rejected { arm, failure } => {
-                self.arm(arm);
-                self.last_failure = failure;
-                self.release_seqs();
-                false
-            }
-            Step::Hold {
-                arm,
-                failure,
-                sent_unknown,
-            } => {
-                self.arm(arm);
-                self.last_failure = failure;
-                for &mi in batch {
-                    self.members[mi].may_have_landed = true;
-                    self.members[mi].sent_unknown |= sent_unknown;
-                }
-                false
-            }
-            Step::Retry { arm, failure } => {
-                self.arm(arm);
-                self.last_failure = failure;
-                false
-            }
-            Step::Contested => self.settle_violation(batch).await,
-            Step::Fail { arm, error } => {
-                self.arm(arm);
-                self.answer_unanswered(error);
-                false
-            }
-        }
-    }
-
-    /// The legs of `batch` that write to account `ai`, in write order:
-    /// (member index, member, leg index, leg).
-    fn legs_on<'b>(
-        &'b self,
-        batch: &'b [usize],
-        ai: usize,
-    ) -> impl Iterator<Item = (usize, &'b Member, usize, &'b Leg)> + 'b {
-        batch.iter().flat_map(move |&mi| {
-            let m = &self.members[mi];
-            m.legs
-                .as_slice()
-                .iter()
-                .enumerate()
-                .filter(move |&(li, _)| m.accounts[li] == ai)
-                .map(move |(li, leg)| (mi, m, li, leg))
-        })
-    }
-
-    fn record_success(&mut self, batch: &[usize], versions: &[u64]) {
-        let projection = &self.svc.projection;
-        for (ai, t) in self.accounts.iter().enumerate() {
-            let Some(new_version) = versions.get(ai).copied() else {
-                continue;
-            };
-            let mut events = Vec::with_capacity(batch.len());
-            let mut max_seq = 0;
-            let mut balance_after = t.snap.balance;
-            for (_, m, li, leg) in self.legs_on(batch, ai) {
-                events.push((m.req.event_id, m.balances[li], leg.event));
-                max_seq = max_seq.max(Self::seq(m, li));
-                balance_after = m.balances[li];
-            }
-            if let Some(slot) = &t.slot {
-                projection.record_write(
-                    slot,
-                    &RecordedWrite {
-                        expected_version: t.snap.version,
-                        new_version,
-                        balance_after,
-                        max_client_seq: max_seq,
-                        events: &events,
-                    },
-                );
-            }
-        }
-        for &mi in batch {
-            let m = &self.members[mi];
-            let legs = m
-                .legs
-                .as_slice()
-                .iter()
-                .enumerate()
-                .map(|(li, leg)| LegResult {
-                    account: leg.account,
-                    balance: m.balances[li],
-                    version: versions.get(m.accounts[li]).copied().unwrap_or(0),
-                })
-                .collect();
-            self.members[mi].phase = Phase::Done(Ok(WriteOutcome {
-                legs,
-                replayed: false,
-            }));
-        }
-        // The batch's sequences are used; a member still open takes fresh ones.
-        self.release_seqs();
-        self.arm(arm::SUCCESS);
-    }
-
-    /// 2002: point-read the contested sequences. The batch was one all-or-nothing write, so
-    /// one settlement covers it.
-    async fn settle_violation(&mut self, batch: &[usize]) -> bool {
-        let svc = self.svc;
-        let identity = *svc.projection.identity();
-        let mut verdicts: Vec<(usize, usize, SeqOwnership)> = Vec::new();
-        for ai in 0..self.accounts.len() {
-            let seqs: Vec<(usize, usize, u64)> = self
-                .legs_on(batch, ai)
-                .map(|(mi, m, li, _)| (mi, li, Self::seq(m, li)))
-                .collect();
-            let (Some(first), Some(last)) = (
-                seqs.iter().map(|s| s.2).min(),
-                seqs.iter().map(|s| s.2).max(),
-            ) else {
-                continue;
-            };
-            self.round_trips += 1;
-            let owners = match verify::read_seq_owners(
-                svc.projection.log().as_ref(),
-                identity.key(self.accounts[ai].account),
-                identity.client(),
-                first,
-                last,
-            )
-            .await
-            {
-                Ok(owners) => owners,
-                Err(e) => {
-                    // Could not look: hold everything and try again after a catch-up.
-                    self.last_failure = format!("ownership read: {e}");
-                    for &mi in batch {
-                        self.members[mi].may_have_landed = true;
-                    }
-                    return false;
-                }
-            };
-            for (mi, li, seq) in seqs {
-                let v = verify::ownership(&owners, seq, self.members[mi].req.event_id);
-                verdicts.push((mi, li, v));
-            }
-        }
-        match classify::settle(verify::combine(verdicts.iter().map(|v| v.2))) {
-            Settlement::Ours => {
-                self.arm(arm::SEQ_OURS);
-                for &(mi, li, v) in &verdicts {
-                    if let SeqOwnership::Ours { version } = v {
-                        self.members[mi].mark_landed(li, version);
-                    }
-                }
-                for &mi in batch {
-                    self.members[mi].may_have_landed = true;
-                }
-                true
-            }
-            Settlement::Sibling { failure } => {
-                self.arm(arm::SEQ_SIBLING);
-                self.last_failure = failure;
-                self.release_seqs();
-                false
-            }
-            Settlement::Unverifiable { error } => {
-                self.arm(arm::UNVERIFIABLE);
-                for &mi in batch {
-                    self.members[mi].phase = Phase::Done(Err(error.clone()));
-                }
-                false
-            }
-        }
-    }
-
     /// A one-word summary of the run for the request span.
     fn outcome_label(&self) -> &'static str {
         let ok = self
@@ -773,12 +446,4 @@ impl<'a> Run<'a> {
             })
             .collect()
     }
-}
-
-/// Client-side event timestamp: informational, so the wall clock is fine here.
-fn wall_clock_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
 }

@@ -1,0 +1,228 @@
+//! Step 5 of an attempt: append one write for the batch, and apply what its outcome means
+//! (classified by [`crate::write_loop::classify`]), including the 2002 arm's point read.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use super::{Member, Phase, Run};
+use crate::account::rules::Leg;
+use crate::metrics::arm;
+use crate::projection::RecordedWrite;
+use crate::store::{AggregateWrite, Event};
+use crate::write_loop::classify::{self, Settlement, Step};
+use crate::write_loop::verify::{self, SeqOwnership};
+use crate::write_loop::{LegResult, WriteOutcome};
+
+impl Run<'_> {
+    /// Sends one write for `batch` and applies what its outcome means. Returns true when the
+    /// next attempt should not back off (a proven landing only needs a read-back).
+    pub(super) async fn write(&mut self, batch: &[usize]) -> bool {
+        let svc = self.svc;
+        let identity = *svc.projection.identity();
+        let now_ms = wall_clock_ms();
+        let writes: Vec<AggregateWrite> = (0..self.accounts.len())
+            .map(|ai| AggregateWrite {
+                key: identity.key(self.accounts[ai].account),
+                events: self
+                    .legs_on(batch, ai)
+                    .map(|(_, m, li, leg)| Event {
+                        client_seq: Self::seq(m, li),
+                        event_id: Some(m.req.event_id),
+                        event_type: leg.event.event_type(),
+                        payload: leg.event.encode(),
+                        timestamp_ms: now_ms,
+                    })
+                    .collect(),
+                expected_version: Some(self.accounts[ai].snap.version),
+                allow_create: true,
+                enforce_client_idempotency: true,
+            })
+            .collect();
+        let events: usize = writes.iter().map(|w| w.events.len()).sum();
+        svc.metrics().write_batch_events.observe(events as f64);
+        self.round_trips += 1;
+        let result = svc.projection.log().write(identity.client(), writes).await;
+        match classify::classify(result) {
+            Step::Landed { versions } => {
+                self.record_success(batch, &versions);
+                false
+            }
+            Step::Rejected { arm, failure } => {
+                self.arm(arm);
+                self.last_failure = failure;
+                self.release_seqs();
+                false
+            }
+            Step::Hold {
+                arm,
+                failure,
+                sent_unknown,
+            } => {
+                self.arm(arm);
+                self.last_failure = failure;
+                for &mi in batch {
+                    self.members[mi].may_have_landed = true;
+                    self.members[mi].sent_unknown |= sent_unknown;
+                }
+                false
+            }
+            Step::Retry { arm, failure } => {
+                self.arm(arm);
+                self.last_failure = failure;
+                false
+            }
+            Step::Contested => self.settle_violation(batch).await,
+            Step::Fail { arm, error } => {
+                self.arm(arm);
+                self.answer_unanswered(error);
+                false
+            }
+        }
+    }
+
+    /// The legs of `batch` that write to account `ai`, in write order:
+    /// (member index, member, leg index, leg).
+    fn legs_on<'b>(
+        &'b self,
+        batch: &'b [usize],
+        ai: usize,
+    ) -> impl Iterator<Item = (usize, &'b Member, usize, &'b Leg)> + 'b {
+        batch.iter().flat_map(move |&mi| {
+            let m = &self.members[mi];
+            m.legs
+                .as_slice()
+                .iter()
+                .enumerate()
+                .filter(move |&(li, _)| m.accounts[li] == ai)
+                .map(move |(li, leg)| (mi, m, li, leg))
+        })
+    }
+
+    fn record_success(&mut self, batch: &[usize], versions: &[u64]) {
+        let projection = &self.svc.projection;
+        for (ai, t) in self.accounts.iter().enumerate() {
+            let Some(new_version) = versions.get(ai).copied() else {
+                continue;
+            };
+            let mut events = Vec::with_capacity(batch.len());
+            let mut max_seq = 0;
+            let mut balance_after = t.snap.balance;
+            for (_, m, li, leg) in self.legs_on(batch, ai) {
+                events.push((m.req.event_id, m.balances[li], leg.event));
+                max_seq = max_seq.max(Self::seq(m, li));
+                balance_after = m.balances[li];
+            }
+            if let Some(slot) = &t.slot {
+                projection.record_write(
+                    slot,
+                    &RecordedWrite {
+                        expected_version: t.snap.version,
+                        new_version,
+                        balance_after,
+                        max_client_seq: max_seq,
+                        events: &events,
+                    },
+                );
+            }
+        }
+        for &mi in batch {
+            let m = &self.members[mi];
+            let legs = m
+                .legs
+                .as_slice()
+                .iter()
+                .enumerate()
+                .map(|(li, leg)| LegResult {
+                    account: leg.account,
+                    balance: m.balances[li],
+                    version: versions.get(m.accounts[li]).copied().unwrap_or(0),
+                })
+                .collect();
+            self.members[mi].phase = Phase::Done(Ok(WriteOutcome {
+                legs,
+                replayed: false,
+            }));
+        }
+        // The batch's sequences are used; a member still open takes fresh ones.
+        self.release_seqs();
+        self.arm(arm::SUCCESS);
+    }
+
+    /// 2002: point-read the contested sequences. The batch was one all-or-nothing write, so
+    /// one settlement covers it.
+    async fn settle_violation(&mut self, batch: &[usize]) -> bool {
+        let svc = self.svc;
+        let identity = *svc.projection.identity();
+        let mut verdicts: Vec<(usize, usize, SeqOwnership)> = Vec::new();
+        for ai in 0..self.accounts.len() {
+            let seqs: Vec<(usize, usize, u64)> = self
+                .legs_on(batch, ai)
+                .map(|(mi, m, li, _)| (mi, li, Self::seq(m, li)))
+                .collect();
+            let (Some(first), Some(last)) = (
+                seqs.iter().map(|s| s.2).min(),
+                seqs.iter().map(|s| s.2).max(),
+            ) else {
+                continue;
+            };
+            self.round_trips += 1;
+            let owners = match verify::read_seq_owners(
+                svc.projection.log().as_ref(),
+                identity.key(self.accounts[ai].account),
+                identity.client(),
+                first,
+                last,
+            )
+            .await
+            {
+                Ok(owners) => owners,
+                Err(e) => {
+                    // Could not look: hold everything and try again after a catch-up.
+                    self.last_failure = format!("ownership read: {e}");
+                    for &mi in batch {
+                        self.members[mi].may_have_landed = true;
+                    }
+                    return false;
+                }
+            };
+            for (mi, li, seq) in seqs {
+                let v = verify::ownership(&owners, seq, self.members[mi].req.event_id);
+                verdicts.push((mi, li, v));
+            }
+        }
+        match classify::settle(verify::combine(verdicts.iter().map(|v| v.2))) {
+            Settlement::Ours => {
+                self.arm(arm::SEQ_OURS);
+                for &(mi, li, v) in &verdicts {
+                    if let SeqOwnership::Ours { version } = v {
+                        self.members[mi].mark_landed(li, version);
+                    }
+                }
+                for &mi in batch {
+                    self.members[mi].may_have_landed = true;
+                }
+                true
+            }
+            Settlement::Sibling { failure } => {
+                self.arm(arm::SEQ_SIBLING);
+                self.last_failure = failure;
+                self.release_seqs();
+                false
+            }
+            Settlement::Unverifiable { error } => {
+                self.arm(arm::UNVERIFIABLE);
+                for &mi in batch {
+                    self.members[mi].phase = Phase::Done(Err(error.clone()));
+                }
+                false
+            }
+        }
+    }
+}
+
+/// Client-side event timestamp: informational, so the wall clock is fine here.
+fn wall_clock_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}

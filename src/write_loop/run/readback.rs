@@ -1,0 +1,132 @@
+//! Step 2 of an attempt, the read-back: answering members that the recent-writes index (or a
+//! proven landing) shows as done, so a request that already landed is never written again.
+
+use super::{Phase, Run};
+use crate::metrics::arm;
+use crate::projection::RecentWrite;
+use crate::write_loop::{LegResult, WriteError, WriteOutcome};
+
+impl Run<'_> {
+    /// Answers every unanswered member that the index (or a proven landing) shows as done.
+    /// An index hit on any leg proves the whole request landed (writes are all or nothing);
+    /// a leg without a hit is rebuilt from current state, but only once that state is known
+    /// to hold the write: its fold is past the proven landing, or at the store's tip (then
+    /// the leg's entry has expired). Until then the member is [`Phase::Landed`], never
+    /// written again, and answered after a later catch-up. A hit for a different operation
+    /// is a reused key.
+    pub(super) async fn answer_from_index(&mut self) {
+        let now = self.svc.projection.now_ms();
+        let mut replays = 0u64;
+        for mi in 0..self.members.len() {
+            let m = &self.members[mi];
+            if m.is_done() {
+                continue;
+            }
+            let landed_at = m.landed_at();
+            let replayed = !m.sent_unknown;
+            let legs = m.legs;
+            let legs = legs.as_slice();
+            let hits: Vec<Option<RecentWrite>> = (0..legs.len())
+                .map(|li| {
+                    let t = &self.accounts[m.accounts[li]];
+                    t.slot
+                        .as_ref()
+                        .and_then(|s| s.state.lock().recent.get(m.req.event_id, now))
+                })
+                .collect();
+            let landed_visible = landed_at.iter().zip(legs).any(|(v, _)| v.is_some())
+                && landed_at
+                    .iter()
+                    .enumerate()
+                    .take(legs.len())
+                    .all(|(li, v)| {
+                        v.is_none_or(|v| self.accounts[m.accounts[li]].snap.version >= v)
+                    });
+            if hits.iter().all(Option::is_none) && !landed_visible {
+                continue;
+            }
+            let reused = hits
+                .iter()
+                .zip(legs)
+                .any(|(h, leg)| h.is_some_and(|h| h.event != leg.event));
+            if !reused && !self.rebuildable(mi, &hits).await {
+                // Landed, but a leg's fold may not have reached it yet (a stale local fold, a
+                // lagging read): its current state would not be this write's answer.
+                let m = &mut self.members[mi];
+                for (li, hit) in hits.iter().enumerate() {
+                    if let Some(h) = hit {
+                        m.mark_landed(li, h.version);
+                    }
+                }
+                continue;
+            }
+            let answer = if reused {
+                self.svc.metrics().idem_key_reuse.inc();
+                Err(WriteError::KeyReused)
+            } else {
+                let m = &self.members[mi];
+                let legs = legs
+                    .iter()
+                    .zip(&hits)
+                    .enumerate()
+                    .map(|(li, (leg, hit))| match hit {
+                        Some(h) => LegResult {
+                            account: leg.account,
+                            balance: h.balance,
+                            version: h.version,
+                        },
+                        None => {
+                            let snap = self.accounts[m.accounts[li]].snap;
+                            LegResult {
+                                account: leg.account,
+                                balance: snap.balance,
+                                version: snap.version,
+                            }
+                        }
+                    })
+                    .collect();
+                if replayed {
+                    replays += 1;
+                }
+                Ok(WriteOutcome { legs, replayed })
+            };
+            self.members[mi].phase = Phase::Done(answer);
+        }
+        if replays > 0 {
+            self.svc.metrics().idem_replays.inc_by(replays);
+            self.arm(arm::REPLAYED);
+        }
+    }
+
+    /// Whether every leg of a landed member without an index hit can be rebuilt from the
+    /// state just loaded: that state is past the leg's proven landing, or at the store's tip
+    /// (so the write is behind the cursor and its entry expired).
+    async fn rebuildable(&mut self, mi: usize, hits: &[Option<RecentWrite>]) -> bool {
+        let svc = self.svc;
+        let identity = *svc.projection.identity();
+        let (legs, accounts, landed_at) = {
+            let m = &self.members[mi];
+            (m.legs, m.accounts, m.landed_at())
+        };
+        for (li, leg) in legs.as_slice().iter().enumerate() {
+            if hits[li].is_some() {
+                continue;
+            }
+            let snap = self.accounts[accounts[li]].snap;
+            if landed_at[li].is_some_and(|v| snap.version >= v) {
+                continue;
+            }
+            self.round_trips += 1;
+            match svc
+                .projection
+                .log()
+                .details(identity.key(leg.account))
+                .await
+            {
+                Ok(d) if snap.version >= d.max_version => {}
+                _ => return false,
+            }
+        }
+        true
+    }
+}
