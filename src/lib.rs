@@ -11,6 +11,7 @@ pub mod config;
 pub mod http;
 pub mod metrics;
 pub mod projection;
+pub mod reader;
 pub mod store;
 pub mod verify;
 pub mod write_loop;
