@@ -102,7 +102,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
         outcome = tracing::field::Empty,
     );
     let m = &app.metrics;
-    let in_flight = InFlight::enter(&m.http_in_flight);
+    let in_flight = InFlightGauge::enter(&m.http_in_flight);
     let resp = async {
         let route = routed?;
         if route.is_api() && !app.is_started() {
@@ -159,18 +159,19 @@ fn request_deadline(app: &App) -> Duration {
     app.config.write().deadline + REQUEST_DEADLINE_MARGIN
 }
 
-/// Counts a request in flight until it is dropped: hyper drops a request's future when its
-/// client disconnects, and such a request must not stay counted.
-struct InFlight<'a>(&'a prometheus::IntGauge);
+/// Counts a request in flight on the HTTP in-flight gauge until it is dropped: hyper drops
+/// a request's future when its client disconnects, and such a request must not stay
+/// counted. (Not the write loop's in-flight write, which followers of one key wait on.)
+struct InFlightGauge<'a>(&'a prometheus::IntGauge);
 
-impl<'a> InFlight<'a> {
+impl<'a> InFlightGauge<'a> {
     fn enter(gauge: &'a prometheus::IntGauge) -> Self {
         gauge.inc();
         Self(gauge)
     }
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for InFlightGauge<'_> {
     fn drop(&mut self) {
         self.0.dec();
     }
