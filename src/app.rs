@@ -12,6 +12,7 @@ use crate::account::{AccountEvent, AccountId, Identity};
 use crate::config::{Config, ConfigError, DEMO_ACCOUNTS, StoreKind, demo_account_id};
 use crate::metrics::Metrics;
 use crate::projection::{Clock, MonotonicClock, Projection, SERVER_CLOCK_RESYNC};
+use crate::reader::AccountReader;
 use crate::store::EventLog;
 use crate::store::celeriant::CeleriantLog;
 use crate::store::faults::{FaultConfig, FaultyLog};
@@ -46,6 +47,8 @@ pub struct App {
     pub faults: Option<Arc<FaultyLog>>,
     pub projection: Arc<Projection>,
     pub writes: Arc<WriteService>,
+    /// Balance and history reads.
+    pub reader: AccountReader,
     pub(crate) limiter: Arc<Semaphore>,
     shutting_down: AtomicBool,
     /// The start-up work is done: the server clock anchored and the demo accounts seeded
@@ -107,6 +110,7 @@ impl AppBuilder {
             metrics.clone(),
         ));
         let writes = Arc::new(WriteService::new(projection.clone(), config.write()));
+        let reader = AccountReader::new(projection.clone());
         // Tried once now, so a healthy store starts ready; a store that is down or faulty at
         // boot does not stop the replica: the work is retried in the background.
         let (started_tx, started) = watch::channel(false);
@@ -141,6 +145,7 @@ impl AppBuilder {
             faults,
             projection,
             writes,
+            reader,
             shutting_down: AtomicBool::new(false),
             started,
             sweeper,

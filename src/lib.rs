@@ -11,5 +11,6 @@ pub mod config;
 pub mod http;
 pub mod metrics;
 pub mod projection;
+pub mod reader;
 pub mod store;
 pub mod write_loop;

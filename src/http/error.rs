@@ -9,6 +9,7 @@ use uuid::Uuid;
 use super::body::{Resp, json_response};
 use crate::account::RuleError;
 use crate::projection::ProjectionError;
+use crate::reader::ReadError;
 use crate::store::StoreError;
 use crate::write_loop::WriteError;
 
@@ -136,6 +137,26 @@ impl From<ProjectionError> for ApiError {
     }
 }
 
+impl From<ReadError> for ApiError {
+    fn from(e: ReadError) -> Self {
+        match e {
+            ReadError::NotVisibleYet { .. } | ReadError::HistoryBehindFold { .. } => {
+                ApiError::Unavailable(e.to_string())
+            }
+            ReadError::LimitOutOfRange { .. } => ApiError::bad_request("BAD_QUERY", e.to_string()),
+            ReadError::Unreadable { .. } => ApiError::Internal {
+                code: "ACCOUNT_UNREADABLE",
+                message: e.to_string(),
+            },
+            ReadError::Trimmed { .. } => ApiError::Internal {
+                code: "ACCOUNT_TRIMMED",
+                message: e.to_string(),
+            },
+            ReadError::Store(s) => s.into(),
+        }
+    }
+}
+
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
@@ -166,6 +187,7 @@ impl From<WriteError> for ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::account::AccountId;
 
     #[test]
     fn every_write_error_maps_to_one_status() {
@@ -193,6 +215,83 @@ mod tests {
         ];
         for (e, status) in cases {
             assert_eq!(ApiError::from(e.clone()).status().as_u16(), status, "{e:?}");
+        }
+    }
+
+    #[test]
+    fn every_read_error_maps_to_one_status_and_code() {
+        let account = AccountId(Uuid::from_u128(7));
+        let cases = [
+            (
+                ReadError::NotVisibleYet { min_version: 3 },
+                503,
+                "SERVICE_UNAVAILABLE",
+            ),
+            (
+                ReadError::HistoryBehindFold {
+                    from_version: 3,
+                    current: 4,
+                },
+                503,
+                "SERVICE_UNAVAILABLE",
+            ),
+            (ReadError::LimitOutOfRange { max: 1000 }, 400, "BAD_QUERY"),
+            (
+                ReadError::Unreadable {
+                    account,
+                    version: 2,
+                    reason: "x".into(),
+                },
+                500,
+                "ACCOUNT_UNREADABLE",
+            ),
+            (
+                ReadError::Trimmed {
+                    account,
+                    min_available: 2,
+                },
+                500,
+                "ACCOUNT_TRIMMED",
+            ),
+            (ReadError::Store(StoreError::CrossShard), 500, "CROSS_SHARD"),
+            (
+                ReadError::Store(StoreError::NotApplied {
+                    reason: "down".into(),
+                }),
+                503,
+                "SERVICE_UNAVAILABLE",
+            ),
+        ];
+        for (e, status, code) in cases {
+            let api = ApiError::from(e.clone());
+            assert_eq!((api.status().as_u16(), api.code()), (status, code), "{e:?}");
+        }
+    }
+
+    /// A fold error answers the same (status, code and message) whether it reaches HTTP from
+    /// the write loop or through the reader.
+    #[test]
+    fn a_fold_error_answers_the_same_through_the_reader() {
+        let account = AccountId(Uuid::from_u128(7));
+        let cases = [
+            ProjectionError::Poisoned {
+                account,
+                version: 2,
+                reason: "unknown event type 9.0".into(),
+            },
+            ProjectionError::Trimmed {
+                account,
+                min_available: 5,
+            },
+            ProjectionError::Store(StoreError::AggregateNotFound),
+            ProjectionError::Store(StoreError::CrossShard),
+        ];
+        for e in cases {
+            assert_eq!(
+                ApiError::from(ReadError::from(e.clone())),
+                ApiError::from(e.clone()),
+                "{e:?}"
+            );
         }
     }
 

@@ -1,10 +1,13 @@
 //! The hyper front end: accept loop, per-request limits, metrics and access logs, and
 //! graceful shutdown.
 
+mod accounts;
 pub mod body;
 pub mod error;
 pub mod idempotency;
-pub mod routes;
+mod ops;
+pub mod router;
+mod writes;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -23,12 +26,14 @@ use tracing::Instrument;
 use crate::app::App;
 use body::Resp;
 use error::ApiError;
-use routes::Route;
+use router::Route;
 
 /// How long a client may take to send a request's headers.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Pause after a failed accept (for example out of file descriptors) before trying again.
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
+/// A backstop on any one request, beyond the write loop's own deadline.
+const REQUEST_DEADLINE_MARGIN: Duration = Duration::from_secs(5);
 
 /// Serves `app` on `listener` until `shutdown` resolves, then stops accepting, lets in-flight
 /// requests finish within the configured grace period, and returns.
@@ -85,7 +90,7 @@ pub(crate) const STARTING: &str = "starting: the server clock is not anchored or
 /// One request: route, limit, dispatch, then count and log it.
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
     let started = Instant::now();
-    let method = routes::method_label(req.method());
+    let method = router::method_label(req.method());
     let routed = Route::resolve(req.method(), req.uri().path());
     let template = routed.as_ref().map_or("unmatched", Route::template);
     let span = tracing::info_span!(
@@ -97,7 +102,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
         outcome = tracing::field::Empty,
     );
     let m = &app.metrics;
-    let in_flight = InFlight::enter(&m.http_in_flight);
+    let in_flight = InFlightGauge::enter(&m.http_in_flight);
     let resp = async {
         let route = routed?;
         if route.is_api() && !app.is_started() {
@@ -119,11 +124,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
         } else {
             None
         };
-        match tokio::time::timeout(
-            routes::request_deadline(&app),
-            routes::dispatch(&app, route, req),
-        )
-        .await
+        match tokio::time::timeout(request_deadline(&app), router::dispatch(&app, route, req)).await
         {
             Ok(result) => result,
             Err(_) => Err(ApiError::Unavailable(
@@ -133,7 +134,8 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
     }
     .instrument(span.clone())
     .await;
-    let resp = routes::finish(resp);
+    // Errors become responses in one place.
+    let resp = resp.unwrap_or_else(ApiError::into_response);
     drop(in_flight);
     let status = resp.status();
     m.http_requests
@@ -153,18 +155,23 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
     resp
 }
 
-/// Counts a request in flight until it is dropped: hyper drops a request's future when its
-/// client disconnects, and such a request must not stay counted.
-struct InFlight<'a>(&'a prometheus::IntGauge);
+fn request_deadline(app: &App) -> Duration {
+    app.config.write().deadline + REQUEST_DEADLINE_MARGIN
+}
 
-impl<'a> InFlight<'a> {
+/// Counts a request in flight on the HTTP in-flight gauge until it is dropped: hyper drops
+/// a request's future when its client disconnects, and such a request must not stay
+/// counted. (Not the write loop's in-flight write, which followers of one key wait on.)
+struct InFlightGauge<'a>(&'a prometheus::IntGauge);
+
+impl<'a> InFlightGauge<'a> {
     fn enter(gauge: &'a prometheus::IntGauge) -> Self {
         gauge.inc();
         Self(gauge)
     }
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for InFlightGauge<'_> {
     fn drop(&mut self) {
         self.0.dec();
     }

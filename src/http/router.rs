@@ -1,0 +1,193 @@
+//! Which route a request is: its template (the only path form used in metrics and logs),
+//! its method, and the handler it goes to.
+
+use std::sync::Arc;
+
+use hyper::body::Incoming;
+use hyper::{Method, Request};
+use uuid::Uuid;
+
+use super::body::Resp;
+use super::error::ApiError;
+use super::{accounts, ops, writes};
+use crate::account::AccountId;
+use crate::app::App;
+
+/// A matched route: its template and what it does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    Healthz,
+    Readyz,
+    Metrics,
+    Accounts,
+    Balance(AccountId),
+    History(AccountId),
+    Deposit(AccountId),
+    Withdraw(AccountId),
+    AccountTransfer(AccountId),
+    Transfers,
+}
+
+impl Route {
+    pub fn template(&self) -> &'static str {
+        match self {
+            Route::Healthz => "/healthz",
+            Route::Readyz => "/readyz",
+            Route::Metrics => "/metrics",
+            Route::Accounts => "/api/accounts",
+            Route::Balance(_) => "/api/accounts/{id}/balance",
+            Route::History(_) => "/api/accounts/{id}/history",
+            Route::Deposit(_) => "/api/accounts/{id}/deposit",
+            Route::Withdraw(_) => "/api/accounts/{id}/withdraw",
+            Route::AccountTransfer(_) => "/api/accounts/{id}/transfers",
+            Route::Transfers => "/api/transfers",
+        }
+    }
+
+    fn method(&self) -> Method {
+        match self {
+            Route::Deposit(_)
+            | Route::Withdraw(_)
+            | Route::AccountTransfer(_)
+            | Route::Transfers => Method::POST,
+            _ => Method::GET,
+        }
+    }
+
+    /// GET routes also answer HEAD (hyper sends the headers without the body).
+    fn accepts(&self, method: &Method) -> bool {
+        let own = self.method();
+        *method == own || (own == Method::GET && *method == Method::HEAD)
+    }
+
+    /// Whether the route counts against the concurrency limit (probes and scrapes do not).
+    pub fn is_api(&self) -> bool {
+        !matches!(self, Route::Healthz | Route::Readyz | Route::Metrics)
+    }
+
+    /// Matches a path, then the method. Unknown paths are 404; known paths with another
+    /// method are 405; a malformed account id is 400.
+    pub fn resolve(method: &Method, path: &str) -> Result<Route, ApiError> {
+        let segs: Vec<&str> = path.split('/').skip(1).collect();
+        let id = |s: &str| -> Result<AccountId, ApiError> {
+            s.parse().map_err(|_| {
+                ApiError::bad_request(
+                    "INVALID_ID",
+                    format!("{s:?} is not a valid account id (a UUID)"),
+                )
+            })
+        };
+        let route = match segs.as_slice() {
+            ["healthz"] => Route::Healthz,
+            ["readyz"] => Route::Readyz,
+            ["metrics"] => Route::Metrics,
+            ["api", "accounts"] => Route::Accounts,
+            ["api", "transfers"] => Route::Transfers,
+            ["api", "accounts", acct, action] => {
+                let make: fn(AccountId) -> Route = match *action {
+                    "balance" => Route::Balance,
+                    "history" => Route::History,
+                    "deposit" => Route::Deposit,
+                    "withdraw" => Route::Withdraw,
+                    "transfers" => Route::AccountTransfer,
+                    _ => return Err(not_found(path)),
+                };
+                // Resolve the method before the id, so a wrong method is 405 either way.
+                let probe = make(AccountId(Uuid::nil()));
+                if !probe.accepts(method) {
+                    return Err(ApiError::MethodNotAllowed {
+                        allow: probe.method_name(),
+                    });
+                }
+                return Ok(make(id(acct)?));
+            }
+            _ => return Err(not_found(path)),
+        };
+        if !route.accepts(method) {
+            return Err(ApiError::MethodNotAllowed {
+                allow: route.method_name(),
+            });
+        }
+        Ok(route)
+    }
+
+    fn method_name(&self) -> &'static str {
+        if self.method() == Method::POST {
+            "POST"
+        } else {
+            "GET, HEAD"
+        }
+    }
+}
+
+fn not_found(path: &str) -> ApiError {
+    let mut shown: String = path.chars().take(200).collect();
+    if shown.len() < path.len() {
+        shown.push('…');
+    }
+    ApiError::NotFound { path: shown }
+}
+
+/// Runs the route's handler. Every handler returns `Result<Resp, ApiError>`; errors become
+/// responses in one place ([`ApiError::into_response`]).
+pub async fn dispatch(
+    app: &Arc<App>,
+    route: Route,
+    req: Request<Incoming>,
+) -> Result<Resp, ApiError> {
+    match route {
+        Route::Healthz => Ok(ops::healthz()),
+        Route::Readyz => ops::readyz(app).await,
+        Route::Metrics => Ok(ops::metrics(app)),
+        Route::Accounts => Ok(accounts::list(app)),
+        Route::Balance(account) => accounts::balance(app, account, req.uri().query()).await,
+        Route::History(account) => accounts::history(app, account, req.uri().query()).await,
+        Route::Deposit(account) => writes::deposit(app, account, req).await,
+        Route::Withdraw(account) => writes::withdraw(app, account, req).await,
+        Route::AccountTransfer(from) => writes::account_transfer(app, from, req).await,
+        Route::Transfers => writes::transfer(app, req).await,
+    }
+}
+
+/// A coarse, bounded method label for metrics.
+pub fn method_label(m: &Method) -> &'static str {
+    match *m {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::HEAD => "HEAD",
+        _ => "OTHER",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_resolve_by_path_then_method() {
+        let id = Uuid::new_v4();
+        let p = format!("/api/accounts/{id}/deposit");
+        assert_eq!(
+            Route::resolve(&Method::POST, &p),
+            Ok(Route::Deposit(AccountId(id)))
+        );
+        assert_eq!(
+            Route::resolve(&Method::GET, &p),
+            Err(ApiError::MethodNotAllowed { allow: "POST" })
+        );
+        assert!(matches!(
+            Route::resolve(&Method::POST, "/api/accounts/nope/deposit"),
+            Err(ApiError::BadRequest {
+                code: "INVALID_ID",
+                ..
+            })
+        ));
+        assert!(matches!(
+            Route::resolve(&Method::GET, "/api/nothing"),
+            Err(ApiError::NotFound { .. })
+        ));
+        assert_eq!(Route::resolve(&Method::GET, "/healthz"), Ok(Route::Healthz));
+    }
+}

@@ -1,0 +1,177 @@
+//! The write routes: deposit, withdraw and transfers. Each parses the key and the body
+//! (changing nothing on bad input), builds one [`Operation`] and runs it through the write
+//! loop.
+
+use std::sync::Arc;
+
+use hyper::body::Incoming;
+use hyper::header::HeaderValue;
+use hyper::{Request, StatusCode};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::json;
+use tracing::Instrument;
+use uuid::Uuid;
+
+use super::accounts::BalanceBody;
+use super::body::{Resp, json_response, read_json};
+use super::error::ApiError;
+use super::idempotency::{self, IdempotencyKey};
+use crate::account::{AccountId, AmountCents, Operation};
+use crate::app::App;
+use crate::write_loop::{LegResult, WriteOutcome, WriteRequest};
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct AmountBody {
+    amount_cents: i64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct AccountTransferBody {
+    to_account_id: Uuid,
+    amount_cents: i64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct TransferBody {
+    from_account_id: Uuid,
+    to_account_id: Uuid,
+    amount_cents: i64,
+}
+
+/// `POST /api/accounts/{id}/deposit`
+pub async fn deposit(
+    app: &Arc<App>,
+    account: AccountId,
+    req: Request<Incoming>,
+) -> Result<Resp, ApiError> {
+    write(app, req, move |b: AmountBody| {
+        Ok(Operation::Deposit {
+            account,
+            amount: AmountCents::new(b.amount_cents)?,
+        })
+    })
+    .await
+}
+
+/// `POST /api/accounts/{id}/withdraw`
+pub async fn withdraw(
+    app: &Arc<App>,
+    account: AccountId,
+    req: Request<Incoming>,
+) -> Result<Resp, ApiError> {
+    write(app, req, move |b: AmountBody| {
+        Ok(Operation::Withdraw {
+            account,
+            amount: AmountCents::new(b.amount_cents)?,
+        })
+    })
+    .await
+}
+
+/// `POST /api/accounts/{id}/transfers`: a transfer from the account in the path.
+pub async fn account_transfer(
+    app: &Arc<App>,
+    from: AccountId,
+    req: Request<Incoming>,
+) -> Result<Resp, ApiError> {
+    write(app, req, move |b: AccountTransferBody| {
+        Ok(Operation::transfer(
+            from,
+            AccountId(b.to_account_id),
+            AmountCents::new(b.amount_cents)?,
+        )?)
+    })
+    .await
+}
+
+/// `POST /api/transfers`
+pub async fn transfer(app: &Arc<App>, req: Request<Incoming>) -> Result<Resp, ApiError> {
+    write(app, req, |b: TransferBody| {
+        Ok(Operation::transfer(
+            AccountId(b.from_account_id),
+            AccountId(b.to_account_id),
+            AmountCents::new(b.amount_cents)?,
+        )?)
+    })
+    .await
+}
+
+impl From<&LegResult> for BalanceBody {
+    fn from(l: &LegResult) -> Self {
+        Self {
+            balance_cents: l.balance,
+            aggregate_version: l.version,
+        }
+    }
+}
+
+/// A write: parse the key and body (changing nothing on bad input), run the write loop
+/// detached from the connection (a client that disconnects must not cancel a store write
+/// half-way; its outcome is recorded for the retry that follows), and answer with the
+/// window and key headers.
+async fn write<B, F>(app: &Arc<App>, req: Request<Incoming>, build: F) -> Result<Resp, ApiError>
+where
+    B: DeserializeOwned,
+    F: FnOnce(B) -> Result<Operation, ApiError>,
+{
+    let key = IdempotencyKey::from_headers(req.headers())?;
+    tracing::Span::current().record("key_hash", key.short_hash().as_str());
+    let body: B = read_json(req).await?;
+    let op = build(body)?;
+    if key.minted {
+        app.metrics.idem_keys_minted.inc();
+    }
+    let writes = app.writes.clone();
+    let request = WriteRequest {
+        op,
+        event_id: key.event_id.as_u128(),
+    };
+    let span = tracing::Span::current();
+    let answer = tokio::spawn(async move { writes.execute(request).await }.instrument(span))
+        .await
+        .map_err(|e| ApiError::Internal {
+            code: "INTERNAL",
+            message: format!("the write task failed: {e}"),
+        })?;
+    let mut resp = match answer {
+        Ok(outcome) => outcome_response(&outcome),
+        Err(e) => ApiError::from(e).into_response(),
+    };
+    let h = resp.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&key.echo) {
+        h.insert(idempotency::HEADER, v);
+    }
+    h.insert(
+        idempotency::WINDOW_HEADER,
+        HeaderValue::from(app.config.idempotency_window),
+    );
+    Ok(resp)
+}
+
+fn outcome_response(outcome: &WriteOutcome) -> Resp {
+    let mut resp = match outcome.legs.as_slice() {
+        [from, to] => json_response(
+            StatusCode::OK,
+            &json!({ "from": BalanceBody::from(from), "to": BalanceBody::from(to) }),
+        ),
+        [one] => json_response(StatusCode::OK, &BalanceBody::from(one)),
+        _ => {
+            return ApiError::Internal {
+                code: "INTERNAL",
+                message: "a write produced no legs".into(),
+            }
+            .into_response();
+        }
+    };
+    if outcome.replayed {
+        resp.headers_mut().insert(
+            idempotency::REPLAYED_HEADER,
+            HeaderValue::from_static("true"),
+        );
+    }
+    resp
+}

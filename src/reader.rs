@@ -1,0 +1,567 @@
+//! The read side: an account's balance and its history, as typed values with one typed
+//! error. It knows nothing about HTTP; `http::accounts` parses a request, calls it and maps
+//! the answer (and `http::error` maps [`ReadError`]).
+//!
+//! A balance comes from the fold ([`Projection`]); a history page comes from the store's
+//! stream itself, so a stream the fold cannot derive (trimmed, poisoned) still has a
+//! readable history, just no balance.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::account::{AccountEvent, AccountId};
+use crate::projection::{Projection, ProjectionError, Snapshot};
+use crate::store::{BatchStream, ReadFilter, StoreError};
+
+/// History page size when the caller names none, and the most it may ask for.
+pub const DEFAULT_HISTORY_LIMIT: usize = 100;
+pub const MAX_HISTORY_LIMIT: usize = 1000;
+/// Catch-ups a `min_version` balance read tries before giving up with
+/// [`ReadError::NotVisibleYet`].
+const MIN_VERSION_ATTEMPTS: u32 = 5;
+const MIN_VERSION_BACKOFF: Duration = Duration::from_millis(20);
+
+/// An account's balance at a version.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Balance {
+    pub balance_cents: i64,
+    pub version: u64,
+}
+
+impl From<Snapshot> for Balance {
+    fn from(s: Snapshot) -> Self {
+        Self {
+            balance_cents: s.balance,
+            version: s.version,
+        }
+    }
+}
+
+/// One event of a history page, with the batch (version) it was written in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HistoryEntry {
+    pub version: u64,
+    pub server_timestamp_ms: u64,
+    pub event_id: Option<u128>,
+    pub event: AccountEvent,
+}
+
+/// One page of an account's history.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HistoryPage {
+    /// Whole batches, oldest first: at most the limit, unless one batch alone holds more.
+    pub events: Vec<HistoryEntry>,
+    /// The newest version known: the fold's, or a read's when the read is ahead of it.
+    pub current_version: u64,
+    /// `None` when the fold cannot derive the balance (a trimmed or poisoned stream).
+    pub balance_cents: Option<i64>,
+    /// Where the next page starts, when more exists.
+    pub next_from_version: Option<u64>,
+    /// Set when the stream is trimmed above the asked-for start: the page starts here.
+    pub first_available_version: Option<u64>,
+}
+
+/// Why a read cannot be answered.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ReadError {
+    /// Retryable: this replica has not seen the asked-for version yet (read-your-writes
+    /// against another replica's write).
+    #[error("this replica has not yet seen version {min_version} of the account")]
+    NotVisibleYet { min_version: u64 },
+    /// Retryable: the history read showed nothing where the fold has events (a lagging
+    /// read). An empty page pointing at itself would stop a client that follows the pages.
+    #[error(
+        "the store's read shows nothing from version {from_version}, but the account is at {current}; retry"
+    )]
+    HistoryBehindFold { from_version: u64, current: u64 },
+    /// The page size asked for is outside `1..=MAX_HISTORY_LIMIT`.
+    #[error("limit must be 1..={max}")]
+    LimitOutOfRange { max: usize },
+    /// An event in the stream could not be decoded or applied: the account is poisoned.
+    #[error("account {account} is unreadable at version {version}: {reason}")]
+    Unreadable {
+        account: AccountId,
+        version: u64,
+        reason: String,
+    },
+    /// The stream was trimmed above the fold's cursor, so the balance cannot be derived.
+    #[error(
+        "account {account} stream is trimmed below version {min_available}; its balance cannot be folded"
+    )]
+    Trimmed {
+        account: AccountId,
+        min_available: u64,
+    },
+    /// The store did not answer, or answered an error.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl From<ProjectionError> for ReadError {
+    fn from(e: ProjectionError) -> Self {
+        match e {
+            ProjectionError::Poisoned {
+                account,
+                version,
+                reason,
+            } => ReadError::Unreadable {
+                account,
+                version,
+                reason,
+            },
+            ProjectionError::Trimmed {
+                account,
+                min_available,
+            } => ReadError::Trimmed {
+                account,
+                min_available,
+            },
+            ProjectionError::Store(s) => ReadError::Store(s),
+        }
+    }
+}
+
+/// Answers balance and history reads from this replica's fold and the store.
+pub struct AccountReader {
+    projection: Arc<Projection>,
+}
+
+impl AccountReader {
+    pub fn new(projection: Arc<Projection>) -> Self {
+        Self { projection }
+    }
+
+    /// The account's balance. With `min_version`, at that version or newer: read-your-writes
+    /// for a client that wrote through another replica. Answers from the local fold when it
+    /// already has that version, else catches up (a few times, with a pause between) and
+    /// gives up with [`ReadError::NotVisibleYet`]. Without it, always catches up first.
+    pub async fn balance(
+        &self,
+        account: AccountId,
+        min_version: Option<u64>,
+    ) -> Result<Balance, ReadError> {
+        // A read-your-writes read this replica can already satisfy needs no store round trip.
+        if let Some(min) = min_version
+            && let Some(snap) = self.local_snapshot(account)
+            && snap.version >= min
+        {
+            return Ok(snap.into());
+        }
+        let mut attempt = 0;
+        loop {
+            let (_, snap) = self.projection.catch_up(account).await?;
+            if min_version.is_none_or(|min| snap.version >= min) {
+                return Ok(snap.into());
+            }
+            attempt += 1;
+            if attempt >= MIN_VERSION_ATTEMPTS {
+                return Err(ReadError::NotVisibleYet {
+                    min_version: min_version.unwrap_or(0),
+                });
+            }
+            tokio::time::sleep(MIN_VERSION_BACKOFF).await;
+        }
+    }
+
+    /// The resident account's folded state, when the fold can answer without a store read:
+    /// caught up at least once and not broken. The write loop makes the same check before a
+    /// first attempt at the local cursor.
+    // NOTE: this reads the slot's internals; a `Projection` accessor shared with the write
+    // loop would say it once (the projection is being restructured; left to that work).
+    fn local_snapshot(&self, account: AccountId) -> Option<Snapshot> {
+        let slot = self.projection.resident_slot(account)?;
+        let st = slot.state.lock();
+        (st.warm && st.broken.is_none()).then(|| st.snapshot())
+    }
+
+    /// One page of the account's history from `from_version` (0 reads as 1), of at most
+    /// `limit` events (default [`DEFAULT_HISTORY_LIMIT`], at most [`MAX_HISTORY_LIMIT`]).
+    ///
+    /// A page ends on a batch boundary (a version is the unit `from_version` names) and holds
+    /// at most `limit` events, unless one batch alone holds more. Every page moves forward:
+    /// it has events, or it is the end, or it is [`ReadError::HistoryBehindFold`]. A start
+    /// below the trim point starts at the first available version and says so.
+    pub async fn history(
+        &self,
+        account: AccountId,
+        from_version: u64,
+        limit: Option<u64>,
+    ) -> Result<HistoryPage, ReadError> {
+        let from_version = from_version.max(1);
+        let limit = match limit {
+            None => DEFAULT_HISTORY_LIMIT,
+            Some(n) if n == 0 || n > MAX_HISTORY_LIMIT as u64 => {
+                return Err(ReadError::LimitOutOfRange {
+                    max: MAX_HISTORY_LIMIT,
+                });
+            }
+            Some(n) => n as usize,
+        };
+        let log = self.projection.log();
+        let key = self.projection.identity().key(account);
+        // The balance comes from the fold; a stream the fold cannot derive (trimmed) still
+        // has a readable history, just no balance.
+        let (balance_cents, current) = match self.projection.catch_up(account).await {
+            Ok((_, snap)) => (Some(snap.balance), snap.version),
+            Err(ProjectionError::Store(e)) => return Err(e.into()),
+            // NOTE: a `details` failure reads as version 0 here (`unwrap_or(0)`), kept as it
+            // was; a later issue makes it an error instead.
+            Err(_) => (
+                None,
+                log.details(key).await.map(|d| d.max_version).unwrap_or(0),
+            ),
+        };
+        let mut first_available_version = None;
+        let filter = |from| ReadFilter {
+            from_version: from,
+            // Every batch holds at least one event, so this bounds the read to one page's
+            // worth.
+            to_version: Some(from.saturating_add(limit as u64 - 1)),
+            ..ReadFilter::default()
+        };
+        let mut events = Vec::with_capacity(limit.min(DEFAULT_HISTORY_LIMIT));
+        // The version after which the next page starts: the last batch returned, or the one
+        // before where this page started.
+        let mut last_version = from_version.saturating_sub(1);
+        // The newest version any read showed (the fold's `current` may lag a read).
+        let mut newest_read = 0;
+        let mut stream = BatchStream::new(log.as_ref(), key, filter(from_version));
+        'pages: loop {
+            let page = match stream.next_page().await {
+                Ok(Some(page)) => page,
+                Ok(None) | Err(StoreError::AggregateNotFound) => break,
+                Err(StoreError::Trimmed { min_available }) if first_available_version.is_none() => {
+                    first_available_version = Some(min_available);
+                    last_version = min_available - 1;
+                    stream = BatchStream::new(log.as_ref(), key, filter(min_available));
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
+            for batch in &page {
+                newest_read = newest_read.max(batch.version);
+                if !events.is_empty() && events.len() + batch.events.len() > limit {
+                    break 'pages;
+                }
+                for e in batch.events.iter() {
+                    let event = AccountEvent::decode(e.event_type, &e.payload).map_err(|err| {
+                        ReadError::Unreadable {
+                            account,
+                            version: batch.version,
+                            reason: err.to_string(),
+                        }
+                    })?;
+                    events.push(HistoryEntry {
+                        version: batch.version,
+                        server_timestamp_ms: batch.server_timestamp_ms,
+                        event_id: e.event_id,
+                        event,
+                    });
+                }
+                last_version = batch.version;
+                if events.len() >= limit {
+                    break 'pages;
+                }
+            }
+        }
+        let current_version = current.max(newest_read);
+        // More exists: a full page, or a read that came back short of the version the fold
+        // has (a lagging read). A client that follows `next_from_version` gets all of it.
+        let next_from_version = if last_version < current_version {
+            if events.is_empty() {
+                return Err(ReadError::HistoryBehindFold {
+                    from_version,
+                    current: current_version,
+                });
+            }
+            Some(last_version + 1)
+        } else {
+            None
+        };
+        Ok(HistoryPage {
+            events,
+            current_version,
+            balance_cents,
+            next_from_version,
+            first_available_version,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::account::Identity;
+    use crate::metrics::Metrics;
+    use crate::projection::{ManualClock, ProjectionConfig};
+    use crate::store::faults::{FaultConfig, FaultyLog};
+    use crate::store::memory::MemoryLog;
+    use crate::store::{AggregateWrite, Event, EventLog, EventType, SharedLog};
+    use bytes::Bytes;
+    use uuid::Uuid;
+
+    struct Fixture {
+        memory: Arc<MemoryLog>,
+        faulty: Arc<FaultyLog<MemoryLog>>,
+        identity: Identity,
+        metrics: Arc<Metrics>,
+        reader: AccountReader,
+        account: AccountId,
+        next_seq: u64,
+    }
+
+    /// A reader over an in-memory store behind a fault layer that injects nothing unless a
+    /// test scripts it.
+    fn fixture() -> Fixture {
+        let memory = Arc::new(MemoryLog::new());
+        let faulty = Arc::new(FaultyLog::new(memory.clone(), FaultConfig::default()));
+        let identity = Identity::default();
+        let metrics = Arc::new(Metrics::new());
+        let projection = Projection::new(
+            faulty.clone() as SharedLog,
+            identity,
+            ProjectionConfig::default(),
+            Arc::new(ManualClock::new(0)),
+            metrics.clone(),
+        );
+        Fixture {
+            memory,
+            faulty,
+            identity,
+            metrics,
+            reader: AccountReader::new(Arc::new(projection)),
+            account: AccountId(Uuid::new_v4()),
+            next_seq: 1,
+        }
+    }
+
+    impl Fixture {
+        /// Appends one batch (one version) of deposits of these amounts.
+        async fn deposit_batch(&mut self, amounts: &[i64]) {
+            let events = amounts
+                .iter()
+                .map(|&amount| AccountEvent::Deposited { amount })
+                .map(|e| (e.event_type(), e.encode()))
+                .collect();
+            self.append(events).await;
+        }
+
+        async fn append(&mut self, events: Vec<(EventType, Bytes)>) {
+            let key = self.identity.key(self.account);
+            let current = self.memory.details(key).await.map_or(0, |d| d.max_version);
+            let events = events
+                .into_iter()
+                .map(|(event_type, payload)| {
+                    let seq = self.next_seq;
+                    self.next_seq += 1;
+                    Event {
+                        client_seq: seq,
+                        event_id: Some(u128::from(seq)),
+                        event_type,
+                        payload,
+                        timestamp_ms: 0,
+                    }
+                })
+                .collect();
+            let write = AggregateWrite {
+                key,
+                events,
+                expected_version: Some(current),
+                allow_create: true,
+                enforce_client_idempotency: true,
+            };
+            self.memory
+                .write_now(self.identity.client(), vec![write])
+                .expect("write");
+        }
+
+        fn catch_ups(&self) -> u64 {
+            self.metrics.catchup_duration.get_sample_count()
+        }
+    }
+
+    fn versions(page: &HistoryPage) -> Vec<u64> {
+        page.events.iter().map(|e| e.version).collect()
+    }
+
+    #[tokio::test]
+    async fn a_history_page_ends_on_a_version_boundary_within_the_limit() {
+        let mut f = fixture();
+        f.deposit_batch(&[1]).await;
+        f.deposit_batch(&[2, 3, 4]).await;
+        f.deposit_batch(&[5]).await;
+        // Version 2 would take the page to 4 events: the page stops before it.
+        let page = f.reader.history(f.account, 1, Some(3)).await.expect("page");
+        assert_eq!(versions(&page), vec![1]);
+        assert_eq!(page.next_from_version, Some(2));
+        // Exactly the limit, on a boundary.
+        let page = f.reader.history(f.account, 1, Some(4)).await.expect("page");
+        assert_eq!(versions(&page), vec![1, 2, 2, 2]);
+        assert_eq!(page.next_from_version, Some(3));
+    }
+
+    #[tokio::test]
+    async fn a_batch_larger_than_the_limit_is_served_whole() {
+        let mut f = fixture();
+        f.deposit_batch(&[1, 2, 3]).await;
+        f.deposit_batch(&[4]).await;
+        let page = f.reader.history(f.account, 1, Some(1)).await.expect("page");
+        assert_eq!(versions(&page), vec![1, 1, 1]);
+        assert_eq!(
+            page.next_from_version,
+            Some(2),
+            "the page still moves forward"
+        );
+    }
+
+    #[tokio::test]
+    async fn following_next_from_version_reads_every_event_once_in_order() {
+        let mut f = fixture();
+        let batches: [&[i64]; 5] = [&[1], &[2, 3], &[4], &[5, 6, 7], &[8]];
+        for b in batches {
+            f.deposit_batch(b).await;
+        }
+        let mut amounts = Vec::new();
+        let mut from = 0;
+        loop {
+            let page = f
+                .reader
+                .history(f.account, from, Some(2))
+                .await
+                .expect("page");
+            assert_eq!(page.current_version, 5);
+            assert_eq!(page.balance_cents, Some(36));
+            amounts.extend(page.events.iter().map(|e| e.event.amount()));
+            match page.next_from_version {
+                Some(next) => from = next,
+                None => break,
+            }
+        }
+        assert_eq!(amounts, (1..=8).collect::<Vec<i64>>());
+    }
+
+    #[tokio::test]
+    async fn a_history_limit_outside_its_range_is_refused() {
+        let f = fixture();
+        for limit in [0, MAX_HISTORY_LIMIT as u64 + 1] {
+            assert_eq!(
+                f.reader.history(f.account, 1, Some(limit)).await,
+                Err(ReadError::LimitOutOfRange {
+                    max: MAX_HISTORY_LIMIT
+                }),
+                "limit {limit}"
+            );
+        }
+        assert!(
+            f.reader
+                .history(f.account, 1, Some(MAX_HISTORY_LIMIT as u64))
+                .await
+                .is_ok()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_history_read_showing_nothing_where_the_fold_has_events_is_retryable() {
+        let mut f = fixture();
+        for amount in 1..=3 {
+            f.deposit_batch(&[amount]).await;
+        }
+        // The catch-up read is current; the page read hides the newest 2 batches.
+        f.faulty.lag_next_read(0);
+        f.faulty.lag_next_read(2);
+        assert_eq!(
+            f.reader.history(f.account, 3, None).await,
+            Err(ReadError::HistoryBehindFold {
+                from_version: 3,
+                current: 3
+            })
+        );
+        // A read that shows part of it: that part, and where the rest starts.
+        f.faulty.lag_next_read(0);
+        f.faulty.lag_next_read(1);
+        let page = f.reader.history(f.account, 2, None).await.expect("page");
+        assert_eq!(versions(&page), vec![2]);
+        assert_eq!(page.next_from_version, Some(3));
+    }
+
+    #[tokio::test]
+    async fn a_trimmed_history_starts_at_the_first_available_version_without_a_balance() {
+        let mut f = fixture();
+        for amount in 1..=4 {
+            f.deposit_batch(&[amount]).await;
+        }
+        f.memory
+            .trim_start_now(f.identity.key(f.account), 3)
+            .expect("trim");
+        let page = f.reader.history(f.account, 1, None).await.expect("page");
+        assert_eq!(page.first_available_version, Some(3));
+        assert_eq!(versions(&page), vec![3, 4]);
+        assert_eq!(page.balance_cents, None, "a cold fold cannot derive it");
+        assert_eq!(page.current_version, 4, "from the store's details");
+        assert_eq!(page.next_from_version, None);
+        assert!(matches!(
+            f.reader.balance(f.account, None).await,
+            Err(ReadError::Trimmed {
+                min_available: 3,
+                ..
+            })
+        ));
+    }
+
+    #[tokio::test]
+    async fn an_undecodable_event_makes_the_account_unreadable_never_skipped() {
+        let mut f = fixture();
+        f.deposit_batch(&[1]).await;
+        f.append(vec![(
+            EventType {
+                major: 99,
+                minor: 0,
+            },
+            Bytes::new(),
+        )])
+        .await;
+        assert!(matches!(
+            f.reader.history(f.account, 1, None).await,
+            Err(ReadError::Unreadable { version: 2, .. })
+        ));
+        assert!(matches!(
+            f.reader.balance(f.account, None).await,
+            Err(ReadError::Unreadable { version: 2, .. })
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_min_version_this_replica_has_not_seen_is_a_typed_error_after_its_attempts() {
+        let mut f = fixture();
+        f.deposit_batch(&[5]).await;
+        assert_eq!(
+            f.reader.balance(f.account, Some(2)).await,
+            Err(ReadError::NotVisibleYet { min_version: 2 })
+        );
+        assert_eq!(f.catch_ups(), u64::from(MIN_VERSION_ATTEMPTS));
+        f.deposit_batch(&[7]).await;
+        assert_eq!(
+            f.reader.balance(f.account, Some(2)).await,
+            Ok(Balance {
+                balance_cents: 12,
+                version: 2
+            })
+        );
+    }
+
+    #[tokio::test]
+    async fn a_min_version_the_fold_already_has_is_answered_without_a_catch_up() {
+        let mut f = fixture();
+        f.deposit_batch(&[5]).await;
+        let first = f.reader.balance(f.account, None).await.expect("balance");
+        assert_eq!(f.catch_ups(), 1);
+        // The store moves on; a read at the version the fold has answers from the fold.
+        f.deposit_batch(&[7]).await;
+        assert_eq!(f.reader.balance(f.account, Some(1)).await, Ok(first));
+        assert_eq!(f.catch_ups(), 1);
+        // Without a min version, a balance read always catches up.
+        let now = f.reader.balance(f.account, None).await.expect("balance");
+        assert_eq!((now.balance_cents, now.version), (12, 2));
+        assert_eq!(f.catch_ups(), 2);
+    }
+}
