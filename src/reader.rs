@@ -166,12 +166,8 @@ impl AccountReader {
     /// The resident account's folded state, when the fold can answer without a store read:
     /// caught up at least once and not broken. The write loop makes the same check before a
     /// first attempt at the local cursor.
-    // NOTE: this reads the slot's internals; a `Projection` accessor shared with the write
-    // loop would say it once (the projection is being restructured; left to that work).
     fn local_snapshot(&self, account: AccountId) -> Option<Snapshot> {
-        let slot = self.projection.resident_slot(account)?;
-        let st = slot.state.lock();
-        (st.warm && st.broken.is_none()).then(|| st.snapshot())
+        self.projection.warm_snapshot(account).map(|(_, snap)| snap)
     }
 
     /// One page of the account's history from `from_version` (0 reads as 1), of at most

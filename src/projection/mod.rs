@@ -174,6 +174,16 @@ impl Projection {
         self.accounts.get(&account).map(|s| s.clone())
     }
 
+    /// The resident account's slot and state when its fold can answer without a store read:
+    /// caught up at least once since it was loaded, and not broken.
+    pub fn warm_snapshot(&self, account: AccountId) -> Option<(Arc<AccountSlot>, Snapshot)> {
+        let slot = self.resident_slot(account)?;
+        let st = slot.state.lock();
+        let snap = (st.warm && st.broken.is_none()).then(|| st.snapshot());
+        drop(st);
+        snap.map(|snap| (slot, snap))
+    }
+
     /// Reads the account's stream from its cursor and folds what is new. Returns the slot
     /// and the state after the fold.
     pub async fn catch_up(

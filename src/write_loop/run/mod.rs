@@ -241,14 +241,7 @@ impl<'a> Run<'a> {
         let local: Option<Vec<(Arc<AccountSlot>, Snapshot)>> = if try_local {
             self.accounts
                 .iter()
-                .map(|t| {
-                    let slot = projection.resident_slot(t.account)?;
-                    let st = slot.state.lock();
-                    let usable = st.warm && st.broken.is_none();
-                    let snap = st.snapshot();
-                    drop(st);
-                    usable.then_some((slot, snap))
-                })
+                .map(|t| projection.warm_snapshot(t.account))
                 .collect()
         } else {
             None
