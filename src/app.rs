@@ -15,7 +15,7 @@ use crate::projection::{Clock, MonotonicClock, Projection, SERVER_CLOCK_RESYNC};
 use crate::reader::AccountReader;
 use crate::store::EventLog;
 use crate::store::celeriant::CeleriantLog;
-use crate::store::faults::{FaultConfig, FaultyLog};
+use crate::store::faults::FaultyLog;
 use crate::store::memory::MemoryLog;
 use crate::store::metered::MeteredLog;
 use crate::store::{AggregateWrite, Event, SharedLog, StoreError};
@@ -90,10 +90,9 @@ impl AppBuilder {
             None => open_store(&config).await?,
         };
         let (inner, faults): (SharedLog, _) = match &config.faults {
-            Some(spec) => {
-                let fc = FaultConfig::parse(spec).map_err(|e| ConfigError(e.to_string()))?;
-                tracing::warn!(spec = %spec, "FAULT INJECTION IS ON: the store will lose acks, drop requests and lag reads on purpose");
-                let f = Arc::new(FaultyLog::new(base, fc));
+            Some(fc) => {
+                tracing::warn!(spec = ?fc, "FAULT INJECTION IS ON: the store will lose acks, drop requests and lag reads on purpose");
+                let f = Arc::new(FaultyLog::new(base, fc.clone()));
                 (f.clone(), Some(f))
             }
             None => (base, None),

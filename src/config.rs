@@ -72,8 +72,9 @@ pub struct Config {
 
     /// Wrap the store in the fault injector, for demos and black-box tests, e.g.
     /// `lost-ack=0.1,lost-request=0.05,refused=0.05,inflight=0.1,read-lag=0.2,seed=7`.
+    // Parsed once, by clap through `FaultConfig`'s `FromStr`: a bad spec is refused at start.
     #[arg(long, env = "TALLY_FAULTS")]
-    pub faults: Option<String>,
+    pub faults: Option<FaultConfig>,
 
     /// Requests served at once; beyond it, 503 at once.
     #[arg(long, env = "TALLY_MAX_CONCURRENT_REQUESTS", default_value_t = DEFAULT_MAX_CONCURRENT_REQUESTS)]
@@ -158,9 +159,6 @@ impl Config {
                 .validate()
                 .map_err(|e| ConfigError(e.to_string()))?;
         }
-        if let Some(spec) = &self.faults {
-            FaultConfig::parse(spec).map_err(|e| ConfigError(format!("--faults: {e}")))?;
-        }
         Ok(())
     }
 
@@ -228,9 +226,27 @@ mod tests {
     fn out_of_range_settings_are_refused() {
         let c = Config::parse_from(["tally", "--idempotency-window", "0"]);
         assert!(c.validate().is_err());
-        let c = Config::parse_from(["tally", "--faults", "lost-ack=2"]);
-        assert!(c.validate().is_err());
         let c = Config::parse_from(["tally", "--store", "celeriant"]);
         assert!(!c.seeds_demo_accounts());
+    }
+
+    #[test]
+    fn a_bad_fault_spec_is_refused_when_the_flags_are_parsed() {
+        let e = Config::try_parse_from(["tally", "--faults", "lost-ack=2"])
+            .expect_err("a probability above 1");
+        let message = e.to_string();
+        assert!(message.contains("--faults"), "{message}");
+        assert!(message.contains("lost-ack=2"), "{message}");
+    }
+
+    #[test]
+    fn a_fault_spec_is_parsed_once_into_its_config() {
+        let c = Config::parse_from(["tally", "--faults", "refused=0.5,seed=7"]);
+        let expected = FaultConfig {
+            refused: 0.5,
+            seed: 7,
+            ..FaultConfig::default()
+        };
+        assert_eq!(c.faults, Some(expected));
     }
 }

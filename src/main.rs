@@ -8,7 +8,7 @@ use tally::config::{Config, LogFormat};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
-    let config = Config::parse();
+    let config = parse_flags();
     if let Err(e) = config.validate() {
         eprintln!("tally: {e}");
         return ExitCode::from(2);
@@ -25,6 +25,19 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(run(config))
+}
+
+/// Parses flags and environment. A value clap refuses (a bad `--faults` spec, say) is an
+/// invalid configuration like one [`Config::validate`] refuses: named so on stderr, exit 2.
+/// `--help` and `--version` print to stdout and exit 0, as clap does.
+fn parse_flags() -> Config {
+    Config::try_parse().unwrap_or_else(|e| {
+        if e.use_stderr() {
+            eprintln!("tally: invalid configuration:");
+        }
+        // Prints clap's message and exits: 2 for a refusal, 0 for help and version.
+        e.exit()
+    })
 }
 
 async fn run(config: Config) -> ExitCode {

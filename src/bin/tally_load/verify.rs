@@ -351,16 +351,16 @@ async fn get_with_retries(
 }
 
 /// One event a key is expected to produce: account, type, counterparty.
-struct Leg {
+struct ExpectedEvent {
     account: Uuid,
     kind: &'static str,
     counterparty: Option<Uuid>,
 }
 
-fn expected_legs(record: &KeyRecord) -> Vec<Leg> {
+fn expected_legs(record: &KeyRecord) -> Vec<ExpectedEvent> {
     let op = &record.op;
     let single = |kind| {
-        vec![Leg {
+        vec![ExpectedEvent {
             account: op.account,
             kind,
             counterparty: None,
@@ -370,12 +370,12 @@ fn expected_legs(record: &KeyRecord) -> Vec<Leg> {
         (OpKind::Deposit, _) => single("Deposited"),
         (OpKind::Withdraw, _) => single("Withdrawn"),
         (OpKind::Transfer, Some(to)) => vec![
-            Leg {
+            ExpectedEvent {
                 account: op.account,
                 kind: "TransferredOut",
                 counterparty: Some(to),
             },
-            Leg {
+            ExpectedEvent {
                 account: to,
                 kind: "TransferredIn",
                 counterparty: Some(op.account),

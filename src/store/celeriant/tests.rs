@@ -3,6 +3,8 @@
 //! `tests/celeriant_live.rs`.
 
 use std::io;
+use std::path::PathBuf;
+use std::str::FromStr;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -16,7 +18,12 @@ use celeriant_msg::response::aggregate_event_batch::AggregateEventBatch;
 use celeriant_wire::network::wire_error::WireError;
 use clap::Parser;
 
+use super::check_order::*;
+use super::classify::*;
+use super::config::*;
+use super::wire::*;
 use super::*;
+use crate::store::{Event, EventType};
 
 const ALL_OPS: [Op; 5] = [Op::Read, Op::Details, Op::Ping, Op::Write, Op::Trim];
 
@@ -503,7 +510,7 @@ fn an_empty_api_key_is_refused() {
 
 fn rejected_flag(cfg: CeleriantConfig) -> &'static str {
     match cfg.validate() {
-        Err(ConfigError::Invalid { flag, .. }) => flag,
+        Err(CeleriantConfigError::Invalid { flag, .. }) => flag,
         other => panic!("expected a rejection, got {other:?}"),
     }
 }
@@ -597,7 +604,7 @@ fn a_missing_tls_file_fails_connect_not_a_request() {
     };
     assert!(matches!(
         CeleriantLog::connect(&cfg),
-        Err(ConfigError::Tls(_))
+        Err(CeleriantConfigError::Tls(_))
     ));
 }
 
@@ -836,8 +843,8 @@ async fn an_unreachable_server_fails_ping_as_not_applied() {
 
 // --- multi-aggregate check order -------------------------------------------------------------
 
-fn leg(expected: Option<u64>, allow_create: bool) -> Leg {
-    Leg {
+fn leg(expected: Option<u64>, allow_create: bool) -> AggregateGuard {
+    AggregateGuard {
         key: PING_KEY,
         expected,
         allow_create,
