@@ -60,6 +60,11 @@ pub struct Metrics {
     pub index_entries: IntGauge,
     pub evictions: IntCounterVec,
     pub poisoned_accounts: IntCounter,
+    // Admission at the HTTP edge (issue 13)
+    pub http_connections: IntGauge,
+    pub http_accept_paused: IntCounter,
+    pub http_queued: IntGauge,
+    pub http_queue_wait: Histogram,
 }
 
 impl Metrics {
@@ -179,6 +184,29 @@ impl Metrics {
                 r,
                 "tally_projection_poisoned_accounts_total",
                 "Folds that stopped on an event they could not decode, or on a trimmed stream.",
+            ),
+            // Admission at the HTTP edge (issue 13). Refusals themselves are counted in
+            // tally_http_requests_shed_total.
+            http_connections: gauge(
+                r,
+                "tally_http_connections_open",
+                "Client connections open (at most --max-connections).",
+            ),
+            http_accept_paused: counter(
+                r,
+                "tally_http_accept_paused_total",
+                "Times the server stopped accepting because --max-connections were open.",
+            ),
+            http_queued: gauge(
+                r,
+                "tally_http_requests_queued",
+                "Requests waiting for an in-flight slot (over --max-concurrent-requests).",
+            ),
+            http_queue_wait: histogram(
+                r,
+                "tally_http_queue_wait_seconds",
+                "Time a request over --max-concurrent-requests waited for a slot, admitted or shed.",
+                LATENCY_BUCKETS,
             ),
             registry,
         }

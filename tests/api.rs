@@ -2123,7 +2123,7 @@ async fn every_write_response_states_the_idempotency_window() {
 // --- The binary ---
 
 /// Every flag the binary takes, each settable from the environment.
-const FLAGS: [&str; 28] = [
+const FLAGS: [&str; 30] = [
     "listen",
     "store",
     "idempotency-window",
@@ -2133,6 +2133,8 @@ const FLAGS: [&str; 28] = [
     "seed-demo-accounts",
     "faults",
     "max-concurrent-requests",
+    "max-queue-wait-ms",
+    "max-connections",
     "write-deadline-ms",
     "write-max-attempts",
     "one-round-trip",

@@ -2,7 +2,7 @@
 //! `{"error":"CODE","message":"..."}` and headers.
 
 use hyper::StatusCode;
-use hyper::header::{ALLOW, HeaderValue, RETRY_AFTER};
+use hyper::header::{ALLOW, CONNECTION, HeaderValue, RETRY_AFTER};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -38,9 +38,14 @@ pub enum ApiError {
     /// with the request.
     #[error("{0}")]
     Conflict(String),
-    /// Retryable: the store is unreachable, the replica is not ready, or it is shedding load.
+    /// Retryable: the store is unreachable or the replica is not ready.
     #[error("{0}")]
     Unavailable(String),
+    /// Retryable: the replica is shedding load (no in-flight slot came free in time). Also
+    /// closes the connection, so a client that re-sends at once reconnects, and waits in
+    /// the accept queue while the server is at its connection cap, instead of spinning.
+    #[error("{0}")]
+    Overloaded(String),
     /// A bug, a poisoned stream, or a configuration the operator must fix.
     #[error("{message}")]
     Internal { code: &'static str, message: String },
@@ -65,7 +70,7 @@ impl ApiError {
                 StatusCode::UNPROCESSABLE_ENTITY
             }
             ApiError::Conflict(_) => StatusCode::CONFLICT,
-            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unavailable(_) | ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -81,7 +86,7 @@ impl ApiError {
             ApiError::InsufficientFunds { .. } => "INSUFFICIENT_FUNDS",
             ApiError::KeyReused => "IDEMPOTENCY_KEY_REUSED",
             ApiError::Conflict(_) => "CONFLICT",
-            ApiError::Unavailable(_) => "SERVICE_UNAVAILABLE",
+            ApiError::Unavailable(_) | ApiError::Overloaded(_) => "SERVICE_UNAVAILABLE",
         }
     }
 
@@ -105,6 +110,10 @@ impl ApiError {
             }
             ApiError::Conflict(_) | ApiError::Unavailable(_) => {
                 headers.insert(RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
+            }
+            ApiError::Overloaded(_) => {
+                headers.insert(RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
+                headers.insert(CONNECTION, HeaderValue::from_static("close"));
             }
             _ => {}
         }
@@ -301,5 +310,18 @@ mod tests {
         assert_eq!(r.headers()[RETRY_AFTER], "1");
         let r = ApiError::MethodNotAllowed { allow: "GET" }.into_response();
         assert_eq!(r.headers()[ALLOW], "GET");
+    }
+
+    /// A shed request is told when to retry, in the usual JSON shape, and its connection is
+    /// closed; other retryable errors keep the connection.
+    #[test]
+    fn a_shed_request_closes_its_connection() {
+        let r = ApiError::Overloaded("busy".into()).into_response();
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(r.headers()[RETRY_AFTER], "1");
+        assert_eq!(r.headers()[CONNECTION], "close");
+        assert_eq!(r.headers()["content-type"], "application/json");
+        let r = ApiError::Unavailable("store down".into()).into_response();
+        assert!(r.headers().get(CONNECTION).is_none());
     }
 }

@@ -2,6 +2,7 @@
 //! graceful shutdown.
 
 mod accounts;
+mod admission;
 pub mod body;
 pub mod error;
 pub mod idempotency;
@@ -36,15 +37,21 @@ const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
 const REQUEST_DEADLINE_MARGIN: Duration = Duration::from_secs(5);
 
 /// Serves `app` on `listener` until `shutdown` resolves, then stops accepting, lets in-flight
-/// requests finish within the configured grace period, and returns.
+/// requests finish within the configured grace period, and returns. At most
+/// `--max-connections` are open at once: at the cap, accepting waits for one to close.
 pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<Output = ()>) {
     let graceful = GracefulShutdown::new();
     let mut builder = http1::Builder::new();
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT);
+    let slots = admission::ConnectionSlots::new(app.config.max_connections, app.metrics.clone());
     tokio::pin!(shutdown);
     loop {
+        let slot = tokio::select! {
+            slot = slots.next() => slot,
+            _ = &mut shutdown => break,
+        };
         tokio::select! {
             accepted = listener.accept() => {
                 let stream = match accepted {
@@ -63,6 +70,8 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
                 });
                 let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc));
                 tokio::spawn(async move {
+                    // Held while the connection is open.
+                    let _slot = slot;
                     if let Err(e) = conn.await {
                         tracing::debug!(error = %e, "connection ended with an error");
                     }
@@ -111,16 +120,9 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
             // take their first version: the store is needed for either, so retry shortly.
             return Err(ApiError::Unavailable(STARTING.into()));
         }
+        // Before the body is read: a request that is refused costs no more than its head.
         let _permit = if route.is_api() {
-            match app.limiter.clone().try_acquire_owned() {
-                Ok(p) => Some(p),
-                Err(_) => {
-                    app.metrics.http_shed.inc();
-                    return Err(ApiError::Unavailable(
-                        "too many requests in flight; retry shortly".into(),
-                    ));
-                }
-            }
+            Some(admission::admit(&app).await?)
         } else {
             None
         };
@@ -159,8 +161,8 @@ fn request_deadline(app: &App) -> Duration {
     app.config.write().deadline + REQUEST_DEADLINE_MARGIN
 }
 
-/// Counts a request in flight on the HTTP in-flight gauge until it is dropped: hyper drops
-/// a request's future when its client disconnects, and such a request must not stay
+/// Counts a request on a gauge (in flight, or queued for a slot) until it is dropped: hyper
+/// drops a request's future when its client disconnects, and such a request must not stay
 /// counted. (Not the write loop's in-flight write, which followers of one key wait on.)
 struct InFlightGauge<'a>(&'a prometheus::IntGauge);
 
