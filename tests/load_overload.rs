@@ -250,6 +250,7 @@ async fn resend_policy_re_sends_refused_keys_at_once() {
     assert_counts_add_up(&report, &fake);
     assert_eq!(report.on_503, Some(tally_load::cli::On503::Resend));
     assert_eq!(report.operations, 120);
+    assert_eq!(report.connects, 6, "one keep-alive connection per worker");
     assert_eq!(report.resends, 240, "two refusals per key, each re-sent");
     assert_eq!((count(&report, 200), count(&report, 503)), (120, 240));
     assert_eq!(report.settled_latency_us.count, 120);
@@ -405,27 +406,31 @@ async fn server_pid_reports_memory_and_cpu() {
     );
 }
 
-/// Rule: against a real Tally whose in-flight limit is far below the connections, the 503s
-/// it sheds carry Retry-After, re-sent keys still apply exactly once, and goodput counts
-/// only the 2xx answers.
+/// Rule: against a real Tally whose in-flight limit is far below the connections and which
+/// refuses at once, the 503s it sheds close their connections (each worker reconnects), re-sent
+/// keys still apply exactly once, and goodput counts only the 2xx answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_tally_sheds_and_stays_exactly_once() {
     let server = common::spawn(
-        common::test_config(&["--max-concurrent-requests", "2"]),
+        common::test_config(&["--max-concurrent-requests", "2", "--max-queue-wait-ms", "0"]),
         None,
         None,
     )
     .await;
+    let workers = 32;
     let report = run_generator(
         server.addr,
-        "--scenario spread --accounts 8 --requests 400 --connections 32 --on-503 resend --seed 3",
+        &format!(
+            "--scenario spread --accounts 8 --requests 400 --connections {workers} --on-503 resend --seed 3"
+        ),
     )
     .await;
     print!("{report}");
+    assert_eq!(report.errors, 0);
     assert_eq!(count(&report, 200), 400, "every operation got its 2xx");
     assert!(
         count(&report, 503) > 0,
-        "32 connections over 2 permits are shed"
+        "32 connections over 2 slots are shed"
     );
     assert_eq!(
         report.requests,
@@ -433,6 +438,11 @@ async fn a_real_tally_sheds_and_stays_exactly_once() {
         "only 503s were re-sent"
     );
     assert_eq!(count(&report, 503), report.resends);
+    assert_eq!(
+        report.connects,
+        workers + count(&report, 503),
+        "one connection per worker, and a new one after every refusal"
+    );
     let e = &report.exactly_once;
     assert_eq!(e.verdict, Verdict::Pass, "{:?}", e.violations);
     assert_eq!(e.checked, 408);

@@ -3,6 +3,7 @@
 //! [`run`]; tests include this module directly.
 
 pub mod cli;
+pub mod conn;
 pub mod http;
 pub mod ledger;
 pub mod report;
@@ -47,8 +48,13 @@ pub async fn run(options: Options) -> Result<Report, LoadError> {
         })?),
         None => None,
     };
-    let mut stats = runner::drive(&config, setup.workload, &client).await?;
+    let own_cpu_start = server::cpu_secs(std::process::id());
+    let mut stats = runner::drive(&config, setup.workload).await?;
     let server = sampler.and_then(|s| s.finish(stats.requests));
+    // On one machine the generator competes with the server for CPU: report its share.
+    let client_cpu_secs = own_cpu_start
+        .zip(server::cpu_secs(std::process::id()))
+        .map(|(start, end)| (end - start).max(0.0));
     let exactly_once = if config.verify {
         let mut records = setup.records;
         records.append(&mut stats.records);
@@ -90,6 +96,7 @@ pub async fn run(options: Options) -> Result<Report, LoadError> {
         elapsed_secs: secs,
         operations: stats.operations,
         retries: stats.retries,
+        connects: stats.connects,
         on_503: config.on_503,
         resends: stats.resends,
         requests: stats.requests,
@@ -102,6 +109,7 @@ pub async fn run(options: Options) -> Result<Report, LoadError> {
         first_touch_latency_us: first_touch.then(|| Latency::of(&h.first_touch)),
         existing_account_latency_us: first_touch.then(|| Latency::of(&h.existing)),
         server,
+        client_cpu_secs,
         errors: stats.errors(),
         status_counts: stats.status_counts,
         replays: stats.replays,

@@ -73,6 +73,9 @@ pub struct Report {
     pub elapsed_secs: f64,
     pub operations: u64,
     pub retries: u64,
+    /// Connections the workers opened in the measured phase (one each per target, plus one
+    /// for every connection the server closed or a transport error ended).
+    pub connects: u64,
     /// The `--on-503` policy, when one was asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub on_503: Option<On503>,
@@ -100,6 +103,9 @@ pub struct Report {
     /// The server's memory and CPU over the measured phase (`--server-pid`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server: Option<ServerUsage>,
+    /// CPU seconds this generator used in the measured phase (Linux; absent elsewhere).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_cpu_secs: Option<f64>,
     pub status_counts: BTreeMap<u16, u64>,
     pub replays: u64,
     /// Transport errors (no answer).
@@ -163,6 +169,16 @@ impl fmt::Display for Report {
                 refusals.join("  ")
             }
         )?;
+        writeln!(
+            f,
+            "connections: {} opened ({:.1}/s)",
+            self.connects,
+            if self.elapsed_secs > 0.0 {
+                self.connects as f64 / self.elapsed_secs
+            } else {
+                0.0
+            }
+        )?;
         writeln!(f, "latency us:  {}", self.latency_us)?;
         writeln!(f, "  2xx:       {}", self.admitted_latency_us)?;
         if let Some(policy) = self.on_503 {
@@ -182,6 +198,9 @@ impl fmt::Display for Report {
         ) {
             writeln!(f, "  1st touch: {fresh} ({} answers)", fresh.count)?;
             writeln!(f, "  existing:  {existing} ({} answers)", existing.count)?;
+        }
+        if let Some(cpu) = self.client_cpu_secs {
+            writeln!(f, "generator:   CPU {cpu:.2} s")?;
         }
         if let Some(s) = &self.server {
             writeln!(

@@ -16,10 +16,11 @@ use uuid::Uuid;
 
 use super::LoadError;
 use super::cli::{Config, On503, Scenario};
-use super::http::{Answer, Client, Outcome, Target};
+use super::conn::WorkerConn;
+use super::http::{Answer, Outcome};
 use super::ledger::KeyRecord;
 use super::rng::Rng;
-use super::workload::{Op, Workload, send_op};
+use super::workload::{Op, Workload, send_op_on};
 
 /// Highest latency the histogram tracks, in microseconds; larger values are clamped.
 pub const MAX_TRACKED_LATENCY_US: u64 = 3_600_000_000;
@@ -102,6 +103,8 @@ pub struct Stats {
     pub resends: u64,
     /// Every request sent: operations plus retries plus resends.
     pub requests: u64,
+    /// Connections opened by the workers.
+    pub connects: u64,
     pub records: Vec<KeyRecord>,
     pub elapsed: Duration,
 }
@@ -123,6 +126,7 @@ impl Stats {
             retries: 0,
             resends: 0,
             requests: 0,
+            connects: 0,
             records: Vec::new(),
             elapsed: Duration::ZERO,
         })
@@ -183,6 +187,7 @@ impl Stats {
         self.operations += other.operations;
         self.retries += other.retries;
         self.resends += other.resends;
+        self.connects += other.connects;
         self.requests += other.requests;
         self.records.extend(other.records);
     }
@@ -191,7 +196,6 @@ impl Stats {
 struct Shared {
     config: Config,
     workload: Workload,
-    client: Client,
     next_ticket: AtomicU64,
     histograms: Vec<Mutex<Latencies>>,
     start: Instant,
@@ -199,11 +203,7 @@ struct Shared {
 }
 
 /// Runs the measured phase to its request count or deadline and merges the workers' stats.
-pub async fn drive(
-    config: &Config,
-    workload: Workload,
-    client: &Client,
-) -> Result<Stats, LoadError> {
+pub async fn drive(config: &Config, workload: Workload) -> Result<Stats, LoadError> {
     let shards = config.connections.min(MAX_HISTOGRAM_SHARDS);
     let histograms = (0..shards)
         .map(|_| Latencies::new().map(Mutex::new))
@@ -212,7 +212,6 @@ pub async fn drive(
     let shared = Arc::new(Shared {
         config: config.clone(),
         workload,
-        client: client.clone(),
         next_ticket: AtomicU64::new(0),
         histograms,
         start,
@@ -244,6 +243,8 @@ async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
     let config = &shared.config;
     let targets = &config.targets;
     let latency = &shared.histograms[index % shared.histograms.len()];
+    // One connection per target, opened on first use.
+    let mut conns: Vec<WorkerConn> = targets.iter().cloned().map(WorkerConn::new).collect();
     loop {
         let ticket = shared.next_ticket.fetch_add(1, Ordering::Relaxed);
         if config.max_ops.is_some_and(|max| ticket >= max) || Instant::now() >= shared.deadline {
@@ -267,6 +268,7 @@ async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
         let key = draw.op.is_write().then(Uuid::new_v4);
         let mut sends = OpSends {
             shared: &shared,
+            conns: &mut conns,
             latency,
             op: draw.op,
             key,
@@ -274,7 +276,7 @@ async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
             record: key.map(|key| KeyRecord::new(key, draw.op)),
         };
         stats.operations += 1;
-        let mut outcome = sends.send(&mut stats, &targets[first], intended).await;
+        let mut outcome = sends.send(&mut stats, first, intended).await;
         // Set when a re-send would start after the run's end: this worker is done, and the
         // key is left unresolved (the verifier allows it at most once).
         let mut out_of_time = false;
@@ -287,9 +289,7 @@ async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
                     break;
                 }
                 stats.resends += 1;
-                outcome = sends
-                    .send(&mut stats, &targets[first], Instant::now())
-                    .await;
+                outcome = sends.send(&mut stats, first, Instant::now()).await;
             }
         }
         if outcome.as_ref().is_ok_and(|a| is_success(a.status)) {
@@ -306,9 +306,7 @@ async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
             };
             stats.retries += 1;
             // Counted and recorded by `send`; nothing more to do with this answer.
-            let _ = sends
-                .send(&mut stats, &targets[again], Instant::now())
-                .await;
+            let _ = sends.send(&mut stats, again, Instant::now()).await;
         }
         if let Some(record) = sends.record {
             stats.records.push(record);
@@ -317,12 +315,15 @@ async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
             break;
         }
     }
+    stats.connects = conns.iter().map(|c| c.connects).sum();
     stats
 }
 
 /// The sends of one operation, each counted in the stats and noted in the key's record.
 struct OpSends<'a> {
     shared: &'a Shared,
+    /// The worker's connections, one per target.
+    conns: &'a mut [WorkerConn],
     latency: &'a Mutex<Latencies>,
     op: Op,
     key: Option<Uuid>,
@@ -333,10 +334,11 @@ struct OpSends<'a> {
 }
 
 impl OpSends<'_> {
-    /// Sends the operation to `target` once; latency counts from `since`.
-    async fn send(&mut self, stats: &mut Stats, target: &Target, since: Instant) -> Outcome {
+    /// Sends the operation to target `target` once; latency counts from `since`.
+    async fn send(&mut self, stats: &mut Stats, target: usize, since: Instant) -> Outcome {
         let timeout = self.shared.config.timeout;
-        let outcome = send_op(&self.shared.client, target, &self.op, self.key, timeout).await;
+        let conn = &mut self.conns[target];
+        let outcome = send_op_on(conn, &self.op, self.key, timeout).await;
         stats.note(self.latency, since, &outcome, self.first_touch);
         if let Some(record) = &mut self.record {
             record.observe(&outcome);

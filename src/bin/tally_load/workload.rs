@@ -12,6 +12,7 @@ use uuid::Uuid;
 
 use super::LoadError;
 use super::cli::{Config, Scenario};
+use super::conn::WorkerConn;
 use super::http::{Client, Outcome, Target, TransportError, exchange};
 use super::ledger::{KeyRecord, is_definitive_failure};
 use super::rng::Rng;
@@ -114,6 +115,18 @@ pub async fn send_op(
     })?;
     let key = key.map(|k| k.to_string());
     exchange(client, op.method(), uri, key.as_deref(), op.body(), timeout).await
+}
+
+/// Sends `op` over a worker's own connection, with `key` as its Idempotency-Key when given.
+pub async fn send_op_on(
+    conn: &mut WorkerConn,
+    op: &Op,
+    key: Option<Uuid>,
+    timeout: Duration,
+) -> Outcome {
+    let key = key.map(|k| k.to_string());
+    conn.exchange(op.method(), &op.path(), key.as_deref(), op.body(), timeout)
+        .await
 }
 
 /// The accounts and mix of the measured phase.
