@@ -11,7 +11,8 @@ use crate::projection::{DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_RESIDENT_ACCOUNTS, Pro
 use crate::store::celeriant::CeleriantConfig;
 use crate::store::faults::FaultConfig;
 use crate::write_loop::{
-    DEFAULT_DEADLINE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BATCH_EVENTS, WriteConfig,
+    DEFAULT_DEADLINE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BATCH_EVENTS, DEFAULT_MAX_LIVE_WRITES,
+    DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT, WriteConfig,
 };
 
 /// The longest idempotency window accepted, in seconds (one day).
@@ -101,6 +102,16 @@ pub struct Config {
     #[arg(long, env = "TALLY_MAX_BATCH_EVENTS", default_value_t = DEFAULT_MAX_BATCH_EVENTS)]
     pub max_batch_events: usize,
 
+    /// Most requests alive on the write side at once (running, queued or coalesced); beyond
+    /// it, 503 at once. Unlike --max-concurrent-requests, a write whose client disconnected
+    /// still counts until it ends.
+    #[arg(long, env = "TALLY_MAX_LIVE_WRITES", default_value_t = DEFAULT_MAX_LIVE_WRITES)]
+    pub max_live_writes: usize,
+
+    /// Most writes waiting in one account's queue; beyond it, 503 at once.
+    #[arg(long, env = "TALLY_MAX_QUEUED_WRITES_PER_ACCOUNT", default_value_t = DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT)]
+    pub max_queued_writes_per_account: usize,
+
     /// Most accounts kept folded in memory; the least recently used beyond it are dropped.
     #[arg(long, env = "TALLY_MAX_RESIDENT_ACCOUNTS", default_value_t = DEFAULT_MAX_RESIDENT_ACCOUNTS)]
     pub max_resident_accounts: usize,
@@ -149,6 +160,11 @@ impl Config {
                 "--write-max-attempts and --write-deadline-ms must be positive".into(),
             ));
         }
+        if self.max_live_writes == 0 || self.max_queued_writes_per_account == 0 {
+            return Err(ConfigError(
+                "--max-live-writes and --max-queued-writes-per-account must be positive".into(),
+            ));
+        }
         if self.max_batch_events == 0 || self.max_resident_accounts == 0 {
             return Err(ConfigError(
                 "--max-batch-events and --max-resident-accounts must be positive".into(),
@@ -195,6 +211,8 @@ impl Config {
             one_round_trip: self.one_round_trip,
             batching: self.batching,
             max_batch_events: self.max_batch_events,
+            max_live_writes: self.max_live_writes,
+            max_queued_per_account: self.max_queued_writes_per_account,
         }
     }
 }

@@ -17,6 +17,14 @@ const LATENCY_BUCKETS: &[f64] = &[
 /// Small-count buckets: attempts per write, round trips per write, events per batch.
 const COUNT_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0];
 
+/// Why the write side refused a request before sending anything, the values of the
+/// `reason` label of `tally_write_refused_total`.
+pub mod refused {
+    pub const LIVE_WRITES: &str = "live_writes";
+    pub const ACCOUNT_QUEUE: &str = "account_queue";
+    pub const QUEUED_PAST_DEADLINE: &str = "queued_past_deadline";
+}
+
 /// Write-loop arms, the values of the `arm` label.
 pub mod arm {
     pub const SUCCESS: &str = "success";
@@ -44,6 +52,8 @@ pub struct Metrics {
     pub write_attempts: HistogramVec,
     pub write_outcomes: IntCounterVec,
     pub write_batch_events: Histogram,
+    pub write_refused: IntCounterVec,
+    pub write_live: IntGauge,
     // Idempotency
     pub idem_replays: IntCounter,
     pub idem_key_reuse: IntCounter,
@@ -108,6 +118,17 @@ impl Metrics {
                 "tally_write_batch_events",
                 "Events sent in one store write (hot-account batching sends several).",
                 COUNT_BUCKETS,
+            ),
+            write_refused: counter_vec(
+                r,
+                "tally_write_refused_total",
+                "Writes refused with 503 before anything was sent, by the limit that refused them.",
+                &["reason"],
+            ),
+            write_live: gauge(
+                r,
+                "tally_write_live",
+                "Requests alive on the write side (running, queued or coalesced).",
             ),
             idem_replays: counter(
                 r,

@@ -180,6 +180,11 @@ impl From<WriteError> for ApiError {
             WriteError::Account(p) => p.into(),
             WriteError::CrossShard => StoreError::CrossShard.into(),
             WriteError::Store(s) => s.into(),
+            WriteError::Overloaded { .. } => ApiError::Unavailable(e.to_string()),
+            WriteError::Invariant { .. } => ApiError::Internal {
+                code: "INTERNAL",
+                message: e.to_string(),
+            },
         }
     }
 }
