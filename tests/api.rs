@@ -21,7 +21,7 @@ use tally::account::AccountId;
 use tally::config::Config;
 use tally::projection::ManualClock;
 use tally::store::faults::{Fault, FaultyLog};
-use tally::store::memory::{ManualClock as StoreClock, MemoryLog, MemoryOptions};
+use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock};
 use tally::store::{AggregateWrite, Event, EventType, SharedLog};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinSet;
@@ -1873,7 +1873,7 @@ async fn a_retry_on_a_replica_that_folded_the_account_earlier_is_marked_replayed
 
 #[tokio::test]
 async fn a_replay_is_honoured_for_the_stated_window_measured_in_server_time() {
-    let server_clock = Arc::new(StoreClock::new(1_000_000));
+    let server_clock = Arc::new(ServerClock::new(1_000_000));
     let store: SharedLog = Arc::new(MemoryLog::with_options(MemoryOptions {
         clock: server_clock.clone(),
         ..MemoryOptions::default()

@@ -425,7 +425,7 @@ struct Store {
 fn store(plan: &Plan) -> Store {
     let mem = Arc::new(MemoryLog::with_options(MemoryOptions {
         page_size: plan.page_size,
-        clock: Arc::new(memory::ManualClock::new(1_700_000_000_000)),
+        clock: Arc::new(memory::ServerClock::new(1_700_000_000_000)),
     }));
     let faults = plan
         .faults

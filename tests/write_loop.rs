@@ -27,7 +27,7 @@ use tally::account::{AccountEvent, AccountId, AmountCents, Identity, Operation, 
 use tally::metrics::{Metrics, arm};
 use tally::projection::{ManualClock as LocalClock, Projection, ProjectionConfig, ProjectionError};
 use tally::store::faults::{Fault, FaultConfig, FaultyLog, HoldHandle};
-use tally::store::memory::{ManualClock as ServerClock, MemoryLog, MemoryOptions};
+use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock};
 use tally::store::{
     AggregateDetails, AggregateKey, AggregateWrite, Batch, ClientId, Event, EventLog, EventType,
     ReadFilter, ReadPage, SharedLog, StoreError, StoreResult,
