@@ -6,10 +6,13 @@
 //!   [`observe`], [`funded`], ...);
 //! - [`raw_http`]: requests a well-behaved client cannot send (raw headers and bodies, raw
 //!   bytes over one TCP connection);
+//! - [`hooked_log`]: one store decorator that hooks, scripts and records a replica's store
+//!   calls, for the suites that steer the store from inside.
 //!
 //! Every suite compiles this module whole and uses part of it, hence `dead_code` is allowed.
 #![allow(dead_code)]
 
+pub mod hooked_log;
 pub mod raw_http;
 
 use std::net::SocketAddr;
