@@ -347,7 +347,7 @@ fn broken_error(account: AccountId, st: &AccountState) -> ProjectionError {
 mod catch_up_tests {
     use super::*;
     use crate::account::AccountEvent;
-    use crate::store::memory::{ManualClock as ServerClock, MemoryLog, MemoryOptions};
+    use crate::store::memory::{MemoryLog, MemoryOptions, ServerClock};
     use crate::store::{AggregateWrite, Event};
     use uuid::Uuid;
 
