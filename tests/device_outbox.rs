@@ -250,3 +250,17 @@ fn recorded_events_can_never_be_renumbered_or_deleted() {
         "a synced event stays synced"
     );
 }
+
+#[test]
+fn only_one_sync_loop_runs_per_outbox() {
+    let dir = TempDir::new("lock");
+    let (outbox, _) = Outbox::init(&dir.file(), 0).unwrap();
+    let other = Outbox::open(&dir.file()).unwrap();
+    let held = outbox.lock_sync().unwrap();
+    assert!(matches!(other.lock_sync(), Err(OutboxError::SyncRunning)));
+    drop(held);
+    assert!(
+        other.lock_sync().is_ok(),
+        "the lock is released with its holder"
+    );
+}

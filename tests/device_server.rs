@@ -11,7 +11,7 @@ use tally::metrics::Metrics;
 use tally::projection::{ManualClock, Projection, ProjectionConfig};
 use tally::store::faults::{Fault, FaultConfig, FaultyLog};
 use tally::store::memory::MemoryLog;
-use tally::store::{AggregateWrite, Batch, Event, ReadFilter, SharedLog};
+use tally::store::{AggregateWrite, Batch, Event, EventLog, ReadFilter, SharedLog};
 
 const ACCOUNT: &str = "00000000-0000-0000-0000-00000000acc1";
 const DEVICE: &str = "0b6c3a9e-51f4-4a3e-9a77-2d1f0e5c7b11";
@@ -240,4 +240,61 @@ async fn device_events_never_raise_the_service_client_sequence() {
         after.max_client_seq, 5,
         "a device batch must not move Tally's own client sequence"
     );
+}
+
+#[tokio::test]
+async fn a_reissued_sequence_is_never_answered_as_already_synced() {
+    let (memory, _, core) = faulty();
+    let mut original = run(1, 3, 10);
+    for e in &mut original.events {
+        e.event_id = Some(uuid::Uuid::new_v4().to_string());
+    }
+    core.handle(DEVICE, &original).await.unwrap();
+    // The device's outbox was restored from a copy taken before 2 and 3 were recorded: it
+    // records a new sale and numbers it 2 again.
+    let mut reissued = run(2, 2, 10);
+    reissued.events[0].event_id = Some(uuid::Uuid::new_v4().to_string());
+    let err = core.handle(DEVICE, &reissued).await.unwrap_err();
+    assert_eq!(err, DeviceSyncError::RunConflictsWithStore { seq: 2 });
+    assert!(err.is_conflict() && !err.resend_may_help());
+    assert_eq!(err.code(), "DEVICE_RUN_CONFLICTS_WITH_STORE");
+    // Without event ids the payload still tells them apart.
+    let (_, _, bare) = faulty();
+    bare.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
+    let err = bare.handle(DEVICE, &run(1, 2, 11)).await.unwrap_err();
+    assert_eq!(err, DeviceSyncError::RunConflictsWithStore { seq: 1 });
+    // The genuine resend is still already synced.
+    let again = core.handle(DEVICE, &original).await.unwrap();
+    assert_eq!(again.status, SyncStatus::AlreadySynced);
+    assert_eq!(batches(&memory).len(), 1);
+}
+
+#[tokio::test]
+async fn a_covered_run_a_lagging_read_cannot_show_is_retried_not_synced() {
+    let (_, faulty, core) = faulty();
+    core.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
+    faulty.lag_next_read(1);
+    let err = core.handle(DEVICE, &run(1, 2, 10)).await.unwrap_err();
+    assert!(matches!(
+        err,
+        DeviceSyncError::Retry {
+            reason: RetryReason::Unverified,
+            ..
+        }
+    ));
+    let again = core.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
+    assert_eq!(again.status, SyncStatus::AlreadySynced);
+}
+
+#[tokio::test]
+async fn a_covered_run_whose_batches_were_trimmed_rests_on_the_mark() {
+    let (memory, faulty, core) = faulty();
+    core.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
+    core.handle(DEVICE, &run(3, 3, 10)).await.unwrap();
+    let key = Identity::default().key(account());
+    faulty.trim_start(key, 2).await.unwrap();
+    assert_eq!(memory.batch_count(key), 1);
+    let again = core.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
+    assert_eq!(again.status, SyncStatus::AlreadySynced);
+    assert_eq!(again.last_seq, 3);
 }

@@ -1,7 +1,8 @@
 //! A deterministic, seeded simulation of an offline device: random records, syncs, crashes at
 //! every crash point (simulated by dropping all in-memory state and reopening the SQLite
 //! file), events recorded while a run is in flight, lost acks, lost and refused requests,
-//! writes held in flight past the client's timeout (so resends meet them: 2013), and long
+//! writes held in flight past the client's timeout (so resends meet them: 2013), lagging reads
+//! (so the server cannot yet prove an "already committed" run and asks for a retry), and long
 //! offline periods.
 //!
 //! Invariant, checked after every step: the outbox holds exactly what was recorded, numbered
@@ -250,6 +251,8 @@ async fn simulate(seed: u64, coverage: &mut Coverage) {
             refused: 0.1,
             inflight: 0.15,
             inflight_hold: INFLIGHT_HOLD,
+            // A lagging read makes the proof check of an "already committed" answer retry.
+            read_lag: 0.2,
             seed,
             ..FaultConfig::default()
         },
@@ -374,6 +377,7 @@ async fn simulate(seed: u64, coverage: &mut Coverage) {
     c.refused += f.refused;
     c.inflight += f.inflight;
     c.inflight_duplicate += f.inflight_duplicate;
+    c.read_lag += f.read_lag;
 }
 
 fn seeds() -> Vec<u64> {

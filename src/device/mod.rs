@@ -20,6 +20,7 @@
 pub mod crash;
 pub mod outbox;
 pub mod protocol;
+pub mod run;
 pub mod server;
 pub mod sync;
 pub mod transport;

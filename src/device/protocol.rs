@@ -35,12 +35,17 @@ pub mod codes {
     /// The store's mark for (account, device) lies inside the run: the device broke the
     /// rules (renumbered, or changed a run's boundaries). Never answered as synced.
     pub const RUN_STRADDLES_MARK: &str = "DEVICE_RUN_STRADDLES_MARK";
+    /// The store holds a different event of this device under one of the run's sequences:
+    /// the device reissued sequences. Never answered as synced.
+    pub const RUN_CONFLICTS_WITH_STORE: &str = "DEVICE_RUN_CONFLICTS_WITH_STORE";
     /// Retryable: a write holding these sequences is in flight (2013).
     pub const SYNC_IN_FLIGHT: &str = "SYNC_IN_FLIGHT";
     /// Retryable: the write may or may not have landed; resend the same run.
     pub const SYNC_OUTCOME_UNKNOWN: &str = "SYNC_OUTCOME_UNKNOWN";
     /// Retryable: the write was definitely not applied.
     pub const SYNC_NOT_APPLIED: &str = "SYNC_NOT_APPLIED";
+    /// Retryable: the run looks landed but could not be read back yet.
+    pub const SYNC_UNVERIFIED: &str = "SYNC_UNVERIFIED";
     /// Any other store failure.
     pub const STORE_ERROR: &str = "STORE_ERROR";
 }

@@ -8,22 +8,29 @@
 //! above the run's first sequence is already committed by this device". That proves the run
 //! landed only if the reported mark reaches the run's last sequence; a mark inside the run can
 //! only come from a device that renumbered or re-cut a run, and is answered as a typed error,
-//! never as synced.
+//! never as synced. Even a mark past the run is checked before the run is called synced: the
+//! device's batches covering the run are read back and must hold these very events (same
+//! sequence, event id and payload). A device restored from an old backup reissues sequences
+//! for new events; without the check those sales would be swallowed as "already synced".
+//! Events the store no longer has (trimmed) are taken on the mark alone; events a lagging
+//! read does not show yet make the answer a retry.
 //!
 //! Device batches never raise Tally's own client sequence: the projection only counts batches
 //! whose client id is the service's, and a device may not use that id (nor the reference
 //! service's, nor nil).
 
+use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use uuid::Uuid;
 
-use super::protocol::{
-    SyncEvent, SyncRequest, SyncResponse, SyncStatus, TYPE_DEPOSIT, TYPE_WITHDRAW, codes,
-};
+use super::protocol::{SyncRequest, SyncResponse, SyncStatus, codes};
+pub use super::run::{DeviceRun, RunEvent};
 use super::{DeviceId, MAX_RUN_EVENTS};
-use crate::account::{AccountId, AmountCents, Identity, Operation, named_id};
-use crate::store::{AggregateWrite, Event, SharedLog, StoreError};
+use crate::account::{AccountId, Identity, named_id};
+use crate::store::{
+    AggregateWrite, BatchStream, Event, ReadFilter, SharedLog, StoreError, StoreResult,
+};
 
 /// The namespace the store's event ids of device events are derived in. Never change it: a
 /// resend across the change would carry different event ids (harmless to dedup, which is by
@@ -39,6 +46,9 @@ pub enum RetryReason {
     OutcomeUnknown,
     /// The write was definitely not applied.
     NotApplied,
+    /// The store's mark covers the run, but a read does not show its events yet (a lagging
+    /// replica) or failed: ask again rather than call it synced unproven.
+    Unverified,
 }
 
 /// Every way a device sync can fail, for this layer. The HTTP mapping lives with the routes.
@@ -73,6 +83,13 @@ pub enum DeviceSyncError {
         first_seq: u64,
         last_seq: u64,
     },
+    /// The store holds a different event under one of the run's sequences: the device
+    /// reissued a sequence (e.g. its outbox was restored from an old copy). Never synced.
+    #[error(
+        "the store already holds a different event from this device under sequence {seq}: \
+         the device reissued sequences (was its outbox restored from an old copy?)"
+    )]
+    RunConflictsWithStore { seq: u64 },
     /// Send exactly the same run again (after a backoff).
     #[error("retry the same run ({reason:?}): {detail}")]
     Retry { reason: RetryReason, detail: String },
@@ -95,22 +112,35 @@ impl DeviceSyncError {
             DeviceSyncError::InvalidAmount { .. } => codes::INVALID_AMOUNT,
             DeviceSyncError::InvalidEventId { .. } => codes::INVALID_EVENT_ID,
             DeviceSyncError::RunStraddlesMark { .. } => codes::RUN_STRADDLES_MARK,
+            DeviceSyncError::RunConflictsWithStore { .. } => codes::RUN_CONFLICTS_WITH_STORE,
             DeviceSyncError::Retry { reason, .. } => match reason {
                 RetryReason::InFlight => codes::SYNC_IN_FLIGHT,
                 RetryReason::OutcomeUnknown => codes::SYNC_OUTCOME_UNKNOWN,
                 RetryReason::NotApplied => codes::SYNC_NOT_APPLIED,
+                RetryReason::Unverified => codes::SYNC_UNVERIFIED,
             },
             DeviceSyncError::Store(_) => codes::STORE_ERROR,
         }
     }
 
-    /// Whether the request itself is wrong (the caller must not resend it as is).
+    /// Whether the request itself is malformed (a 4xx: the caller must not resend it).
     pub fn is_invalid_request(&self) -> bool {
         !matches!(
             self,
             DeviceSyncError::RunStraddlesMark { .. }
+                | DeviceSyncError::RunConflictsWithStore { .. }
                 | DeviceSyncError::Retry { .. }
                 | DeviceSyncError::Store(_)
+        )
+    }
+
+    /// Whether the run contradicts what the store holds from this device: a device that
+    /// broke the sequence rules. Resending cannot fix it; an operator must look.
+    pub fn is_conflict(&self) -> bool {
+        matches!(
+            self,
+            DeviceSyncError::RunStraddlesMark { .. }
+                | DeviceSyncError::RunConflictsWithStore { .. }
         )
     }
 
@@ -118,122 +148,15 @@ impl DeviceSyncError {
     pub fn is_retryable(&self) -> bool {
         matches!(self, DeviceSyncError::Retry { .. })
     }
-}
 
-/// One validated event of a run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RunEvent {
-    pub client_seq: u64,
-    /// A deposit or a withdrawal of the run's account.
-    pub operation: Operation,
-    pub event_id: Option<Uuid>,
-    pub recorded_at_ms: Option<u64>,
-}
-
-/// A validated run: consecutive sequences of one account, at most the batch limit. Only
-/// [`DeviceRun::from_request`] builds one, so every run the core writes was checked.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DeviceRun {
-    account: AccountId,
-    events: Vec<RunEvent>,
-}
-
-impl DeviceRun {
-    /// Validates a request body. Never panics on input.
-    pub fn from_request(req: &SyncRequest, max_events: usize) -> Result<Self, DeviceSyncError> {
-        let account: AccountId = req
-            .account_id
-            .parse()
-            .map_err(|_| DeviceSyncError::InvalidAccount(req.account_id.clone()))?;
-        let Some(first) = req.events.first() else {
-            return Err(DeviceSyncError::EmptyRun);
-        };
-        if req.events.len() > max_events {
-            return Err(DeviceSyncError::RunTooLong {
-                len: req.events.len(),
-                max: max_events,
-            });
-        }
-        if first.client_seq == 0 {
-            return Err(DeviceSyncError::BadSequence(
-                "clientSeq starts at 1; 0 is not a sequence".into(),
-            ));
-        }
-        if let Some(declared) = req.first_seq
-            && declared != first.client_seq
-        {
-            return Err(DeviceSyncError::BadSequence(format!(
-                "firstSeq {declared} differs from the first event's clientSeq {}",
-                first.client_seq
-            )));
-        }
-        for (index, pair) in req.events.windows(2).enumerate() {
-            if pair[0].client_seq.checked_add(1) != Some(pair[1].client_seq) {
-                return Err(DeviceSyncError::BadSequence(format!(
-                    "event {}: clientSeq {} does not follow {} (a run has no gaps and never goes back)",
-                    index + 1,
-                    pair[1].client_seq,
-                    pair[0].client_seq
-                )));
-            }
-        }
-        let events = req
-            .events
-            .iter()
-            .enumerate()
-            .map(|(index, e)| run_event(index, account, e))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(DeviceRun { account, events })
+    /// Whether the device should resend the same run (bounded by its attempts): a retry, or a
+    /// store failure that may be transient. Resending a run is always safe.
+    pub fn resend_may_help(&self) -> bool {
+        matches!(
+            self,
+            DeviceSyncError::Retry { .. } | DeviceSyncError::Store(_)
+        )
     }
-
-    pub fn account(&self) -> AccountId {
-        self.account
-    }
-
-    pub fn events(&self) -> &[RunEvent] {
-        &self.events
-    }
-
-    pub fn first_seq(&self) -> u64 {
-        self.events.first().map_or(0, |e| e.client_seq)
-    }
-
-    pub fn last_seq(&self) -> u64 {
-        self.events.last().map_or(0, |e| e.client_seq)
-    }
-}
-
-fn run_event(index: usize, account: AccountId, e: &SyncEvent) -> Result<RunEvent, DeviceSyncError> {
-    let amount =
-        AmountCents::new(e.amount_cents).map_err(|err| DeviceSyncError::InvalidAmount {
-            index,
-            reason: err.to_string(),
-        })?;
-    let operation = match e.kind.as_str() {
-        TYPE_DEPOSIT => Operation::Deposit { account, amount },
-        TYPE_WITHDRAW => Operation::Withdraw { account, amount },
-        other => {
-            return Err(DeviceSyncError::UnknownEventType {
-                index,
-                kind: other.chars().take(64).collect(),
-            });
-        }
-    };
-    let event_id = match &e.event_id {
-        None => None,
-        Some(raw) => Some(
-            Uuid::parse_str(raw).map_err(|_| DeviceSyncError::InvalidEventId {
-                index,
-                value: raw.chars().take(64).collect(),
-            })?,
-        ),
-    };
-    Ok(RunEvent {
-        client_seq: e.client_seq,
-        operation,
-        event_id,
-        recorded_at_ms: e.recorded_at_ms,
-    })
 }
 
 /// What a sync did. Either way, every event of the run is in the store.
@@ -325,27 +248,10 @@ impl DeviceSync {
         device: DeviceId,
         run: &DeviceRun,
     ) -> Result<SyncOutcome, DeviceSyncError> {
-        if run.events.is_empty() {
-            return Err(DeviceSyncError::EmptyRun);
-        }
-        let now = now_ms();
-        let mut events = Vec::with_capacity(run.events.len());
-        for e in &run.events {
-            // A device operation is a deposit or a withdrawal: exactly one leg, on the run's
-            // account.
-            for leg in e.operation.legs().as_slice() {
-                events.push(Event {
-                    client_seq: e.client_seq,
-                    event_id: Some(store_event_id(device, run.account, e)),
-                    event_type: leg.event.event_type(),
-                    payload: leg.event.encode(),
-                    timestamp_ms: e.recorded_at_ms.unwrap_or(now),
-                });
-            }
-        }
+        let events = store_events(device, run, now_ms());
         let write = AggregateWrite {
-            key: self.identity.key(run.account),
-            events,
+            key: self.identity.key(run.account()),
+            events: events.clone(),
             expected_version: None,
             allow_create: true,
             enforce_client_idempotency: true,
@@ -360,6 +266,7 @@ impl DeviceSync {
                 })),
             },
             Err(StoreError::IdempotencyViolation { last_seq: mark, .. }) if mark >= last_seq => {
+                self.check_landed(device, run, &events).await?;
                 Ok(SyncOutcome::AlreadySynced { last_seq: mark })
             }
             Err(StoreError::IdempotencyViolation { last_seq: mark, .. }) => {
@@ -393,6 +300,113 @@ impl DeviceSync {
     }
 }
 
+impl DeviceSync {
+    /// Proves a run the store's mark covers is really there: every event of the run must be
+    /// read back from this device's batches with the same sequence, id, type and payload.
+    async fn check_landed(
+        &self,
+        device: DeviceId,
+        run: &DeviceRun,
+        expected: &[Event],
+    ) -> Result<(), DeviceSyncError> {
+        let (first, last) = (run.first_seq(), run.last_seq());
+        let (found, trimmed) = match self.read_run(device, run).await {
+            Ok(read) => read,
+            Err(e) => {
+                return Err(DeviceSyncError::Retry {
+                    reason: RetryReason::Unverified,
+                    detail: format!("reading back run {first}..={last} failed: {e}"),
+                });
+            }
+        };
+        for want in expected {
+            match found.get(&want.client_seq) {
+                Some(got)
+                    if got.event_id == want.event_id
+                        && got.event_type == want.event_type
+                        && got.payload == want.payload => {}
+                Some(_) => {
+                    tracing::warn!(device = %device, seq = want.client_seq, "device reissued a sequence");
+                    return Err(DeviceSyncError::RunConflictsWithStore {
+                        seq: want.client_seq,
+                    });
+                }
+                // Trimmed away: the mark is the only proof left, and it is the store's own.
+                None if trimmed => {}
+                None => {
+                    return Err(DeviceSyncError::Retry {
+                        reason: RetryReason::Unverified,
+                        detail: format!(
+                            "the store's mark covers sequence {} but a read does not show it yet",
+                            want.client_seq
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// This device's events of the run's sequences, by sequence, and whether part of the
+    /// stream was trimmed away.
+    async fn read_run(
+        &self,
+        device: DeviceId,
+        run: &DeviceRun,
+    ) -> StoreResult<(BTreeMap<u64, Event>, bool)> {
+        let (first, last) = (run.first_seq(), run.last_seq());
+        let mut filter = ReadFilter {
+            include_client_id: Some(device.as_u128()),
+            min_client_seq: Some(first),
+            max_client_seq: Some(last),
+            ..ReadFilter::from_version(1)
+        };
+        let mut found = BTreeMap::new();
+        let mut trimmed = false;
+        let key = self.identity.key(run.account());
+        let mut stream = BatchStream::new(self.log.as_ref(), key, filter.clone());
+        loop {
+            match stream.next_page().await {
+                Ok(Some(batches)) => {
+                    for e in batches.iter().flat_map(|b| b.events.iter()) {
+                        if (first..=last).contains(&e.client_seq) {
+                            found.entry(e.client_seq).or_insert_with(|| e.clone());
+                        }
+                    }
+                }
+                Ok(None) | Err(StoreError::AggregateNotFound) => break,
+                // Read what is left above the trim point, once.
+                Err(StoreError::Trimmed { min_available }) if !trimmed => {
+                    trimmed = true;
+                    filter.from_version = min_available;
+                    stream = BatchStream::new(self.log.as_ref(), key, filter.clone());
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok((found, trimmed))
+    }
+}
+
+/// The store events of a run: one per device event, named by [`store_event_id`].
+fn store_events(device: DeviceId, run: &DeviceRun, now: u64) -> Vec<Event> {
+    let mut events = Vec::with_capacity(run.events().len());
+    for e in run.events() {
+        // A device operation is a deposit or a withdrawal: exactly one leg, on the run's
+        // account.
+        for leg in e.operation.legs().as_slice() {
+            events.push(Event {
+                client_seq: e.client_seq,
+                event_id: Some(store_event_id(device, run.account(), e)),
+                event_type: leg.event.event_type(),
+                payload: leg.event.encode(),
+                timestamp_ms: e.recorded_at_ms.unwrap_or(now),
+            });
+        }
+    }
+    events
+}
+
 /// The store's event id for a device event: derived from the device id and the device's own
 /// event id (or, without one, the account and sequence), in a namespace of its own, so the
 /// same event always carries the same id and no device can name an id that an API caller's
@@ -423,6 +437,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::device::protocol::SyncEvent;
     use crate::store::memory::MemoryLog;
 
     const ACCOUNT: &str = "00000000-0000-0000-0000-0000000000a1";
@@ -449,76 +464,6 @@ mod tests {
     fn core() -> (Arc<MemoryLog>, DeviceSync) {
         let log = Arc::new(MemoryLog::new());
         (log.clone(), DeviceSync::new(log, Identity::default()))
-    }
-
-    fn refused(req: &SyncRequest) -> DeviceSyncError {
-        DeviceRun::from_request(req, 4).expect_err("the run must be refused")
-    }
-
-    #[test]
-    fn device_runs_have_consecutive_positive_sequences() {
-        let ok = request(vec![event(3, "deposit", 1), event(4, "withdraw", 2)]);
-        let run = DeviceRun::from_request(&ok, 4).unwrap();
-        assert_eq!((run.first_seq(), run.last_seq()), (3, 4));
-        for events in [
-            vec![event(0, "deposit", 1)],
-            vec![event(1, "deposit", 1), event(3, "deposit", 1)],
-            vec![event(2, "deposit", 1), event(1, "deposit", 1)],
-            vec![event(2, "deposit", 1), event(2, "deposit", 1)],
-            vec![event(u64::MAX, "deposit", 1), event(0, "deposit", 1)],
-        ] {
-            assert!(matches!(
-                refused(&request(events)),
-                DeviceSyncError::BadSequence(_)
-            ));
-        }
-        let mut declared = request(vec![event(5, "deposit", 1)]);
-        declared.first_seq = Some(4);
-        assert!(matches!(
-            refused(&declared),
-            DeviceSyncError::BadSequence(_)
-        ));
-    }
-
-    #[test]
-    fn device_runs_are_bounded_and_never_empty() {
-        assert_eq!(refused(&request(vec![])), DeviceSyncError::EmptyRun);
-        let five = (1..=5).map(|s| event(s, "deposit", 1)).collect();
-        assert_eq!(
-            refused(&request(five)),
-            DeviceSyncError::RunTooLong { len: 5, max: 4 }
-        );
-    }
-
-    #[test]
-    fn device_events_are_deposits_or_withdrawals_of_valid_amounts() {
-        for kind in ["transfer", "Deposited", ""] {
-            assert!(matches!(
-                refused(&request(vec![event(1, kind, 1)])),
-                DeviceSyncError::UnknownEventType { index: 0, .. }
-            ));
-        }
-        for cents in [0, -1, crate::account::MAX_AMOUNT_CENTS + 1] {
-            assert!(matches!(
-                refused(&request(vec![
-                    event(1, "deposit", 1),
-                    event(2, "withdraw", cents)
-                ])),
-                DeviceSyncError::InvalidAmount { index: 1, .. }
-            ));
-        }
-        let mut bad_id = event(1, "deposit", 1);
-        bad_id.event_id = Some("not-a-uuid".into());
-        assert!(matches!(
-            refused(&request(vec![bad_id])),
-            DeviceSyncError::InvalidEventId { index: 0, .. }
-        ));
-        let mut bad_account = request(vec![event(1, "deposit", 1)]);
-        bad_account.account_id = "acc-1".into();
-        assert!(matches!(
-            refused(&bad_account),
-            DeviceSyncError::InvalidAccount(_)
-        ));
     }
 
     #[tokio::test]

@@ -190,6 +190,7 @@ impl<'a, T: SyncTransport + ?Sized> SyncLoop<'a, T> {
 
     /// Drains the outbox, or stops with a reason. `hooks` is called at every crash point.
     pub async fn run(&mut self, hooks: &mut dyn Hooks) -> Result<SyncReport, SyncError> {
+        let _one_loop = self.outbox.lock_sync()?;
         let device = self.outbox.device_id();
         let mut report = SyncReport::default();
         while let Some(run) = self.outbox.next_run(self.options.batch_size, now_ms())? {

@@ -144,6 +144,7 @@ pub fn classify_http(status: StatusCode, body: &[u8]) -> Result<SyncResponse, Tr
     };
     let detail = format!("HTTP {}: {message}", status.as_u16());
     let refused = code == codes::RUN_STRADDLES_MARK
+        || code == codes::RUN_CONFLICTS_WITH_STORE
         || matches!(
             status,
             StatusCode::BAD_REQUEST
@@ -201,14 +202,10 @@ pub fn classify_core(
 ) -> Result<SyncResponse, TransportError> {
     match result {
         Ok(answer) => Ok(answer),
-        Err(e)
-            if e.is_invalid_request() || matches!(e, DeviceSyncError::RunStraddlesMark { .. }) =>
-        {
-            Err(TransportError::Refused {
-                code: e.code().into(),
-                detail: e.to_string(),
-            })
-        }
+        Err(e) if !e.resend_may_help() => Err(TransportError::Refused {
+            code: e.code().into(),
+            detail: e.to_string(),
+        }),
         Err(e) => Err(TransportError::Retry {
             in_flight: matches!(
                 e,

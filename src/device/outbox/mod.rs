@@ -24,15 +24,16 @@
 //!
 //! The API is synchronous (SQLite is); the one sync loop calls it between awaits.
 
-use std::path::Path;
+use std::fs::{File, OpenOptions, TryLockError};
+use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+mod schema;
+mod status;
 
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, params};
 use serde::Serialize;
 use uuid::Uuid;
-
-mod schema;
-mod status;
 
 use self::schema::{APPLICATION_ID, SCHEMA, check_and_load, configure};
 pub use self::status::{AccountStatus, Status};
@@ -64,6 +65,10 @@ pub enum OutboxError {
          online through the Tally API"
     )]
     TransferOffline,
+    #[error("another sync of this outbox is running")]
+    SyncRunning,
+    #[error("io: {0}")]
+    Io(String),
     /// The outbox contradicts its own invariants. Never papered over.
     #[error("outbox invariant broken: {0}")]
     Corrupt(String),
@@ -154,6 +159,14 @@ impl Run {
 pub struct Outbox {
     conn: Connection,
     device: DeviceId,
+    path: PathBuf,
+}
+
+/// Held while a sync loop runs: an exclusive OS lock on `<outbox>.sync-lock`, released when
+/// dropped or when the process dies, so a crashed sync never blocks the next one.
+#[derive(Debug)]
+pub struct SyncLock {
+    _file: File,
 }
 
 fn to_sql(n: u64) -> OutboxResult<i64> {
@@ -175,7 +188,7 @@ impl Outbox {
     pub fn init(path: &Path, now_ms: u64) -> OutboxResult<(Self, bool)> {
         let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE;
         let mut conn = Connection::open_with_flags(path, flags)?;
-        configure(&conn)?;
+        conn.busy_timeout(BUSY_TIMEOUT)?;
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let version: i64 = tx.pragma_query_value(None, "user_version", |r| r.get(0))?;
         let created = if version == 0 {
@@ -200,7 +213,15 @@ impl Outbox {
         };
         tx.commit()?;
         let device = check_and_load(&conn, path)?;
-        Ok((Self { conn, device }, created))
+        configure(&conn)?;
+        Ok((
+            Self {
+                conn,
+                device,
+                path: path.to_path_buf(),
+            },
+            created,
+        ))
     }
 
     /// Opens an existing, initialised outbox. Never creates one.
@@ -209,14 +230,38 @@ impl Outbox {
             return Err(OutboxError::NotInitialised(path.display().to_string()));
         }
         let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_WRITE)?;
-        configure(&conn)?;
+        conn.busy_timeout(BUSY_TIMEOUT)?;
         let device = check_and_load(&conn, path)?;
-        Ok(Self { conn, device })
+        configure(&conn)?;
+        Ok(Self {
+            conn,
+            device,
+            path: path.to_path_buf(),
+        })
     }
 
     /// The device's client id.
     pub fn device_id(&self) -> DeviceId {
         self.device
+    }
+
+    /// Takes the one-sync-loop lock, or says another sync is running. Two loops would send
+    /// the same run twice at once (harmless to the store, but each would then find the
+    /// other's run closed).
+    pub fn lock_sync(&self) -> OutboxResult<SyncLock> {
+        let mut name = self.path.clone().into_os_string();
+        name.push(".sync-lock");
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&name)
+            .map_err(|e| OutboxError::Io(format!("{}: {e}", PathBuf::from(&name).display())))?;
+        match file.try_lock() {
+            Ok(()) => Ok(SyncLock { _file: file }),
+            Err(TryLockError::WouldBlock) => Err(OutboxError::SyncRunning),
+            Err(TryLockError::Error(e)) => Err(OutboxError::Io(e.to_string())),
+        }
     }
 
     /// Records a deposit or withdrawal: assigns the account's next sequence and stores the

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use rusqlite::{Connection, OptionalExtension};
 
-use super::{BUSY_TIMEOUT, OutboxError, OutboxResult, SCHEMA_VERSION};
+use super::{OutboxError, OutboxResult, SCHEMA_VERSION};
 use crate::device::DeviceId;
 
 /// Marks the file as a Tally device outbox (`PRAGMA application_id`, "TLDV").
@@ -57,8 +57,8 @@ BEGIN SELECT RAISE(ABORT, 'a sequence counter never goes back'); END;
 
 /// Durability first: WAL with a full sync on every commit, so a committed record survives a
 /// power cut, not only a process crash.
+/// Called only once the file is known to be an outbox, so a foreign file is never changed.
 pub(super) fn configure(conn: &Connection) -> OutboxResult<()> {
-    conn.busy_timeout(BUSY_TIMEOUT)?;
     conn.pragma_update(None, "journal_mode", "WAL")?;
     conn.pragma_update(None, "synchronous", "FULL")?;
     Ok(())
