@@ -9,13 +9,17 @@
 //! window to fall out of, because the dedup state is the device's own outbox.
 //!
 //! - [`protocol`]: the JSON shapes of `POST /api/devices/{deviceId}/sync`;
+//! - [`run`]: one validated run of a device's events;
 //! - [`server`]: the service-side core behind that endpoint, which writes one run with the
 //!   device's client id and classifies the store's answer;
 //! - [`outbox`]: the device's SQLite outbox (identity, per-account sequences, runs);
 //! - [`sync`]: the one sync loop that drains the outbox in order;
-//! - [`transport`]: how the loop reaches a server (HTTP, or in process for tests).
+//! - [`transport`]: how the loop reaches a server (HTTP, or in process for tests);
+//! - [`crash`]: the named crash points between durable steps, for tests.
 //!
 //! Transfers are not recorded offline (see [`outbox::OutboxError::TransferOffline`]).
+//! Withdrawals are: offline there is no balance to check, so a device withdrawal is a fact
+//! the service folds as it comes (the balance may go below zero), never a request it refuses.
 
 pub mod crash;
 pub mod outbox;
