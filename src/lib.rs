@@ -8,6 +8,7 @@
 pub mod account;
 pub mod app;
 pub mod config;
+pub mod device;
 pub mod http;
 pub mod metrics;
 pub mod projection;
