@@ -70,6 +70,11 @@ pub struct Metrics {
     pub index_entries: IntGauge,
     pub evictions: IntCounterVec,
     pub poisoned_accounts: IntCounter,
+    // Start-up (step labels are the fixed step names: `serverClock`, `seed:<demo name>`)
+    pub startup_steps_pending: IntGauge,
+    pub startup_step_attempts: IntCounterVec,
+    pub startup_seed_outcomes: IntCounterVec,
+    pub server_clock_anchors: IntCounterVec,
 }
 
 impl Metrics {
@@ -200,6 +205,30 @@ impl Metrics {
                 r,
                 "tally_projection_poisoned_accounts_total",
                 "Folds that stopped on an event they could not decode, or on a trimmed stream.",
+            ),
+            startup_steps_pending: gauge(
+                r,
+                "tally_startup_steps_pending",
+                "Start-up steps not done yet; the replica serves the API once this is 0.",
+            ),
+            startup_step_attempts: counter_vec(
+                r,
+                "tally_startup_step_attempts_total",
+                "Start-up step attempts, by step name and result (done, failed).",
+                &["step", "result"],
+            ),
+            startup_seed_outcomes: counter_vec(
+                r,
+                "tally_startup_seed_outcomes_total",
+                "How demo-account seeds finished: written (acknowledged), found (an earlier \
+                 or sibling write landed it), occupied (the account began otherwise).",
+                &["outcome"],
+            ),
+            server_clock_anchors: counter_vec(
+                r,
+                "tally_server_clock_anchors_total",
+                "Server-clock anchor attempts (start-up and periodic), by result (ok, failed).",
+                &["result"],
             ),
             registry,
         }
