@@ -10,6 +10,7 @@ use tokio::task::JoinHandle;
 
 use crate::account::{AccountId, Identity};
 use crate::config::{Config, ConfigError, DEMO_ACCOUNTS, StoreKind, demo_account_id};
+use crate::device::server::DeviceSync;
 use crate::metrics::Metrics;
 use crate::projection::{Clock, MonotonicClock, Projection};
 use crate::reader::AccountReader;
@@ -43,6 +44,8 @@ pub struct App {
     pub writes: Arc<WriteService>,
     /// Balance and history reads.
     pub reader: AccountReader,
+    /// Offline devices' runs: the one path by which a device's client id reaches the store.
+    pub devices: DeviceSync,
     pub(crate) limiter: Arc<Semaphore>,
     shutting_down: AtomicBool,
     /// The start-up steps (server clock, demo accounts): until every one is done, API
@@ -102,6 +105,7 @@ impl AppBuilder {
         ));
         let writes = Arc::new(WriteService::new(projection.clone(), config.write()));
         let reader = AccountReader::new(projection.clone());
+        let devices = DeviceSync::new(log.clone(), identity);
         // Each step is tried once before this returns, so a healthy store starts ready; a
         // store that is down or faulty at boot does not stop the replica: each pending step
         // is retried on its own in the background.
@@ -126,6 +130,7 @@ impl AppBuilder {
             projection,
             writes,
             reader,
+            devices,
             shutting_down: AtomicBool::new(false),
             startup,
             sweeper,

@@ -25,6 +25,16 @@ pub mod refused {
     pub const QUEUED_PAST_DEADLINE: &str = "queued_past_deadline";
 }
 
+/// What a device sync run came to, the values of the `outcome` label of
+/// `tally_device_sync_runs_total`.
+pub mod device_outcome {
+    pub const SYNCED: &str = "synced";
+    pub const ALREADY_SYNCED: &str = "already_synced";
+    pub const RETRY: &str = "retry";
+    pub const REFUSED: &str = "refused";
+    pub const CONFLICT: &str = "conflict";
+}
+
 /// Write-loop arms, the values of the `arm` label.
 pub mod arm {
     pub const SUCCESS: &str = "success";
@@ -53,6 +63,9 @@ pub struct Metrics {
     pub write_outcomes: IntCounterVec,
     pub write_batch_events: Histogram,
     pub write_refused: IntCounterVec,
+    // Devices
+    pub device_sync_runs: IntCounterVec,
+    pub device_sync_events: IntCounter,
     pub write_live: IntGauge,
     // Idempotency
     pub idem_replays: IntCounter,
@@ -129,6 +142,17 @@ impl Metrics {
                 "tally_write_refused_total",
                 "Writes refused with 503 before anything was sent, by the limit that refused them.",
                 &["reason"],
+            ),
+            device_sync_runs: counter_vec(
+                r,
+                "tally_device_sync_runs_total",
+                "Device sync runs by outcome (synced, already_synced, retry, refused, conflict).",
+                &["outcome"],
+            ),
+            device_sync_events: counter(
+                r,
+                "tally_device_sync_events_total",
+                "Events of device runs answered synced or already synced.",
             ),
             write_live: gauge(
                 r,

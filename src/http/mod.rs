@@ -3,6 +3,7 @@
 
 mod accounts;
 pub mod body;
+mod devices;
 pub mod error;
 pub mod idempotency;
 mod ops;
