@@ -7,7 +7,10 @@ use clap::{Parser, ValueEnum};
 use uuid::Uuid;
 
 use crate::account::{Identity, named_id};
-use crate::projection::{DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_RESIDENT_ACCOUNTS, ProjectionConfig};
+use crate::projection::{
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_INDEX_ENTRIES, DEFAULT_MAX_RESIDENT_ACCOUNTS,
+    ProjectionConfig,
+};
 use crate::store::celeriant::CeleriantConfig;
 use crate::store::faults::FaultConfig;
 use crate::write_loop::{
@@ -105,6 +108,12 @@ pub struct Config {
     #[arg(long, env = "TALLY_MAX_RESIDENT_ACCOUNTS", default_value_t = DEFAULT_MAX_RESIDENT_ACCOUNTS)]
     pub max_resident_accounts: usize,
 
+    /// Most recent-writes index entries this replica holds (over all its accounts); at the
+    /// cap, new writes are refused with a retryable 503 until expiry frees room. Entries are
+    /// never dropped early: the idempotency window stays whole.
+    #[arg(long, env = "TALLY_MAX_INDEX_ENTRIES", default_value_t = DEFAULT_MAX_INDEX_ENTRIES)]
+    pub max_index_entries: usize,
+
     /// Drop an account from memory after this many idle seconds.
     #[arg(long, env = "TALLY_IDLE_TIMEOUT_SECS", default_value_t = DEFAULT_IDLE_TIMEOUT.as_secs())]
     pub idle_timeout_secs: u64,
@@ -154,6 +163,9 @@ impl Config {
                 "--max-batch-events and --max-resident-accounts must be positive".into(),
             ));
         }
+        if self.max_index_entries == 0 {
+            return Err(ConfigError("--max-index-entries must be positive".into()));
+        }
         if self.store == StoreKind::Celeriant {
             self.celeriant
                 .validate()
@@ -185,6 +197,7 @@ impl Config {
             window: self.window(),
             max_resident_accounts: self.max_resident_accounts,
             idle_timeout: Duration::from_secs(self.idle_timeout_secs),
+            max_index_entries: self.max_index_entries,
         }
     }
 
@@ -228,6 +241,20 @@ mod tests {
         assert!(c.validate().is_err());
         let c = Config::parse_from(["tally", "--store", "celeriant"]);
         assert!(!c.seeds_demo_accounts());
+    }
+
+    #[test]
+    fn the_index_cap_flag_reaches_its_config_and_zero_is_refused() {
+        let c = Config::parse_from(["tally", "--max-index-entries", "7"]);
+        c.validate().unwrap();
+        assert_eq!(c.projection().max_index_entries, 7);
+        assert_eq!(
+            Config::defaults().projection().max_index_entries,
+            DEFAULT_MAX_INDEX_ENTRIES
+        );
+        let c = Config::parse_from(["tally", "--max-index-entries", "0"]);
+        let e = c.validate().expect_err("zero");
+        assert!(e.to_string().contains("--max-index-entries"), "{e}");
     }
 
     #[test]

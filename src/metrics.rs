@@ -60,6 +60,9 @@ pub struct Metrics {
     pub index_entries: IntGauge,
     pub evictions: IntCounterVec,
     pub poisoned_accounts: IntCounter,
+    // Bounds: the recent-writes index cap (issue 13)
+    pub index_entries_cap: IntGauge,
+    pub writes_refused_index_full: IntCounter,
 }
 
 impl Metrics {
@@ -179,6 +182,18 @@ impl Metrics {
                 r,
                 "tally_projection_poisoned_accounts_total",
                 "Folds that stopped on an event they could not decode, or on a trimmed stream.",
+            ),
+            // Bounds: the recent-writes index cap. The cap is a gauge so that an alert reads
+            // entries / cap without repeating the configured number.
+            index_entries_cap: gauge(
+                r,
+                "tally_projection_index_entries_cap",
+                "The most recent-writes index entries this replica holds before it refuses new writes (--max-index-entries).",
+            ),
+            writes_refused_index_full: counter(
+                r,
+                "tally_writes_refused_index_full_total",
+                "New writes refused with a retryable 503 because the recent-writes index was at its cap.",
             ),
             registry,
         }
