@@ -23,6 +23,15 @@ pub const MAX_WINDOW_SECS: u64 = 86_400;
 pub const DEFAULT_MAX_CONCURRENT_REQUESTS: usize = 1024;
 /// How long shutdown waits for in-flight requests, unless configured.
 pub const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 10;
+/// The most bytes of one request's head (request line and headers) read, unless
+/// configured; a longer head is answered 431 and its connection closed. Tally's own
+/// headers (an Idempotency-Key, a content type) take well under 1 KiB, proxies add a few
+/// hundred bytes; 16 KiB leaves room for tracing and auth headers without letting every
+/// connection pin hyper's ~400 KB read buffer.
+pub const DEFAULT_MAX_HEADER_BYTES: usize = 16 * 1024;
+/// The accepted range of `--max-header-bytes`: below 1 KiB ordinary requests fail, and
+/// above 256 KiB the cap would sit next to hyper's own read-buffer limit (~400 KB).
+pub const HEADER_BYTES_RANGE: std::ops::RangeInclusive<usize> = 1024..=256 * 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum StoreKind {
@@ -114,6 +123,10 @@ pub struct Config {
     #[arg(long, env = "TALLY_MAX_INDEX_ENTRIES", default_value_t = DEFAULT_MAX_INDEX_ENTRIES)]
     pub max_index_entries: usize,
 
+    /// Most bytes of a request's line and headers; a longer head is answered 431.
+    #[arg(long, env = "TALLY_MAX_HEADER_BYTES", default_value_t = DEFAULT_MAX_HEADER_BYTES)]
+    pub max_header_bytes: usize,
+
     /// Drop an account from memory after this many idle seconds.
     #[arg(long, env = "TALLY_IDLE_TIMEOUT_SECS", default_value_t = DEFAULT_IDLE_TIMEOUT.as_secs())]
     pub idle_timeout_secs: u64,
@@ -165,6 +178,13 @@ impl Config {
         }
         if self.max_index_entries == 0 {
             return Err(ConfigError("--max-index-entries must be positive".into()));
+        }
+        if !HEADER_BYTES_RANGE.contains(&self.max_header_bytes) {
+            return Err(ConfigError(format!(
+                "--max-header-bytes must be {}..={}",
+                HEADER_BYTES_RANGE.start(),
+                HEADER_BYTES_RANGE.end()
+            )));
         }
         if self.store == StoreKind::Celeriant {
             self.celeriant
@@ -244,17 +264,31 @@ mod tests {
     }
 
     #[test]
-    fn the_index_cap_flag_reaches_its_config_and_zero_is_refused() {
-        let c = Config::parse_from(["tally", "--max-index-entries", "7"]);
+    fn the_bounds_flags_reach_their_configs_and_are_refused_out_of_range() {
+        let c = Config::parse_from([
+            "tally",
+            "--max-index-entries",
+            "7",
+            "--max-header-bytes",
+            "4096",
+        ]);
         c.validate().unwrap();
         assert_eq!(c.projection().max_index_entries, 7);
+        assert_eq!(c.max_header_bytes, 4096);
+        let d = Config::defaults();
         assert_eq!(
-            Config::defaults().projection().max_index_entries,
-            DEFAULT_MAX_INDEX_ENTRIES
+            (d.projection().max_index_entries, d.max_header_bytes),
+            (DEFAULT_MAX_INDEX_ENTRIES, DEFAULT_MAX_HEADER_BYTES)
         );
-        let c = Config::parse_from(["tally", "--max-index-entries", "0"]);
-        let e = c.validate().expect_err("zero");
-        assert!(e.to_string().contains("--max-index-entries"), "{e}");
+        for bad in [
+            ["--max-index-entries", "0"],
+            ["--max-header-bytes", "1023"],
+            ["--max-header-bytes", "262145"],
+        ] {
+            let c = Config::parse_from(["tally", bad[0], bad[1]]);
+            let e = c.validate().expect_err("out of range");
+            assert!(e.to_string().contains(bad[0]), "{e}");
+        }
     }
 
     #[test]
