@@ -7,7 +7,10 @@ use clap::{Parser, ValueEnum};
 use uuid::Uuid;
 
 use crate::account::{Identity, named_id};
-use crate::projection::{DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_RESIDENT_ACCOUNTS, ProjectionConfig};
+use crate::projection::{
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_INDEX_ENTRIES, DEFAULT_MAX_RESIDENT_ACCOUNTS,
+    ProjectionConfig,
+};
 use crate::store::celeriant::CeleriantConfig;
 use crate::store::faults::FaultConfig;
 use crate::write_loop::{
@@ -21,6 +24,15 @@ pub const MAX_WINDOW_SECS: u64 = 86_400;
 pub const DEFAULT_MAX_CONCURRENT_REQUESTS: usize = 1024;
 /// How long shutdown waits for in-flight requests, unless configured.
 pub const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 10;
+/// The most bytes of one request's head (request line and headers) read, unless
+/// configured; a longer head is answered 431 and its connection closed. Tally's own
+/// headers (an Idempotency-Key, a content type) take well under 1 KiB, proxies add a few
+/// hundred bytes; 16 KiB leaves room for tracing and auth headers without letting every
+/// connection pin hyper's ~400 KB read buffer.
+pub const DEFAULT_MAX_HEADER_BYTES: usize = 16 * 1024;
+/// The accepted range of `--max-header-bytes`: below 1 KiB ordinary requests fail, and
+/// above 256 KiB the cap would sit next to hyper's own read-buffer limit (~400 KB).
+pub const HEADER_BYTES_RANGE: std::ops::RangeInclusive<usize> = 1024..=256 * 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum StoreKind {
@@ -116,6 +128,16 @@ pub struct Config {
     #[arg(long, env = "TALLY_MAX_RESIDENT_ACCOUNTS", default_value_t = DEFAULT_MAX_RESIDENT_ACCOUNTS)]
     pub max_resident_accounts: usize,
 
+    /// Most recent-writes index entries this replica holds (over all its accounts); at the
+    /// cap, new writes are refused with a retryable 503 until expiry frees room. Entries are
+    /// never dropped early: the idempotency window stays whole.
+    #[arg(long, env = "TALLY_MAX_INDEX_ENTRIES", default_value_t = DEFAULT_MAX_INDEX_ENTRIES)]
+    pub max_index_entries: usize,
+
+    /// Most bytes of a request's line and headers; a longer head is answered 431.
+    #[arg(long, env = "TALLY_MAX_HEADER_BYTES", default_value_t = DEFAULT_MAX_HEADER_BYTES)]
+    pub max_header_bytes: usize,
+
     /// Drop an account from memory after this many idle seconds.
     #[arg(long, env = "TALLY_IDLE_TIMEOUT_SECS", default_value_t = DEFAULT_IDLE_TIMEOUT.as_secs())]
     pub idle_timeout_secs: u64,
@@ -170,6 +192,16 @@ impl Config {
                 "--max-batch-events and --max-resident-accounts must be positive".into(),
             ));
         }
+        if self.max_index_entries == 0 {
+            return Err(ConfigError("--max-index-entries must be positive".into()));
+        }
+        if !HEADER_BYTES_RANGE.contains(&self.max_header_bytes) {
+            return Err(ConfigError(format!(
+                "--max-header-bytes must be {}..={}",
+                HEADER_BYTES_RANGE.start(),
+                HEADER_BYTES_RANGE.end()
+            )));
+        }
         if self.store == StoreKind::Celeriant {
             self.celeriant
                 .validate()
@@ -201,6 +233,7 @@ impl Config {
             window: self.window(),
             max_resident_accounts: self.max_resident_accounts,
             idle_timeout: Duration::from_secs(self.idle_timeout_secs),
+            max_index_entries: self.max_index_entries,
         }
     }
 
@@ -246,6 +279,34 @@ mod tests {
         assert!(c.validate().is_err());
         let c = Config::parse_from(["tally", "--store", "celeriant"]);
         assert!(!c.seeds_demo_accounts());
+    }
+
+    #[test]
+    fn the_bounds_flags_reach_their_configs_and_are_refused_out_of_range() {
+        let c = Config::parse_from([
+            "tally",
+            "--max-index-entries",
+            "7",
+            "--max-header-bytes",
+            "4096",
+        ]);
+        c.validate().unwrap();
+        assert_eq!(c.projection().max_index_entries, 7);
+        assert_eq!(c.max_header_bytes, 4096);
+        let d = Config::defaults();
+        assert_eq!(
+            (d.projection().max_index_entries, d.max_header_bytes),
+            (DEFAULT_MAX_INDEX_ENTRIES, DEFAULT_MAX_HEADER_BYTES)
+        );
+        for bad in [
+            ["--max-index-entries", "0"],
+            ["--max-header-bytes", "1023"],
+            ["--max-header-bytes", "262145"],
+        ] {
+            let c = Config::parse_from(["tally", bad[0], bad[1]]);
+            let e = c.validate().expect_err("out of range");
+            assert!(e.to_string().contains(bad[0]), "{e}");
+        }
     }
 
     #[test]

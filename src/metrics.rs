@@ -88,6 +88,9 @@ pub struct Metrics {
     pub startup_step_attempts: IntCounterVec,
     pub startup_seed_outcomes: IntCounterVec,
     pub server_clock_anchors: IntCounterVec,
+    // Bounds: the recent-writes index cap (issue 13)
+    pub index_entries_cap: IntGauge,
+    pub writes_refused_index_full: IntCounter,
 }
 
 impl Metrics {
@@ -253,6 +256,18 @@ impl Metrics {
                 "tally_server_clock_anchors_total",
                 "Server-clock anchor attempts (start-up and periodic), by result (ok, failed).",
                 &["result"],
+            ),
+            // Bounds: the recent-writes index cap. The cap is a gauge so that an alert reads
+            // entries / cap without repeating the configured number.
+            index_entries_cap: gauge(
+                r,
+                "tally_projection_index_entries_cap",
+                "The most recent-writes index entries this replica holds before it refuses new writes (--max-index-entries).",
+            ),
+            writes_refused_index_full: counter(
+                r,
+                "tally_writes_refused_index_full_total",
+                "New writes refused with a retryable 503 because the recent-writes index was at its cap.",
             ),
             registry,
         }

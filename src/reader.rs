@@ -74,6 +74,11 @@ pub enum ReadError {
         "the store's read shows nothing from version {from_version}, but the account is at {current}; retry"
     )]
     HistoryBehindFold { from_version: u64, current: u64 },
+    /// Retryable: the fold cannot say how far the stream goes (it is trimmed or poisoned),
+    /// and the store's details call that would say it failed. Without the tip a full page
+    /// would look like the last one, and a client following the pages would stop early.
+    #[error("the store could not say where the account's stream ends ({0}); retry")]
+    HistoryTipUnknown(StoreError),
     /// The page size asked for is outside `1..=MAX_HISTORY_LIMIT`.
     #[error("limit must be 1..={max}")]
     LimitOutOfRange { max: usize },
@@ -200,12 +205,10 @@ impl AccountReader {
         let (balance_cents, current) = match self.projection.catch_up(account).await {
             Ok((_, snap)) => (Some(snap.balance), snap.version),
             Err(ProjectionError::Store(e)) => return Err(e.into()),
-            // NOTE: a `details` failure reads as version 0 here (`unwrap_or(0)`), kept as it
-            // was; a later issue makes it an error instead.
-            Err(_) => (
-                None,
-                log.details(key).await.map(|d| d.max_version).unwrap_or(0),
-            ),
+            Err(_) => match log.details(key).await {
+                Ok(d) => (None, d.max_version),
+                Err(e) => return Err(ReadError::HistoryTipUnknown(e)),
+            },
         };
         let mut first_available_version = None;
         let filter = |from| ReadFilter {
@@ -292,13 +295,53 @@ mod tests {
     use crate::projection::{ManualClock, ProjectionConfig};
     use crate::store::faults::{FaultConfig, FaultyLog};
     use crate::store::memory::MemoryLog;
-    use crate::store::{AggregateWrite, Event, EventLog, EventType, SharedLog};
+    use crate::store::{
+        AggregateDetails, AggregateKey, AggregateWrite, ClientId, Event, EventLog, EventType,
+        ReadPage, SharedLog, StoreResult,
+    };
     use bytes::Bytes;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use uuid::Uuid;
+
+    /// Fails every `details` call while armed and passes everything else through.
+    /// (`FaultyLog` scripts faults into writes and reads only.)
+    struct FailingDetails {
+        inner: SharedLog,
+        armed: AtomicBool,
+    }
+
+    #[async_trait::async_trait]
+    impl EventLog for FailingDetails {
+        async fn write(
+            &self,
+            client_id: ClientId,
+            writes: Vec<AggregateWrite>,
+        ) -> StoreResult<Vec<u64>> {
+            self.inner.write(client_id, writes).await
+        }
+
+        async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage> {
+            self.inner.read(key, filter).await
+        }
+
+        async fn details(&self, key: AggregateKey) -> StoreResult<AggregateDetails> {
+            if self.armed.load(Ordering::SeqCst) {
+                return Err(StoreError::NotApplied {
+                    reason: "scripted: details unavailable".into(),
+                });
+            }
+            self.inner.details(key).await
+        }
+
+        async fn trim_start(&self, key: AggregateKey, keep_from_version: u64) -> StoreResult<()> {
+            self.inner.trim_start(key, keep_from_version).await
+        }
+    }
 
     struct Fixture {
         memory: Arc<MemoryLog>,
         faulty: Arc<FaultyLog<MemoryLog>>,
+        details: Arc<FailingDetails>,
         identity: Identity,
         metrics: Arc<Metrics>,
         reader: AccountReader,
@@ -306,15 +349,19 @@ mod tests {
         next_seq: u64,
     }
 
-    /// A reader over an in-memory store behind a fault layer that injects nothing unless a
-    /// test scripts it.
+    /// A reader over an in-memory store behind fault layers that inject nothing unless a
+    /// test scripts them.
     fn fixture() -> Fixture {
         let memory = Arc::new(MemoryLog::new());
         let faulty = Arc::new(FaultyLog::new(memory.clone(), FaultConfig::default()));
+        let details = Arc::new(FailingDetails {
+            inner: faulty.clone(),
+            armed: AtomicBool::new(false),
+        });
         let identity = Identity::default();
         let metrics = Arc::new(Metrics::new());
         let projection = Projection::new(
-            faulty.clone() as SharedLog,
+            details.clone() as SharedLog,
             identity,
             ProjectionConfig::default(),
             Arc::new(ManualClock::new(0)),
@@ -323,6 +370,7 @@ mod tests {
         Fixture {
             memory,
             faulty,
+            details,
             identity,
             metrics,
             reader: AccountReader::new(Arc::new(projection)),
@@ -502,6 +550,35 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    /// Rule: when neither the fold nor the store can say where the stream ends, the page is
+    /// a retryable error, never a full page presented as the last one.
+    #[tokio::test]
+    async fn a_history_page_whose_tip_the_store_cannot_tell_is_retryable_not_the_last() {
+        let mut f = fixture();
+        for amount in 1..=6 {
+            f.deposit_batch(&[amount]).await;
+        }
+        // A trimmed stream: the cold fold cannot derive it, so only `details` knows the tip.
+        f.memory
+            .trim_start_now(f.identity.key(f.account), 3)
+            .expect("trim");
+        f.details.armed.store(true, Ordering::SeqCst);
+        let page = f.reader.history(f.account, 1, Some(2)).await;
+        assert!(
+            matches!(
+                page,
+                Err(ReadError::HistoryTipUnknown(StoreError::NotApplied { .. }))
+            ),
+            "{page:?}"
+        );
+        // With the store answering again, the same page says where the rest starts.
+        f.details.armed.store(false, Ordering::SeqCst);
+        let page = f.reader.history(f.account, 1, Some(2)).await.expect("page");
+        assert_eq!(versions(&page), vec![3, 4]);
+        assert_eq!(page.current_version, 6);
+        assert_eq!(page.next_from_version, Some(5));
     }
 
     #[tokio::test]

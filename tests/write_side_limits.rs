@@ -29,6 +29,10 @@ struct Env {
 }
 
 fn env(config: WriteConfig) -> Env {
+    env_with(ProjectionConfig::default(), config)
+}
+
+fn env_with(projection_config: ProjectionConfig, config: WriteConfig) -> Env {
     let mem = Arc::new(MemoryLog::new());
     let faulty = Arc::new(FaultyLog::new(mem.clone(), FaultConfig::default()));
     let metrics = Arc::new(Metrics::new());
@@ -36,7 +40,7 @@ fn env(config: WriteConfig) -> Env {
     let projection = Arc::new(Projection::new(
         faulty.clone(),
         identity,
-        ProjectionConfig::default(),
+        projection_config,
         Arc::new(ManualClock::new(0)),
         metrics.clone(),
     ));
@@ -236,4 +240,35 @@ async fn the_same_key_on_two_accounts_is_two_requests_even_when_they_overlap() {
             "account {n} ({cents})"
         );
     }
+}
+
+/// Rule: the index cap bounds memory by refusing new writes, never by forgetting answers: at
+/// the cap a new write is refused retryably and not sent, while a retry of a landed write is
+/// still replayed from the index.
+#[tokio::test]
+async fn a_full_index_refuses_new_writes_but_still_replays_landed_ones() {
+    let env = env_with(
+        ProjectionConfig {
+            max_index_entries: 1,
+            ..ProjectionConfig::default()
+        },
+        WriteConfig::default(),
+    );
+    let x = acct(1);
+    let first = env.svc.execute(deposit(x, 10, 1)).await.expect("lands");
+
+    let refused = env.svc.execute(deposit(x, 20, 2)).await;
+    assert!(
+        matches!(refused, Err(WriteError::Overloaded { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(env.metrics.writes_refused_index_full.get(), 1);
+    let replay = env.svc.execute(deposit(x, 10, 1)).await.expect("replayed");
+    assert!(replay.replayed);
+    assert_eq!(replay.legs, first.legs);
+    assert_eq!(
+        env.event_ids(x).await,
+        vec![1],
+        "the refused write was never sent"
+    );
 }

@@ -169,9 +169,9 @@ impl From<ProjectionError> for ApiError {
 impl From<ReadError> for ApiError {
     fn from(e: ReadError) -> Self {
         match e {
-            ReadError::NotVisibleYet { .. } | ReadError::HistoryBehindFold { .. } => {
-                ApiError::Unavailable(e.to_string())
-            }
+            ReadError::NotVisibleYet { .. }
+            | ReadError::HistoryBehindFold { .. }
+            | ReadError::HistoryTipUnknown(_) => ApiError::Unavailable(e.to_string()),
             ReadError::LimitOutOfRange { .. } => ApiError::bad_request("BAD_QUERY", e.to_string()),
             ReadError::Unreadable { .. } => ApiError::Internal {
                 code: "ACCOUNT_UNREADABLE",
@@ -266,6 +266,12 @@ mod tests {
                     from_version: 3,
                     current: 4,
                 },
+                503,
+                "SERVICE_UNAVAILABLE",
+            ),
+            // Whatever the store said, even an error that is a 500 as a read's own.
+            (
+                ReadError::HistoryTipUnknown(StoreError::CrossShard),
                 503,
                 "SERVICE_UNAVAILABLE",
             ),

@@ -43,7 +43,11 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
     let mut builder = http1::Builder::new();
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT);
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        // hyper answers a head longer than this 431 and closes the connection (without it,
+        // only its ~400 KB read-buffer limit applies). More than 100 headers is a 431 too,
+        // hyper's default.
+        .max_header_size(app.config.max_header_bytes);
     tokio::pin!(shutdown);
     loop {
         tokio::select! {

@@ -14,7 +14,11 @@ use serde_json::{Value, json};
 use crate::common::{self, new_account};
 
 /// Every flag the binary takes, each settable from the environment.
-const FLAGS: [&str; 28] = [
+const FLAGS: [&str; 32] = [
+    "max-index-entries",
+    "max-header-bytes",
+    "max-live-writes",
+    "max-queued-writes-per-account",
     "listen",
     "store",
     "idempotency-window",

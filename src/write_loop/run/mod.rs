@@ -220,6 +220,7 @@ impl<'a> Run<'a> {
             let Some(batch) = self.decide(caught_up).await else {
                 continue;
             };
+            let batch = self.admit_new(batch);
             if batch.is_empty() {
                 continue;
             }
@@ -362,6 +363,32 @@ impl<'a> Run<'a> {
             }
         }
         Some(batch)
+    }
+
+    /// Keeps the recent-writes index within its cap: a member never sent before (no held
+    /// sequence, no attempt that may have landed) is refused retryably while the index is
+    /// full. This runs after the read-back, so a retry of a landed write is still replayed,
+    /// and a member that may have landed goes on: it must be settled, not dropped.
+    fn admit_new(&mut self, batch: Vec<usize>) -> Vec<usize> {
+        let is_new = |m: &Member| m.seqs.is_none() && !m.may_have_landed;
+        if !batch.iter().any(|&mi| is_new(&self.members[mi])) {
+            return batch;
+        }
+        let Err(full) = self.svc.projection.check_index_room() else {
+            return batch;
+        };
+        let mut kept = Vec::with_capacity(batch.len());
+        for mi in batch {
+            let m = &mut self.members[mi];
+            if is_new(m) {
+                m.phase = Phase::Done(Err(WriteError::Overloaded {
+                    reason: full.to_string(),
+                }));
+            } else {
+                kept.push(mi);
+            }
+        }
+        kept
     }
 
     /// Sequences for this write. A member that holds sequences keeps them; every other member
