@@ -118,7 +118,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     let mut hooks = AbortAt::from_env().map_err(|e| Failure(EXIT_ERROR, e))?;
     match cli.command {
         Command::Init => {
-            let (outbox, created) = Outbox::init(&cli.outbox, sync::now_ms())?;
+            let (outbox, created) = Outbox::init(&cli.outbox, tally::store::wall_clock_ms())?;
             let verb = if created {
                 "created"
             } else {
@@ -137,7 +137,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         } => {
             let operation = operation(&kind, &account, &amount_cents)?;
             let mut outbox = Outbox::open(&cli.outbox)?;
-            let event = outbox.record(operation, sync::now_ms(), &mut hooks)?;
+            let event = outbox.record(operation, tally::store::wall_clock_ms(), &mut hooks)?;
             println!(
                 "recorded {} of {} cents on {} as sequence {} (event {})",
                 event.kind.wire(),

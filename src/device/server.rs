@@ -20,7 +20,6 @@
 //! service's, nor nil).
 
 use std::collections::BTreeMap;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use uuid::Uuid;
 
@@ -30,6 +29,7 @@ use super::{DeviceId, MAX_RUN_EVENTS};
 use crate::account::{AccountId, Identity, named_id};
 use crate::store::{
     AggregateWrite, BatchStream, Event, ReadFilter, SharedLog, StoreError, StoreResult,
+    wall_clock_ms,
 };
 
 /// The namespace the store's event ids of device events are derived in. Never change it: a
@@ -248,7 +248,7 @@ impl DeviceSync {
         device: DeviceId,
         run: &DeviceRun,
     ) -> Result<SyncOutcome, DeviceSyncError> {
-        let events = store_events(device, run, now_ms());
+        let events = store_events(device, run, wall_clock_ms());
         let write = AggregateWrite {
             key: self.identity.key(run.account()),
             events: events.clone(),
@@ -423,13 +423,6 @@ pub fn store_event_id(device: DeviceId, account: AccountId, e: &RunEvent) -> u12
         }
     }
     Uuid::new_v5(&DEVICE_EVENT_NAMESPACE, &name).as_u128()
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@
 //! the run, and the store answers "already committed", which marks it then.
 
 use std::fmt;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use rand::{Rng, SeedableRng};
@@ -22,6 +22,7 @@ use super::outbox::{Outbox, OutboxError, Run};
 use super::protocol::{SyncRequest, SyncResponse, SyncStatus};
 use super::{DeviceId, MAX_RUN_EVENTS};
 use crate::account::AccountId;
+use crate::store::wall_clock_ms;
 
 /// Events per sync request unless `--batch-size` says otherwise (at most [`MAX_RUN_EVENTS`]).
 pub const DEFAULT_BATCH_SIZE: usize = 64;
@@ -193,7 +194,10 @@ impl<'a, T: SyncTransport + ?Sized> SyncLoop<'a, T> {
         let _one_loop = self.outbox.lock_sync()?;
         let device = self.outbox.device_id();
         let mut report = SyncReport::default();
-        while let Some(run) = self.outbox.next_run(self.options.batch_size, now_ms())? {
+        while let Some(run) = self
+            .outbox
+            .next_run(self.options.batch_size, wall_clock_ms())?
+        {
             hooks.at(Step::RunPersisted)?;
             let request = run.request();
             let mut attempt = 0u32;
@@ -243,7 +247,7 @@ impl<'a, T: SyncTransport + ?Sized> SyncLoop<'a, T> {
             };
             hooks.at(Step::Acked)?;
             let version = answer.aggregate_version;
-            self.outbox.mark_synced(&run, version, now_ms())?;
+            self.outbox.mark_synced(&run, version, wall_clock_ms())?;
             match answer.status {
                 SyncStatus::Synced => report.runs_synced += 1,
                 SyncStatus::AlreadySynced => report.runs_already_synced += 1,
@@ -270,14 +274,6 @@ fn covers(run: &Run, answer: &SyncResponse) -> Result<(), String> {
             answer.status, answer.last_seq, run.first_seq, run.last_seq
         ))
     }
-}
-
-/// Wall-clock now, epoch milliseconds: the outbox's timestamps are informational.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

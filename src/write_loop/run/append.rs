@@ -1,13 +1,11 @@
 //! Step 5 of an attempt: append one write for the batch, and apply what its outcome means
 //! (classified by [`crate::write_loop::classify`]), including the 2002 arm's point read.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use super::{Member, Phase, Run};
 use crate::account::rules::Leg;
 use crate::metrics::arm;
 use crate::projection::RecordedWrite;
-use crate::store::{AggregateWrite, Event};
+use crate::store::{AggregateWrite, Event, wall_clock_ms};
 use crate::write_loop::classify::{self, Settlement, Step};
 use crate::write_loop::service::invariant;
 use crate::write_loop::verify::{self, SeqOwnership};
@@ -238,12 +236,4 @@ impl Run<'_> {
             }
         }
     }
-}
-
-/// Client-side event timestamp: informational, so the wall clock is fine here.
-fn wall_clock_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
 }
