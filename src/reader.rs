@@ -74,6 +74,11 @@ pub enum ReadError {
         "the store's read shows nothing from version {from_version}, but the account is at {current}; retry"
     )]
     HistoryBehindFold { from_version: u64, current: u64 },
+    /// Retryable: the history read showed versions the fold could not reach even after
+    /// folding again (a lagging read), so no balance at the page's current version can be
+    /// given. Never a balance of an older version next to a newer `currentAggregateVersion`.
+    #[error("the account's fold lags behind version {seen} of its history; retry")]
+    BalanceBehindHistory { seen: u64 },
     /// Retryable: the fold cannot say how far the stream goes (it is trimmed or poisoned),
     /// and the store's details call that would say it failed. Without the tip a full page
     /// would look like the last one, and a client following the pages would stop early.
@@ -263,6 +268,17 @@ impl AccountReader {
                 }
             }
         }
+        // The balance must be the one at the page's current version: when the history read
+        // saw versions the fold had not (its read lagged), fold again before answering.
+        let (balance_cents, current) = match balance_cents {
+            Some(_) if newest_read > current => match self.projection.catch_up(account).await {
+                Ok((_, snap)) if snap.version >= newest_read => (Some(snap.balance), snap.version),
+                Ok(_) => return Err(ReadError::BalanceBehindHistory { seen: newest_read }),
+                Err(ProjectionError::Store(e)) => return Err(e.into()),
+                Err(_) => (None, current),
+            },
+            other => (other, current),
+        };
         let current_version = current.max(newest_read);
         // More exists: a full page, or a read that came back short of the version the fold
         // has (a lagging read). A client that follows `next_from_version` gets all of it.
@@ -526,6 +542,24 @@ mod tests {
         let page = f.reader.history(f.account, 2, None).await.expect("page");
         assert_eq!(versions(&page), vec![2]);
         assert_eq!(page.next_from_version, Some(3));
+    }
+
+    /// Rule: a history page's balance is the balance at its `currentAggregateVersion`. A
+    /// catch-up whose read lagged behind the page's read is folded again, never answered
+    /// with an older balance beside a newer version.
+    #[tokio::test]
+    async fn a_history_balance_matches_its_current_version_when_the_folds_read_lagged() {
+        let mut f = fixture();
+        for amount in 1..=3 {
+            f.deposit_batch(&[amount]).await;
+        }
+        // The first catch-up's read hides the newest 2 batches; the page read and the
+        // second catch-up are current.
+        f.faulty.lag_next_read(2);
+        let page = f.reader.history(f.account, 1, None).await.expect("page");
+        assert_eq!(versions(&page), vec![1, 2, 3]);
+        assert_eq!(page.current_version, 3);
+        assert_eq!(page.balance_cents, Some(6), "the balance at version 3");
     }
 
     #[tokio::test]

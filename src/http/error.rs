@@ -171,6 +171,7 @@ impl From<ReadError> for ApiError {
         match e {
             ReadError::NotVisibleYet { .. }
             | ReadError::HistoryBehindFold { .. }
+            | ReadError::BalanceBehindHistory { .. }
             | ReadError::HistoryTipUnknown(_) => ApiError::Unavailable(e.to_string()),
             ReadError::LimitOutOfRange { .. } => ApiError::bad_request("BAD_QUERY", e.to_string()),
             ReadError::Unreadable { .. } => ApiError::Internal {
