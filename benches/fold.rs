@@ -24,7 +24,7 @@ use tally::account::events::{DEPOSITED, WITHDRAWN};
 use tally::account::{AccountId, Identity};
 use tally::metrics::Metrics;
 use tally::projection::{AccountState, FoldContext, ManualClock, Projection, ProjectionConfig};
-use tally::store::memory::{ManualClock as ServerClock, MemoryLog, MemoryOptions};
+use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock};
 use tally::store::{AggregateWrite, Batch, Event, SharedLog};
 use uuid::Uuid;
 

@@ -5,30 +5,25 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
-use crate::account::{AccountEvent, AccountId, Identity};
+use crate::account::{AccountId, Identity};
 use crate::config::{Config, ConfigError, DEMO_ACCOUNTS, StoreKind, demo_account_id};
+use crate::device::server::DeviceSync;
 use crate::metrics::Metrics;
-use crate::projection::{Clock, MonotonicClock, Projection, SERVER_CLOCK_RESYNC};
+use crate::projection::{Clock, MonotonicClock, Projection};
 use crate::reader::AccountReader;
-use crate::store::EventLog;
+use crate::startup::Startup;
 use crate::store::celeriant::CeleriantLog;
 use crate::store::faults::FaultyLog;
 use crate::store::memory::MemoryLog;
 use crate::store::metered::MeteredLog;
-use crate::store::{AggregateWrite, Event, SharedLog, StoreError};
+use crate::store::{EventLog, SharedLog};
 use crate::write_loop::WriteService;
 
 /// How often resident accounts are swept for expired index entries and idle accounts.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
-/// The client sequence of a demo account's opening deposit: its stream's first own event.
-const SEED_CLIENT_SEQ: u64 = 1;
-/// First wait before the start-up work (server clock, demo accounts) is tried again when the
-/// store did not take it; doubles per attempt up to [`STARTUP_RETRY_MAX`].
-const STARTUP_RETRY_BASE: Duration = Duration::from_millis(200);
-const STARTUP_RETRY_MAX: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -49,15 +44,15 @@ pub struct App {
     pub writes: Arc<WriteService>,
     /// Balance and history reads.
     pub reader: AccountReader,
+    /// Offline devices' runs: the one path by which a device's client id reaches the store.
+    pub devices: DeviceSync,
     pub(crate) limiter: Arc<Semaphore>,
     shutting_down: AtomicBool,
-    /// The start-up work is done: the server clock anchored and the demo accounts seeded
-    /// (when asked). Until then API routes answer 503 and `/readyz` says not ready.
-    started: watch::Receiver<bool>,
+    /// The start-up steps (server clock, demo accounts): until every one is done, API
+    /// routes answer 503 and `/readyz` lists the pending ones. Its clock task then keeps the
+    /// server-clock anchor fresh.
+    startup: Startup,
     sweeper: JoinHandle<()>,
-    /// Finishes the start-up work if it failed at first, then re-anchors the server clock
-    /// every [`SERVER_CLOCK_RESYNC`].
-    clock_task: JoinHandle<()>,
 }
 
 /// Builds an [`App`]; the store and clock can be supplied (tests, in-process fleets).
@@ -110,26 +105,16 @@ impl AppBuilder {
         ));
         let writes = Arc::new(WriteService::new(projection.clone(), config.write()));
         let reader = AccountReader::new(projection.clone());
-        // Tried once now, so a healthy store starts ready; a store that is down or faulty at
-        // boot does not stop the replica: the work is retried in the background.
-        let (started_tx, started) = watch::channel(false);
-        let seed = config.seeds_demo_accounts();
-        let first = start_up(&projection, seed).await;
-        if let Err(e) = &first {
-            tracing::warn!(error = %e, "start-up work not done yet (server clock, demo accounts); retrying in the background, not serving until it is");
-        } else {
-            started_tx.send_replace(true);
-        }
-        let clock_task = {
-            let projection = projection.clone();
-            tokio::spawn(async move {
-                if first.is_err() {
-                    retry_start_up(&projection, seed).await;
-                    started_tx.send_replace(true);
-                }
-                resync_server_clock(&projection).await;
-            })
-        };
+        let devices = DeviceSync::new(log.clone(), identity);
+        // Each step is tried once before this returns, so a healthy store starts ready; a
+        // store that is down or faulty at boot does not stop the replica: each pending step
+        // is retried on its own in the background.
+        let startup = Startup::begin(
+            projection.clone(),
+            metrics.clone(),
+            config.seeds_demo_accounts(),
+        )
+        .await;
         let sweeper = tokio::spawn(
             projection
                 .clone()
@@ -145,10 +130,10 @@ impl AppBuilder {
             projection,
             writes,
             reader,
+            devices,
             shutting_down: AtomicBool::new(false),
-            started,
+            startup,
             sweeper,
-            clock_task,
         }))
     }
 }
@@ -181,62 +166,27 @@ impl App {
         self.shutting_down.load(Ordering::SeqCst)
     }
 
-    /// The start-up work (server clock, demo accounts) is done.
+    /// Every start-up step (server clock, demo accounts) is done.
     pub fn is_started(&self) -> bool {
-        *self.started.borrow()
+        self.startup.is_done()
     }
 
-    /// Resolves once the start-up work is done.
+    /// The start-up steps not done yet, by their fixed names (`serverClock`,
+    /// `seed:<demo name>`); empty once started.
+    pub fn startup_waiting(&self) -> Vec<String> {
+        self.startup.waiting()
+    }
+
+    /// Resolves once every start-up step is done.
     pub async fn started(&self) {
-        let mut started = self.started.clone();
-        // An error means the task ended without finishing: it was aborted with the app.
-        let _ = started.wait_for(|done| *done).await;
+        self.startup.done().await;
     }
 }
 
 impl Drop for App {
     fn drop(&mut self) {
+        // The start-up tasks are aborted when `startup` drops.
         self.sweeper.abort();
-        self.clock_task.abort();
-    }
-}
-
-/// What a replica does once before it serves: anchor its estimate of the server's now, which
-/// ages the recent-writes index, then seed the demo accounts (when asked).
-async fn start_up(projection: &Projection, seed: bool) -> Result<(), StoreError> {
-    let server_ms = projection.sync_server_clock().await?;
-    tracing::debug!(server_ms, "server clock anchored");
-    if seed {
-        seed_demo_accounts(projection.log(), projection.identity()).await?;
-    }
-    Ok(())
-}
-
-/// Re-anchors the estimate of the server's now, for the replica's lifetime. A failed probe
-/// keeps the old anchor (reads still raise it) and is tried again next period.
-async fn resync_server_clock(projection: &Projection) {
-    loop {
-        tokio::time::sleep(SERVER_CLOCK_RESYNC).await;
-        if let Err(e) = projection.sync_server_clock().await {
-            tracing::warn!(error = %e, "could not re-anchor the server clock; keeping the last anchor");
-        }
-    }
-}
-
-async fn retry_start_up(projection: &Projection, seed: bool) {
-    let mut wait = STARTUP_RETRY_BASE;
-    loop {
-        tokio::time::sleep(wait).await;
-        match start_up(projection, seed).await {
-            Ok(()) => {
-                tracing::info!("start-up work done (server clock, demo accounts)");
-                return;
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "start-up work failed; retrying");
-                wait = (wait * 2).min(STARTUP_RETRY_MAX);
-            }
-        }
     }
 }
 
@@ -255,32 +205,4 @@ async fn open_store(config: &Config) -> Result<SharedLog, StartError> {
             Ok(Arc::new(log))
         }
     }
-}
-
-/// Seeds each demo account with its opening deposit, create-only (expected version 0), so a
-/// fleet of replicas seeds each account exactly once.
-async fn seed_demo_accounts(log: &SharedLog, identity: &Identity) -> Result<(), StoreError> {
-    for (name, cents) in DEMO_ACCOUNTS {
-        let account = AccountId(demo_account_id(name));
-        let event = AccountEvent::Deposited { amount: cents };
-        let write = AggregateWrite {
-            key: identity.key(account),
-            events: vec![Event {
-                client_seq: SEED_CLIENT_SEQ,
-                event_id: Some(demo_account_id(&format!("seed:{name}")).as_u128()),
-                event_type: event.event_type(),
-                payload: event.encode(),
-                timestamp_ms: 0,
-            }],
-            expected_version: Some(0),
-            allow_create: true,
-            enforce_client_idempotency: true,
-        };
-        match log.write(identity.client(), vec![write]).await {
-            // Already there (a sibling replica, or an earlier run on a durable store).
-            Ok(_) | Err(StoreError::Conflict { .. } | StoreError::IdempotencyViolation { .. }) => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }

@@ -7,11 +7,15 @@ use clap::{Parser, ValueEnum};
 use uuid::Uuid;
 
 use crate::account::{Identity, named_id};
-use crate::projection::{DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_RESIDENT_ACCOUNTS, ProjectionConfig};
+use crate::projection::{
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_INDEX_ENTRIES, DEFAULT_MAX_RESIDENT_ACCOUNTS,
+    ProjectionConfig,
+};
 use crate::store::celeriant::CeleriantConfig;
 use crate::store::faults::FaultConfig;
 use crate::write_loop::{
-    DEFAULT_DEADLINE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BATCH_EVENTS, WriteConfig,
+    DEFAULT_DEADLINE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BATCH_EVENTS, DEFAULT_MAX_LIVE_WRITES,
+    DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT, WriteConfig,
 };
 
 /// The longest idempotency window accepted, in seconds (one day).
@@ -20,6 +24,15 @@ pub const MAX_WINDOW_SECS: u64 = 86_400;
 pub const DEFAULT_MAX_CONCURRENT_REQUESTS: usize = 1024;
 /// How long shutdown waits for in-flight requests, unless configured.
 pub const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 10;
+/// The most bytes of one request's head (request line and headers) read, unless
+/// configured; a longer head is answered 431 and its connection closed. Tally's own
+/// headers (an Idempotency-Key, a content type) take well under 1 KiB, proxies add a few
+/// hundred bytes; 16 KiB leaves room for tracing and auth headers without letting every
+/// connection pin hyper's ~400 KB read buffer.
+pub const DEFAULT_MAX_HEADER_BYTES: usize = 16 * 1024;
+/// The accepted range of `--max-header-bytes`: below 1 KiB ordinary requests fail, and
+/// above 256 KiB the cap would sit next to hyper's own read-buffer limit (~400 KB).
+pub const HEADER_BYTES_RANGE: std::ops::RangeInclusive<usize> = 1024..=256 * 1024;
 
 // Admission at the HTTP edge (issue 13).
 /// The most client connections open at once, unless configured. At the cap the server stops
@@ -125,9 +138,29 @@ pub struct Config {
     #[arg(long, env = "TALLY_MAX_BATCH_EVENTS", default_value_t = DEFAULT_MAX_BATCH_EVENTS)]
     pub max_batch_events: usize,
 
+    /// Most requests alive on the write side at once (running, queued or coalesced); beyond
+    /// it, 503 at once. Unlike --max-concurrent-requests, a write whose client disconnected
+    /// still counts until it ends.
+    #[arg(long, env = "TALLY_MAX_LIVE_WRITES", default_value_t = DEFAULT_MAX_LIVE_WRITES)]
+    pub max_live_writes: usize,
+
+    /// Most writes waiting in one account's queue; beyond it, 503 at once.
+    #[arg(long, env = "TALLY_MAX_QUEUED_WRITES_PER_ACCOUNT", default_value_t = DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT)]
+    pub max_queued_writes_per_account: usize,
+
     /// Most accounts kept folded in memory; the least recently used beyond it are dropped.
     #[arg(long, env = "TALLY_MAX_RESIDENT_ACCOUNTS", default_value_t = DEFAULT_MAX_RESIDENT_ACCOUNTS)]
     pub max_resident_accounts: usize,
+
+    /// Most recent-writes index entries this replica holds (over all its accounts); at the
+    /// cap, new writes are refused with a retryable 503 until expiry frees room. Entries are
+    /// never dropped early: the idempotency window stays whole.
+    #[arg(long, env = "TALLY_MAX_INDEX_ENTRIES", default_value_t = DEFAULT_MAX_INDEX_ENTRIES)]
+    pub max_index_entries: usize,
+
+    /// Most bytes of a request's line and headers; a longer head is answered 431.
+    #[arg(long, env = "TALLY_MAX_HEADER_BYTES", default_value_t = DEFAULT_MAX_HEADER_BYTES)]
+    pub max_header_bytes: usize,
 
     /// Drop an account from memory after this many idle seconds.
     #[arg(long, env = "TALLY_IDLE_TIMEOUT_SECS", default_value_t = DEFAULT_IDLE_TIMEOUT.as_secs())]
@@ -181,10 +214,25 @@ impl Config {
                 "--write-max-attempts and --write-deadline-ms must be positive".into(),
             ));
         }
+        if self.max_live_writes == 0 || self.max_queued_writes_per_account == 0 {
+            return Err(ConfigError(
+                "--max-live-writes and --max-queued-writes-per-account must be positive".into(),
+            ));
+        }
         if self.max_batch_events == 0 || self.max_resident_accounts == 0 {
             return Err(ConfigError(
                 "--max-batch-events and --max-resident-accounts must be positive".into(),
             ));
+        }
+        if self.max_index_entries == 0 {
+            return Err(ConfigError("--max-index-entries must be positive".into()));
+        }
+        if !HEADER_BYTES_RANGE.contains(&self.max_header_bytes) {
+            return Err(ConfigError(format!(
+                "--max-header-bytes must be {}..={}",
+                HEADER_BYTES_RANGE.start(),
+                HEADER_BYTES_RANGE.end()
+            )));
         }
         if self.store == StoreKind::Celeriant {
             self.celeriant
@@ -222,6 +270,7 @@ impl Config {
             window: self.window(),
             max_resident_accounts: self.max_resident_accounts,
             idle_timeout: Duration::from_secs(self.idle_timeout_secs),
+            max_index_entries: self.max_index_entries,
         }
     }
 
@@ -232,6 +281,8 @@ impl Config {
             one_round_trip: self.one_round_trip,
             batching: self.batching,
             max_batch_events: self.max_batch_events,
+            max_live_writes: self.max_live_writes,
+            max_queued_per_account: self.max_queued_writes_per_account,
         }
     }
 }
@@ -282,6 +333,34 @@ mod tests {
             let e = Config::parse_from(["tally", bad[0], bad[1]])
                 .validate()
                 .expect_err("out of range");
+            assert!(e.to_string().contains(bad[0]), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_bounds_flags_reach_their_configs_and_are_refused_out_of_range() {
+        let c = Config::parse_from([
+            "tally",
+            "--max-index-entries",
+            "7",
+            "--max-header-bytes",
+            "4096",
+        ]);
+        c.validate().unwrap();
+        assert_eq!(c.projection().max_index_entries, 7);
+        assert_eq!(c.max_header_bytes, 4096);
+        let d = Config::defaults();
+        assert_eq!(
+            (d.projection().max_index_entries, d.max_header_bytes),
+            (DEFAULT_MAX_INDEX_ENTRIES, DEFAULT_MAX_HEADER_BYTES)
+        );
+        for bad in [
+            ["--max-index-entries", "0"],
+            ["--max-header-bytes", "1023"],
+            ["--max-header-bytes", "262145"],
+        ] {
+            let c = Config::parse_from(["tally", bad[0], bad[1]]);
+            let e = c.validate().expect_err("out of range");
             assert!(e.to_string().contains(bad[0]), "{e}");
         }
     }

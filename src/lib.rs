@@ -2,15 +2,21 @@
 //!
 //! Layers, bottom up: [`store`] (the event-log port and its backends), [`account`] (events,
 //! codec, fold and business rules), [`projection`] (per-account state, the recent-writes
-//! index and catch-up), [`write_loop`] (the one write loop, with `write_loop::verify` for
-//! contested sequences), [`http`] (the hyper front end), [`app`] (wiring), [`config`] and [`metrics`].
+//! index and catch-up), then the users of the fold: [`write_loop`] (the one write loop,
+//! with `write_loop::verify` for contested sequences), [`reader`] (balance and history),
+//! [`startup`] (the server-clock anchor and demo seeds) and [`device`] (offline devices'
+//! outbox, sync loop and the service-side core); on top, [`http`] (the hyper front end) and
+//! [`app`] (wiring), with [`config`] and [`metrics`] beside them. `docs/architecture.md`
+//! walks one write through them.
 
 pub mod account;
 pub mod app;
 pub mod config;
+pub mod device;
 pub mod http;
 pub mod metrics;
 pub mod projection;
 pub mod reader;
+pub mod startup;
 pub mod store;
 pub mod write_loop;

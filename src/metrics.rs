@@ -17,6 +17,24 @@ const LATENCY_BUCKETS: &[f64] = &[
 /// Small-count buckets: attempts per write, round trips per write, events per batch.
 const COUNT_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0];
 
+/// Why the write side refused a request before sending anything, the values of the
+/// `reason` label of `tally_write_refused_total`.
+pub mod refused {
+    pub const LIVE_WRITES: &str = "live_writes";
+    pub const ACCOUNT_QUEUE: &str = "account_queue";
+    pub const QUEUED_PAST_DEADLINE: &str = "queued_past_deadline";
+}
+
+/// What a device sync run came to, the values of the `outcome` label of
+/// `tally_device_sync_runs_total`.
+pub mod device_outcome {
+    pub const SYNCED: &str = "synced";
+    pub const ALREADY_SYNCED: &str = "already_synced";
+    pub const RETRY: &str = "retry";
+    pub const REFUSED: &str = "refused";
+    pub const CONFLICT: &str = "conflict";
+}
+
 /// Write-loop arms, the values of the `arm` label.
 pub mod arm {
     pub const SUCCESS: &str = "success";
@@ -44,6 +62,11 @@ pub struct Metrics {
     pub write_attempts: HistogramVec,
     pub write_outcomes: IntCounterVec,
     pub write_batch_events: Histogram,
+    pub write_refused: IntCounterVec,
+    // Devices
+    pub device_sync_runs: IntCounterVec,
+    pub device_sync_events: IntCounter,
+    pub write_live: IntGauge,
     // Idempotency
     pub idem_replays: IntCounter,
     pub idem_key_reuse: IntCounter,
@@ -60,6 +83,14 @@ pub struct Metrics {
     pub index_entries: IntGauge,
     pub evictions: IntCounterVec,
     pub poisoned_accounts: IntCounter,
+    // Start-up (step labels are the fixed step names: `serverClock`, `seed:<demo name>`)
+    pub startup_steps_pending: IntGauge,
+    pub startup_step_attempts: IntCounterVec,
+    pub startup_seed_outcomes: IntCounterVec,
+    pub server_clock_anchors: IntCounterVec,
+    // Bounds: the recent-writes index cap (issue 13)
+    pub index_entries_cap: IntGauge,
+    pub writes_refused_index_full: IntCounter,
     // Admission at the HTTP edge (issue 13)
     pub http_connections: IntGauge,
     pub http_accept_paused: IntCounter,
@@ -113,6 +144,28 @@ impl Metrics {
                 "tally_write_batch_events",
                 "Events sent in one store write (hot-account batching sends several).",
                 COUNT_BUCKETS,
+            ),
+            write_refused: counter_vec(
+                r,
+                "tally_write_refused_total",
+                "Writes refused with 503 before anything was sent, by the limit that refused them.",
+                &["reason"],
+            ),
+            device_sync_runs: counter_vec(
+                r,
+                "tally_device_sync_runs_total",
+                "Device sync runs by outcome (synced, already_synced, retry, refused, conflict).",
+                &["outcome"],
+            ),
+            device_sync_events: counter(
+                r,
+                "tally_device_sync_events_total",
+                "Events of device runs answered synced or already synced.",
+            ),
+            write_live: gauge(
+                r,
+                "tally_write_live",
+                "Requests alive on the write side (running, queued or coalesced).",
             ),
             idem_replays: counter(
                 r,
@@ -184,6 +237,42 @@ impl Metrics {
                 r,
                 "tally_projection_poisoned_accounts_total",
                 "Folds that stopped on an event they could not decode, or on a trimmed stream.",
+            ),
+            startup_steps_pending: gauge(
+                r,
+                "tally_startup_steps_pending",
+                "Start-up steps not done yet; the replica serves the API once this is 0.",
+            ),
+            startup_step_attempts: counter_vec(
+                r,
+                "tally_startup_step_attempts_total",
+                "Start-up step attempts, by step name and result (done, failed).",
+                &["step", "result"],
+            ),
+            startup_seed_outcomes: counter_vec(
+                r,
+                "tally_startup_seed_outcomes_total",
+                "How demo-account seeds finished: written (acknowledged), found (an earlier \
+                 or sibling write landed it), occupied (the account began otherwise).",
+                &["outcome"],
+            ),
+            server_clock_anchors: counter_vec(
+                r,
+                "tally_server_clock_anchors_total",
+                "Server-clock anchor attempts (start-up and periodic), by result (ok, failed).",
+                &["result"],
+            ),
+            // Bounds: the recent-writes index cap. The cap is a gauge so that an alert reads
+            // entries / cap without repeating the configured number.
+            index_entries_cap: gauge(
+                r,
+                "tally_projection_index_entries_cap",
+                "The most recent-writes index entries this replica holds before it refuses new writes (--max-index-entries).",
+            ),
+            writes_refused_index_full: counter(
+                r,
+                "tally_writes_refused_index_full_total",
+                "New writes refused with a retryable 503 because the recent-writes index was at its cap.",
             ),
             // Admission at the HTTP edge (issue 13). Refusals themselves are counted in
             // tally_http_requests_shed_total.

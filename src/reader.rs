@@ -74,6 +74,16 @@ pub enum ReadError {
         "the store's read shows nothing from version {from_version}, but the account is at {current}; retry"
     )]
     HistoryBehindFold { from_version: u64, current: u64 },
+    /// Retryable: the history read showed versions the fold could not reach even after
+    /// folding again (a lagging read), so no balance at the page's current version can be
+    /// given. Never a balance of an older version next to a newer `currentAggregateVersion`.
+    #[error("the account's fold lags behind version {seen} of its history; retry")]
+    BalanceBehindHistory { seen: u64 },
+    /// Retryable: the fold cannot say how far the stream goes (it is trimmed or poisoned),
+    /// and the store's details call that would say it failed. Without the tip a full page
+    /// would look like the last one, and a client following the pages would stop early.
+    #[error("the store could not say where the account's stream ends ({0}); retry")]
+    HistoryTipUnknown(StoreError),
     /// The page size asked for is outside `1..=MAX_HISTORY_LIMIT`.
     #[error("limit must be 1..={max}")]
     LimitOutOfRange { max: usize },
@@ -200,12 +210,10 @@ impl AccountReader {
         let (balance_cents, current) = match self.projection.catch_up(account).await {
             Ok((_, snap)) => (Some(snap.balance), snap.version),
             Err(ProjectionError::Store(e)) => return Err(e.into()),
-            // NOTE: a `details` failure reads as version 0 here (`unwrap_or(0)`), kept as it
-            // was; a later issue makes it an error instead.
-            Err(_) => (
-                None,
-                log.details(key).await.map(|d| d.max_version).unwrap_or(0),
-            ),
+            Err(_) => match log.details(key).await {
+                Ok(d) => (None, d.max_version),
+                Err(e) => return Err(ReadError::HistoryTipUnknown(e)),
+            },
         };
         let mut first_available_version = None;
         let filter = |from| ReadFilter {
@@ -260,6 +268,17 @@ impl AccountReader {
                 }
             }
         }
+        // The balance must be the one at the page's current version: when the history read
+        // saw versions the fold had not (its read lagged), fold again before answering.
+        let (balance_cents, current) = match balance_cents {
+            Some(_) if newest_read > current => match self.projection.catch_up(account).await {
+                Ok((_, snap)) if snap.version >= newest_read => (Some(snap.balance), snap.version),
+                Ok(_) => return Err(ReadError::BalanceBehindHistory { seen: newest_read }),
+                Err(ProjectionError::Store(e)) => return Err(e.into()),
+                Err(_) => (None, current),
+            },
+            other => (other, current),
+        };
         let current_version = current.max(newest_read);
         // More exists: a full page, or a read that came back short of the version the fold
         // has (a lagging read). A client that follows `next_from_version` gets all of it.
@@ -292,13 +311,53 @@ mod tests {
     use crate::projection::{ManualClock, ProjectionConfig};
     use crate::store::faults::{FaultConfig, FaultyLog};
     use crate::store::memory::MemoryLog;
-    use crate::store::{AggregateWrite, Event, EventLog, EventType, SharedLog};
+    use crate::store::{
+        AggregateDetails, AggregateKey, AggregateWrite, ClientId, Event, EventLog, EventType,
+        ReadPage, SharedLog, StoreResult,
+    };
     use bytes::Bytes;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use uuid::Uuid;
+
+    /// Fails every `details` call while armed and passes everything else through.
+    /// (`FaultyLog` scripts faults into writes and reads only.)
+    struct FailingDetails {
+        inner: SharedLog,
+        armed: AtomicBool,
+    }
+
+    #[async_trait::async_trait]
+    impl EventLog for FailingDetails {
+        async fn write(
+            &self,
+            client_id: ClientId,
+            writes: Vec<AggregateWrite>,
+        ) -> StoreResult<Vec<u64>> {
+            self.inner.write(client_id, writes).await
+        }
+
+        async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage> {
+            self.inner.read(key, filter).await
+        }
+
+        async fn details(&self, key: AggregateKey) -> StoreResult<AggregateDetails> {
+            if self.armed.load(Ordering::SeqCst) {
+                return Err(StoreError::NotApplied {
+                    reason: "scripted: details unavailable".into(),
+                });
+            }
+            self.inner.details(key).await
+        }
+
+        async fn trim_start(&self, key: AggregateKey, keep_from_version: u64) -> StoreResult<()> {
+            self.inner.trim_start(key, keep_from_version).await
+        }
+    }
 
     struct Fixture {
         memory: Arc<MemoryLog>,
         faulty: Arc<FaultyLog<MemoryLog>>,
+        details: Arc<FailingDetails>,
         identity: Identity,
         metrics: Arc<Metrics>,
         reader: AccountReader,
@@ -306,15 +365,19 @@ mod tests {
         next_seq: u64,
     }
 
-    /// A reader over an in-memory store behind a fault layer that injects nothing unless a
-    /// test scripts it.
+    /// A reader over an in-memory store behind fault layers that inject nothing unless a
+    /// test scripts them.
     fn fixture() -> Fixture {
         let memory = Arc::new(MemoryLog::new());
         let faulty = Arc::new(FaultyLog::new(memory.clone(), FaultConfig::default()));
+        let details = Arc::new(FailingDetails {
+            inner: faulty.clone(),
+            armed: AtomicBool::new(false),
+        });
         let identity = Identity::default();
         let metrics = Arc::new(Metrics::new());
         let projection = Projection::new(
-            faulty.clone() as SharedLog,
+            details.clone() as SharedLog,
             identity,
             ProjectionConfig::default(),
             Arc::new(ManualClock::new(0)),
@@ -323,6 +386,7 @@ mod tests {
         Fixture {
             memory,
             faulty,
+            details,
             identity,
             metrics,
             reader: AccountReader::new(Arc::new(projection)),
@@ -480,6 +544,24 @@ mod tests {
         assert_eq!(page.next_from_version, Some(3));
     }
 
+    /// Rule: a history page's balance is the balance at its `currentAggregateVersion`. A
+    /// catch-up whose read lagged behind the page's read is folded again, never answered
+    /// with an older balance beside a newer version.
+    #[tokio::test]
+    async fn a_history_balance_matches_its_current_version_when_the_folds_read_lagged() {
+        let mut f = fixture();
+        for amount in 1..=3 {
+            f.deposit_batch(&[amount]).await;
+        }
+        // The first catch-up's read hides the newest 2 batches; the page read and the
+        // second catch-up are current.
+        f.faulty.lag_next_read(2);
+        let page = f.reader.history(f.account, 1, None).await.expect("page");
+        assert_eq!(versions(&page), vec![1, 2, 3]);
+        assert_eq!(page.current_version, 3);
+        assert_eq!(page.balance_cents, Some(6), "the balance at version 3");
+    }
+
     #[tokio::test]
     async fn a_trimmed_history_starts_at_the_first_available_version_without_a_balance() {
         let mut f = fixture();
@@ -502,6 +584,35 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    /// Rule: when neither the fold nor the store can say where the stream ends, the page is
+    /// a retryable error, never a full page presented as the last one.
+    #[tokio::test]
+    async fn a_history_page_whose_tip_the_store_cannot_tell_is_retryable_not_the_last() {
+        let mut f = fixture();
+        for amount in 1..=6 {
+            f.deposit_batch(&[amount]).await;
+        }
+        // A trimmed stream: the cold fold cannot derive it, so only `details` knows the tip.
+        f.memory
+            .trim_start_now(f.identity.key(f.account), 3)
+            .expect("trim");
+        f.details.armed.store(true, Ordering::SeqCst);
+        let page = f.reader.history(f.account, 1, Some(2)).await;
+        assert!(
+            matches!(
+                page,
+                Err(ReadError::HistoryTipUnknown(StoreError::NotApplied { .. }))
+            ),
+            "{page:?}"
+        );
+        // With the store answering again, the same page says where the rest starts.
+        f.details.armed.store(false, Ordering::SeqCst);
+        let page = f.reader.history(f.account, 1, Some(2)).await.expect("page");
+        assert_eq!(versions(&page), vec![3, 4]);
+        assert_eq!(page.current_version, 6);
+        assert_eq!(page.next_from_version, Some(5));
     }
 
     #[tokio::test]

@@ -1173,18 +1173,18 @@ mod rules {
 mod memory_only {
     use std::sync::Arc;
 
-    use tally::store::memory::{DEFAULT_PAGE_SIZE, ManualClock, MemoryLog, MemoryOptions};
+    use tally::store::memory::{DEFAULT_PAGE_SIZE, MemoryLog, MemoryOptions, ServerClock};
     use tally::store::{EventLog, ReadFilter, StoreError};
 
     use super::rules::{Keys, write};
 
-    fn log_with(page_size: usize, clock: Arc<ManualClock>) -> MemoryLog {
+    fn log_with(page_size: usize, clock: Arc<ServerClock>) -> MemoryLog {
         MemoryLog::with_options(MemoryOptions { page_size, clock })
     }
 
     #[tokio::test]
     async fn server_timestamps_come_from_the_clock_and_never_go_back() {
-        let clock = Arc::new(ManualClock::new(1_000));
+        let clock = Arc::new(ServerClock::new(1_000));
         let log = log_with(DEFAULT_PAGE_SIZE, Arc::clone(&clock));
         let (k, c) = (Keys::random(), 7);
         let (a, b) = (k.key(), k.key());
@@ -1236,7 +1236,7 @@ mod memory_only {
 
     #[tokio::test]
     async fn pages_hold_at_most_page_size_matching_batches_and_point_to_the_next() {
-        let log = log_with(3, Arc::new(ManualClock::new(1)));
+        let log = log_with(3, Arc::new(ServerClock::new(1)));
         let (k, c1, c2) = (Keys::random(), 1, 2);
         let key = k.key();
         for seq in 1..=10 {

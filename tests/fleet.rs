@@ -19,6 +19,7 @@ mod common;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use common::hooked_log::{Around, HookedLog};
 use common::{Reply, TestApp, new_account, spawn_fleet};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -27,8 +28,7 @@ use tally::metrics::arm;
 use tally::store::faults::{Fault, FaultConfig, FaultyLog};
 use tally::store::memory::MemoryLog;
 use tally::store::{
-    AggregateDetails, AggregateKey, AggregateWrite, Batch, BatchStream, ClientId, EventLog,
-    ReadFilter, ReadPage, SharedLog, StoreError, StoreResult,
+    AggregateKey, Batch, BatchStream, ClientId, ReadFilter, SharedLog, StoreError, StoreResult,
 };
 use tokio::sync::watch;
 
@@ -172,7 +172,7 @@ impl Fleet {
             None => base.clone(),
         };
         let (tx, inflight_duplicates) = watch::channel(0);
-        let store: SharedLog = Arc::new(Tap { inner, tx });
+        let store: SharedLog = Arc::new(HookedLog::around(inner, CountInflightDuplicates(tx)));
         let apps = spawn_fleet(n, store, extra).await;
         Self {
             base,
@@ -268,37 +268,16 @@ impl Fleet {
     }
 }
 
-/// A pass-through store that publishes how many writes it answered with
-/// `InflightDuplicate`: the signal the in-flight test waits on.
-struct Tap {
-    inner: SharedLog,
-    tx: watch::Sender<u64>,
-}
+/// Publishes how many writes the store answered with `InflightDuplicate`: the signal the
+/// in-flight test waits on.
+struct CountInflightDuplicates(watch::Sender<u64>);
 
 #[async_trait]
-impl EventLog for Tap {
-    async fn write(
-        &self,
-        client_id: ClientId,
-        writes: Vec<AggregateWrite>,
-    ) -> StoreResult<Vec<u64>> {
-        let result = self.inner.write(client_id, writes).await;
+impl Around for CountInflightDuplicates {
+    async fn after_write(&self, result: &StoreResult<Vec<u64>>) {
         if matches!(result, Err(StoreError::InflightDuplicate)) {
-            self.tx.send_modify(|n| *n += 1);
+            self.0.send_modify(|n| *n += 1);
         }
-        result
-    }
-
-    async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage> {
-        self.inner.read(key, filter).await
-    }
-
-    async fn details(&self, key: AggregateKey) -> StoreResult<AggregateDetails> {
-        self.inner.details(key).await
-    }
-
-    async fn trim_start(&self, key: AggregateKey, keep_from_version: u64) -> StoreResult<()> {
-        self.inner.trim_start(key, keep_from_version).await
     }
 }
 

@@ -24,7 +24,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{Reply, new_account};
+use common::{Reply, leg, new_account};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -468,14 +468,6 @@ impl Remote {
         }
         panic!("history of {account} on {} did not end", self.base);
     }
-}
-
-/// The `{balanceCents, aggregateVersion}` of one leg.
-fn leg(v: &Value) -> (i64, u64) {
-    (
-        v["balanceCents"].as_i64().expect("balanceCents"),
-        v["aggregateVersion"].as_u64().expect("aggregateVersion"),
-    )
 }
 
 /// The fleet, as the scenarios see it.

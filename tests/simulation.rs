@@ -45,6 +45,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use common::hooked_log::{Around, HookedLog};
 use parking_lot::Mutex;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -56,10 +57,7 @@ use tally::metrics::arm;
 use tally::projection::ManualClock;
 use tally::store::faults::{FaultConfig, FaultCounts, FaultyLog};
 use tally::store::memory::{self, MemoryLog, MemoryOptions};
-use tally::store::{
-    AggregateDetails, AggregateKey, AggregateWrite, BatchStream, ClientId, EventLog, ReadFilter,
-    ReadPage, SharedLog, StoreResult,
-};
+use tally::store::{AggregateKey, BatchStream, ClientId, ReadFilter, SharedLog, StoreResult};
 use tally::write_loop::{WriteError, WriteRequest};
 use uuid::Uuid;
 
@@ -351,16 +349,15 @@ async fn drive<F: Fleet>(fleet: Arc<F>, plan: &Plan, journal: &Arc<Mutex<Journal
 
 // --- The store as the simulation sees it ---
 
-/// Seeded latency in front of the shared store: before a call (and after a write) it may
-/// sleep a little virtual time or yield, so replicas interleave between a catch-up and the
-/// write it feeds.
+/// Seeded latency in front of the shared store (a [`HookedLog`] around the faults): before a
+/// call (and after a write) it may sleep a little virtual time or yield, so replicas
+/// interleave between a catch-up and the write it feeds.
 ///
-/// A replica's server-clock probe goes straight to the store, past faults and latency: it
-/// draws nothing from their seeded generators, so each seed keeps the fault and interleaving
-/// sequence it was recorded with (the regression seeds stay the scenarios they name).
+/// A replica's server-clock probe goes straight to the store, past faults and latency (the
+/// log's bypass): it draws nothing from their seeded generators, so each seed keeps the fault
+/// and interleaving sequence it was recorded with (the regression seeds stay the scenarios
+/// they name).
 struct Latency {
-    inner: SharedLog,
-    mem: Arc<MemoryLog>,
     p: f64,
     rng: Mutex<ChaCha8Rng>,
 }
@@ -384,34 +381,17 @@ impl Latency {
 }
 
 #[async_trait]
-impl EventLog for Latency {
-    async fn write(&self, client: ClientId, writes: Vec<AggregateWrite>) -> StoreResult<Vec<u64>> {
-        if writes.iter().any(|w| is_clock_probe(&w.key)) {
-            return self.mem.write(client, writes).await;
-        }
+impl Around for Latency {
+    async fn before_write(&self) {
         self.pause().await;
-        let result = self.inner.write(client, writes).await;
-        self.pause().await;
-        result
     }
 
-    async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage> {
+    async fn after_write(&self, _result: &StoreResult<Vec<u64>>) {
         self.pause().await;
-        self.inner.read(key, filter).await
     }
 
-    async fn details(&self, key: AggregateKey) -> StoreResult<AggregateDetails> {
-        if is_clock_probe(&key) {
-            return self.mem.details(key).await;
-        }
-        self.inner.details(key).await
-    }
-
-    async fn trim_start(&self, key: AggregateKey, keep_from_version: u64) -> StoreResult<()> {
-        if is_clock_probe(&key) {
-            return self.mem.trim_start(key, keep_from_version).await;
-        }
-        self.inner.trim_start(key, keep_from_version).await
+    async fn before_read(&self) {
+        self.pause().await;
     }
 }
 
@@ -425,7 +405,7 @@ struct Store {
 fn store(plan: &Plan) -> Store {
     let mem = Arc::new(MemoryLog::with_options(MemoryOptions {
         page_size: plan.page_size,
-        clock: Arc::new(memory::ManualClock::new(1_700_000_000_000)),
+        clock: Arc::new(memory::ServerClock::new(1_700_000_000_000)),
     }));
     let faults = plan
         .faults
@@ -435,12 +415,12 @@ fn store(plan: &Plan) -> Store {
         Some(f) => f.clone(),
         None => mem.clone(),
     };
-    let shared: SharedLog = Arc::new(Latency {
-        inner: below,
-        mem: mem.clone(),
+    let latency = Latency {
         p: plan.latency,
         rng: Mutex::new(ChaCha8Rng::seed_from_u64(plan.seed ^ 0x001a_7ec7)),
-    });
+    };
+    let shared: SharedLog =
+        Arc::new(HookedLog::around(below, latency).bypass(mem.clone(), is_clock_probe));
     Store {
         mem,
         faults,

@@ -4,33 +4,33 @@
 //! (batches, events per event id, and the balance folded from the stream).
 //!
 //! Layering of the store a scripted replica writes through:
-//! `WriteService -> Scripted (records every write, runs per-write steps) -> FaultyLog -> MemoryLog`.
+//! `WriteService -> HookedLog (records every write, runs per-write steps) -> FaultyLog -> MemoryLog`.
 //! Sibling replicas share the same `MemoryLog` (one store, one client id) and are built either
 //! on the scripted path or straight on the `MemoryLog`.
 
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::future::Future;
-use std::pin::Pin;
+mod common;
+
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use parking_lot::Mutex;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use tokio::task::JoinHandle;
 use uuid::Uuid;
+
+use common::hooked_log::{Around, HookedLog, LegRecord, Step, WriteRecord, hook};
 
 use tally::account::events::{DEPOSITED, TRANSFERRED_OUT};
 use tally::account::{AccountEvent, AccountId, AmountCents, Identity, Operation, RuleError, fold};
 use tally::metrics::{Metrics, arm};
 use tally::projection::{ManualClock as LocalClock, Projection, ProjectionConfig, ProjectionError};
-use tally::store::faults::{Fault, FaultConfig, FaultyLog, HoldHandle};
-use tally::store::memory::{ManualClock as ServerClock, MemoryLog, MemoryOptions};
+use tally::store::faults::{Fault, FaultConfig, FaultyLog};
+use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock};
 use tally::store::{
-    AggregateDetails, AggregateKey, AggregateWrite, Batch, ClientId, Event, EventLog, EventType,
-    ReadFilter, ReadPage, SharedLog, StoreError, StoreResult,
+    AggregateKey, AggregateWrite, Batch, Event, EventType, ReadFilter, SharedLog, StoreError,
+    StoreResult,
 };
 use tally::write_loop::verify::{self, SeqOwnership};
 use tally::write_loop::{
@@ -51,151 +51,18 @@ const E4: u128 = 0xE4;
 const E_SIB: u128 = 0x5B;
 
 // ---------------------------------------------------------------------------------------------
-// A scripted, recording store decorator
+// The scripted, recording store (tests/common/hooked_log.rs) and what it recorded
 // ---------------------------------------------------------------------------------------------
 
-type Hook = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
-
-fn hook<F: Future<Output = ()> + Send + 'static>(f: F) -> Hook {
-    Box::new(move || Box::pin(f))
-}
-
-/// What the scripted log does with one write. Writes with no step queued pass through.
-enum Step {
-    /// Forwards the write, then runs the hook before the caller sees the answer (something
-    /// that happened "meanwhile").
-    After(Hook),
-    /// Answers with this error without forwarding anything.
-    Reject(StoreError),
-    /// Forwards the write on a detached task that the inner `FaultyLog` holds in flight (the
-    /// handle is the hold it queued), and answers `OutcomeUnknown` once it is held: a client
-    /// that timed out on a write the server still has.
-    Detach(HoldHandle),
-}
-
-/// One aggregate's part of a recorded write.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct LegRecord {
-    key: AggregateKey,
-    expected_version: Option<u64>,
-    seqs: Vec<u64>,
-    event_ids: Vec<Option<u128>>,
-}
-
-/// A write the loop sent, with what it got back.
-#[derive(Clone, Debug)]
-struct WriteRecord {
-    legs: Vec<LegRecord>,
-    result: StoreResult<Vec<u64>>,
-}
-
-/// A write the server holds while its caller has been told `OutcomeUnknown`.
-type Detached = (JoinHandle<StoreResult<Vec<u64>>>, HoldHandle);
-
-struct Scripted {
-    inner: SharedLog,
-    script: Mutex<VecDeque<Step>>,
-    records: Mutex<Vec<WriteRecord>>,
-    detached: Mutex<Option<Detached>>,
-    /// Store latency: a simulated network/fsync delay, not synchronisation.
-    latency: Option<Duration>,
-}
-
-impl Scripted {
-    fn new(inner: SharedLog, latency: Option<Duration>) -> Self {
-        Self {
-            inner,
-            script: Mutex::new(VecDeque::new()),
-            records: Mutex::new(Vec::new()),
-            detached: Mutex::new(None),
-            latency,
-        }
-    }
-
-    fn push(&self, step: Step) {
-        self.script.lock().push_back(step);
-    }
-
-    fn records(&self) -> Vec<WriteRecord> {
-        self.records.lock().clone()
-    }
-
-    /// The detached write is abandoned by the server before it becomes durable: it never
-    /// applies.
-    async fn roll_back_detached(&self) {
-        let (task, hold) = self.detached.lock().take().expect("a detached write");
-        task.abort();
-        assert!(task.await.is_err_and(|e| e.is_cancelled()));
-        // Only now: dropping the handle would otherwise release the write.
-        drop(hold);
-    }
-
-    /// The detached write becomes durable; returns what the server answered it.
-    async fn commit_detached(&self) -> StoreResult<Vec<u64>> {
-        let (task, hold) = self.detached.lock().take().expect("a detached write");
-        hold.release();
-        task.await.expect("detached write task")
-    }
-}
+/// Store latency before each write: a simulated network/fsync delay, not synchronisation.
+struct Latency(Option<Duration>);
 
 #[async_trait]
-impl EventLog for Scripted {
-    async fn write(
-        &self,
-        client_id: ClientId,
-        writes: Vec<AggregateWrite>,
-    ) -> StoreResult<Vec<u64>> {
-        let legs = writes
-            .iter()
-            .map(|w| LegRecord {
-                key: w.key,
-                expected_version: w.expected_version,
-                seqs: w.events.iter().map(|e| e.client_seq).collect(),
-                event_ids: w.events.iter().map(|e| e.event_id).collect(),
-            })
-            .collect();
-        if let Some(latency) = self.latency {
+impl Around for Latency {
+    async fn before_write(&self) {
+        if let Some(latency) = self.0 {
             tokio::time::sleep(latency).await;
         }
-        let step = self.script.lock().pop_front();
-        let result = match step {
-            None => self.inner.write(client_id, writes).await,
-            Some(Step::Reject(e)) => Err(e),
-            Some(Step::After(hook)) => {
-                let result = self.inner.write(client_id, writes).await;
-                hook().await;
-                result
-            }
-            Some(Step::Detach(mut hold)) => {
-                let inner = Arc::clone(&self.inner);
-                let task = tokio::spawn(async move { inner.write(client_id, writes).await });
-                assert!(
-                    hold.held().await,
-                    "the detached write must be held in flight"
-                );
-                *self.detached.lock() = Some((task, hold));
-                Err(StoreError::OutcomeUnknown {
-                    reason: "scripted: timed out while the server holds the write".into(),
-                })
-            }
-        };
-        self.records.lock().push(WriteRecord {
-            legs,
-            result: result.clone(),
-        });
-        result
-    }
-
-    async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage> {
-        self.inner.read(key, filter).await
-    }
-
-    async fn details(&self, key: AggregateKey) -> StoreResult<AggregateDetails> {
-        self.inner.details(key).await
-    }
-
-    async fn trim_start(&self, key: AggregateKey, keep_from_version: u64) -> StoreResult<()> {
-        self.inner.trim_start(key, keep_from_version).await
     }
 }
 
@@ -237,7 +104,8 @@ struct Env {
     server_clock: Arc<ServerClock>,
     mem: Arc<MemoryLog>,
     faulty: Arc<FaultyLog<MemoryLog>>,
-    script: Arc<Scripted>,
+    /// The scripted path a replica writes through.
+    script: Arc<HookedLog<Latency>>,
 }
 
 impl Env {
@@ -252,7 +120,7 @@ impl Env {
             ..MemoryOptions::default()
         }));
         let faulty = Arc::new(FaultyLog::new(Arc::clone(&mem), faults));
-        let script = Arc::new(Scripted::new(faulty.clone(), latency));
+        let script = Arc::new(HookedLog::around(faulty.clone(), Latency(latency)));
         Self {
             identity: Identity::default(),
             server_clock,

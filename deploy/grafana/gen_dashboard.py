@@ -208,7 +208,12 @@ def build():
          [t(f"sum by (instance) (tally_projection_resident_accounts{sel()})", "{{instance}}"),
           t("vector($resident_cap)", "cap (TALLY_MAX_RESIDENT_ACCOUNTS)")], "short",
          "Per replica, against the cap set by --max-resident-accounts (dashboard variable resident_cap).")
-    L.ts("Recent-writes index entries", [t(f"sum by (instance) (tally_projection_index_entries{sel()})", "{{instance}}")], "short")
+    L.ts("Recent-writes index entries vs cap",
+         [t(f"sum by (instance) (tally_projection_index_entries{sel()})", "{{instance}}"),
+          t(f"max by (instance) (tally_projection_index_entries_cap{sel()})", "cap {{instance}}")], "short",
+         "Per replica, against --max-index-entries. At the cap new writes get a retryable 503 (TallyIndexNearCap warns at 80%).")
+    L.ts("Writes refused: index full", [t(f"sum by (instance) ({rate('tally_writes_refused_index_full_total')})", "{{instance}}")], "ops",
+         "New writes answered 503 because the recent-writes index was at its cap. Entries are never dropped early to make room.")
     L.ts("Evictions by reason", [t(f"sum by (reason) ({rate('tally_projection_evictions_total')})", "{{reason}}"),
                                  t(f"sum by (instance, reason) ({rate('tally_projection_evictions_total')})", "{{instance}} {{reason}}")], "ops",
          "idle is housekeeping; capacity means the cap is too small for this replica's share of accounts.")

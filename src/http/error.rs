@@ -8,6 +8,7 @@ use uuid::Uuid;
 
 use super::body::{Resp, json_response};
 use crate::account::RuleError;
+use crate::device::server::DeviceSyncError;
 use crate::projection::ProjectionError;
 use crate::reader::ReadError;
 use crate::store::StoreError;
@@ -34,6 +35,14 @@ pub enum ApiError {
     InsufficientFunds { balance: i64 },
     #[error("this Idempotency-Key was already used for a different operation or payload")]
     KeyReused,
+    /// 422 with a code of its own: the request is well-formed JSON but breaks a rule of its
+    /// endpoint (a device run with a gap, an unknown event type, ...). Final; nothing written.
+    #[error("{message}")]
+    Unprocessable { code: &'static str, message: String },
+    /// 409 with a code of its own, final (no Retry-After): the request contradicts what the
+    /// store already holds, and resending it cannot help.
+    #[error("{message}")]
+    StoreConflict { code: &'static str, message: String },
     /// Retryable: the write gave up or could not be verified. Nothing is known to be wrong
     /// with the request.
     #[error("{0}")]
@@ -66,10 +75,11 @@ impl ApiError {
             ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            ApiError::Validation(_) | ApiError::InsufficientFunds { .. } | ApiError::KeyReused => {
-                StatusCode::UNPROCESSABLE_ENTITY
-            }
-            ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::Validation(_)
+            | ApiError::InsufficientFunds { .. }
+            | ApiError::KeyReused
+            | ApiError::Unprocessable { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::Conflict(_) | ApiError::StoreConflict { .. } => StatusCode::CONFLICT,
             ApiError::Unavailable(_) | ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -77,7 +87,10 @@ impl ApiError {
 
     pub fn code(&self) -> &'static str {
         match self {
-            ApiError::BadRequest { code, .. } | ApiError::Internal { code, .. } => code,
+            ApiError::BadRequest { code, .. }
+            | ApiError::Internal { code, .. }
+            | ApiError::Unprocessable { code, .. }
+            | ApiError::StoreConflict { code, .. } => code,
             ApiError::PayloadTooLarge { .. } => "PAYLOAD_TOO_LARGE",
             ApiError::NotFound { .. } => "NOT_FOUND",
             ApiError::MethodNotAllowed { .. } => "METHOD_NOT_ALLOWED",
@@ -121,6 +134,22 @@ impl ApiError {
     }
 }
 
+impl From<DeviceSyncError> for ApiError {
+    fn from(e: DeviceSyncError) -> Self {
+        let code = e.code();
+        let message = e.to_string();
+        if e.is_invalid_request() {
+            ApiError::Unprocessable { code, message }
+        } else if e.is_conflict() {
+            ApiError::StoreConflict { code, message }
+        } else if e.is_retryable() {
+            ApiError::Unavailable(format!("{code}: {message}"))
+        } else {
+            ApiError::Internal { code, message }
+        }
+    }
+}
+
 impl From<RuleError> for ApiError {
     fn from(e: RuleError) -> Self {
         match e {
@@ -149,9 +178,10 @@ impl From<ProjectionError> for ApiError {
 impl From<ReadError> for ApiError {
     fn from(e: ReadError) -> Self {
         match e {
-            ReadError::NotVisibleYet { .. } | ReadError::HistoryBehindFold { .. } => {
-                ApiError::Unavailable(e.to_string())
-            }
+            ReadError::NotVisibleYet { .. }
+            | ReadError::HistoryBehindFold { .. }
+            | ReadError::BalanceBehindHistory { .. }
+            | ReadError::HistoryTipUnknown(_) => ApiError::Unavailable(e.to_string()),
             ReadError::LimitOutOfRange { .. } => ApiError::bad_request("BAD_QUERY", e.to_string()),
             ReadError::Unreadable { .. } => ApiError::Internal {
                 code: "ACCOUNT_UNREADABLE",
@@ -189,6 +219,11 @@ impl From<WriteError> for ApiError {
             WriteError::Account(p) => p.into(),
             WriteError::CrossShard => StoreError::CrossShard.into(),
             WriteError::Store(s) => s.into(),
+            WriteError::Overloaded { .. } => ApiError::Unavailable(e.to_string()),
+            WriteError::Invariant { .. } => ApiError::Internal {
+                code: "INTERNAL",
+                message: e.to_string(),
+            },
         }
     }
 }
@@ -241,6 +276,12 @@ mod tests {
                     from_version: 3,
                     current: 4,
                 },
+                503,
+                "SERVICE_UNAVAILABLE",
+            ),
+            // Whatever the store said, even an error that is a 500 as a read's own.
+            (
+                ReadError::HistoryTipUnknown(StoreError::CrossShard),
                 503,
                 "SERVICE_UNAVAILABLE",
             ),

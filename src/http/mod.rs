@@ -4,6 +4,7 @@
 mod accounts;
 mod admission;
 pub mod body;
+mod devices;
 pub mod error;
 pub mod idempotency;
 mod ops;
@@ -44,7 +45,11 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
     let mut builder = http1::Builder::new();
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT);
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        // hyper answers a head longer than this 431 and closes the connection (without it,
+        // only its ~400 KB read-buffer limit applies). More than 100 headers is a 431 too,
+        // hyper's default.
+        .max_header_size(app.config.max_header_bytes);
     let slots = admission::ConnectionSlots::new(app.config.max_connections, app.metrics.clone());
     tokio::pin!(shutdown);
     loop {
@@ -93,8 +98,22 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
     }
 }
 
-/// What a request to a replica that has not finished starting is told.
-pub(crate) const STARTING: &str = "starting: the server clock is not anchored or the demo accounts are not seeded yet; retry shortly";
+/// What a request to a replica that has not finished starting is told, before the steps
+/// it waits for.
+pub(crate) const STARTING: &str = "starting: not serving until its start-up steps are done";
+
+/// The 503 of a replica still starting: names the steps it waits for (`serverClock`,
+/// `seed:<demo name>`), fixed names that carry no request data.
+pub(crate) fn starting(waiting: &[String]) -> ApiError {
+    ApiError::Unavailable(if waiting.is_empty() {
+        format!("{STARTING}; retry shortly")
+    } else {
+        format!(
+            "{STARTING} (waiting for {}); retry shortly",
+            waiting.join(", ")
+        )
+    })
+}
 
 /// One request: route, limit, dispatch, then count and log it.
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
@@ -118,7 +137,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
             // Until it is anchored to the server's clock, the fold cannot age the
             // recent-writes index, and until the demo accounts are seeded a write could
             // take their first version: the store is needed for either, so retry shortly.
-            return Err(ApiError::Unavailable(STARTING.into()));
+            return Err(starting(&app.startup_waiting()));
         }
         // Before the body is read: a request that is refused costs no more than its head.
         let _permit = if route.is_api() {

@@ -1,9 +1,15 @@
 //! Probes and scrapes: `/healthz` (the process answers), `/readyz` (started, not shutting
 //! down, and the store answers) and `/metrics`.
+//!
+//! A `/readyz` that is not ready answers 503 with the API's JSON error (`error`, `message`,
+//! `Retry-After`) plus `status`, which says which check failed: `shuttingDown`, `starting`
+//! (with `waiting`, the start-up steps still pending) or `storeUnreachable`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::Full;
 use hyper::StatusCode;
 use serde_json::json;
 
@@ -20,16 +26,43 @@ pub fn healthz() -> Resp {
 
 pub async fn readyz(app: &Arc<App>) -> Result<Resp, ApiError> {
     if app.is_shutting_down() {
-        return Err(ApiError::Unavailable("shutting down".into()));
+        return Ok(not_ready(
+            "shuttingDown",
+            ApiError::Unavailable("shutting down".into()),
+            None,
+        ));
     }
-    if !app.is_started() {
-        return Err(ApiError::Unavailable(super::STARTING.into()));
+    let waiting = app.startup_waiting();
+    if !waiting.is_empty() {
+        return Ok(not_ready(
+            "starting",
+            super::starting(&waiting),
+            Some(waiting),
+        ));
     }
-    match tokio::time::timeout(READY_PROBE_TIMEOUT, app.log.ping()).await {
-        Ok(Ok(())) => Ok(json_response(StatusCode::OK, &json!({"status": "ready"}))),
-        Ok(Err(e)) => Err(ApiError::Unavailable(format!("store not reachable: {e}"))),
-        Err(_) => Err(ApiError::Unavailable("store did not answer in time".into())),
+    let unreachable = match tokio::time::timeout(READY_PROBE_TIMEOUT, app.log.ping()).await {
+        Ok(Ok(())) => return Ok(json_response(StatusCode::OK, &json!({"status": "ready"}))),
+        Ok(Err(e)) => format!("store not reachable: {e}"),
+        Err(_) => "store did not answer in time".into(),
+    };
+    Ok(not_ready(
+        "storeUnreachable",
+        ApiError::Unavailable(unreachable),
+        None,
+    ))
+}
+
+/// The error's own response (status, JSON error body, `Retry-After`), with `status` (and,
+/// while starting, `waiting`) added to the body.
+fn not_ready(status: &'static str, err: ApiError, waiting: Option<Vec<String>>) -> Resp {
+    let mut body = json!({ "status": status, "error": err.code(), "message": err.to_string() });
+    if let Some(waiting) = waiting {
+        body["waiting"] = json!(waiting);
     }
+    let mut resp = err.into_response();
+    // Serialising a `Value` built here cannot fail.
+    *resp.body_mut() = Full::new(Bytes::from(serde_json::to_vec(&body).unwrap_or_default()));
+    resp
 }
 
 pub fn metrics(app: &App) -> Resp {

@@ -9,7 +9,7 @@ use uuid::Uuid;
 
 use super::body::Resp;
 use super::error::ApiError;
-use super::{accounts, ops, writes};
+use super::{accounts, devices, ops, writes};
 use crate::account::AccountId;
 use crate::app::App;
 
@@ -26,6 +26,8 @@ pub enum Route {
     Withdraw(AccountId),
     AccountTransfer(AccountId),
     Transfers,
+    /// A device's run of offline events; the device id is parsed by the device layer.
+    DeviceSync(Uuid),
 }
 
 impl Route {
@@ -41,6 +43,7 @@ impl Route {
             Route::Withdraw(_) => "/api/accounts/{id}/withdraw",
             Route::AccountTransfer(_) => "/api/accounts/{id}/transfers",
             Route::Transfers => "/api/transfers",
+            Route::DeviceSync(_) => "/api/devices/{id}/sync",
         }
     }
 
@@ -49,7 +52,8 @@ impl Route {
             Route::Deposit(_)
             | Route::Withdraw(_)
             | Route::AccountTransfer(_)
-            | Route::Transfers => Method::POST,
+            | Route::Transfers
+            | Route::DeviceSync(_) => Method::POST,
             _ => Method::GET,
         }
     }
@@ -83,6 +87,14 @@ impl Route {
             ["metrics"] => Route::Metrics,
             ["api", "accounts"] => Route::Accounts,
             ["api", "transfers"] => Route::Transfers,
+            ["api", "devices", device, "sync"] => {
+                Route::DeviceSync(device.parse().map_err(|_| {
+                    ApiError::bad_request(
+                        "INVALID_DEVICE_ID",
+                        format!("{device:?} is not a valid device id (a UUID)"),
+                    )
+                })?)
+            }
             ["api", "accounts", acct, action] => {
                 let make: fn(AccountId) -> Route = match *action {
                     "balance" => Route::Balance,
@@ -146,6 +158,7 @@ pub async fn dispatch(
         Route::Withdraw(account) => writes::withdraw(app, account, req).await,
         Route::AccountTransfer(from) => writes::account_transfer(app, from, req).await,
         Route::Transfers => writes::transfer(app, req).await,
+        Route::DeviceSync(device) => devices::sync(app, device, req).await,
     }
 }
 

@@ -83,6 +83,23 @@ const SHRINK_ABOVE: usize = 64;
 const LOOKAHEAD: usize = 32;
 /// The largest pending-tag buffer kept between bulks (a catch-up page's worth).
 const TAG_BUFFER_KEEP: usize = 4096;
+/// The most records one index may hold. A slot stores the low 32 bits of its record's
+/// sequence, and [`Inner::position`] subtracts the front's low 32 bits, wrapping: that is the
+/// record's position exactly while every position is below 2^32. Beyond it two records
+/// would share a position and a lookup would answer with the wrong one, so it is an
+/// impossible state, asserted. (It would take 240 GB of records, and the replica-wide
+/// entry cap refuses new writes long before: it is not a limit anyone meets.)
+const MAX_RECORDS: u64 = 1 << 32;
+
+/// Panics unless `len` records can all be addressed by a 32-bit position (see
+/// [`MAX_RECORDS`]).
+#[inline]
+fn assert_addressable(len: usize) {
+    assert!(
+        len as u64 <= MAX_RECORDS,
+        "recent-writes index holds {len} records, beyond the {MAX_RECORDS} a 32-bit position addresses"
+    );
+}
 
 /// 32 hash bits with the low bit forced on, so a used slot is never [`EMPTY`].
 #[inline]
@@ -156,6 +173,8 @@ impl Inner {
     /// Appends a record to be indexed by the next [`Inner::commit`].
     #[inline]
     fn append(&mut self, event_id: u128, write: RecentWrite) {
+        // The hard check runs once per commit; here only in debug builds (the hot path).
+        debug_assert!((self.records.len() as u64) < MAX_RECORDS);
         self.pending_tags.push(self.tag(event_id));
         let (kind, amount, party) = match write.event {
             AccountEvent::Deposited { amount } => (KIND_DEPOSITED, amount, None),
@@ -242,7 +261,9 @@ impl Inner {
     /// 32 bits, which is exact while fewer than 2^32 records are held.
     #[inline]
     fn position(&self, slot: u64) -> usize {
-        (slot as u32).wrapping_sub(self.front_seq as u32) as usize
+        let at = (slot as u32).wrapping_sub(self.front_seq as u32) as usize;
+        debug_assert!(at < self.records.len(), "a slot points past the records");
+        at
     }
 
     #[inline]
@@ -335,6 +356,8 @@ impl Inner {
             self.pending_tags = tags;
             return;
         }
+        // Before any slot gets a position that could alias another (one compare per bulk).
+        assert_addressable(self.records.len());
         self.grow_for(tags.len());
         let first = self.indexed_seq.wrapping_sub(self.front_seq) as usize;
         let mask = self.mask();
@@ -486,6 +509,22 @@ impl Drop for Bulk<'_> {
 }
 
 #[cfg(test)]
+impl RecentIndex {
+    /// An empty index whose sequences (records and counterparties) start at `seq`, so a
+    /// test can cross the 32-bit wrap of positions without 2^32 inserts. (Once emptied by
+    /// expiry it starts over at 0, like any index.)
+    fn starting_at(seq: u64) -> Self {
+        let mut inner = Inner::new();
+        inner.front_seq = seq;
+        inner.indexed_seq = seq;
+        inner.parties_front_seq = seq;
+        Self {
+            inner: Some(Box::new(inner)),
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
@@ -567,6 +606,66 @@ mod tests {
         assert_eq!(idx.evict_expired(n), (n / 2) as usize);
         assert!(idx.is_empty());
         assert!(idx.inner.is_none());
+    }
+
+    #[test]
+    fn positions_stay_exact_across_the_32_bit_wrap_of_sequences() {
+        // Sequences run from 8 below 2^32 to 24 above it, then the front expires past it.
+        let start = u64::from(u32::MAX) - 7;
+        let mut idx = RecentIndex::starting_at(start);
+        let party = |i: u64| AccountId(Uuid::from_u128(u128::from(i) + 1000));
+        for i in 0..32u64 {
+            let event = if i % 2 == 0 {
+                AccountEvent::TransferredOut {
+                    amount: i as i64,
+                    to: party(i),
+                }
+            } else {
+                AccountEvent::Deposited { amount: i as i64 }
+            };
+            idx.insert(
+                u128::from(i),
+                RecentWrite {
+                    balance: i as i64,
+                    version: i,
+                    expires_at_ms: 100 + i,
+                    event,
+                },
+            );
+        }
+        let check = |idx: &RecentIndex, from: u64| {
+            for i in from..32u64 {
+                let w = idx.get(u128::from(i), 0).expect("indexed");
+                assert_eq!((w.version, w.expires_at_ms), (i, 100 + i), "id {i}");
+                if i % 2 == 0 {
+                    assert_eq!(
+                        w.event,
+                        AccountEvent::TransferredOut {
+                            amount: i as i64,
+                            to: party(i)
+                        },
+                        "id {i}"
+                    );
+                }
+            }
+        };
+        check(&idx, 0);
+        // The front moves past the wrap; what is left still resolves to its own record.
+        assert_eq!(idx.evict_expired(100 + 20), 21);
+        check(&idx, 21);
+        assert!(idx.get(20, 0).is_none());
+    }
+
+    #[test]
+    fn every_position_below_2_pow_32_is_addressable() {
+        assert_addressable(0);
+        assert_addressable(MAX_RECORDS as usize);
+    }
+
+    #[test]
+    #[should_panic(expected = "beyond the 4294967296 a 32-bit position addresses")]
+    fn an_index_longer_than_32_bit_positions_address_is_an_assertion() {
+        assert_addressable(MAX_RECORDS as usize + 1);
     }
 
     /// The reference semantics: a map of the latest record per id (with the latest expiry)
@@ -674,8 +773,16 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(512))]
 
         #[test]
-        fn behaves_exactly_like_a_map_with_an_order_log(ops in proptest::collection::vec(op(), 0..400)) {
-            let mut idx = RecentIndex::default();
+        fn behaves_exactly_like_a_map_with_an_order_log(
+            ops in proptest::collection::vec(op(), 0..400),
+            // Sequences from 0, or just below the 32-bit and 64-bit wraps.
+            start in prop_oneof![
+                Just(0u64),
+                (u64::from(u32::MAX) - 300)..=u64::from(u32::MAX),
+                (u64::MAX - 300)..=u64::MAX,
+            ],
+        ) {
+            let mut idx = RecentIndex::starting_at(start);
             let mut model = Model::default();
             // Ids spread over both words, from a small space so that ids repeat.
             let id_of = |id: u8| (u128::from(id % 64) << 70) ^ u128::from(id);

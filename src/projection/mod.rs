@@ -40,12 +40,24 @@ pub const DEFAULT_WINDOW: Duration = Duration::from_secs(90);
 pub const DEFAULT_MAX_RESIDENT_ACCOUNTS: usize = 1_000_000;
 /// An account untouched this long is dropped from memory (it is re-folded on demand).
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+/// The recent-writes index entries one replica holds (over all its accounts) before the
+/// write side refuses new writes, unless configured.
+///
+/// Sized from measured memory: an entry costs 74-126 bytes on an account holding hundreds of
+/// them, about 130 at ten per account, and 520 when it is its account's only one (an
+/// account's first entry brings the index's fixed part); a transfer leg 16-64 bytes more.
+/// 10k single-account writes/s over the 90 s window is 0.9 M entries, 10k transfers/s (two
+/// legs each) 1.8 M: 3 M leaves the 80% alert above both, at about 225-400 MB when
+/// accounts hold a few entries or more.
+pub const DEFAULT_MAX_INDEX_ENTRIES: usize = 3_000_000;
 
 #[derive(Clone, Copy, Debug)]
 pub struct ProjectionConfig {
     pub window: Duration,
     pub max_resident_accounts: usize,
     pub idle_timeout: Duration,
+    /// See [`DEFAULT_MAX_INDEX_ENTRIES`] and [`Projection::check_index_room`].
+    pub max_index_entries: usize,
 }
 
 impl Default for ProjectionConfig {
@@ -54,8 +66,18 @@ impl Default for ProjectionConfig {
             window: DEFAULT_WINDOW,
             max_resident_accounts: DEFAULT_MAX_RESIDENT_ACCOUNTS,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            max_index_entries: DEFAULT_MAX_INDEX_ENTRIES,
         }
     }
+}
+
+/// A new write refused because the replica-wide recent-writes index is at its cap.
+/// Retryable: expiry frees room within the window, and another replica may have room.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("the recent-writes index holds {entries} entries, at its cap of {cap}; retry shortly")]
+pub struct IndexFull {
+    pub entries: usize,
+    pub cap: usize,
 }
 
 /// Why an account cannot be answered from its fold.
@@ -114,6 +136,9 @@ impl Projection {
         clock: Arc<dyn Clock>,
         metrics: Arc<Metrics>,
     ) -> Self {
+        metrics
+            .index_entries_cap
+            .set(i64::try_from(config.max_index_entries).unwrap_or(i64::MAX));
         Self {
             log,
             identity,
@@ -298,6 +323,40 @@ impl Projection {
         self.add_index_entries(st.recent.len() as i64 - before as i64);
     }
 
+    /// Recent-writes index entries over every resident account. Entries that expired since
+    /// their account was last swept or caught up still count, so this runs ahead of the
+    /// live count by at most one sweep interval's expiries, never behind it.
+    pub fn index_entries(&self) -> usize {
+        usize::try_from(self.index_entries.load(Ordering::Relaxed)).unwrap_or(0)
+    }
+
+    /// Whether the replica-wide recent-writes index holds its cap or more.
+    pub fn index_full(&self) -> bool {
+        self.index_entries() >= self.config.max_index_entries
+    }
+
+    /// The write side's admission check for a NEW write (one the index cannot answer):
+    /// `Err` while the index is full, counted on `tally_writes_refused_index_full_total`;
+    /// answer it with a retryable 503.
+    ///
+    /// The cap bounds memory by refusing writes, never by dropping entries: an entry
+    /// expired early would let a retry inside the stated window write twice. So nothing
+    /// else stops at the cap: a write already admitted indexes its events, and a fold
+    /// indexes every event it replays inside the window (the colocation rule), which
+    /// includes other replicas' writes. The count can therefore pass the cap, by the writes
+    /// in flight when it was reached plus what catch-ups replay.
+    pub fn check_index_room(&self) -> Result<(), IndexFull> {
+        let entries = self.index_entries();
+        if entries < self.config.max_index_entries {
+            return Ok(());
+        }
+        self.metrics.writes_refused_index_full.inc();
+        Err(IndexFull {
+            entries,
+            cap: self.config.max_index_entries,
+        })
+    }
+
     fn add_index_entries(&self, delta: i64) {
         if delta != 0 {
             let n = self.index_entries.fetch_add(delta, Ordering::Relaxed) + delta;
@@ -347,7 +406,7 @@ fn broken_error(account: AccountId, st: &AccountState) -> ProjectionError {
 mod catch_up_tests {
     use super::*;
     use crate::account::AccountEvent;
-    use crate::store::memory::{ManualClock as ServerClock, MemoryLog, MemoryOptions};
+    use crate::store::memory::{MemoryLog, MemoryOptions, ServerClock};
     use crate::store::{AggregateWrite, Event};
     use uuid::Uuid;
 
@@ -369,6 +428,98 @@ mod catch_up_tests {
             enforce_client_idempotency: true,
         };
         log.write_now(identity.client(), vec![w]).expect("write");
+    }
+
+    fn capped(log: Arc<MemoryLog>, cap: usize, clock: Arc<ManualClock>) -> Projection {
+        Projection::new(
+            log,
+            Identity::default(),
+            ProjectionConfig {
+                window: Duration::from_millis(WINDOW_MS),
+                max_index_entries: cap,
+                ..ProjectionConfig::default()
+            },
+            clock,
+            Arc::new(Metrics::new()),
+        )
+    }
+
+    /// Rule: at the cap the index refuses new writes (counted) and keeps every entry for its
+    /// whole window; expiry, not the cap, is what frees room.
+    #[test]
+    fn at_the_index_cap_new_writes_are_refused_until_expiry_frees_room() {
+        let clock = Arc::new(ManualClock::new(0));
+        let projection = capped(Arc::new(MemoryLog::new()), 3, clock.clone());
+        let metrics = projection.metrics().clone();
+        assert_eq!(metrics.index_entries_cap.get(), 3);
+        let slot = projection.slot(AccountId(Uuid::new_v4()));
+        let deposit = AccountEvent::Deposited { amount: 1 };
+        projection.record_write(
+            &slot,
+            &RecordedWrite {
+                expected_version: 0,
+                new_version: 1,
+                balance_after: 2,
+                max_client_seq: 2,
+                events: &[(1, 1, deposit), (2, 2, deposit)],
+            },
+        );
+        assert_eq!(projection.check_index_room(), Ok(()));
+        projection.record_write(
+            &slot,
+            &RecordedWrite {
+                expected_version: 1,
+                new_version: 2,
+                balance_after: 3,
+                max_client_seq: 3,
+                events: &[(3, 3, deposit)],
+            },
+        );
+        assert!(projection.index_full());
+        assert_eq!(
+            projection.check_index_room(),
+            Err(IndexFull { entries: 3, cap: 3 })
+        );
+        assert_eq!(metrics.writes_refused_index_full.get(), 1);
+        // Full, and still answering every entry until the end of its window.
+        clock.advance_ms(WINDOW_MS - 1);
+        projection.sweep();
+        assert!(projection.index_full());
+        for id in 1..=3 {
+            assert!(
+                slot.state.lock().recent.get(id, clock.now_ms()).is_some(),
+                "{id}"
+            );
+        }
+        assert!(projection.check_index_room().is_err());
+        assert_eq!(metrics.writes_refused_index_full.get(), 2);
+        clock.advance_ms(1);
+        projection.sweep();
+        assert_eq!(projection.index_entries(), 0);
+        assert_eq!(projection.check_index_room(), Ok(()));
+        assert_eq!(metrics.writes_refused_index_full.get(), 2);
+    }
+
+    /// Rule (colocation): the fold indexes every event it replays inside the window, cap or
+    /// no cap, so the count may pass the cap; only new writes are refused.
+    #[tokio::test]
+    async fn the_fold_indexes_everything_it_replays_even_past_the_cap() {
+        let log = Arc::new(MemoryLog::new());
+        let identity = Identity::default();
+        let account = AccountId(Uuid::new_v4());
+        for seq in 1..=5 {
+            deposit(&log, &identity, account, seq).await;
+        }
+        let projection = capped(log, 2, Arc::new(ManualClock::new(0)));
+        let (slot, snap) = projection.catch_up(account).await.expect("catch-up");
+        assert_eq!(snap.version, 5);
+        assert_eq!(projection.index_entries(), 5);
+        assert!(projection.index_full());
+        assert_eq!(projection.metrics().index_entries.get(), 5);
+        let st = slot.state.lock();
+        for seq in 1..=5u64 {
+            assert!(st.recent.get(u128::from(seq), 0).is_some(), "event {seq}");
+        }
     }
 
     /// Rule: a replayed batch's age is measured against the newest server time, even when a

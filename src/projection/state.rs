@@ -19,7 +19,7 @@ pub enum Broken {
 }
 
 /// A consistent view of one account at one version.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Snapshot {
     pub balance: i64,
     pub version: u64,

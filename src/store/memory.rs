@@ -28,7 +28,7 @@ pub const DEFAULT_PAGE_SIZE: usize = 1024;
 pub const DUPLICATE_AGGREGATE_CODE: u32 = 0;
 
 /// The store's notion of "now", epoch milliseconds. Injectable so tests control time.
-pub trait ServerClock: Send + Sync {
+pub trait ServerTime: Send + Sync {
     /// Current server time, epoch milliseconds.
     fn now_ms(&self) -> u64;
 }
@@ -37,7 +37,7 @@ pub trait ServerClock: Send + Sync {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SystemClock;
 
-impl ServerClock for SystemClock {
+impl ServerTime for SystemClock {
     fn now_ms(&self) -> u64 {
         SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -46,13 +46,14 @@ impl ServerClock for SystemClock {
     }
 }
 
-/// A clock that moves only when told to.
+/// The server's clock in tests: it moves only when told to. (Not the projection's
+/// `ManualClock`, which is a replica's local clock.)
 #[derive(Debug, Default)]
-pub struct ManualClock {
+pub struct ServerClock {
     now_ms: AtomicU64,
 }
 
-impl ManualClock {
+impl ServerClock {
     /// A clock reading `start_ms`.
     pub fn new(start_ms: u64) -> Self {
         Self {
@@ -75,7 +76,7 @@ impl ManualClock {
     }
 }
 
-impl ServerClock for ManualClock {
+impl ServerTime for ServerClock {
     fn now_ms(&self) -> u64 {
         self.now_ms.load(Ordering::SeqCst)
     }
@@ -87,7 +88,7 @@ pub struct MemoryOptions {
     /// Most matching batches one read page returns; 0 is read as 1.
     pub page_size: usize,
     /// Source of server timestamps.
-    pub clock: Arc<dyn ServerClock>,
+    pub clock: Arc<dyn ServerTime>,
 }
 
 impl Default for MemoryOptions {
@@ -133,7 +134,7 @@ type Slot = Arc<Mutex<Aggregate>>;
 pub struct MemoryLog {
     aggregates: DashMap<AggregateKey, Slot>,
     page_size: usize,
-    clock: Arc<dyn ServerClock>,
+    clock: Arc<dyn ServerTime>,
 }
 
 impl Default for MemoryLog {

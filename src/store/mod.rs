@@ -26,6 +26,16 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use bytes::Bytes;
 
+/// Wall-clock now, epoch milliseconds: what a writer stamps on an event as its client-side
+/// timestamp ([`Event::timestamp_ms`]). Informational only, so the wall clock is fine here;
+/// nothing that ages or orders anything reads it.
+pub fn wall_clock_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
 /// A writer's identity as Celeriant sees it. Names the service, never a replica or a request.
 pub type ClientId = u128;
 

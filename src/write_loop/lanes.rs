@@ -6,7 +6,9 @@
 //! flight, and the projection (which evicts idle accounts on its own schedule) knows nothing
 //! about writes.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
+use tokio::time::Instant;
 
 use dashmap::DashMap;
 use parking_lot::Mutex;
@@ -19,6 +21,8 @@ use crate::account::AccountId;
 pub(super) struct QueuedWrite {
     pub req: WriteRequest,
     pub reply: oneshot::Sender<Answer>,
+    /// When the request reached the write side: its deadline counts from here.
+    pub arrived: Instant,
 }
 
 /// One account's lane.
@@ -27,7 +31,7 @@ pub(super) struct Lane {
     /// Held by the one task writing this account from this replica.
     pub gate: tokio::sync::Mutex<()>,
     /// Single-account operations waiting to be written together.
-    pub queue: Mutex<Vec<QueuedWrite>>,
+    pub queue: Mutex<VecDeque<QueuedWrite>>,
 }
 
 type LaneMap = DashMap<AccountId, Arc<Lane>, foldhash::fast::RandomState>;

@@ -51,6 +51,15 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 12;
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(5);
 /// The most single-account operations written together as one batch.
 pub const DEFAULT_MAX_BATCH_EVENTS: usize = 64;
+/// The most requests alive on the write side of one replica at once (running, queued in a
+/// lane, or waiting for a duplicate's answer). It bounds what runs, not what HTTP admits:
+/// a write goes on after its client disconnects, and it still counts here until it ends.
+pub const DEFAULT_MAX_LIVE_WRITES: usize = 1024;
+/// The most single-account requests waiting in one account's lane. Beyond it a hot account
+/// refuses at once (503) instead of queueing requests it cannot write before they time out:
+/// at most `max_batch_events` go per store write, so a queue several batches deep already
+/// waits several store round trips.
+pub const DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT: usize = 256;
 
 #[derive(Clone, Copy, Debug)]
 pub struct WriteConfig {
@@ -61,6 +70,10 @@ pub struct WriteConfig {
     /// Single-account operations on one account queue behind one writer and go together.
     pub batching: bool,
     pub max_batch_events: usize,
+    /// See [`DEFAULT_MAX_LIVE_WRITES`].
+    pub max_live_writes: usize,
+    /// See [`DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT`].
+    pub max_queued_per_account: usize,
 }
 
 impl Default for WriteConfig {
@@ -71,6 +84,8 @@ impl Default for WriteConfig {
             one_round_trip: true,
             batching: true,
             max_batch_events: DEFAULT_MAX_BATCH_EVENTS,
+            max_live_writes: DEFAULT_MAX_LIVE_WRITES,
+            max_queued_per_account: DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT,
         }
     }
 }
@@ -120,6 +135,14 @@ pub enum WriteError {
     CrossShard,
     #[error("store error: {0}")]
     Store(StoreError),
+    /// Refused before anything was sent: the write side is at a limit (live writes, the
+    /// account's queue, a deadline passed while queued). Retryable.
+    #[error("not written: {reason}; retry shortly")]
+    Overloaded { reason: String },
+    /// A state the loop's invariants rule out. Never answered as success; the request may
+    /// or may not have landed, so a retry with the same key settles it.
+    #[error("internal invariant broken: {what}")]
+    Invariant { what: String },
 }
 
 /// What a request gets back from the write loop.

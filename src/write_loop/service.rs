@@ -1,24 +1,33 @@
 //! The write side's entry point, one per replica: [`WriteService::execute`] runs a request
 //! to a proven outcome or a typed error.
 //!
-//! Two things happen before the loop itself ([`super::run`]):
-//! - **coalescing**: a duplicate of a key already being written on this replica waits for the
-//!   first and shares its answer, marked replayed (a different operation under the key is a
-//!   reused key);
-//! - **batching**: a single-account request queues in its account's lane; whoever holds the
-//!   lane's gate writes everything queued, in arrival order, as one batch.
+//! Three things happen before the loop itself ([`super::run`]):
+//! - **admission**: a request holds one of [`WriteConfig::max_live_writes`] permits for as
+//!   long as it lives on the write side (the HTTP layer runs it on a detached task, so this,
+//!   not the HTTP limit, bounds what really runs); none left is a 503 at once;
+//! - **coalescing**: a duplicate of a key already being written on this replica, on the same
+//!   account, waits for the first and shares its answer, marked replayed (a different
+//!   operation under the key is a reused key). The key of a request is (event id, first
+//!   account), the same scope as the recent-writes index, so an overlapping duplicate and a
+//!   later one are answered by the same rule;
+//! - **batching**: a single-account request queues in its account's lane (at most
+//!   [`WriteConfig::max_queued_per_account`] deep); whoever holds the lane's gate writes
+//!   everything queued, in arrival order, as one batch. A request whose deadline (counted
+//!   from its arrival) passed while it queued is answered without being sent.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::time::Instant;
 
 use dashmap::DashMap;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{Semaphore, oneshot, watch};
 
 use super::lanes::{Lanes, QueuedWrite};
 use super::run::Run;
 use super::{Answer, WriteConfig, WriteError, WriteRequest};
 use crate::account::{AccountId, Operation};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, refused};
 use crate::projection::Projection;
 
 /// First backoff between attempts; doubles per attempt up to [`MAX_BACKOFF`].
@@ -31,20 +40,39 @@ struct Leader {
     answer: watch::Receiver<Option<Answer>>,
 }
 
-type LeaderMap = DashMap<u128, Arc<Leader>, foldhash::fast::RandomState>;
+/// A request's coalescing key: its event id on its first account (the index's scope).
+type CoalesceKey = (u128, AccountId);
+
+type LeaderMap = DashMap<CoalesceKey, Arc<Leader>, foldhash::fast::RandomState>;
 
 /// Removes a leader's entry however its future ends, so followers never wait on a leader
 /// that is gone.
 struct LeaderGuard<'a> {
     map: &'a LeaderMap,
-    event_id: u128,
+    key: CoalesceKey,
     entry: Arc<Leader>,
 }
 
 impl Drop for LeaderGuard<'_> {
     fn drop(&mut self) {
         self.map
-            .remove_if(&self.event_id, |_, e| Arc::ptr_eq(e, &self.entry));
+            .remove_if(&self.key, |_, e| Arc::ptr_eq(e, &self.entry));
+    }
+}
+
+/// Counts a request on the live-writes gauge for as long as it lives on the write side.
+struct LiveGauge<'a>(&'a prometheus::IntGauge);
+
+impl<'a> LiveGauge<'a> {
+    fn enter(gauge: &'a prometheus::IntGauge) -> Self {
+        gauge.inc();
+        Self(gauge)
+    }
+}
+
+impl Drop for LiveGauge<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 
@@ -54,6 +82,8 @@ pub struct WriteService {
     pub(super) config: WriteConfig,
     leaders: LeaderMap,
     lanes: Lanes,
+    /// One permit per live request; see [`WriteConfig::max_live_writes`].
+    live: Semaphore,
 }
 
 impl WriteService {
@@ -63,6 +93,7 @@ impl WriteService {
             config,
             leaders: DashMap::default(),
             lanes: Lanes::default(),
+            live: Semaphore::new(config.max_live_writes.max(1)),
         }
     }
 
@@ -75,12 +106,34 @@ impl WriteService {
     }
 
     /// Runs one request to a proven outcome or a typed error. Concurrent duplicates of the
-    /// same event id on this replica wait for the first and share its answer.
+    /// same event id on the same account on this replica wait for the first and share its
+    /// answer.
     pub async fn execute(&self, req: WriteRequest) -> Answer {
+        let arrived = Instant::now();
+        // Held until this request leaves the write side, however its future ends.
+        let Ok(_permit) = self.live.try_acquire() else {
+            return Err(self.refuse(refused::LIVE_WRITES, "too many writes in flight"));
+        };
+        let _live = LiveGauge::enter(&self.metrics().write_live);
+        self.execute_admitted(req, arrived).await
+    }
+
+    fn refuse(&self, reason: &'static str, message: &str) -> WriteError {
+        self.metrics()
+            .write_refused
+            .with_label_values(&[reason])
+            .inc();
+        WriteError::Overloaded {
+            reason: message.into(),
+        }
+    }
+
+    async fn execute_admitted(&self, req: WriteRequest, arrived: Instant) -> Answer {
         let (tx, leader_rx) = watch::channel(None);
+        let key: CoalesceKey = (req.event_id, req.op.legs().as_slice()[0].account);
         let entry = self
             .leaders
-            .entry(req.event_id)
+            .entry(key)
             .or_insert_with(|| {
                 Arc::new(Leader {
                     op: req.op,
@@ -89,19 +142,19 @@ impl WriteService {
             })
             .clone();
         if !entry.answer.same_channel(&tx.subscribe()) {
-            return self.follow(&entry, req).await;
+            return self.follow(&entry, req, arrived).await;
         }
         let _guard = LeaderGuard {
             map: &self.leaders,
-            event_id: req.event_id,
+            key,
             entry,
         };
-        let answer = self.execute_uncoalesced(req).await;
+        let answer = self.execute_uncoalesced(req, arrived).await;
         let _ = tx.send(Some(answer.clone()));
         answer
     }
 
-    async fn follow(&self, leader: &Leader, req: WriteRequest) -> Answer {
+    async fn follow(&self, leader: &Leader, req: WriteRequest, arrived: Instant) -> Answer {
         self.metrics().idem_coalesced.inc();
         let mut rx = leader.answer.clone();
         let answer = match rx.wait_for(Option::is_some).await {
@@ -119,66 +172,109 @@ impl WriteService {
                 Ok(outcome)
             }
             Some(Err(e)) => Err(e),
-            None => Box::pin(self.execute(req)).await,
+            None => Box::pin(self.execute_admitted(req, arrived)).await,
         }
     }
 
-    async fn execute_uncoalesced(&self, req: WriteRequest) -> Answer {
+    async fn execute_uncoalesced(&self, req: WriteRequest, arrived: Instant) -> Answer {
         match req.op {
             Operation::Deposit { account, .. } | Operation::Withdraw { account, .. }
                 if self.config.batching =>
             {
-                self.submit_batched(account, req).await
+                self.submit_batched(account, req, arrived).await
             }
-            _ => self.run(vec![req]).await.pop().unwrap_or_else(|| {
-                Err(WriteError::GaveUp {
-                    attempts: 0,
-                    last: "no answer".into(),
-                })
-            }),
+            _ => match self.run(vec![req], arrived).await.pop() {
+                Some(answer) => answer,
+                None => Err(invariant("a run of one request gave no answer")),
+            },
         }
     }
 
     /// Queues a single-account request in its account's lane on this replica. Whoever holds
     /// the lane's gate writes everything queued, in arrival order, as one batch.
-    async fn submit_batched(&self, account: AccountId, req: WriteRequest) -> Answer {
+    async fn submit_batched(
+        &self,
+        account: AccountId,
+        req: WriteRequest,
+        arrived: Instant,
+    ) -> Answer {
         let lane = self.lanes.enter(account);
         let (reply, mut rx) = oneshot::channel();
-        lane.queue.lock().push(QueuedWrite { req, reply });
+        {
+            let mut queue = lane.queue.lock();
+            if queue.len() >= self.config.max_queued_per_account {
+                drop(queue);
+                return Err(self.refuse(
+                    refused::ACCOUNT_QUEUE,
+                    "too many writes queued on this account",
+                ));
+            }
+            queue.push_back(QueuedWrite {
+                req,
+                reply,
+                arrived,
+            });
+        }
         let _gate = lane.gate.lock().await;
         loop {
             if let Ok(answer) = rx.try_recv() {
                 return answer;
             }
-            let batch: Vec<QueuedWrite> = {
-                let mut q = lane.queue.lock();
-                let n = q.len().min(self.config.max_batch_events.max(1));
-                q.drain(..n).collect()
-            };
+            let batch = self.take_batch(&lane.queue);
             if batch.is_empty() {
-                // Our request was answered by a writer that already released the gate.
-                return rx.await.unwrap_or_else(|_| {
-                    Err(WriteError::GaveUp {
+                // Our request was answered by a writer that already released the gate (or
+                // the writer's task ended: nothing of ours was sent by it after that).
+                return match rx.await {
+                    Ok(answer) => answer,
+                    Err(_) => Err(WriteError::GaveUp {
                         attempts: 0,
-                        last: "writer ended without an answer".into(),
-                    })
-                });
+                        last: "the account's writer ended without an answer".into(),
+                    }),
+                };
             }
+            let started = batch.iter().map(|q| q.arrived).min().unwrap_or(arrived);
             let (reqs, replies): (Vec<_>, Vec<_>) =
                 batch.into_iter().map(|q| (q.req, q.reply)).unzip();
-            let answers = self.run(reqs).await;
+            let answers = self.run(reqs, started).await;
             for (reply, answer) in replies.into_iter().zip(answers) {
                 let _ = reply.send(answer);
             }
         }
     }
 
+    /// Takes the next batch from a lane's queue, in arrival order. A request whose deadline
+    /// (counted from its arrival) passed while it queued was never sent: it is answered
+    /// retryably here and not written.
+    fn take_batch(&self, queue: &parking_lot::Mutex<VecDeque<QueuedWrite>>) -> Vec<QueuedWrite> {
+        let now = Instant::now();
+        let max = self.config.max_batch_events.max(1);
+        let mut q = queue.lock();
+        let mut batch = Vec::with_capacity(q.len().min(max));
+        while batch.len() < max {
+            let Some(next) = q.pop_front() else { break };
+            if now.duration_since(next.arrived) >= self.config.deadline {
+                let err = self.refuse(
+                    refused::QUEUED_PAST_DEADLINE,
+                    "the write waited its whole deadline in the account's queue",
+                );
+                let _ = next.reply.send(Err(err));
+            } else {
+                batch.push(next);
+            }
+        }
+        batch
+    }
+
     /// The loop itself, over one or more requests written together (one request, or several
-    /// single-account requests on one account). Returns one answer per request, in order.
-    async fn run(&self, reqs: Vec<WriteRequest>) -> Vec<Answer> {
+    /// single-account requests on one account), within the deadline counted from `started`
+    /// (the earliest arrival among them). Returns one answer per request, in order.
+    async fn run(&self, reqs: Vec<WriteRequest>, started: Instant) -> Vec<Answer> {
+        let n = reqs.len();
         let mut run = Run::new(self, reqs);
-        run.drive().await;
-        run.finish()
+        run.drive(started + self.config.deadline).await;
+        let answers = run.finish();
+        debug_assert_eq!(answers.len(), n, "one answer per request");
+        answers
     }
 
     /// Sleeps before attempt `attempt` (the second and later), growing per attempt.
@@ -192,4 +288,12 @@ impl WriteService {
         let jitter = Duration::from_nanos(mix % (half.as_nanos() as u64).max(1));
         tokio::time::sleep(half + jitter).await;
     }
+}
+
+/// An invariant the loop relies on did not hold: asserted in tests, a 500 (never a 2xx) in
+/// production.
+pub(super) fn invariant(what: &str) -> WriteError {
+    debug_assert!(false, "write-loop invariant broken: {what}");
+    tracing::error!(what, "write-loop invariant broken");
+    WriteError::Invariant { what: what.into() }
 }

@@ -1,7 +1,13 @@
 //! Who owns a contested client sequence. A 2002 proves only that some committed batch from
 //! our client id recorded a sequence at or above ours; with one client id shared by every
 //! request of every replica, it may be a sibling's. The stream knows which: a point read of
-//! the contested sequences, scoped to our client id, from the minimum available version.
+//! the contested sequences, scoped to our client id, from the lowest version at which they
+//! could have landed (or the minimum available version, past a trim).
+//!
+//! Bounded: a sequence derived on a fold at version `v` is above every sequence of ours the
+//! stream holds up to `v` (the fold saw them all), so any batch holding it, ours or a
+//! sibling's, is above `v`. The read starts there, not at version 1, so settling a 2002
+//! costs a page or two however long the stream is, and at most [`MAX_OWNERSHIP_PAGES`].
 
 use std::collections::HashMap;
 
@@ -23,14 +29,31 @@ pub enum SeqOwnership {
 /// What a point read found at each sequence of a range: (event id, batch version).
 pub type SeqOwners = HashMap<u64, (Option<u128>, u64)>;
 
-/// Point-reads the sequences `first..=last` of `client` on `key`. The read starts at version
-/// 1 and, when that range was trimmed, once more from the minimum available version.
+/// The most pages one ownership read may take. Past it the read gives up with
+/// [`StoreError::NotApplied`] (nothing was learnt; the loop holds and tries again later).
+pub const MAX_OWNERSHIP_PAGES: usize = 8;
+
+/// Point-reads the sequences `first..=last` of `client` on `key`, from version 1.
 pub async fn read_seq_owners(
     log: &dyn EventLog,
     key: AggregateKey,
     client: ClientId,
     first: u64,
     last: u64,
+) -> Result<SeqOwners, StoreError> {
+    read_seq_owners_from(log, key, client, first, last, 1).await
+}
+
+/// Point-reads the sequences `first..=last` of `client` on `key`, from `from_version` (no
+/// batch below it can hold them) and, when that range was trimmed, once more from the
+/// minimum available version.
+pub async fn read_seq_owners_from(
+    log: &dyn EventLog,
+    key: AggregateKey,
+    client: ClientId,
+    first: u64,
+    last: u64,
+    from_version: u64,
 ) -> Result<SeqOwners, StoreError> {
     let filter = |from_version| ReadFilter {
         from_version,
@@ -39,7 +62,7 @@ pub async fn read_seq_owners(
         include_client_id: Some(client),
         ..ReadFilter::default()
     };
-    match collect_owners(log, key, filter(1), first, last).await {
+    match collect_owners(log, key, filter(from_version.max(1)), first, last).await {
         Err(StoreError::Trimmed { min_available }) => {
             collect_owners(log, key, filter(min_available), first, last).await
         }
@@ -56,7 +79,7 @@ async fn collect_owners(
 ) -> Result<SeqOwners, StoreError> {
     let mut owners = SeqOwners::new();
     let mut stream = BatchStream::new(log, key, filter);
-    loop {
+    for _ in 0..MAX_OWNERSHIP_PAGES {
         let page = match stream.next_page().await {
             Ok(Some(page)) => page,
             Ok(None) | Err(StoreError::AggregateNotFound) => return Ok(owners),
@@ -75,6 +98,9 @@ async fn collect_owners(
             return Ok(owners);
         }
     }
+    Err(StoreError::NotApplied {
+        reason: format!("the ownership read passed {MAX_OWNERSHIP_PAGES} pages"),
+    })
 }
 
 /// The verdict for `event_id` at `seq`, given what the point read found.
@@ -103,7 +129,68 @@ pub fn combine(verdicts: impl IntoIterator<Item = SeqOwnership>) -> SeqOwnership
 
 #[cfg(test)]
 mod tests {
+    use bytes::Bytes;
+
     use super::*;
+    use crate::store::memory::{MemoryLog, MemoryOptions};
+    use crate::store::{AggregateWrite, Event, EventType};
+
+    const CLIENT: ClientId = 7;
+    const KEY: AggregateKey = AggregateKey {
+        org_id: 1,
+        aggregate_type_id: 2,
+        aggregate_id: 3,
+    };
+
+    /// A stream of `n` batches of ours, one event each, sequence = version, event id =
+    /// 1000 + version; read `page_size` batches a page.
+    fn long_stream(n: u64, page_size: usize) -> MemoryLog {
+        let log = MemoryLog::with_options(MemoryOptions {
+            page_size,
+            ..MemoryOptions::default()
+        });
+        for v in 1..=n {
+            let write = AggregateWrite {
+                key: KEY,
+                events: vec![Event {
+                    client_seq: v,
+                    event_id: Some(u128::from(1000 + v)),
+                    event_type: EventType { major: 1, minor: 0 },
+                    payload: Bytes::from_static(b"{}"),
+                    timestamp_ms: 0,
+                }],
+                expected_version: Some(v - 1),
+                allow_create: true,
+                enforce_client_idempotency: true,
+            };
+            log.write_now(CLIENT, vec![write]).expect("write");
+        }
+        log
+    }
+
+    /// Rule: settling a 2002 costs a page or two however long the stream is: the read starts
+    /// one above the fold the sequence was derived on, where it can first stand.
+    #[tokio::test]
+    async fn an_ownership_read_from_the_sequences_floor_takes_one_page_of_a_long_stream() {
+        let log = long_stream(2_000, 10);
+        let owners = read_seq_owners_from(&log, KEY, CLIENT, 1_995, 1_995, 1_995)
+            .await
+            .expect("one page");
+        assert_eq!(
+            ownership(&owners, 1_995, 1_000 + 1_995),
+            SeqOwnership::Ours { version: 1_995 }
+        );
+    }
+
+    /// Rule: the ownership read is bounded; past its page cap it says nothing was learnt (a
+    /// retryable not-applied), never a verdict. (A range of 2,000 sequences at 10 batches a
+    /// page needs 200 pages.)
+    #[tokio::test]
+    async fn an_ownership_read_past_its_page_cap_gives_up_without_a_verdict() {
+        let log = long_stream(2_000, 10);
+        let got = read_seq_owners(&log, KEY, CLIENT, 1, 2_000).await;
+        assert!(matches!(got, Err(StoreError::NotApplied { .. })), "{got:?}");
+    }
 
     #[test]
     fn our_id_on_either_leg_proves_the_write_landed() {

@@ -1,6 +1,19 @@
 //! Black-box helpers: spawn Tally instances on port 0 (alone, or as a fleet over one shared
-//! store) and talk to them over HTTP.
+//! store), talk to them over HTTP and check their answers.
+//!
+//! - this file: the harness ([`spawn`], [`TestApp`]), whole replies ([`Reply`]), metric
+//!   samples, and the checks and shortcuts the API suites share ([`assert_error`],
+//!   [`observe`], [`funded`], ...);
+//! - [`raw_http`]: requests a well-behaved client cannot send (raw headers and bodies, raw
+//!   bytes over one TCP connection);
+//! - [`hooked_log`]: one store decorator that hooks, scripts and records a replica's store
+//!   calls, for the suites that steer the store from inside.
+//!
+//! Every suite compiles this module whole and uses part of it, hence `dead_code` is allowed.
 #![allow(dead_code)]
+
+pub mod hooked_log;
+pub mod raw_http;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -12,6 +25,8 @@ use tally::app::App;
 use tally::config::Config;
 use tally::projection::Clock;
 use tally::store::SharedLog;
+use tally::store::faults::FaultyLog;
+use tally::store::memory::MemoryLog;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -237,4 +252,97 @@ pub fn metric_sum(text: &str, name: &str) -> f64 {
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+// --- Checks and shortcuts the API suites share ---
+
+/// Asserts an error answer: the status, a JSON content type, and a body
+/// `{"error": code, "message": "<non-empty>"}` (never plain text).
+#[track_caller]
+pub fn assert_error(r: &Reply, status: u16, code: &str) {
+    assert_eq!(r.status.as_u16(), status, "status; body: {}", r.text);
+    assert_eq!(
+        r.header("content-type"),
+        Some("application/json"),
+        "an error is JSON: {}",
+        r.text
+    );
+    assert!(
+        r.body.is_object(),
+        "an error body is a JSON object: {:?}",
+        r.text
+    );
+    assert_eq!(r.body["error"], code, "error code; body: {}", r.text);
+    let message = r.body["message"].as_str().unwrap_or("");
+    assert!(
+        !message.is_empty(),
+        "an error carries a message: {}",
+        r.text
+    );
+}
+
+pub fn deposit_path(account: &str) -> String {
+    format!("/api/accounts/{account}/deposit")
+}
+
+pub fn withdraw_path(account: &str) -> String {
+    format!("/api/accounts/{account}/withdraw")
+}
+
+pub fn account_transfer_path(account: &str) -> String {
+    format!("/api/accounts/{account}/transfers")
+}
+
+/// What an account looks like from outside: balance, version and every history event.
+pub async fn observe(t: &TestApp, account: &str) -> (i64, u64, Vec<Value>) {
+    let (balance, version) = t.balance(account).await;
+    (balance, version, t.history(account).await)
+}
+
+/// An account with one deposit of `cents`, so "unchanged" means more than "empty".
+pub async fn funded(t: &TestApp, cents: i64) -> String {
+    let account = new_account();
+    let r = t.deposit(&account, cents, None).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    account
+}
+
+/// The `{balanceCents, aggregateVersion}` of a single-account answer (or of one leg).
+pub fn leg(v: &Value) -> (i64, u64) {
+    (
+        v["balanceCents"].as_i64().expect("balanceCents"),
+        v["aggregateVersion"].as_u64().expect("aggregateVersion"),
+    )
+}
+
+/// The fault injector of an app started with `--faults`.
+pub fn faults(t: &TestApp) -> &Arc<FaultyLog> {
+    t.app.faults.as_ref().expect("started with --faults")
+}
+
+/// The embedded store behind a fault injector that injects only what a test scripts.
+pub fn scripted_faults() -> Arc<FaultyLog<MemoryLog>> {
+    Arc::new(FaultyLog::new(
+        Arc::new(MemoryLog::new()),
+        Default::default(),
+    ))
+}
+
+/// An instance whose store injects only scripted faults, and whose writes get one attempt
+/// each, starting with a catch-up read: a scripted fault ends the request, and its retry
+/// reads the stream before it writes.
+pub async fn spawn_one_attempt_with_scripted_faults() -> TestApp {
+    spawn(
+        test_config(&[
+            "--faults",
+            "seed=1",
+            "--write-max-attempts",
+            "1",
+            "--one-round-trip",
+            "false",
+        ]),
+        None,
+        None,
+    )
+    .await
 }

@@ -1,14 +1,13 @@
 //! Step 5 of an attempt: append one write for the batch, and apply what its outcome means
 //! (classified by [`crate::write_loop::classify`]), including the 2002 arm's point read.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use super::{Member, Phase, Run};
 use crate::account::rules::Leg;
 use crate::metrics::arm;
 use crate::projection::RecordedWrite;
-use crate::store::{AggregateWrite, Event};
+use crate::store::{AggregateWrite, Event, wall_clock_ms};
 use crate::write_loop::classify::{self, Settlement, Step};
+use crate::write_loop::service::invariant;
 use crate::write_loop::verify::{self, SeqOwnership};
 use crate::write_loop::{LegResult, WriteOutcome};
 
@@ -98,11 +97,25 @@ impl Run<'_> {
     }
 
     fn record_success(&mut self, batch: &[usize], versions: &[u64]) {
+        if versions.len() != self.accounts.len() {
+            // The store says it applied the write but not at which versions: it landed, so
+            // never send it again, and never answer it as a success without its versions. A
+            // retry with the same key finds it once a catch-up folds it.
+            let err = invariant("the store acknowledged a write without one version per aggregate");
+            for &mi in batch {
+                self.members[mi].phase = Phase::Done(Err(err.clone()));
+            }
+            self.release_seqs();
+            return;
+        }
         let projection = &self.svc.projection;
         for (ai, t) in self.accounts.iter().enumerate() {
-            let Some(new_version) = versions.get(ai).copied() else {
-                continue;
-            };
+            let new_version = versions[ai];
+            debug_assert_eq!(
+                new_version,
+                t.snap.version + 1,
+                "a guarded write lands right above the version it expected"
+            );
             let mut events = Vec::with_capacity(batch.len());
             let mut max_seq = 0;
             let mut balance_after = t.snap.balance;
@@ -134,7 +147,7 @@ impl Run<'_> {
                 .map(|(li, leg)| LegResult {
                     account: leg.account,
                     balance: m.balances[li],
-                    version: versions.get(m.accounts[li]).copied().unwrap_or(0),
+                    version: versions[m.accounts[li]],
                 })
                 .collect();
             self.members[mi].phase = Phase::Done(Ok(WriteOutcome {
@@ -158,6 +171,11 @@ impl Run<'_> {
                 .legs_on(batch, ai)
                 .map(|(mi, m, li, _)| (mi, li, Self::seq(m, li)))
                 .collect();
+            let floor = self
+                .legs_on(batch, ai)
+                .map(|(_, m, li, _)| m.seq_floor[li])
+                .min()
+                .unwrap_or(1);
             let (Some(first), Some(last)) = (
                 seqs.iter().map(|s| s.2).min(),
                 seqs.iter().map(|s| s.2).max(),
@@ -165,12 +183,13 @@ impl Run<'_> {
                 continue;
             };
             self.round_trips += 1;
-            let owners = match verify::read_seq_owners(
+            let owners = match verify::read_seq_owners_from(
                 svc.projection.log().as_ref(),
                 identity.key(self.accounts[ai].account),
                 identity.client(),
                 first,
                 last,
+                floor,
             )
             .await
             {
@@ -217,12 +236,4 @@ impl Run<'_> {
             }
         }
     }
-}
-
-/// Client-side event timestamp: informational, so the wall clock is fine here.
-fn wall_clock_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
 }

@@ -13,10 +13,10 @@ mod append;
 mod readback;
 
 use std::sync::Arc;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use super::decide::{self, Candidate, NeedsCurrentState, Verdict};
-use super::service::WriteService;
+use super::service::{WriteService, invariant};
 use super::{Answer, WriteError, WriteRequest};
 use crate::account::AccountId;
 use crate::account::rules::Legs;
@@ -48,6 +48,10 @@ struct Member {
     /// that carried it until a write with it is rejected (2003), proven a sibling's, or lands.
     /// `None`: the next write derives fresh ones from the fold.
     seqs: Option<[u64; 2]>,
+    /// Each leg's lowest version at which its held sequence can stand: one above the fold it
+    /// was derived on (that fold saw every sequence of ours below it). A 2002's point read
+    /// starts here, not at version 1.
+    seq_floor: [u64; 2],
     /// Each leg's balance after this request, as decided on this attempt's state.
     balances: [i64; 2],
     /// Sticky: an attempt may have landed (outcome unknown, 2013, a proven landing), so a
@@ -142,6 +146,7 @@ impl<'a> Run<'a> {
                     accounts: idx,
                     phase: Phase::Open,
                     seqs: None,
+                    seq_floor: [1; 2],
                     balances: [0; 2],
                     may_have_landed: false,
                     sent_unknown: false,
@@ -175,10 +180,10 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// Drives the run until every member is answered, or attempts or time run out.
-    pub(super) async fn drive(&mut self) {
+    /// Drives the run until every member is answered, or attempts or time (`deadline`, from
+    /// the earliest arrival among the members) run out.
+    pub(super) async fn drive(&mut self, deadline: Instant) {
         let cfg = self.svc.config;
-        let deadline = Instant::now() + cfg.deadline;
         let mut skip_backoff = false;
         while self.unanswered().next().is_some() {
             if self.attempt >= cfg.max_attempts || Instant::now() >= deadline {
@@ -215,6 +220,7 @@ impl<'a> Run<'a> {
             let Some(batch) = self.decide(caught_up).await else {
                 continue;
             };
+            let batch = self.admit_new(batch);
             if batch.is_empty() {
                 continue;
             }
@@ -359,6 +365,32 @@ impl<'a> Run<'a> {
         Some(batch)
     }
 
+    /// Keeps the recent-writes index within its cap: a member never sent before (no held
+    /// sequence, no attempt that may have landed) is refused retryably while the index is
+    /// full. This runs after the read-back, so a retry of a landed write is still replayed,
+    /// and a member that may have landed goes on: it must be settled, not dropped.
+    fn admit_new(&mut self, batch: Vec<usize>) -> Vec<usize> {
+        let is_new = |m: &Member| m.seqs.is_none() && !m.may_have_landed;
+        if !batch.iter().any(|&mi| is_new(&self.members[mi])) {
+            return batch;
+        }
+        let Err(full) = self.svc.projection.check_index_room() else {
+            return batch;
+        };
+        let mut kept = Vec::with_capacity(batch.len());
+        for mi in batch {
+            let m = &mut self.members[mi];
+            if is_new(m) {
+                m.phase = Phase::Done(Err(WriteError::Overloaded {
+                    reason: full.to_string(),
+                }));
+            } else {
+                kept.push(mi);
+            }
+        }
+        kept
+    }
+
     /// Sequences for this write. A member that holds sequences keeps them; every other member
     /// of the batch (one that joins after a deferral, or any after a release) gets fresh ones
     /// above both the fold's highest and every sequence the run still holds, so no event is
@@ -388,6 +420,7 @@ impl<'a> Run<'a> {
                 let ai = m.accounts[li];
                 *seq = next[ai];
                 next[ai] += 1;
+                m.seq_floor[li] = self.accounts[ai].snap.version + 1;
             }
             m.seqs = Some(seqs);
         }
@@ -427,15 +460,15 @@ impl<'a> Run<'a> {
         }
     }
 
+    /// Every member's answer, in order. `drive` answers every member before it returns.
     pub(super) fn finish(self) -> Vec<Answer> {
         self.members
             .into_iter()
             .map(|m| match m.phase {
                 Phase::Done(answer) => answer,
-                Phase::Open | Phase::Landed { .. } => Err(WriteError::GaveUp {
-                    attempts: 0,
-                    last: "no answer".into(),
-                }),
+                Phase::Open | Phase::Landed { .. } => {
+                    Err(invariant("the run ended with a request unanswered"))
+                }
             })
             .collect()
     }

@@ -1,0 +1,229 @@
+//! `tally-device`: an offline device's side of Tally. Records deposits and withdrawals into a
+//! durable SQLite outbox (each with its own, never reissued, per-account sequence) and syncs
+//! them to a Tally server later, however much later, exactly once.
+//!
+//! Exit status: 0 on success (a sync that drained the outbox), 1 when a sync stopped with
+//! events still queued (the reason is printed; the queue is intact), 2 on bad input, a
+//! refused operation or an outbox that cannot be used.
+//!
+//! Crash testing: `TALLY_DEVICE_CRASH_AT=STEP[@N]` aborts the process at a named step (see
+//! `tally::device::crash::Step`).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::builder::TypedValueParser;
+use clap::{Parser, Subcommand};
+use tally::account::{AccountId, AmountCents, Operation};
+use tally::device::MAX_RUN_EVENTS;
+use tally::device::crash::AbortAt;
+use tally::device::outbox::{Outbox, OutboxError};
+use tally::device::sync::{self, SyncLoop, SyncOptions};
+use tally::device::transport::{self, HttpTransport};
+
+const EXIT_STOPPED: u8 = 1;
+const EXIT_ERROR: u8 = 2;
+/// The outbox used when neither `--outbox` nor the environment names one.
+const DEFAULT_OUTBOX: &str = "tally-device.sqlite";
+/// The longest `--timeout-ms` accepted.
+const MAX_TIMEOUT_MS: u64 = 600_000;
+/// The most `--max-attempts` accepted.
+const MAX_ATTEMPTS_LIMIT: u32 = 1_000;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "tally-device",
+    about = "An offline device's outbox and sync loop for Tally"
+)]
+struct Cli {
+    /// The outbox file (SQLite).
+    #[arg(long, global = true, env = "TALLY_DEVICE_OUTBOX", default_value = DEFAULT_OUTBOX)]
+    outbox: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Creates the outbox and this device's identity (kept if it already exists).
+    Init,
+    /// Records `deposit|withdraw ACCOUNT AMOUNT_CENTS` in the outbox. No network.
+    Record {
+        /// `deposit` or `withdraw` (transfers are refused offline).
+        kind: String,
+        /// The account id (a UUID).
+        account: String,
+        /// A positive amount in cents.
+        amount_cents: String,
+    },
+    /// Sends every queued event to the server, in order, exactly once.
+    Sync {
+        /// The Tally server, e.g. http://127.0.0.1:8080.
+        #[arg(long, env = "TALLY_DEVICE_SERVER")]
+        server: String,
+        /// Events per request (1 to the server's limit).
+        #[arg(long, default_value_t = sync::DEFAULT_BATCH_SIZE,
+              value_parser = clap::value_parser!(u16).range(1..=MAX_RUN_EVENTS as i64).map(usize::from))]
+        batch_size: usize,
+        /// Sends of one run before this sync gives up (the queue is kept).
+        #[arg(long, default_value_t = sync::DEFAULT_MAX_ATTEMPTS,
+              value_parser = clap::value_parser!(u32).range(1..=MAX_ATTEMPTS_LIMIT as i64))]
+        max_attempts: u32,
+        /// Time allowed for one request, in milliseconds.
+        #[arg(long, default_value_t = transport::DEFAULT_TIMEOUT.as_millis() as u64,
+              value_parser = clap::value_parser!(u64).range(1..=MAX_TIMEOUT_MS))]
+        timeout_ms: u64,
+        /// Seed of the backoff jitter (random when absent).
+        #[arg(long)]
+        jitter_seed: Option<u64>,
+    },
+    /// Shows pending, in-flight and synced events per account.
+    Status {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// A failure and the exit status it earns.
+struct Failure(u8, String);
+
+impl From<OutboxError> for Failure {
+    fn from(e: OutboxError) -> Self {
+        Failure(EXIT_ERROR, e.to_string())
+    }
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure(code, message)) => {
+            eprintln!("tally-device: {message}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    let mut hooks = AbortAt::from_env().map_err(|e| Failure(EXIT_ERROR, e))?;
+    match cli.command {
+        Command::Init => {
+            let (outbox, created) = Outbox::init(&cli.outbox, tally::store::wall_clock_ms())?;
+            let verb = if created {
+                "created"
+            } else {
+                "already initialised; kept"
+            };
+            println!(
+                "outbox {} {verb}; device id {}",
+                cli.outbox.display(),
+                outbox.device_id()
+            );
+        }
+        Command::Record {
+            kind,
+            account,
+            amount_cents,
+        } => {
+            let operation = operation(&kind, &account, &amount_cents)?;
+            let mut outbox = Outbox::open(&cli.outbox)?;
+            let event = outbox.record(operation, tally::store::wall_clock_ms(), &mut hooks)?;
+            println!(
+                "recorded {} of {} cents on {} as sequence {} (event {})",
+                event.kind.wire(),
+                event.amount_cents,
+                event.account,
+                event.client_seq,
+                event.event_id
+            );
+        }
+        Command::Sync {
+            server,
+            batch_size,
+            max_attempts,
+            timeout_ms,
+            jitter_seed,
+        } => {
+            let transport = HttpTransport::new(&server, Duration::from_millis(timeout_ms))
+                .map_err(|e| Failure(EXIT_ERROR, e))?;
+            let mut outbox = Outbox::open(&cli.outbox)?;
+            let options = SyncOptions {
+                batch_size,
+                max_attempts,
+                jitter_seed: jitter_seed.unwrap_or_else(rand::random),
+                ..SyncOptions::default()
+            };
+            let report = SyncLoop::new(&mut outbox, &transport, options)
+                .run(&mut hooks)
+                .await
+                .map_err(|e| Failure(EXIT_ERROR, e.to_string()))?;
+            println!(
+                "synced {} events in {} runs ({} found already synced); {} failed sends",
+                report.events_synced,
+                report.runs_synced + report.runs_already_synced,
+                report.runs_already_synced,
+                report.failed_sends
+            );
+            if let Some(stop) = report.stopped {
+                return Err(Failure(EXIT_STOPPED, stop.to_string()));
+            }
+        }
+        Command::Status { json } => {
+            let status = Outbox::open(&cli.outbox)?.status()?;
+            if json {
+                let text = serde_json::to_string_pretty(&status)
+                    .map_err(|e| Failure(EXIT_ERROR, e.to_string()))?;
+                println!("{text}");
+            } else {
+                println!(
+                    "device {}: {} pending, {} in flight, {} synced",
+                    status.device_id, status.pending, status.in_flight, status.synced
+                );
+                for a in &status.accounts {
+                    let run = match (a.run_attempts, &a.last_error) {
+                        (Some(n), Some(e)) => format!("; {n} failed sends, last: {e}"),
+                        (Some(n), None) => format!("; {n} failed sends"),
+                        _ => String::new(),
+                    };
+                    println!(
+                        "  {}: {} pending, {} in flight, {} synced, last sequence {}{run}",
+                        a.account, a.pending, a.in_flight, a.synced, a.last_seq
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Parses `record`'s arguments into a deposit or a withdrawal.
+fn operation(kind: &str, account: &str, amount: &str) -> Result<Operation, Failure> {
+    let bad = |m: String| Failure(EXIT_ERROR, m);
+    if kind == "transfer" {
+        return Err(bad(OutboxError::TransferOffline.to_string()));
+    }
+    let account: AccountId = account
+        .parse()
+        .map_err(|_| bad(format!("account {account:?} is not a UUID")))?;
+    let cents: i64 = amount
+        .parse()
+        .map_err(|_| bad(format!("amount {amount:?} is not a whole number of cents")))?;
+    let amount = AmountCents::new(cents).map_err(|e| bad(e.to_string()))?;
+    match kind {
+        "deposit" => Ok(Operation::Deposit { account, amount }),
+        "withdraw" => Ok(Operation::Withdraw { account, amount }),
+        other => Err(bad(format!(
+            "unknown kind {other:?}: record deposit or withdraw"
+        ))),
+    }
+}

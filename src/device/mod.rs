@@ -1,0 +1,73 @@
+//! Offline devices: a point-of-sale terminal (or any client that must keep working without a
+//! network) records deposits and withdrawals into a durable local outbox and syncs them later,
+//! however much later, without ever depositing twice.
+//!
+//! The trick is the store's own idempotency guard. A device is its own Celeriant writer: it
+//! owns a client id (generated once, kept in the outbox) and numbers its events per account
+//! from a durable local counter, in the same SQLite transaction that stores the event. The
+//! (account, device) high-water mark in the store then deduplicates forever: there is no
+//! window to fall out of, because the dedup state is the device's own outbox.
+//!
+//! - [`protocol`]: the JSON shapes of `POST /api/devices/{deviceId}/sync`;
+//! - [`run`]: one validated run of a device's events;
+//! - [`server`]: the service-side core behind that endpoint, which writes one run with the
+//!   device's client id and classifies the store's answer;
+//! - [`outbox`]: the device's SQLite outbox (identity, per-account sequences, runs);
+//! - [`sync`]: the one sync loop that drains the outbox in order;
+//! - [`transport`]: how the loop reaches a server (HTTP, or in process for tests);
+//! - [`crash`]: the named crash points between durable steps, for tests.
+//!
+//! Transfers are not recorded offline (see [`outbox::OutboxError::TransferOffline`]).
+//! Withdrawals are: offline there is no balance to check, so a device withdrawal is a fact
+//! the service folds as it comes (the balance may go below zero), never a request it refuses.
+
+pub mod crash;
+pub mod outbox;
+pub mod protocol;
+pub mod run;
+pub mod server;
+pub mod sync;
+pub mod transport;
+
+use std::fmt;
+use std::str::FromStr;
+
+use uuid::Uuid;
+
+/// The most events one sync request may carry. The device's batch size is capped by it.
+pub const MAX_RUN_EVENTS: usize = 256;
+
+/// A device's identity on the store: its Celeriant client id. Generated once, on the device,
+/// when its outbox is created; never derived from anything that could repeat.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DeviceId(pub Uuid);
+
+impl DeviceId {
+    /// A fresh random id (UUIDv4).
+    pub fn generate() -> Self {
+        DeviceId(Uuid::new_v4())
+    }
+
+    pub fn as_u128(self) -> u128 {
+        self.0.as_u128()
+    }
+}
+
+impl fmt::Display for DeviceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.hyphenated().fmt(f)
+    }
+}
+
+impl fmt::Debug for DeviceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl FromStr for DeviceId {
+    type Err = uuid::Error;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Uuid::parse_str(s).map(DeviceId)
+    }
+}

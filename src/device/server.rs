@@ -1,0 +1,523 @@
+//! The service-side core of `POST /api/devices/{deviceId}/sync`: validate one run of a
+//! device's events, write it to the store under the device's own client id, and classify the
+//! store's answer.
+//!
+//! The write is unconditional and guarded only by idempotency: `expected_version: None`,
+//! `enforce_client_idempotency: true`, `allow_create: true`, one batch for the whole run. The
+//! store judges a multi-event write by its lowest sequence, so a 2002 means "something at or
+//! above the run's first sequence is already committed by this device". That proves the run
+//! landed only if the reported mark reaches the run's last sequence; a mark inside the run can
+//! only come from a device that renumbered or re-cut a run, and is answered as a typed error,
+//! never as synced. Even a mark past the run is checked before the run is called synced: the
+//! device's batches covering the run are read back and must hold these very events (same
+//! sequence, event id and payload). A device restored from an old backup reissues sequences
+//! for new events; without the check those sales would be swallowed as "already synced".
+//! Events the store no longer has (trimmed) are taken on the mark alone; events a lagging
+//! read does not show yet make the answer a retry.
+//!
+//! Device batches never raise Tally's own client sequence: the projection only counts batches
+//! whose client id is the service's, and a device may not use that id (nor the reference
+//! service's, nor nil).
+
+use std::collections::BTreeMap;
+
+use uuid::Uuid;
+
+use super::protocol::{SyncRequest, SyncResponse, SyncStatus, codes};
+pub use super::run::{DeviceRun, RunEvent};
+use super::{DeviceId, MAX_RUN_EVENTS};
+use crate::account::{AccountId, Identity, named_id};
+use crate::store::{
+    AggregateWrite, BatchStream, Event, ReadFilter, SharedLog, StoreError, StoreResult,
+    wall_clock_ms,
+};
+
+/// The namespace the store's event ids of device events are derived in. Never change it: a
+/// resend across the change would carry different event ids (harmless to dedup, which is by
+/// sequence, but it would break the stable naming of history entries).
+pub const DEVICE_EVENT_NAMESPACE: Uuid = Uuid::from_u128(0x5d1c_7e2a_4b90_4f3e_8a61_c0de_de71_ce00);
+
+/// Why the same run should be sent again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RetryReason {
+    /// 2013: a write holding these sequences is accepted but not yet durable: back off.
+    InFlight,
+    /// The write may or may not have landed: resend exactly the same run.
+    OutcomeUnknown,
+    /// The write was definitely not applied.
+    NotApplied,
+    /// The store's mark covers the run, but a read does not show its events yet (a lagging
+    /// replica) or failed: ask again rather than call it synced unproven.
+    Unverified,
+}
+
+/// Every way a device sync can fail, for this layer. The HTTP mapping lives with the routes.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceSyncError {
+    #[error("device id {0:?} is not a UUID")]
+    InvalidDeviceId(String),
+    #[error("device id {0} is reserved (a service's own client id, or nil)")]
+    ReservedDeviceId(DeviceId),
+    #[error("accountId {0:?} is not a UUID")]
+    InvalidAccount(String),
+    #[error("a sync run must carry at least one event")]
+    EmptyRun,
+    #[error("a sync run carries {len} events, more than the limit of {max}")]
+    RunTooLong { len: usize, max: usize },
+    #[error("bad sequence: {0}")]
+    BadSequence(String),
+    #[error("event {index}: unknown type {kind:?} (devices sync `deposit` or `withdraw` only)")]
+    UnknownEventType { index: usize, kind: String },
+    #[error("event {index}: {reason}")]
+    InvalidAmount { index: usize, reason: String },
+    #[error("event {index}: eventId {value:?} is not a UUID")]
+    InvalidEventId { index: usize, value: String },
+    /// The store's mark for (account, device) is inside the run. Impossible for a device that
+    /// follows the rules; resending cannot fix it.
+    #[error(
+        "the store holds sequence {mark} from this device, inside the run {first_seq}..={last_seq}: \
+         the device renumbered events or changed a run's boundaries"
+    )]
+    RunStraddlesMark {
+        mark: u64,
+        first_seq: u64,
+        last_seq: u64,
+    },
+    /// The store holds a different event under one of the run's sequences: the device
+    /// reissued a sequence (e.g. its outbox was restored from an old copy). Never synced.
+    #[error(
+        "the store already holds a different event from this device under sequence {seq}: \
+         the device reissued sequences (was its outbox restored from an old copy?)"
+    )]
+    RunConflictsWithStore { seq: u64 },
+    /// Send exactly the same run again (after a backoff).
+    #[error("retry the same run ({reason:?}): {detail}")]
+    Retry { reason: RetryReason, detail: String },
+    /// Any other store failure.
+    #[error("store: {0}")]
+    Store(StoreError),
+}
+
+impl DeviceSyncError {
+    /// The error code of the response body.
+    pub fn code(&self) -> &'static str {
+        match self {
+            DeviceSyncError::InvalidDeviceId(_) => codes::INVALID_DEVICE_ID,
+            DeviceSyncError::ReservedDeviceId(_) => codes::DEVICE_ID_RESERVED,
+            DeviceSyncError::InvalidAccount(_) => codes::INVALID_ACCOUNT,
+            DeviceSyncError::EmptyRun => codes::EMPTY_RUN,
+            DeviceSyncError::RunTooLong { .. } => codes::RUN_TOO_LONG,
+            DeviceSyncError::BadSequence(_) => codes::BAD_SEQUENCE,
+            DeviceSyncError::UnknownEventType { .. } => codes::UNKNOWN_EVENT_TYPE,
+            DeviceSyncError::InvalidAmount { .. } => codes::INVALID_AMOUNT,
+            DeviceSyncError::InvalidEventId { .. } => codes::INVALID_EVENT_ID,
+            DeviceSyncError::RunStraddlesMark { .. } => codes::RUN_STRADDLES_MARK,
+            DeviceSyncError::RunConflictsWithStore { .. } => codes::RUN_CONFLICTS_WITH_STORE,
+            DeviceSyncError::Retry { reason, .. } => match reason {
+                RetryReason::InFlight => codes::SYNC_IN_FLIGHT,
+                RetryReason::OutcomeUnknown => codes::SYNC_OUTCOME_UNKNOWN,
+                RetryReason::NotApplied => codes::SYNC_NOT_APPLIED,
+                RetryReason::Unverified => codes::SYNC_UNVERIFIED,
+            },
+            DeviceSyncError::Store(_) => codes::STORE_ERROR,
+        }
+    }
+
+    /// Whether the request itself is malformed (a 4xx: the caller must not resend it).
+    pub fn is_invalid_request(&self) -> bool {
+        !matches!(
+            self,
+            DeviceSyncError::RunStraddlesMark { .. }
+                | DeviceSyncError::RunConflictsWithStore { .. }
+                | DeviceSyncError::Retry { .. }
+                | DeviceSyncError::Store(_)
+        )
+    }
+
+    /// Whether the run contradicts what the store holds from this device: a device that
+    /// broke the sequence rules. Resending cannot fix it; an operator must look.
+    pub fn is_conflict(&self) -> bool {
+        matches!(
+            self,
+            DeviceSyncError::RunStraddlesMark { .. }
+                | DeviceSyncError::RunConflictsWithStore { .. }
+        )
+    }
+
+    /// Whether resending the same run may succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, DeviceSyncError::Retry { .. })
+    }
+
+    /// Whether the device should resend the same run (bounded by its attempts): a retry, or a
+    /// store failure that may be transient. Resending a run is always safe.
+    pub fn resend_may_help(&self) -> bool {
+        matches!(
+            self,
+            DeviceSyncError::Retry { .. } | DeviceSyncError::Store(_)
+        )
+    }
+}
+
+/// What a sync did. Either way, every event of the run is in the store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncOutcome {
+    /// This request appended the run as the account's batch `version`.
+    Synced { version: u64, last_seq: u64 },
+    /// An earlier attempt landed; the store's mark for (account, device) is `last_seq`.
+    AlreadySynced { last_seq: u64 },
+}
+
+impl From<SyncOutcome> for SyncResponse {
+    fn from(o: SyncOutcome) -> Self {
+        match o {
+            SyncOutcome::Synced { version, last_seq } => SyncResponse {
+                status: SyncStatus::Synced,
+                aggregate_version: Some(version),
+                last_seq,
+            },
+            SyncOutcome::AlreadySynced { last_seq } => SyncResponse {
+                status: SyncStatus::AlreadySynced,
+                aggregate_version: None,
+                last_seq,
+            },
+        }
+    }
+}
+
+/// The service side of device sync, over the store port.
+#[derive(Clone)]
+pub struct DeviceSync {
+    log: SharedLog,
+    identity: Identity,
+    max_run_events: usize,
+}
+
+impl DeviceSync {
+    /// A core accepting runs of up to [`MAX_RUN_EVENTS`] events.
+    pub fn new(log: SharedLog, identity: Identity) -> Self {
+        Self {
+            log,
+            identity,
+            max_run_events: MAX_RUN_EVENTS,
+        }
+    }
+
+    /// Lowers the run limit (clamped to 1..=[`MAX_RUN_EVENTS`]).
+    pub fn with_max_run_events(mut self, max: usize) -> Self {
+        self.max_run_events = max.clamp(1, MAX_RUN_EVENTS);
+        self
+    }
+
+    pub fn max_run_events(&self) -> usize {
+        self.max_run_events
+    }
+
+    /// Parses the path's device id and refuses the ids a device may never write under.
+    pub fn device_id(&self, raw: &str) -> Result<DeviceId, DeviceSyncError> {
+        let id: DeviceId = raw
+            .parse()
+            .map_err(|_| DeviceSyncError::InvalidDeviceId(raw.chars().take(64).collect()))?;
+        let reserved = [
+            Uuid::nil(),
+            self.identity.client_id,
+            named_id(Identity::REFERENCE_SERVICE_CLIENT),
+            named_id(Identity::DEFAULT_CLIENT),
+        ];
+        if reserved.contains(&id.0) {
+            return Err(DeviceSyncError::ReservedDeviceId(id));
+        }
+        Ok(id)
+    }
+
+    /// The handler logic of the endpoint: the path's device id and the parsed body in, the
+    /// response body (or the typed error to map) out.
+    pub async fn handle(
+        &self,
+        device_id: &str,
+        req: &SyncRequest,
+    ) -> Result<SyncResponse, DeviceSyncError> {
+        let device = self.device_id(device_id)?;
+        let run = DeviceRun::from_request(req, self.max_run_events)?;
+        self.sync(device, &run).await.map(SyncResponse::from)
+    }
+
+    /// Writes one validated run under the device's client id and classifies the answer.
+    pub async fn sync(
+        &self,
+        device: DeviceId,
+        run: &DeviceRun,
+    ) -> Result<SyncOutcome, DeviceSyncError> {
+        let events = store_events(device, run, wall_clock_ms());
+        let write = AggregateWrite {
+            key: self.identity.key(run.account()),
+            events: events.clone(),
+            expected_version: None,
+            allow_create: true,
+            enforce_client_idempotency: true,
+        };
+        let (first_seq, last_seq) = (run.first_seq(), run.last_seq());
+        match self.log.write(device.as_u128(), vec![write]).await {
+            Ok(versions) => match versions.first() {
+                Some(&version) => Ok(SyncOutcome::Synced { version, last_seq }),
+                None => Err(DeviceSyncError::Store(StoreError::Other {
+                    code: 0,
+                    message: "the store acknowledged a write without a version".into(),
+                })),
+            },
+            Err(StoreError::IdempotencyViolation { last_seq: mark, .. }) if mark >= last_seq => {
+                self.check_landed(device, run, &events).await?;
+                Ok(SyncOutcome::AlreadySynced { last_seq: mark })
+            }
+            Err(StoreError::IdempotencyViolation { last_seq: mark, .. }) => {
+                tracing::warn!(
+                    device = %device,
+                    mark,
+                    first_seq,
+                    last_seq,
+                    "device run straddles the store's mark"
+                );
+                Err(DeviceSyncError::RunStraddlesMark {
+                    mark,
+                    first_seq,
+                    last_seq,
+                })
+            }
+            Err(StoreError::InflightDuplicate) => Err(DeviceSyncError::Retry {
+                reason: RetryReason::InFlight,
+                detail: StoreError::InflightDuplicate.to_string(),
+            }),
+            Err(e @ StoreError::OutcomeUnknown { .. }) => Err(DeviceSyncError::Retry {
+                reason: RetryReason::OutcomeUnknown,
+                detail: e.to_string(),
+            }),
+            Err(e @ StoreError::NotApplied { .. }) => Err(DeviceSyncError::Retry {
+                reason: RetryReason::NotApplied,
+                detail: e.to_string(),
+            }),
+            Err(e) => Err(DeviceSyncError::Store(e)),
+        }
+    }
+}
+
+impl DeviceSync {
+    /// Proves a run the store's mark covers is really there: every event of the run must be
+    /// read back from this device's batches with the same sequence, id, type and payload.
+    async fn check_landed(
+        &self,
+        device: DeviceId,
+        run: &DeviceRun,
+        expected: &[Event],
+    ) -> Result<(), DeviceSyncError> {
+        let (first, last) = (run.first_seq(), run.last_seq());
+        let (found, trimmed) = match self.read_run(device, run).await {
+            Ok(read) => read,
+            Err(e) => {
+                return Err(DeviceSyncError::Retry {
+                    reason: RetryReason::Unverified,
+                    detail: format!("reading back run {first}..={last} failed: {e}"),
+                });
+            }
+        };
+        for want in expected {
+            match found.get(&want.client_seq) {
+                Some(got)
+                    if got.event_id == want.event_id
+                        && got.event_type == want.event_type
+                        && got.payload == want.payload => {}
+                Some(_) => {
+                    tracing::warn!(device = %device, seq = want.client_seq, "device reissued a sequence");
+                    return Err(DeviceSyncError::RunConflictsWithStore {
+                        seq: want.client_seq,
+                    });
+                }
+                // Trimmed away: the mark is the only proof left, and it is the store's own.
+                None if trimmed => {}
+                None => {
+                    return Err(DeviceSyncError::Retry {
+                        reason: RetryReason::Unverified,
+                        detail: format!(
+                            "the store's mark covers sequence {} but a read does not show it yet",
+                            want.client_seq
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// This device's events of the run's sequences, by sequence, and whether part of the
+    /// stream was trimmed away.
+    async fn read_run(
+        &self,
+        device: DeviceId,
+        run: &DeviceRun,
+    ) -> StoreResult<(BTreeMap<u64, Event>, bool)> {
+        let (first, last) = (run.first_seq(), run.last_seq());
+        let mut filter = ReadFilter {
+            include_client_id: Some(device.as_u128()),
+            min_client_seq: Some(first),
+            max_client_seq: Some(last),
+            ..ReadFilter::from_version(1)
+        };
+        let mut found = BTreeMap::new();
+        let mut trimmed = false;
+        let key = self.identity.key(run.account());
+        let mut stream = BatchStream::new(self.log.as_ref(), key, filter.clone());
+        loop {
+            match stream.next_page().await {
+                Ok(Some(batches)) => {
+                    for e in batches.iter().flat_map(|b| b.events.iter()) {
+                        if (first..=last).contains(&e.client_seq) {
+                            found.entry(e.client_seq).or_insert_with(|| e.clone());
+                        }
+                    }
+                }
+                Ok(None) | Err(StoreError::AggregateNotFound) => break,
+                // Read what is left above the trim point, once.
+                Err(StoreError::Trimmed { min_available }) if !trimmed => {
+                    trimmed = true;
+                    filter.from_version = min_available;
+                    stream = BatchStream::new(self.log.as_ref(), key, filter.clone());
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok((found, trimmed))
+    }
+}
+
+/// The store events of a run: one per device event, named by [`store_event_id`].
+fn store_events(device: DeviceId, run: &DeviceRun, now: u64) -> Vec<Event> {
+    let mut events = Vec::with_capacity(run.events().len());
+    for e in run.events() {
+        // A device operation is a deposit or a withdrawal: exactly one leg, on the run's
+        // account.
+        for leg in e.operation.legs().as_slice() {
+            events.push(Event {
+                client_seq: e.client_seq,
+                event_id: Some(store_event_id(device, run.account(), e)),
+                event_type: leg.event.event_type(),
+                payload: leg.event.encode(),
+                timestamp_ms: e.recorded_at_ms.unwrap_or(now),
+            });
+        }
+    }
+    events
+}
+
+/// The store's event id for a device event: derived from the device id and the device's own
+/// event id (or, without one, the account and sequence), in a namespace of its own, so the
+/// same event always carries the same id and no device can name an id that an API caller's
+/// idempotency key maps to by accident.
+pub fn store_event_id(device: DeviceId, account: AccountId, e: &RunEvent) -> u128 {
+    let mut name = Vec::with_capacity(40);
+    name.extend_from_slice(device.0.as_bytes());
+    match e.event_id {
+        // 32 bytes here, 40 below: the two shapes never collide.
+        Some(id) => name.extend_from_slice(id.as_bytes()),
+        None => {
+            name.extend_from_slice(account.0.as_bytes());
+            name.extend_from_slice(&e.client_seq.to_be_bytes());
+        }
+    }
+    Uuid::new_v5(&DEVICE_EVENT_NAMESPACE, &name).as_u128()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::device::protocol::SyncEvent;
+    use crate::store::memory::MemoryLog;
+
+    const ACCOUNT: &str = "00000000-0000-0000-0000-0000000000a1";
+    const DEVICE: &str = "6f9619ff-8b86-4011-b42d-00c04fc964ff";
+
+    fn event(seq: u64, kind: &str, cents: i64) -> SyncEvent {
+        SyncEvent {
+            client_seq: seq,
+            kind: kind.into(),
+            amount_cents: cents,
+            event_id: None,
+            recorded_at_ms: None,
+        }
+    }
+
+    fn request(events: Vec<SyncEvent>) -> SyncRequest {
+        SyncRequest {
+            account_id: ACCOUNT.into(),
+            first_seq: None,
+            events,
+        }
+    }
+
+    fn core() -> (Arc<MemoryLog>, DeviceSync) {
+        let log = Arc::new(MemoryLog::new());
+        (log.clone(), DeviceSync::new(log, Identity::default()))
+    }
+
+    #[tokio::test]
+    async fn a_device_may_not_write_under_a_service_client_id() {
+        let (log, core) = core();
+        let req = request(vec![event(1, "deposit", 1)]);
+        let identity = Identity::default();
+        for reserved in [
+            identity.client_id,
+            named_id(Identity::REFERENCE_SERVICE_CLIENT),
+            Uuid::nil(),
+        ] {
+            let err = core.handle(&reserved.to_string(), &req).await.unwrap_err();
+            assert!(matches!(err, DeviceSyncError::ReservedDeviceId(_)), "{err}");
+            assert!(err.is_invalid_request() && !err.is_retryable());
+        }
+        let err = core.handle("pos-7", &req).await.unwrap_err();
+        assert!(matches!(err, DeviceSyncError::InvalidDeviceId(_)));
+        let key = identity.key(ACCOUNT.parse().unwrap());
+        assert_eq!(log.batch_count(key), 0, "a refused run writes nothing");
+    }
+
+    #[tokio::test]
+    async fn a_device_run_lands_once_and_its_resend_is_already_synced() {
+        let (log, core) = core();
+        let req = request((1..=3).map(|s| event(s, "deposit", 10)).collect());
+        let first = core.handle(DEVICE, &req).await.unwrap();
+        assert_eq!(first.status, SyncStatus::Synced);
+        assert_eq!((first.aggregate_version, first.last_seq), (Some(1), 3));
+        let again = core.handle(DEVICE, &req).await.unwrap();
+        assert_eq!(again.status, SyncStatus::AlreadySynced);
+        assert_eq!(again.last_seq, 3);
+        let key = Identity::default().key(ACCOUNT.parse().unwrap());
+        assert_eq!(log.batch_count(key), 1);
+        let device: DeviceId = DEVICE.parse().unwrap();
+        assert_eq!(log.client_mark(key, device.as_u128()), Some(3));
+    }
+
+    #[tokio::test]
+    async fn a_mark_inside_the_run_is_never_answered_as_synced() {
+        let (log, core) = core();
+        core.handle(
+            DEVICE,
+            &request((1..=3).map(|s| event(s, "deposit", 1)).collect()),
+        )
+        .await
+        .unwrap();
+        // A device that re-cut its run (2..=5 after 1..=3 landed) would have 4 and 5 marked
+        // synced on a 2002 although they were never written.
+        let grown = request((2..=5).map(|s| event(s, "deposit", 1)).collect());
+        let err = core.handle(DEVICE, &grown).await.unwrap_err();
+        assert_eq!(
+            err,
+            DeviceSyncError::RunStraddlesMark {
+                mark: 3,
+                first_seq: 2,
+                last_seq: 5
+            }
+        );
+        assert!(!err.is_retryable() && !err.is_invalid_request());
+        let key = Identity::default().key(ACCOUNT.parse().unwrap());
+        assert_eq!(log.batch_count(key), 1);
+    }
+}

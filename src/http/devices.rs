@@ -1,0 +1,45 @@
+//! `POST /api/devices/{deviceId}/sync`: the one path by which a device's client id reaches
+//! the store. It parses the run and hands it to the device layer ([`crate::device::server`]),
+//! which writes it under the device's id with enforced idempotency and no expected version;
+//! errors map to HTTP in [`super::error`].
+
+use std::sync::Arc;
+
+use hyper::Request;
+use hyper::StatusCode;
+use hyper::body::Incoming;
+use uuid::Uuid;
+
+use super::body::{Resp, json_response, read_json};
+use super::error::ApiError;
+use crate::app::App;
+use crate::device::protocol::{SyncRequest, SyncStatus};
+use crate::metrics::device_outcome;
+
+pub async fn sync(app: &Arc<App>, device: Uuid, req: Request<Incoming>) -> Result<Resp, ApiError> {
+    let body: SyncRequest = read_json(req).await?;
+    let events = body.events.len() as u64;
+    let m = &app.metrics;
+    match app.devices.handle(&device.to_string(), &body).await {
+        Ok(resp) => {
+            let outcome = match resp.status {
+                SyncStatus::Synced => device_outcome::SYNCED,
+                SyncStatus::AlreadySynced => device_outcome::ALREADY_SYNCED,
+            };
+            m.device_sync_runs.with_label_values(&[outcome]).inc();
+            m.device_sync_events.inc_by(events);
+            Ok(json_response(StatusCode::OK, &resp))
+        }
+        Err(e) => {
+            let outcome = if e.is_invalid_request() {
+                device_outcome::REFUSED
+            } else if e.is_conflict() {
+                device_outcome::CONFLICT
+            } else {
+                device_outcome::RETRY
+            };
+            m.device_sync_runs.with_label_values(&[outcome]).inc();
+            Err(e.into())
+        }
+    }
+}

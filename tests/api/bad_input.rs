@@ -1,0 +1,407 @@
+//! Bad input gets a clear JSON error with the right status and changes nothing: malformed
+//! JSON, ids and queries (400), unknown routes (404), wrong methods (405), content types (415),
+//! invalid amounts and shapes, the same-account transfer and overdrawing (422).
+
+use reqwest::{Method, StatusCode};
+use serde_json::{Value, json};
+
+use crate::common::raw_http::{post_raw, send};
+use crate::common::{
+    account_transfer_path, assert_error, deposit_path, funded, new_account, observe, spawn_default,
+    withdraw_path,
+};
+
+#[tokio::test]
+async fn malformed_json_is_400_and_changes_nothing() {
+    let t = spawn_default().await;
+    let account = funded(&t, 500).await;
+    let before = observe(&t, &account).await;
+    for body in [
+        &b"{"[..],
+        b"not json",
+        b"",
+        br#"{"amountCents":1}x"#,
+        br#"{"amountCents":1,}"#,
+    ] {
+        for path in [
+            deposit_path(&account),
+            withdraw_path(&account),
+            "/api/transfers".to_string(),
+            account_transfer_path(&account),
+        ] {
+            let r = post_raw(&t, &path, body, None).await;
+            assert_error(&r, 400, "INVALID_JSON");
+            assert_eq!(observe(&t, &account).await, before, "{path} {body:?}");
+        }
+    }
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_malformed_account_id_in_the_path_is_400() {
+    let t = spawn_default().await;
+    for action in ["balance", "history"] {
+        for bad in ["not-a-uuid", "1234", "00000000-0000-0000-0000-00000000000g"] {
+            let r = t.get(&format!("/api/accounts/{bad}/{action}")).await;
+            assert_error(&r, 400, "INVALID_ID");
+        }
+    }
+    let body = json!({ "amountCents": 1, "toAccountId": new_account() });
+    for action in ["deposit", "withdraw", "transfers"] {
+        let r = t
+            .post(&format!("/api/accounts/not-a-uuid/{action}"), &body, None)
+            .await;
+        assert_error(&r, 400, "INVALID_ID");
+    }
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn bad_query_parameters_are_400() {
+    let t = spawn_default().await;
+    let account = funded(&t, 1).await;
+    for query in [
+        "minVersion=abc",
+        "minVersion=-1",
+        "minVersion=",
+        "minVersion=1.5",
+        "minversion=1",
+        "fromVersion=1",
+        "bogus=1",
+    ] {
+        let r = t
+            .get(&format!("/api/accounts/{account}/balance?{query}"))
+            .await;
+        assert_error(&r, 400, "BAD_QUERY");
+    }
+    for query in [
+        "fromVersion=x",
+        "fromVersion=-1",
+        "limit=abc",
+        "limit=0",
+        "limit=1001",
+        "limit=-5",
+        "minVersion=1",
+        "cursor=1",
+        "limit=1&limit=2",
+        "limit=+2",
+        "limit=1%2E5",
+    ] {
+        let r = t
+            .get(&format!("/api/accounts/{account}/history?{query}"))
+            .await;
+        assert_error(&r, 400, "BAD_QUERY");
+    }
+    // Values and names are percent-decoded like any query string.
+    assert_eq!(t.deposit(&account, 1, None).await.status, StatusCode::OK);
+    let r = t
+        .get(&format!("/api/accounts/{account}/history?%6Cimit=%31"))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.body["events"].as_array().map(Vec::len), Some(1));
+    assert_eq!(r.body["nextFromVersion"], 2);
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn unknown_routes_are_404_json() {
+    let t = spawn_default().await;
+    let account = new_account();
+    for path in [
+        "/".to_string(),
+        "/nope".to_string(),
+        "/api".to_string(),
+        "/api/accounts/".to_string(),
+        "/healthz/".to_string(),
+        format!("/api/accounts/{account}"),
+        format!("/api/accounts/{account}/statement"),
+        format!("/api/accounts/{account}/balance/extra"),
+    ] {
+        let r = t.get(&path).await;
+        assert_error(&r, 404, "NOT_FOUND");
+        let r = t.post(&path, &json!({ "amountCents": 1 }), None).await;
+        assert_error(&r, 404, "NOT_FOUND");
+    }
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_wrong_method_is_405_with_allow() {
+    let t = spawn_default().await;
+    let account = new_account();
+    let cases = [
+        (Method::GET, deposit_path(&account), "POST"),
+        (Method::GET, withdraw_path(&account), "POST"),
+        (Method::GET, account_transfer_path(&account), "POST"),
+        (Method::GET, "/api/transfers".to_string(), "POST"),
+        (Method::PUT, deposit_path(&account), "POST"),
+        (Method::DELETE, "/api/transfers".to_string(), "POST"),
+        (
+            Method::POST,
+            format!("/api/accounts/{account}/balance"),
+            "GET, HEAD",
+        ),
+        (
+            Method::POST,
+            format!("/api/accounts/{account}/history"),
+            "GET, HEAD",
+        ),
+        (Method::POST, "/api/accounts".to_string(), "GET, HEAD"),
+        (Method::POST, "/healthz".to_string(), "GET, HEAD"),
+        (Method::POST, "/readyz".to_string(), "GET, HEAD"),
+        (Method::POST, "/metrics".to_string(), "GET, HEAD"),
+        (
+            Method::DELETE,
+            format!("/api/accounts/{account}/balance"),
+            "GET, HEAD",
+        ),
+        // The method is checked before the id, so a bad id with a wrong method is still 405.
+        (
+            Method::GET,
+            "/api/accounts/not-a-uuid/deposit".to_string(),
+            "POST",
+        ),
+    ];
+    for (method, path, allow) in cases {
+        let r = send(&t, method.clone(), &path, &[], None).await;
+        assert_error(&r, 405, "METHOD_NOT_ALLOWED");
+        assert_eq!(r.header("allow"), Some(allow), "{method} {path}");
+    }
+    assert_eq!(t.balance(&account).await, (0, 0));
+    // A HEAD answer has no body, so the 405 is its status and `Allow` only.
+    let r = send(&t, Method::HEAD, &deposit_path(&account), &[], None).await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(r.header("allow"), Some("POST"));
+    // GET routes answer HEAD: the GET's status and headers, no body.
+    for path in [
+        "/healthz".to_string(),
+        format!("/api/accounts/{account}/balance"),
+    ] {
+        let get = send(&t, Method::GET, &path, &[], None).await;
+        let r = send(&t, Method::HEAD, &path, &[], None).await;
+        assert_eq!(r.status, StatusCode::OK, "HEAD {path}");
+        assert_eq!(r.header("content-type"), Some("application/json"));
+        assert_eq!(
+            r.header("content-length"),
+            Some(get.text.len().to_string().as_str()),
+            "HEAD {path}: the GET's length"
+        );
+    }
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_missing_or_wrong_content_type_is_415_and_changes_nothing() {
+    let t = spawn_default().await;
+    let (account, payee) = (funded(&t, 100).await, new_account());
+    let before = (observe(&t, &account).await, observe(&t, &payee).await);
+    let withdraw = br#"{"amountCents":5}"#.to_vec();
+    let transfer = json!({ "fromAccountId": account, "toAccountId": payee, "amountCents": 5 })
+        .to_string()
+        .into_bytes();
+    let requests = [
+        (withdraw_path(&account), withdraw.clone()),
+        ("/api/transfers".to_string(), transfer),
+    ];
+    let content_types: [Option<&str>; 6] = [
+        None,
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+        Some("application/jsonx"),
+        Some("application/problem+json"),
+        Some(""),
+    ];
+    for (path, body) in &requests {
+        for ct in content_types {
+            let headers: Vec<(&str, &[u8])> = ct
+                .map(|ct| ("content-type", ct.as_bytes()))
+                .into_iter()
+                .collect();
+            let r = send(&t, Method::POST, path, &headers, Some(body.clone())).await;
+            assert_error(&r, 415, "UNSUPPORTED_MEDIA_TYPE");
+            assert_eq!(
+                (observe(&t, &account).await, observe(&t, &payee).await),
+                before,
+                "{path} with {ct:?} changed something"
+            );
+        }
+    }
+    // Parameters and case do not matter.
+    for ct in ["application/json; charset=utf-8", "Application/JSON"] {
+        let r = send(
+            &t,
+            Method::POST,
+            &withdraw_path(&account),
+            &[("content-type", ct.as_bytes())],
+            Some(withdraw.clone()),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::OK, "{ct}: {}", r.text);
+    }
+    assert_eq!(t.balance(&account).await, (90, 3));
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn invalid_amounts_and_body_shapes_are_422_validation_errors_and_change_nothing() {
+    let t = spawn_default().await;
+    let (account, other) = (funded(&t, 1_000).await, funded(&t, 1_000).await);
+    let before = (observe(&t, &account).await, observe(&t, &other).await);
+    // Every case is (path, raw body).
+    let mut cases: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut case = |path: String, body: Value| cases.push((path, body.to_string().into_bytes()));
+    for amount in [
+        json!(0),
+        json!(-1),
+        json!(-2_147_483_647),
+        json!(2_147_483_648_i64),
+        json!(i64::MAX),
+        json!(1.5),
+        json!(100.0),
+        json!("100"),
+        json!(null),
+        json!(true),
+        json!([1]),
+        json!({ "cents": 1 }),
+    ] {
+        case(deposit_path(&account), json!({ "amountCents": amount }));
+        case(withdraw_path(&account), json!({ "amountCents": amount }));
+        case(
+            "/api/transfers".into(),
+            json!({ "fromAccountId": account, "toAccountId": other, "amountCents": amount }),
+        );
+        case(
+            account_transfer_path(&account),
+            json!({ "toAccountId": other, "amountCents": amount }),
+        );
+    }
+    // Unknown fields.
+    case(
+        deposit_path(&account),
+        json!({ "amountCents": 1, "memo": "x" }),
+    );
+    case(withdraw_path(&account), json!({ "amount": 1 }));
+    case(
+        "/api/transfers".into(),
+        json!({ "fromAccountId": account, "toAccountId": other, "amountCents": 1, "x": 0 }),
+    );
+    // Missing fields.
+    case(deposit_path(&account), json!({}));
+    case(
+        "/api/transfers".into(),
+        json!({ "toAccountId": other, "amountCents": 1 }),
+    );
+    case(
+        "/api/transfers".into(),
+        json!({ "fromAccountId": account, "amountCents": 1 }),
+    );
+    case(
+        "/api/transfers".into(),
+        json!({ "fromAccountId": account, "toAccountId": other }),
+    );
+    case(account_transfer_path(&account), json!({ "amountCents": 1 }));
+    // Not an account id.
+    case(
+        "/api/transfers".into(),
+        json!({ "fromAccountId": account, "toAccountId": "nope", "amountCents": 1 }),
+    );
+    case(
+        account_transfer_path(&account),
+        json!({ "toAccountId": 7, "amountCents": 1 }),
+    );
+    // Not an object: a scalar, or a positional array even when its items line up with the
+    // fields.
+    case(deposit_path(&account), json!(5));
+    case(deposit_path(&account), json!("amountCents"));
+    case(deposit_path(&account), json!([5]));
+    case(withdraw_path(&account), json!([5]));
+    case("/api/transfers".into(), json!([account, other, 5]));
+    case(account_transfer_path(&account), json!([other, 5]));
+    case(withdraw_path(&account), json!([{ "amountCents": 1 }]));
+    // Spellings `json!` cannot produce.
+    let raw: [(String, &[u8]); 3] = [
+        // Too large even for 64 bits.
+        (
+            deposit_path(&account),
+            br#"{"amountCents":99999999999999999999}"#,
+        ),
+        (deposit_path(&account), br#"{"amountCents":1e2}"#),
+        (
+            deposit_path(&account),
+            br#"{"amountCents":1,"amountCents":2}"#,
+        ),
+    ];
+    cases.extend(raw.into_iter().map(|(p, b)| (p, b.to_vec())));
+    for (path, body) in cases {
+        let r = post_raw(&t, &path, &body, None).await;
+        let shown = String::from_utf8_lossy(&body);
+        assert_eq!(r.status.as_u16(), 422, "{path} {shown}: {}", r.text);
+        assert_error(&r, 422, "VALIDATION_ERROR");
+        assert_eq!(
+            (observe(&t, &account).await, observe(&t, &other).await),
+            before,
+            "{path} {shown} changed something"
+        );
+    }
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_transfer_to_the_same_account_is_422_and_changes_nothing() {
+    let t = spawn_default().await;
+    let account = funded(&t, 1_000).await;
+    let before = observe(&t, &account).await;
+    // Also with an amount the account cannot cover (the shape is checked before the funds),
+    // and with the same id in another spelling.
+    let upper = account.to_uppercase();
+    for (to, cents) in [(&account, 10), (&account, 5_000), (&upper, 10)] {
+        let r = t.transfer(&account, to, cents, None).await;
+        assert_error(&r, 422, "VALIDATION_ERROR");
+        assert_eq!(observe(&t, &account).await, before);
+    }
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn overdrawing_is_422_insufficient_funds_with_the_balance_and_changes_nothing() {
+    let t = spawn_default().await;
+    // `empty` has no events, so it has nothing to give.
+    let (account, payee, empty) = (funded(&t, 1_000).await, new_account(), new_account());
+    let before = (observe(&t, &account).await, (0, 0, vec![]));
+    let cases = [
+        (
+            withdraw_path(&account),
+            json!({ "amountCents": 1_001 }),
+            1_000,
+        ),
+        (
+            "/api/transfers".to_string(),
+            json!({ "fromAccountId": account, "toAccountId": payee, "amountCents": 1_001 }),
+            1_000,
+        ),
+        (
+            account_transfer_path(&account),
+            json!({ "toAccountId": payee, "amountCents": 2_147_483_647 }),
+            1_000,
+        ),
+        (withdraw_path(&empty), json!({ "amountCents": 1 }), 0),
+        (
+            "/api/transfers".to_string(),
+            json!({ "fromAccountId": empty, "toAccountId": account, "amountCents": 1 }),
+            0,
+        ),
+    ];
+    for (path, body, balance) in cases {
+        let r = t.post(&path, &body, None).await;
+        assert_error(&r, 422, "INSUFFICIENT_FUNDS");
+        assert_eq!(r.body["balanceCents"], balance, "{path} {body}");
+        assert_eq!(r.header("idempotency-window"), Some("90"));
+        assert_eq!(
+            (observe(&t, &account).await, observe(&t, &payee).await),
+            before,
+            "{path} {body} changed something"
+        );
+        assert_eq!(observe(&t, &empty).await, (0, 0, vec![]));
+    }
+    t.shutdown().await;
+}

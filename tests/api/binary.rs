@@ -1,0 +1,391 @@
+//! The real `tally` binary as a child process: `--help` names every flag and its
+//! environment variable, it starts like `make run`, drains in-flight requests and exits 0 on
+//! SIGTERM, and refuses an invalid configuration with exit 2.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::common::{self, new_account};
+
+/// Every flag the binary takes, each settable from the environment.
+const FLAGS: [&str; 34] = [
+    "max-index-entries",
+    "max-header-bytes",
+    "max-live-writes",
+    "max-queued-writes-per-account",
+    "listen",
+    "store",
+    "idempotency-window",
+    "client-id",
+    "org-id",
+    "account-type-id",
+    "seed-demo-accounts",
+    "faults",
+    "max-concurrent-requests",
+    "max-queue-wait-ms",
+    "max-connections",
+    "write-deadline-ms",
+    "write-max-attempts",
+    "one-round-trip",
+    "batching",
+    "max-batch-events",
+    "max-resident-accounts",
+    "idle-timeout-secs",
+    "shutdown-grace-secs",
+    "log-format",
+    "celeriant-address",
+    "celeriant-seeds",
+    "celeriant-request-timeout-ms",
+    "celeriant-connect-timeout-ms",
+    "celeriant-pool-size",
+    "celeriant-tls-ca",
+    "celeriant-tls-cert",
+    "celeriant-tls-key",
+    "celeriant-tls-server-name",
+    "celeriant-api-key",
+];
+
+/// How long the binary may take to start or stop before a test fails.
+const PROCESS_BOUND: Duration = Duration::from_secs(30);
+
+/// The `tally` binary as a child process, with a clean environment for its settings.
+fn tally_command(args: &[&str], env: &[(&str, &str)]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tally"));
+    for (name, _) in std::env::vars() {
+        if name.starts_with("TALLY_") || name == "RUST_LOG" {
+            cmd.env_remove(name);
+        }
+    }
+    cmd.args(args).envs(env.iter().copied());
+    cmd
+}
+
+/// A running `tally` with its JSON log lines streamed to the test; killed if the test fails.
+struct Server {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    log: Vec<Value>,
+    addr: SocketAddr,
+}
+
+impl Server {
+    fn start(args: &[&str], env: &[(&str, &str)]) -> Server {
+        let mut child = tally_command(args, env)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("tally starts");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut server = Server {
+            child,
+            lines,
+            log: Vec::new(),
+            addr: "0.0.0.0:0".parse().unwrap(),
+        };
+        let listening = server.wait_for("tally listening");
+        server.addr = listening["fields"]["addr"]
+            .as_str()
+            .expect("the listening line names the address")
+            .parse()
+            .expect("a socket address");
+        server
+    }
+
+    /// Waits (bounded) for the log line with this message; returns it.
+    fn wait_for(&mut self, message: &str) -> Value {
+        let deadline = Instant::now() + PROCESS_BOUND;
+        loop {
+            if let Some(v) = self.log.iter().find(|v| v["fields"]["message"] == message) {
+                return v.clone();
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    let v = serde_json::from_str(&line)
+                        .unwrap_or_else(|_| panic!("a JSON log line: {line}"));
+                    self.log.push(v);
+                }
+                Err(e) => panic!("no {message:?} log line ({e}); log so far: {:#?}", self.log),
+            }
+        }
+    }
+
+    /// The position of the first log line with this message.
+    fn position(&self, message: &str) -> Option<usize> {
+        self.log
+            .iter()
+            .position(|v| v["fields"]["message"] == message)
+    }
+
+    fn sigterm(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success());
+    }
+
+    /// Reads the log to its end (the process closed stdout), then reaps the process.
+    fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let deadline = Instant::now() + PROCESS_BOUND;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    if let Ok(v) = serde_json::from_str(&line) {
+                        self.log.push(v);
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                Err(mpsc::RecvTimeoutError::Timeout) => panic!("tally did not exit"),
+            }
+        }
+        self.child.wait().expect("reaped")
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // Only matters when a test failed half-way: this is our own child.
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+#[test]
+fn binary_help_lists_every_flag_with_its_env_name() {
+    let out = tally_command(&["--help"], &[])
+        .output()
+        .expect("tally runs");
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).expect("UTF-8 help");
+    // One block per option, from its `--flag` line to the next option.
+    let mut blocks: Vec<(String, String)> = Vec::new();
+    for line in help.lines() {
+        let trimmed = line.trim_start();
+        let flag = trimmed
+            .strip_prefix("--")
+            .or_else(|| trimmed.strip_prefix("-h, --"))
+            .or_else(|| trimmed.strip_prefix("-V, --"));
+        match flag {
+            Some(rest) if line.starts_with("  ") && !line.starts_with("          ") => {
+                let name = rest.split([' ', '<']).next().unwrap_or("").to_owned();
+                blocks.push((name, String::new()));
+            }
+            _ => {
+                if let Some((_, body)) = blocks.last_mut() {
+                    body.push_str(line);
+                    body.push('\n');
+                }
+            }
+        }
+    }
+    let names: Vec<&str> = blocks.iter().map(|(n, _)| n.as_str()).collect();
+    for flag in FLAGS {
+        assert!(
+            names.contains(&flag),
+            "--{flag} missing from --help:\n{help}"
+        );
+    }
+    for (name, body) in &blocks {
+        if name == "help" || name == "version" {
+            continue;
+        }
+        assert!(
+            FLAGS.contains(&name.as_str()),
+            "--{name} is new: add it to FLAGS"
+        );
+        // The connection to Celeriant uses the names Celeriant's own tools use.
+        let env = match name.as_str() {
+            "celeriant-address" | "celeriant-seeds" | "celeriant-api-key" => {
+                name.replace('-', "_").to_uppercase()
+            }
+            _ => format!("TALLY_{}", name.replace('-', "_").to_uppercase()),
+        };
+        assert!(
+            body.contains(&format!("[env: {env}=")) || body.contains(&format!("[env: {env}]")),
+            "--{name} does not name {env}:\n{body}"
+        );
+    }
+    assert_eq!(blocks.len(), FLAGS.len() + 2, "{names:?}");
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn binary_starts_like_make_run_serves_the_demo_accounts_and_stops_on_sigterm() {
+    // `make run` is the binary with every default; only the port (0) and the log format
+    // (to read the bound address) differ, both set through the environment.
+    let mut server = Server::start(
+        &[],
+        &[
+            ("TALLY_LISTEN", "127.0.0.1:0"),
+            ("TALLY_LOG_FORMAT", "json"),
+        ],
+    );
+    let listening = server.wait_for("tally listening");
+    assert_eq!(listening["fields"]["window_secs"], 90);
+    assert_eq!(listening["fields"]["store"], "Memory");
+    let client = reqwest::Client::new();
+    let r = common::read(client.get(server.url("/healthz")).send().await.unwrap()).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let r = common::read(client.get(server.url("/readyz")).send().await.unwrap()).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let r = common::read(
+        client
+            .get(server.url("/api/accounts"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let accounts = r.body["accounts"].as_array().expect("accounts").clone();
+    let names: Vec<&str> = accounts
+        .iter()
+        .map(|a| a["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["Alice", "Bob", "Charlie"]);
+    let alice = accounts[0]["id"].as_str().unwrap();
+    let r = common::read(
+        client
+            .get(server.url(&format!("/api/accounts/{alice}/balance")))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        r.body,
+        json!({ "balanceCents": 50000, "aggregateVersion": 1 })
+    );
+    let r = common::read(
+        client
+            .post(server.url(&format!("/api/accounts/{alice}/withdraw")))
+            .json(&json!({ "amountCents": 1000 }))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        r.body,
+        json!({ "balanceCents": 49000, "aggregateVersion": 2 })
+    );
+    drop(client);
+    server.sigterm();
+    let status = server.wait_exit();
+    assert_eq!(status.code(), Some(0), "{status}");
+    assert!(server.position("stopped").is_some(), "{:#?}", server.log);
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn binary_drains_an_in_flight_request_on_sigterm_and_exits_0() {
+    // Every store write is held for 1.5 s: a deterministic slow request.
+    let mut server = Server::start(
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+            "--seed-demo-accounts",
+            "false",
+            "--faults",
+            "inflight=1,inflight-hold-ms=1500,seed=1",
+        ],
+        &[],
+    );
+    let client = reqwest::Client::new();
+    let account = new_account();
+    let slow = {
+        let (client, url) = (
+            client.clone(),
+            server.url(&format!("/api/accounts/{account}/deposit")),
+        );
+        tokio::spawn(async move {
+            common::read(
+                client
+                    .post(url)
+                    .header("idempotency-key", "drain-1")
+                    .json(&json!({ "amountCents": 700 }))
+                    .send()
+                    .await
+                    .expect("the in-flight request is answered"),
+            )
+            .await
+        })
+    };
+    // Wait (bounded) until the deposit is being served: the scrape counts itself, so two.
+    let deadline = Instant::now() + PROCESS_BOUND;
+    loop {
+        let m = common::read(client.get(server.url("/metrics")).send().await.unwrap()).await;
+        if common::metric_sum(&m.text, "tally_http_requests_in_flight") >= 2.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the deposit never arrived");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    server.sigterm();
+    let r = slow.await.expect("request task");
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(
+        r.body,
+        json!({ "balanceCents": 700, "aggregateVersion": 1 })
+    );
+    assert_eq!(r.header("idempotency-key"), Some("drain-1"));
+    let status = server.wait_exit();
+    assert_eq!(status.code(), Some(0), "{status}");
+    // The drain began while the deposit was in flight, and the process stopped after it.
+    let draining = server
+        .position("shutting down: draining in-flight requests")
+        .expect("a drain log line");
+    let served = server
+        .log
+        .iter()
+        .position(|v| {
+            v["fields"]["message"] == "served" && v["span"]["route"] == "/api/accounts/{id}/deposit"
+        })
+        .expect("the deposit's access log line");
+    let stopped = server.position("stopped").expect("a stopped log line");
+    assert!(draining < served && served < stopped, "{:#?}", server.log);
+}
+
+#[test]
+fn binary_refuses_an_invalid_configuration_with_exit_2() {
+    for args in [
+        &["--idempotency-window", "0"][..],
+        &["--max-concurrent-requests", "0"],
+        &["--faults", "lost-ack=2"],
+        &["--faults", "bogus=1"],
+    ] {
+        let out = tally_command(args, &[]).output().expect("tally runs");
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("invalid configuration"),
+            "{args:?}: {stderr}"
+        );
+        assert!(out.stdout.is_empty(), "nothing was served: {args:?}");
+    }
+}

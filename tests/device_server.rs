@@ -1,0 +1,300 @@
+//! The service-side core of device sync against the store port: the device's own client id,
+//! no version guard, the classification of every store answer, and the projection.
+
+use std::sync::Arc;
+
+use tally::account::{AccountEvent, AccountId, Identity};
+use tally::device::DeviceId;
+use tally::device::protocol::{SyncEvent, SyncRequest, SyncStatus};
+use tally::device::server::{DeviceSync, DeviceSyncError, RetryReason, store_event_id};
+use tally::metrics::Metrics;
+use tally::projection::{ManualClock, Projection, ProjectionConfig};
+use tally::store::faults::{Fault, FaultConfig, FaultyLog};
+use tally::store::memory::MemoryLog;
+use tally::store::{AggregateWrite, Batch, Event, EventLog, ReadFilter, SharedLog};
+
+const ACCOUNT: &str = "00000000-0000-0000-0000-00000000acc1";
+const DEVICE: &str = "0b6c3a9e-51f4-4a3e-9a77-2d1f0e5c7b11";
+
+fn account() -> AccountId {
+    ACCOUNT.parse().unwrap()
+}
+
+fn device() -> DeviceId {
+    DEVICE.parse().unwrap()
+}
+
+fn run(first: u64, last: u64, cents: i64) -> SyncRequest {
+    SyncRequest {
+        account_id: ACCOUNT.into(),
+        first_seq: Some(first),
+        events: (first..=last)
+            .map(|seq| SyncEvent {
+                client_seq: seq,
+                kind: if seq % 3 == 0 { "withdraw" } else { "deposit" }.into(),
+                amount_cents: cents,
+                event_id: None,
+                recorded_at_ms: Some(1_000 + seq),
+            })
+            .collect(),
+    }
+}
+
+fn faulty() -> (Arc<MemoryLog>, Arc<FaultyLog<MemoryLog>>, DeviceSync) {
+    let memory = Arc::new(MemoryLog::new());
+    let faulty = Arc::new(FaultyLog::new(memory.clone(), FaultConfig::default()));
+    let core = DeviceSync::new(faulty.clone() as SharedLog, Identity::default());
+    (memory, faulty, core)
+}
+
+fn batches(log: &MemoryLog) -> Vec<Batch> {
+    let key = Identity::default().key(account());
+    match log.read_now(key, &ReadFilter::from_version(1)) {
+        Ok(page) => page.batches,
+        Err(_) => Vec::new(),
+    }
+}
+
+#[tokio::test]
+async fn device_runs_are_written_under_the_device_client_id_without_a_version_guard() {
+    let (memory, _, core) = faulty();
+    let identity = Identity::default();
+    // The account already has history written by Tally itself: a device does not need to
+    // know its version, and does not conflict with it.
+    memory
+        .write_now(
+            identity.client(),
+            vec![AggregateWrite {
+                key: identity.key(account()),
+                events: vec![Event {
+                    client_seq: 1,
+                    event_id: Some(7),
+                    event_type: AccountEvent::Deposited { amount: 100 }.event_type(),
+                    payload: AccountEvent::Deposited { amount: 100 }.encode(),
+                    timestamp_ms: 0,
+                }],
+                expected_version: Some(0),
+                allow_create: true,
+                enforce_client_idempotency: true,
+            }],
+        )
+        .unwrap();
+    let answer = core.handle(DEVICE, &run(1, 4, 5)).await.unwrap();
+    assert_eq!(answer.status, SyncStatus::Synced);
+    assert_eq!(answer.aggregate_version, Some(2));
+    let stored = batches(&memory);
+    assert_eq!(stored.len(), 2);
+    let batch = &stored[1];
+    assert_eq!(batch.client_id, device().as_u128());
+    let seqs: Vec<u64> = batch.events.iter().map(|e| e.client_seq).collect();
+    assert_eq!(
+        seqs,
+        vec![1, 2, 3, 4],
+        "the device's own sequences, as sent"
+    );
+    let decoded: Vec<AccountEvent> = batch
+        .events
+        .iter()
+        .map(|e| AccountEvent::decode(e.event_type, &e.payload).unwrap())
+        .collect();
+    assert_eq!(decoded[2], AccountEvent::Withdrawn { amount: 5 });
+    assert_eq!(decoded[3], AccountEvent::Deposited { amount: 5 });
+    assert_eq!(batch.events[0].timestamp_ms, 1_001);
+}
+
+#[tokio::test]
+async fn a_device_resend_after_a_lost_ack_is_already_synced_and_lands_once() {
+    let (memory, faulty, core) = faulty();
+    faulty.fail_next_write(Fault::LostAck);
+    let err = core.handle(DEVICE, &run(1, 3, 10)).await.unwrap_err();
+    assert!(matches!(
+        err,
+        DeviceSyncError::Retry {
+            reason: RetryReason::OutcomeUnknown,
+            ..
+        }
+    ));
+    assert!(err.is_retryable());
+    // Two hours later, far past any idempotency window: the store's own guard answers.
+    let answer = core.handle(DEVICE, &run(1, 3, 10)).await.unwrap();
+    assert_eq!(answer.status, SyncStatus::AlreadySynced);
+    assert_eq!(answer.last_seq, 3);
+    assert_eq!(batches(&memory).len(), 1);
+}
+
+#[tokio::test]
+async fn a_refused_or_lost_device_write_is_retryable_and_changes_nothing() {
+    let (memory, faulty, core) = faulty();
+    faulty.fail_next_write(Fault::Refused);
+    faulty.fail_next_write(Fault::LostRequest);
+    for reason in [RetryReason::NotApplied, RetryReason::OutcomeUnknown] {
+        match core.handle(DEVICE, &run(1, 2, 10)).await {
+            Err(DeviceSyncError::Retry { reason: r, .. }) => assert_eq!(r, reason),
+            other => panic!("expected a retry, got {other:?}"),
+        }
+        assert!(batches(&memory).is_empty());
+    }
+    let answer = core.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
+    assert_eq!(answer.status, SyncStatus::Synced);
+    assert_eq!(batches(&memory).len(), 1);
+}
+
+#[tokio::test]
+async fn a_device_resend_meeting_its_write_in_flight_is_told_to_retry() {
+    let (memory, faulty, core) = faulty();
+    let mut hold = faulty.hold_next_write();
+    let first = tokio::spawn({
+        let core = core.clone();
+        async move { core.handle(DEVICE, &run(1, 2, 10)).await }
+    });
+    assert!(hold.held().await);
+    let err = core.handle(DEVICE, &run(1, 2, 10)).await.unwrap_err();
+    assert_eq!(err.code(), "SYNC_IN_FLIGHT");
+    assert!(matches!(
+        err,
+        DeviceSyncError::Retry {
+            reason: RetryReason::InFlight,
+            ..
+        }
+    ));
+    hold.release();
+    assert_eq!(first.await.unwrap().unwrap().status, SyncStatus::Synced);
+    let again = core.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
+    assert_eq!(again.status, SyncStatus::AlreadySynced);
+    assert_eq!(batches(&memory).len(), 1);
+}
+
+#[tokio::test]
+async fn device_event_ids_are_stable_and_namespaced_per_device() {
+    let (memory, _, core) = faulty();
+    let mut req = run(1, 2, 10);
+    let own = "8c1f2e3d-4b5a-4697-a8b9-c0d1e2f3a4b5";
+    req.events[0].event_id = Some(own.into());
+    core.handle(DEVICE, &req).await.unwrap();
+    let stored = batches(&memory);
+    let ids: Vec<u128> = stored[0]
+        .events
+        .iter()
+        .map(|e| e.event_id.unwrap())
+        .collect();
+    let validated =
+        tally::device::server::DeviceRun::from_request(&req, tally::device::MAX_RUN_EVENTS)
+            .unwrap();
+    let expected: Vec<u128> = validated
+        .events()
+        .iter()
+        .map(|e| store_event_id(device(), account(), e))
+        .collect();
+    assert_eq!(ids, expected);
+    assert_ne!(ids[0], own.parse::<uuid::Uuid>().unwrap().as_u128());
+    let other: DeviceId = "1b6c3a9e-51f4-4a3e-9a77-2d1f0e5c7b11".parse().unwrap();
+    assert_ne!(
+        store_event_id(other, account(), &validated.events()[0]),
+        ids[0],
+        "two devices never name the same event id"
+    );
+}
+
+#[tokio::test]
+async fn device_events_never_raise_the_service_client_sequence() {
+    let memory = Arc::new(MemoryLog::new());
+    let log: SharedLog = memory.clone();
+    let identity = Identity::default();
+    // Tally's own write, at its own sequence 5.
+    let deposit = AccountEvent::Deposited { amount: 1_000 };
+    log.write(
+        identity.client(),
+        vec![AggregateWrite {
+            key: identity.key(account()),
+            events: vec![Event {
+                client_seq: 5,
+                event_id: Some(1),
+                event_type: deposit.event_type(),
+                payload: deposit.encode(),
+                timestamp_ms: 0,
+            }],
+            expected_version: Some(0),
+            allow_create: true,
+            enforce_client_idempotency: true,
+        }],
+    )
+    .await
+    .unwrap();
+    let projection = Projection::new(
+        log.clone(),
+        identity,
+        ProjectionConfig::default(),
+        Arc::new(ManualClock::new(0)),
+        Arc::new(Metrics::new()),
+    );
+    let (_, before) = projection.catch_up(account()).await.unwrap();
+    assert_eq!((before.max_client_seq, before.version), (5, 1));
+    // The device's sequences go far past Tally's: 1..=40.
+    let core = DeviceSync::new(log.clone(), identity);
+    core.handle(DEVICE, &run(1, 40, 10)).await.unwrap();
+    let (_, after) = projection.catch_up(account()).await.unwrap();
+    assert_eq!(after.version, 2, "the device batch was folded");
+    let withdrawals = (1..=40).filter(|s| s % 3 == 0).count() as i64;
+    assert_eq!(after.balance, 1_000 + (40 - 2 * withdrawals) * 10);
+    assert_eq!(
+        after.max_client_seq, 5,
+        "a device batch must not move Tally's own client sequence"
+    );
+}
+
+#[tokio::test]
+async fn a_reissued_sequence_is_never_answered_as_already_synced() {
+    let (memory, _, core) = faulty();
+    let mut original = run(1, 3, 10);
+    for e in &mut original.events {
+        e.event_id = Some(uuid::Uuid::new_v4().to_string());
+    }
+    core.handle(DEVICE, &original).await.unwrap();
+    // The device's outbox was restored from a copy taken before 2 and 3 were recorded: it
+    // records a new sale and numbers it 2 again.
+    let mut reissued = run(2, 2, 10);
+    reissued.events[0].event_id = Some(uuid::Uuid::new_v4().to_string());
+    let err = core.handle(DEVICE, &reissued).await.unwrap_err();
+    assert_eq!(err, DeviceSyncError::RunConflictsWithStore { seq: 2 });
+    assert!(err.is_conflict() && !err.resend_may_help());
+    assert_eq!(err.code(), "DEVICE_RUN_CONFLICTS_WITH_STORE");
+    // Without event ids the payload still tells them apart.
+    let (_, _, bare) = faulty();
+    bare.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
+    let err = bare.handle(DEVICE, &run(1, 2, 11)).await.unwrap_err();
+    assert_eq!(err, DeviceSyncError::RunConflictsWithStore { seq: 1 });
+    // The genuine resend is still already synced.
+    let again = core.handle(DEVICE, &original).await.unwrap();
+    assert_eq!(again.status, SyncStatus::AlreadySynced);
+    assert_eq!(batches(&memory).len(), 1);
+}
+
+#[tokio::test]
+async fn a_covered_run_a_lagging_read_cannot_show_is_retried_not_synced() {
+    let (_, faulty, core) = faulty();
+    core.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
+    faulty.lag_next_read(1);
+    let err = core.handle(DEVICE, &run(1, 2, 10)).await.unwrap_err();
+    assert!(matches!(
+        err,
+        DeviceSyncError::Retry {
+            reason: RetryReason::Unverified,
+            ..
+        }
+    ));
+    let again = core.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
+    assert_eq!(again.status, SyncStatus::AlreadySynced);
+}
+
+#[tokio::test]
+async fn a_covered_run_whose_batches_were_trimmed_rests_on_the_mark() {
+    let (memory, faulty, core) = faulty();
+    core.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
+    core.handle(DEVICE, &run(3, 3, 10)).await.unwrap();
+    let key = Identity::default().key(account());
+    faulty.trim_start(key, 2).await.unwrap();
+    assert_eq!(memory.batch_count(key), 1);
+    let again = core.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
+    assert_eq!(again.status, SyncStatus::AlreadySynced);
+    assert_eq!(again.last_seq, 3);
+}

@@ -1,0 +1,119 @@
+//! Request limits at the HTTP front end, against a real in-process server over raw TCP (so
+//! the test controls every byte sent and reads exactly what hyper answers).
+//!
+//! Self-contained on purpose: it starts its own server rather than sharing the black-box
+//! helpers of the other suites.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use clap::Parser;
+use tally::app::App;
+use tally::config::{Config, DEFAULT_MAX_HEADER_BYTES};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// A header this large was accepted before the cap: under hyper's own ~400 KB buffer limit.
+const HUGE_HEADER_BYTES: usize = 200_000;
+
+struct Server {
+    addr: SocketAddr,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<()>,
+}
+
+impl Server {
+    /// One instance on its own embedded store, on a loopback port, with `flags`.
+    async fn start(flags: &[&str]) -> Self {
+        let mut args = vec![
+            "tally",
+            "--listen",
+            "127.0.0.1:0",
+            "--seed-demo-accounts",
+            "false",
+        ];
+        args.extend_from_slice(flags);
+        let config = Config::parse_from(args);
+        config.validate().expect("valid config");
+        let app: Arc<App> = App::builder(config).build().await.expect("app builds");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(tally::http::serve(app, listener, async {
+            let _ = stopped.await;
+        }));
+        Self { addr, stop, task }
+    }
+
+    async fn shutdown(self) {
+        let _ = self.stop.send(());
+        self.task.await.expect("server task");
+    }
+
+    /// Sends `GET /healthz` with one `X-Padding` header of `padding` bytes and returns the
+    /// status line of the answer. The request is written by its own task while this one
+    /// reads: a server that refuses the head stops reading, so the rest of a long request
+    /// may never be written (or fail with a reset), and what counts is what comes back.
+    async fn get_with_header(&self, padding: usize) -> String {
+        let stream = TcpStream::connect(self.addr).await.expect("connect");
+        let (mut rx, mut tx) = stream.into_split();
+        let request = format!(
+            "GET /healthz HTTP/1.1\r\nHost: tally\r\nX-Padding: {}\r\nConnection: close\r\n\r\n",
+            "a".repeat(padding)
+        );
+        let writer = tokio::spawn(async move {
+            // An error here is the server refusing the rest: expected for an over-long head.
+            let _ = tx.write_all(request.as_bytes()).await;
+            let _ = tx.flush().await;
+            tx
+        });
+        let mut answer = Vec::new();
+        let mut buf = [0u8; 4096];
+        // Read up to the end of the status line, or until the server closes the connection.
+        while !answer.windows(2).any(|w| w == b"\r\n") {
+            match rx.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => answer.extend_from_slice(&buf[..n]),
+            }
+        }
+        drop(writer.await.expect("writer task"));
+        let text = String::from_utf8_lossy(&answer);
+        text.lines().next().unwrap_or_default().to_string()
+    }
+}
+
+/// Rule: a request head over the named limit is answered 431, however far under hyper's own
+/// buffer limit it is; a normal request on the same server is still served.
+#[tokio::test]
+async fn a_request_head_over_the_header_limit_gets_431() {
+    let server = Server::start(&[]).await;
+    assert_eq!(
+        server.get_with_header(HUGE_HEADER_BYTES).await,
+        "HTTP/1.1 431 Request Header Fields Too Large"
+    );
+    // Just over the default limit, and just under it.
+    assert_eq!(
+        server.get_with_header(DEFAULT_MAX_HEADER_BYTES).await,
+        "HTTP/1.1 431 Request Header Fields Too Large"
+    );
+    assert_eq!(
+        server.get_with_header(DEFAULT_MAX_HEADER_BYTES - 200).await,
+        "HTTP/1.1 200 OK"
+    );
+    assert_eq!(server.get_with_header(0).await, "HTTP/1.1 200 OK");
+    server.shutdown().await;
+}
+
+/// Rule: `--max-header-bytes` sets the limit.
+#[tokio::test]
+async fn the_header_limit_follows_its_flag() {
+    let server = Server::start(&["--max-header-bytes", "2048"]).await;
+    assert_eq!(
+        server.get_with_header(3000).await,
+        "HTTP/1.1 431 Request Header Fields Too Large"
+    );
+    assert_eq!(server.get_with_header(1500).await, "HTTP/1.1 200 OK");
+    server.shutdown().await;
+}
