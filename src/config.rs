@@ -20,8 +20,12 @@ use crate::write_loop::{
 
 /// The longest idempotency window accepted, in seconds (one day).
 pub const MAX_WINDOW_SECS: u64 = 86_400;
-/// The most requests served at once, unless configured; beyond it requests get 503 at once.
-pub const DEFAULT_MAX_CONCURRENT_REQUESTS: usize = 1024;
+/// The most requests served at once, unless configured; beyond it a request waits for a slot
+/// (up to `--max-queue-wait-ms`). No more than one account's write queue holds: were every
+/// request in flight a write to one hot account, none would be refused by the write side's
+/// per-account cap at once (a refusal that clients re-sending at once turn into a spin); the
+/// excess waits here instead. 64 requests in flight already reach a replica's peak.
+pub const DEFAULT_MAX_CONCURRENT_REQUESTS: usize = DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT;
 /// How long shutdown waits for in-flight requests, unless configured.
 pub const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 10;
 /// The most bytes of one request's head (request line and headers) read, unless

@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use common::{TestApp, metric_sum, new_account, spawn, test_config};
 use reqwest::StatusCode;
+use tally::config::DEFAULT_MAX_CONCURRENT_REQUESTS;
 use tally::store::faults::FaultyLog;
+use tally::write_loop::DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -146,6 +148,60 @@ async fn a_request_that_waited_its_full_time_is_shed_and_its_connection_closed()
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     assert!(!r.replayed());
     assert_eq!(t.balance(&account).await.0, 3);
+    t.shutdown().await;
+}
+
+/// Rule: at the default limits, a burst of writes to one account bigger than its write queue
+/// waits at the edge instead of being refused at once by the write side's per-account cap,
+/// and every write lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_on_one_account_waits_at_the_edge_instead_of_being_refused() {
+    let t = spawn(
+        test_config(&["--max-queue-wait-ms", "10000", "--faults", "seed=1"]),
+        None,
+        None,
+    )
+    .await;
+    let account = new_account();
+    let extra = 64;
+    let burst = DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT + extra;
+    // The first write waits inside the store, so the rest pile up behind it.
+    let mut hold = faults(&t).hold_next_write();
+    let mut requests = tokio::task::JoinSet::new();
+    for i in 0..burst {
+        let (client, url) = (
+            t.client.clone(),
+            t.url(&format!("/api/accounts/{account}/deposit")),
+        );
+        requests.spawn(async move {
+            common::read(
+                client
+                    .post(url)
+                    .header("Idempotency-Key", format!("burst-{i}"))
+                    .json(&serde_json::json!({ "amountCents": 1 }))
+                    .send()
+                    .await
+                    .expect("sent"),
+            )
+            .await
+        });
+    }
+    assert!(hold.held().await);
+    wait_for_metric(
+        &t,
+        "tally_http_requests_queued",
+        (burst - DEFAULT_MAX_CONCURRENT_REQUESTS) as f64,
+    )
+    .await;
+    hold.release();
+    while let Some(reply) = requests.join_next().await {
+        let reply = reply.unwrap();
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    }
+    assert_eq!(t.balance(&account).await.0, burst as i64);
+    let m = t.get("/metrics").await.text;
+    assert_eq!(metric_sum(&m, "tally_write_refused_total"), 0.0);
+    assert_eq!(metric_sum(&m, "tally_http_requests_shed_total"), 0.0);
     t.shutdown().await;
 }
 
