@@ -95,9 +95,10 @@ async fn a_request_over_the_limit_waits_for_a_slot() {
 }
 
 /// Rule: a request that waits `--max-queue-wait-ms` without a slot is shed: 503 with
-/// Retry-After and the JSON error, its connection closed, counted, and nothing written.
+/// Retry-After and the JSON error, counted, and nothing written. Below the connection cap
+/// its connection stays open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_that_waited_its_full_time_is_shed_and_its_connection_closed() {
+async fn a_request_that_waited_its_full_time_is_shed() {
     let t = spawn(
         test_config(&[
             "--max-concurrent-requests",
@@ -136,7 +137,7 @@ async fn a_request_that_waited_its_full_time_is_shed_and_its_connection_closed()
     assert_eq!(r.error_code(), "SERVICE_UNAVAILABLE");
     assert!(r.body["message"].as_str().is_some_and(|m| !m.is_empty()));
     assert_eq!(r.header("retry-after"), Some("1"));
-    assert_eq!(r.header("connection"), Some("close"));
+    assert_eq!(r.header("connection"), None, "below the connection cap");
     let m = t.get("/metrics").await.text;
     assert_eq!(metric_sum(&m, "tally_http_requests_shed_total"), 1.0);
     assert_eq!(metric_sum(&m, "tally_http_queue_wait_seconds_count"), 1.0);
@@ -202,6 +203,63 @@ async fn a_burst_on_one_account_waits_at_the_edge_instead_of_being_refused() {
     let m = t.get("/metrics").await.text;
     assert_eq!(metric_sum(&m, "tally_write_refused_total"), 0.0);
     assert_eq!(metric_sum(&m, "tally_http_requests_shed_total"), 0.0);
+    t.shutdown().await;
+}
+
+/// Rule: at the connection cap a shed request's connection is closed, so the next client in
+/// the accept queue gets its slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_connection_cap_a_shed_request_closes_its_connection() {
+    let t = spawn(
+        test_config(&[
+            "--max-connections",
+            "2",
+            "--max-concurrent-requests",
+            "1",
+            "--max-queue-wait-ms",
+            "50",
+            "--faults",
+            "seed=1",
+        ]),
+        None,
+        None,
+    )
+    .await;
+    let account = new_account();
+    // The first connection holds the only in-flight slot with a write held in the store.
+    let mut hold = faults(&t).hold_next_write();
+    let mut holder = TcpStream::connect(t.addr).await.expect("connect");
+    let body = r#"{"amountCents":1}"#;
+    let post = format!(
+        "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    holder.write_all(post.as_bytes()).await.expect("sent");
+    assert!(hold.held().await);
+    // The second takes the last connection slot, waits 50 ms for an in-flight slot, and is
+    // shed with its connection closed.
+    let mut shed = TcpStream::connect(t.addr).await.expect("connect");
+    shed.write_all(post.as_bytes()).await.expect("sent");
+    let answer = tokio::time::timeout(BOUND, read_response(&mut shed))
+        .await
+        .expect("answered");
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(
+        answer
+            .to_ascii_lowercase()
+            .contains("\r\nconnection: close\r\n"),
+        "{answer}"
+    );
+    assert!(answer.contains("SERVICE_UNAVAILABLE"), "{answer}");
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(BOUND, shed.read_to_end(&mut rest)).await;
+    assert!(
+        matches!(closed, Ok(Ok(0))),
+        "the server closed the connection"
+    );
+    hold.release();
+    assert!(read_response(&mut holder).await.starts_with("HTTP/1.1 200"));
+    drop(holder);
     t.shutdown().await;
 }
 

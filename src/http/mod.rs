@@ -50,11 +50,11 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
         // only its ~400 KB read-buffer limit applies). More than 100 headers is a 431 too,
         // hyper's default.
         .max_header_size(app.config.max_header_bytes);
-    let slots = admission::ConnectionSlots::new(app.config.max_connections, app.metrics.clone());
+    let edge = Arc::new(admission::Edge::new(&app));
     tokio::pin!(shutdown);
     loop {
         let slot = tokio::select! {
-            slot = slots.next() => slot,
+            slot = edge.next_connection() => slot,
             _ = &mut shutdown => break,
         };
         tokio::select! {
@@ -68,10 +68,10 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                let app = app.clone();
+                let (app, edge) = (app.clone(), edge.clone());
                 let svc = service_fn(move |req| {
-                    let app = app.clone();
-                    async move { Ok::<_, Infallible>(handle(app, req).await) }
+                    let (app, edge) = (app.clone(), edge.clone());
+                    async move { Ok::<_, Infallible>(handle(app, &edge, req).await) }
                 });
                 let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc));
                 tokio::spawn(async move {
@@ -115,8 +115,8 @@ pub(crate) fn starting(waiting: &[String]) -> ApiError {
     })
 }
 
-/// One request: route, limit, dispatch, then count and log it.
-pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
+/// One request: route, admit, dispatch, then count and log it.
+async fn handle(app: Arc<App>, edge: &admission::Edge, req: Request<Incoming>) -> Resp {
     let started = Instant::now();
     let method = router::method_label(req.method());
     let routed = Route::resolve(req.method(), req.uri().path());
@@ -141,7 +141,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
         }
         // Before the body is read: a request that is refused costs no more than its head.
         let _permit = if route.is_api() {
-            Some(admission::admit(&app).await?)
+            Some(edge.admit(&app).await?)
         } else {
             None
         };
@@ -155,6 +155,8 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
     }
     .instrument(span.clone())
     .await;
+    // Shed requests are reported by the edge, not one access-log line each.
+    let shed = matches!(resp, Err(ApiError::Shed { .. }));
     // Errors become responses in one place.
     let resp = resp.unwrap_or_else(ApiError::into_response);
     drop(in_flight);
@@ -167,11 +169,12 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
         .with_label_values(&[template])
         .observe(elapsed.as_secs_f64());
     span.in_scope(|| {
-        tracing::info!(
-            status = status.as_u16(),
-            latency_us = elapsed.as_micros() as u64,
-            "served"
-        )
+        let (status, latency_us) = (status.as_u16(), elapsed.as_micros() as u64);
+        if shed {
+            tracing::debug!(status, latency_us, "shed");
+        } else {
+            tracing::info!(status, latency_us, "served");
+        }
     });
     resp
 }
