@@ -39,8 +39,12 @@ pub enum LoadError {
 /// Validates `options`, sets up accounts, drives the load, verifies, and reports.
 pub async fn run(options: Options) -> Result<Report, LoadError> {
     let config = options.validate()?;
-    let client = http::client(config.connections, config.timeout);
-    let setup = workload::prepare(&config, &client).await?;
+    let setup = {
+        // Dropped before the measured phase so that its idle pooled connections close: the
+        // server sees only the workers' connections (which count against its cap).
+        let client = http::client(config.connections, config.timeout);
+        workload::prepare(&config, &client).await?
+    };
     let accounts = setup.workload.accounts.len();
     let sampler = match config.server_pid {
         Some(pid) => Some(server::Sampler::start(pid).ok_or_else(|| {
@@ -58,6 +62,7 @@ pub async fn run(options: Options) -> Result<Report, LoadError> {
     let exactly_once = if config.verify {
         let mut records = setup.records;
         records.append(&mut stats.records);
+        let client = http::client(config.connections, config.timeout);
         verify::verify(&config, &client, &records).await
     } else {
         ExactlyOnce::skipped()
