@@ -169,6 +169,13 @@ def build():
           t(mean("tally_write_batch_events"), "mean")], "short")
     L.ts("Mean attempts per write, by replica",
          [t(mean("tally_write_attempts", ["instance"]), "{{instance}}")], "short")
+    L.ts("Write-side refusals (503, nothing sent), by limit",
+         [t(f"sum by (reason) ({rate('tally_write_refused_total')})", "{{reason}}")], "ops",
+         "live_writes: --max-live-writes reached; account_queue: a hot account's queue at "
+         "--max-queued-writes-per-account; queued_past_deadline: a write waited its whole deadline in the queue.")
+    L.ts("Live writes by replica", [t(f"sum by (instance) (tally_write_live{sel()})", "{{instance}}")], "short",
+         "Requests alive on the write side (running, queued or coalesced), including writes whose caller left. "
+         "Compare with --max-live-writes.")
 
     L.row("Idempotency")
     L.ts("Idempotency events",
@@ -219,6 +226,16 @@ def build():
          "idle is housekeeping; capacity means the cap is too small for this replica's share of accounts.")
     L.ts("Poisoned folds", [t(f"sum by (instance) (increase(tally_projection_poisoned_accounts_total{sel()}[{RI}]))", "{{instance}}")], "short",
          "Any value above 0 needs a look: see the TallyPoisonedAccount alert.")
+
+    L.row("Start-up and devices")
+    L.ts("Start-up steps pending", [t(f"max by (instance) (tally_startup_steps_pending{sel()})", "{{instance}}")], "short",
+         "Until 0 the replica answers /readyz and the API with 503; /readyz lists the steps.")
+    L.ts("Start-up step attempts", [t(f"sum by (step, result) ({rate('tally_startup_step_attempts_total')})", "{{step}} {{result}}")], "ops")
+    L.ts("Server-clock anchors", [t(f"sum by (instance, result) ({rate('tally_server_clock_anchors_total')})", "{{instance}} {{result}}")], "ops",
+         "A failed re-anchor keeps the last anchor; readiness does not change.")
+    L.ts("Device sync runs by outcome", [t(f"sum by (outcome) ({rate('tally_device_sync_runs_total')})", "{{outcome}}"),
+                                         t(f"sum({rate('tally_device_sync_events_total')})", "events synced")], "ops",
+         "Offline devices' runs: synced, already_synced (an earlier attempt landed), retry, refused, conflict.")
 
     templating = {"list": [
         {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",
