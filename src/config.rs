@@ -20,8 +20,12 @@ use crate::write_loop::{
 
 /// The longest idempotency window accepted, in seconds (one day).
 pub const MAX_WINDOW_SECS: u64 = 86_400;
-/// The most requests served at once, unless configured; beyond it requests get 503 at once.
-pub const DEFAULT_MAX_CONCURRENT_REQUESTS: usize = 1024;
+/// The most requests served at once, unless configured; beyond it a request waits for a slot
+/// (up to `--max-queue-wait-ms`). No more than one account's write queue holds: were every
+/// request in flight a write to one hot account, none would be refused by the write side's
+/// per-account cap at once (a refusal that clients re-sending at once turn into a spin); the
+/// excess waits here instead. 64 requests in flight already reach a replica's peak.
+pub const DEFAULT_MAX_CONCURRENT_REQUESTS: usize = DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT;
 /// How long shutdown waits for in-flight requests, unless configured.
 pub const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 10;
 /// The most bytes of one request's head (request line and headers) read, unless
@@ -33,6 +37,18 @@ pub const DEFAULT_MAX_HEADER_BYTES: usize = 16 * 1024;
 /// The accepted range of `--max-header-bytes`: below 1 KiB ordinary requests fail, and
 /// above 256 KiB the cap would sit next to hyper's own read-buffer limit (~400 KB).
 pub const HEADER_BYTES_RANGE: std::ops::RangeInclusive<usize> = 1024..=256 * 1024;
+
+// Admission at the HTTP edge (issue 13).
+/// The most client connections open at once, unless configured. At the cap the server stops
+/// accepting: further clients wait in the kernel's accept queue, costing neither memory nor
+/// CPU here (about 10 KiB per open connection otherwise).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+/// How long a request over `--max-concurrent-requests` waits for a slot, unless configured:
+/// long enough that a burst or a re-sending client waits instead of spinning on refusals,
+/// short enough that an admitted request's wait stays far under a second.
+pub const DEFAULT_MAX_QUEUE_WAIT_MS: u64 = 250;
+/// The longest `--max-queue-wait-ms` accepted (the write deadline's order of magnitude).
+pub const MAX_QUEUE_WAIT_MS: u64 = 10_000;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum StoreKind {
@@ -89,9 +105,21 @@ pub struct Config {
     #[arg(long, env = "TALLY_FAULTS")]
     pub faults: Option<FaultConfig>,
 
-    /// Requests served at once; beyond it, 503 at once.
+    /// Requests served at once; beyond it a request waits up to `--max-queue-wait-ms` for a
+    /// slot, then gets a 503.
     #[arg(long, env = "TALLY_MAX_CONCURRENT_REQUESTS", default_value_t = DEFAULT_MAX_CONCURRENT_REQUESTS)]
     pub max_concurrent_requests: usize,
+
+    /// How long a request over `--max-concurrent-requests` waits for a slot (first come,
+    /// first served) before it is refused with 503 and its connection closed, in ms; 0
+    /// refuses at once.
+    #[arg(long, env = "TALLY_MAX_QUEUE_WAIT_MS", default_value_t = DEFAULT_MAX_QUEUE_WAIT_MS)]
+    pub max_queue_wait_ms: u64,
+
+    /// Client connections open at once; at the cap the server stops accepting until one
+    /// closes (clients wait in the kernel's accept queue).
+    #[arg(long, env = "TALLY_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
 
     /// How long one write may spend retrying before it answers a retryable 409, in ms.
     #[arg(long, env = "TALLY_WRITE_DEADLINE_MS", default_value_t = DEFAULT_DEADLINE.as_millis() as u64)]
@@ -177,6 +205,14 @@ impl Config {
                 "--max-concurrent-requests must be positive".into(),
             ));
         }
+        if self.max_connections == 0 {
+            return Err(ConfigError("--max-connections must be positive".into()));
+        }
+        if self.max_queue_wait_ms > MAX_QUEUE_WAIT_MS {
+            return Err(ConfigError(format!(
+                "--max-queue-wait-ms must be 0..={MAX_QUEUE_WAIT_MS}"
+            )));
+        }
         if self.write_max_attempts == 0 || self.write_deadline_ms == 0 {
             return Err(ConfigError(
                 "--write-max-attempts and --write-deadline-ms must be positive".into(),
@@ -222,6 +258,11 @@ impl Config {
     pub fn seeds_demo_accounts(&self) -> bool {
         self.seed_demo_accounts
             .unwrap_or(self.store == StoreKind::Memory)
+    }
+
+    /// How long a request waits for an in-flight slot before it is refused.
+    pub fn max_queue_wait(&self) -> Duration {
+        Duration::from_millis(self.max_queue_wait_ms)
     }
 
     pub fn window(&self) -> Duration {
@@ -279,6 +320,25 @@ mod tests {
         assert!(c.validate().is_err());
         let c = Config::parse_from(["tally", "--store", "celeriant"]);
         assert!(!c.seeds_demo_accounts());
+    }
+
+    #[test]
+    fn admission_flags_are_checked() {
+        let c = Config::defaults();
+        assert_eq!(c.max_connections, DEFAULT_MAX_CONNECTIONS);
+        assert_eq!(
+            c.max_queue_wait(),
+            Duration::from_millis(DEFAULT_MAX_QUEUE_WAIT_MS)
+        );
+        let c = Config::parse_from(["tally", "--max-queue-wait-ms", "0"]);
+        c.validate().unwrap();
+        assert!(c.max_queue_wait().is_zero());
+        for bad in [["--max-connections", "0"], ["--max-queue-wait-ms", "10001"]] {
+            let e = Config::parse_from(["tally", bad[0], bad[1]])
+                .validate()
+                .expect_err("out of range");
+            assert!(e.to_string().contains(bad[0]), "{e}");
+        }
     }
 
     #[test]

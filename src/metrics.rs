@@ -91,6 +91,11 @@ pub struct Metrics {
     // Bounds: the recent-writes index cap (issue 13)
     pub index_entries_cap: IntGauge,
     pub writes_refused_index_full: IntCounter,
+    // Admission at the HTTP edge (issue 13)
+    pub http_connections: IntGauge,
+    pub http_accept_paused: IntCounter,
+    pub http_queued: IntGauge,
+    pub http_queue_wait: Histogram,
 }
 
 impl Metrics {
@@ -268,6 +273,29 @@ impl Metrics {
                 r,
                 "tally_writes_refused_index_full_total",
                 "New writes refused with a retryable 503 because the recent-writes index was at its cap.",
+            ),
+            // Admission at the HTTP edge (issue 13). Refusals themselves are counted in
+            // tally_http_requests_shed_total.
+            http_connections: gauge(
+                r,
+                "tally_http_connections_open",
+                "Client connections open (at most --max-connections).",
+            ),
+            http_accept_paused: counter(
+                r,
+                "tally_http_accept_paused_total",
+                "Times the server stopped accepting because --max-connections were open.",
+            ),
+            http_queued: gauge(
+                r,
+                "tally_http_requests_queued",
+                "Requests waiting for an in-flight slot (over --max-concurrent-requests).",
+            ),
+            http_queue_wait: histogram(
+                r,
+                "tally_http_queue_wait_seconds",
+                "Time a request over --max-concurrent-requests waited for a slot, admitted or shed.",
+                LATENCY_BUCKETS,
             ),
             registry,
         }

@@ -2,7 +2,7 @@
 //! `{"error":"CODE","message":"..."}` and headers.
 
 use hyper::StatusCode;
-use hyper::header::{ALLOW, HeaderValue, RETRY_AFTER};
+use hyper::header::{ALLOW, CONNECTION, HeaderValue, RETRY_AFTER};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -47,9 +47,14 @@ pub enum ApiError {
     /// with the request.
     #[error("{0}")]
     Conflict(String),
-    /// Retryable: the store is unreachable, the replica is not ready, or it is shedding load.
+    /// Retryable: the store is unreachable or the replica is not ready.
     #[error("{0}")]
     Unavailable(String),
+    /// Retryable: the replica is shedding load (no in-flight slot came free in time). At
+    /// the connection cap it also closes the connection, so the client reconnects behind
+    /// the clients waiting in the accept queue instead of keeping its place.
+    #[error("too many requests in flight; retry shortly")]
+    Shed { close_connection: bool },
     /// A bug, a poisoned stream, or a configuration the operator must fix.
     #[error("{message}")]
     Internal { code: &'static str, message: String },
@@ -75,7 +80,7 @@ impl ApiError {
             | ApiError::KeyReused
             | ApiError::Unprocessable { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::Conflict(_) | ApiError::StoreConflict { .. } => StatusCode::CONFLICT,
-            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unavailable(_) | ApiError::Shed { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -94,7 +99,7 @@ impl ApiError {
             ApiError::InsufficientFunds { .. } => "INSUFFICIENT_FUNDS",
             ApiError::KeyReused => "IDEMPOTENCY_KEY_REUSED",
             ApiError::Conflict(_) => "CONFLICT",
-            ApiError::Unavailable(_) => "SERVICE_UNAVAILABLE",
+            ApiError::Unavailable(_) | ApiError::Shed { .. } => "SERVICE_UNAVAILABLE",
         }
     }
 
@@ -118,6 +123,12 @@ impl ApiError {
             }
             ApiError::Conflict(_) | ApiError::Unavailable(_) => {
                 headers.insert(RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
+            }
+            ApiError::Shed { close_connection } => {
+                headers.insert(RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
+                if *close_connection {
+                    headers.insert(CONNECTION, HeaderValue::from_static("close"));
+                }
             }
             _ => {}
         }
@@ -342,5 +353,20 @@ mod tests {
         assert_eq!(r.headers()[RETRY_AFTER], "1");
         let r = ApiError::MethodNotAllowed { allow: "GET" }.into_response();
         assert_eq!(r.headers()[ALLOW], "GET");
+    }
+
+    /// A shed request is told when to retry, in the usual JSON shape; its connection is
+    /// closed only when asked (at the connection cap), as no other error closes one.
+    #[test]
+    fn a_shed_request_closes_its_connection_only_when_asked() {
+        for close_connection in [false, true] {
+            let r = ApiError::Shed { close_connection }.into_response();
+            assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+            assert_eq!(r.headers()[RETRY_AFTER], "1");
+            assert_eq!(r.headers()["content-type"], "application/json");
+            assert_eq!(r.headers().get(CONNECTION).is_some(), close_connection);
+        }
+        let r = ApiError::Unavailable("store down".into()).into_response();
+        assert!(r.headers().get(CONNECTION).is_none());
     }
 }

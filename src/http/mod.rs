@@ -2,6 +2,7 @@
 //! graceful shutdown.
 
 mod accounts;
+mod admission;
 pub mod body;
 mod devices;
 pub mod error;
@@ -37,7 +38,8 @@ const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
 const REQUEST_DEADLINE_MARGIN: Duration = Duration::from_secs(5);
 
 /// Serves `app` on `listener` until `shutdown` resolves, then stops accepting, lets in-flight
-/// requests finish within the configured grace period, and returns.
+/// requests finish within the configured grace period, and returns. At most
+/// `--max-connections` are open at once: at the cap, accepting waits for one to close.
 pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<Output = ()>) {
     let graceful = GracefulShutdown::new();
     let mut builder = http1::Builder::new();
@@ -48,8 +50,13 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
         // only its ~400 KB read-buffer limit applies). More than 100 headers is a 431 too,
         // hyper's default.
         .max_header_size(app.config.max_header_bytes);
+    let edge = Arc::new(admission::Edge::new(&app));
     tokio::pin!(shutdown);
     loop {
+        let slot = tokio::select! {
+            slot = edge.next_connection() => slot,
+            _ = &mut shutdown => break,
+        };
         tokio::select! {
             accepted = listener.accept() => {
                 let stream = match accepted {
@@ -61,13 +68,15 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                let app = app.clone();
+                let (app, edge) = (app.clone(), edge.clone());
                 let svc = service_fn(move |req| {
-                    let app = app.clone();
-                    async move { Ok::<_, Infallible>(handle(app, req).await) }
+                    let (app, edge) = (app.clone(), edge.clone());
+                    async move { Ok::<_, Infallible>(handle(app, &edge, req).await) }
                 });
                 let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc));
                 tokio::spawn(async move {
+                    // Held while the connection is open.
+                    let _slot = slot;
                     if let Err(e) = conn.await {
                         tracing::debug!(error = %e, "connection ended with an error");
                     }
@@ -106,8 +115,8 @@ pub(crate) fn starting(waiting: &[String]) -> ApiError {
     })
 }
 
-/// One request: route, limit, dispatch, then count and log it.
-pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
+/// One request: route, admit, dispatch, then count and log it.
+async fn handle(app: Arc<App>, edge: &admission::Edge, req: Request<Incoming>) -> Resp {
     let started = Instant::now();
     let method = router::method_label(req.method());
     let routed = Route::resolve(req.method(), req.uri().path());
@@ -130,16 +139,9 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
             // take their first version: the store is needed for either, so retry shortly.
             return Err(starting(&app.startup_waiting()));
         }
+        // Before the body is read: a request that is refused costs no more than its head.
         let _permit = if route.is_api() {
-            match app.limiter.clone().try_acquire_owned() {
-                Ok(p) => Some(p),
-                Err(_) => {
-                    app.metrics.http_shed.inc();
-                    return Err(ApiError::Unavailable(
-                        "too many requests in flight; retry shortly".into(),
-                    ));
-                }
-            }
+            Some(edge.admit(&app).await?)
         } else {
             None
         };
@@ -153,6 +155,8 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
     }
     .instrument(span.clone())
     .await;
+    // Shed requests are reported by the edge, not one access-log line each.
+    let shed = matches!(resp, Err(ApiError::Shed { .. }));
     // Errors become responses in one place.
     let resp = resp.unwrap_or_else(ApiError::into_response);
     drop(in_flight);
@@ -165,11 +169,12 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Resp {
         .with_label_values(&[template])
         .observe(elapsed.as_secs_f64());
     span.in_scope(|| {
-        tracing::info!(
-            status = status.as_u16(),
-            latency_us = elapsed.as_micros() as u64,
-            "served"
-        )
+        let (status, latency_us) = (status.as_u16(), elapsed.as_micros() as u64);
+        if shed {
+            tracing::debug!(status, latency_us, "shed");
+        } else {
+            tracing::info!(status, latency_us, "served");
+        }
     });
     resp
 }
@@ -178,8 +183,8 @@ fn request_deadline(app: &App) -> Duration {
     app.config.write().deadline + REQUEST_DEADLINE_MARGIN
 }
 
-/// Counts a request in flight on the HTTP in-flight gauge until it is dropped: hyper drops
-/// a request's future when its client disconnects, and such a request must not stay
+/// Counts a request on a gauge (in flight, or queued for a slot) until it is dropped: hyper
+/// drops a request's future when its client disconnects, and such a request must not stay
 /// counted. (Not the write loop's in-flight write, which followers of one key wait on.)
 struct InFlightGauge<'a>(&'a prometheus::IntGauge);
 

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use crate::common::{self, new_account};
 
 /// Every flag the binary takes, each settable from the environment.
-const FLAGS: [&str; 32] = [
+const FLAGS: [&str; 34] = [
     "max-index-entries",
     "max-header-bytes",
     "max-live-writes",
@@ -28,6 +28,8 @@ const FLAGS: [&str; 32] = [
     "seed-demo-accounts",
     "faults",
     "max-concurrent-requests",
+    "max-queue-wait-ms",
+    "max-connections",
     "write-deadline-ms",
     "write-max-attempts",
     "one-round-trip",

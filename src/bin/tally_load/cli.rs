@@ -29,10 +29,12 @@ pub const MAX_ACCOUNTS: usize = 100_000;
 pub const MAX_AMOUNT_CENTS: i64 = 1_000_000_000;
 /// Longest per-request timeout.
 pub const MAX_TIMEOUT_MS: u64 = 120_000;
+/// Share of first-touch requests that go to a brand-new account unless `--fresh-ratio` says.
+pub const DEFAULT_FRESH_RATIO: f64 = 1.0;
 
 /// The traffic shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub enum Scenario {
     /// Deposits over `--accounts` fresh, pre-funded accounts.
     Spread,
@@ -42,6 +44,20 @@ pub enum Scenario {
     Mixed,
     /// `GET balance` over `--accounts` fresh, pre-funded accounts.
     Balance,
+    /// Deposits whose measured phase creates accounts: each goes to a brand-new account
+    /// with probability `--fresh-ratio`, otherwise to one of `--accounts` pre-funded ones.
+    FirstTouch,
+}
+
+/// What a worker does with a 503 (the server refusing under load).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum On503 {
+    /// Re-send the same request (same Idempotency-Key) at once: the client that keeps
+    /// hammering an overloaded server.
+    Resend,
+    /// Wait as long as the answer's Retry-After says, then re-send it with the same key.
+    RetryAfter,
 }
 
 /// Load generator for the Tally account API, with an exactly-once verifier.
@@ -91,6 +107,18 @@ pub struct Options {
     /// Permit targets that are not loopback addresses.
     #[arg(long, env = "TALLY_LOAD_ALLOW_REMOTE")]
     pub allow_remote: bool,
+    /// Keep re-sending a request answered 503 (same key) until it gets another answer or
+    /// the run ends, at once or after its Retry-After. Without it a 503 is noted and the
+    /// worker moves on to its next operation.
+    #[arg(long = "on-503", env = "TALLY_LOAD_ON_503", value_enum)]
+    pub on_503: Option<On503>,
+    /// First-touch only: share of requests that go to a brand-new account (default 1).
+    #[arg(long, env = "TALLY_LOAD_FRESH_RATIO")]
+    pub fresh_ratio: Option<f64>,
+    /// Sample this local process (the server under test) from /proc: resident memory at the
+    /// start and end of the measured phase (and its peak, sampled), and CPU time used.
+    #[arg(long, env = "TALLY_LOAD_SERVER_PID")]
+    pub server_pid: Option<u32>,
 }
 
 /// Validated run settings.
@@ -108,6 +136,10 @@ pub struct Config {
     pub amount_cents: i64,
     pub verify: bool,
     pub timeout: Duration,
+    pub on_503: Option<On503>,
+    /// Share of brand-new accounts; 0 for every scenario but first-touch.
+    pub fresh_ratio: f64,
+    pub server_pid: Option<u32>,
 }
 
 fn bad(msg: impl Into<String>) -> LoadError {
@@ -160,6 +192,19 @@ impl Options {
         if !(0.0..=1.0).contains(&self.retry_ratio) {
             return Err(bad("--retry-ratio must be within 0..=1"));
         }
+        let fresh_ratio = match (self.scenario, self.fresh_ratio) {
+            (Scenario::FirstTouch, ratio) => ratio.unwrap_or(DEFAULT_FRESH_RATIO),
+            (_, None) => 0.0,
+            (_, Some(_)) => return Err(bad("--fresh-ratio applies to --scenario first-touch")),
+        };
+        if !(0.0..=1.0).contains(&fresh_ratio) {
+            return Err(bad("--fresh-ratio must be within 0..=1"));
+        }
+        if let Some(pid) = self.server_pid
+            && !super::server::exists(pid)
+        {
+            return Err(bad(format!("--server-pid {pid}: no such local process")));
+        }
         if !(1..=MAX_AMOUNT_CENTS).contains(&self.amount_cents) {
             return Err(bad(format!(
                 "--amount-cents must be 1..={MAX_AMOUNT_CENTS}"
@@ -184,6 +229,9 @@ impl Options {
             amount_cents: self.amount_cents,
             verify: self.verify,
             timeout: Duration::from_millis(self.timeout_ms),
+            on_503: self.on_503,
+            fresh_ratio,
+            server_pid: self.server_pid,
         })
     }
 }
@@ -218,5 +266,27 @@ mod tests {
         assert!(parse(&["--amount-cents", "0"]).is_err());
         assert!(parse(&["--verify", "maybe"]).is_err());
         assert!(!parse(&["--verify", "false"]).unwrap().verify);
+    }
+
+    #[test]
+    fn overload_options_are_checked() {
+        assert_eq!(parse(&[]).unwrap().on_503, None);
+        let c = parse(&["--on-503", "retry-after", "--connections", "1500"]).unwrap();
+        assert_eq!((c.on_503, c.connections), (Some(On503::RetryAfter), 1500));
+        assert_eq!(
+            parse(&["--on-503", "resend"]).unwrap().on_503,
+            Some(On503::Resend)
+        );
+        assert!(parse(&["--on-503", "sometimes"]).is_err());
+        let c = parse(&["--scenario", "first-touch"]).unwrap();
+        assert_eq!(c.fresh_ratio, DEFAULT_FRESH_RATIO);
+        let c = parse(&["--scenario", "first-touch", "--fresh-ratio", "0.25"]).unwrap();
+        assert_eq!(c.fresh_ratio, 0.25);
+        assert!(parse(&["--scenario", "first-touch", "--fresh-ratio", "1.5"]).is_err());
+        assert!(parse(&["--scenario", "hot", "--fresh-ratio", "0.5"]).is_err());
+        assert_eq!(parse(&["--scenario", "hot"]).unwrap().fresh_ratio, 0.0);
+        let me = std::process::id().to_string();
+        assert!(parse(&["--server-pid", &me]).unwrap().server_pid.is_some());
+        assert!(parse(&["--server-pid", "0"]).is_err());
     }
 }

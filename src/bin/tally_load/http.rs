@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
 use hyper::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
-use hyper::{Method, Request, Uri};
+use hyper::{Method, Request, Response, Uri};
 use hyper_util::client::legacy::Client as LegacyClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -40,6 +41,12 @@ pub fn client(connections: usize, timeout: Duration) -> Client {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Target {
     base: String,
+    /// `host:port` to connect to (port 80 when the URL names none).
+    address: String,
+    /// The authority as given, for the Host header.
+    authority: String,
+    /// The path prefix, without a trailing slash (often empty).
+    prefix: String,
 }
 
 impl Target {
@@ -71,7 +78,29 @@ impl Target {
         let path = uri.path().trim_end_matches('/');
         Ok(Target {
             base: format!("http://{}{}", authority.as_str(), path),
+            address: format!(
+                "{}:{}",
+                authority.host(),
+                authority.port_u16().unwrap_or(80)
+            ),
+            authority: authority.as_str().to_string(),
+            prefix: path.to_string(),
         })
+    }
+
+    /// `host:port` to open a connection to.
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// The value of the Host header for this target.
+    pub fn authority(&self) -> &str {
+        &self.authority
+    }
+
+    /// The request target (origin form) of `path_and_query` on this node.
+    pub fn origin_form(&self, path_and_query: &str) -> String {
+        format!("{}{}", self.prefix, path_and_query)
     }
 
     /// The full URI of `path_and_query` (which starts with `/`) on this target.
@@ -123,7 +152,7 @@ pub struct TransportError {
 pub type Outcome = Result<Answer, TransportError>;
 
 /// An error and its sources, joined with `: `.
-fn chain(error: &dyn std::error::Error) -> String {
+pub fn chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {
@@ -132,6 +161,36 @@ fn chain(error: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     text
+}
+
+/// Reads a response's status, the headers the generator uses, and its whole body (at most
+/// [`MAX_RESPONSE_BYTES`]).
+pub async fn read_answer(response: Response<Incoming>) -> Outcome {
+    let status = response.status().as_u16();
+    let headers = response.headers();
+    let replayed = headers
+        .get(IDEMPOTENT_REPLAYED)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
+    let retry_after = headers
+        .get(RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(Duration::from_secs);
+    let body = Limited::new(response.into_body(), MAX_RESPONSE_BYTES)
+        .collect()
+        .await
+        .map_err(|e| TransportError {
+            kind: "body",
+            detail: chain(&*e),
+        })?
+        .to_bytes();
+    Ok(Answer {
+        status,
+        replayed,
+        retry_after,
+        body,
+    })
 }
 
 /// Sends one request and reads the whole answer, all within `timeout`.
@@ -161,31 +220,7 @@ pub async fn exchange(
             kind: if e.is_connect() { "connect" } else { "request" },
             detail: chain(&e),
         })?;
-        let status = response.status().as_u16();
-        let headers = response.headers();
-        let replayed = headers
-            .get(IDEMPOTENT_REPLAYED)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
-        let retry_after = headers
-            .get(RETRY_AFTER)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .map(Duration::from_secs);
-        let body = Limited::new(response.into_body(), MAX_RESPONSE_BYTES)
-            .collect()
-            .await
-            .map_err(|e| TransportError {
-                kind: "body",
-                detail: chain(&*e),
-            })?
-            .to_bytes();
-        Ok(Answer {
-            status,
-            replayed,
-            retry_after,
-            body,
-        })
+        read_answer(response).await
     };
     match tokio::time::timeout(timeout, work).await {
         Ok(outcome) => outcome,
@@ -213,6 +248,10 @@ mod tests {
         }
         let t = Target::parse("http://127.0.0.1:8080/base/", false).unwrap();
         assert_eq!(t.as_str(), "http://127.0.0.1:8080/base");
+        assert_eq!(t.address(), "127.0.0.1:8080");
+        assert_eq!(t.origin_form("/api/x"), "/base/api/x");
+        let t = Target::parse("http://[::1]", false).unwrap();
+        assert_eq!((t.address(), t.authority()), ("[::1]:80", "[::1]"));
     }
 
     #[test]

@@ -3,17 +3,22 @@
 //! [`run`]; tests include this module directly.
 
 pub mod cli;
+pub mod conn;
 pub mod http;
 pub mod ledger;
 pub mod report;
 pub mod rng;
 pub mod runner;
+pub mod server;
 pub mod verify;
 pub mod workload;
 
 pub use cli::Options;
 pub use report::Report;
 
+use std::collections::BTreeMap;
+
+use cli::Scenario;
 use report::{Latency, SetupSummary};
 use verify::ExactlyOnce;
 
@@ -37,7 +42,19 @@ pub async fn run(options: Options) -> Result<Report, LoadError> {
     let client = http::client(config.connections, config.timeout);
     let setup = workload::prepare(&config, &client).await?;
     let accounts = setup.workload.accounts.len();
-    let mut stats = runner::drive(&config, setup.workload, &client).await?;
+    let sampler = match config.server_pid {
+        Some(pid) => Some(server::Sampler::start(pid).ok_or_else(|| {
+            LoadError::Setup(format!("--server-pid {pid}: cannot read /proc/{pid}"))
+        })?),
+        None => None,
+    };
+    let own_cpu_start = server::cpu_secs(std::process::id());
+    let mut stats = runner::drive(&config, setup.workload).await?;
+    let server = sampler.and_then(|s| s.finish(stats.requests));
+    // On one machine the generator competes with the server for CPU: report its share.
+    let client_cpu_secs = own_cpu_start
+        .zip(server::cpu_secs(std::process::id()))
+        .map(|(start, end)| (end - start).max(0.0));
     let exactly_once = if config.verify {
         let mut records = setup.records;
         records.append(&mut stats.records);
@@ -46,16 +63,21 @@ pub async fn run(options: Options) -> Result<Report, LoadError> {
         ExactlyOnce::skipped()
     };
     let secs = stats.elapsed.as_secs_f64();
+    let per_sec = |n: u64| if secs > 0.0 { n as f64 / secs } else { 0.0 };
+    let admitted: u64 = stats
+        .status_counts
+        .iter()
+        .filter(|(s, _)| (200..300).contains(*s))
+        .map(|(_, n)| n)
+        .sum();
+    let refusals_per_sec: BTreeMap<u16, f64> = stats
+        .status_counts
+        .iter()
+        .filter(|(s, _)| !(200..300).contains(*s))
+        .map(|(&s, &n)| (s, per_sec(n)))
+        .collect();
     let h = &stats.latency;
-    let latency_us = Latency {
-        p50: h.value_at_quantile(0.50),
-        p90: h.value_at_quantile(0.90),
-        p99: h.value_at_quantile(0.99),
-        p999: h.value_at_quantile(0.999),
-        max: h.max(),
-        mean: h.mean(),
-        count: h.len(),
-    };
+    let first_touch = config.scenario == Scenario::FirstTouch;
     Ok(Report {
         scenario: config.scenario,
         mode: if config.rate.is_some() {
@@ -74,13 +96,20 @@ pub async fn run(options: Options) -> Result<Report, LoadError> {
         elapsed_secs: secs,
         operations: stats.operations,
         retries: stats.retries,
+        connects: stats.connects,
+        on_503: config.on_503,
+        resends: stats.resends,
         requests: stats.requests,
-        throughput: if secs > 0.0 {
-            stats.requests as f64 / secs
-        } else {
-            0.0
-        },
-        latency_us,
+        throughput: per_sec(stats.requests),
+        goodput: per_sec(admitted),
+        refusals_per_sec,
+        latency_us: Latency::of(&h.all),
+        admitted_latency_us: Latency::of(&h.admitted),
+        settled_latency_us: Latency::of(&h.settled),
+        first_touch_latency_us: first_touch.then(|| Latency::of(&h.first_touch)),
+        existing_account_latency_us: first_touch.then(|| Latency::of(&h.existing)),
+        server,
+        client_cpu_secs,
         errors: stats.errors(),
         status_counts: stats.status_counts,
         replays: stats.replays,

@@ -3,9 +3,11 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+use hdrhistogram::Histogram;
 use serde::Serialize;
 
-use super::cli::Scenario;
+use super::cli::{On503, Scenario};
+use super::server::ServerUsage;
 use super::verify::{ExactlyOnce, Verdict};
 
 /// Most violations printed in the text report (the JSON report lists more).
@@ -22,6 +24,31 @@ pub struct Latency {
     pub mean: f64,
     /// Answers measured (transport errors are not).
     pub count: u64,
+}
+
+impl Latency {
+    /// The percentiles of `h` (all zero when it is empty).
+    pub fn of(h: &Histogram<u64>) -> Self {
+        Latency {
+            p50: h.value_at_quantile(0.50),
+            p90: h.value_at_quantile(0.90),
+            p99: h.value_at_quantile(0.99),
+            p999: h.value_at_quantile(0.999),
+            max: h.max(),
+            mean: h.mean(),
+            count: h.len(),
+        }
+    }
+}
+
+impl fmt::Display for Latency {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "p50 {}  p90 {}  p99 {}  p99.9 {}  max {}  mean {:.0}",
+            self.p50, self.p90, self.p99, self.p999, self.max, self.mean
+        )
+    }
 }
 
 /// The setup phase in brief.
@@ -46,10 +73,39 @@ pub struct Report {
     pub elapsed_secs: f64,
     pub operations: u64,
     pub retries: u64,
+    /// Connections the workers opened in the measured phase (one each per target, plus one
+    /// for every connection the server closed or a transport error ended).
+    pub connects: u64,
+    /// The `--on-503` policy, when one was asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub on_503: Option<On503>,
+    /// Re-sends of requests answered 503, under `--on-503`.
+    pub resends: u64,
     pub requests: u64,
     /// Requests (answered or not) per second of the measured phase.
     pub throughput: f64,
+    /// 2xx answers per second of the measured phase.
+    pub goodput: f64,
+    /// Every other answer per second of the measured phase, by status.
+    pub refusals_per_sec: BTreeMap<u16, f64>,
+    /// Every answered request, from its own send (open loop: from its intended send).
     pub latency_us: Latency,
+    /// Requests answered 2xx, from their own send.
+    pub admitted_latency_us: Latency,
+    /// Operations that ended 2xx, from their first send: waits and re-sends included.
+    pub settled_latency_us: Latency,
+    /// First-touch scenario: 2xx answers that created their account.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_touch_latency_us: Option<Latency>,
+    /// First-touch scenario: 2xx answers on accounts that already existed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub existing_account_latency_us: Option<Latency>,
+    /// The server's memory and CPU over the measured phase (`--server-pid`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server: Option<ServerUsage>,
+    /// CPU seconds this generator used in the measured phase (Linux; absent elsewhere).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_cpu_secs: Option<f64>,
     pub status_counts: BTreeMap<u16, u64>,
     pub replays: u64,
     /// Transport errors (no answer).
@@ -90,15 +146,74 @@ impl fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "requests:    {} ({} operations + {} retries) in {:.2} s = {:.1} req/s",
-            self.requests, self.operations, self.retries, self.elapsed_secs, self.throughput
+            "requests:    {} ({} operations + {} retries + {} re-sent after 503) in {:.2} s = {:.1} req/s",
+            self.requests,
+            self.operations,
+            self.retries,
+            self.resends,
+            self.elapsed_secs,
+            self.throughput
         )?;
-        let l = &self.latency_us;
+        let refusals: Vec<String> = self
+            .refusals_per_sec
+            .iter()
+            .map(|(s, r)| format!("{s}={r:.1}"))
+            .collect();
         writeln!(
             f,
-            "latency us:  p50 {}  p90 {}  p99 {}  p99.9 {}  max {}  mean {:.0}",
-            l.p50, l.p90, l.p99, l.p999, l.max, l.mean
+            "goodput:     {:.1} 2xx/s; other answers/s: {}",
+            self.goodput,
+            if refusals.is_empty() {
+                "none".to_string()
+            } else {
+                refusals.join("  ")
+            }
         )?;
+        writeln!(
+            f,
+            "connections: {} opened ({:.1}/s)",
+            self.connects,
+            if self.elapsed_secs > 0.0 {
+                self.connects as f64 / self.elapsed_secs
+            } else {
+                0.0
+            }
+        )?;
+        writeln!(f, "latency us:  {}", self.latency_us)?;
+        writeln!(f, "  2xx:       {}", self.admitted_latency_us)?;
+        if let Some(policy) = self.on_503 {
+            let policy = serde_json::to_value(policy)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_default();
+            writeln!(
+                f,
+                "  settled:   {} (first send to 2xx, --on-503 {policy})",
+                self.settled_latency_us
+            )?;
+        }
+        if let (Some(fresh), Some(existing)) = (
+            &self.first_touch_latency_us,
+            &self.existing_account_latency_us,
+        ) {
+            writeln!(f, "  1st touch: {fresh} ({} answers)", fresh.count)?;
+            writeln!(f, "  existing:  {existing} ({} answers)", existing.count)?;
+        }
+        if let Some(cpu) = self.client_cpu_secs {
+            writeln!(f, "generator:   CPU {cpu:.2} s")?;
+        }
+        if let Some(s) = &self.server {
+            writeln!(
+                f,
+                "server:      pid {}: RSS {:.1} -> {:.1} MiB (peak {:.1}); CPU {:.2} s = {:.1} us per request",
+                s.pid,
+                s.rss_start_kib as f64 / 1024.0,
+                s.rss_end_kib as f64 / 1024.0,
+                s.rss_max_kib as f64 / 1024.0,
+                s.cpu_secs,
+                s.cpu_us_per_request
+            )?;
+        }
         let statuses: Vec<String> = self
             .status_counts
             .iter()

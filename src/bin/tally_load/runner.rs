@@ -1,5 +1,7 @@
 //! The measured phase: `--connections` workers pulling numbered tickets, closed loop or paced
-//! to an open-loop schedule, each with its own latency histogram and counters.
+//! to an open-loop schedule, each with its own counters and a share of the latency histograms.
+//! With `--on-503` a worker keeps re-sending a refused request (same key) at once or after
+//! its Retry-After, as overloaded services' clients do.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -13,11 +15,12 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::LoadError;
-use super::cli::Config;
-use super::http::{Client, Outcome};
+use super::cli::{Config, On503, Scenario};
+use super::conn::WorkerConn;
+use super::http::{Answer, Outcome};
 use super::ledger::KeyRecord;
 use super::rng::Rng;
-use super::workload::{Workload, send_op};
+use super::workload::{Op, Workload, send_op_on};
 
 /// Highest latency the histogram tracks, in microseconds; larger values are clamped.
 pub const MAX_TRACKED_LATENCY_US: u64 = 3_600_000_000;
@@ -29,22 +32,79 @@ pub const MAX_HISTOGRAM_SHARDS: usize = 16;
 pub const MAX_ERROR_SAMPLES: usize = 5;
 /// Chance that a retry goes to another target when there are several.
 pub const RETRY_ELSEWHERE_SHARE: f64 = 0.5;
+/// Wait under `--on-503 retry-after` when a 503 names no Retry-After.
+pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+/// Longest Retry-After honoured under `--on-503 retry-after`.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(30);
+/// The status the `--on-503` policies re-send on: the server refusing under load.
+pub const REFUSED: u16 = 503;
+
+/// Latency histograms, in microseconds, kept per shard and merged at the end.
+#[derive(Debug)]
+pub struct Latencies {
+    /// Every answered request, from its own send (open loop: from its intended send).
+    pub all: Histogram<u64>,
+    /// Requests answered 2xx ("admitted"), from their own send.
+    pub admitted: Histogram<u64>,
+    /// Operations that ended 2xx, from their first send to that answer: waits and re-sends
+    /// after 503s included.
+    pub settled: Histogram<u64>,
+    /// 2xx answers that created their account (first-touch scenario).
+    pub first_touch: Histogram<u64>,
+    /// 2xx answers on accounts that already existed (first-touch scenario).
+    pub existing: Histogram<u64>,
+}
+
+impl Latencies {
+    fn new() -> Result<Self, LoadError> {
+        Ok(Latencies {
+            all: histogram()?,
+            admitted: histogram()?,
+            settled: histogram()?,
+            first_touch: histogram()?,
+            existing: histogram()?,
+        })
+    }
+
+    fn add(&mut self, other: &Latencies) {
+        // All histograms share the bounds, so adding cannot fail.
+        let _ = self.all.add(&other.all);
+        let _ = self.admitted.add(&other.admitted);
+        let _ = self.settled.add(&other.settled);
+        let _ = self.first_touch.add(&other.first_touch);
+        let _ = self.existing.add(&other.existing);
+    }
+}
+
+/// Microseconds since `since`, at least 1 (the histograms' lowest value).
+fn micros_since(since: Instant) -> u64 {
+    u64::try_from(since.elapsed().as_micros())
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
+fn is_success(status: u16) -> bool {
+    (200..300).contains(&status)
+}
 
 /// Counters and latencies of the measured phase.
 #[derive(Debug)]
 pub struct Stats {
-    /// Latency of every answered request, in microseconds.
-    pub latency: Histogram<u64>,
+    pub latency: Latencies,
     pub status_counts: BTreeMap<u16, u64>,
     pub replays: u64,
     pub error_kinds: BTreeMap<String, u64>,
     pub error_samples: Vec<String>,
     /// Operations issued (one per ticket).
     pub operations: u64,
-    /// Re-sends with the same key.
+    /// Re-sends with the same key after an answer (`--retry-ratio`).
     pub retries: u64,
-    /// Every request sent: operations plus retries.
+    /// Re-sends with the same key after a 503 (`--on-503`).
+    pub resends: u64,
+    /// Every request sent: operations plus retries plus resends.
     pub requests: u64,
+    /// Connections opened by the workers.
+    pub connects: u64,
     pub records: Vec<KeyRecord>,
     pub elapsed: Duration,
 }
@@ -57,14 +117,16 @@ fn histogram() -> Result<Histogram<u64>, LoadError> {
 impl Stats {
     fn new() -> Result<Self, LoadError> {
         Ok(Stats {
-            latency: histogram()?,
+            latency: Latencies::new()?,
             status_counts: BTreeMap::new(),
             replays: 0,
             error_kinds: BTreeMap::new(),
             error_samples: Vec::new(),
             operations: 0,
             retries: 0,
+            resends: 0,
             requests: 0,
+            connects: 0,
             records: Vec::new(),
             elapsed: Duration::ZERO,
         })
@@ -75,13 +137,30 @@ impl Stats {
         self.error_kinds.values().sum()
     }
 
-    fn note(&mut self, latency: &Mutex<Histogram<u64>>, since: Instant, outcome: &Outcome) {
+    /// Counts one request sent at `since`; `first_touch` says which first-touch histogram a
+    /// 2xx belongs in (`None` outside that scenario).
+    fn note(
+        &mut self,
+        latency: &Mutex<Latencies>,
+        since: Instant,
+        outcome: &Outcome,
+        first_touch: Option<bool>,
+    ) {
         self.requests += 1;
         match outcome {
             Ok(answer) => {
-                let micros = since.elapsed().as_micros();
-                let micros = u64::try_from(micros).unwrap_or(u64::MAX).max(1);
-                latency.lock().saturating_record(micros);
+                let micros = micros_since(since);
+                let mut h = latency.lock();
+                h.all.saturating_record(micros);
+                if is_success(answer.status) {
+                    h.admitted.saturating_record(micros);
+                    match first_touch {
+                        Some(true) => h.first_touch.saturating_record(micros),
+                        Some(false) => h.existing.saturating_record(micros),
+                        None => {}
+                    }
+                }
+                drop(h);
                 *self.status_counts.entry(answer.status).or_default() += 1;
                 self.replays += u64::from(answer.replayed);
             }
@@ -107,6 +186,8 @@ impl Stats {
         self.replays += other.replays;
         self.operations += other.operations;
         self.retries += other.retries;
+        self.resends += other.resends;
+        self.connects += other.connects;
         self.requests += other.requests;
         self.records.extend(other.records);
     }
@@ -115,28 +196,22 @@ impl Stats {
 struct Shared {
     config: Config,
     workload: Workload,
-    client: Client,
     next_ticket: AtomicU64,
-    histograms: Vec<Mutex<Histogram<u64>>>,
+    histograms: Vec<Mutex<Latencies>>,
     start: Instant,
     deadline: Instant,
 }
 
 /// Runs the measured phase to its request count or deadline and merges the workers' stats.
-pub async fn drive(
-    config: &Config,
-    workload: Workload,
-    client: &Client,
-) -> Result<Stats, LoadError> {
+pub async fn drive(config: &Config, workload: Workload) -> Result<Stats, LoadError> {
     let shards = config.connections.min(MAX_HISTOGRAM_SHARDS);
     let histograms = (0..shards)
-        .map(|_| histogram().map(Mutex::new))
+        .map(|_| Latencies::new().map(Mutex::new))
         .collect::<Result<Vec<_>, _>>()?;
     let start = Instant::now();
     let shared = Arc::new(Shared {
         config: config.clone(),
         workload,
-        client: client.clone(),
         next_ticket: AtomicU64::new(0),
         histograms,
         start,
@@ -153,8 +228,7 @@ pub async fn drive(
     }
     total.elapsed = start.elapsed();
     for shard in &shared.histograms {
-        // All shards share the bounds, so adding cannot fail.
-        let _ = total.latency.add(&*shard.lock());
+        total.latency.add(&shard.lock());
     }
     Ok(total)
 }
@@ -169,6 +243,8 @@ async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
     let config = &shared.config;
     let targets = &config.targets;
     let latency = &shared.histograms[index % shared.histograms.len()];
+    // One connection per target, opened on first use.
+    let mut conns: Vec<WorkerConn> = targets.iter().cloned().map(WorkerConn::new).collect();
     loop {
         let ticket = shared.next_ticket.fetch_add(1, Ordering::Relaxed);
         if config.max_ops.is_some_and(|max| ticket >= max) || Instant::now() >= shared.deadline {
@@ -187,35 +263,106 @@ async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
             None => Instant::now(),
         };
         let mut rng = Rng::derive(config.seed, ticket);
-        let op = shared.workload.next_op(&mut rng);
+        let draw = shared.workload.next_draw(&mut rng);
         let first = (ticket % targets.len() as u64) as usize;
-        let key = op.is_write().then(Uuid::new_v4);
-        let outcome = send_op(&shared.client, &targets[first], &op, key, config.timeout).await;
+        let key = draw.op.is_write().then(Uuid::new_v4);
+        let mut sends = OpSends {
+            shared: &shared,
+            conns: &mut conns,
+            latency,
+            op: draw.op,
+            key,
+            first_touch: (config.scenario == Scenario::FirstTouch).then_some(draw.first_touch),
+            record: key.map(|key| KeyRecord::new(key, draw.op)),
+        };
         stats.operations += 1;
-        stats.note(latency, intended, &outcome);
-        let Some(key) = key else { continue };
-        let mut record = KeyRecord::new(key, op);
-        record.observe(&outcome);
-        if rng.unit() < config.retry_ratio {
+        let mut outcome = sends.send(&mut stats, first, intended).await;
+        // Set when a re-send would start after the run's end: this worker is done, and the
+        // key is left unresolved (the verifier allows it at most once).
+        let mut out_of_time = false;
+        if let Some(policy) = config.on_503 {
+            while let Ok(answer) = &outcome
+                && answer.status == REFUSED
+            {
+                if !wait_before_resend(policy, answer, shared.deadline).await {
+                    out_of_time = true;
+                    break;
+                }
+                stats.resends += 1;
+                outcome = sends.send(&mut stats, first, Instant::now()).await;
+            }
+        }
+        if outcome.as_ref().is_ok_and(|a| is_success(a.status)) {
+            latency
+                .lock()
+                .settled
+                .saturating_record(micros_since(intended));
+        }
+        if !out_of_time && sends.record.is_some() && rng.unit() < config.retry_ratio {
             let again = if targets.len() > 1 && rng.unit() < RETRY_ELSEWHERE_SHARE {
                 (first + 1 + rng.below(targets.len() as u64 - 1) as usize) % targets.len()
             } else {
                 first
             };
-            let sent = Instant::now();
-            let outcome = send_op(
-                &shared.client,
-                &targets[again],
-                &op,
-                Some(key),
-                config.timeout,
-            )
-            .await;
             stats.retries += 1;
-            stats.note(latency, sent, &outcome);
+            // Counted and recorded by `send`; nothing more to do with this answer.
+            let _ = sends.send(&mut stats, again, Instant::now()).await;
+        }
+        if let Some(record) = sends.record {
+            stats.records.push(record);
+        }
+        if out_of_time {
+            break;
+        }
+    }
+    stats.connects = conns.iter().map(|c| c.connects).sum();
+    stats
+}
+
+/// The sends of one operation, each counted in the stats and noted in the key's record.
+struct OpSends<'a> {
+    shared: &'a Shared,
+    /// The worker's connections, one per target.
+    conns: &'a mut [WorkerConn],
+    latency: &'a Mutex<Latencies>,
+    op: Op,
+    key: Option<Uuid>,
+    /// Which first-touch histogram a 2xx belongs in (`None` outside that scenario).
+    first_touch: Option<bool>,
+    /// What was seen for the key (writes only).
+    record: Option<KeyRecord>,
+}
+
+impl OpSends<'_> {
+    /// Sends the operation to target `target` once; latency counts from `since`.
+    async fn send(&mut self, stats: &mut Stats, target: usize, since: Instant) -> Outcome {
+        let timeout = self.shared.config.timeout;
+        let conn = &mut self.conns[target];
+        let outcome = send_op_on(conn, &self.op, self.key, timeout).await;
+        stats.note(self.latency, since, &outcome, self.first_touch);
+        if let Some(record) = &mut self.record {
             record.observe(&outcome);
         }
-        stats.records.push(record);
+        outcome
     }
-    stats
+}
+
+/// Waits as `policy` says before re-sending a request refused with `answer`. False when the
+/// re-send would start at or after the end of the run.
+async fn wait_before_resend(policy: On503, answer: &Answer, deadline: Instant) -> bool {
+    let at = match policy {
+        On503::Resend => Instant::now(),
+        On503::RetryAfter => {
+            let wait = answer
+                .retry_after
+                .unwrap_or(DEFAULT_RETRY_AFTER)
+                .min(MAX_RETRY_AFTER);
+            Instant::now() + wait
+        }
+    };
+    if at >= deadline {
+        return false;
+    }
+    tokio::time::sleep_until(at).await;
+    true
 }

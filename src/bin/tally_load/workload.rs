@@ -12,6 +12,7 @@ use uuid::Uuid;
 
 use super::LoadError;
 use super::cli::{Config, Scenario};
+use super::conn::WorkerConn;
 use super::http::{Client, Outcome, Target, TransportError, exchange};
 use super::ledger::{KeyRecord, is_definitive_failure};
 use super::rng::Rng;
@@ -116,23 +117,60 @@ pub async fn send_op(
     exchange(client, op.method(), uri, key.as_deref(), op.body(), timeout).await
 }
 
+/// Sends `op` over a worker's own connection, with `key` as its Idempotency-Key when given.
+pub async fn send_op_on(
+    conn: &mut WorkerConn,
+    op: &Op,
+    key: Option<Uuid>,
+    timeout: Duration,
+) -> Outcome {
+    let key = key.map(|k| k.to_string());
+    conn.exchange(op.method(), &op.path(), key.as_deref(), op.body(), timeout)
+        .await
+}
+
 /// The accounts and mix of the measured phase.
 #[derive(Debug, Clone)]
 pub struct Workload {
     pub scenario: Scenario,
     pub accounts: Vec<Uuid>,
     pub amount_cents: i64,
+    /// Share of operations that go to a brand-new account (first-touch only).
+    pub fresh_ratio: f64,
+}
+
+/// One drawn operation and whether it is the first write to its account.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Draw {
+    pub op: Op,
+    pub first_touch: bool,
 }
 
 impl Workload {
-    /// Draws the next operation from `rng`.
-    pub fn next_op(&self, rng: &mut Rng) -> Op {
+    /// Draws the next operation from `rng`, noting whether it creates its account. A fresh
+    /// account id comes from the ticket's own stream, so it is new unless the seed repeats.
+    pub fn next_draw(&self, rng: &mut Rng) -> Draw {
+        if self.scenario == Scenario::FirstTouch
+            && (self.accounts.is_empty() || rng.unit() < self.fresh_ratio)
+        {
+            return Draw {
+                op: Op::deposit(rng.uuid_v4(), self.amount_cents),
+                first_touch: true,
+            };
+        }
+        Draw {
+            op: self.next_existing(rng),
+            first_touch: false,
+        }
+    }
+
+    fn next_existing(&self, rng: &mut Rng) -> Op {
         let n = self.accounts.len() as u64;
         let from = rng.below(n) as usize;
         let account = self.accounts[from];
         let amount_cents = self.amount_cents;
         let kind = match self.scenario {
-            Scenario::Spread | Scenario::Hot => OpKind::Deposit,
+            Scenario::Spread | Scenario::Hot | Scenario::FirstTouch => OpKind::Deposit,
             Scenario::Balance => OpKind::Balance,
             Scenario::Mixed => match rng.below(100) {
                 r if r < MIXED_DEPOSIT_PERCENT => OpKind::Deposit,
@@ -195,7 +233,9 @@ pub async fn prepare(config: &Config, client: &Client) -> Result<Setup, LoadErro
             }
             (accounts, None)
         }
-        Scenario::Spread | Scenario::Balance | Scenario::Mixed => {
+        // Every operation creates its account: nothing to pre-fund.
+        Scenario::FirstTouch if config.fresh_ratio >= 1.0 => (Vec::new(), None),
+        Scenario::FirstTouch | Scenario::Spread | Scenario::Balance | Scenario::Mixed => {
             let accounts: Vec<Uuid> = (0..config.accounts).map(|_| seeded.uuid_v4()).collect();
             let amount = if config.scenario == Scenario::Mixed {
                 config.amount_cents.saturating_mul(MIXED_PREFUND_MULTIPLIER)
@@ -216,6 +256,7 @@ pub async fn prepare(config: &Config, client: &Client) -> Result<Setup, LoadErro
             scenario: config.scenario,
             accounts,
             amount_cents: config.amount_cents,
+            fresh_ratio: config.fresh_ratio,
         },
         records,
         requests,
@@ -335,10 +376,11 @@ mod tests {
             scenario: Scenario::Mixed,
             accounts: (0..4).map(|_| r.uuid_v4()).collect(),
             amount_cents: 5,
+            fresh_ratio: 0.0,
         };
         let mut kinds = std::collections::HashSet::new();
         for ticket in 0..2000 {
-            let op = w.next_op(&mut Rng::derive(3, ticket));
+            let op = w.next_draw(&mut Rng::derive(3, ticket)).op;
             kinds.insert(op.kind as u8);
             if let Some(to) = op.to {
                 assert_ne!(to, op.account);
@@ -346,6 +388,39 @@ mod tests {
             }
         }
         assert_eq!(kinds.len(), 3);
+    }
+
+    #[test]
+    fn first_touch_draws_new_accounts_at_the_fresh_ratio() {
+        let mut r = Rng::derive(5, 0);
+        let existing: Vec<Uuid> = (0..10).map(|_| r.uuid_v4()).collect();
+        let w = Workload {
+            scenario: Scenario::FirstTouch,
+            accounts: existing.clone(),
+            amount_cents: 5,
+            fresh_ratio: 0.3,
+        };
+        let mut fresh = std::collections::HashSet::new();
+        let draws = 10_000;
+        for ticket in 0..draws {
+            let d = w.next_draw(&mut Rng::derive(5, ticket));
+            assert_eq!(d.op.kind, OpKind::Deposit);
+            assert_eq!(d.first_touch, !existing.contains(&d.op.account));
+            if d.first_touch {
+                assert!(
+                    fresh.insert(d.op.account),
+                    "a fresh account is never reused"
+                );
+            }
+        }
+        let share = fresh.len() as f64 / draws as f64;
+        assert!((0.27..0.33).contains(&share), "seed 5: fresh share {share}");
+        let all_fresh = Workload {
+            accounts: Vec::new(),
+            fresh_ratio: 1.0,
+            ..w
+        };
+        assert!(all_fresh.next_draw(&mut Rng::derive(5, 1)).first_touch);
     }
 
     #[test]

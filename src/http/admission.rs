@@ -1,0 +1,146 @@
+//! Admission at the HTTP edge: how many connections are open and how many API requests are
+//! served at once, and what the rest are told.
+//!
+//! Overload is handled the way HTTP/2 and gRPC servers bound concurrent streams: the excess
+//! waits where waiting costs nothing, and only what waited too long is refused.
+//! - **Connections**: at `--max-connections` the accept loop stops, so further clients wait
+//!   in the kernel's accept queue (no task, no buffers, no CPU here) until one closes.
+//! - **Requests**: past `--max-concurrent-requests` a request waits for a slot, first come
+//!   first served, before its body is read and before any work is done for it, for at most
+//!   `--max-queue-wait-ms`; then it is shed with 503 and Retry-After. At the connection cap
+//!   the answer also closes the connection, so its client goes to the back of the accept
+//!   queue and a waiting client gets the slot (below the cap a reconnect would only double
+//!   the refusal's cost).
+//!
+//! Refusing at once instead (the former behaviour, still `--max-queue-wait-ms 0`) collapses
+//! goodput when clients re-send at once: a refusal costs a third to a half of a served
+//! request's CPU (the loopback round trip dominates it), so refused clients spin and crowd
+//! out admitted ones. Shed requests are logged one by one at debug only, with a warning at
+//! most once per [`SHED_REPORT_INTERVAL`]: the access-log line alone is a quarter of a
+//! refusal's cost.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use super::InFlightGauge;
+use super::error::ApiError;
+use crate::app::App;
+use crate::metrics::Metrics;
+
+/// The most often shedding is reported in the log.
+pub const SHED_REPORT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The edge's own state, shared by the accept loop and every request.
+pub struct Edge {
+    /// One permit per open connection.
+    connections: Arc<Semaphore>,
+    metrics: Arc<Metrics>,
+    /// When the edge started: the origin of `last_report_ms`.
+    started: Instant,
+    /// When shedding was last reported, in ms since `started`.
+    last_report_ms: AtomicU64,
+    /// Requests shed since then.
+    shed_since_report: AtomicU64,
+}
+
+/// One open connection's slot; gives it back (and updates the gauge) when dropped.
+pub struct ConnectionSlot {
+    _permit: OwnedSemaphorePermit,
+    metrics: Arc<Metrics>,
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.metrics.http_connections.dec();
+    }
+}
+
+impl Edge {
+    pub fn new(app: &App) -> Self {
+        Edge {
+            connections: Arc::new(Semaphore::new(app.config.max_connections)),
+            metrics: app.metrics.clone(),
+            started: Instant::now(),
+            last_report_ms: AtomicU64::new(0),
+            shed_since_report: AtomicU64::new(0),
+        }
+    }
+
+    /// A slot for the next connection, waiting (and counting the pause) while every slot is
+    /// taken. Accept is not called meanwhile, so new clients wait in the kernel.
+    pub async fn next_connection(&self) -> ConnectionSlot {
+        let permit = match self.connections.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                self.metrics.http_accept_paused.inc();
+                tracing::debug!("at the connection cap: not accepting until one closes");
+                self.connections
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("the connection slots are never closed")
+            }
+        };
+        self.metrics.http_connections.inc();
+        ConnectionSlot {
+            _permit: permit,
+            metrics: self.metrics.clone(),
+        }
+    }
+
+    /// An in-flight slot for one API request, waiting for it as configured. A refusal is
+    /// counted in `tally_http_requests_shed_total` and reported (see [`Edge::note_shed`]).
+    pub async fn admit(&self, app: &App) -> Result<OwnedSemaphorePermit, ApiError> {
+        if let Ok(permit) = app.limiter.clone().try_acquire_owned() {
+            return Ok(permit);
+        }
+        let max_wait = app.config.max_queue_wait();
+        if !max_wait.is_zero() {
+            let _queued = InFlightGauge::enter(&self.metrics.http_queued);
+            let since = Instant::now();
+            // The semaphore queues waiters in arrival order; a request whose client goes away
+            // drops this future and leaves the queue.
+            let waited = tokio::time::timeout(max_wait, app.limiter.clone().acquire_owned()).await;
+            self.metrics
+                .http_queue_wait
+                .observe(since.elapsed().as_secs_f64());
+            // The limiter is never closed: an error can only be the timeout.
+            if let Ok(Ok(permit)) = waited {
+                return Ok(permit);
+            }
+        }
+        self.metrics.http_shed.inc();
+        self.note_shed();
+        Err(ApiError::Shed {
+            close_connection: self.connections.available_permits() == 0,
+        })
+    }
+
+    /// Counts one shed request and, at most once per [`SHED_REPORT_INTERVAL`], warns with
+    /// the number shed since the last warning.
+    fn note_shed(&self) {
+        self.shed_since_report.fetch_add(1, Ordering::Relaxed);
+        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let last = self.last_report_ms.load(Ordering::Relaxed);
+        let interval = SHED_REPORT_INTERVAL.as_millis() as u64;
+        if now.saturating_sub(last) < interval && last != 0 {
+            return;
+        }
+        // One request wins the report for this interval.
+        if self
+            .last_report_ms
+            .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+        {
+            let shed = self.shed_since_report.swap(0, Ordering::Relaxed);
+            tracing::warn!(
+                shed,
+                since_ms = now.saturating_sub(last),
+                "shedding load: requests waited --max-queue-wait-ms for an in-flight slot and were refused"
+            );
+        }
+    }
+}

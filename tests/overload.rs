@@ -1,0 +1,331 @@
+//! Admission at the HTTP edge (issue 13): a request over the in-flight limit waits for a slot
+//! instead of being refused at once; one that waits its full time is shed with 503,
+//! Retry-After, the JSON error and `Connection: close`; at the connection cap the server
+//! stops accepting until a connection closes.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{TestApp, metric_sum, new_account, spawn, test_config};
+use reqwest::StatusCode;
+use tally::config::DEFAULT_MAX_CONCURRENT_REQUESTS;
+use tally::store::faults::FaultyLog;
+use tally::write_loop::DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// How long a test waits for something that must happen before it fails instead of hanging.
+const BOUND: Duration = Duration::from_secs(30);
+/// How long a request that must not be answered is watched. A negative can only be checked
+/// for a while; this is far longer than a loopback answer takes.
+const NO_ANSWER_WATCH: Duration = Duration::from_millis(300);
+
+fn faults(t: &TestApp) -> &Arc<FaultyLog> {
+    t.app.faults.as_ref().expect("started with --faults")
+}
+
+/// Scrapes `/metrics` until `name` sums to `value` (a signal from the server, polled).
+async fn wait_for_metric(t: &TestApp, name: &str, value: f64) {
+    tokio::time::timeout(BOUND, async {
+        loop {
+            if metric_sum(&t.get("/metrics").await.text, name) == value {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{name} never reached {value}"));
+}
+
+/// Rule: a request over `--max-concurrent-requests` waits for a slot and is served when one
+/// frees, instead of being refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_over_the_limit_waits_for_a_slot() {
+    let t = spawn(
+        test_config(&[
+            "--max-concurrent-requests",
+            "1",
+            "--max-queue-wait-ms",
+            "10000",
+            "--faults",
+            "seed=1",
+        ]),
+        None,
+        None,
+    )
+    .await;
+    let account = new_account();
+    // Hold one write inside the store: its request keeps the only slot.
+    let mut hold = faults(&t).hold_next_write();
+    let deposit = |cents: i64, key: &'static str| {
+        let (client, url) = (
+            t.client.clone(),
+            t.url(&format!("/api/accounts/{account}/deposit")),
+        );
+        tokio::spawn(async move {
+            common::read(
+                client
+                    .post(url)
+                    .header("Idempotency-Key", key)
+                    .json(&serde_json::json!({ "amountCents": cents }))
+                    .send()
+                    .await
+                    .expect("sent"),
+            )
+            .await
+        })
+    };
+    let held = deposit(1, "held");
+    assert!(hold.held().await);
+    let queued = deposit(2, "queued");
+    wait_for_metric(&t, "tally_http_requests_queued", 1.0).await;
+    hold.release();
+    let (held, queued) = (held.await.unwrap(), queued.await.unwrap());
+    assert_eq!(held.status, StatusCode::OK, "{}", held.text);
+    assert_eq!(queued.status, StatusCode::OK, "{}", queued.text);
+    assert_eq!(t.balance(&account).await.0, 3);
+    let m = t.get("/metrics").await.text;
+    assert_eq!(metric_sum(&m, "tally_http_requests_shed_total"), 0.0);
+    assert_eq!(metric_sum(&m, "tally_http_requests_queued"), 0.0);
+    assert_eq!(metric_sum(&m, "tally_http_queue_wait_seconds_count"), 1.0);
+    t.shutdown().await;
+}
+
+/// Rule: a request that waits `--max-queue-wait-ms` without a slot is shed: 503 with
+/// Retry-After and the JSON error, counted, and nothing written. Below the connection cap
+/// its connection stays open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_waited_its_full_time_is_shed() {
+    let t = spawn(
+        test_config(&[
+            "--max-concurrent-requests",
+            "1",
+            "--max-queue-wait-ms",
+            "50",
+            "--faults",
+            "seed=1",
+        ]),
+        None,
+        None,
+    )
+    .await;
+    let account = new_account();
+    let mut hold = faults(&t).hold_next_write();
+    let held = {
+        let (client, url) = (
+            t.client.clone(),
+            t.url(&format!("/api/accounts/{account}/deposit")),
+        );
+        tokio::spawn(async move {
+            common::read(
+                client
+                    .post(url)
+                    .json(&serde_json::json!({ "amountCents": 1 }))
+                    .send()
+                    .await
+                    .expect("sent"),
+            )
+            .await
+        })
+    };
+    assert!(hold.held().await);
+    let r = t.deposit(&account, 2, Some("shed-1")).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text);
+    assert_eq!(r.error_code(), "SERVICE_UNAVAILABLE");
+    assert!(r.body["message"].as_str().is_some_and(|m| !m.is_empty()));
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(r.header("connection"), None, "below the connection cap");
+    let m = t.get("/metrics").await.text;
+    assert_eq!(metric_sum(&m, "tally_http_requests_shed_total"), 1.0);
+    assert_eq!(metric_sum(&m, "tally_http_queue_wait_seconds_count"), 1.0);
+    assert!(metric_sum(&m, "tally_http_queue_wait_seconds_sum") >= 0.05);
+    hold.release();
+    assert_eq!(held.await.unwrap().status, StatusCode::OK);
+    // The shed write did nothing: its key is still fresh.
+    let r = t.deposit(&account, 2, Some("shed-1")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert!(!r.replayed());
+    assert_eq!(t.balance(&account).await.0, 3);
+    t.shutdown().await;
+}
+
+/// Rule: at the default limits, a burst of writes to one account bigger than its write queue
+/// waits at the edge instead of being refused at once by the write side's per-account cap,
+/// and every write lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_on_one_account_waits_at_the_edge_instead_of_being_refused() {
+    let t = spawn(
+        test_config(&["--max-queue-wait-ms", "10000", "--faults", "seed=1"]),
+        None,
+        None,
+    )
+    .await;
+    let account = new_account();
+    let extra = 64;
+    let burst = DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT + extra;
+    // The first write waits inside the store, so the rest pile up behind it.
+    let mut hold = faults(&t).hold_next_write();
+    let mut requests = tokio::task::JoinSet::new();
+    for i in 0..burst {
+        let (client, url) = (
+            t.client.clone(),
+            t.url(&format!("/api/accounts/{account}/deposit")),
+        );
+        requests.spawn(async move {
+            common::read(
+                client
+                    .post(url)
+                    .header("Idempotency-Key", format!("burst-{i}"))
+                    .json(&serde_json::json!({ "amountCents": 1 }))
+                    .send()
+                    .await
+                    .expect("sent"),
+            )
+            .await
+        });
+    }
+    assert!(hold.held().await);
+    wait_for_metric(
+        &t,
+        "tally_http_requests_queued",
+        (burst - DEFAULT_MAX_CONCURRENT_REQUESTS) as f64,
+    )
+    .await;
+    hold.release();
+    while let Some(reply) = requests.join_next().await {
+        let reply = reply.unwrap();
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    }
+    assert_eq!(t.balance(&account).await.0, burst as i64);
+    let m = t.get("/metrics").await.text;
+    assert_eq!(metric_sum(&m, "tally_write_refused_total"), 0.0);
+    assert_eq!(metric_sum(&m, "tally_http_requests_shed_total"), 0.0);
+    t.shutdown().await;
+}
+
+/// Rule: at the connection cap a shed request's connection is closed, so the next client in
+/// the accept queue gets its slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_connection_cap_a_shed_request_closes_its_connection() {
+    let t = spawn(
+        test_config(&[
+            "--max-connections",
+            "2",
+            "--max-concurrent-requests",
+            "1",
+            "--max-queue-wait-ms",
+            "50",
+            "--faults",
+            "seed=1",
+        ]),
+        None,
+        None,
+    )
+    .await;
+    let account = new_account();
+    // The first connection holds the only in-flight slot with a write held in the store.
+    let mut hold = faults(&t).hold_next_write();
+    let mut holder = TcpStream::connect(t.addr).await.expect("connect");
+    let body = r#"{"amountCents":1}"#;
+    let post = format!(
+        "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    holder.write_all(post.as_bytes()).await.expect("sent");
+    assert!(hold.held().await);
+    // The second takes the last connection slot, waits 50 ms for an in-flight slot, and is
+    // shed with its connection closed.
+    let mut shed = TcpStream::connect(t.addr).await.expect("connect");
+    shed.write_all(post.as_bytes()).await.expect("sent");
+    let answer = tokio::time::timeout(BOUND, read_response(&mut shed))
+        .await
+        .expect("answered");
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(
+        answer
+            .to_ascii_lowercase()
+            .contains("\r\nconnection: close\r\n"),
+        "{answer}"
+    );
+    assert!(answer.contains("SERVICE_UNAVAILABLE"), "{answer}");
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(BOUND, shed.read_to_end(&mut rest)).await;
+    assert!(
+        matches!(closed, Ok(Ok(0))),
+        "the server closed the connection"
+    );
+    hold.release();
+    assert!(read_response(&mut holder).await.starts_with("HTTP/1.1 200"));
+    drop(holder);
+    t.shutdown().await;
+}
+
+/// Sends `GET path` over `stream` and reads one whole response (keep-alive, Content-Length).
+async fn raw_get(stream: &mut TcpStream, path: &str) -> String {
+    let head = format!("GET {path} HTTP/1.1\r\nHost: tally\r\n\r\n");
+    stream.write_all(head.as_bytes()).await.expect("sent");
+    read_response(stream).await
+}
+
+async fn read_response(stream: &mut TcpStream) -> String {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut chunk).await.expect("read");
+        assert!(n > 0, "connection closed mid-response");
+        buf.extend_from_slice(&chunk[..n]);
+        let text = String::from_utf8_lossy(&buf).to_string();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let length = text[..end]
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+                })
+                .unwrap_or(0);
+            if buf.len() >= end + 4 + length {
+                return text;
+            }
+        }
+    }
+}
+
+/// Rule: with `--max-connections` open, the server accepts no more until one closes; the
+/// waiting client is then served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_connection_cap_the_server_stops_accepting() {
+    let t = spawn(test_config(&["--max-connections", "1"]), None, None).await;
+    let mut first = TcpStream::connect(t.addr).await.expect("connect");
+    assert!(
+        raw_get(&mut first, "/healthz")
+            .await
+            .starts_with("HTTP/1.1 200")
+    );
+    // The accept loop is now waiting for a slot: the first connection sees it say so.
+    let metrics = raw_get(&mut first, "/metrics").await;
+    assert_eq!(metric_sum(&metrics, "tally_http_connections_open"), 1.0);
+    assert_eq!(metric_sum(&metrics, "tally_http_accept_paused_total"), 1.0);
+    // The kernel completes the second handshake; Tally does not accept it.
+    let mut second = TcpStream::connect(t.addr).await.expect("connect");
+    second
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: tally\r\n\r\n")
+        .await
+        .expect("sent");
+    let mut byte = [0u8; 1];
+    assert!(
+        tokio::time::timeout(NO_ANSWER_WATCH, second.peek(&mut byte))
+            .await
+            .is_err(),
+        "answered while the only slot was taken"
+    );
+    drop(first);
+    let answer = tokio::time::timeout(BOUND, read_response(&mut second))
+        .await
+        .expect("served once the first connection closed");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    t.shutdown().await;
+}
