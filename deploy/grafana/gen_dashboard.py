@@ -147,6 +147,14 @@ def build():
     L.ts("Latency p99 by replica", [t(quantile(0.99, "tally_http_request_duration_seconds", ["instance"]), "{{instance}}")], "s")
     L.ts("In flight by replica", [t(f"sum by (instance) (tally_http_requests_in_flight{sel()})", "{{instance}}")], "short",
          "Requests being served. Compare with TALLY_MAX_CONCURRENT_REQUESTS.")
+    L.ts("Edge admission: queued for a slot, open connections",
+         [t(f"sum by (instance) (tally_http_requests_queued{sel()})", "queued {{instance}}"),
+          t(f"sum by (instance) (tally_http_connections_open{sel()})", "connections {{instance}}")], "short",
+         "Requests waiting (at most --max-queue-wait-ms) for an in-flight slot, and open connections against --max-connections.")
+    L.ts("Edge admission: queue wait and accept pauses",
+         [t(quantile(0.99, "tally_http_queue_wait_seconds", []), "queue wait p99"),
+          t(f"sum by (instance) ({rate('tally_http_accept_paused_total')})", "accept paused {{instance}}")], "short",
+         "How long admitted requests waited for a slot, and how often accepting paused at the connection cap.")
     L.ts("Shed (503 at the concurrency limit)",
          [t(f"sum({rate('tally_http_requests_shed_total')})", "fleet"),
           t(f"sum by (instance) ({rate('tally_http_requests_shed_total')})", "{{instance}}")], "reqps", w=24)
