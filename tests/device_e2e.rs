@@ -1,5 +1,13 @@
-//! Issue 15 end to end, with two real processes: a `tally` replica (embedded store, seeded
-//! store faults) and the `tally-device` binary recording offline and syncing against it.
+//! Issue 15 end to end, with two real processes: a `tally` replica (seeded store faults) and
+//! the `tally-device` binary recording offline and syncing against it.
+//!
+//! Each scenario runs twice: module `memory` on the embedded store, and module `celeriant` on
+//! the real server `CELERIANT_ADDRESS` names (each test prints `skipped: CELERIANT_ADDRESS not
+//! set` and passes when it is unset). Celeriant gets the same fault spec: the injector wraps
+//! the store, so a lost ack there is a write that really landed in the durable log, and the
+//! device's resend must then be recognised by the server's real client idempotency. That
+//! store is durable and shared across runs, and seeds no demo accounts by default, so there
+//! every account is a fresh uuid, funded online with the demo account's opening balance.
 //!
 //! What it pins: every recorded event lands once, in recorded order, and shows in history,
 //! balance and metrics like any other event; device events never raise Tally's own client
@@ -69,6 +77,59 @@ fn seed(offset: u64) -> u64 {
     base.wrapping_add(offset)
 }
 
+// --- The store behind the replica ------------------------------------------------------------
+
+/// The store the replica runs on.
+enum Backend {
+    /// The embedded store: fresh per replica, demo accounts seeded.
+    Memory,
+    /// The real server at this address: durable, shared across runs, no demo accounts.
+    Celeriant(String),
+}
+
+/// The server `CELERIANT_ADDRESS` names, or `None` (and a line saying the test was skipped)
+/// when it is unset.
+fn celeriant() -> Option<Backend> {
+    const VAR: &str = "CELERIANT_ADDRESS";
+    match std::env::var(VAR) {
+        Ok(address) => Some(Backend::Celeriant(address)),
+        Err(_) => {
+            eprintln!("skipped: {VAR} not set");
+            None
+        }
+    }
+}
+
+/// Generates one test per scenario for each backend, named after the scenario.
+macro_rules! on_each_backend {
+    ($($scenario:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    super::$scenario(super::Backend::Memory).await;
+                }
+            )*
+        }
+
+        mod celeriant {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    if let Some(backend) = super::celeriant() {
+                        super::$scenario(backend).await;
+                    }
+                }
+            )*
+        }
+    };
+}
+
+on_each_backend! {
+    device_events_land_once_in_order_and_show_in_history_balance_and_metrics,
+    an_offline_overdraft_lands_and_online_withdrawals_are_then_refused,
+}
+
 // --- The replica -----------------------------------------------------------------------------
 
 /// A running `tally` child; killed and reaped on drop, so a failing test leaves nothing behind.
@@ -80,9 +141,9 @@ struct Replica {
 }
 
 impl Replica {
-    /// Starts `tally` on a port the kernel picks (read back from its listening line, so no
-    /// other process can take it in between), then waits for /readyz 200.
-    async fn start(seed: u64) -> Replica {
+    /// Starts `tally` on `backend` on a port the kernel picks (read back from its listening
+    /// line, so no other process can take it in between), then waits for /readyz 200.
+    async fn start(backend: &Backend, seed: u64) -> Replica {
         let faults = format!("{FAULTS},seed={seed}");
         println!("replica faults: {faults} (TALLY_E2E_SEED reproduces the seed)");
         let mut cmd = Command::new(TALLY);
@@ -91,8 +152,14 @@ impl Replica {
                 cmd.env_remove(name);
             }
         }
+        match backend {
+            Backend::Memory => cmd.args(["--store", "memory"]),
+            Backend::Celeriant(address) => {
+                cmd.args(["--store", "celeriant", "--celeriant-address", address])
+            }
+        };
         let mut child = cmd
-            .args(["--listen", "127.0.0.1:0", "--store", "memory"])
+            .args(["--listen", "127.0.0.1:0"])
             .args(["--log-format", "json", "--faults", &faults])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -503,19 +570,42 @@ async fn assert_listed(replica: &Replica, name: &str, id: Uuid) {
     assert!(found, "{name} is listed as {id}: {listed}");
 }
 
+/// An account holding the demo account `name`'s opening balance at version 1: the seeded demo
+/// account itself on the embedded store; on Celeriant (durable, shared across runs, unseeded)
+/// a fresh uuid funded with one keyed deposit. Returns the id and the opening balance.
+async fn opened(replica: &Replica, backend: &Backend, name: &str) -> (Uuid, i64) {
+    let (demo_id, opening) = demo(name);
+    let account = match backend {
+        Backend::Memory => {
+            assert_listed(replica, name, demo_id).await;
+            demo_id
+        }
+        Backend::Celeriant(_) => {
+            let account = Uuid::new_v4();
+            println!("{name} stands in as fresh account {account}");
+            let key = format!("e2e-open-{account}");
+            let r = replica.keyed("deposit", account, opening, &key).await;
+            assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+            assert_eq!(r.body["aggregateVersion"], 1, "{}", r.text);
+            account
+        }
+    };
+    // The account holds at least its opening (version 1); asking for it first makes the
+    // history read next complete even when the store read lags.
+    assert_eq!(replica.balance(account, 1).await, opening);
+    (account, opening)
+}
+
 // --- The tests -------------------------------------------------------------------------------
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn device_events_land_once_in_order_and_show_in_history_balance_and_metrics() {
+async fn device_events_land_once_in_order_and_show_in_history_balance_and_metrics(
+    backend: Backend,
+) {
     let seed = seed(0);
-    let replica = Replica::start(seed).await;
-    let (alice, opening) = demo("Alice");
-    assert_listed(&replica, "Alice", alice).await;
+    let replica = Replica::start(&backend, seed).await;
+    let (alice, opening) = opened(&replica, &backend, "Alice").await;
     // A second account the device creates by syncing to it.
     let fresh = Uuid::new_v4();
-    // The demo account holds at least its opening (version 1); asking for it first makes the
-    // history below complete even when the store read lags.
-    assert_eq!(replica.balance(alice, 1).await, opening);
     let before = replica.history(alice).await;
 
     let mut device = Device::init("history").await;
@@ -597,7 +687,7 @@ async fn device_events_land_once_in_order_and_show_in_history_balance_and_metric
 
     // Tally's own client sequence is untouched by the device's 1, 2, 3...: a keyed deposit
     // lands once, and its retry is a replay of the same answer.
-    let key = format!("e2e-after-device-{seed}");
+    let key = format!("e2e-after-device-{seed}-{alice}");
     let first = replica.keyed("deposit", alice, 777, &key).await;
     assert_eq!(first.status, StatusCode::OK, "{}", first.text);
     assert_eq!(first.body["balanceCents"], balance + 777, "{}", first.text);
@@ -627,14 +717,10 @@ async fn device_events_land_once_in_order_and_show_in_history_balance_and_metric
     assert_eq!(added, [(&json!("Deposited"), &json!(777))], "landed once");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_offline_overdraft_lands_and_online_withdrawals_are_then_refused() {
+async fn an_offline_overdraft_lands_and_online_withdrawals_are_then_refused(backend: Backend) {
     let seed = seed(1);
-    let replica = Replica::start(seed).await;
-    let (charlie, opening) = demo("Charlie");
-    assert_listed(&replica, "Charlie", charlie).await;
-    // Version 1 is the opening (see the first test).
-    assert_eq!(replica.balance(charlie, 1).await, opening);
+    let replica = Replica::start(&backend, seed).await;
+    let (charlie, opening) = opened(&replica, &backend, "Charlie").await;
     let before = replica.history(charlie).await;
 
     // Offline the device cannot know the balance: it records what it was asked to.
@@ -659,7 +745,7 @@ async fn an_offline_overdraft_lands_and_online_withdrawals_are_then_refused() {
     );
 
     // Online, the rules apply to the balance the device left: refused, nothing written.
-    let key = format!("e2e-overdrawn-{seed}");
+    let key = format!("e2e-overdrawn-{seed}-{charlie}");
     let r = replica.keyed("withdraw", charlie, 100, &key).await;
     assert_error(&r, 422, "INSUFFICIENT_FUNDS");
     assert_eq!(replica.balance(charlie, synced).await, opening - overdraft);
