@@ -44,6 +44,17 @@ pub struct HistoryEntry {
     pub server_timestamp_ms: u64,
     pub event_id: Option<u128>,
     pub event: AccountEvent,
+    pub writer: Writer,
+}
+
+/// Who wrote an event, from its batch's client id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Writer {
+    /// This service (every replica shares one client id).
+    Service,
+    /// Another writer: an offline device (its client id is its device id), or any other
+    /// client of the store. Its events are folded like ours but never raise our sequence.
+    Client(u128),
 }
 
 /// One page of an account's history.
@@ -260,6 +271,11 @@ impl AccountReader {
                         server_timestamp_ms: batch.server_timestamp_ms,
                         event_id: e.event_id,
                         event,
+                        writer: if batch.client_id == self.projection.identity().client() {
+                            Writer::Service
+                        } else {
+                            Writer::Client(batch.client_id)
+                        },
                     });
                 }
                 last_version = batch.version;
@@ -542,6 +558,39 @@ mod tests {
         let page = f.reader.history(f.account, 2, None).await.expect("page");
         assert_eq!(versions(&page), vec![2]);
         assert_eq!(page.next_from_version, Some(3));
+    }
+
+    /// Rule: history marks each event's writer: this service, or another client of the
+    /// store (an offline device, whose client id is its device id), by the batch's client id.
+    #[tokio::test]
+    async fn history_marks_each_events_writer_by_its_batchs_client_id() {
+        let mut f = fixture();
+        f.deposit_batch(&[5]).await;
+        let device: u128 = 0xD3;
+        let key = f.identity.key(f.account);
+        let e = AccountEvent::Withdrawn { amount: 9 };
+        let write = AggregateWrite {
+            key,
+            events: vec![Event {
+                client_seq: 1,
+                event_id: Some(77),
+                event_type: e.event_type(),
+                payload: e.encode(),
+                timestamp_ms: 0,
+            }],
+            expected_version: None,
+            allow_create: true,
+            enforce_client_idempotency: true,
+        };
+        f.memory.write_now(device, vec![write]).expect("write");
+        let page = f.reader.history(f.account, 1, None).await.expect("page");
+        let writers: Vec<Writer> = page.events.iter().map(|e| e.writer).collect();
+        assert_eq!(writers, vec![Writer::Service, Writer::Client(device)]);
+        assert_eq!(
+            page.balance_cents,
+            Some(-4),
+            "a device's debit may go below zero"
+        );
     }
 
     /// Rule: a history page's balance is the balance at its `currentAggregateVersion`. A

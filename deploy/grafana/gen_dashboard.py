@@ -147,6 +147,14 @@ def build():
     L.ts("Latency p99 by replica", [t(quantile(0.99, "tally_http_request_duration_seconds", ["instance"]), "{{instance}}")], "s")
     L.ts("In flight by replica", [t(f"sum by (instance) (tally_http_requests_in_flight{sel()})", "{{instance}}")], "short",
          "Requests being served. Compare with TALLY_MAX_CONCURRENT_REQUESTS.")
+    L.ts("Edge admission: queued for a slot, open connections",
+         [t(f"sum by (instance) (tally_http_requests_queued{sel()})", "queued {{instance}}"),
+          t(f"sum by (instance) (tally_http_connections_open{sel()})", "connections {{instance}}")], "short",
+         "Requests waiting (at most --max-queue-wait-ms) for an in-flight slot, and open connections against --max-connections.")
+    L.ts("Edge admission: queue wait and accept pauses",
+         [t(quantile(0.99, "tally_http_queue_wait_seconds", []), "queue wait p99"),
+          t(f"sum by (instance) ({rate('tally_http_accept_paused_total')})", "accept paused {{instance}}")], "short",
+         "How long admitted requests waited for a slot, and how often accepting paused at the connection cap.")
     L.ts("Shed (503 at the concurrency limit)",
          [t(f"sum({rate('tally_http_requests_shed_total')})", "fleet"),
           t(f"sum by (instance) ({rate('tally_http_requests_shed_total')})", "{{instance}}")], "reqps", w=24)
@@ -169,6 +177,13 @@ def build():
           t(mean("tally_write_batch_events"), "mean")], "short")
     L.ts("Mean attempts per write, by replica",
          [t(mean("tally_write_attempts", ["instance"]), "{{instance}}")], "short")
+    L.ts("Write-side refusals (503, nothing sent), by limit",
+         [t(f"sum by (reason) ({rate('tally_write_refused_total')})", "{{reason}}")], "ops",
+         "live_writes: --max-live-writes reached; account_queue: a hot account's queue at "
+         "--max-queued-writes-per-account; queued_past_deadline: a write waited its whole deadline in the queue.")
+    L.ts("Live writes by replica", [t(f"sum by (instance) (tally_write_live{sel()})", "{{instance}}")], "short",
+         "Requests alive on the write side (running, queued or coalesced), including writes whose caller left. "
+         "Compare with --max-live-writes.")
 
     L.row("Idempotency")
     L.ts("Idempotency events",
@@ -219,6 +234,16 @@ def build():
          "idle is housekeeping; capacity means the cap is too small for this replica's share of accounts.")
     L.ts("Poisoned folds", [t(f"sum by (instance) (increase(tally_projection_poisoned_accounts_total{sel()}[{RI}]))", "{{instance}}")], "short",
          "Any value above 0 needs a look: see the TallyPoisonedAccount alert.")
+
+    L.row("Start-up and devices")
+    L.ts("Start-up steps pending", [t(f"max by (instance) (tally_startup_steps_pending{sel()})", "{{instance}}")], "short",
+         "Until 0 the replica answers /readyz and the API with 503; /readyz lists the steps.")
+    L.ts("Start-up step attempts", [t(f"sum by (step, result) ({rate('tally_startup_step_attempts_total')})", "{{step}} {{result}}")], "ops")
+    L.ts("Server-clock anchors", [t(f"sum by (instance, result) ({rate('tally_server_clock_anchors_total')})", "{{instance}} {{result}}")], "ops",
+         "A failed re-anchor keeps the last anchor; readiness does not change.")
+    L.ts("Device sync runs by outcome", [t(f"sum by (outcome) ({rate('tally_device_sync_runs_total')})", "{{outcome}}"),
+                                         t(f"sum({rate('tally_device_sync_events_total')})", "events synced")], "ops",
+         "Offline devices' runs: synced, already_synced (an earlier attempt landed), retry, refused, conflict.")
 
     templating = {"list": [
         {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",

@@ -14,7 +14,7 @@ use super::body::{Resp, json_response};
 use super::error::ApiError;
 use crate::account::{AccountEvent, AccountId};
 use crate::app::App;
-use crate::reader::{Balance, HistoryEntry};
+use crate::reader::{Balance, HistoryEntry, Writer};
 
 /// A balance at a version: the body of a balance read and of each leg of a write.
 #[derive(Serialize)]
@@ -102,6 +102,13 @@ fn history_event(entry: &HistoryEntry) -> serde_json::Value {
     }
     if let Some(id) = entry.event_id {
         v["eventId"] = json!(Uuid::from_u128(id).to_string());
+    }
+    match entry.writer {
+        Writer::Service => v["writer"] = json!("service"),
+        Writer::Client(id) => {
+            v["writer"] = json!("client");
+            v["writerId"] = json!(Uuid::from_u128(id).to_string());
+        }
     }
     v
 }

@@ -134,17 +134,17 @@ async fn history_lists_every_event_with_its_fields() {
     };
     assert_eq!(
         strip(&events[0]),
-        json!({ "aggregateVersion": 1, "type": "Deposited", "amountCents": 1000, "eventId": k1 })
+        json!({ "aggregateVersion": 1, "type": "Deposited", "amountCents": 1000, "eventId": k1, "writer": "service" })
     );
     assert_eq!(
         strip(&events[1]),
-        json!({ "aggregateVersion": 2, "type": "Withdrawn", "amountCents": 100, "eventId": k2 })
+        json!({ "aggregateVersion": 2, "type": "Withdrawn", "amountCents": 100, "eventId": k2, "writer": "service" })
     );
     assert_eq!(
         strip(&events[2]),
         json!({
             "aggregateVersion": 3, "type": "TransferredOut", "amountCents": 250,
-            "toAccountId": b, "eventId": k3
+            "toAccountId": b, "eventId": k3, "writer": "service"
         })
     );
     let r = t.get(&format!("/api/accounts/{b}/history")).await;
@@ -154,7 +154,7 @@ async fn history_lists_every_event_with_its_fields() {
         strip(&r.body["events"][0]),
         json!({
             "aggregateVersion": 1, "type": "TransferredIn", "amountCents": 250,
-            "fromAccountId": a, "eventId": k3
+            "fromAccountId": a, "eventId": k3, "writer": "service"
         })
     );
     t.shutdown().await;
