@@ -137,10 +137,11 @@ async fn a_write_in_flight_holds_its_live_permit_until_it_ends() {
     assert_eq!(env.event_ids(acct(2)).await, vec![2]);
 }
 
-/// Rule: a hot account's queue is capped; beyond it a request is refused at once (503) and
-/// never written, and the queued ones are written as usual.
+/// Rule: a hot account's queue is capped; a request beyond the cap waits for a place (it is
+/// not refused while the writer is about to drain the queue) and lands after the ones
+/// queued before it, in arrival order.
 #[tokio::test]
-async fn a_full_account_queue_refuses_at_once_and_writes_nothing() {
+async fn a_request_over_a_full_account_queue_waits_for_a_place_and_lands_in_order() {
     let env = env(WriteConfig {
         max_queued_per_account: 2,
         ..WriteConfig::default()
@@ -154,13 +155,7 @@ async fn a_full_account_queue_refuses_at_once_and_writes_nothing() {
     assert!(hold.held().await, "the account's writer is in flight");
     let second = start(&env.svc, deposit(x, 20, 2)).await;
     let third = start(&env.svc, deposit(x, 30, 3)).await;
-
-    let refused = env.svc.execute(deposit(x, 40, 4)).await;
-    assert!(
-        matches!(refused, Err(WriteError::Overloaded { .. })),
-        "{refused:?}"
-    );
-    assert_eq!(env.refused(refused::ACCOUNT_QUEUE), 1);
+    let fourth = start(&env.svc, deposit(x, 40, 4)).await;
 
     hold.release();
     assert_eq!(
@@ -169,11 +164,47 @@ async fn a_full_account_queue_refuses_at_once_and_writes_nothing() {
     );
     assert_eq!(second.await.expect("lands").legs[0].balance, 30);
     assert_eq!(third.await.expect("lands").legs[0].balance, 60);
-    assert_eq!(
-        env.event_ids(x).await,
-        vec![1, 2, 3],
-        "the refused one never"
+    assert_eq!(fourth.await.expect("lands").legs[0].balance, 100);
+    assert_eq!(env.refused(refused::ACCOUNT_QUEUE), 0);
+    assert_eq!(env.event_ids(x).await, vec![1, 2, 3, 4]);
+}
+
+/// Rule: waiting for a place in a full account queue is bounded by the request's deadline;
+/// a request still waiting when it passes is refused retryably and never written.
+#[tokio::test(start_paused = true)]
+async fn a_request_waiting_for_a_place_past_its_deadline_is_refused_and_never_written() {
+    let deadline = Duration::from_secs(1);
+    let env = env(WriteConfig {
+        max_queued_per_account: 1,
+        deadline,
+        ..WriteConfig::default()
+    });
+    let x = acct(1);
+    let mut hold = env.faulty.hold_next_write();
+    let first = tokio::spawn({
+        let svc = env.svc.clone();
+        async move { svc.execute(deposit(x, 10, 1)).await }
+    });
+    assert!(hold.held().await, "the account's writer is in flight");
+    let queued = start(&env.svc, deposit(x, 20, 2)).await;
+    let waiting = start(&env.svc, deposit(x, 30, 3)).await;
+
+    tokio::time::advance(deadline * 2).await;
+    let refused = waiting.await;
+    assert!(
+        matches!(refused, Err(WriteError::Overloaded { .. })),
+        "{refused:?}"
     );
+    assert_eq!(env.refused(refused::ACCOUNT_QUEUE), 1);
+
+    hold.release();
+    assert!(first.await.expect("task").is_ok(), "already sent: it lands");
+    let expired = queued.await;
+    assert!(
+        matches!(expired, Err(WriteError::Overloaded { .. })),
+        "{expired:?}"
+    );
+    assert_eq!(env.event_ids(x).await, vec![1], "neither was sent");
 }
 
 /// Rule: a request's deadline counts from its arrival; one that waited its whole deadline in

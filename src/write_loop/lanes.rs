@@ -1,6 +1,11 @@
 //! The write side's per-account lanes: the gate that one writer of this replica holds while
 //! it writes an account, and the queue of single-account requests waiting to go out with it.
 //!
+//! The queue is bounded by a count of free places ([`Lane::room`]): a request takes one before
+//! it joins the queue, and the writer that takes requests out gives theirs back, so a
+//! request over the cap waits, first come first served, for a place instead of being turned
+//! away while the writer is about to drain the queue.
+//!
 //! A lane exists only while someone uses it: each user holds a [`LaneGuard`], and the last
 //! guard to drop removes the lane from the map. So the map is bounded by the requests in
 //! flight, and the projection (which evicts idle accounts on its own schedule) knows nothing
@@ -12,7 +17,7 @@ use tokio::time::Instant;
 
 use dashmap::DashMap;
 use parking_lot::Mutex;
-use tokio::sync::oneshot;
+use tokio::sync::{Semaphore, oneshot};
 
 use super::{Answer, WriteRequest};
 use crate::account::AccountId;
@@ -26,26 +31,50 @@ pub(super) struct QueuedWrite {
 }
 
 /// One account's lane.
-#[derive(Default)]
 pub(super) struct Lane {
     /// Held by the one task writing this account from this replica.
     pub gate: tokio::sync::Mutex<()>,
     /// Single-account operations waiting to be written together.
     pub queue: Mutex<VecDeque<QueuedWrite>>,
+    /// Free places in `queue`: taken (and forgotten) by a request as it joins, given back by
+    /// the writer for every request it takes out. Starts at the queue's cap.
+    pub room: Semaphore,
+}
+
+impl Lane {
+    fn new(cap: usize) -> Self {
+        Self {
+            gate: tokio::sync::Mutex::new(()),
+            queue: Mutex::new(VecDeque::new()),
+            room: Semaphore::new(cap.max(1)),
+        }
+    }
 }
 
 type LaneMap = DashMap<AccountId, Arc<Lane>, foldhash::fast::RandomState>;
 
 /// Every account this replica is writing right now.
-#[derive(Default)]
 pub(super) struct Lanes {
     map: LaneMap,
+    /// The most requests one lane's queue holds.
+    cap: usize,
 }
 
 impl Lanes {
+    pub fn new(cap: usize) -> Self {
+        Self {
+            map: LaneMap::default(),
+            cap,
+        }
+    }
+
     /// The account's lane, created if no one is using it.
     pub fn enter(&self, account: AccountId) -> LaneGuard<'_> {
-        let lane = self.map.entry(account).or_default().clone();
+        let lane = self
+            .map
+            .entry(account)
+            .or_insert_with(|| Arc::new(Lane::new(self.cap)))
+            .clone();
         LaneGuard {
             map: &self.map,
             account,
@@ -95,7 +124,7 @@ mod tests {
     /// in flight, not by every account ever written.
     #[test]
     fn a_lane_is_removed_when_its_last_user_leaves() {
-        let lanes = Lanes::default();
+        let lanes = Lanes::new(4);
         let account = AccountId(Uuid::from_u128(7));
         let first = lanes.enter(account);
         let second = lanes.enter(account);

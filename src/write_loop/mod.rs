@@ -55,10 +55,11 @@ pub const DEFAULT_MAX_BATCH_EVENTS: usize = 64;
 /// lane, or waiting for a duplicate's answer). It bounds what runs, not what HTTP admits:
 /// a write goes on after its client disconnects, and it still counts here until it ends.
 pub const DEFAULT_MAX_LIVE_WRITES: usize = 1024;
-/// The most single-account requests waiting in one account's lane. Beyond it a hot account
-/// refuses at once (503) instead of queueing requests it cannot write before they time out:
-/// at most `max_batch_events` go per store write, so a queue several batches deep already
-/// waits several store round trips.
+/// The most single-account requests waiting in one account's lane. Beyond it a request waits
+/// for a place (first come first served) and is refused retryably (503) only when its
+/// deadline passes first: at most `max_batch_events` go per store write, so a queue several
+/// batches deep already waits several store round trips, and a longer one would only hold
+/// more requests that time out. Those waiting for a place are bounded by the live-writes cap.
 pub const DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT: usize = 256;
 
 #[derive(Clone, Copy, Debug)]

@@ -11,11 +11,11 @@
 //!   account), the same scope as the recent-writes index, so an overlapping duplicate and a
 //!   later one are answered by the same rule;
 //! - **batching**: a single-account request queues in its account's lane (at most
-//!   [`WriteConfig::max_queued_per_account`] deep); whoever holds the lane's gate writes
-//!   everything queued, in arrival order, as one batch. A request whose deadline (counted
-//!   from its arrival) passed while it queued is answered without being sent.
+//!   [`WriteConfig::max_queued_per_account`] deep: beyond it a request waits for a place,
+//!   never past its deadline); whoever holds the lane's gate writes everything queued, in
+//!   arrival order, as one batch. A request whose deadline (counted from its arrival) passed
+//!   while it queued is answered without being sent.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use dashmap::DashMap;
 use tokio::sync::{Semaphore, oneshot, watch};
 
-use super::lanes::{Lanes, QueuedWrite};
+use super::lanes::{Lane, Lanes, QueuedWrite};
 use super::run::Run;
 use super::{Answer, WriteConfig, WriteError, WriteRequest};
 use crate::account::{AccountId, Operation};
@@ -92,7 +92,7 @@ impl WriteService {
             projection,
             config,
             leaders: DashMap::default(),
-            lanes: Lanes::default(),
+            lanes: Lanes::new(config.max_queued_per_account),
             live: Semaphore::new(config.max_live_writes.max(1)),
         }
     }
@@ -199,38 +199,42 @@ impl WriteService {
         arrived: Instant,
     ) -> Answer {
         let lane = self.lanes.enter(account);
-        let (reply, mut rx) = oneshot::channel();
-        {
-            let mut queue = lane.queue.lock();
-            if queue.len() >= self.config.max_queued_per_account {
-                drop(queue);
+        // A full queue drains by a batch per store write, so a place usually frees within a
+        // round trip: wait for one (in arrival order) rather than refuse a request that
+        // would have been written, but never past the request's own deadline.
+        let deadline = arrived + self.config.deadline;
+        match tokio::time::timeout_at(deadline, lane.room.acquire()).await {
+            Ok(Ok(place)) => place.forget(),
+            Ok(Err(_)) => return Err(invariant("a lane's room semaphore was closed")),
+            Err(_) => {
                 return Err(self.refuse(
                     refused::ACCOUNT_QUEUE,
-                    "too many writes queued on this account",
+                    "the write waited its whole deadline for room in the account's queue",
                 ));
             }
-            queue.push_back(QueuedWrite {
-                req,
-                reply,
-                arrived,
-            });
         }
-        let _gate = lane.gate.lock().await;
+        let (reply, mut rx) = oneshot::channel();
+        lane.queue.lock().push_back(QueuedWrite {
+            req,
+            reply,
+            arrived,
+        });
         loop {
+            // The writer ahead of us usually answers us in its batch: take that answer as
+            // soon as it comes rather than queue for the gate only to find it.
+            let _gate = tokio::select! {
+                biased;
+                answer = &mut rx => return answer.unwrap_or_else(|_| Err(writer_vanished())),
+                gate = lane.gate.lock() => gate,
+            };
             if let Ok(answer) = rx.try_recv() {
                 return answer;
             }
-            let batch = self.take_batch(&lane.queue);
+            let batch = self.take_batch(&lane);
             if batch.is_empty() {
-                // Our request was answered by a writer that already released the gate (or
-                // the writer's task ended: nothing of ours was sent by it after that).
-                return match rx.await {
-                    Ok(answer) => answer,
-                    Err(_) => Err(WriteError::GaveUp {
-                        attempts: 0,
-                        last: "the account's writer ended without an answer".into(),
-                    }),
-                };
+                // Our request was taken by a writer that has not answered yet: its answer
+                // comes on `rx` (or the writer's task ended before sending anything of ours).
+                return rx.await.unwrap_or_else(|_| Err(writer_vanished()));
             }
             let started = batch.iter().map(|q| q.arrived).min().unwrap_or(arrived);
             let (reqs, replies): (Vec<_>, Vec<_>) =
@@ -242,16 +246,18 @@ impl WriteService {
         }
     }
 
-    /// Takes the next batch from a lane's queue, in arrival order. A request whose deadline
-    /// (counted from its arrival) passed while it queued was never sent: it is answered
-    /// retryably here and not written.
-    fn take_batch(&self, queue: &parking_lot::Mutex<VecDeque<QueuedWrite>>) -> Vec<QueuedWrite> {
+    /// Takes the next batch from a lane's queue, in arrival order, and gives the places it
+    /// frees back to the lane. A request whose deadline (counted from its arrival) passed
+    /// while it queued was never sent: it is answered retryably here and not written.
+    fn take_batch(&self, lane: &Lane) -> Vec<QueuedWrite> {
         let now = Instant::now();
         let max = self.config.max_batch_events.max(1);
-        let mut q = queue.lock();
+        let mut q = lane.queue.lock();
         let mut batch = Vec::with_capacity(q.len().min(max));
+        let mut taken = 0;
         while batch.len() < max {
             let Some(next) = q.pop_front() else { break };
+            taken += 1;
             if now.duration_since(next.arrived) >= self.config.deadline {
                 let err = self.refuse(
                     refused::QUEUED_PAST_DEADLINE,
@@ -262,6 +268,8 @@ impl WriteService {
                 batch.push(next);
             }
         }
+        drop(q);
+        lane.room.add_permits(taken);
         batch
     }
 
@@ -287,6 +295,16 @@ impl WriteService {
         let half = cap / 2;
         let jitter = Duration::from_nanos(mix % (half.as_nanos() as u64).max(1));
         tokio::time::sleep(half + jitter).await;
+    }
+}
+
+/// A queued request's writer took it and ended without answering: only possible when that
+/// writer's task was cancelled mid-run (the runtime shutting down), after which the request
+/// may or may not have been sent. Retryable (a retry with the same key settles it), never a
+/// success.
+fn writer_vanished() -> WriteError {
+    WriteError::Unverifiable {
+        reason: "the account's writer ended before answering".into(),
     }
 }
 
