@@ -109,7 +109,7 @@ pub mod test_auth {
     pub fn token(extra: serde_json::Value) -> String {
         let now = jsonwebtoken::get_current_timestamp();
         let mut claims = serde_json::json!({
-            "sub": "harness", "scope": "accounts:read accounts:write",
+            "sub": CALLER, "scope": "accounts:read accounts:write",
             "iss": ISSUER, "aud": AUDIENCE, "exp": now + 3600,
         });
         if let (Some(c), Some(e)) = (claims.as_object_mut(), extra.as_object()) {
@@ -121,6 +121,19 @@ pub mod test_auth {
             &jsonwebtoken::EncodingKey::from_secret(SECRET.as_bytes()).expect("secret"),
         )
         .expect("token signed")
+    }
+
+    /// The caller the harness's token names.
+    pub const CALLER: &str = "harness";
+
+    /// The event id the harness's client's write with this key gets: with authentication on,
+    /// keys belong to their caller, so even a UUID key is not the event id as is.
+    pub fn event_id(key: &str) -> String {
+        let caller = on().then_some(CALLER);
+        tally::http::idempotency::IdempotencyKey::parse(key, caller)
+            .expect("a valid key")
+            .event_id
+            .to_string()
     }
 
     /// A client that sends the harness's token on every request.
