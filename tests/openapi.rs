@@ -141,7 +141,7 @@ fn spec_statuses(s: &Value) -> BTreeSet<u16> {
             .as_array()
             .and_then(|c| c.first())
             .and_then(|c| c.as_str())
-            .map(|c| code_status(c));
+            .map(code_status);
         out.extend(status);
     }
     out
