@@ -710,3 +710,81 @@ async fn with_an_admin_address_metrics_move_there() {
     server.abort();
     t.shutdown().await;
 }
+
+/// The real binary: `--auth jwt` without a key refuses to start (exit 2, naming the flag),
+/// and with debug logging on, neither a good nor a refused token reaches the log.
+#[tokio::test]
+async fn the_binary_never_logs_a_token_and_refuses_jwt_without_a_key() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let bin = env!("CARGO_BIN_EXE_tally");
+    let clean = |cmd: &mut Command| {
+        for (name, _) in std::env::vars() {
+            if name.starts_with("TALLY_") || name == "RUST_LOG" {
+                cmd.env_remove(name);
+            }
+        }
+    };
+    let mut no_key = Command::new(bin);
+    clean(&mut no_key);
+    let out = no_key.args(["--auth", "jwt"]).output().expect("tally runs");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--auth-secret-file"));
+
+    let mut cmd = Command::new(bin);
+    clean(&mut cmd);
+    let mut child = cmd
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+            "--auth",
+            "jwt",
+        ])
+        .args(["--auth-secret-file", &secret_file()])
+        .env("RUST_LOG", "debug")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("tally starts");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().expect("a log line before listening").unwrap();
+        let v: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+        if v["fields"]["message"] == "tally listening" {
+            break v["fields"]["addr"].as_str().unwrap().to_owned();
+        }
+    };
+    let good = token(json!({"sub": "log-check"}));
+    let forged = signed_with(&valid_claims(), b"a forged secret, long enough to sign");
+    let client = reqwest::Client::new();
+    for tok in [&good, &forged] {
+        let r = client
+            .get(format!("http://{addr}/api/accounts"))
+            .bearer_auth(tok)
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status() == StatusCode::OK || r.status() == StatusCode::UNAUTHORIZED);
+    }
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let status = child.wait().expect("reaped");
+    assert!(status.success());
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    let log = rest.join("\n") + &stderr;
+    assert!(log.contains("served"), "the requests were logged: {log}");
+    for tok in [&good, &forged] {
+        // Not the token, nor its signature (the part an attacker would need).
+        let signature = tok.rsplit('.').next().unwrap();
+        assert!(!log.contains(signature), "a token reached the log");
+    }
+}
