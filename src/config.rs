@@ -7,6 +7,11 @@ use clap::{Parser, ValueEnum};
 use uuid::Uuid;
 
 use crate::account::{Identity, named_id};
+// Authentication, rate limits and the admin listener (issue 17).
+use crate::auth::rate::{DEFAULT_BURST_PER_CALLER, DEFAULT_RATE_PER_CALLER};
+use crate::auth::{
+    AuthConfig, AuthMode, Authenticator, DEFAULT_AUDIENCE, DEFAULT_ISSUER, DEFAULT_LEEWAY_SECS,
+};
 use crate::projection::{
     DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_INDEX_ENTRIES, DEFAULT_MAX_RESIDENT_ACCOUNTS,
     ProjectionConfig,
@@ -66,7 +71,12 @@ pub enum LogFormat {
 
 /// Tally: idempotent account writes over the Celeriant event store.
 #[derive(Clone, Debug, Parser)]
-#[command(name = "tally", version, about)]
+#[command(
+    name = "tally",
+    version,
+    about,
+    after_help = "Development tokens: `tally token --help` (issue 17)."
+)]
 pub struct Config {
     /// Address to serve HTTP on.
     #[arg(long, env = "TALLY_LISTEN", default_value = "127.0.0.1:8080")]
@@ -178,6 +188,47 @@ pub struct Config {
     #[arg(long, env = "TALLY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Human)]
     pub log_format: LogFormat,
 
+    // Authentication, rate limits and the admin listener (issue 17).
+    /// Whether API requests must carry a bearer token (JWT): `none` lets anyone who reaches
+    /// the replica do anything (development), `jwt` checks every API request.
+    #[arg(long, env = "TALLY_AUTH", value_enum, default_value_t = AuthMode::None)]
+    pub auth: AuthMode,
+
+    /// With `--auth jwt`: a file holding the HS256 shared secret (at least 32 bytes).
+    #[arg(long, env = "TALLY_AUTH_SECRET_FILE")]
+    pub auth_secret_file: Option<std::path::PathBuf>,
+
+    /// With `--auth jwt`: a JWKS file of RS256, ES256 or EdDSA public keys (each with a
+    /// kid), reread when it changes.
+    #[arg(long, env = "TALLY_AUTH_JWKS_FILE")]
+    pub auth_jwks_file: Option<std::path::PathBuf>,
+
+    /// The issuer (`iss`) tokens must name.
+    #[arg(long, env = "TALLY_AUTH_ISSUER", default_value = DEFAULT_ISSUER)]
+    pub auth_issuer: String,
+
+    /// The audience (`aud`) tokens must name.
+    #[arg(long, env = "TALLY_AUTH_AUDIENCE", default_value = DEFAULT_AUDIENCE)]
+    pub auth_audience: String,
+
+    /// Clock skew allowed on a token's `exp` and `nbf`, in seconds.
+    #[arg(long, env = "TALLY_AUTH_LEEWAY_SECS", default_value_t = DEFAULT_LEEWAY_SECS)]
+    pub auth_leeway_secs: u64,
+
+    /// With `--auth jwt`: requests a second each caller may make on this replica (beyond
+    /// it, 429 with Retry-After); 0 is no limit.
+    #[arg(long, env = "TALLY_RATE_LIMIT_PER_CALLER", default_value_t = DEFAULT_RATE_PER_CALLER)]
+    pub rate_limit_per_caller: u32,
+
+    /// The burst each caller may make at once (at least the per-second rate).
+    #[arg(long, env = "TALLY_RATE_LIMIT_BURST", default_value_t = DEFAULT_BURST_PER_CALLER)]
+    pub rate_limit_burst: u32,
+
+    /// Serve `/metrics` (with `/healthz` and `/readyz`) on this address instead of the
+    /// API's; the API's `/metrics` then answers 404.
+    #[arg(long, env = "TALLY_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+
     /// How to reach Celeriant (used with `--store celeriant`).
     #[command(flatten)]
     pub celeriant: CeleriantConfig,
@@ -238,6 +289,8 @@ impl Config {
                 HEADER_BYTES_RANGE.end()
             )));
         }
+        // Issue 17: a token must be checkable before the replica serves.
+        Authenticator::new(&self.auth()).map_err(ConfigError)?;
         if self.store == StoreKind::Celeriant {
             self.celeriant
                 .validate()
@@ -275,6 +328,20 @@ impl Config {
             max_resident_accounts: self.max_resident_accounts,
             idle_timeout: Duration::from_secs(self.idle_timeout_secs),
             max_index_entries: self.max_index_entries,
+        }
+    }
+
+    /// How requests are authenticated and paced (issue 17).
+    pub fn auth(&self) -> AuthConfig {
+        AuthConfig {
+            mode: self.auth,
+            secret_file: self.auth_secret_file.clone(),
+            jwks_file: self.auth_jwks_file.clone(),
+            issuer: self.auth_issuer.clone(),
+            audience: self.auth_audience.clone(),
+            leeway_secs: self.auth_leeway_secs,
+            rate_per_caller: self.rate_limit_per_caller,
+            rate_burst: self.rate_limit_burst,
         }
     }
 

@@ -11,6 +11,7 @@
 
 pub mod account;
 pub mod app;
+pub mod auth;
 pub mod config;
 pub mod device;
 pub mod http;

@@ -4,10 +4,16 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use tally::app::App;
+use tally::auth::mint::TokenArgs;
 use tally::config::{Config, LogFormat};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
+    // Issue 17: `tally token ...` mints a development token; every other invocation is the
+    // server's flags, parsed as before.
+    if std::env::args_os().nth(1).is_some_and(|a| a == "token") {
+        return mint_token();
+    }
     let config = parse_flags();
     if let Err(e) = config.validate() {
         eprintln!("tally: {e}");
@@ -40,6 +46,21 @@ fn parse_flags() -> Config {
     })
 }
 
+/// `tally token`: prints a development token (HS256) signed with a secret file.
+fn mint_token() -> ExitCode {
+    let args = TokenArgs::try_parse_from(std::env::args_os().skip(1)).unwrap_or_else(|e| e.exit());
+    match args.mint() {
+        Ok(token) => {
+            println!("{token}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tally token: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
 async fn run(config: Config) -> ExitCode {
     let listen = config.listen;
     let app = match App::builder(config).build().await {
@@ -56,12 +77,31 @@ async fn run(config: Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // Issue 17: /metrics (and the probes) on an admin address of their own, when asked.
+    if let Some(admin) = app.config.admin_listen {
+        match tokio::net::TcpListener::bind(admin).await {
+            Ok(l) => {
+                let addr = l.local_addr().map_or(admin, |a| a);
+                tracing::info!(%addr, "admin listening (/metrics, /healthz, /readyz)");
+                tokio::spawn(tally::http::serve_admin(
+                    app.clone(),
+                    l,
+                    std::future::pending(),
+                ));
+            }
+            Err(e) => {
+                tracing::error!(error = %e, %admin, "cannot listen on the admin address");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     let addr = listener.local_addr().map_or(listen, |a| a);
     tracing::info!(
         %addr,
         store = ?app.config.store,
         window_secs = app.config.idempotency_window,
         client_id = %app.identity.client_id,
+        auth = ?app.config.auth,
         "tally listening"
     );
     tally::http::serve(app, listener, shutdown_signal()).await;

@@ -25,6 +25,20 @@ pub mod refused {
     pub const QUEUED_PAST_DEADLINE: &str = "queued_past_deadline";
 }
 
+/// `outcome` of `tally_auth_requests_total` (issue 17).
+pub mod auth_outcome {
+    pub const OK: &str = "ok";
+    pub const MISSING: &str = "missing";
+    pub const INVALID: &str = "invalid";
+    pub const FORBIDDEN: &str = "forbidden";
+}
+
+/// `outcome` of `tally_rate_limit_decisions_total` (issue 17).
+pub mod rate_outcome {
+    pub const ALLOWED: &str = "allowed";
+    pub const LIMITED: &str = "limited";
+}
+
 /// What a device sync run came to, the values of the `outcome` label of
 /// `tally_device_sync_runs_total`.
 pub mod device_outcome {
@@ -96,6 +110,9 @@ pub struct Metrics {
     pub http_accept_paused: IntCounter,
     pub http_queued: IntGauge,
     pub http_queue_wait: Histogram,
+    // Authentication and rate limits (issue 17): by outcome, never by caller.
+    pub auth_outcomes: IntCounterVec,
+    pub rate_limit_decisions: IntCounterVec,
 }
 
 impl Metrics {
@@ -296,6 +313,18 @@ impl Metrics {
                 "tally_http_queue_wait_seconds",
                 "Time a request over --max-concurrent-requests waited for a slot, admitted or shed.",
                 LATENCY_BUCKETS,
+            ),
+            auth_outcomes: counter_vec(
+                r,
+                "tally_auth_requests_total",
+                "API requests checked for a bearer token, by outcome (ok, missing, invalid, forbidden).",
+                &["outcome"],
+            ),
+            rate_limit_decisions: counter_vec(
+                r,
+                "tally_rate_limit_decisions_total",
+                "Authenticated requests checked against their caller's rate limit, by outcome (allowed, limited).",
+                &["outcome"],
             ),
             registry,
         }

@@ -235,7 +235,7 @@ impl Fleet {
             .iter()
             .enumerate()
             .map(|(i, (ty, amount, key))| {
-                json!({"aggregateVersion": i + 1, "type": ty, "amountCents": amount, "eventId": key})
+                json!({"aggregateVersion": i + 1, "type": ty, "amountCents": amount, "eventId": common::test_auth::event_id(key)})
             })
             .collect();
         let got_trimmed: Vec<Value> = got
@@ -452,7 +452,7 @@ async fn two_requests_on_one_account_on_two_replicas_both_land_once_each(base: S
         );
         // Whichever landed first is at version 2; the other folded it and is at 3.
         let history = f.apps[0].history(&acct).await;
-        let deposit_first = history[1]["eventId"] == json!(kd);
+        let deposit_first = history[1]["eventId"] == json!(common::test_auth::event_id(&kd));
         let expected_round = format!("round {round}");
         if deposit_first {
             assert_balance(&d, &kd, 130, 2, false);

@@ -245,6 +245,14 @@ def build():
                                          t(f"sum({rate('tally_device_sync_events_total')})", "events synced")], "ops",
          "Offline devices' runs: synced, already_synced (an earlier attempt landed), retry, refused, conflict.")
 
+    # Issue 17: authentication and per-caller rate limits, by outcome (never by caller).
+    L.row("Authentication and rate limits")
+    L.ts("Token checks by outcome", [t(f"sum by (outcome) ({rate('tally_auth_requests_total')})", "{{outcome}}")], "ops",
+         "API requests checked with --auth jwt: ok, missing (no token: 401), invalid (refused token: 401), "
+         "forbidden (scope, account or device not granted: 403). A rise in invalid is clock skew, a rotated key or an attack.")
+    L.ts("Rate-limit decisions", [t(f"sum by (outcome) ({rate('tally_rate_limit_decisions_total')})", "{{outcome}}")], "ops",
+         "Authenticated requests against their caller's --rate-limit-per-caller: allowed, limited (429 with Retry-After).")
+
     templating = {"list": [
         {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",
          "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []},

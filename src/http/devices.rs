@@ -13,11 +13,17 @@ use uuid::Uuid;
 use super::body::{Resp, json_response, read_json};
 use super::error::ApiError;
 use crate::app::App;
+use crate::auth::Caller;
 use crate::device::protocol::{SyncRequest, SyncStatus};
 use crate::metrics::device_outcome;
 
 pub async fn sync(app: &Arc<App>, device: Uuid, req: Request<Incoming>) -> Result<Resp, ApiError> {
+    // Issue 17: a token that lists accounts may sync only runs of those.
+    let caller = req.extensions().get::<Caller>().cloned();
     let body: SyncRequest = read_json(req).await?;
+    if let Ok(account) = Uuid::try_parse(&body.account_id) {
+        super::auth::authorize_account(app, caller.as_ref(), account)?;
+    }
     let events = body.events.len() as u64;
     let m = &app.metrics;
     match app.devices.handle(&device.to_string(), &body).await {

@@ -2,12 +2,13 @@
 //! `{"error":"CODE","message":"..."}` and headers.
 
 use hyper::StatusCode;
-use hyper::header::{ALLOW, CONNECTION, HeaderValue, RETRY_AFTER};
+use hyper::header::{ALLOW, CONNECTION, HeaderValue, RETRY_AFTER, WWW_AUTHENTICATE};
 use serde_json::json;
 use uuid::Uuid;
 
 use super::body::{Resp, json_response};
 use crate::account::RuleError;
+use crate::auth::{AuthError, REALM};
 use crate::device::server::DeviceSyncError;
 use crate::projection::ProjectionError;
 use crate::reader::ReadError;
@@ -58,6 +59,26 @@ pub enum ApiError {
     /// A bug, a poisoned stream, or a configuration the operator must fix.
     #[error("{message}")]
     Internal { code: &'static str, message: String },
+    /// 401 (issue 17): no bearer token (`UNAUTHORIZED`) or one that was refused
+    /// (`INVALID_TOKEN`, with a fixed reason, never the token). Nothing was read or written.
+    #[error("{message}")]
+    Unauthorized {
+        code: &'static str,
+        message: String,
+        /// The fixed reason a token was refused, for `WWW-Authenticate`.
+        reason: Option<&'static str>,
+    },
+    /// 403 (issue 17): the token is valid but does not grant this (`INSUFFICIENT_SCOPE`,
+    /// naming the scope, or `FORBIDDEN` for an account or device it does not cover).
+    #[error("{message}")]
+    Forbidden {
+        code: &'static str,
+        message: String,
+        scope: Option<&'static str>,
+    },
+    /// 429 (issue 17): the caller is over its rate limit; retry after the seconds given.
+    #[error("too many requests from this caller; retry after {retry_after_secs} s")]
+    RateLimited { retry_after_secs: u64 },
 }
 
 impl ApiError {
@@ -82,6 +103,9 @@ impl ApiError {
             ApiError::Conflict(_) | ApiError::StoreConflict { .. } => StatusCode::CONFLICT,
             ApiError::Unavailable(_) | ApiError::Shed { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden { .. } => StatusCode::FORBIDDEN,
+            ApiError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
         }
     }
 
@@ -90,7 +114,10 @@ impl ApiError {
             ApiError::BadRequest { code, .. }
             | ApiError::Internal { code, .. }
             | ApiError::Unprocessable { code, .. }
-            | ApiError::StoreConflict { code, .. } => code,
+            | ApiError::StoreConflict { code, .. }
+            | ApiError::Unauthorized { code, .. }
+            | ApiError::Forbidden { code, .. } => code,
+            ApiError::RateLimited { .. } => "RATE_LIMITED",
             ApiError::PayloadTooLarge { .. } => "PAYLOAD_TOO_LARGE",
             ApiError::NotFound { .. } => "NOT_FOUND",
             ApiError::MethodNotAllowed { .. } => "METHOD_NOT_ALLOWED",
@@ -124,6 +151,30 @@ impl ApiError {
             ApiError::Conflict(_) | ApiError::Unavailable(_) => {
                 headers.insert(RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
             }
+            ApiError::Unauthorized { reason, .. } => {
+                let challenge = match reason {
+                    None => format!("Bearer realm=\"{REALM}\""),
+                    Some(r) => format!(
+                        "Bearer realm=\"{REALM}\", error=\"invalid_token\", error_description=\"{r}\""
+                    ),
+                };
+                if let Ok(v) = HeaderValue::from_str(&challenge) {
+                    headers.insert(WWW_AUTHENTICATE, v);
+                }
+            }
+            ApiError::Forbidden {
+                scope: Some(scope), ..
+            } => {
+                let challenge = format!(
+                    "Bearer realm=\"{REALM}\", error=\"insufficient_scope\", scope=\"{scope}\""
+                );
+                if let Ok(v) = HeaderValue::from_str(&challenge) {
+                    headers.insert(WWW_AUTHENTICATE, v);
+                }
+            }
+            ApiError::RateLimited { retry_after_secs } => {
+                headers.insert(RETRY_AFTER, HeaderValue::from(*retry_after_secs));
+            }
             ApiError::Shed { close_connection } => {
                 headers.insert(RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
                 if *close_connection {
@@ -133,6 +184,34 @@ impl ApiError {
             _ => {}
         }
         resp
+    }
+}
+
+impl From<AuthError> for ApiError {
+    fn from(e: AuthError) -> Self {
+        let message = e.to_string();
+        match e {
+            AuthError::Missing => ApiError::Unauthorized {
+                code: "UNAUTHORIZED",
+                message,
+                reason: None,
+            },
+            AuthError::Invalid(reason) => ApiError::Unauthorized {
+                code: "INVALID_TOKEN",
+                message,
+                reason: Some(reason),
+            },
+            AuthError::Scope(scope) => ApiError::Forbidden {
+                code: "INSUFFICIENT_SCOPE",
+                message,
+                scope: Some(scope.as_str()),
+            },
+            AuthError::Resource(_) => ApiError::Forbidden {
+                code: "FORBIDDEN",
+                message,
+                scope: None,
+            },
+        }
     }
 }
 

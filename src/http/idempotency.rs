@@ -5,6 +5,12 @@
 //! [`KEY_NAMESPACE`], so every replica derives the same id. A missing key is minted (a
 //! random UUID) and sent back, so the caller can still retry safely. A key is never
 //! silently replaced.
+//!
+//! Keys belong to their caller (issue 17). With authentication on, the event id is UUIDv5,
+//! in [`CALLER_KEY_NAMESPACE`], of the caller (`sub`, length-prefixed) and the key (a UUID
+//! key too): the same key from two callers names two events, and a guessed key never
+//! replays someone else's response. With authentication off there is no caller and the
+//! derivation above holds, as in the service Tally replaces.
 
 use hyper::HeaderMap;
 use uuid::Uuid;
@@ -20,6 +26,9 @@ pub const MAX_KEY_LEN: usize = 255;
 /// every opaque key would name a different event id, and retries across the change would
 /// write twice.
 pub const KEY_NAMESPACE: Uuid = Uuid::from_u128(0x9b1b_4a3c_2d3f_5e8a_9c0d_1e2f_3a4b_5c6d);
+/// The namespace (caller, key) pairs are hashed in when authentication is on. Never change
+/// it, for the same reason.
+pub const CALLER_KEY_NAMESPACE: Uuid = Uuid::from_u128(0x3c71_e0a4_5b26_4d8f_a1c9_7e52_0f3b_9d64);
 
 /// A request's idempotency key and the event id it names.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,13 +43,15 @@ pub struct IdempotencyKey {
 }
 
 impl IdempotencyKey {
-    pub fn from_headers(headers: &HeaderMap) -> Result<Self, ApiError> {
+    /// The request's key; `caller` is the authenticated caller's id, when there is one.
+    pub fn from_headers(headers: &HeaderMap, caller: Option<&str>) -> Result<Self, ApiError> {
         let mut values = headers.get_all(HEADER).iter();
         let Some(value) = values.next() else {
-            let id = Uuid::new_v4();
-            let key = id.hyphenated().to_string();
+            let key = Uuid::new_v4().hyphenated().to_string();
             return Ok(Self {
-                event_id: id,
+                // Derived like a sent key's, so a retry that sends the minted key back
+                // names the same event.
+                event_id: event_id(&key, caller),
                 echo: key.clone(),
                 key,
                 minted: true,
@@ -52,7 +63,7 @@ impl IdempotencyKey {
         let raw = value
             .to_str()
             .map_err(|_| invalid("the Idempotency-Key must be visible ASCII"))?;
-        Self::parse(raw)
+        Self::parse(raw, caller)
     }
 
     /// A short, stable hash of the key for logs: enough to correlate a retry with its first
@@ -63,23 +74,37 @@ impl IdempotencyKey {
         format!("{:08x}", mixed >> 32)
     }
 
-    pub fn parse(raw: &str) -> Result<Self, ApiError> {
+    pub fn parse(raw: &str, caller: Option<&str>) -> Result<Self, ApiError> {
         let key = unquote(raw)?;
         if key.is_empty() || key.chars().count() > MAX_KEY_LEN {
             return Err(invalid(&format!(
                 "the Idempotency-Key must be 1 to {MAX_KEY_LEN} characters"
             )));
         }
-        let event_id = match Uuid::try_parse(&key) {
-            Ok(uuid) => uuid,
-            Err(_) => Uuid::new_v5(&KEY_NAMESPACE, key.as_bytes()),
-        };
         Ok(Self {
-            event_id,
+            event_id: event_id(&key, caller),
             key,
             echo: raw.to_owned(),
             minted: false,
         })
+    }
+}
+
+/// The event id a key names: for a caller, UUIDv5 of (caller, key); without one, a UUID key
+/// as is and any other key's UUIDv5.
+fn event_id(key: &str, caller: Option<&str>) -> Uuid {
+    match caller {
+        Some(caller) => {
+            // Length-prefixed, so no (caller, key) pair spells another's name.
+            let mut name = Vec::with_capacity(4 + caller.len() + key.len());
+            name.extend_from_slice(&(caller.len() as u32).to_be_bytes());
+            name.extend_from_slice(caller.as_bytes());
+            name.extend_from_slice(key.as_bytes());
+            Uuid::new_v5(&CALLER_KEY_NAMESPACE, &name)
+        }
+        None => {
+            Uuid::try_parse(key).unwrap_or_else(|_| Uuid::new_v5(&KEY_NAMESPACE, key.as_bytes()))
+        }
     }
 }
 
@@ -124,23 +149,23 @@ mod tests {
     #[test]
     fn a_uuid_key_is_the_event_id_as_is() {
         let id = Uuid::new_v4();
-        let k = IdempotencyKey::parse(&id.to_string()).unwrap();
+        let k = IdempotencyKey::parse(&id.to_string(), None).unwrap();
         assert_eq!(k.event_id, id);
         assert!(!k.minted);
     }
 
     #[test]
     fn an_opaque_key_maps_to_a_stable_id_and_quotes_are_the_same_key() {
-        let a = IdempotencyKey::parse("order-42").unwrap();
-        let b = IdempotencyKey::parse("\"order-42\"").unwrap();
+        let a = IdempotencyKey::parse("order-42", None).unwrap();
+        let b = IdempotencyKey::parse("\"order-42\"", None).unwrap();
         assert_eq!(a.event_id, b.event_id);
         assert_eq!(a.event_id, Uuid::new_v5(&KEY_NAMESPACE, b"order-42"));
         assert_ne!(
             a.event_id,
-            IdempotencyKey::parse("order-43").unwrap().event_id
+            IdempotencyKey::parse("order-43", None).unwrap().event_id
         );
         assert_eq!(
-            IdempotencyKey::parse(r#""a \"b\" c""#).unwrap().key,
+            IdempotencyKey::parse(r#""a \"b\" c""#, None).unwrap().key,
             r#"a "b" c"#
         );
     }
@@ -148,16 +173,46 @@ mod tests {
     #[test]
     fn bad_keys_are_refused_never_replaced() {
         for bad in ["", "\"\"", "has space", "\"open", "\"bad\\x\"", "é"] {
-            assert!(IdempotencyKey::parse(bad).is_err(), "{bad:?}");
+            assert!(IdempotencyKey::parse(bad, None).is_err(), "{bad:?}");
         }
-        assert!(IdempotencyKey::parse(&"k".repeat(MAX_KEY_LEN)).is_ok());
-        assert!(IdempotencyKey::parse(&"k".repeat(MAX_KEY_LEN + 1)).is_err());
+        assert!(IdempotencyKey::parse(&"k".repeat(MAX_KEY_LEN), None).is_ok());
+        assert!(IdempotencyKey::parse(&"k".repeat(MAX_KEY_LEN + 1), None).is_err());
     }
 
     #[test]
     fn no_key_mints_one() {
-        let k = IdempotencyKey::from_headers(&HeaderMap::new()).unwrap();
+        let k = IdempotencyKey::from_headers(&HeaderMap::new(), None).unwrap();
         assert!(k.minted);
         assert_eq!(Uuid::parse_str(&k.key).unwrap(), k.event_id);
+    }
+
+    #[test]
+    fn with_a_caller_the_same_key_names_a_different_event_per_caller() {
+        let id = Uuid::new_v4().to_string();
+        for key in ["order-42", id.as_str()] {
+            let alice = IdempotencyKey::parse(key, Some("alice")).unwrap();
+            let bob = IdempotencyKey::parse(key, Some("bob")).unwrap();
+            let anonymous = IdempotencyKey::parse(key, None).unwrap();
+            assert_ne!(alice.event_id, bob.event_id, "{key}");
+            assert_ne!(alice.event_id, anonymous.event_id, "{key}");
+            // Stable: every replica derives the same id for the same caller and key.
+            assert_eq!(
+                alice.event_id,
+                IdempotencyKey::parse(key, Some("alice")).unwrap().event_id
+            );
+        }
+        // The length prefix keeps ("ab", "c") and ("a", "bc") apart.
+        assert_ne!(
+            IdempotencyKey::parse("c", Some("ab")).unwrap().event_id,
+            IdempotencyKey::parse("bc", Some("a")).unwrap().event_id
+        );
+    }
+
+    #[test]
+    fn a_minted_key_sent_back_names_the_same_event() {
+        let minted = IdempotencyKey::from_headers(&HeaderMap::new(), Some("alice")).unwrap();
+        assert!(minted.minted);
+        let resent = IdempotencyKey::parse(&minted.key, Some("alice")).unwrap();
+        assert_eq!(minted.event_id, resent.event_id);
     }
 }

@@ -2,11 +2,14 @@
 //! graceful shutdown.
 
 mod accounts;
+mod admin;
 mod admission;
+pub mod auth;
 pub mod body;
 mod devices;
 pub mod error;
 pub mod idempotency;
+pub mod openapi;
 mod ops;
 pub mod router;
 mod writes;
@@ -26,6 +29,7 @@ use tokio::net::TcpListener;
 use tracing::Instrument;
 
 use crate::app::App;
+pub use admin::serve_admin;
 use body::Resp;
 use error::ApiError;
 use router::Route;
@@ -116,7 +120,7 @@ pub(crate) fn starting(waiting: &[String]) -> ApiError {
 }
 
 /// One request: route, admit, dispatch, then count and log it.
-async fn handle(app: Arc<App>, edge: &admission::Edge, req: Request<Incoming>) -> Resp {
+async fn handle(app: Arc<App>, edge: &admission::Edge, mut req: Request<Incoming>) -> Resp {
     let started = Instant::now();
     let method = router::method_label(req.method());
     let routed = Route::resolve(req.method(), req.uri().path());
@@ -133,6 +137,17 @@ async fn handle(app: Arc<App>, edge: &admission::Edge, req: Request<Incoming>) -
     let in_flight = InFlightGauge::enter(&m.http_in_flight);
     let resp = async {
         let route = routed?;
+        // Issue 17: with --admin-listen, /metrics is served there only.
+        if route == Route::Metrics && app.config.admin_listen.is_some() {
+            return Err(ApiError::NotFound {
+                path: route.template().into(),
+            });
+        }
+        // Issue 17: who is calling, before anything else is looked at; the handlers find
+        // the caller (for its own idempotency keys and body accounts) on the request.
+        if let Some(caller) = auth::check(&app, &route, req.headers())? {
+            req.extensions_mut().insert(caller);
+        }
         if route.is_api() && !app.is_started() {
             // Until it is anchored to the server's clock, the fold cannot age the
             // recent-writes index, and until the demo accounts are seeded a write could

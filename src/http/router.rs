@@ -9,7 +9,7 @@ use uuid::Uuid;
 
 use super::body::Resp;
 use super::error::ApiError;
-use super::{accounts, devices, ops, writes};
+use super::{accounts, devices, openapi, ops, writes};
 use crate::account::AccountId;
 use crate::app::App;
 
@@ -28,6 +28,58 @@ pub enum Route {
     Transfers,
     /// A device's run of offline events; the device id is parsed by the device layer.
     DeviceSync(Uuid),
+    /// The API contract, `docs/openapi.json` (issue 17).
+    OpenApi,
+}
+
+/// The nil id, for the listing below.
+const NIL: AccountId = AccountId(Uuid::nil());
+
+impl Route {
+    /// Every route once (ids nil): what `docs/openapi.json` is checked against. A new route
+    /// is added here and in [`Route::listed_at`] (whose exhaustive match fails to compile
+    /// until it is), then to the spec.
+    pub const ALL: [Route; 12] = [
+        Route::Healthz,
+        Route::Readyz,
+        Route::Metrics,
+        Route::Accounts,
+        Route::Balance(NIL),
+        Route::History(NIL),
+        Route::Deposit(NIL),
+        Route::Withdraw(NIL),
+        Route::AccountTransfer(NIL),
+        Route::Transfers,
+        Route::DeviceSync(Uuid::nil()),
+        Route::OpenApi,
+    ];
+
+    /// The route's place in [`Route::ALL`].
+    pub fn listed_at(&self) -> usize {
+        match self {
+            Route::Healthz => 0,
+            Route::Readyz => 1,
+            Route::Metrics => 2,
+            Route::Accounts => 3,
+            Route::Balance(_) => 4,
+            Route::History(_) => 5,
+            Route::Deposit(_) => 6,
+            Route::Withdraw(_) => 7,
+            Route::AccountTransfer(_) => 8,
+            Route::Transfers => 9,
+            Route::DeviceSync(_) => 10,
+            Route::OpenApi => 11,
+        }
+    }
+
+    /// The method the route is served on (GET routes answer HEAD too).
+    pub fn method_str(&self) -> &'static str {
+        if self.method() == Method::POST {
+            "POST"
+        } else {
+            "GET"
+        }
+    }
 }
 
 impl Route {
@@ -44,6 +96,7 @@ impl Route {
             Route::AccountTransfer(_) => "/api/accounts/{id}/transfers",
             Route::Transfers => "/api/transfers",
             Route::DeviceSync(_) => "/api/devices/{id}/sync",
+            Route::OpenApi => "/openapi.json",
         }
     }
 
@@ -66,7 +119,10 @@ impl Route {
 
     /// Whether the route counts against the concurrency limit (probes and scrapes do not).
     pub fn is_api(&self) -> bool {
-        !matches!(self, Route::Healthz | Route::Readyz | Route::Metrics)
+        !matches!(
+            self,
+            Route::Healthz | Route::Readyz | Route::Metrics | Route::OpenApi
+        )
     }
 
     /// Matches a path, then the method. Unknown paths are 404; known paths with another
@@ -85,6 +141,7 @@ impl Route {
             ["healthz"] => Route::Healthz,
             ["readyz"] => Route::Readyz,
             ["metrics"] => Route::Metrics,
+            ["openapi.json"] => Route::OpenApi,
             ["api", "accounts"] => Route::Accounts,
             ["api", "transfers"] => Route::Transfers,
             ["api", "devices", device, "sync"] => {
@@ -159,6 +216,7 @@ pub async fn dispatch(
         Route::AccountTransfer(from) => writes::account_transfer(app, from, req).await,
         Route::Transfers => writes::transfer(app, req).await,
         Route::DeviceSync(device) => devices::sync(app, device, req).await,
+        Route::OpenApi => Ok(openapi::document()),
     }
 }
 
@@ -202,5 +260,12 @@ mod tests {
             Err(ApiError::NotFound { .. })
         ));
         assert_eq!(Route::resolve(&Method::GET, "/healthz"), Ok(Route::Healthz));
+    }
+
+    #[test]
+    fn every_route_is_listed_once_in_order() {
+        for (i, route) in Route::ALL.iter().enumerate() {
+            assert_eq!(route.listed_at(), i, "{route:?}");
+        }
     }
 }

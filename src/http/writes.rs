@@ -19,6 +19,7 @@ use super::error::ApiError;
 use super::idempotency::{self, IdempotencyKey};
 use crate::account::{AccountId, AmountCents, Operation};
 use crate::app::App;
+use crate::auth::Caller;
 use crate::write_loop::{LegResult, WriteOutcome, WriteRequest};
 
 #[derive(Deserialize)]
@@ -118,10 +119,14 @@ where
     B: DeserializeOwned,
     F: FnOnce(B) -> Result<Operation, ApiError>,
 {
-    let key = IdempotencyKey::from_headers(req.headers())?;
+    // Issue 17: with authentication on, keys belong to their caller, and a body account
+    // (the source of `/api/transfers`) is checked before anything is written.
+    let caller = req.extensions().get::<Caller>().cloned();
+    let key = IdempotencyKey::from_headers(req.headers(), caller.as_ref().map(|c| c.id.as_str()))?;
     tracing::Span::current().record("key_hash", key.short_hash().as_str());
     let body: B = read_json(req).await?;
     let op = build(body)?;
+    super::auth::authorize_operation(app, caller.as_ref(), &op)?;
     if key.minted {
         app.metrics.idem_keys_minted.inc();
     }

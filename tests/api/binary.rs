@@ -14,7 +14,17 @@ use serde_json::{Value, json};
 use crate::common::{self, new_account};
 
 /// Every flag the binary takes, each settable from the environment.
-const FLAGS: [&str; 34] = [
+const FLAGS: [&str; 43] = [
+    // Authentication, rate limits and the admin listener (issue 17).
+    "auth",
+    "auth-secret-file",
+    "auth-jwks-file",
+    "auth-issuer",
+    "auth-audience",
+    "auth-leeway-secs",
+    "rate-limit-per-caller",
+    "rate-limit-burst",
+    "admin-listen",
     "max-index-entries",
     "max-header-bytes",
     "max-live-writes",

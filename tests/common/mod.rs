@@ -50,7 +50,105 @@ pub fn test_config(extra: &[&str]) -> Config {
         "false",
     ];
     args.extend_from_slice(extra);
+    // Issue 17: the suites run with authentication on when asked (and when the test does
+    // not configure authentication itself).
+    if test_auth::on() && !extra.contains(&"--auth") {
+        args.extend(test_auth::flags(&test_auth::secret_file()));
+    }
     Config::parse_from(args)
+}
+
+/// Issue 17: `TALLY_TEST_AUTH=jwt` runs every suite built on this harness (the fleet and
+/// simulation suites among them) with `--auth jwt`: each replica checks an HS256 token, and
+/// each harness client sends one granting every account scope (as caller `harness`), with
+/// rate limits off so the suites' bursts are not paced.
+pub mod test_auth {
+    use std::path::PathBuf;
+    use std::sync::OnceLock;
+
+    /// The switch.
+    pub const ENV: &str = "TALLY_TEST_AUTH";
+    /// The shared secret the harness's replicas and tokens use.
+    pub const SECRET: &str = "tally-test-secret-0123456789abcdef-not-for-production";
+    pub const ISSUER: &str = "tally-dev";
+    pub const AUDIENCE: &str = "tally";
+
+    pub fn on() -> bool {
+        std::env::var(ENV).is_ok_and(|v| v == "jwt")
+    }
+
+    /// A file holding [`SECRET`], written once per test process.
+    pub fn secret_file() -> String {
+        static PATH: OnceLock<PathBuf> = OnceLock::new();
+        PATH.get_or_init(|| {
+            let dir = std::env::temp_dir().join(format!("tally-test-auth-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("temp dir");
+            let path = dir.join("secret");
+            std::fs::write(&path, SECRET).expect("secret written");
+            path
+        })
+        .to_string_lossy()
+        .into_owned()
+    }
+
+    pub fn flags(secret_file: &str) -> Vec<&'static str> {
+        // Leaked once per call: a handful of short strings per test process.
+        let secret: &'static str = Box::leak(secret_file.to_owned().into_boxed_str());
+        vec![
+            "--auth",
+            "jwt",
+            "--auth-secret-file",
+            secret,
+            "--rate-limit-per-caller",
+            "0",
+        ]
+    }
+
+    /// An HS256 token over [`SECRET`] with these claims added to a valid set (sub
+    /// `harness`, every account scope, an hour to live).
+    pub fn token(extra: serde_json::Value) -> String {
+        let now = jsonwebtoken::get_current_timestamp();
+        let mut claims = serde_json::json!({
+            "sub": CALLER, "scope": "accounts:read accounts:write",
+            "iss": ISSUER, "aud": AUDIENCE, "exp": now + 3600,
+        });
+        if let (Some(c), Some(e)) = (claims.as_object_mut(), extra.as_object()) {
+            c.extend(e.clone());
+        }
+        jsonwebtoken::encode(
+            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+            &claims,
+            &jsonwebtoken::EncodingKey::from_secret(SECRET.as_bytes()).expect("secret"),
+        )
+        .expect("token signed")
+    }
+
+    /// The caller the harness's token names.
+    pub const CALLER: &str = "harness";
+
+    /// The event id the harness's client's write with this key gets: with authentication on,
+    /// keys belong to their caller, so even a UUID key is not the event id as is.
+    pub fn event_id(key: &str) -> String {
+        let caller = on().then_some(CALLER);
+        tally::http::idempotency::IdempotencyKey::parse(key, caller)
+            .expect("a valid key")
+            .event_id
+            .to_string()
+    }
+
+    /// A client that sends the harness's token on every request.
+    pub fn client() -> reqwest::Client {
+        let mut headers = reqwest::header::HeaderMap::new();
+        let value = format!("Bearer {}", token(serde_json::json!({})));
+        headers.insert(
+            reqwest::header::AUTHORIZATION,
+            value.parse().expect("header value"),
+        );
+        reqwest::Client::builder()
+            .default_headers(headers)
+            .build()
+            .expect("client")
+    }
 }
 
 pub async fn spawn(
@@ -75,9 +173,17 @@ pub async fn spawn(
         let _ = rx.await;
     }));
     TestApp {
+        // Issue 17: with the harness's authentication on, its client sends a token.
+        client: if test_auth::on()
+            && app.config.auth_secret_file.as_deref()
+                == Some(std::path::Path::new(&test_auth::secret_file()))
+        {
+            test_auth::client()
+        } else {
+            reqwest::Client::new()
+        },
         addr,
         app,
-        client: reqwest::Client::new(),
         shutdown: Some(tx),
         server: Some(server),
     }

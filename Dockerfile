@@ -1,0 +1,36 @@
+# Tally's image (issue 17): `make image` builds it as tally:<version>; deploy/k8s runs it.
+#
+# Stage 1 compiles in the official Rust image. Dependencies are built first, against the
+# manifests and placeholder sources, in a layer of their own: editing Tally's code reuses
+# it and recompiles only Tally. Stage 2 is distroless: glibc and libgcc (what the binary
+# links), CA certificates, no shell, no package manager, running as uid 65532 (nonroot).
+
+FROM rust:1.95-slim-bookworm AS builder
+WORKDIR /build
+
+# The dependency layer: the manifests, and empty stand-ins for every target Cargo.toml
+# names (the library, the binaries and the benches), so `cargo build` compiles only the
+# dependencies here.
+COPY Cargo.toml Cargo.lock ./
+RUN mkdir -p src/bin benches \
+    && echo 'fn main() {}' > src/main.rs \
+    && touch src/lib.rs \
+    && for b in store memory index write_loop fold; do echo 'fn main() {}' > "benches/$b.rs"; done \
+    && cargo build --release --locked --bin tally \
+    && rm -rf src benches
+
+# Tally itself. docs/ is compiled in (GET /openapi.json serves docs/openapi.json).
+COPY src src
+COPY benches benches
+COPY docs docs
+RUN touch src/main.rs src/lib.rs \
+    && cargo build --release --locked --bin tally \
+    && cp target/release/tally /tally
+
+FROM gcr.io/distroless/cc-debian12:nonroot
+COPY --from=builder /tally /usr/local/bin/tally
+# Inside a container Tally listens on every interface; the binary's default is loopback.
+ENV TALLY_LISTEN=0.0.0.0:8080
+EXPOSE 8080
+USER 65532:65532
+ENTRYPOINT ["/usr/local/bin/tally"]

@@ -1,0 +1,206 @@
+//! The keys tokens are checked against: a shared secret (HS256) read once at start, or a
+//! JWKS file of public keys (RS256, ES256, EdDSA) that is reread when its contents change,
+//! so keys rotate without a restart.
+//!
+//! A JWKS key is used only with a `kid` (tokens name the key that signed them) and only
+//! with the one algorithm its type implies (RSA → RS256, P-256 → ES256, Ed25519 → EdDSA;
+//! a key whose `alg` says otherwise is skipped). A reread that fails (unreadable, not
+//! JSON, no usable key) keeps the keys in use and logs a warning: a half-written file
+//! never locks every caller out.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, JwkSet};
+use jsonwebtoken::{Algorithm, DecodingKey};
+use parking_lot::RwLock;
+use sha2::{Digest, Sha256};
+
+use super::{ASYMMETRIC_ALGORITHMS, AuthError};
+
+/// The shortest HS256 secret accepted, in bytes (the hash's own size).
+pub const MIN_SECRET_BYTES: usize = 32;
+/// The largest key file read, in bytes.
+pub const MAX_KEY_FILE_BYTES: u64 = 1024 * 1024;
+/// How often the JWKS file is checked for changes.
+pub const JWKS_RELOAD_INTERVAL: Duration = Duration::from_secs(2);
+
+pub enum Keys {
+    Secret(DecodingKey),
+    Jwks(JwksFile),
+}
+
+pub struct JwksFile {
+    path: PathBuf,
+    loaded: RwLock<Loaded>,
+}
+
+struct Loaded {
+    digest: [u8; 32],
+    keys: HashMap<String, (DecodingKey, Algorithm)>,
+}
+
+impl Keys {
+    /// HS256 with the secret in this file.
+    pub fn secret_file(path: &Path) -> Result<Keys, String> {
+        let bytes = read_bounded(path)?;
+        let secret = bytes.trim_ascii();
+        if secret.len() < MIN_SECRET_BYTES {
+            return Err(format!(
+                "the secret in {} must be at least {MIN_SECRET_BYTES} bytes",
+                path.display()
+            ));
+        }
+        DecodingKey::from_secret(secret)
+            .map(Keys::Secret)
+            .map_err(|e| format!("the secret in {} is unusable: {e}", path.display()))
+    }
+
+    /// The public keys in this JWKS file; at least one must be usable.
+    pub fn jwks_file(path: &Path) -> Result<Keys, String> {
+        let bytes = read_bounded(path)?;
+        let loaded = parse_jwks(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(Keys::Jwks(JwksFile {
+            path: path.to_owned(),
+            loaded: RwLock::new(loaded),
+        }))
+    }
+
+    /// The key and algorithm a token with this header is checked with.
+    pub fn key_for(
+        &self,
+        kid: Option<&str>,
+        alg: Algorithm,
+    ) -> Result<(DecodingKey, Algorithm), AuthError> {
+        match self {
+            Keys::Secret(key) if alg == Algorithm::HS256 => Ok((key.clone(), alg)),
+            Keys::Secret(_) => Err(AuthError::Invalid("algorithm not allowed")),
+            Keys::Jwks(file) => {
+                let kid = kid.ok_or(AuthError::Invalid("the token names no key id"))?;
+                let loaded = file.loaded.read();
+                let (key, key_alg) = loaded
+                    .keys
+                    .get(kid)
+                    .ok_or(AuthError::Invalid("unknown key id"))?;
+                if *key_alg != alg {
+                    return Err(AuthError::Invalid("algorithm not allowed"));
+                }
+                Ok((key.clone(), alg))
+            }
+        }
+    }
+
+    /// Rereads the JWKS file; `Ok(true)` when its keys changed. A secret never changes.
+    pub fn reload(&self) -> Result<bool, String> {
+        let Keys::Jwks(file) = self else {
+            return Ok(false);
+        };
+        let bytes = read_bounded(&file.path)?;
+        if Sha256::digest(&bytes).as_slice() == file.loaded.read().digest {
+            return Ok(false);
+        }
+        let loaded = parse_jwks(&bytes)?;
+        *file.loaded.write() = loaded;
+        Ok(true)
+    }
+
+    /// How many keys are in use.
+    pub fn len(&self) -> usize {
+        match self {
+            Keys::Secret(_) => 1,
+            Keys::Jwks(file) => file.loaded.read().keys.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Rereads a JWKS file every `every` until the keys are dropped. Holds only a weak
+/// reference, so it ends with the replica.
+pub fn spawn_reloader(keys: Weak<Keys>, every: Duration) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(keys) = keys.upgrade() else { return };
+            // A small file, read off the async workers.
+            let result = tokio::task::spawn_blocking({
+                let keys = Arc::clone(&keys);
+                move || keys.reload()
+            })
+            .await;
+            match result {
+                Ok(Ok(true)) => {
+                    tracing::info!(keys = keys.len(), "JWKS file changed: keys reloaded")
+                }
+                Ok(Ok(false)) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "JWKS file unusable; keeping the keys in use")
+                }
+                Err(e) => tracing::warn!(error = %e, "JWKS reload task failed"),
+            }
+        }
+    })
+}
+
+fn read_bounded(path: &Path) -> Result<Vec<u8>, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if meta.len() > MAX_KEY_FILE_BYTES {
+        return Err(format!(
+            "{} is larger than {MAX_KEY_FILE_BYTES} bytes",
+            path.display()
+        ));
+    }
+    std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn parse_jwks(bytes: &[u8]) -> Result<Loaded, String> {
+    let set: JwkSet =
+        serde_json::from_slice(bytes).map_err(|e| format!("not a JWKS document: {e}"))?;
+    let keys: HashMap<_, _> = set
+        .keys
+        .iter()
+        .filter_map(|jwk| {
+            let usable = usable(jwk);
+            if usable.is_none() {
+                tracing::warn!(
+                    kid = jwk.common.key_id.as_deref().unwrap_or(""),
+                    "JWKS key skipped: needs a kid and an RSA, P-256 or Ed25519 key (RS256, ES256, EdDSA)"
+                );
+            }
+            usable
+        })
+        .collect();
+    if keys.is_empty() {
+        return Err("no usable key (RS256, ES256 or EdDSA, each with a kid)".into());
+    }
+    Ok(Loaded {
+        digest: Sha256::digest(bytes).into(),
+        keys,
+    })
+}
+
+fn usable(jwk: &Jwk) -> Option<(String, (DecodingKey, Algorithm))> {
+    let kid = jwk.common.key_id.clone()?;
+    let alg = match &jwk.algorithm {
+        AlgorithmParameters::RSA(_) => Algorithm::RS256,
+        AlgorithmParameters::EllipticCurve(p) if p.curve == EllipticCurve::P256 => Algorithm::ES256,
+        AlgorithmParameters::OctetKeyPair(p) if p.curve == EllipticCurve::Ed25519 => {
+            Algorithm::EdDSA
+        }
+        _ => return None,
+    };
+    debug_assert!(ASYMMETRIC_ALGORITHMS.contains(&alg));
+    if let Some(stated) = jwk.common.key_algorithm
+        && stated.to_string() != format!("{alg:?}")
+    {
+        return None;
+    }
+    let key = DecodingKey::from_jwk(jwk).ok()?;
+    Some((kid, (key, alg)))
+}

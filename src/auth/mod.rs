@@ -1,0 +1,337 @@
+//! Who is calling: bearer tokens (JWT) checked against a shared secret (HS256) or a JWKS
+//! file (RS256, ES256, EdDSA), the caller they name, what it may do, and how often.
+//!
+//! This layer knows nothing of HTTP: it turns an `Authorization` header value into a
+//! [`Caller`] or an [`AuthError`]; `http::auth` decides which routes need which [`Scope`]
+//! and maps the errors to 401, 403 and 429. No token, and no part of one, is ever logged or
+//! put in an error message: reasons are fixed phrases.
+//!
+//! Claims: `sub` (the caller), `scope` (space-separated, as in OAuth: `accounts:read`,
+//! `accounts:write`, `devices:sync`), optionally `accounts` (the account ids the caller may
+//! touch; absent means any), and `iss`, `aud`, `exp` (all required) and `nbf` (checked when
+//! present), with [`DEFAULT_LEEWAY_SECS`] of clock skew allowed unless configured.
+
+pub mod keys;
+pub mod mint;
+pub mod rate;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::ValueEnum;
+use jsonwebtoken::errors::ErrorKind;
+use jsonwebtoken::{Algorithm, Validation};
+use serde::Deserialize;
+use uuid::Uuid;
+
+use keys::Keys;
+use rate::CallerLimiter;
+
+/// Clock skew allowed on `exp` and `nbf`, in seconds, unless configured: enough for hosts
+/// kept in step by NTP, short enough that an expired token stops working within a minute.
+pub const DEFAULT_LEEWAY_SECS: u64 = 30;
+/// The largest `--auth-leeway-secs` accepted.
+pub const MAX_LEEWAY_SECS: u64 = 300;
+/// The longest bearer token read, in bytes; a longer one is refused unread.
+pub const MAX_TOKEN_BYTES: usize = 8 * 1024;
+/// The longest caller id (`sub`) accepted, in bytes.
+pub const MAX_SUB_BYTES: usize = 255;
+/// The most account ids one token may list.
+pub const MAX_TOKEN_ACCOUNTS: usize = 1024;
+/// The issuer (`iss`) expected unless configured: development tokens from `tally token`.
+pub const DEFAULT_ISSUER: &str = "tally-dev";
+/// The audience (`aud`) expected unless configured.
+pub const DEFAULT_AUDIENCE: &str = "tally";
+/// The realm named in `WWW-Authenticate`.
+pub const REALM: &str = "tally";
+
+/// Whether requests must prove who they are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AuthMode {
+    /// Anyone who reaches the replica may do anything (development; the default).
+    None,
+    /// Every API request carries a valid bearer token (JWT).
+    Jwt,
+}
+
+/// What a caller may do. A token grants scopes by name in its `scope` claim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// Read balances, histories and the account list.
+    AccountsRead,
+    /// Deposit, withdraw and transfer.
+    AccountsWrite,
+    /// Sync an offline device's run (the token's `sub` must be the device id).
+    DevicesSync,
+}
+
+impl Scope {
+    pub const ALL: [Scope; 3] = [
+        Scope::AccountsRead,
+        Scope::AccountsWrite,
+        Scope::DevicesSync,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::AccountsRead => "accounts:read",
+            Scope::AccountsWrite => "accounts:write",
+            Scope::DevicesSync => "devices:sync",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Scope> {
+        Scope::ALL.into_iter().find(|s| s.as_str() == name)
+    }
+}
+
+/// An authenticated caller.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Caller {
+    /// The token's `sub`.
+    pub id: String,
+    scopes: Vec<Scope>,
+    /// The accounts the caller may touch; `None` is any.
+    accounts: Option<Vec<Uuid>>,
+}
+
+impl Caller {
+    pub fn new(id: impl Into<String>, scopes: Vec<Scope>, accounts: Option<Vec<Uuid>>) -> Self {
+        Self {
+            id: id.into(),
+            scopes,
+            accounts,
+        }
+    }
+
+    pub fn has(&self, scope: Scope) -> bool {
+        self.scopes.contains(&scope)
+    }
+
+    pub fn may_touch(&self, account: Uuid) -> bool {
+        self.accounts.as_ref().is_none_or(|a| a.contains(&account))
+    }
+}
+
+/// Why a request is not let through. Reasons are fixed phrases: never token contents.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AuthError {
+    #[error("this request needs a bearer token (Authorization: Bearer <JWT>)")]
+    Missing,
+    #[error("the bearer token was refused: {0}")]
+    Invalid(&'static str),
+    #[error("the token lacks the scope {}", .0.as_str())]
+    Scope(Scope),
+    #[error("the token does not grant access to this {0}")]
+    Resource(&'static str),
+}
+
+/// How to authenticate, from the configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AuthConfig {
+    pub mode: AuthMode,
+    /// HS256: a file holding the shared secret (surrounding whitespace is ignored).
+    pub secret_file: Option<PathBuf>,
+    /// RS256 / ES256 / EdDSA: a JWKS file, reread when it changes.
+    pub jwks_file: Option<PathBuf>,
+    pub issuer: String,
+    pub audience: String,
+    pub leeway_secs: u64,
+    /// Requests per second each caller may make; 0 is no limit.
+    pub rate_per_caller: u32,
+    pub rate_burst: u32,
+}
+
+/// The claims Tally reads beyond the registered ones the validator checks.
+#[derive(Deserialize)]
+struct Claims {
+    sub: String,
+    #[serde(default)]
+    scope: String,
+    #[serde(default)]
+    accounts: Option<Vec<Uuid>>,
+}
+
+/// Checks tokens and paces callers; with [`AuthMode::None`], lets everything through.
+pub struct Authenticator {
+    mode: AuthMode,
+    keys: Option<Arc<Keys>>,
+    issuer: String,
+    audience: String,
+    leeway: u64,
+    limiter: Option<CallerLimiter>,
+}
+
+impl Authenticator {
+    /// Reads the key material (a secret file or a JWKS file); refuses a configuration that
+    /// cannot check a token.
+    pub fn new(config: &AuthConfig) -> Result<Self, String> {
+        let keys = match config.mode {
+            AuthMode::None => None,
+            AuthMode::Jwt => {
+                if config.issuer.is_empty() || config.audience.is_empty() {
+                    return Err("--auth jwt needs --auth-issuer and --auth-audience".into());
+                }
+                if config.leeway_secs > MAX_LEEWAY_SECS {
+                    return Err(format!("--auth-leeway-secs must be 0..={MAX_LEEWAY_SECS}"));
+                }
+                Some(Arc::new(match (&config.secret_file, &config.jwks_file) {
+                    (Some(secret), None) => Keys::secret_file(secret)?,
+                    (None, Some(jwks)) => Keys::jwks_file(jwks)?,
+                    _ => {
+                        return Err(
+                            "--auth jwt needs exactly one of --auth-secret-file and --auth-jwks-file"
+                                .into(),
+                        );
+                    }
+                }))
+            }
+        };
+        let limiter = match (config.mode, config.rate_per_caller) {
+            (AuthMode::Jwt, n) if n > 0 => Some(CallerLimiter::new(n, config.rate_burst.max(n))),
+            _ => None,
+        };
+        Ok(Self {
+            mode: config.mode,
+            keys,
+            issuer: config.issuer.clone(),
+            audience: config.audience.clone(),
+            leeway: config.leeway_secs,
+            limiter,
+        })
+    }
+
+    pub fn mode(&self) -> AuthMode {
+        self.mode
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.mode == AuthMode::Jwt
+    }
+
+    /// The key set, for the reloader.
+    pub fn keys(&self) -> Option<&Arc<Keys>> {
+        self.keys.as_ref()
+    }
+
+    /// The caller a request's `Authorization` header value proves, or why not.
+    pub fn verify(&self, authorization: Option<&[u8]>) -> Result<Caller, AuthError> {
+        let Some(keys) = &self.keys else {
+            return Err(AuthError::Invalid("authentication is off"));
+        };
+        let raw = authorization.ok_or(AuthError::Missing)?;
+        if raw.len() > MAX_TOKEN_BYTES + 7 {
+            return Err(AuthError::Invalid("token too long"));
+        }
+        let value = std::str::from_utf8(raw).map_err(|_| AuthError::Invalid("not a token"))?;
+        let token = match value.split_once(' ') {
+            Some((scheme, token)) if scheme.eq_ignore_ascii_case("bearer") => token.trim(),
+            _ => return Err(AuthError::Invalid("expected the Bearer scheme")),
+        };
+        let header = jsonwebtoken::decode_header(token)
+            .map_err(|_| AuthError::Invalid("malformed token or unsupported algorithm"))?;
+        let (key, alg) = keys.key_for(header.kid.as_deref(), header.alg)?;
+        let mut v = Validation::new(alg);
+        v.algorithms = vec![alg];
+        v.leeway = self.leeway;
+        v.validate_exp = true;
+        v.validate_nbf = true;
+        v.set_audience(&[&self.audience]);
+        v.set_issuer(&[&self.issuer]);
+        v.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
+        let data = jsonwebtoken::decode::<Claims>(token, &key, &v).map_err(|e| {
+            AuthError::Invalid(match e.kind() {
+                ErrorKind::ExpiredSignature => "token expired",
+                ErrorKind::ImmatureSignature => "token not yet valid",
+                ErrorKind::InvalidAudience => "wrong audience",
+                ErrorKind::InvalidIssuer => "wrong issuer",
+                ErrorKind::InvalidSignature => "bad signature",
+                ErrorKind::InvalidAlgorithm => "algorithm not allowed",
+                ErrorKind::MissingRequiredClaim(_) => "a required claim is missing",
+                _ => "malformed token",
+            })
+        })?;
+        caller_from(data.claims)
+    }
+
+    /// Takes one request from the caller's allowance; `Err` is how long until the next
+    /// one is allowed.
+    pub fn admit(&self, caller: &Caller) -> Result<(), Duration> {
+        match &self.limiter {
+            Some(l) => l.check(&caller.id),
+            None => Ok(()),
+        }
+    }
+
+    /// Forgets callers idle long enough to be back at a full allowance.
+    pub fn forget_idle_callers(&self) {
+        if let Some(l) = &self.limiter {
+            l.forget_idle();
+        }
+    }
+}
+
+/// Says at start, loudly, whether requests are authenticated, and starts the background
+/// upkeep: rereading a JWKS file and forgetting idle callers' rate-limit buckets. Both tasks
+/// hold weak references and end when the authenticator is dropped.
+pub fn announce_and_maintain(auth: &Arc<Authenticator>) {
+    match auth.mode {
+        AuthMode::None => tracing::warn!(
+            "AUTHENTICATION IS OFF (--auth none): anyone who can reach this replica can read \
+             and move any account's money; run with --auth jwt outside development"
+        ),
+        AuthMode::Jwt => tracing::info!(
+            issuer = %auth.issuer,
+            audience = %auth.audience,
+            leeway_secs = auth.leeway,
+            keys = auth.keys.as_ref().map_or(0, |k| k.len()),
+            jwks = matches!(auth.keys.as_deref(), Some(Keys::Jwks(_))),
+            rate_limited = auth.limiter.is_some(),
+            "authentication is on (--auth jwt): API requests need a bearer token"
+        ),
+    }
+    if let Some(keys) = &auth.keys
+        && matches!(**keys, Keys::Jwks(_))
+    {
+        keys::spawn_reloader(Arc::downgrade(keys), keys::JWKS_RELOAD_INTERVAL);
+    }
+    if auth.limiter.is_some() {
+        let weak = Arc::downgrade(auth);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(rate::FORGET_IDLE_INTERVAL);
+            loop {
+                tick.tick().await;
+                let Some(auth) = weak.upgrade() else { return };
+                auth.forget_idle_callers();
+            }
+        });
+    }
+}
+
+fn caller_from(claims: Claims) -> Result<Caller, AuthError> {
+    if claims.sub.is_empty() || claims.sub.len() > MAX_SUB_BYTES {
+        return Err(AuthError::Invalid("sub must be 1 to 255 bytes"));
+    }
+    if claims
+        .accounts
+        .as_ref()
+        .is_some_and(|a| a.len() > MAX_TOKEN_ACCOUNTS)
+    {
+        return Err(AuthError::Invalid("too many accounts in the token"));
+    }
+    // Unknown scope names are someone else's: ignored, never an error.
+    let scopes = claims
+        .scope
+        .split_whitespace()
+        .filter_map(Scope::parse)
+        .collect();
+    Ok(Caller::new(claims.sub, scopes, claims.accounts))
+}
+
+/// The algorithms a JWKS key may use.
+pub const ASYMMETRIC_ALGORITHMS: [Algorithm; 3] =
+    [Algorithm::RS256, Algorithm::ES256, Algorithm::EdDSA];
+
+#[cfg(test)]
+mod tests;

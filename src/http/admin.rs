@@ -1,0 +1,74 @@
+//! `--admin-listen` (issue 17): `/metrics`, `/healthz` and `/readyz` on an address of their
+//! own, so scrapes can stay on an internal network while the API faces callers. Every
+//! other path is 404 here; the API listener then answers `/metrics` 404.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+
+use super::error::ApiError;
+use super::router::{self, Route};
+use super::{ACCEPT_ERROR_PAUSE, HEADER_READ_TIMEOUT};
+use crate::app::App;
+
+/// The most admin connections open at once: scrapers and probes, a handful.
+pub const MAX_ADMIN_CONNECTIONS: usize = 64;
+
+/// Serves the admin routes on `listener` until `shutdown` resolves.
+pub async fn serve_admin(app: Arc<App>, listener: TcpListener, shutdown: impl Future<Output = ()>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_ADMIN_CONNECTIONS));
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_header_size(app.config.max_header_bytes);
+    tokio::pin!(shutdown);
+    loop {
+        let slot = tokio::select! {
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break,
+            },
+            _ = &mut shutdown => break,
+        };
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    tracing::warn!(error = %e, "admin accept failed");
+                    tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let app = app.clone();
+        let svc = service_fn(move |req| {
+            let app = app.clone();
+            async move {
+                let resp = match Route::resolve(req.method(), req.uri().path()) {
+                    Ok(route @ (Route::Metrics | Route::Healthz | Route::Readyz)) => {
+                        router::dispatch(&app, route, req).await
+                    }
+                    Ok(route) => Err(ApiError::NotFound {
+                        path: route.template().into(),
+                    }),
+                    Err(e) => Err(e),
+                };
+                Ok::<_, Infallible>(resp.unwrap_or_else(ApiError::into_response))
+            }
+        });
+        let conn = builder.serve_connection(TokioIo::new(stream), svc);
+        tokio::spawn(async move {
+            let _slot = slot;
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "admin connection ended with an error");
+            }
+        });
+    }
+}

@@ -1,0 +1,14 @@
+//! `GET /openapi.json`: the API contract (issue 17), `docs/openapi.json`, compiled in so
+//! the binary serves the contract it was built with. `tests/openapi.rs` keeps it and the
+//! code in step: every route, status and error code in one is in the other.
+
+use hyper::StatusCode;
+
+use super::body::{Resp, text_response};
+
+/// The OpenAPI 3.1 document.
+pub const DOCUMENT: &str = include_str!("../../docs/openapi.json");
+
+pub fn document() -> Resp {
+    text_response(StatusCode::OK, "application/json", DOCUMENT.to_owned())
+}

@@ -1,0 +1,317 @@
+//! Issue 17: `docs/openapi.json` and the code describe the same API. Fails when a route,
+//! a status or an error code exists in one and not the other:
+//! - routes: [`Route::ALL`] (every route, kept complete by an exhaustive match in the
+//!   router) against the spec's paths and methods, both ways;
+//! - statuses: every status an [`ApiError`] answers (one of each variant, kept complete by
+//!   an exhaustive match below) plus 200, against every status the spec documents;
+//! - error codes: every code literal in `src/http` and the device layer's codes, against
+//!   the spec's `Error.error` enum.
+//!
+//! A new route is one line in `Route::ALL` (and its `listed_at` arm), then its path here in
+//! the spec; the test names what is missing.
+
+#[path = "common/mod.rs"]
+mod common;
+
+use std::collections::BTreeSet;
+
+use serde_json::Value;
+use tally::auth::{AuthError, Scope};
+use tally::http::error::ApiError;
+use tally::http::openapi::DOCUMENT;
+use tally::http::router::Route;
+
+fn spec() -> Value {
+    serde_json::from_str(DOCUMENT).expect("docs/openapi.json is JSON")
+}
+
+/// A concrete path for a template: the nil UUID for `{id}`.
+fn concrete(template: &str) -> String {
+    template.replace("{id}", "00000000-0000-0000-0000-000000000000")
+}
+
+const METHODS: [&str; 8] = [
+    "get", "put", "post", "delete", "options", "head", "patch", "trace",
+];
+
+#[test]
+fn every_route_is_in_the_spec_and_every_spec_operation_is_a_route() {
+    let s = spec();
+    assert_eq!(s["openapi"], "3.1.0");
+    let paths = s["paths"].as_object().expect("paths");
+    for route in Route::ALL {
+        let method = route.method_str().to_lowercase();
+        assert!(
+            paths
+                .get(route.template())
+                .and_then(|p| p.get(&method))
+                .is_some(),
+            "{method} {} is served but not in docs/openapi.json",
+            route.template()
+        );
+    }
+    for (path, item) in paths {
+        for method in METHODS.iter().filter(|m| item.get(**m).is_some()) {
+            let m: hyper::Method = method.to_uppercase().parse().unwrap();
+            let resolved = Route::resolve(&m, &concrete(path));
+            assert!(
+                matches!(&resolved, Ok(r) if r.template() == path),
+                "{method} {path} is in docs/openapi.json but not served ({resolved:?})"
+            );
+        }
+    }
+}
+
+/// One of each `ApiError` variant. The match in [`variant`] is exhaustive: a new variant
+/// does not compile until it is listed there, and the test then asks for a sample here.
+fn one_of_each() -> Vec<ApiError> {
+    vec![
+        ApiError::bad_request("INVALID_ID", "x"),
+        ApiError::PayloadTooLarge { limit: 1 },
+        ApiError::NotFound { path: "/x".into() },
+        ApiError::MethodNotAllowed { allow: "GET" },
+        ApiError::UnsupportedMediaType,
+        ApiError::Validation("x".into()),
+        ApiError::InsufficientFunds { balance: 0 },
+        ApiError::KeyReused,
+        ApiError::Unprocessable {
+            code: "EMPTY_RUN",
+            message: "x".into(),
+        },
+        ApiError::StoreConflict {
+            code: "DEVICE_RUN_STRADDLES_MARK",
+            message: "x".into(),
+        },
+        ApiError::Conflict("x".into()),
+        ApiError::Unavailable("x".into()),
+        ApiError::Shed {
+            close_connection: false,
+        },
+        ApiError::Internal {
+            code: "INTERNAL",
+            message: "x".into(),
+        },
+        AuthError::Missing.into(),
+        AuthError::Scope(Scope::AccountsWrite).into(),
+        ApiError::RateLimited {
+            retry_after_secs: 1,
+        },
+    ]
+}
+
+fn variant(e: &ApiError) -> usize {
+    match e {
+        ApiError::BadRequest { .. } => 0,
+        ApiError::PayloadTooLarge { .. } => 1,
+        ApiError::NotFound { .. } => 2,
+        ApiError::MethodNotAllowed { .. } => 3,
+        ApiError::UnsupportedMediaType => 4,
+        ApiError::Validation(_) => 5,
+        ApiError::InsufficientFunds { .. } => 6,
+        ApiError::KeyReused => 7,
+        ApiError::Unprocessable { .. } => 8,
+        ApiError::StoreConflict { .. } => 9,
+        ApiError::Conflict(_) => 10,
+        ApiError::Unavailable(_) => 11,
+        ApiError::Shed { .. } => 12,
+        ApiError::Internal { .. } => 13,
+        ApiError::Unauthorized { .. } => 14,
+        ApiError::Forbidden { .. } => 15,
+        ApiError::RateLimited { .. } => 16,
+    }
+}
+
+/// Every status documented anywhere: operations and shared responses.
+fn spec_statuses(s: &Value) -> BTreeSet<u16> {
+    let mut out = BTreeSet::new();
+    for item in s["paths"].as_object().unwrap().values() {
+        for method in METHODS {
+            if let Some(resp) = item.get(method).and_then(|op| op["responses"].as_object()) {
+                out.extend(
+                    resp.keys()
+                        .map(|k| k.parse::<u16>().expect("numeric status")),
+                );
+            }
+        }
+    }
+    for r in s["components"]["responses"].as_object().unwrap().values() {
+        let codes =
+            &r["content"]["application/json"]["schema"]["allOf"][1]["properties"]["error"]["enum"];
+        let status = codes
+            .as_array()
+            .and_then(|c| c.first())
+            .and_then(|c| c.as_str())
+            .map(code_status);
+        out.extend(status);
+    }
+    out
+}
+
+/// The status the spec's shared responses give an error code.
+fn code_status(code: &str) -> u16 {
+    let s = spec();
+    for (_, r) in s["components"]["responses"].as_object().unwrap() {
+        let codes =
+            &r["content"]["application/json"]["schema"]["allOf"][1]["properties"]["error"]["enum"];
+        if codes.as_array().unwrap().iter().any(|c| c == code) {
+            return status_of_response(r);
+        }
+    }
+    panic!("{code} is in no shared response of docs/openapi.json")
+}
+
+fn status_of_response(r: &Value) -> u16 {
+    // Shared responses are referenced by status from the operations: find one.
+    let s = spec();
+    let name = s["components"]["responses"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(_, v)| *v == r)
+        .map(|(k, _)| k.clone())
+        .unwrap();
+    let reference = format!("#/components/responses/{name}");
+    for item in s["paths"].as_object().unwrap().values() {
+        for method in METHODS {
+            if let Some(resp) = item.get(method).and_then(|op| op["responses"].as_object()) {
+                for (status, v) in resp {
+                    if v["$ref"] == reference.as_str() {
+                        return status.parse().unwrap();
+                    }
+                }
+            }
+        }
+    }
+    // Not referenced by any operation (404, 405): its status is in its name's table.
+    match name.as_str() {
+        "NotFound" => 404,
+        "MethodNotAllowed" => 405,
+        other => panic!("shared response {other} is used by no operation"),
+    }
+}
+
+#[test]
+fn every_status_the_code_answers_is_documented_and_no_other() {
+    let errors = one_of_each();
+    let listed: BTreeSet<usize> = errors.iter().map(variant).collect();
+    assert_eq!(listed.len(), 17, "one sample of each ApiError variant");
+    let mut code: BTreeSet<u16> = errors.iter().map(|e| e.status().as_u16()).collect();
+    code.insert(200);
+    assert_eq!(
+        spec_statuses(&spec()),
+        code,
+        "statuses: docs/openapi.json vs the code"
+    );
+}
+
+/// The error codes the code can answer: string literals in `src/http` (outside tests) that
+/// look like codes, and the device layer's codes.
+fn codes_in_source() -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/http");
+    let mut files: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path().to_string_lossy().into_owned())
+        .collect();
+    files.push(concat!(env!("CARGO_MANIFEST_DIR"), "/src/device/protocol.rs").into());
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        let text = text.split("#[cfg(test)]").next().unwrap();
+        // Code only: comments show example bodies.
+        let text: String = text
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("//"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let text = text.as_str();
+        // Only the codes module of the device protocol.
+        let text = if file.ends_with("protocol.rs") {
+            text.split("pub mod codes")
+                .nth(1)
+                .unwrap()
+                .split("\n}")
+                .next()
+                .unwrap()
+        } else {
+            text
+        };
+        for literal in text.split('"').skip(1).step_by(2) {
+            let looks_like_code = literal.len() > 3
+                && literal.bytes().all(|b| b.is_ascii_uppercase() || b == b'_')
+                && !["POST", "HEAD", "OTHER", "DELETE"].contains(&literal);
+            if looks_like_code {
+                out.insert(literal.to_owned());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_error_code_is_documented_and_no_other() {
+    let s = spec();
+    let documented: BTreeSet<String> =
+        s["components"]["schemas"]["Error"]["properties"]["error"]["enum"]
+            .as_array()
+            .expect("the Error schema lists its codes")
+            .iter()
+            .map(|c| c.as_str().unwrap().to_owned())
+            .collect();
+    assert_eq!(
+        documented,
+        codes_in_source(),
+        "error codes: docs/openapi.json vs the code"
+    );
+    // Each code sits under the status the code answers it with, where that is fixed.
+    for e in one_of_each() {
+        if matches!(
+            e,
+            ApiError::Unprocessable { .. } | ApiError::StoreConflict { .. }
+        ) {
+            continue;
+        }
+        assert_eq!(code_status(e.code()), e.status().as_u16(), "{}", e.code());
+    }
+}
+
+#[test]
+fn every_api_operation_documents_auth_and_rate_limit_answers() {
+    let s = spec();
+    for route in Route::ALL {
+        let op = &s["paths"][route.template()][route.method_str().to_lowercase()];
+        let security = op["security"]
+            .as_array()
+            .expect("each operation states its security");
+        match tally::http::auth::required_scope(&route) {
+            None => assert!(security.is_empty(), "{} is open", route.template()),
+            Some(scope) => {
+                assert_eq!(
+                    security[0]["bearer"][0],
+                    scope.as_str(),
+                    "{}: the spec names the scope the code requires",
+                    route.template()
+                );
+                for status in ["401", "403", "429", "503"] {
+                    assert!(
+                        op["responses"].get(status).is_some(),
+                        "{} lacks {status}",
+                        route.template()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_replica_serves_the_committed_document() {
+    let t = common::spawn_default().await;
+    let r = t.get("/openapi.json").await;
+    assert_eq!(r.status, reqwest::StatusCode::OK);
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    assert_eq!(r.body, spec());
+    let on_disk =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/openapi.json")).unwrap();
+    assert_eq!(r.text, on_disk);
+    t.shutdown().await;
+}
