@@ -20,6 +20,7 @@ use crate::store::faults::FaultyLog;
 use crate::store::memory::MemoryLog;
 use crate::store::metered::MeteredLog;
 use crate::store::{EventLog, SharedLog};
+use crate::watch::Hub;
 use crate::write_loop::WriteService;
 
 /// How often resident accounts are swept for expired index entries and idle accounts.
@@ -46,6 +47,8 @@ pub struct App {
     pub reader: AccountReader,
     /// Offline devices' runs: the one path by which a device's client id reaches the store.
     pub devices: DeviceSync,
+    /// The watch streams (issue 16): every committed event, from any replica, as it lands.
+    pub watch: Arc<Hub>,
     pub(crate) limiter: Arc<Semaphore>,
     shutting_down: AtomicBool,
     /// The start-up steps (server clock, demo accounts): until every one is done, API
@@ -106,6 +109,7 @@ impl AppBuilder {
         let writes = Arc::new(WriteService::new(projection.clone(), config.write()));
         let reader = AccountReader::new(projection.clone());
         let devices = DeviceSync::new(log.clone(), identity);
+        let watch = Hub::new(projection.clone(), metrics.clone(), config.watch.clone());
         // Each step is tried once before this returns, so a healthy store starts ready; a
         // store that is down or faulty at boot does not stop the replica: each pending step
         // is retried on its own in the background.
@@ -131,6 +135,7 @@ impl AppBuilder {
             writes,
             reader,
             devices,
+            watch,
             shutting_down: AtomicBool::new(false),
             startup,
             sweeper,
@@ -160,6 +165,8 @@ impl App {
 
     pub fn begin_shutdown(&self) {
         self.shutting_down.store(true, Ordering::SeqCst);
+        // Watch streams never end by themselves: end them, so connections can drain.
+        self.watch.shutdown();
     }
 
     pub fn is_shutting_down(&self) -> bool {
@@ -187,6 +194,7 @@ impl Drop for App {
     fn drop(&mut self) {
         // The start-up tasks are aborted when `startup` drops.
         self.sweeper.abort();
+        self.watch.shutdown();
     }
 }
 

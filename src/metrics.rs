@@ -5,8 +5,8 @@
 //! no label ever carries an account id or an idempotency key.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Latency buckets in seconds, from 100 µs to 10 s.
@@ -96,6 +96,11 @@ pub struct Metrics {
     pub http_accept_paused: IntCounter,
     pub http_queued: IntGauge,
     pub http_queue_wait: Histogram,
+    // Watch stream (issue 16)
+    pub watch_subscribers: IntGaugeVec,
+    pub watch_dropped: IntCounterVec,
+    pub watch_refused: IntCounterVec,
+    pub watch_feed_gaps: IntCounter,
 }
 
 impl Metrics {
@@ -297,6 +302,30 @@ impl Metrics {
                 "Time a request over --max-concurrent-requests waited for a slot, admitted or shed.",
                 LATENCY_BUCKETS,
             ),
+            // Watch stream (issue 16)
+            watch_subscribers: gauge_vec(
+                r,
+                "tally_watch_subscribers",
+                "Watch streams open on this replica, by stream (account, all).",
+                &["stream"],
+            ),
+            watch_dropped: counter_vec(
+                r,
+                "tally_watch_dropped_total",
+                "Watch streams the replica ended, by reason (lagged, shutdown, feed_gap, store_error, unreadable).",
+                &["reason"],
+            ),
+            watch_refused: counter_vec(
+                r,
+                "tally_watch_refused_total",
+                "Watch subscriptions refused at a limit, by limit (replica, account).",
+                &["limit"],
+            ),
+            watch_feed_gaps: counter(
+                r,
+                "tally_watch_feed_gaps_total",
+                "Times the store's watch feed fell behind or reconnected, so the replica resynced by reading.",
+            ),
             registry,
         }
     }
@@ -343,6 +372,12 @@ fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCoun
 
 fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
     let g = IntGauge::new(name, help).expect("valid gauge definition");
+    r.register(Box::new(g.clone())).expect("unique metric name");
+    g
+}
+
+fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid gauge definition");
     r.register(Box::new(g.clone())).expect("unique metric name");
     g
 }

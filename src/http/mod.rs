@@ -4,11 +4,13 @@
 mod accounts;
 mod admission;
 pub mod body;
+mod console;
 mod devices;
 pub mod error;
 pub mod idempotency;
 mod ops;
 pub mod router;
+pub mod watch;
 mod writes;
 
 use std::convert::Infallible;
@@ -16,19 +18,20 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use http_body_util::Either;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper::{Request, StatusCode};
+use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tracing::Instrument;
 
 use crate::app::App;
-use body::Resp;
 use error::ApiError;
 use router::Route;
+use watch::HttpBody;
 
 /// How long a client may take to send a request's headers.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -116,7 +119,11 @@ pub(crate) fn starting(waiting: &[String]) -> ApiError {
 }
 
 /// One request: route, admit, dispatch, then count and log it.
-async fn handle(app: Arc<App>, edge: &admission::Edge, req: Request<Incoming>) -> Resp {
+async fn handle(
+    app: Arc<App>,
+    edge: &admission::Edge,
+    req: Request<Incoming>,
+) -> Response<HttpBody> {
     let started = Instant::now();
     let method = router::method_label(req.method());
     let routed = Route::resolve(req.method(), req.uri().path());
@@ -145,8 +152,7 @@ async fn handle(app: Arc<App>, edge: &admission::Edge, req: Request<Incoming>) -
         } else {
             None
         };
-        match tokio::time::timeout(request_deadline(&app), router::dispatch(&app, route, req)).await
-        {
+        match tokio::time::timeout(request_deadline(&app), serve_route(&app, route, req)).await {
             Ok(result) => result,
             Err(_) => Err(ApiError::Unavailable(
                 "the request took too long; retry it".into(),
@@ -158,7 +164,7 @@ async fn handle(app: Arc<App>, edge: &admission::Edge, req: Request<Incoming>) -
     // Shed requests are reported by the edge, not one access-log line each.
     let shed = matches!(resp, Err(ApiError::Shed { .. }));
     // Errors become responses in one place.
-    let resp = resp.unwrap_or_else(ApiError::into_response);
+    let resp = resp.unwrap_or_else(|e| e.into_response().map(Either::Left));
     drop(in_flight);
     let status = resp.status();
     m.http_requests
@@ -177,6 +183,20 @@ async fn handle(app: Arc<App>, edge: &admission::Edge, req: Request<Incoming>) -
         }
     });
     resp
+}
+
+/// Event streams (issue 16) answer a body that never ends by itself; every other route a
+/// whole one. The deadline covers opening a stream, not the stream.
+async fn serve_route(
+    app: &Arc<App>,
+    route: Route,
+    req: Request<Incoming>,
+) -> Result<Response<HttpBody>, ApiError> {
+    match route {
+        Route::AccountEvents(account) => watch::account_events(app, account, &req).await,
+        Route::WatchStream => watch::all(app, &req).await,
+        _ => Ok(router::dispatch(app, route, req).await?.map(Either::Left)),
+    }
 }
 
 fn request_deadline(app: &App) -> Duration {

@@ -9,7 +9,7 @@ use uuid::Uuid;
 
 use super::body::Resp;
 use super::error::ApiError;
-use super::{accounts, devices, ops, writes};
+use super::{accounts, console, devices, ops, writes};
 use crate::account::AccountId;
 use crate::app::App;
 
@@ -28,6 +28,10 @@ pub enum Route {
     Transfers,
     /// A device's run of offline events; the device id is parsed by the device layer.
     DeviceSync(Uuid),
+    // Console and watch stream (issue 16).
+    Console,
+    AccountEvents(AccountId),
+    WatchStream,
 }
 
 impl Route {
@@ -44,6 +48,9 @@ impl Route {
             Route::AccountTransfer(_) => "/api/accounts/{id}/transfers",
             Route::Transfers => "/api/transfers",
             Route::DeviceSync(_) => "/api/devices/{id}/sync",
+            Route::Console => "/",
+            Route::AccountEvents(_) => "/api/accounts/{id}/events",
+            Route::WatchStream => "/api/watch/stream",
         }
     }
 
@@ -66,7 +73,10 @@ impl Route {
 
     /// Whether the route counts against the concurrency limit (probes and scrapes do not).
     pub fn is_api(&self) -> bool {
-        !matches!(self, Route::Healthz | Route::Readyz | Route::Metrics)
+        !matches!(
+            self,
+            Route::Healthz | Route::Readyz | Route::Metrics | Route::Console
+        )
     }
 
     /// Matches a path, then the method. Unknown paths are 404; known paths with another
@@ -87,6 +97,8 @@ impl Route {
             ["metrics"] => Route::Metrics,
             ["api", "accounts"] => Route::Accounts,
             ["api", "transfers"] => Route::Transfers,
+            [""] => Route::Console,
+            ["api", "watch", "stream"] => Route::WatchStream,
             ["api", "devices", device, "sync"] => {
                 Route::DeviceSync(device.parse().map_err(|_| {
                     ApiError::bad_request(
@@ -102,6 +114,7 @@ impl Route {
                     "deposit" => Route::Deposit,
                     "withdraw" => Route::Withdraw,
                     "transfers" => Route::AccountTransfer,
+                    "events" => Route::AccountEvents,
                     _ => return Err(not_found(path)),
                 };
                 // Resolve the method before the id, so a wrong method is 405 either way.
@@ -159,6 +172,12 @@ pub async fn dispatch(
         Route::AccountTransfer(from) => writes::account_transfer(app, from, req).await,
         Route::Transfers => writes::transfer(app, req).await,
         Route::DeviceSync(device) => devices::sync(app, device, req).await,
+        Route::Console => Ok(console::page()),
+        // `http::handle` serves the streams before it dispatches; reaching here is a bug.
+        Route::AccountEvents(_) | Route::WatchStream => Err(ApiError::Internal {
+            code: "STREAM_ROUTE",
+            message: "an event-stream route reached the JSON dispatcher".into(),
+        }),
     }
 }
 
