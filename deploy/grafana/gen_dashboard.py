@@ -245,6 +245,17 @@ def build():
                                          t(f"sum({rate('tally_device_sync_events_total')})", "events synced")], "ops",
          "Offline devices' runs: synced, already_synced (an earlier attempt landed), retry, refused, conflict.")
 
+    # Watch stream (issue 16).
+    L.row("Watch stream")
+    L.ts("Watch streams open", [t(f"sum by (instance, stream) (tally_watch_subscribers{sel()})", "{{instance}} {{stream}}")], "short",
+         "Open SSE streams per replica: account (/api/accounts/{id}/events) and all (/api/watch/stream). Capped by --watch-max-subscribers.")
+    L.ts("Watch streams ended by the replica", [t(f"sum by (reason) ({rate('tally_watch_dropped_total')})", "{{reason}}")], "ops",
+         "lagged: a client fell behind --watch-buffer; shutdown; feed_gap: the store's watch lost notifications; store_error; unreadable.")
+    L.ts("Watch subscriptions refused", [t(f"sum by (instance, limit) ({rate('tally_watch_refused_total')})", "{{instance}} {{limit}}")], "ops",
+         "503s at --watch-max-subscribers (replica) or --watch-max-per-account (account).")
+    L.ts("Watch feed gaps", [t(f"sum by (instance) (increase(tally_watch_feed_gaps_total{sel()}[{RI}]))", "{{instance}}")], "short",
+         "The store's watch fell behind or reconnected; the replica re-read every watched account.")
+
     templating = {"list": [
         {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",
          "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []},
