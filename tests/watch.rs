@@ -11,105 +11,13 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::sse::{EVENT_BOUND, Stream};
 use common::{TestApp, metric_sample, new_account, spawn, spawn_fleet, test_config};
 use reqwest::StatusCode;
-use serde_json::Value;
 use tally::account::{AccountEvent, AccountId, Identity};
 use tally::store::memory::MemoryLog;
 use tally::store::{AggregateWrite, Event, SharedLog};
 use tally::watch::{EndReason, Item, Resume};
-
-/// How long any one expected event may take.
-const EVENT_BOUND: Duration = Duration::from_secs(10);
-
-/// One server-sent event (or comment), as a client sees it.
-#[derive(Clone, Debug, Default)]
-struct Sse {
-    id: Option<String>,
-    event: Option<String>,
-    data: String,
-    comment: bool,
-}
-
-impl Sse {
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.data).unwrap_or_else(|e| panic!("data {:?}: {e}", self.data))
-    }
-    fn name(&self) -> &str {
-        self.event.as_deref().unwrap_or("message")
-    }
-}
-
-/// An open event stream, read chunk by chunk.
-struct Stream {
-    resp: reqwest::Response,
-    buf: String,
-}
-
-impl Stream {
-    async fn open(t: &TestApp, path: &str, last_event_id: Option<&str>) -> Stream {
-        let mut req = t.client.get(t.url(path));
-        if let Some(id) = last_event_id {
-            req = req.header("Last-Event-ID", id);
-        }
-        let resp = req.send().await.expect("stream opened");
-        assert_eq!(resp.status(), StatusCode::OK, "{path}");
-        assert_eq!(
-            resp.headers()["content-type"].to_str().unwrap(),
-            "text/event-stream"
-        );
-        Stream {
-            resp,
-            buf: String::new(),
-        }
-    }
-
-    /// The next event or comment; `None` when the stream ended.
-    async fn next_any(&mut self) -> Option<Sse> {
-        loop {
-            if let Some(end) = self.buf.find("\n\n") {
-                let block: String = self.buf.drain(..end + 2).collect();
-                let mut sse = Sse::default();
-                let mut fields = 0;
-                for line in block.lines() {
-                    if let Some(c) = line.strip_prefix(':') {
-                        sse.comment = true;
-                        sse.data = c.trim().to_string();
-                    } else if let Some((k, v)) = line.split_once(": ") {
-                        fields += 1;
-                        match k {
-                            "id" => sse.id = Some(v.to_string()),
-                            "event" => sse.event = Some(v.to_string()),
-                            "data" => sse.data = v.to_string(),
-                            _ => {}
-                        }
-                    }
-                }
-                // A `retry:`-only block dispatches nothing.
-                if fields == 0 && !sse.comment || block.starts_with("retry:") {
-                    continue;
-                }
-                return Some(sse);
-            }
-            let chunk = tokio::time::timeout(EVENT_BOUND, self.resp.chunk())
-                .await
-                .expect("an event within the bound")
-                .expect("stream readable")?;
-            self.buf
-                .push_str(std::str::from_utf8(&chunk).expect("utf-8"));
-        }
-    }
-
-    /// The next event, skipping keep-alive comments.
-    async fn next(&mut self) -> Sse {
-        loop {
-            let e = self.next_any().await.expect("the stream goes on");
-            if !e.comment {
-                return e;
-            }
-        }
-    }
-}
 
 fn events_path(account: &str) -> String {
     format!("/api/accounts/{account}/events")
@@ -501,5 +409,51 @@ async fn a_subscriber_that_falls_behind_its_buffer_gets_a_final_lagged_event() {
         metric_sample(&metrics, r#"tally_watch_dropped_total{reason="lagged"}"#),
         1.0
     );
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_feed_that_falls_behind_resyncs_account_streams_and_ends_fleet_wide_ones() {
+    // Room for one notification: a burst of writes overflows the feed.
+    let store = Arc::new(MemoryLog::new().with_watch_capacity(1));
+    let t = spawn(test_config(&[]), Some(store.clone() as SharedLog), None).await;
+    let account = new_account();
+    let mut s = Stream::open(&t, &events_path(&account), None).await;
+    let mut all = Stream::open(&t, "/api/watch/stream", None).await;
+    assert_eq!(s.next().await.name(), "snapshot");
+    let key = t.app.identity.key(AccountId(account.parse().unwrap()));
+    let event = AccountEvent::Deposited { amount: 10 };
+    // Synchronous writes: the feed's reader cannot run in between.
+    for seq in 1..=20u64 {
+        let w = AggregateWrite {
+            key,
+            events: vec![Event {
+                client_seq: seq,
+                event_id: None,
+                event_type: event.event_type(),
+                payload: event.encode(),
+                timestamp_ms: 0,
+            }],
+            expected_version: None,
+            allow_create: true,
+            enforce_client_idempotency: true,
+        };
+        store.write_now(t.app.identity.client(), vec![w]).unwrap();
+    }
+    // The account stream re-read the store: every version, once, in order.
+    for v in 1..=20u64 {
+        let e = s.next().await;
+        assert_eq!(e.id, Some(v.to_string()));
+        assert_eq!(e.json()["balanceCents"], 10 * v as i64);
+    }
+    // The fleet-wide stream cannot re-read every account: it says so and ends.
+    let mut last = all.next().await;
+    while last.name() == "message" {
+        last = all.next().await;
+    }
+    assert_eq!(last.name(), "gap");
+    assert!(all.next_any().await.is_none());
+    let metrics = t.get("/metrics").await.text;
+    assert!(metric_sample(&metrics, "tally_watch_feed_gaps_total") >= 1.0);
     t.shutdown().await;
 }
