@@ -95,6 +95,10 @@ impl AppBuilder {
             }
             None => (base, None),
         };
+        // The console's fault panel shows when this is 1 (issue 16).
+        metrics
+            .fault_injection_enabled
+            .set(i64::from(faults.is_some()));
         let log: SharedLog = Arc::new(MeteredLog::new(inner, metrics.clone()));
         let clock = self
             .clock

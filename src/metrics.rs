@@ -101,6 +101,7 @@ pub struct Metrics {
     pub watch_dropped: IntCounterVec,
     pub watch_refused: IntCounterVec,
     pub watch_feed_gaps: IntCounter,
+    pub fault_injection_enabled: IntGauge,
 }
 
 impl Metrics {
@@ -325,6 +326,11 @@ impl Metrics {
                 r,
                 "tally_watch_feed_gaps_total",
                 "Times the store's watch feed fell behind or reconnected, so the replica resynced by reading.",
+            ),
+            fault_injection_enabled: gauge(
+                r,
+                "tally_fault_injection_enabled",
+                "1 when the replica runs with --faults (the console shows its fault panel then), else 0.",
             ),
             registry,
         }

@@ -255,6 +255,8 @@ def build():
          "503s at --watch-max-subscribers (replica) or --watch-max-per-account (account).")
     L.ts("Watch feed gaps", [t(f"sum by (instance) (increase(tally_watch_feed_gaps_total{sel()}[{RI}]))", "{{instance}}")], "short",
          "The store's watch fell behind or reconnected; the replica re-read every watched account.")
+    L.stat("Fault injection on", f"max(tally_fault_injection_enabled{sel()})", "short",
+           "1 when any replica runs with --faults (a demo or test setting; never in production).", red_above=1)
 
     templating = {"list": [
         {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",
