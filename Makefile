@@ -2,21 +2,31 @@
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: run test lint unit check-deploy bench soak fleet load clean contract lint-docker image
+.PHONY: run test lint unit check-deploy bench soak fleet load clean contract lint-docker image browser
 
 ## Serve the API on 127.0.0.1:8080 with the embedded store.
 run:
 	$(CARGO) run --release --bin tally
 
 ## Everything CI checks: formatting, lints, every test, the deploy/ validation.
-test: lint unit check-deploy contract lint-docker
+test: lint browser unit check-deploy contract lint-docker
 
 lint:
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets --locked -- -D warnings
 
 unit:
-	$(CARGO) test --locked
+	TALLY_REQUIRE_BROWSER=1 $(CARGO) test --locked
+
+# Console and watch stream (issue 16): the console's browser test drives headless Debian
+# Chromium through chromedriver; install both when missing (Debian/Ubuntu, as root or
+# with sudo). Without them `cargo test` skips that one test; `make test` requires it.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	else \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends chromium chromium-driver; \
+	fi
 
 ## Validate deploy/ (k8s schemas, nginx -t, dashboard, alert rules). Installs what it needs.
 check-deploy:

@@ -21,6 +21,7 @@ use crate::store::faults::FaultyLog;
 use crate::store::memory::MemoryLog;
 use crate::store::metered::MeteredLog;
 use crate::store::{EventLog, SharedLog};
+use crate::watch::Hub;
 use crate::write_loop::WriteService;
 
 /// How often resident accounts are swept for expired index entries and idle accounts.
@@ -49,6 +50,8 @@ pub struct App {
     pub devices: DeviceSync,
     /// Who may call, and how often (issue 17); lets everything through with `--auth none`.
     pub auth: Arc<Authenticator>,
+    /// The watch streams (issue 16): every committed event, from any replica, as it lands.
+    pub watch: Arc<Hub>,
     pub(crate) limiter: Arc<Semaphore>,
     shutting_down: AtomicBool,
     /// The start-up steps (server clock, demo accounts): until every one is done, API
@@ -98,6 +101,10 @@ impl AppBuilder {
             }
             None => (base, None),
         };
+        // The console's fault panel shows when this is 1 (issue 16).
+        metrics
+            .fault_injection_enabled
+            .set(i64::from(faults.is_some()));
         let log: SharedLog = Arc::new(MeteredLog::new(inner, metrics.clone()));
         let clock = self
             .clock
@@ -112,6 +119,7 @@ impl AppBuilder {
         let writes = Arc::new(WriteService::new(projection.clone(), config.write()));
         let reader = AccountReader::new(projection.clone());
         let devices = DeviceSync::new(log.clone(), identity);
+        let watch = Hub::new(projection.clone(), metrics.clone(), config.watch.clone());
         // Each step is tried once before this returns, so a healthy store starts ready; a
         // store that is down or faulty at boot does not stop the replica: each pending step
         // is retried on its own in the background.
@@ -138,6 +146,7 @@ impl AppBuilder {
             reader,
             devices,
             auth,
+            watch,
             shutting_down: AtomicBool::new(false),
             startup,
             sweeper,
@@ -167,6 +176,8 @@ impl App {
 
     pub fn begin_shutdown(&self) {
         self.shutting_down.store(true, Ordering::SeqCst);
+        // Watch streams never end by themselves: end them, so connections can drain.
+        self.watch.shutdown();
     }
 
     pub fn is_shutting_down(&self) -> bool {
@@ -194,6 +205,7 @@ impl Drop for App {
     fn drop(&mut self) {
         // The start-up tasks are aborted when `startup` drops.
         self.sweeper.abort();
+        self.watch.shutdown();
     }
 }
 

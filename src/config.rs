@@ -18,6 +18,7 @@ use crate::projection::{
 };
 use crate::store::celeriant::CeleriantConfig;
 use crate::store::faults::FaultConfig;
+use crate::watch::WatchConfig;
 use crate::write_loop::{
     DEFAULT_DEADLINE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BATCH_EVENTS, DEFAULT_MAX_LIVE_WRITES,
     DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT, WriteConfig,
@@ -232,6 +233,10 @@ pub struct Config {
     /// How to reach Celeriant (used with `--store celeriant`).
     #[command(flatten)]
     pub celeriant: CeleriantConfig,
+
+    // Watch stream (issue 16): its limits, `--watch-*`.
+    #[command(flatten)]
+    pub watch: WatchConfig,
 }
 
 /// A configuration that cannot run.
@@ -291,6 +296,10 @@ impl Config {
         }
         // Issue 17: a token must be checkable before the replica serves.
         Authenticator::new(&self.auth()).map_err(ConfigError)?;
+        // Watch stream (issue 16).
+        if let Some(problem) = self.watch.problem() {
+            return Err(ConfigError(problem));
+        }
         if self.store == StoreKind::Celeriant {
             self.celeriant
                 .validate()

@@ -20,4 +20,5 @@ pub mod projection;
 pub mod reader;
 pub mod startup;
 pub mod store;
+pub mod watch;
 pub mod write_loop;

@@ -5,8 +5,8 @@
 //! no label ever carries an account id or an idempotency key.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Latency buckets in seconds, from 100 µs to 10 s.
@@ -113,6 +113,12 @@ pub struct Metrics {
     // Authentication and rate limits (issue 17): by outcome, never by caller.
     pub auth_outcomes: IntCounterVec,
     pub rate_limit_decisions: IntCounterVec,
+    // Watch stream (issue 16)
+    pub watch_subscribers: IntGaugeVec,
+    pub watch_dropped: IntCounterVec,
+    pub watch_refused: IntCounterVec,
+    pub watch_feed_gaps: IntCounter,
+    pub fault_injection_enabled: IntGauge,
 }
 
 impl Metrics {
@@ -326,6 +332,35 @@ impl Metrics {
                 "Authenticated requests checked against their caller's rate limit, by outcome (allowed, limited).",
                 &["outcome"],
             ),
+            // Watch stream (issue 16)
+            watch_subscribers: gauge_vec(
+                r,
+                "tally_watch_subscribers",
+                "Watch streams open on this replica, by stream (account, all).",
+                &["stream"],
+            ),
+            watch_dropped: counter_vec(
+                r,
+                "tally_watch_dropped_total",
+                "Watch streams the replica ended, by reason (lagged, shutdown, feed_gap, store_error, unreadable).",
+                &["reason"],
+            ),
+            watch_refused: counter_vec(
+                r,
+                "tally_watch_refused_total",
+                "Watch subscriptions refused at a limit, by limit (replica, account).",
+                &["limit"],
+            ),
+            watch_feed_gaps: counter(
+                r,
+                "tally_watch_feed_gaps_total",
+                "Times the store's watch feed fell behind or reconnected, so the replica resynced by reading.",
+            ),
+            fault_injection_enabled: gauge(
+                r,
+                "tally_fault_injection_enabled",
+                "1 when the replica runs with --faults (the console shows its fault panel then), else 0.",
+            ),
             registry,
         }
     }
@@ -372,6 +407,12 @@ fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCoun
 
 fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
     let g = IntGauge::new(name, help).expect("valid gauge definition");
+    r.register(Box::new(g.clone())).expect("unique metric name");
+    g
+}
+
+fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid gauge definition");
     r.register(Box::new(g.clone())).expect("unique metric name");
     g
 }

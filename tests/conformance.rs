@@ -83,6 +83,10 @@ macro_rules! conformance_suite {
             trim_of_missing_aggregate_is_not_found,
             concurrent_conditional_writers_exactly_one_wins_per_version,
             multi_aggregate_write_is_never_torn_under_concurrency,
+            // The watch (issue 16).
+            watch_reports_each_commit_after_it_opened_in_version_order,
+            watch_reports_every_writer_and_never_a_failed_write,
+            watch_reports_only_the_aggregates_its_filter_admits,
         ]);
     };
     (@tests $suite:ident, $make:block, [$($rule:ident),* $(,)?]) => {
@@ -133,6 +137,8 @@ conformance_suite!(
 
 /// The rules, each a function of the backend under test.
 mod rules {
+    pub use super::watch_rules::*;
+
     use std::collections::{BTreeMap, BTreeSet};
     use std::sync::Arc;
 
@@ -1170,6 +1176,110 @@ mod rules {
 }
 
 /// Rules that need MemoryLog's knobs: a manual clock and a small page size.
+/// The watch's rules (issue 16): what a feed opened with [`EventLog::watch`] reports.
+mod watch_rules {
+    use std::time::Duration;
+
+    use tally::store::{AggregateKey, Commit, SharedLog, WatchFeed, WatchFilter, WatchItem};
+
+    use super::rules::{Keys, write};
+
+    /// How long a notification may take to arrive before a rule fails.
+    const NOTIFY_BOUND: Duration = Duration::from_secs(10);
+
+    fn filter(k: &Keys) -> WatchFilter {
+        WatchFilter {
+            org_id: Some(k.org_id),
+            aggregate_type_id: Some(k.aggregate_type_id),
+        }
+    }
+
+    /// The next `n` commits; a gap here would hide what the rule checks, so it fails.
+    async fn commits(feed: &mut Box<dyn WatchFeed>, n: usize) -> Vec<Commit> {
+        let mut out = Vec::with_capacity(n);
+        while out.len() < n {
+            match tokio::time::timeout(NOTIFY_BOUND, feed.next()).await {
+                Ok(Ok(WatchItem::Commit(c))) => out.push(c),
+                Ok(Ok(WatchItem::Gap)) => panic!("unexpected gap after {out:?}"),
+                Ok(Err(e)) => panic!("feed broke after {out:?}: {e}"),
+                Err(_) => panic!("no notification within {NOTIFY_BOUND:?} after {out:?}"),
+            }
+        }
+        out
+    }
+
+    /// Nothing more arrives within a short wait.
+    async fn quiet(feed: &mut Box<dyn WatchFeed>) {
+        let more = tokio::time::timeout(Duration::from_millis(300), feed.next()).await;
+        assert!(more.is_err(), "unexpected notification {more:?}");
+    }
+
+    fn at(key: AggregateKey, version: u64) -> Commit {
+        Commit { key, version }
+    }
+
+    pub async fn watch_reports_each_commit_after_it_opened_in_version_order(
+        log: SharedLog,
+        k: Keys,
+    ) {
+        let (a, b, c) = (k.key(), k.key(), k.client());
+        // Before the watch opens: not reported.
+        log.write(c, vec![write(a, &[1], None, true)])
+            .await
+            .unwrap();
+        let mut feed = log.watch(filter(&k)).await.expect("watch");
+        for seq in 2..=4 {
+            log.write(c, vec![write(a, &[seq], None, true)])
+                .await
+                .unwrap();
+        }
+        log.write(c, vec![write(b, &[1, 2], None, true)])
+            .await
+            .unwrap();
+        let got = commits(&mut feed, 4).await;
+        assert_eq!(got, vec![at(a, 2), at(a, 3), at(a, 4), at(b, 1)]);
+        quiet(&mut feed).await;
+    }
+
+    pub async fn watch_reports_every_writer_and_never_a_failed_write(log: SharedLog, k: Keys) {
+        let (a, c1, c2) = (k.key(), k.client(), k.client());
+        let mut feed = log.watch(filter(&k)).await.expect("watch");
+        log.write(c1, vec![write(a, &[1], Some(0), true)])
+            .await
+            .unwrap();
+        // A stale version guard and a duplicate sequence append nothing: nothing to report.
+        assert!(
+            log.write(c2, vec![write(a, &[1], Some(0), true)])
+                .await
+                .is_err()
+        );
+        assert!(
+            log.write(c1, vec![write(a, &[1], None, true)])
+                .await
+                .is_err()
+        );
+        log.write(c2, vec![write(a, &[1], Some(1), true)])
+            .await
+            .unwrap();
+        assert_eq!(commits(&mut feed, 2).await, vec![at(a, 1), at(a, 2)]);
+        quiet(&mut feed).await;
+    }
+
+    pub async fn watch_reports_only_the_aggregates_its_filter_admits(log: SharedLog, k: Keys) {
+        let other = Keys::random();
+        let (mine, theirs, c) = (k.key(), other.key(), k.client());
+        let mut feed = log.watch(filter(&k)).await.expect("watch");
+        log.write(c, vec![write(theirs, &[1], None, true)])
+            .await
+            .unwrap();
+        log.write(c, vec![write(mine, &[1], None, true)])
+            .await
+            .unwrap();
+        assert_eq!(commits(&mut feed, 1).await, vec![at(mine, 1)]);
+        quiet(&mut feed).await;
+    }
+}
+
 mod memory_only {
     use std::sync::Arc;
 
@@ -1180,6 +1290,30 @@ mod memory_only {
 
     fn log_with(page_size: usize, clock: Arc<ServerClock>) -> MemoryLog {
         MemoryLog::with_options(MemoryOptions { page_size, clock })
+    }
+
+    #[tokio::test]
+    async fn a_watch_that_falls_behind_its_capacity_reports_a_gap_then_goes_on() {
+        use tally::store::{WatchFilter, WatchItem};
+        let log = MemoryLog::new().with_watch_capacity(2);
+        let k = Keys::random();
+        let (a, c) = (k.key(), k.client());
+        let mut feed = log.watch(WatchFilter::default()).await.unwrap();
+        for seq in 1..=5 {
+            log.write(c, vec![write(a, &[seq], None, true)])
+                .await
+                .unwrap();
+        }
+        // Three of five were overwritten unread: the feed says so instead of skipping them.
+        assert_eq!(feed.next().await, Ok(WatchItem::Gap));
+        let mut after = Vec::new();
+        for _ in 0..2 {
+            match feed.next().await.unwrap() {
+                WatchItem::Commit(c) => after.push(c.version),
+                WatchItem::Gap => panic!("a second gap"),
+            }
+        }
+        assert_eq!(after, vec![4, 5]);
     }
 
     #[tokio::test]

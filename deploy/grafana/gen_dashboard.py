@@ -252,6 +252,18 @@ def build():
          "forbidden (scope, account or device not granted: 403). A rise in invalid is clock skew, a rotated key or an attack.")
     L.ts("Rate-limit decisions", [t(f"sum by (outcome) ({rate('tally_rate_limit_decisions_total')})", "{{outcome}}")], "ops",
          "Authenticated requests against their caller's --rate-limit-per-caller: allowed, limited (429 with Retry-After).")
+    # Watch stream (issue 16).
+    L.row("Watch stream")
+    L.ts("Watch streams open", [t(f"sum by (instance, stream) (tally_watch_subscribers{sel()})", "{{instance}} {{stream}}")], "short",
+         "Open SSE streams per replica: account (/api/accounts/{id}/events) and all (/api/watch/stream). Capped by --watch-max-subscribers.")
+    L.ts("Watch streams ended by the replica", [t(f"sum by (reason) ({rate('tally_watch_dropped_total')})", "{{reason}}")], "ops",
+         "lagged: a client fell behind --watch-buffer; shutdown; feed_gap: the store's watch lost notifications; store_error; unreadable.")
+    L.ts("Watch subscriptions refused", [t(f"sum by (instance, limit) ({rate('tally_watch_refused_total')})", "{{instance}} {{limit}}")], "ops",
+         "503s at --watch-max-subscribers (replica) or --watch-max-per-account (account).")
+    L.ts("Watch feed gaps", [t(f"sum by (instance) (increase(tally_watch_feed_gaps_total{sel()}[{RI}]))", "{{instance}}")], "short",
+         "The store's watch fell behind or reconnected; the replica re-read every watched account.")
+    L.stat("Fault injection on", f"max(tally_fault_injection_enabled{sel()})", "short",
+           "1 when any replica runs with --faults (a demo or test setting; never in production).", red_above=1)
 
     templating = {"list": [
         {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",

@@ -112,6 +112,12 @@ impl Caller {
     pub fn may_touch(&self, account: Uuid) -> bool {
         self.accounts.as_ref().is_none_or(|a| a.contains(&account))
     }
+
+    /// Whether the caller may touch every account (its token names none): what the
+    /// fleet-wide watch stream, which shows every account's writes, needs.
+    pub fn may_touch_all(&self) -> bool {
+        self.accounts.is_none()
+    }
 }
 
 /// Why a request is not let through. Reasons are fixed phrases: never token contents.

@@ -87,7 +87,7 @@ pub async fn history(
     Ok(json_response(StatusCode::OK, &body))
 }
 
-fn history_event(entry: &HistoryEntry) -> serde_json::Value {
+pub(super) fn history_event(entry: &HistoryEntry) -> serde_json::Value {
     let e = &entry.event;
     let mut v = json!({
         "aggregateVersion": entry.version,

@@ -29,8 +29,13 @@ use crate::metrics::{auth_outcome, rate_outcome};
 /// is exhaustive, so a new route cannot be added without deciding).
 pub fn required_scope(route: &Route) -> Option<Scope> {
     match route {
-        Route::Healthz | Route::Readyz | Route::Metrics | Route::OpenApi => None,
-        Route::Accounts | Route::Balance(_) | Route::History(_) => Some(Scope::AccountsRead),
+        // The console is a static page: the data it shows comes from API routes that check.
+        Route::Healthz | Route::Readyz | Route::Metrics | Route::OpenApi | Route::Console => None,
+        Route::Accounts
+        | Route::Balance(_)
+        | Route::History(_)
+        | Route::AccountEvents(_)
+        | Route::WatchStream => Some(Scope::AccountsRead),
         Route::Deposit(_) | Route::Withdraw(_) | Route::AccountTransfer(_) | Route::Transfers => {
             Some(Scope::AccountsWrite)
         }
@@ -43,6 +48,7 @@ fn path_account(route: &Route) -> Option<AccountId> {
     match *route {
         Route::Balance(a)
         | Route::History(a)
+        | Route::AccountEvents(a)
         | Route::Deposit(a)
         | Route::Withdraw(a)
         | Route::AccountTransfer(a) => Some(a),
@@ -83,6 +89,10 @@ pub fn check(app: &App, route: &Route, headers: &HeaderMap) -> Result<Option<Cal
     if let Some(account) = path_account(route)
         && !caller.may_touch(account.0)
     {
+        return refuse(auth_outcome::FORBIDDEN, AuthError::Resource("account"));
+    }
+    // The fleet-wide stream names every account's writes: only for a caller limited to none.
+    if *route == Route::WatchStream && !caller.may_touch_all() {
         return refuse(auth_outcome::FORBIDDEN, AuthError::Resource("account"));
     }
     if let Route::DeviceSync(device) = route

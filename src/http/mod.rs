@@ -6,12 +6,14 @@ mod admin;
 mod admission;
 pub mod auth;
 pub mod body;
+mod console;
 mod devices;
 pub mod error;
 pub mod idempotency;
 pub mod openapi;
 mod ops;
 pub mod router;
+pub mod watch;
 mod writes;
 
 use std::convert::Infallible;
@@ -19,10 +21,11 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use http_body_util::Either;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper::{Request, StatusCode};
+use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
@@ -30,9 +33,9 @@ use tracing::Instrument;
 
 use crate::app::App;
 pub use admin::serve_admin;
-use body::Resp;
 use error::ApiError;
 use router::Route;
+use watch::HttpBody;
 
 /// How long a client may take to send a request's headers.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -120,7 +123,11 @@ pub(crate) fn starting(waiting: &[String]) -> ApiError {
 }
 
 /// One request: route, admit, dispatch, then count and log it.
-async fn handle(app: Arc<App>, edge: &admission::Edge, mut req: Request<Incoming>) -> Resp {
+async fn handle(
+    app: Arc<App>,
+    edge: &admission::Edge,
+    mut req: Request<Incoming>,
+) -> Response<HttpBody> {
     let started = Instant::now();
     let method = router::method_label(req.method());
     let routed = Route::resolve(req.method(), req.uri().path());
@@ -160,8 +167,7 @@ async fn handle(app: Arc<App>, edge: &admission::Edge, mut req: Request<Incoming
         } else {
             None
         };
-        match tokio::time::timeout(request_deadline(&app), router::dispatch(&app, route, req)).await
-        {
+        match tokio::time::timeout(request_deadline(&app), serve_route(&app, route, req)).await {
             Ok(result) => result,
             Err(_) => Err(ApiError::Unavailable(
                 "the request took too long; retry it".into(),
@@ -173,7 +179,7 @@ async fn handle(app: Arc<App>, edge: &admission::Edge, mut req: Request<Incoming
     // Shed requests are reported by the edge, not one access-log line each.
     let shed = matches!(resp, Err(ApiError::Shed { .. }));
     // Errors become responses in one place.
-    let resp = resp.unwrap_or_else(ApiError::into_response);
+    let resp = resp.unwrap_or_else(|e| e.into_response().map(Either::Left));
     drop(in_flight);
     let status = resp.status();
     m.http_requests
@@ -192,6 +198,20 @@ async fn handle(app: Arc<App>, edge: &admission::Edge, mut req: Request<Incoming
         }
     });
     resp
+}
+
+/// Event streams (issue 16) answer a body that never ends by itself; every other route a
+/// whole one. The deadline covers opening a stream, not the stream.
+async fn serve_route(
+    app: &Arc<App>,
+    route: Route,
+    req: Request<Incoming>,
+) -> Result<Response<HttpBody>, ApiError> {
+    match route {
+        Route::AccountEvents(account) => watch::account_events(app, account, &req).await,
+        Route::WatchStream => watch::all(app, &req).await,
+        _ => Ok(router::dispatch(app, route, req).await?.map(Either::Left)),
+    }
 }
 
 fn request_deadline(app: &App) -> Duration {

@@ -9,7 +9,7 @@ use uuid::Uuid;
 
 use super::body::Resp;
 use super::error::ApiError;
-use super::{accounts, devices, openapi, ops, writes};
+use super::{accounts, console, devices, openapi, ops, writes};
 use crate::account::AccountId;
 use crate::app::App;
 
@@ -30,6 +30,10 @@ pub enum Route {
     DeviceSync(Uuid),
     /// The API contract, `docs/openapi.json` (issue 17).
     OpenApi,
+    // Console and watch stream (issue 16).
+    Console,
+    AccountEvents(AccountId),
+    WatchStream,
 }
 
 /// The nil id, for the listing below.
@@ -39,7 +43,7 @@ impl Route {
     /// Every route once (ids nil): what `docs/openapi.json` is checked against. A new route
     /// is added here and in [`Route::listed_at`] (whose exhaustive match fails to compile
     /// until it is), then to the spec.
-    pub const ALL: [Route; 12] = [
+    pub const ALL: [Route; 15] = [
         Route::Healthz,
         Route::Readyz,
         Route::Metrics,
@@ -52,6 +56,9 @@ impl Route {
         Route::Transfers,
         Route::DeviceSync(Uuid::nil()),
         Route::OpenApi,
+        Route::Console,
+        Route::AccountEvents(NIL),
+        Route::WatchStream,
     ];
 
     /// The route's place in [`Route::ALL`].
@@ -69,6 +76,9 @@ impl Route {
             Route::Transfers => 9,
             Route::DeviceSync(_) => 10,
             Route::OpenApi => 11,
+            Route::Console => 12,
+            Route::AccountEvents(_) => 13,
+            Route::WatchStream => 14,
         }
     }
 
@@ -80,9 +90,7 @@ impl Route {
             "GET"
         }
     }
-}
 
-impl Route {
     pub fn template(&self) -> &'static str {
         match self {
             Route::Healthz => "/healthz",
@@ -97,6 +105,9 @@ impl Route {
             Route::Transfers => "/api/transfers",
             Route::DeviceSync(_) => "/api/devices/{id}/sync",
             Route::OpenApi => "/openapi.json",
+            Route::Console => "/",
+            Route::AccountEvents(_) => "/api/accounts/{id}/events",
+            Route::WatchStream => "/api/watch/stream",
         }
     }
 
@@ -121,7 +132,7 @@ impl Route {
     pub fn is_api(&self) -> bool {
         !matches!(
             self,
-            Route::Healthz | Route::Readyz | Route::Metrics | Route::OpenApi
+            Route::Healthz | Route::Readyz | Route::Metrics | Route::OpenApi | Route::Console
         )
     }
 
@@ -144,6 +155,8 @@ impl Route {
             ["openapi.json"] => Route::OpenApi,
             ["api", "accounts"] => Route::Accounts,
             ["api", "transfers"] => Route::Transfers,
+            [""] => Route::Console,
+            ["api", "watch", "stream"] => Route::WatchStream,
             ["api", "devices", device, "sync"] => {
                 Route::DeviceSync(device.parse().map_err(|_| {
                     ApiError::bad_request(
@@ -159,6 +172,7 @@ impl Route {
                     "deposit" => Route::Deposit,
                     "withdraw" => Route::Withdraw,
                     "transfers" => Route::AccountTransfer,
+                    "events" => Route::AccountEvents,
                     _ => return Err(not_found(path)),
                 };
                 // Resolve the method before the id, so a wrong method is 405 either way.
@@ -217,6 +231,12 @@ pub async fn dispatch(
         Route::Transfers => writes::transfer(app, req).await,
         Route::DeviceSync(device) => devices::sync(app, device, req).await,
         Route::OpenApi => Ok(openapi::document()),
+        Route::Console => Ok(console::page()),
+        // `http::handle` serves the streams before it dispatches; reaching here is a bug.
+        Route::AccountEvents(_) | Route::WatchStream => Err(ApiError::Internal {
+            code: "STREAM_ROUTE",
+            message: "an event-stream route reached the JSON dispatcher".into(),
+        }),
     }
 }
 

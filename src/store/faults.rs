@@ -34,7 +34,7 @@ use tokio::sync::oneshot;
 
 use super::{
     AggregateDetails, AggregateKey, AggregateWrite, ClientId, EventLog, ReadFilter, ReadPage,
-    StoreError, StoreResult,
+    StoreError, StoreResult, WatchFeed, WatchFilter,
 };
 
 /// Batches a lagging read hides unless the spec says otherwise.
@@ -528,6 +528,12 @@ impl<L: EventLog + ?Sized> EventLog for FaultyLog<L> {
 
     async fn ping(&self) -> StoreResult<()> {
         self.inner.ping().await
+    }
+
+    /// Passed through: the faults are the write path's and reads' (a watcher still sees a
+    /// lagging read after a notification, and must retry it).
+    async fn watch(&self, filter: WatchFilter) -> StoreResult<Box<dyn WatchFeed>> {
+        self.inner.watch(filter).await
     }
 }
 

@@ -15,13 +15,19 @@ use celeriant_msg::error_codes;
 use dashmap::DashMap;
 use parking_lot::{Mutex, MutexGuard};
 
+use tokio::sync::broadcast;
+
 use super::{
-    AggregateDetails, AggregateKey, AggregateWrite, Batch, ClientId, EventLog, ReadFilter,
-    ReadPage, StoreError, StoreResult,
+    AggregateDetails, AggregateKey, AggregateWrite, Batch, ClientId, Commit, EventLog, ReadFilter,
+    ReadPage, StoreError, StoreResult, WatchFeed, WatchFilter, WatchItem,
 };
 
 /// Matching batches returned per read page unless [`MemoryOptions::page_size`] says otherwise.
 pub const DEFAULT_PAGE_SIZE: usize = 1024;
+
+/// Commits a watch may fall behind by before it reports a [`WatchItem::Gap`], unless
+/// [`MemoryLog::with_watch_capacity`] says otherwise. Each slot holds one small [`Commit`].
+pub const DEFAULT_WATCH_CAPACITY: usize = 4096;
 
 /// Error code for a request the Celeriant wire cannot express (the same aggregate twice in
 /// one write). Not a Celeriant code: the real server keys a write's legs by aggregate.
@@ -135,6 +141,9 @@ pub struct MemoryLog {
     aggregates: DashMap<AggregateKey, Slot>,
     page_size: usize,
     clock: Arc<dyn ServerTime>,
+    /// Every commit, for watches. Sent under the aggregate's lock, so one aggregate's
+    /// commits go out in version order.
+    commits: broadcast::Sender<Commit>,
 }
 
 impl Default for MemoryLog {
@@ -155,7 +164,15 @@ impl MemoryLog {
             aggregates: DashMap::new(),
             page_size: options.page_size.max(1),
             clock: options.clock,
+            commits: broadcast::channel(DEFAULT_WATCH_CAPACITY).0,
         }
+    }
+
+    /// The same log with room for `capacity` commits (0 is read as 1) before a watch that
+    /// falls behind sees a [`WatchItem::Gap`]. Call before anyone watches.
+    pub fn with_watch_capacity(mut self, capacity: usize) -> Self {
+        self.commits = broadcast::channel(capacity.max(1)).0;
+        self
     }
 
     /// Batches currently stored (not trimmed) for `key`; 0 for a missing aggregate.
@@ -254,6 +271,11 @@ impl MemoryLog {
                 *mark = (*mark).max(highest);
             }
             versions[i] = version;
+            // No receiver is not an error: nobody watches.
+            let _ = self.commits.send(Commit {
+                key: w.key,
+                version,
+            });
         }
         Ok(versions)
     }
@@ -387,5 +409,37 @@ impl EventLog for MemoryLog {
 
     async fn trim_start(&self, key: AggregateKey, keep_from_version: u64) -> StoreResult<()> {
         self.trim_start_now(key, keep_from_version)
+    }
+
+    async fn watch(&self, filter: WatchFilter) -> StoreResult<Box<dyn WatchFeed>> {
+        Ok(Box::new(MemoryFeed {
+            commits: self.commits.subscribe(),
+            filter,
+        }))
+    }
+}
+
+/// A watch on a [`MemoryLog`]: its commit broadcast, filtered.
+struct MemoryFeed {
+    commits: broadcast::Receiver<Commit>,
+    filter: WatchFilter,
+}
+
+#[async_trait]
+impl WatchFeed for MemoryFeed {
+    async fn next(&mut self) -> StoreResult<WatchItem> {
+        loop {
+            match self.commits.recv().await {
+                Ok(c) if self.filter.admits(&c.key) => return Ok(WatchItem::Commit(c)),
+                Ok(_) => {}
+                // Overwritten before this feed read them: say so, the reader resyncs.
+                Err(broadcast::error::RecvError::Lagged(_)) => return Ok(WatchItem::Gap),
+                Err(broadcast::error::RecvError::Closed) => {
+                    return Err(StoreError::NotApplied {
+                        reason: "the store was dropped".into(),
+                    });
+                }
+            }
+        }
     }
 }

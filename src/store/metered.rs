@@ -7,7 +7,7 @@ use async_trait::async_trait;
 
 use super::{
     AggregateDetails, AggregateKey, AggregateWrite, ClientId, EventLog, ReadFilter, ReadPage,
-    StoreError, StoreResult,
+    StoreError, StoreResult, WatchFeed, WatchFilter,
 };
 use crate::metrics::Metrics;
 
@@ -87,6 +87,15 @@ impl EventLog for MeteredLog {
         let t = Instant::now();
         let r = self.inner.ping().await;
         self.observe("ping", t, &r);
+        r
+    }
+
+    /// Opening a watch is counted and timed; the notifications it then yields are not
+    /// requests.
+    async fn watch(&self, filter: WatchFilter) -> StoreResult<Box<dyn WatchFeed>> {
+        let t = Instant::now();
+        let r = self.inner.watch(filter).await;
+        self.observe("watch", t, &r);
         r
     }
 }

@@ -13,7 +13,10 @@
 //! - the high-water mark moves on every write, enforced or not, and survives `trim_start`;
 //! - one write to one aggregate appends one batch, which is one version;
 //! - reads below the trim point fail with [`StoreError::Trimmed`]; a read past the tip is
-//!   empty; filters apply to whole batches.
+//!   empty; filters apply to whole batches;
+//! - a watch ([`EventLog::watch`]) reports every write committed after it was opened, by any
+//!   writer, as (aggregate, new version), each aggregate's in version order; when it cannot
+//!   vouch that nothing was missed it says so with [`WatchItem::Gap`], never silently.
 
 pub mod celeriant;
 pub mod faults;
@@ -258,6 +261,60 @@ pub trait EventLog: Send + Sync + 'static {
     async fn ping(&self) -> StoreResult<()> {
         Ok(())
     }
+
+    /// Opens a feed of the writes committed from now on to the aggregates `filter` admits,
+    /// by any writer. A store without one answers [`WATCH_UNSUPPORTED_CODE`].
+    async fn watch(&self, filter: WatchFilter) -> StoreResult<Box<dyn WatchFeed>> {
+        let _ = filter;
+        Err(StoreError::Other {
+            code: WATCH_UNSUPPORTED_CODE,
+            message: "this store has no watch".into(),
+        })
+    }
+}
+
+/// Error code of a store that cannot watch (not a Celeriant code).
+pub const WATCH_UNSUPPORTED_CODE: u32 = u32::MAX;
+
+/// Which aggregates a watch reports; `None` admits any.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WatchFilter {
+    pub org_id: Option<u128>,
+    pub aggregate_type_id: Option<u128>,
+}
+
+impl WatchFilter {
+    pub fn admits(&self, key: &AggregateKey) -> bool {
+        self.org_id.is_none_or(|o| o == key.org_id)
+            && self
+                .aggregate_type_id
+                .is_none_or(|t| t == key.aggregate_type_id)
+    }
+}
+
+/// One committed write as a watch reports it: `key` reached `version`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Commit {
+    pub key: AggregateKey,
+    pub version: u64,
+}
+
+/// What a watch feed yields next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WatchItem {
+    Commit(Commit),
+    /// Notifications may have been lost since the previous item (the feed fell behind or
+    /// reconnected). A reader that needs every write resyncs by reading the store.
+    Gap,
+}
+
+/// A live feed of commits. Dropping it ends the subscription.
+#[async_trait]
+pub trait WatchFeed: Send {
+    /// The next notification. An error means the feed is broken: open another (and treat
+    /// the time in between as a [`WatchItem::Gap`]). Not cancel-safe on every store: await
+    /// it to completion or drop the feed.
+    async fn next(&mut self) -> StoreResult<WatchItem>;
 }
 
 pub type SharedLog = Arc<dyn EventLog>;

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use crate::common::{self, new_account};
 
 /// Every flag the binary takes, each settable from the environment.
-const FLAGS: [&str; 43] = [
+const FLAGS: [&str; 47] = [
     // Authentication, rate limits and the admin listener (issue 17).
     "auth",
     "auth-secret-file",
@@ -59,6 +59,11 @@ const FLAGS: [&str; 43] = [
     "celeriant-tls-key",
     "celeriant-tls-server-name",
     "celeriant-api-key",
+    // Watch stream (issue 16).
+    "watch-max-subscribers",
+    "watch-max-per-account",
+    "watch-buffer",
+    "watch-keepalive-secs",
 ];
 
 /// How long the binary may take to start or stop before a test fails.

@@ -14,6 +14,7 @@
 
 pub mod hooked_log;
 pub mod raw_http;
+pub mod sse;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -33,7 +33,8 @@
 //!   `--routing-rule aggregate_id` two accounts usually sit on different shards.
 //!
 //! The module's files: this one (the adapter: the [`EventLog`] impl and its outcome
-//! handling), `config` (how to reach the cluster), `wire` (translation and pagination),
+//! handling), `config` (how to reach the cluster), `watch` (the commit feed), `wire`
+//! (translation and pagination),
 //! `classify` (the error-code tables) and `check_order` (the port's order for multi-aggregate
 //! rejections).
 
@@ -52,12 +53,13 @@ use tokio::time::Instant;
 
 use super::{
     AggregateDetails, AggregateKey, AggregateWrite, ClientId, EventLog, ReadFilter, ReadPage,
-    StoreError, StoreResult,
+    StoreError, StoreResult, WatchFeed, WatchFilter,
 };
 
 mod check_order;
 mod classify;
 mod config;
+mod watch;
 mod wire;
 
 use check_order::{AggregateGuard, Observed, order_sensitive, port_order};
@@ -353,6 +355,10 @@ impl EventLog for CeleriantLog {
             Ok(_) | Err(StoreError::AggregateNotFound) => Ok(()),
             Err(e) => Err(e),
         }
+    }
+
+    async fn watch(&self, filter: WatchFilter) -> StoreResult<Box<dyn WatchFeed>> {
+        self.open_watch(filter).await
     }
 }
 

@@ -1,0 +1,281 @@
+//! The watch routes (issue 16), as server-sent events:
+//!
+//! - `GET /api/accounts/{id}/events`: every committed event of the account as it lands, from
+//!   any writer on any replica. Each event is `event: <type>` (`Deposited`, `Withdrawn`,
+//!   `TransferredOut`, `TransferredIn`) and `data:` the history event's JSON plus
+//!   `balanceCents` after it and `accountId`; the last event of a batch carries `id:` = the
+//!   batch's version, so a reconnect with `Last-Event-ID` (or a first connect with
+//!   `?fromVersion=N`) resumes at the next whole batch, without a gap or a duplicate. A
+//!   fresh stream starts with `event: snapshot` (version and balance now).
+//! - `GET /api/watch/stream`: the replaced service's fleet-wide stream: one unnamed event per
+//!   write to any account, `data: {"aggregateId","operation":"Write","toAggregateVersion"}`.
+//!
+//! Typed control events: `trimmed` (the resume point is below the trim point; the stream
+//! goes on from the first available version), and one final event when the replica ends a
+//! stream: `lagged` (the client fell behind its buffer), `shutdown`, `gap` (the store's
+//! feed lost notifications; reconnect) or `error`. A `: keep-alive` comment is sent on an
+//! idle stream.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use http_body_util::{Either, Full};
+use hyper::body::{Body, Frame, Incoming};
+use hyper::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderName, HeaderValue};
+use hyper::{Request, Response, StatusCode};
+use serde_json::json;
+use tokio::sync::mpsc;
+
+use super::accounts::history_event;
+use super::error::ApiError;
+use crate::account::AccountId;
+use crate::app::App;
+use crate::watch::{AccountFrame, EndReason, Item, Resume, WatchError, WriteFrame};
+
+/// Every response's body: a whole JSON (or page) body, or an event stream.
+pub type HttpBody = Either<Full<Bytes>, SseBody>;
+
+/// Items put into one chunk when several are ready at once.
+const MAX_ITEMS_PER_CHUNK: usize = 64;
+
+/// How long a browser waits before reconnecting a dropped stream, sent first, in ms.
+const RETRY_MS: u64 = 1000;
+
+/// `GET /api/accounts/{id}/events[?fromVersion=N]`, resuming after `Last-Event-ID`.
+pub async fn account_events(
+    app: &Arc<App>,
+    account: AccountId,
+    req: &Request<Incoming>,
+) -> Result<Response<HttpBody>, ApiError> {
+    let resume = resume_point(req)?;
+    let sub = app.watch.subscribe_account(account, resume).await?;
+    Ok(stream_response(sub.items))
+}
+
+/// `GET /api/watch/stream`
+pub async fn all(app: &Arc<App>, req: &Request<Incoming>) -> Result<Response<HttpBody>, ApiError> {
+    if let Some(q) = req.uri().query().filter(|q| !q.is_empty()) {
+        return Err(ApiError::bad_request(
+            "BAD_QUERY",
+            format!("this stream takes no query parameters, got {q:?}"),
+        ));
+    }
+    let sub = app.watch.subscribe_all().await?;
+    Ok(stream_response(sub.items))
+}
+
+/// Where to start: after `Last-Event-ID` (what a browser sends when it reconnects, so it
+/// wins over the `fromVersion` still in the URL), at `?fromVersion=N`, or from now.
+fn resume_point(req: &Request<Incoming>) -> Result<Resume, ApiError> {
+    if let Some(v) = req.headers().get("last-event-id") {
+        let n = v
+            .to_str()
+            .ok()
+            .map(str::trim)
+            .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|s| s.parse::<u64>().ok())
+            .ok_or_else(|| {
+                ApiError::bad_request(
+                    "BAD_LAST_EVENT_ID",
+                    "Last-Event-ID must be a version this stream sent (a non-negative integer)",
+                )
+            })?;
+        return Ok(Resume::From(n.saturating_add(1)));
+    }
+    let mut from = None;
+    for (name, value) in form_urlencoded::parse(req.uri().query().unwrap_or("").as_bytes()) {
+        if name != "fromVersion" {
+            return Err(ApiError::bad_request(
+                "BAD_QUERY",
+                format!("unknown query parameter {name:?}; allowed: fromVersion"),
+            ));
+        }
+        if from.is_some() {
+            return Err(ApiError::bad_request(
+                "BAD_QUERY",
+                "fromVersion is given more than once",
+            ));
+        }
+        let n = Some(value.as_ref())
+            .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|v| v.parse::<u64>().ok())
+            .ok_or_else(|| {
+                ApiError::bad_request(
+                    "BAD_QUERY",
+                    format!("fromVersion must be a non-negative integer, got {value:?}"),
+                )
+            })?;
+        from = Some(n.max(1));
+    }
+    Ok(from.map_or(Resume::Live, Resume::From))
+}
+
+impl From<WatchError> for ApiError {
+    fn from(e: WatchError) -> Self {
+        match e {
+            WatchError::BeyondTip { .. } => {
+                ApiError::bad_request("RESUME_BEYOND_TIP", e.to_string())
+            }
+            WatchError::ReplicaFull { .. }
+            | WatchError::AccountFull { .. }
+            | WatchError::ShuttingDown
+            | WatchError::Store(_) => ApiError::Unavailable(e.to_string()),
+        }
+    }
+}
+
+fn stream_response(items: mpsc::Receiver<Item>) -> Response<HttpBody> {
+    let mut resp = Response::new(Either::Right(SseBody {
+        items,
+        preamble: true,
+    }));
+    *resp.status_mut() = StatusCode::OK;
+    let h = resp.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    // nginx: pass each event on at once instead of filling a buffer first.
+    h.insert(
+        HeaderName::from_static("x-accel-buffering"),
+        HeaderValue::from_static("no"),
+    );
+    resp
+}
+
+/// A stream's body: its subscription's items as SSE text. Dropped when the client goes
+/// away, which ends the subscription.
+pub struct SseBody {
+    items: mpsc::Receiver<Item>,
+    preamble: bool,
+}
+
+impl Body for SseBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        let mut chunk = BytesMut::new();
+        if std::mem::take(&mut self.preamble) {
+            chunk.extend_from_slice(format!("retry: {RETRY_MS}\n\n").as_bytes());
+        }
+        let mut ended = false;
+        for _ in 0..MAX_ITEMS_PER_CHUNK {
+            match self.items.poll_recv(cx) {
+                Poll::Ready(Some(item)) => encode(&item, &mut chunk),
+                Poll::Ready(None) => {
+                    ended = true;
+                    break;
+                }
+                Poll::Pending => break,
+            }
+        }
+        if !chunk.is_empty() {
+            return Poll::Ready(Some(Ok(Frame::data(chunk.freeze()))));
+        }
+        if ended {
+            Poll::Ready(None)
+        } else {
+            Poll::Pending
+        }
+    }
+}
+
+/// Appends one item's SSE text.
+fn encode(item: &Item, out: &mut BytesMut) {
+    match item {
+        Item::Events(frame) => out.extend_from_slice(frame.encoded.get_or_init(|| events(frame))),
+        Item::Write(frame) => out.extend_from_slice(frame.encoded.get_or_init(|| write(frame))),
+        Item::Snapshot {
+            account,
+            version,
+            balance_cents,
+        } => {
+            let data = json!({
+                "accountId": account.to_string(),
+                "aggregateVersion": version,
+                "balanceCents": balance_cents,
+            });
+            out.extend_from_slice(
+                format!("id: {version}\nevent: snapshot\ndata: {data}\n\n").as_bytes(),
+            );
+        }
+        Item::Trimmed {
+            from_version,
+            first_available,
+        } => {
+            let data = json!({
+                "fromVersion": from_version,
+                "firstAvailableVersion": first_available,
+                "message": "the stream is trimmed below firstAvailableVersion; it goes on from there",
+            });
+            out.extend_from_slice(format!("event: trimmed\ndata: {data}\n\n").as_bytes());
+        }
+        Item::KeepAlive => out.extend_from_slice(b": keep-alive\n\n"),
+        Item::End(reason) => {
+            let (event, data) = end(reason);
+            out.extend_from_slice(format!("event: {event}\ndata: {data}\n\n").as_bytes());
+        }
+    }
+}
+
+/// A batch: one SSE event per event, the last carrying the batch's version as its id.
+fn events(frame: &AccountFrame) -> Bytes {
+    let mut out = String::new();
+    let last = frame.entries.len().saturating_sub(1);
+    for (i, entry) in frame.entries.iter().enumerate() {
+        let mut data = history_event(&entry.history);
+        data["balanceCents"] = json!(entry.balance_cents);
+        data["accountId"] = json!(frame.account.to_string());
+        if i == last {
+            out.push_str(&format!("id: {}\n", frame.version));
+        }
+        out.push_str(&format!(
+            "event: {}\ndata: {data}\n\n",
+            entry.history.event.name()
+        ));
+    }
+    Bytes::from(out)
+}
+
+/// The replaced service's shape, as an unnamed event (its clients listen on `message`).
+fn write(frame: &WriteFrame) -> Bytes {
+    let data = json!({
+        "aggregateId": frame.account.to_string(),
+        "operation": "Write",
+        "toAggregateVersion": frame.version,
+    });
+    Bytes::from(format!("data: {data}\n\n"))
+}
+
+fn end(reason: &EndReason) -> (&'static str, serde_json::Value) {
+    match reason {
+        EndReason::Lagged { last_version } => (
+            "lagged",
+            json!({
+                "lastEventId": last_version,
+                "message": "this stream fell behind its buffer and was closed; reconnect with Last-Event-ID to resume",
+            }),
+        ),
+        EndReason::Shutdown => (
+            "shutdown",
+            json!({"message": "the replica is shutting down; reconnect to resume"}),
+        ),
+        EndReason::FeedGap => (
+            "gap",
+            json!({"message": "the replica may have missed writes; reconnect (an account stream resumes with Last-Event-ID)"}),
+        ),
+        EndReason::StoreError(message) => (
+            "error",
+            json!({"error": "STORE_UNAVAILABLE", "message": message}),
+        ),
+        EndReason::Unreadable { version, reason } => (
+            "error",
+            json!({"error": "ACCOUNT_UNREADABLE", "message": format!("version {version}: {reason}")}),
+        ),
+    }
+}

@@ -1,0 +1,214 @@
+//! One watched account: the version and balance its stream stands at, and its subscribers.
+//!
+//! The cursor lock is held while the channel reads new batches and fans them out, and while
+//! a subscriber joins, so a joiner sees exactly the frames after the version it is told.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use super::{AccountFrame, END_FEED_GAP, END_UNREADABLE, Entry, Hub, Slot, WatchError, fan_out};
+use crate::account::{AccountEvent, AccountId, fold};
+use crate::projection::{Projection, ProjectionError};
+use crate::reader::{HistoryEntry, Writer};
+use crate::store::{Batch, BatchStream, ClientId, ReadFilter, StoreError};
+
+/// Reads a notified version may take to become visible (a read served by a lagging
+/// replica of the store) before the channel waits for the next notification or resync.
+const ADVANCE_ATTEMPTS: u32 = 5;
+const ADVANCE_BACKOFF: Duration = Duration::from_millis(20);
+
+/// Where an account's stream stands: its newest delivered version and the balance after it
+/// (`None` when the stream cannot be folded).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Cursor {
+    pub version: u64,
+    pub balance: Option<i64>,
+}
+
+pub(super) struct Channel {
+    account: AccountId,
+    subs: Mutex<Vec<Slot<Arc<AccountFrame>>>>,
+    /// `None` until the first subscriber reads where the account stands.
+    cursor: tokio::sync::Mutex<Option<Cursor>>,
+}
+
+impl Channel {
+    pub fn new(account: AccountId) -> Self {
+        Self {
+            account,
+            subs: Mutex::new(Vec::new()),
+            cursor: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// Adds a subscriber; it receives every frame after the returned cursor.
+    pub async fn register(
+        &self,
+        hub: &Hub,
+        slot: Slot<Arc<AccountFrame>>,
+    ) -> Result<Cursor, WatchError> {
+        let mut cursor = self.cursor.lock().await;
+        let at = match *cursor {
+            Some(at) => at,
+            None => {
+                let at = start(&hub.projection, self.account).await?;
+                *cursor = Some(at);
+                at
+            }
+        };
+        self.subs.lock().push(slot);
+        // A shutdown that ran before the push did not see this slot.
+        if *hub.shutdown.borrow() {
+            return Err(WatchError::ShuttingDown);
+        }
+        Ok(at)
+    }
+
+    pub fn remove(&self, id: u64) {
+        self.subs.lock().retain(|s| s.id != id);
+    }
+
+    pub fn end_all(&self, end: u8) {
+        super::end_all(&mut self.subs.lock(), end);
+    }
+
+    /// Reads and fans out every batch after the cursor, up to `to` (the notified version)
+    /// or, without one, to the tip.
+    pub async fn advance(&self, hub: &Hub, to: Option<u64>) {
+        let mut guard = self.cursor.lock().await;
+        // Not started: the first joiner reads the tip itself.
+        let Some(cursor) = guard.as_mut() else {
+            return;
+        };
+        let log = hub.projection.log();
+        let key = hub.projection.identity().key(self.account);
+        let ours = hub.projection.identity().client();
+        for attempt in 1..=ADVANCE_ATTEMPTS {
+            if to.is_some_and(|v| v <= cursor.version) {
+                return;
+            }
+            let mut stream = BatchStream::new(
+                log.as_ref(),
+                key,
+                ReadFilter::from_version(cursor.version + 1),
+            );
+            loop {
+                let page = match stream.next_page().await {
+                    Ok(Some(page)) => page,
+                    Ok(None) | Err(StoreError::AggregateNotFound) => break,
+                    Err(StoreError::Trimmed { .. }) => {
+                        // Trimmed past what this stream delivered: its subscribers cannot
+                        // follow without a gap. They reconnect, and their resume says so.
+                        tracing::warn!(account = %self.account, "watched account trimmed past its stream; ending its streams");
+                        self.end_all(END_FEED_GAP);
+                        *guard = None;
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "watch read failed; the next notification or resync retries");
+                        return;
+                    }
+                };
+                for batch in &page {
+                    if batch.version <= cursor.version {
+                        continue;
+                    }
+                    let mut balance = cursor.balance;
+                    let frame = match frame_of(self.account, batch, ours, &mut balance) {
+                        Ok(frame) => Arc::new(frame),
+                        Err(reason) => {
+                            tracing::warn!(account = %self.account, version = batch.version, %reason, "watched account is unreadable; ending its streams");
+                            self.end_all(END_UNREADABLE);
+                            return;
+                        }
+                    };
+                    fan_out(&mut self.subs.lock(), &frame, &hub.metrics);
+                    *cursor = Cursor {
+                        version: batch.version,
+                        balance,
+                    };
+                }
+            }
+            if to.is_none_or(|v| cursor.version >= v) {
+                return;
+            }
+            if attempt < ADVANCE_ATTEMPTS {
+                tokio::time::sleep(ADVANCE_BACKOFF).await;
+            }
+        }
+        tracing::warn!(account = %self.account, "a notified version is not readable yet; the next notification or resync delivers it");
+    }
+}
+
+/// Where a new channel starts: the fold's version and balance, or, when the fold cannot
+/// derive the balance (trimmed, unreadable), the store's tip without one.
+async fn start(projection: &Projection, account: AccountId) -> Result<Cursor, WatchError> {
+    match projection.catch_up(account).await {
+        Ok((_, snap)) => Ok(Cursor {
+            version: snap.version,
+            balance: Some(snap.balance),
+        }),
+        Err(ProjectionError::Store(e)) => Err(WatchError::Store(e.to_string())),
+        Err(_) => match projection
+            .log()
+            .details(projection.identity().key(account))
+            .await
+        {
+            Ok(d) => Ok(Cursor {
+                version: d.max_version,
+                balance: None,
+            }),
+            Err(e) => Err(WatchError::Store(e.to_string())),
+        },
+    }
+}
+
+/// A batch as a frame, folding `balance` forward through it (`None` stays `None`, and an
+/// overflow makes it `None`). An undecodable event is an error: nothing is skipped.
+pub(super) fn frame_of(
+    account: AccountId,
+    batch: &Batch,
+    ours: ClientId,
+    balance: &mut Option<i64>,
+) -> Result<AccountFrame, String> {
+    let writer = if batch.client_id == ours {
+        Writer::Service
+    } else {
+        Writer::Client(batch.client_id)
+    };
+    let mut entries = Vec::with_capacity(batch.events.len());
+    for e in batch.events.iter() {
+        let event =
+            AccountEvent::decode(e.event_type, &e.payload).map_err(|err| err.to_string())?;
+        *balance = balance.and_then(|b| fold::apply(b, &event).ok());
+        entries.push(Entry {
+            history: HistoryEntry {
+                version: batch.version,
+                server_timestamp_ms: batch.server_timestamp_ms,
+                event_id: e.event_id,
+                event,
+                writer,
+            },
+            balance_cents: *balance,
+        });
+    }
+    Ok(AccountFrame {
+        account,
+        version: batch.version,
+        entries,
+        encoded: OnceLock::new(),
+    })
+}
+
+/// What a batch adds to the balance (credits minus debits), `None` on overflow or an
+/// undecodable event (the caller reports the latter when it builds the frame).
+pub(super) fn delta_of(batch: &Batch) -> Option<i64> {
+    let mut delta: i64 = 0;
+    for e in batch.events.iter() {
+        let event = AccountEvent::decode(e.event_type, &e.payload).ok()?;
+        delta = fold::apply(delta, &event).ok()?;
+    }
+    Some(delta)
+}

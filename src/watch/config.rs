@@ -1,0 +1,84 @@
+//! The watch's limits, each a named constant and a flag.
+
+use std::time::Duration;
+
+/// Watch streams (both routes together) one replica serves at once, unless configured.
+/// An open stream costs a task, two small channels and a connection (measured in
+/// BENCHMARKS.md, "Watch stream"); the connection cap (`--max-connections`) bounds it too.
+pub const DEFAULT_MAX_SUBSCRIBERS: usize = 2048;
+/// Streams on one account at once, unless configured: a hot account cannot take every slot.
+pub const DEFAULT_MAX_PER_ACCOUNT: usize = 256;
+/// Batches buffered for one subscriber before it counts as fallen behind, unless configured.
+/// Beyond it the subscriber gets a final `lagged` event and is closed: never an unbounded
+/// buffer. It resumes with `Last-Event-ID`.
+pub const DEFAULT_BUFFER: usize = 256;
+/// Seconds between keep-alive comments on an idle stream, unless configured: under the
+/// usual 60 s proxy idle timeout, with room for one lost.
+pub const DEFAULT_KEEPALIVE_SECS: u64 = 15;
+/// The accepted range of each count flag.
+pub const COUNT_RANGE: std::ops::RangeInclusive<usize> = 1..=1_000_000;
+/// The accepted range of `--watch-keepalive-secs`.
+pub const KEEPALIVE_RANGE: std::ops::RangeInclusive<u64> = 1..=300;
+
+/// The watch's flags (issue 16).
+#[derive(Clone, Debug, clap::Args)]
+pub struct WatchConfig {
+    /// Watch streams this replica serves at once (both watch routes); beyond it, 503.
+    #[arg(long = "watch-max-subscribers", env = "TALLY_WATCH_MAX_SUBSCRIBERS", default_value_t = DEFAULT_MAX_SUBSCRIBERS)]
+    pub max_subscribers: usize,
+
+    /// Watch streams on one account at once; beyond it, 503.
+    #[arg(long = "watch-max-per-account", env = "TALLY_WATCH_MAX_PER_ACCOUNT", default_value_t = DEFAULT_MAX_PER_ACCOUNT)]
+    pub max_per_account: usize,
+
+    /// Batches buffered for one watch stream; a stream that falls further behind gets a
+    /// final `lagged` event and is closed.
+    #[arg(long = "watch-buffer", env = "TALLY_WATCH_BUFFER", default_value_t = DEFAULT_BUFFER)]
+    pub buffer: usize,
+
+    /// Seconds between keep-alive comments on an idle watch stream.
+    #[arg(long = "watch-keepalive-secs", env = "TALLY_WATCH_KEEPALIVE_SECS", default_value_t = DEFAULT_KEEPALIVE_SECS)]
+    pub keepalive_secs: u64,
+}
+
+impl Default for WatchConfig {
+    fn default() -> Self {
+        Self {
+            max_subscribers: DEFAULT_MAX_SUBSCRIBERS,
+            max_per_account: DEFAULT_MAX_PER_ACCOUNT,
+            buffer: DEFAULT_BUFFER,
+            keepalive_secs: DEFAULT_KEEPALIVE_SECS,
+        }
+    }
+}
+
+impl WatchConfig {
+    /// Why this configuration cannot run, naming the flag.
+    pub fn problem(&self) -> Option<String> {
+        for (flag, n) in [
+            ("--watch-max-subscribers", self.max_subscribers),
+            ("--watch-max-per-account", self.max_per_account),
+            ("--watch-buffer", self.buffer),
+        ] {
+            if !COUNT_RANGE.contains(&n) {
+                return Some(format!(
+                    "{flag} must be {}..={}",
+                    COUNT_RANGE.start(),
+                    COUNT_RANGE.end()
+                ));
+            }
+        }
+        if !KEEPALIVE_RANGE.contains(&self.keepalive_secs) {
+            return Some(format!(
+                "--watch-keepalive-secs must be {}..={}",
+                KEEPALIVE_RANGE.start(),
+                KEEPALIVE_RANGE.end()
+            ));
+        }
+        None
+    }
+
+    pub fn keepalive(&self) -> Duration {
+        Duration::from_secs(self.keepalive_secs)
+    }
+}

@@ -1,0 +1,459 @@
+//! The watch streams (issue 16), black-box over HTTP: `GET /api/accounts/{id}/events` and
+//! `GET /api/watch/stream`. Ordering, resume without gap or duplicate, the typed trim
+//! event, limits, a slow subscriber's end, clean-up on disconnect and shutdown.
+//!
+//! "Another replica" is a second `App` in this process over the same `MemoryLog` (the
+//! embedded store cannot be shared between processes): each replica has its own hub
+//! following the store's watch, exactly as two processes over one Celeriant would.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::sse::{EVENT_BOUND, Stream};
+use common::{TestApp, metric_sample, new_account, spawn, spawn_fleet, test_config};
+use reqwest::StatusCode;
+use tally::account::{AccountEvent, AccountId, Identity};
+use tally::store::memory::MemoryLog;
+use tally::store::{AggregateWrite, Event, SharedLog};
+use tally::watch::{EndReason, Item, Resume};
+
+fn events_path(account: &str) -> String {
+    format!("/api/accounts/{account}/events")
+}
+
+async fn deposit_ok(t: &TestApp, account: &str, cents: i64) -> u64 {
+    let r = t.deposit(account, cents, None).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    r.body["aggregateVersion"].as_u64().expect("version")
+}
+
+#[tokio::test]
+async fn a_fresh_stream_starts_with_a_snapshot_then_each_event_with_the_balance_after_it() {
+    let t = spawn(test_config(&[]), None, None).await;
+    let account = new_account();
+    deposit_ok(&t, &account, 500).await;
+    let mut s = Stream::open(&t, &events_path(&account), None).await;
+    let snap = s.next().await;
+    assert_eq!(snap.name(), "snapshot");
+    assert_eq!(snap.id.as_deref(), Some("1"));
+    assert_eq!(snap.json()["balanceCents"], 500);
+    assert_eq!(snap.json()["aggregateVersion"], 1);
+
+    deposit_ok(&t, &account, 250).await;
+    let r = t.withdraw(&account, 100, None).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let history = t.history(&account).await;
+    for (version, name, balance) in [(2, "Deposited", 750), (3, "Withdrawn", 650)] {
+        let e = s.next().await;
+        assert_eq!(e.name(), name);
+        assert_eq!(e.id, Some(version.to_string()));
+        let mut data = e.json();
+        assert_eq!(data["balanceCents"], balance);
+        assert_eq!(data["accountId"], account.as_str());
+        // Otherwise exactly the history event of that version.
+        let obj = data.as_object_mut().unwrap();
+        obj.remove("balanceCents");
+        obj.remove("accountId");
+        assert_eq!(&data, &history[version as usize - 1]);
+        assert_eq!(data["writer"], "service");
+    }
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn another_replicas_writes_and_another_writers_events_appear_on_the_stream() {
+    let store: SharedLog = Arc::new(MemoryLog::new());
+    let mut fleet = spawn_fleet(2, store.clone(), &[]).await;
+    let (b, a) = (fleet.pop().unwrap(), fleet.pop().unwrap());
+    let account = new_account();
+    let mut s = Stream::open(&a, &events_path(&account), None).await;
+    assert_eq!(s.next().await.name(), "snapshot");
+    deposit_ok(&b, &account, 300).await;
+    let e = s.next().await;
+    assert_eq!(
+        (e.name(), e.json()["balanceCents"].clone()),
+        ("Deposited", 300.into())
+    );
+
+    // A write by another client id (an offline device's sync writes this way).
+    let device = uuid::Uuid::new_v4();
+    let key = Identity::default().key(AccountId(account.parse().unwrap()));
+    let event = AccountEvent::Deposited { amount: 40 };
+    store
+        .write(
+            device.as_u128(),
+            vec![AggregateWrite {
+                key,
+                events: vec![Event {
+                    client_seq: 1,
+                    event_id: None,
+                    event_type: event.event_type(),
+                    payload: event.encode(),
+                    timestamp_ms: 0,
+                }],
+                expected_version: None,
+                allow_create: true,
+                enforce_client_idempotency: true,
+            }],
+        )
+        .await
+        .unwrap();
+    let e = s.next().await;
+    let data = e.json();
+    assert_eq!(e.id.as_deref(), Some("2"));
+    assert_eq!(data["writer"], "client");
+    assert_eq!(data["writerId"], device.to_string());
+    assert_eq!(data["balanceCents"], 340);
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test]
+async fn last_event_id_and_from_version_resume_without_a_gap_or_a_duplicate() {
+    let t = spawn(test_config(&[]), None, None).await;
+    let account = new_account();
+    for cents in 1..=5 {
+        deposit_ok(&t, &account, cents * 100).await;
+    }
+    // Last-Event-ID 2: versions 3, 4, 5 from the store, then 6 live. It wins over the
+    // fromVersion a browser keeps in the URL.
+    let path = format!("{}?fromVersion=1", events_path(&account));
+    let mut s = Stream::open(&t, &path, Some("2")).await;
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let e = s.next().await;
+        seen.push((
+            e.id.clone().unwrap(),
+            e.json()["balanceCents"].as_i64().unwrap(),
+        ));
+    }
+    deposit_ok(&t, &account, 600).await;
+    let e = s.next().await;
+    seen.push((
+        e.id.clone().unwrap(),
+        e.json()["balanceCents"].as_i64().unwrap(),
+    ));
+    let want: Vec<(String, i64)> = vec![
+        ("3".into(), 600),
+        ("4".into(), 1000),
+        ("5".into(), 1500),
+        ("6".into(), 2100),
+    ];
+    assert_eq!(seen, want);
+
+    let mut s = Stream::open(
+        &t,
+        &format!("{}?fromVersion=6", events_path(&account)),
+        None,
+    )
+    .await;
+    let e = s.next().await;
+    assert_eq!((e.id.as_deref(), e.name()), (Some("6"), "Deposited"));
+    deposit_ok(&t, &account, 700).await;
+    assert_eq!(s.next().await.id.as_deref(), Some("7"));
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_resume_point_below_the_trim_says_so_in_a_typed_event() {
+    let t = spawn(test_config(&[]), None, None).await;
+    let account = new_account();
+    for _ in 0..4 {
+        deposit_ok(&t, &account, 100).await;
+    }
+    let key = t.app.identity.key(AccountId(account.parse().unwrap()));
+    t.app.log.trim_start(key, 3).await.unwrap();
+    let mut s = Stream::open(
+        &t,
+        &format!("{}?fromVersion=1", events_path(&account)),
+        None,
+    )
+    .await;
+    let e = s.next().await;
+    assert_eq!(e.name(), "trimmed");
+    assert_eq!(e.json()["fromVersion"], 1);
+    assert_eq!(e.json()["firstAvailableVersion"], 3);
+    assert_eq!(s.next().await.id.as_deref(), Some("3"));
+    assert_eq!(s.next().await.id.as_deref(), Some("4"));
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn bad_resume_points_are_refused_with_json_errors() {
+    let t = spawn(test_config(&[]), None, None).await;
+    let account = new_account();
+    deposit_ok(&t, &account, 100).await;
+    let r = common::read(
+        t.client
+            .get(t.url(&events_path(&account)))
+            .header("Last-Event-ID", "abc")
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    common::assert_error(&r, 400, "BAD_LAST_EVENT_ID");
+    for (query, code) in [
+        ("fromVersion=x", "BAD_QUERY"),
+        ("from=1", "BAD_QUERY"),
+        ("fromVersion=9", "RESUME_BEYOND_TIP"),
+    ] {
+        let r = t.get(&format!("{}?{query}", events_path(&account))).await;
+        common::assert_error(&r, 400, code);
+    }
+    // The version after the tip is where a caught-up client resumes: accepted.
+    let mut s = Stream::open(
+        &t,
+        &format!("{}?fromVersion=2", events_path(&account)),
+        None,
+    )
+    .await;
+    deposit_ok(&t, &account, 100).await;
+    assert_eq!(s.next().await.id.as_deref(), Some("2"));
+    assert_eq!(
+        t.app.watch.subscribers(),
+        1,
+        "refused streams hold no place"
+    );
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_per_account_and_per_replica_limits_refuse_with_a_retryable_503() {
+    let t = spawn(
+        test_config(&[
+            "--watch-max-per-account",
+            "2",
+            "--watch-max-subscribers",
+            "3",
+        ]),
+        None,
+        None,
+    )
+    .await;
+    let (a, b) = (new_account(), new_account());
+    let _s1 = Stream::open(&t, &events_path(&a), None).await;
+    let _s2 = Stream::open(&t, &events_path(&a), None).await;
+    let r = t.get(&events_path(&a)).await;
+    common::assert_error(&r, 503, "SERVICE_UNAVAILABLE");
+    assert!(r.header("retry-after").is_some());
+    let _s3 = Stream::open(&t, &events_path(&b), None).await;
+    let r = t.get("/api/watch/stream").await;
+    common::assert_error(&r, 503, "SERVICE_UNAVAILABLE");
+    let metrics = t.get("/metrics").await.text;
+    assert_eq!(
+        metric_sample(&metrics, r#"tally_watch_refused_total{limit="account"}"#),
+        1.0
+    );
+    assert_eq!(
+        metric_sample(&metrics, r#"tally_watch_refused_total{limit="replica"}"#),
+        1.0
+    );
+    assert_eq!(
+        metric_sample(&metrics, r#"tally_watch_subscribers{stream="account"}"#),
+        3.0
+    );
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_subscriber_count_returns_to_zero_after_clients_disconnect() {
+    let t = spawn(test_config(&[]), None, None).await;
+    let account = new_account();
+    let streams = vec![
+        Stream::open(&t, &events_path(&account), None).await,
+        Stream::open(&t, &events_path(&account), None).await,
+        Stream::open(&t, "/api/watch/stream", None).await,
+    ];
+    assert_eq!(t.app.watch.subscribers(), 3);
+    assert_eq!(t.app.watch.watched_accounts(), 1);
+    drop(streams);
+    // The server learns of a closed connection asynchronously; wait for it, bounded.
+    let deadline = tokio::time::Instant::now() + EVENT_BOUND;
+    while t.app.watch.subscribers() > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "subscribers stuck at {}",
+            t.app.watch.subscribers()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(t.app.watch.watched_accounts(), 0);
+    let metrics = t.get("/metrics").await.text;
+    assert_eq!(
+        metric_sample(&metrics, r#"tally_watch_subscribers{stream="account"}"#),
+        0.0
+    );
+    assert_eq!(
+        metric_sample(&metrics, r#"tally_watch_subscribers{stream="all"}"#),
+        0.0
+    );
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn shutdown_ends_every_stream_with_a_final_event() {
+    let t = spawn(test_config(&["--shutdown-grace-secs", "30"]), None, None).await;
+    let account = new_account();
+    let mut s = Stream::open(&t, &events_path(&account), None).await;
+    let mut all = Stream::open(&t, "/api/watch/stream", None).await;
+    assert_eq!(s.next().await.name(), "snapshot");
+    let started = std::time::Instant::now();
+    let stopping = tokio::spawn(t.shutdown());
+    assert_eq!(s.next().await.name(), "shutdown");
+    assert!(
+        s.next_any().await.is_none(),
+        "the stream ends after its final event"
+    );
+    assert_eq!(all.next().await.name(), "shutdown");
+    assert!(all.next_any().await.is_none());
+    stopping.await.unwrap();
+    // Well inside the 30 s grace: the streams ended, they were not cut off.
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn the_fleet_wide_stream_has_the_replaced_services_shape_for_every_account() {
+    let t = spawn(test_config(&[]), None, None).await;
+    let mut s = Stream::open(&t, "/api/watch/stream", None).await;
+    let (a, b) = (new_account(), new_account());
+    deposit_ok(&t, &a, 100).await;
+    deposit_ok(&t, &b, 100).await;
+    deposit_ok(&t, &a, 100).await;
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        let e = s.next().await;
+        assert_eq!(
+            e.name(),
+            "message",
+            "unnamed, as the replaced service sends"
+        );
+        let data = e.json();
+        assert_eq!(data.as_object().unwrap().len(), 3, "{data}");
+        assert_eq!(data["operation"], "Write");
+        got.push((
+            data["aggregateId"].as_str().unwrap().to_string(),
+            data["toAggregateVersion"].as_u64().unwrap(),
+        ));
+    }
+    assert_eq!(got, vec![(a.clone(), 1), (b.clone(), 1), (a.clone(), 2)]);
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_idle_stream_gets_keep_alive_comments() {
+    let t = spawn(test_config(&["--watch-keepalive-secs", "1"]), None, None).await;
+    let mut s = Stream::open(&t, &events_path(&new_account()), None).await;
+    assert_eq!(s.next().await.name(), "snapshot");
+    let e = s.next_any().await.unwrap();
+    assert!(e.comment && e.data == "keep-alive", "{e:?}");
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_subscriber_that_falls_behind_its_buffer_gets_a_final_lagged_event() {
+    let t = spawn(test_config(&["--watch-buffer", "2"]), None, None).await;
+    let account = new_account();
+    let id = AccountId(account.parse().unwrap());
+    // Not read while the writes land: its buffer (2) and the hand-off (a few) overflow.
+    let mut sub = t
+        .app
+        .watch
+        .subscribe_account(id, Resume::Live)
+        .await
+        .unwrap();
+    for _ in 0..40 {
+        deposit_ok(&t, &account, 1).await;
+    }
+    let mut versions = Vec::new();
+    let end = loop {
+        match tokio::time::timeout(EVENT_BOUND, sub.items.recv())
+            .await
+            .unwrap()
+        {
+            Some(Item::Snapshot { version, .. }) => assert_eq!(version, 0),
+            Some(Item::Events(f)) => versions.push(f.version),
+            Some(Item::End(reason)) => break reason,
+            Some(other) => panic!("unexpected {other:?}"),
+            None => panic!("ended without a final event"),
+        }
+    };
+    assert!(
+        sub.items.recv().await.is_none(),
+        "closed after the final event"
+    );
+    // What it got is a gap-free prefix, and the final event says where it stopped.
+    let n = versions.len() as u64;
+    assert!(n > 0 && n < 40, "{versions:?}");
+    assert_eq!(versions, (1..=n).collect::<Vec<_>>());
+    assert_eq!(
+        end,
+        EndReason::Lagged {
+            last_version: Some(n)
+        }
+    );
+    drop(sub);
+    let deadline = tokio::time::Instant::now() + EVENT_BOUND;
+    while t.app.watch.subscribers() > 0 {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::task::yield_now().await;
+    }
+    let metrics = t.get("/metrics").await.text;
+    assert_eq!(
+        metric_sample(&metrics, r#"tally_watch_dropped_total{reason="lagged"}"#),
+        1.0
+    );
+    t.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_feed_that_falls_behind_resyncs_account_streams_and_ends_fleet_wide_ones() {
+    // Room for one notification: a burst of writes overflows the feed.
+    let store = Arc::new(MemoryLog::new().with_watch_capacity(1));
+    let t = spawn(test_config(&[]), Some(store.clone() as SharedLog), None).await;
+    let account = new_account();
+    let mut s = Stream::open(&t, &events_path(&account), None).await;
+    let mut all = Stream::open(&t, "/api/watch/stream", None).await;
+    assert_eq!(s.next().await.name(), "snapshot");
+    let key = t.app.identity.key(AccountId(account.parse().unwrap()));
+    let event = AccountEvent::Deposited { amount: 10 };
+    // Synchronous writes: the feed's reader cannot run in between.
+    for seq in 1..=20u64 {
+        let w = AggregateWrite {
+            key,
+            events: vec![Event {
+                client_seq: seq,
+                event_id: None,
+                event_type: event.event_type(),
+                payload: event.encode(),
+                timestamp_ms: 0,
+            }],
+            expected_version: None,
+            allow_create: true,
+            enforce_client_idempotency: true,
+        };
+        store.write_now(t.app.identity.client(), vec![w]).unwrap();
+    }
+    // The account stream re-read the store: every version, once, in order.
+    for v in 1..=20u64 {
+        let e = s.next().await;
+        assert_eq!(e.id, Some(v.to_string()));
+        assert_eq!(e.json()["balanceCents"], 10 * v as i64);
+    }
+    // The fleet-wide stream cannot re-read every account: it says so and ends.
+    let mut last = all.next().await;
+    while last.name() == "message" {
+        last = all.next().await;
+    }
+    assert_eq!(last.name(), "gap");
+    assert!(all.next_any().await.is_none());
+    let metrics = t.get("/metrics").await.text;
+    assert!(metric_sample(&metrics, "tally_watch_feed_gaps_total") >= 1.0);
+    t.shutdown().await;
+}
