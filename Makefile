@@ -2,14 +2,14 @@
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: run test lint unit check-deploy bench soak fleet load clean contract lint-docker image browser
+.PHONY: run test lint unit check-deploy bench soak fleet load clean contract lint-docker image browser auth-suites
 
 ## Serve the API on 127.0.0.1:8080 with the embedded store.
 run:
 	$(CARGO) run --release --bin tally
 
 ## Everything CI checks: formatting, lints, every test, the deploy/ validation.
-test: lint browser unit check-deploy contract lint-docker
+test: lint browser unit check-deploy contract lint-docker auth-suites
 
 lint:
 	$(CARGO) fmt --check
@@ -72,6 +72,11 @@ contract: $(TOOLS_VENV)/.installed
 	$(CARGO) build --locked --bin tally
 	TALLY_BIN=$(abspath $(TALLY_TARGET_DIR))/debug/tally SCHEMATHESIS=$(TOOLS_VENV)/bin/schemathesis \
 		bash tests/contract/run.sh
+
+## The fleet and simulation suites again with every replica on --auth jwt and every harness
+## client sending a token (tests/common: TALLY_TEST_AUTH).
+auth-suites:
+	TALLY_TEST_AUTH=jwt $(CARGO) test --locked --test fleet --test simulation
 
 ## hadolint on the Dockerfile.
 lint-docker: $(TOOLS_VENV)/.installed

@@ -48,7 +48,8 @@ fn parse_flags() -> Config {
 
 /// `tally token`: prints a development token (HS256) signed with a secret file.
 fn mint_token() -> ExitCode {
-    let args = TokenArgs::try_parse_from(std::env::args_os().skip(1)).unwrap_or_else(|e| e.exit());
+    let argv = std::iter::once("tally token".into()).chain(std::env::args_os().skip(2));
+    let args = TokenArgs::try_parse_from(argv).unwrap_or_else(|e| e.exit());
     match args.mint() {
         Ok(token) => {
             println!("{token}");

@@ -711,8 +711,9 @@ async fn with_an_admin_address_metrics_move_there() {
     t.shutdown().await;
 }
 
-/// The real binary: `--auth jwt` without a key refuses to start (exit 2, naming the flag),
-/// and with debug logging on, neither a good nor a refused token reaches the log.
+/// The real binary: `--auth jwt` without a key refuses to start (exit 2, naming the flag);
+/// `--admin-listen` moves `/metrics`; and with debug logging on, neither a good nor a
+/// refused token reaches the log.
 #[tokio::test]
 async fn the_binary_never_logs_a_token_and_refuses_jwt_without_a_key() {
     use std::io::{BufRead, BufReader};
@@ -743,19 +744,32 @@ async fn the_binary_never_logs_a_token_and_refuses_jwt_without_a_key() {
             "jwt",
         ])
         .args(["--auth-secret-file", &secret_file()])
+        .args(["--admin-listen", "127.0.0.1:0"])
         .env("RUST_LOG", "debug")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("tally starts");
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut admin = None;
     let addr = loop {
         let line = lines.next().expect("a log line before listening").unwrap();
         let v: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
-        if v["fields"]["message"] == "tally listening" {
-            break v["fields"]["addr"].as_str().unwrap().to_owned();
+        let addr = v["fields"]["addr"].as_str().map(str::to_owned);
+        match v["fields"]["message"].as_str() {
+            Some("tally listening") => break addr.unwrap(),
+            Some(m) if m.starts_with("admin listening") => admin = addr,
+            _ => {}
         }
     };
+    // --admin-listen: the scrape moves to the admin address.
+    let admin = admin.expect("the admin address is logged before the API's");
+    let get = |url: String| async move { reqwest::get(url).await.unwrap().status() };
+    assert_eq!(get(format!("http://{admin}/metrics")).await, StatusCode::OK);
+    assert_eq!(
+        get(format!("http://{addr}/metrics")).await,
+        StatusCode::NOT_FOUND
+    );
     let good = token(json!({"sub": "log-check"}));
     let forged = signed_with(&valid_claims(), b"a forged secret, long enough to sign");
     let client = reqwest::Client::new();

@@ -315,3 +315,76 @@ async fn the_replica_serves_the_committed_document() {
     assert_eq!(r.text, on_disk);
     t.shutdown().await;
 }
+
+/// Resolves a `$ref` to a shared response, parameter or header.
+fn deref<'a>(s: &'a Value, v: &'a Value) -> &'a Value {
+    match v["$ref"].as_str() {
+        Some(r) => {
+            let path: Vec<&str> = r.trim_start_matches("#/").split('/').collect();
+            path.iter().fold(s, |node, part| &node[*part])
+        }
+        None => v,
+    }
+}
+
+/// Each route documents what its shape can answer: a malformed id (400) where the path has
+/// one; on a POST, the body's refusals (400, 413, 415, 422) and the write's retryable 409;
+/// on a write, the idempotency headers; and the headers that go with 401, 429 and 503.
+#[test]
+fn every_route_documents_the_answers_its_shape_can_give() {
+    let s = spec();
+    for route in Route::ALL {
+        let template = route.template();
+        let method = route.method_str().to_lowercase();
+        let op = &s["paths"][template][&method];
+        let responses = &op["responses"];
+        let has = |status: &str| responses.get(status).is_some();
+        if template.contains("{id}") {
+            assert!(has("400"), "{template}: a malformed id is 400");
+        }
+        if method == "post" {
+            for status in ["400", "409", "413", "415", "422"] {
+                assert!(has(status), "{method} {template} lacks {status}");
+            }
+        }
+        let is_write = matches!(
+            route,
+            Route::Deposit(_) | Route::Withdraw(_) | Route::AccountTransfer(_) | Route::Transfers
+        );
+        if is_write {
+            let params: Vec<&str> = op["parameters"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|p| deref(&s, p)["name"].as_str())
+                .collect();
+            assert!(params.contains(&"Idempotency-Key"), "{template}");
+            let ok = deref(&s, &responses["200"]);
+            for header in [
+                "Idempotency-Key",
+                "Idempotency-Window",
+                "Idempotent-Replayed",
+            ] {
+                assert!(
+                    ok["headers"].get(header).is_some(),
+                    "{template}: 200 lacks {header}"
+                );
+            }
+        }
+        for (status, header) in [
+            ("401", "WWW-Authenticate"),
+            ("429", "Retry-After"),
+            ("503", "Retry-After"),
+        ] {
+            if has(status) {
+                let r = deref(&s, &responses[status]);
+                assert!(
+                    r["headers"].get(header).is_some(),
+                    "{template}: {status} lacks {header}"
+                );
+            }
+        }
+    }
+    let not_allowed = &s["components"]["responses"]["MethodNotAllowed"];
+    assert!(not_allowed["headers"].get("Allow").is_some());
+}

@@ -195,3 +195,47 @@ fn with_auth_off_nothing_is_checked_and_nobody_is_paced() {
         auth.admit(&anyone).unwrap();
     }
 }
+
+/// RS256 and ES256 keys from a JWKS verify their own tokens, and neither accepts a token
+/// that names its kid but was signed by the other key.
+#[test]
+fn rs256_and_es256_jwks_keys_verify_their_tokens() {
+    let rsa = EncodingKey::from_rsa_der(include_bytes!("testdata/rs256-test-key.pk1.der"));
+    let ec = EncodingKey::from_ec_der(include_bytes!("testdata/es256-test-key.pk8.der"));
+    let mut rsa_jwk = Jwk::from_encoding_key(&rsa, Algorithm::RS256).unwrap();
+    rsa_jwk.common.key_id = Some("rsa".into());
+    let mut ec_jwk = Jwk::from_encoding_key(&ec, Algorithm::ES256).unwrap();
+    ec_jwk.common.key_id = Some("ec".into());
+    let set = JwkSet {
+        keys: vec![rsa_jwk, ec_jwk],
+    };
+    let path = temp_file("jwks-rs-es.json", &serde_json::to_vec(&set).unwrap());
+    let auth = Authenticator::new(&config(None, Some(path))).unwrap();
+    let sign = |alg: Algorithm, kid: &str, key: &EncodingKey| {
+        let mut h = Header::new(alg);
+        h.kid = Some(kid.into());
+        jsonwebtoken::encode(&h, &claims(), key).unwrap()
+    };
+    assert_eq!(
+        auth.verify(Some(&bearer(&sign(Algorithm::RS256, "rsa", &rsa))))
+            .unwrap()
+            .id,
+        "alice"
+    );
+    assert_eq!(
+        auth.verify(Some(&bearer(&sign(Algorithm::ES256, "ec", &ec))))
+            .unwrap()
+            .id,
+        "alice"
+    );
+    // The header's algorithm must be the key's.
+    assert_eq!(
+        auth.verify(Some(&bearer(&sign(Algorithm::ES256, "rsa", &ec)))),
+        Err(AuthError::Invalid("algorithm not allowed"))
+    );
+    // PS256 over an RSA key is not RS256: refused.
+    assert_eq!(
+        auth.verify(Some(&bearer(&sign(Algorithm::PS256, "rsa", &rsa)))),
+        Err(AuthError::Invalid("algorithm not allowed"))
+    );
+}

@@ -14,6 +14,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 
 work=$(mktemp -d)
 server=""
+# shellcheck disable=SC2317 # called by the EXIT trap
 cleanup() {
     if [[ -n "$server" ]]; then
         kill "$server" 2>/dev/null || true
