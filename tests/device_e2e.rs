@@ -144,6 +144,11 @@ impl Replica {
     /// Starts `tally` on `backend` on a port the kernel picks (read back from its listening
     /// line, so no other process can take it in between), then waits for /readyz 200.
     async fn start(backend: &Backend, seed: u64) -> Replica {
+        Self::start_with(backend, seed, &[]).await
+    }
+
+    /// [`Replica::start`] with extra flags.
+    async fn start_with(backend: &Backend, seed: u64, extra: &[&str]) -> Replica {
         let faults = format!("{FAULTS},seed={seed}");
         println!("replica faults: {faults} (TALLY_E2E_SEED reproduces the seed)");
         let mut cmd = Command::new(TALLY);
@@ -161,6 +166,7 @@ impl Replica {
         let mut child = cmd
             .args(["--listen", "127.0.0.1:0"])
             .args(["--log-format", "json", "--faults", &faults])
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -443,22 +449,32 @@ impl Device {
     /// Runs `sync` until one drains the outbox, bounded; a run that stops (exit 1) keeps its
     /// queue and the next resumes it. Any other exit is a failure.
     async fn sync(&self, replica: &Replica, jitter_seed: u64) -> u32 {
+        self.sync_with(replica, jitter_seed, &[]).await
+    }
+
+    /// One `sync` against the replica, with extra flags.
+    async fn sync_once(&self, replica: &Replica, jitter_seed: u64, extra: &[&str]) -> Output {
         let server = replica.server();
         let jitter = jitter_seed.to_string();
+        let mut args = vec![
+            "sync",
+            "--server",
+            &server,
+            "--max-attempts",
+            SYNC_ATTEMPTS,
+            "--timeout-ms",
+            SYNC_TIMEOUT_MS,
+            "--jitter-seed",
+            &jitter,
+        ];
+        args.extend_from_slice(extra);
+        self.run(&args).await
+    }
+
+    /// [`Device::sync`] with extra flags.
+    async fn sync_with(&self, replica: &Replica, jitter_seed: u64, extra: &[&str]) -> u32 {
         for run in 1..=SYNC_RUNS {
-            let out = self
-                .run(&[
-                    "sync",
-                    "--server",
-                    &server,
-                    "--max-attempts",
-                    SYNC_ATTEMPTS,
-                    "--timeout-ms",
-                    SYNC_TIMEOUT_MS,
-                    "--jitter-seed",
-                    &jitter,
-                ])
-                .await;
+            let out = self.sync_once(replica, jitter_seed, extra).await;
             match out.status.code() {
                 Some(0) => {
                     println!(
@@ -750,4 +766,54 @@ async fn an_offline_overdraft_lands_and_online_withdrawals_are_then_refused(back
     assert_error(&r, 422, "INSUFFICIENT_FUNDS");
     assert_eq!(replica.balance(charlie, synced).await, opening - overdraft);
     assert_eq!(replica.history(charlie).await.len(), history.len());
+}
+
+/// Rule: with `--auth jwt` a device syncs only with a token of its own (`sub` = its id,
+/// scope `devices:sync`). Without one, or with another device's, the sync stops refused
+/// (nothing is resent, nothing lands) and keeps its queue; with its own, the queue drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_auth_on_a_device_syncs_only_with_a_token_for_its_own_id() {
+    let dir = TempDir::new("auth");
+    let secret = dir.0.join("secret");
+    std::fs::write(&secret, "a throwaway secret for one test, over 32 bytes").unwrap();
+    let secret = secret.to_str().expect("a UTF-8 path");
+    let replica = Replica::start_with(
+        &Backend::Memory,
+        seed(7),
+        &["--auth", "jwt", "--auth-secret-file", secret],
+    )
+    .await;
+    let mut device = Device::init("auth").await;
+    let (alice, _) = demo("Alice");
+    device.record("deposit", alice, 700).await;
+    let synced = |status: &Value| status["synced"].as_u64();
+
+    let mint = |sub: String| {
+        let out = Command::new(TALLY)
+            .args(["token", "--secret-file", secret, "--sub", &sub])
+            .args(["--scope", "devices:sync"])
+            .output()
+            .expect("tally token runs");
+        assert!(out.status.success(), "tally token: {}", text(&out));
+        let path = dir.0.join(format!("token-{sub}"));
+        std::fs::write(&path, &out.stdout).unwrap();
+        path.to_str().expect("a UTF-8 path").to_owned()
+    };
+    let other = mint(Uuid::new_v4().to_string());
+    let own = mint(device.id.to_string());
+
+    for extra in [vec![], vec!["--token-file", other.as_str()]] {
+        let out = device.sync_once(&replica, 1, &extra).await;
+        assert_eq!(out.status.code(), Some(1), "stopped: {}", text(&out));
+        let status = device.status().await;
+        assert_eq!(synced(&status), Some(0), "nothing synced: {status}");
+        assert_eq!(
+            status["pending"].as_u64().unwrap_or(0) + status["inFlight"].as_u64().unwrap_or(0),
+            1,
+            "the queue is kept: {status}"
+        );
+    }
+    device.sync_with(&replica, 1, &["--token-file", &own]).await;
+    let after = device.status().await;
+    assert_eq!(synced(&after), Some(1), "{after}");
 }

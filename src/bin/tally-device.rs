@@ -77,6 +77,10 @@ enum Command {
         /// Seed of the backoff jitter (random when absent).
         #[arg(long)]
         jitter_seed: Option<u64>,
+        /// A file holding the bearer token to send, for a server running `--auth jwt`: its
+        /// `sub` must be this device's id and its scopes include `devices:sync`.
+        #[arg(long, env = "TALLY_DEVICE_TOKEN_FILE")]
+        token_file: Option<std::path::PathBuf>,
     },
     /// Shows pending, in-flight and synced events per account.
     Status {
@@ -153,9 +157,15 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             max_attempts,
             timeout_ms,
             jitter_seed,
+            token_file,
         } => {
-            let transport = HttpTransport::new(&server, Duration::from_millis(timeout_ms))
+            let mut transport = HttpTransport::new(&server, Duration::from_millis(timeout_ms))
                 .map_err(|e| Failure(EXIT_ERROR, e))?;
+            if let Some(path) = token_file {
+                transport = transport
+                    .with_token(&read_token(&path)?)
+                    .map_err(|e| Failure(EXIT_ERROR, format!("--token-file: {e}")))?;
+            }
             let mut outbox = Outbox::open(&cli.outbox)?;
             let options = SyncOptions {
                 batch_size,
@@ -226,4 +236,27 @@ fn operation(kind: &str, account: &str, amount: &str) -> Result<Operation, Failu
             "unknown kind {other:?}: record deposit or withdraw"
         ))),
     }
+}
+
+/// The token in `path`, read whole up to [`transport::MAX_TOKEN_FILE_BYTES`].
+fn read_token(path: &std::path::Path) -> Result<String, Failure> {
+    use std::io::Read;
+    let bad = |why: String| {
+        Failure(
+            EXIT_ERROR,
+            format!("--token-file {}: {why}", path.display()),
+        )
+    };
+    let file = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
+    let mut token = String::new();
+    file.take(transport::MAX_TOKEN_FILE_BYTES + 1)
+        .read_to_string(&mut token)
+        .map_err(|e| bad(e.to_string()))?;
+    if token.len() as u64 > transport::MAX_TOKEN_FILE_BYTES {
+        return Err(bad(format!(
+            "longer than {} bytes",
+            transport::MAX_TOKEN_FILE_BYTES
+        )));
+    }
+    Ok(token)
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use hyper::header::{CONTENT_TYPE, HeaderValue};
+use hyper::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue};
 use hyper::{Method, Request, StatusCode, Uri};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -36,7 +36,13 @@ pub struct HttpTransport {
     client: Client<HttpConnector, Full<Bytes>>,
     base: String,
     timeout: Duration,
+    /// `Bearer <token>` when the server runs with `--auth jwt`: a token whose `sub` is this
+    /// device's id and whose scopes include `devices:sync`.
+    authorization: Option<HeaderValue>,
 }
+
+/// The most bytes of a token file read (a JWT is well under 2 KiB).
+pub const MAX_TOKEN_FILE_BYTES: u64 = 16 * 1024;
 
 impl HttpTransport {
     /// A transport to `server` (`http://host:port[/prefix]`). TLS is not built in.
@@ -66,16 +72,35 @@ impl HttpTransport {
                 uri.path().trim_end_matches('/')
             ),
             timeout,
+            authorization: None,
         })
+    }
+
+    /// Sends `token` (the contents of `--token-file`, surrounding whitespace ignored) as a
+    /// bearer token on every request. The token never appears in an error or a log line.
+    pub fn with_token(mut self, token: &str) -> Result<Self, String> {
+        let token = token.trim();
+        if token.is_empty() {
+            return Err("the token file is empty".into());
+        }
+        let mut value = HeaderValue::from_str(&format!("Bearer {token}"))
+            .map_err(|_| "the token file holds characters a header cannot carry".to_string())?;
+        value.set_sensitive(true);
+        self.authorization = Some(value);
+        Ok(self)
     }
 
     async fn exchange(&self, uri: Uri, body: Bytes) -> Result<(StatusCode, Bytes), String> {
         let request = Request::builder()
             .method(Method::POST)
             .uri(uri)
-            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
-            .body(Full::new(body))
-            .map_err(|e| e.to_string())?;
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        let request = match &self.authorization {
+            Some(value) => request.header(AUTHORIZATION, value.clone()),
+            None => request,
+        }
+        .body(Full::new(body))
+        .map_err(|e| e.to_string())?;
         let work = async {
             let response = self
                 .client
@@ -148,6 +173,10 @@ pub fn classify_http(status: StatusCode, body: &[u8]) -> Result<SyncResponse, Tr
         || matches!(
             status,
             StatusCode::BAD_REQUEST
+                // A missing, expired or refused token, or one for another device: resending
+                // cannot fix it; a new token can (the queue is kept).
+                | StatusCode::UNAUTHORIZED
+                | StatusCode::FORBIDDEN
                 | StatusCode::NOT_FOUND
                 | StatusCode::METHOD_NOT_ALLOWED
                 | StatusCode::PAYLOAD_TOO_LARGE
@@ -277,6 +306,14 @@ mod tests {
             br#"{"error":"BAD_SEQUENCE","message":"x"}"#
         ));
         assert!(refused(StatusCode::NOT_FOUND, b"no route"));
+        assert!(refused(
+            StatusCode::UNAUTHORIZED,
+            br#"{"error":"INVALID_TOKEN","message":"x"}"#
+        ));
+        assert!(refused(
+            StatusCode::FORBIDDEN,
+            br#"{"error":"FORBIDDEN","message":"x"}"#
+        ));
         assert!(refused(
             StatusCode::INTERNAL_SERVER_ERROR,
             br#"{"error":"DEVICE_RUN_STRADDLES_MARK","message":"x"}"#
