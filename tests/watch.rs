@@ -457,3 +457,40 @@ async fn a_feed_that_falls_behind_resyncs_account_streams_and_ends_fleet_wide_on
     assert!(metric_sample(&metrics, "tally_watch_feed_gaps_total") >= 1.0);
     t.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_device_run_streams_as_one_version_written_by_the_device() {
+    let t = spawn(test_config(&[]), None, None).await;
+    let account = new_account();
+    let mut s = Stream::open(&t, &events_path(&account), None).await;
+    assert_eq!(s.next().await.name(), "snapshot");
+    let device = uuid::Uuid::new_v4();
+    let run = serde_json::json!({"accountId": account, "events": [
+        {"clientSeq": 1, "type": "deposit", "amountCents": 500},
+        {"clientSeq": 2, "type": "withdraw", "amountCents": 200},
+    ]});
+    let r = t
+        .post(&format!("/api/devices/{device}/sync"), &run, None)
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    // One batch, two events: only the last carries the version as its id, so a client
+    // that resumes never splits a version.
+    let (first, second) = (s.next().await, s.next().await);
+    assert_eq!((first.name(), first.id.as_deref()), ("Deposited", None));
+    assert_eq!(
+        (second.name(), second.id.as_deref()),
+        ("Withdrawn", Some("1"))
+    );
+    for (e, balance) in [(&first, 500), (&second, 300)] {
+        let data = e.json();
+        assert_eq!(data["aggregateVersion"], 1);
+        assert_eq!(data["writer"], "client");
+        assert_eq!(data["writerId"], device.to_string());
+        assert_eq!(data["balanceCents"], balance);
+    }
+    // Resuming from before it replays the whole version.
+    let mut again = Stream::open(&t, &events_path(&account), Some("0")).await;
+    assert_eq!(again.next().await.name(), "Deposited");
+    assert_eq!(again.next().await.id.as_deref(), Some("1"));
+    t.shutdown().await;
+}

@@ -283,7 +283,7 @@ def parse_metrics_rs():
     """{name: {"type": ..., "labels": [...], "help": ...}} and the set of `arm` values."""
     src = open(METRICS_RS).read()
     metrics = {}
-    for m in re.finditer(r"\b(counter_vec|counter|gauge|histogram_vec|histogram)\(\s*r,\s*", src):
+    for m in re.finditer(r"\b(counter_vec|counter|gauge_vec|gauge|histogram_vec|histogram)\(\s*r,\s*", src):
         i, depth = m.end(), 1
         while depth and i < len(src):  # the call's argument text, to its closing paren
             depth += {"(": 1, ")": -1}.get(src[i], 0)
