@@ -96,6 +96,12 @@ pub struct Metrics {
     pub http_accept_paused: IntCounter,
     pub http_queued: IntGauge,
     pub http_queue_wait: Histogram,
+    // The Postgres projection (issue 14)
+    pub projection_record_failures: IntCounter,
+    pub projection_db_statements: IntCounterVec,
+    pub projection_db_round_trips_per_write: Histogram,
+    pub projection_db_rows_replayed: IntCounter,
+    pub projection_db_rows_swept: IntCounter,
 }
 
 impl Metrics {
@@ -296,6 +302,34 @@ impl Metrics {
                 "tally_http_queue_wait_seconds",
                 "Time a request over --max-concurrent-requests waited for a slot, admitted or shed.",
                 LATENCY_BUCKETS,
+            ),
+            // The Postgres projection (issue 14). Zero on the memory projection.
+            projection_record_failures: counter(
+                r,
+                "tally_projection_record_failures_total",
+                "Writes that landed in the store but whose record statement failed (answered anyway; the next catch-up replays them).",
+            ),
+            projection_db_statements: counter_vec(
+                r,
+                "tally_projection_db_statements_total",
+                "Postgres projection statements, by statement (load, persist, record, sweep) and outcome (ok, error).",
+                &["statement", "outcome"],
+            ),
+            projection_db_round_trips_per_write: histogram(
+                r,
+                "tally_projection_db_round_trips_per_write",
+                "Postgres projection statements per write-loop run (one request, or one batch of a hot account's requests).",
+                COUNT_BUCKETS,
+            ),
+            projection_db_rows_replayed: counter(
+                r,
+                "tally_projection_db_index_rows_replayed_total",
+                "Recent-writes index rows a catch-up persisted for events it replayed inside the window.",
+            ),
+            projection_db_rows_swept: counter(
+                r,
+                "tally_projection_db_index_rows_swept_total",
+                "Expired recent-writes index rows deleted by the background sweep.",
             ),
             registry,
         }

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use crate::common::{self, new_account};
 
 /// Every flag the binary takes, each settable from the environment.
-const FLAGS: [&str; 34] = [
+const FLAGS: [&str; 38] = [
     "max-index-entries",
     "max-header-bytes",
     "max-live-writes",
@@ -49,6 +49,11 @@ const FLAGS: [&str; 34] = [
     "celeriant-tls-key",
     "celeriant-tls-server-name",
     "celeriant-api-key",
+    // The Postgres projection (issue 14).
+    "projection",
+    "postgres-url",
+    "postgres-pool-size",
+    "postgres-statement-timeout-ms",
 ];
 
 /// How long the binary may take to start or stop before a test fails.
@@ -221,6 +226,8 @@ fn binary_help_lists_every_flag_with_its_env_name() {
             "celeriant-address" | "celeriant-seeds" | "celeriant-api-key" => {
                 name.replace('-', "_").to_uppercase()
             }
+            // The name every Postgres tool and platform uses (issue 14).
+            "postgres-url" => "DATABASE_URL".into(),
             _ => format!("TALLY_{}", name.replace('-', "_").to_uppercase()),
         };
         assert!(
