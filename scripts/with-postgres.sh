@@ -52,8 +52,14 @@ trap cleanup EXIT
 "${as_owner[@]}" "$bin/initdb" -D "$dir/data" -U postgres --auth=trust --no-sync >"$dir/initdb.log" 2>&1 ||
     { cat "$dir/initdb.log" >&2; exit 1; }
 # A test cluster: durability off (it is thrown away), enough connections for parallel tests.
+# TALLY_PG_DURABLE=1 keeps Postgres's durable defaults (fsync, synchronous commit): for
+# benchmarks, so a figure is what a real deployment pays.
+durability="-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+if [ "${TALLY_PG_DURABLE:-0}" = 1 ]; then
+    durability=""
+fi
 "${as_owner[@]}" "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
-    -o "-p $port -k $dir -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=400" \
+    -o "-p $port -k $dir -c listen_addresses=127.0.0.1 $durability -c max_connections=400" \
     start >/dev/null || { cat "$dir/server.log" >&2; exit 1; }
 
 export TALLY_TEST_POSTGRES_URL="postgres://postgres@127.0.0.1:$port/postgres"

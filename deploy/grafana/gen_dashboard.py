@@ -245,6 +245,21 @@ def build():
                                          t(f"sum({rate('tally_device_sync_events_total')})", "events synced")], "ops",
          "Offline devices' runs: synced, already_synced (an earlier attempt landed), retry, refused, conflict.")
 
+    # The Postgres projection (issue 14). Flat at zero on the memory projection.
+    L.row("Postgres projection")
+    L.ts("Projection statements by kind and outcome",
+         [t(f"sum by (statement, outcome) ({rate('tally_projection_db_statements_total')})", "{{statement}} {{outcome}}")], "ops",
+         "load (row + index lookup in one statement), persist (a catch-up's replay), record (a write), sweep.")
+    L.ts("Database round trips per write",
+         [t(mean("tally_projection_db_round_trips_per_write"), "mean"),
+          t(quantile(0.99, "tally_projection_db_round_trips_per_write", []), "p99")], "short",
+         "Projection statements per write-loop run: 2 on the fast path (the row read with its lookup, the record).")
+    L.ts("Record failures", [t(f"sum by (instance) (increase(tally_projection_record_failures_total{sel()}[{RI}]))", "{{instance}}")], "short",
+         "Writes that landed but whose record statement failed: answered anyway, replayed by the next catch-up.")
+    L.ts("Index rows replayed and swept",
+         [t(f"sum({rate('tally_projection_db_index_rows_replayed_total')})", "replayed"),
+          t(f"sum({rate('tally_projection_db_index_rows_swept_total')})", "swept")], "ops")
+
     templating = {"list": [
         {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",
          "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []},
