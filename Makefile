@@ -20,11 +20,11 @@ unit:
 
 # The Postgres projection (issue 14): every suite runs inside one throwaway Postgres cluster
 # (scripts/with-postgres.sh: installs Debian's postgresql when missing, exports
-# TALLY_TEST_POSTGRES_URL, tears the cluster down after); tests/postgres.rs uses it, and the
-# API suite runs a second time on the Postgres projection.
+# TALLY_TEST_POSTGRES_URL, tears the cluster down after). tests/postgres.rs uses it, and the
+# API and fleet suites run a second time on the Postgres projection.
 unit-suites:
 	$(CARGO) test --locked
-	TALLY_TEST_PROJECTION=postgres $(CARGO) test --locked --test api
+	TALLY_TEST_PROJECTION=postgres $(CARGO) test --locked --test api --test fleet
 
 ## Validate deploy/ (k8s schemas, nginx -t, dashboard, alert rules). Installs what it needs.
 check-deploy:
