@@ -2,7 +2,7 @@
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: run test lint unit check-deploy bench soak fleet load clean contract lint-docker image browser auth-suites
+.PHONY: run test lint unit unit-suites check-deploy bench soak fleet load clean contract lint-docker image browser auth-suites
 
 ## Serve the API on 127.0.0.1:8080 with the embedded store.
 run:
@@ -16,7 +16,15 @@ lint:
 	$(CARGO) clippy --all-targets --locked -- -D warnings
 
 unit:
-	TALLY_REQUIRE_BROWSER=1 $(CARGO) test --locked
+	TALLY_REQUIRE_BROWSER=1 bash scripts/with-postgres.sh $(MAKE) --no-print-directory unit-suites
+
+# The Postgres projection (issue 14): every suite runs inside one throwaway Postgres cluster
+# (scripts/with-postgres.sh: installs Debian's postgresql when missing, exports
+# TALLY_TEST_POSTGRES_URL, tears the cluster down after). tests/postgres.rs uses it, and the
+# API and fleet suites run a second time on the Postgres projection.
+unit-suites:
+	$(CARGO) test --locked
+	TALLY_TEST_PROJECTION=postgres $(CARGO) test --locked --test api --test fleet
 
 # Console and watch stream (issue 16): the console's browser test drives headless Debian
 # Chromium through chromedriver; install both when missing (Debian/Ubuntu, as root or

@@ -14,6 +14,10 @@
 #   FLEET_LISTEN         where nginx listens, loopback only (default 127.0.0.1:8080)
 #   FLEET_MAX_SECONDS    stop by itself after this long, 0 = only on Ctrl-C (default 3600)
 #   FLEET_KEEP_LOGS      1 = keep the work dir (logs, nginx config) after a clean stop
+#   TALLY_PROJECTION     memory (default) or postgres: every replica on one shared database,
+#                        DATABASE_URL (or the TALLY_TEST_POSTGRES_URL that
+#                        scripts/with-postgres.sh exports), e.g. a throwaway one:
+#                        TALLY_PROJECTION=postgres scripts/with-postgres.sh deploy/fleet.sh
 # Every other TALLY_* / CELERIANT_* / RUST_LOG variable reaches the replicas unchanged.
 set -euo pipefail
 
@@ -84,6 +88,19 @@ EOF
     ;;
 *) die 2 "TALLY_STORE must be celeriant or memory, got '$TALLY_STORE'" ;;
 esac
+
+# --- the projection (issue 14) ---------------------------------------------------------------
+TALLY_PROJECTION=${TALLY_PROJECTION:-memory}
+case $TALLY_PROJECTION in
+memory) ;;
+postgres)
+    DATABASE_URL=${DATABASE_URL:-${TALLY_TEST_POSTGRES_URL:-}}
+    [[ -n $DATABASE_URL ]] || die 2 "TALLY_PROJECTION=postgres needs DATABASE_URL (one database every replica shares), or run under scripts/with-postgres.sh for a throwaway one"
+    export DATABASE_URL
+    ;;
+*) die 2 "TALLY_PROJECTION must be memory or postgres, got '$TALLY_PROJECTION'" ;;
+esac
+export TALLY_PROJECTION
 
 # One writer identity for the whole fleet, stable across runs: the replicas are one service.
 # A fresh id per run (or per replica) would restart Celeriant's duplicate-sequence history.

@@ -13,7 +13,7 @@ use crate::auth::Authenticator;
 use crate::config::{Config, ConfigError, DEMO_ACCOUNTS, StoreKind, demo_account_id};
 use crate::device::server::DeviceSync;
 use crate::metrics::Metrics;
-use crate::projection::{Clock, MonotonicClock, Projection};
+use crate::projection::{Clock, MonotonicClock, PgProjection, Projection};
 use crate::reader::AccountReader;
 use crate::startup::Startup;
 use crate::store::celeriant::CeleriantLog;
@@ -33,6 +33,9 @@ pub enum StartError {
     Config(#[from] ConfigError),
     #[error("could not connect to the store: {0}")]
     Store(String),
+    /// The Postgres projection's database (issue 14).
+    #[error("could not open the Postgres projection: {0}")]
+    Projection(String),
 }
 
 pub struct App {
@@ -109,13 +112,29 @@ impl AppBuilder {
         let clock = self
             .clock
             .unwrap_or_else(|| Arc::new(MonotonicClock::new()));
-        let projection = Arc::new(Projection::new(
-            log.clone(),
-            identity,
-            config.projection(),
-            clock,
-            metrics.clone(),
-        ));
+        let projection = Arc::new(match config.postgres() {
+            None => Projection::new(
+                log.clone(),
+                identity,
+                config.projection(),
+                clock,
+                metrics.clone(),
+            ),
+            // The Postgres projection (issue 14): connect and migrate before serving.
+            Some(settings) => {
+                let pg = PgProjection::connect(&settings, metrics.clone())
+                    .await
+                    .map_err(|e| StartError::Projection(e.to_string()))?;
+                Projection::with_postgres(
+                    log.clone(),
+                    identity,
+                    config.projection(),
+                    clock,
+                    metrics.clone(),
+                    pg,
+                )
+            }
+        });
         let writes = Arc::new(WriteService::new(projection.clone(), config.write()));
         let reader = AccountReader::new(projection.clone());
         let devices = DeviceSync::new(log.clone(), identity);

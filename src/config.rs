@@ -237,7 +237,39 @@ pub struct Config {
     // Watch stream (issue 16): its limits, `--watch-*`.
     #[command(flatten)]
     pub watch: WatchConfig,
+    // --- The Postgres projection (issue 14) ---
+    /// Where the projection lives: its cursor, balance, highest own sequence AND its
+    /// recent-writes index, always together. `memory`: each replica folds the stream itself;
+    /// `postgres`: one database shared by every replica (needs --postgres-url).
+    #[arg(long = "projection", env = "TALLY_PROJECTION", value_enum, default_value_t = ProjectionKind::Memory)]
+    pub projection_kind: ProjectionKind,
+
+    /// The Postgres projection's database URL (`postgres://user:password@host:5432/db`).
+    /// Never logged; in Kubernetes it comes from a Secret.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub postgres_url: Option<String>,
+
+    /// Connections in this replica's Postgres pool.
+    #[arg(long, env = "TALLY_POSTGRES_POOL_SIZE", default_value_t = crate::projection::postgres::DEFAULT_POOL_SIZE)]
+    pub postgres_pool_size: usize,
+
+    /// The longest one Postgres statement may run, and the longest a request waits for a
+    /// pooled connection, in ms.
+    #[arg(long, env = "TALLY_POSTGRES_STATEMENT_TIMEOUT_MS", default_value_t = crate::projection::postgres::DEFAULT_STATEMENT_TIMEOUT.as_millis() as u64)]
+    pub postgres_statement_timeout_ms: u64,
 }
+
+/// Where the projection lives (issue 14). One setting for cursor and index together: the
+/// half-shared configuration (a shared cursor with a per-replica index) double-writes, so
+/// it cannot be configured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ProjectionKind {
+    Memory,
+    Postgres,
+}
+
+/// The most connections one replica's Postgres pool may hold (issue 14).
+pub const MAX_POSTGRES_POOL_SIZE: usize = 1024;
 
 /// A configuration that cannot run.
 #[derive(Debug, thiserror::Error)]
@@ -305,7 +337,42 @@ impl Config {
                 .validate()
                 .map_err(|e| ConfigError(e.to_string()))?;
         }
+        self.validate_postgres()?;
         Ok(())
+    }
+
+    // The Postgres projection (issue 14).
+    fn validate_postgres(&self) -> Result<(), ConfigError> {
+        if self.projection_kind != ProjectionKind::Postgres {
+            return Ok(());
+        }
+        if self.postgres_url.as_deref().is_none_or(str::is_empty) {
+            return Err(ConfigError(
+                "--projection postgres needs --postgres-url (or DATABASE_URL)".into(),
+            ));
+        }
+        if !(1..=MAX_POSTGRES_POOL_SIZE).contains(&self.postgres_pool_size) {
+            return Err(ConfigError(format!(
+                "--postgres-pool-size must be 1..={MAX_POSTGRES_POOL_SIZE}"
+            )));
+        }
+        if self.postgres_statement_timeout_ms == 0 {
+            return Err(ConfigError(
+                "--postgres-statement-timeout-ms must be positive".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The Postgres projection's settings, when `--projection postgres` (issue 14).
+    pub fn postgres(&self) -> Option<crate::projection::PostgresSettings> {
+        (self.projection_kind == ProjectionKind::Postgres).then(|| {
+            crate::projection::PostgresSettings {
+                url: self.postgres_url.clone().unwrap_or_default(),
+                pool_size: self.postgres_pool_size,
+                statement_timeout: Duration::from_millis(self.postgres_statement_timeout_ms),
+            }
+        })
     }
 
     pub fn identity(&self) -> Identity {

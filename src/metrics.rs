@@ -119,6 +119,12 @@ pub struct Metrics {
     pub watch_refused: IntCounterVec,
     pub watch_feed_gaps: IntCounter,
     pub fault_injection_enabled: IntGauge,
+    // The Postgres projection (issue 14)
+    pub projection_record_failures: IntCounter,
+    pub projection_db_statements: IntCounterVec,
+    pub projection_db_round_trips_per_write: Histogram,
+    pub projection_db_rows_replayed: IntCounter,
+    pub projection_db_rows_swept: IntCounter,
 }
 
 impl Metrics {
@@ -360,6 +366,34 @@ impl Metrics {
                 r,
                 "tally_fault_injection_enabled",
                 "1 when the replica runs with --faults (the console shows its fault panel then), else 0.",
+            ),
+            // The Postgres projection (issue 14). Zero on the memory projection.
+            projection_record_failures: counter(
+                r,
+                "tally_projection_record_failures_total",
+                "Writes that landed in the store but whose record statement failed (answered anyway; the next catch-up replays them).",
+            ),
+            projection_db_statements: counter_vec(
+                r,
+                "tally_projection_db_statements_total",
+                "Postgres projection statements, by statement (load, persist, record, sweep) and outcome (ok, error).",
+                &["statement", "outcome"],
+            ),
+            projection_db_round_trips_per_write: histogram(
+                r,
+                "tally_projection_db_round_trips_per_write",
+                "Postgres projection statements per write-loop run (one request, or one batch of a hot account's requests).",
+                COUNT_BUCKETS,
+            ),
+            projection_db_rows_replayed: counter(
+                r,
+                "tally_projection_db_index_rows_replayed_total",
+                "Recent-writes index rows a catch-up persisted for events it replayed inside the window.",
+            ),
+            projection_db_rows_swept: counter(
+                r,
+                "tally_projection_db_index_rows_swept_total",
+                "Expired recent-writes index rows deleted by the background sweep.",
             ),
             registry,
         }

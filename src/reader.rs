@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::account::{AccountEvent, AccountId};
-use crate::projection::{Projection, ProjectionError, Snapshot};
+use crate::projection::{Loaded, Projection, ProjectionError, Snapshot};
 use crate::store::{BatchStream, ReadFilter, StoreError};
 
 /// History page size when the caller names none, and the most it may ask for.
@@ -163,14 +163,14 @@ impl AccountReader {
     ) -> Result<Balance, ReadError> {
         // A read-your-writes read this replica can already satisfy needs no store round trip.
         if let Some(min) = min_version
-            && let Some(snap) = self.local_snapshot(account)
+            && let Some(snap) = self.local_snapshot(account).await?
             && snap.version >= min
         {
             return Ok(snap.into());
         }
         let mut attempt = 0;
         loop {
-            let (_, snap) = self.projection.catch_up(account).await?;
+            let snap = self.projection.refresh(account, &[]).await?.snap;
             if min_version.is_none_or(|min| snap.version >= min) {
                 return Ok(snap.into());
             }
@@ -184,11 +184,15 @@ impl AccountReader {
         }
     }
 
-    /// The resident account's folded state, when the fold can answer without a store read:
-    /// caught up at least once and not broken. The write loop makes the same check before a
-    /// first attempt at the local cursor.
-    fn local_snapshot(&self, account: AccountId) -> Option<Snapshot> {
-        self.projection.warm_snapshot(account).map(|(_, snap)| snap)
+    /// The account's state when the projection can answer without a store read (the memory
+    /// fold: caught up at least once and not broken; Postgres: the shared row). The write
+    /// loop makes the same check before a first attempt at the local cursor.
+    async fn local_snapshot(&self, account: AccountId) -> Result<Option<Snapshot>, ReadError> {
+        Ok(self
+            .projection
+            .current(account, &[])
+            .await?
+            .map(|loaded| loaded.snap))
     }
 
     /// One page of the account's history from `from_version` (0 reads as 1), of at most
@@ -218,8 +222,8 @@ impl AccountReader {
         let key = self.projection.identity().key(account);
         // The balance comes from the fold; a stream the fold cannot derive (trimmed) still
         // has a readable history, just no balance.
-        let (balance_cents, current) = match self.projection.catch_up(account).await {
-            Ok((_, snap)) => (Some(snap.balance), snap.version),
+        let (balance_cents, current) = match self.projection.refresh(account, &[]).await {
+            Ok(loaded) => (Some(loaded.snap.balance), loaded.snap.version),
             Err(ProjectionError::Store(e)) => return Err(e.into()),
             Err(_) => match log.details(key).await {
                 Ok(d) => (None, d.max_version),
@@ -287,8 +291,10 @@ impl AccountReader {
         // The balance must be the one at the page's current version: when the history read
         // saw versions the fold had not (its read lagged), fold again before answering.
         let (balance_cents, current) = match balance_cents {
-            Some(_) if newest_read > current => match self.projection.catch_up(account).await {
-                Ok((_, snap)) if snap.version >= newest_read => (Some(snap.balance), snap.version),
+            Some(_) if newest_read > current => match self.projection.refresh(account, &[]).await {
+                Ok(Loaded { snap, .. }) if snap.version >= newest_read => {
+                    (Some(snap.balance), snap.version)
+                }
                 Ok(_) => return Err(ReadError::BalanceBehindHistory { seen: newest_read }),
                 Err(ProjectionError::Store(e)) => return Err(e.into()),
                 Err(_) => (None, current),

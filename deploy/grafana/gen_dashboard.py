@@ -264,6 +264,20 @@ def build():
          "The store's watch fell behind or reconnected; the replica re-read every watched account.")
     L.stat("Fault injection on", f"max(tally_fault_injection_enabled{sel()})", "short",
            "1 when any replica runs with --faults (a demo or test setting; never in production).", red_above=1)
+    # The Postgres projection (issue 14). Flat at zero on the memory projection.
+    L.row("Postgres projection")
+    L.ts("Projection statements by kind and outcome",
+         [t(f"sum by (statement, outcome) ({rate('tally_projection_db_statements_total')})", "{{statement}} {{outcome}}")], "ops",
+         "load (row + index lookup in one statement), persist (a catch-up's replay), record (a write), sweep.")
+    L.ts("Database round trips per write",
+         [t(mean("tally_projection_db_round_trips_per_write"), "mean"),
+          t(quantile(0.99, "tally_projection_db_round_trips_per_write", []), "p99")], "short",
+         "Projection statements per write-loop run: 2 on the fast path (the row read with its lookup, the record).")
+    L.ts("Record failures", [t(f"sum by (instance) (increase(tally_projection_record_failures_total{sel()}[{RI}]))", "{{instance}}")], "short",
+         "Writes that landed but whose record statement failed: answered anyway, replayed by the next catch-up.")
+    L.ts("Index rows replayed and swept",
+         [t(f"sum({rate('tally_projection_db_index_rows_replayed_total')})", "replayed"),
+          t(f"sum({rate('tally_projection_db_index_rows_swept_total')})", "swept")], "ops")
 
     templating = {"list": [
         {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",

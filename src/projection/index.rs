@@ -479,6 +479,23 @@ impl RecentIndex {
         self.inner.as_ref().map_or(0, |i| i.live)
     }
 
+    /// Every id's latest record (expired or not), in no particular order: what a Postgres
+    /// catch-up persists after folding into a scratch index.
+    pub fn live_entries(&self) -> Vec<(u128, RecentWrite)> {
+        let Some(inner) = self.inner.as_ref() else {
+            return Vec::new();
+        };
+        inner
+            .slots
+            .iter()
+            .filter(|&&slot| slot != EMPTY)
+            .map(|&slot| {
+                let record = inner.record(slot);
+                (record.id(), inner.write_of(record))
+            })
+            .collect()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

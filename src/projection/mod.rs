@@ -10,11 +10,20 @@
 //!
 //! Files: `state` (one account's state and the fold), `anchor` (the estimate of the server's
 //! now that ages index entries), `sweep` (bounded memory: expiry, idle and capacity
-//! eviction), `index` (the recent-writes index), `clock` (the local monotonic clock).
+//! eviction), `index` (the recent-writes index), `clock` (the local monotonic clock),
+//! `port` (what the write loop and the reader call, over either backend), `postgres` (the
+//! Postgres backend: cursor and index shared by the fleet in one database).
+//!
+//! Two backends, chosen together as one setting ([`Backend`]): the memory fold above, where
+//! each replica folds the stream itself, and Postgres, where cursor and index are rows of one
+//! shared database. There is no way to mix them (a shared cursor with a per-replica index
+//! would double-write; see the README's "Postgres projection").
 
 mod anchor;
 pub mod clock;
 pub mod index;
+mod port;
+pub mod postgres;
 mod state;
 mod sweep;
 
@@ -31,6 +40,8 @@ use crate::store::{BatchStream, ReadFilter, SharedLog, StoreError};
 pub use anchor::SERVER_CLOCK_RESYNC;
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use index::{RecentIndex, RecentWrite};
+pub use port::{AccountView, Loaded};
+pub use postgres::{PgProjection, PostgresSettings};
 pub use state::{AccountState, Broken, FoldContext, Snapshot};
 pub use sweep::SweepStats;
 
@@ -126,6 +137,16 @@ pub struct Projection {
     server_offset_ms: AtomicI64,
     index_entries: AtomicI64,
     evict_signal: tokio::sync::Notify,
+    /// Where cursor and index live. Under Postgres the memory fold's map stays empty.
+    backend: Backend,
+}
+
+/// The projection backend: both the cursor and the recent-writes index live in it.
+pub enum Backend {
+    /// Each replica folds the stream itself, in memory.
+    Memory,
+    /// Every replica shares one database's rows.
+    Postgres(PgProjection),
 }
 
 impl Projection {
@@ -149,6 +170,34 @@ impl Projection {
             server_offset_ms: AtomicI64::new(i64::MIN),
             index_entries: AtomicI64::new(0),
             evict_signal: tokio::sync::Notify::new(),
+            backend: Backend::Memory,
+        }
+    }
+
+    /// A projection on the Postgres backend (connected and migrated by the caller).
+    pub fn with_postgres(
+        log: SharedLog,
+        identity: Identity,
+        config: ProjectionConfig,
+        clock: Arc<dyn Clock>,
+        metrics: Arc<Metrics>,
+        pg: PgProjection,
+    ) -> Self {
+        Self {
+            backend: Backend::Postgres(pg),
+            ..Self::new(log, identity, config, clock, metrics)
+        }
+    }
+
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    /// The backend's name, as `--projection` spells it.
+    pub fn backend_name(&self) -> &'static str {
+        match self.backend {
+            Backend::Memory => "memory",
+            Backend::Postgres(_) => "postgres",
         }
     }
 
@@ -383,7 +432,7 @@ fn check_broken(account: AccountId, st: &AccountState) -> Result<(), ProjectionE
     Ok(())
 }
 
-fn broken_error(account: AccountId, st: &AccountState) -> ProjectionError {
+pub(crate) fn broken_error(account: AccountId, st: &AccountState) -> ProjectionError {
     match st.broken.as_deref() {
         Some(Broken::Trimmed { min_available }) => ProjectionError::Trimmed {
             account,

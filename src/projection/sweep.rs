@@ -106,6 +106,18 @@ impl Projection {
                 _ = tokio::time::sleep(interval) => {}
                 _ = self.evict_signal.notified() => {}
             }
+            if let super::Backend::Postgres(pg) = &self.backend {
+                // The shared table: delete rows expired in server time, a bounded batch at a
+                // time. Every replica sweeps; the deletes are idempotent. No sweep before the
+                // first server-time observation (the tip is 0 then).
+                let tip = self.server_tip_ms();
+                if tip > 0
+                    && let Err(e) = pg.sweep(tip).await
+                {
+                    tracing::warn!(error = %e, "sweeping expired index rows failed; the next sweep retries");
+                }
+                continue;
+            }
             let this = self.clone();
             // A sweep walks every resident account; keep it off the async workers.
             let _ = tokio::task::spawn_blocking(move || this.sweep()).await;

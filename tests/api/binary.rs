@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use crate::common::{self, new_account};
 
 /// Every flag the binary takes, each settable from the environment.
-const FLAGS: [&str; 47] = [
+const FLAGS: [&str; 51] = [
     // Authentication, rate limits and the admin listener (issue 17).
     "auth",
     "auth-secret-file",
@@ -64,6 +64,11 @@ const FLAGS: [&str; 47] = [
     "watch-max-per-account",
     "watch-buffer",
     "watch-keepalive-secs",
+    // The Postgres projection (issue 14).
+    "projection",
+    "postgres-url",
+    "postgres-pool-size",
+    "postgres-statement-timeout-ms",
 ];
 
 /// How long the binary may take to start or stop before a test fails.
@@ -236,6 +241,8 @@ fn binary_help_lists_every_flag_with_its_env_name() {
             "celeriant-address" | "celeriant-seeds" | "celeriant-api-key" => {
                 name.replace('-', "_").to_uppercase()
             }
+            // The name every Postgres tool and platform uses (issue 14).
+            "postgres-url" => "DATABASE_URL".into(),
             _ => format!("TALLY_{}", name.replace('-', "_").to_uppercase()),
         };
         assert!(

@@ -13,6 +13,7 @@
 #![allow(dead_code)]
 
 pub mod hooked_log;
+pub mod pg;
 pub mod raw_http;
 pub mod sse;
 
@@ -23,7 +24,7 @@ use reqwest::StatusCode;
 use reqwest::header::HeaderMap;
 use serde_json::Value;
 use tally::app::App;
-use tally::config::Config;
+use tally::config::{Config, ProjectionKind};
 use tally::projection::Clock;
 use tally::store::SharedLog;
 use tally::store::faults::FaultyLog;
@@ -157,6 +158,20 @@ pub async fn spawn(
     store: Option<SharedLog>,
     clock: Option<Arc<dyn Clock>>,
 ) -> TestApp {
+    // The suites on the Postgres projection (issue 14): TALLY_TEST_PROJECTION=postgres puts
+    // every instance a test did not place itself on the test cluster: instances over one
+    // store share one schema, like a fleet shares its database.
+    let mut config = config;
+    if pg::suite_on_postgres() && config.projection_kind == ProjectionKind::Memory {
+        config.projection_kind = ProjectionKind::Postgres;
+        config.postgres_url = pg::url_for_store(store.as_ref()).await;
+        assert!(
+            config.postgres_url.is_some(),
+            "{} needs {}",
+            pg::PROJECTION_VAR,
+            pg::URL_VAR
+        );
+    }
     let mut builder = App::builder(config);
     if let Some(s) = store {
         builder = builder.store(s);

@@ -42,7 +42,7 @@ impl Run<'_> {
         let result = svc.projection.log().write(identity.client(), writes).await;
         match classify::classify(result) {
             Step::Landed { versions } => {
-                self.record_success(batch, &versions);
+                self.record_success(batch, &versions).await;
                 false
             }
             Step::Rejected { arm, failure } => {
@@ -96,7 +96,7 @@ impl Run<'_> {
         })
     }
 
-    fn record_success(&mut self, batch: &[usize], versions: &[u64]) {
+    async fn record_success(&mut self, batch: &[usize], versions: &[u64]) {
         if versions.len() != self.accounts.len() {
             // The store says it applied the write but not at which versions: it landed, so
             // never send it again, and never answer it as a success without its versions. A
@@ -108,11 +108,13 @@ impl Run<'_> {
             self.release_seqs();
             return;
         }
-        let projection = &self.svc.projection;
+        let svc = self.svc;
+        let projection = &svc.projection;
+        // (account index, the events on it, the account's highest sequence, balance after).
+        let mut per_account = Vec::with_capacity(self.accounts.len());
         for (ai, t) in self.accounts.iter().enumerate() {
-            let new_version = versions[ai];
             debug_assert_eq!(
-                new_version,
+                versions[ai],
                 t.snap.version + 1,
                 "a guarded write lands right above the version it expected"
             );
@@ -124,19 +126,29 @@ impl Run<'_> {
                 max_seq = max_seq.max(Self::seq(m, li));
                 balance_after = m.balances[li];
             }
-            if let Some(slot) = &t.slot {
-                projection.record_write(
-                    slot,
-                    &RecordedWrite {
-                        expected_version: t.snap.version,
-                        new_version,
-                        balance_after,
-                        max_client_seq: max_seq,
-                        events: &events,
-                    },
-                );
-            }
+            per_account.push((ai, events, max_seq, balance_after));
         }
+        let writes: Vec<_> = per_account
+            .iter()
+            .filter_map(|(ai, events, max_seq, balance_after)| {
+                let t = &self.accounts[*ai];
+                let view = t.view.as_ref()?;
+                Some((
+                    t.account,
+                    view,
+                    RecordedWrite {
+                        expected_version: t.snap.version,
+                        new_version: versions[*ai],
+                        balance_after: *balance_after,
+                        max_client_seq: *max_seq,
+                        events,
+                    },
+                ))
+            })
+            .collect();
+        let statements = projection.record(&writes).await;
+        drop(writes);
+        self.db_round_trips += statements;
         for &mi in batch {
             let m = &self.members[mi];
             let legs = m

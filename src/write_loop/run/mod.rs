@@ -12,7 +12,6 @@
 mod append;
 mod readback;
 
-use std::sync::Arc;
 use tokio::time::Instant;
 
 use super::decide::{self, Candidate, NeedsCurrentState, Verdict};
@@ -21,7 +20,7 @@ use super::{Answer, WriteError, WriteRequest};
 use crate::account::AccountId;
 use crate::account::rules::Legs;
 use crate::metrics::arm;
-use crate::projection::{AccountSlot, ProjectionError, Snapshot};
+use crate::projection::{AccountView, Loaded, ProjectionError, Snapshot};
 use crate::store::StoreError;
 
 /// Where one request of a run stands.
@@ -86,7 +85,8 @@ impl Member {
 /// One account touched by a run, with its state for the current attempt.
 struct Touched {
     account: AccountId,
-    slot: Option<Arc<AccountSlot>>,
+    /// Where this attempt's index lookups are answered from (set by every load).
+    view: Option<AccountView>,
     snap: Snapshot,
 }
 
@@ -105,6 +105,8 @@ pub(super) struct Run<'a> {
     accounts: Vec<Touched>,
     attempt: u32,
     round_trips: u32,
+    /// Projection database statements this run sent (Postgres backend only).
+    db_round_trips: u32,
     last_failure: String,
     /// Each account's tip as the store reported it during this run: any state read later
     /// that reaches it folds everything that landed before this run started.
@@ -129,7 +131,7 @@ impl<'a> Run<'a> {
                         None => {
                             accounts.push(Touched {
                                 account: leg.account,
-                                slot: None,
+                                view: None,
                                 snap: Snapshot {
                                     balance: 0,
                                     version: 0,
@@ -160,6 +162,7 @@ impl<'a> Run<'a> {
             accounts,
             attempt: 0,
             round_trips: 0,
+            db_round_trips: 0,
             last_failure: String::new(),
             tips: None,
         }
@@ -238,42 +241,77 @@ impl<'a> Run<'a> {
             .observe(f64::from(self.attempt));
         m.store_round_trips_per_write
             .observe(f64::from(self.round_trips));
+        if self.svc.projection.uses_database() {
+            m.projection_db_round_trips_per_write
+                .observe(f64::from(self.db_round_trips));
+        }
     }
 
-    /// Loads each account's state: `Ok(true)` from a catch-up, `Ok(false)` from the local
-    /// fold (only when `try_local` and every account is warm and readable).
+    /// The event ids of unanswered members with a leg on account `ai`: what its load looks
+    /// up in the index (on Postgres, in the statement that reads the account row).
+    fn lookups(&self, ai: usize) -> Vec<u128> {
+        self.members
+            .iter()
+            .filter(|m| !m.is_done())
+            .filter(|m| m.accounts[..m.legs.as_slice().len()].contains(&ai))
+            .map(|m| m.req.event_id)
+            .collect()
+    }
+
+    /// Loads each account's state: `Ok(true)` from a catch-up, `Ok(false)` from the
+    /// projection's current state without a store read (only when `try_local` and the
+    /// projection can vouch for every account).
     async fn load_state(&mut self, try_local: bool) -> Result<bool, LoadFailure> {
         let projection = &self.svc.projection;
-        let local: Option<Vec<(Arc<AccountSlot>, Snapshot)>> = if try_local {
-            self.accounts
-                .iter()
-                .map(|t| projection.warm_snapshot(t.account))
-                .collect()
-        } else {
-            None
-        };
-        if let Some(local) = local {
-            for (t, (slot, snap)) in self.accounts.iter_mut().zip(local) {
-                t.slot = Some(slot);
-                t.snap = snap;
+        if try_local {
+            let mut local: Vec<Loaded> = Vec::with_capacity(self.accounts.len());
+            for ai in 0..self.accounts.len() {
+                let lookups = self.lookups(ai);
+                match projection
+                    .current(self.accounts[ai].account, &lookups)
+                    .await
+                {
+                    Ok(Some(loaded)) => {
+                        self.db_round_trips += loaded.db_statements;
+                        local.push(loaded);
+                    }
+                    Ok(None) => break,
+                    Err(e) => return Err(self.load_failure(e)),
+                }
             }
-            return Ok(false);
+            if local.len() == self.accounts.len() {
+                for (t, loaded) in self.accounts.iter_mut().zip(local) {
+                    t.view = Some(loaded.view);
+                    t.snap = loaded.snap;
+                }
+                return Ok(false);
+            }
         }
         for i in 0..self.accounts.len() {
             self.round_trips += 1;
-            match projection.catch_up(self.accounts[i].account).await {
-                Ok((slot, snap)) => {
-                    self.accounts[i].slot = Some(slot);
-                    self.accounts[i].snap = snap;
+            let lookups = self.lookups(i);
+            match projection.refresh(self.accounts[i].account, &lookups).await {
+                Ok(loaded) => {
+                    self.db_round_trips += loaded.db_statements;
+                    self.accounts[i].view = Some(loaded.view);
+                    self.accounts[i].snap = loaded.snap;
                 }
-                Err(ProjectionError::Store(e)) => {
-                    self.last_failure = format!("catch-up: {e}");
-                    return Err(LoadFailure::Retry);
-                }
-                Err(e) => return Err(LoadFailure::Fail(WriteError::Account(e))),
+                Err(e) => return Err(self.load_failure(e)),
             }
         }
         Ok(true)
+    }
+
+    /// What a failed load means: a store (or projection database) failure is transient;
+    /// an account that cannot be answered (poisoned, trimmed) answers every open request.
+    fn load_failure(&mut self, e: ProjectionError) -> LoadFailure {
+        match e {
+            ProjectionError::Store(e) => {
+                self.last_failure = format!("catch-up: {e}");
+                LoadFailure::Retry
+            }
+            e => LoadFailure::Fail(WriteError::Account(e)),
+        }
     }
 
     /// Whether the caught-up state reaches each account's tip, so a rule rejection decided on

@@ -15,7 +15,7 @@ impl Run<'_> {
     /// written again, and answered after a later catch-up. A hit for a different operation
     /// is a reused key.
     pub(super) async fn answer_from_index(&mut self) {
-        let now = self.svc.projection.now_ms();
+        let projection = &self.svc.projection;
         let mut replays = 0u64;
         for mi in 0..self.members.len() {
             let m = &self.members[mi];
@@ -29,9 +29,9 @@ impl Run<'_> {
             let hits: Vec<Option<RecentWrite>> = (0..legs.len())
                 .map(|li| {
                     let t = &self.accounts[m.accounts[li]];
-                    t.slot
+                    t.view
                         .as_ref()
-                        .and_then(|s| s.state.lock().recent.get(m.req.event_id, now))
+                        .and_then(|v| projection.lookup(v, m.req.event_id))
                 })
                 .collect();
             let landed_visible = landed_at.iter().zip(legs).any(|(v, _)| v.is_some())

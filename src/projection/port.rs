@@ -1,0 +1,139 @@
+//! The projection port: what the write loop and the reader call, answered the same by both
+//! backends. Each call names the event ids it wants looked up, so the Postgres backend can
+//! answer them in the same statement that reads the account row.
+
+use std::sync::Arc;
+
+use super::postgres::RecordRow;
+use super::state::Snapshot;
+use super::{AccountSlot, Backend, Projection, ProjectionError, RecentWrite, RecordedWrite};
+use crate::account::AccountId;
+
+/// What a load handed back to answer index lookups from.
+pub enum AccountView {
+    /// The resident account: looked up under its lock, at lookup time.
+    Memory(Arc<AccountSlot>),
+    /// The live index rows the load asked for, read with the account row.
+    Postgres(Vec<(u128, RecentWrite)>),
+}
+
+/// An account's state, and the view its index lookups are answered from.
+pub struct Loaded {
+    pub view: AccountView,
+    pub snap: Snapshot,
+    /// Database statements the load took (0 on the memory backend).
+    pub db_statements: u32,
+}
+
+impl Projection {
+    /// Whether this projection talks to a database (its round trips are worth counting).
+    pub fn uses_database(&self) -> bool {
+        matches!(self.backend, Backend::Postgres(_))
+    }
+
+    /// The account's state without reading the store, when the backend can vouch for it:
+    /// the memory fold's resident, warm and readable account; or the shared database's row
+    /// (with the index rows of `lookups`), when there is one and it is readable. `None`:
+    /// catch up instead ([`Projection::refresh`]).
+    pub async fn current(
+        &self,
+        account: AccountId,
+        lookups: &[u128],
+    ) -> Result<Option<Loaded>, ProjectionError> {
+        match &self.backend {
+            Backend::Memory => Ok(self.warm_snapshot(account).map(|(slot, snap)| Loaded {
+                view: AccountView::Memory(slot),
+                snap,
+                db_statements: 0,
+            })),
+            Backend::Postgres(pg) => {
+                let row = self.pg_load(pg, account, lookups).await?;
+                Ok(match row.state {
+                    Some((snap, None)) => Some(Loaded {
+                        view: AccountView::Postgres(row.hits),
+                        snap,
+                        db_statements: 1,
+                    }),
+                    _ => None,
+                })
+            }
+        }
+    }
+
+    /// Catches the account up with the store and returns its state; the index rows of
+    /// `lookups` are answerable from the view.
+    pub async fn refresh(
+        &self,
+        account: AccountId,
+        lookups: &[u128],
+    ) -> Result<Loaded, ProjectionError> {
+        match &self.backend {
+            Backend::Memory => {
+                let (slot, snap) = self.catch_up(account).await?;
+                Ok(Loaded {
+                    view: AccountView::Memory(slot),
+                    snap,
+                    db_statements: 0,
+                })
+            }
+            Backend::Postgres(pg) => {
+                let c = self.pg_catch_up(pg, account, lookups).await?;
+                Ok(Loaded {
+                    view: AccountView::Postgres(c.hits),
+                    snap: c.snap,
+                    db_statements: c.statements,
+                })
+            }
+        }
+    }
+
+    /// The live index entry of `event_id` in a loaded view.
+    pub fn lookup(&self, view: &AccountView, event_id: u128) -> Option<RecentWrite> {
+        match view {
+            AccountView::Memory(slot) => slot.state.lock().recent.get(event_id, self.now_ms()),
+            AccountView::Postgres(hits) => {
+                hits.iter().find(|(id, _)| *id == event_id).map(|(_, w)| *w)
+            }
+        }
+    }
+
+    /// Records this replica's own successful write, on every account it touched: index
+    /// entries first or together, then the guarded cursor bump (see
+    /// [`Projection::record_write`]). On Postgres this is ONE statement for the whole write.
+    ///
+    /// Never fails: the store holds the write, so its answer goes back regardless. A failed
+    /// record is logged and counted (`tally_projection_record_failures_total`); the next
+    /// catch-up replays the event and indexes it, so a retry on any replica still finds it.
+    /// Returns the database statements sent (0 or 1).
+    pub async fn record(&self, writes: &[(AccountId, &AccountView, RecordedWrite<'_>)]) -> u32 {
+        match &self.backend {
+            Backend::Memory => {
+                for (_, view, write) in writes {
+                    if let AccountView::Memory(slot) = view {
+                        self.record_write(slot, write);
+                    }
+                }
+                0
+            }
+            Backend::Postgres(pg) => {
+                let rows: Vec<RecordRow<'_>> = writes
+                    .iter()
+                    .map(|(account, _, write)| RecordRow {
+                        account: *account,
+                        write,
+                    })
+                    .collect();
+                // The full window from now, in server time: this write's own commit time is
+                // not in the store's answer, and the estimate never runs ahead of the
+                // server, so the row outlives its window by a round trip at most.
+                let expires = self.server_tip_ms().saturating_add(self.window_ms());
+                if let Err(e) = pg.record(&rows, expires).await {
+                    self.metrics.projection_record_failures.inc();
+                    tracing::warn!(error = %e, accounts = rows.len(),
+                        "the write landed but recording it in the projection failed; the next catch-up replays it");
+                }
+                1
+            }
+        }
+    }
+}

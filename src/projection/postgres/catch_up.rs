@@ -1,0 +1,161 @@
+//! Catch-up on the Postgres projection: read the account row (with the index rows asked
+//! for), read the store from the row's cursor, fold what is new exactly as the memory fold
+//! does, and persist the fold (index rows inside the window, and the cursor) in one
+//! statement.
+
+use std::time::Instant;
+
+use super::{PgError, PgProjection, PgRow};
+use crate::account::AccountId;
+use crate::projection::state::{AccountState, Broken, FoldContext, Snapshot};
+use crate::projection::{Projection, ProjectionError, RecentWrite, broken_error};
+use crate::store::{BatchStream, ReadFilter, StoreError};
+
+/// What a Postgres catch-up found: the state, the index rows asked for, and how many
+/// database statements it took.
+pub struct PgCaughtUp {
+    pub snap: Snapshot,
+    pub hits: Vec<(u128, RecentWrite)>,
+    pub statements: u32,
+}
+
+/// A database failure, as the layers above see it: retryable, nothing applied.
+pub(crate) fn db_error(e: PgError) -> ProjectionError {
+    ProjectionError::Store(StoreError::NotApplied {
+        reason: e.to_string(),
+    })
+}
+
+/// The error of a row marked broken.
+pub(crate) fn row_broken(account: AccountId, snap: Snapshot, broken: Broken) -> ProjectionError {
+    let st = AccountState {
+        version: snap.version,
+        broken: Some(Box::new(broken)),
+        ..AccountState::default()
+    };
+    broken_error(account, &st)
+}
+
+impl Projection {
+    /// The account row and the index rows of `lookups`, without reading the store.
+    pub(crate) async fn pg_load(
+        &self,
+        pg: &PgProjection,
+        account: AccountId,
+        lookups: &[u128],
+    ) -> Result<PgRow, ProjectionError> {
+        let row = pg
+            .load(account, lookups, self.server_tip_ms())
+            .await
+            .map_err(db_error)?;
+        // The row's writer knew the server had reached this time: age entries against it
+        // too. (The lookup above used the estimate from before it; it can only have been
+        // lower, so the rows it returned are live by it or by more.)
+        self.observe_server_time(row.server_ts_ms);
+        Ok(row)
+    }
+
+    /// Catches the account up from the shared row and persists what it folded.
+    pub(crate) async fn pg_catch_up(
+        &self,
+        pg: &PgProjection,
+        account: AccountId,
+        lookups: &[u128],
+    ) -> Result<PgCaughtUp, ProjectionError> {
+        let mut statements = 1;
+        let loaded = self.pg_load(pg, account, lookups).await?;
+        let mut st = AccountState::default();
+        if let Some((snap, broken)) = loaded.state {
+            if let Some(b) = broken {
+                return Err(row_broken(account, snap, b));
+            }
+            st.balance = snap.balance;
+            st.version = snap.version;
+            st.max_client_seq = snap.max_client_seq;
+        }
+        let start = st.version;
+        let started = Instant::now();
+        let mut stream = BatchStream::new(
+            self.log.as_ref(),
+            self.identity.key(account),
+            ReadFilter::from_version(start + 1),
+        );
+        let mut first_page = true;
+        let mut broken: Option<Broken> = None;
+        let mut newest_ts = 0;
+        loop {
+            let page = match stream.next_page().await {
+                Ok(Some(page)) => page,
+                Ok(None) | Err(StoreError::AggregateNotFound) => break,
+                Err(StoreError::Trimmed { min_available }) => {
+                    if st.version + 1 < min_available {
+                        broken = Some(Broken::Trimmed { min_available });
+                    }
+                    break;
+                }
+                Err(e) => return Err(ProjectionError::Store(e)),
+            };
+            let Some(last) = page.last() else { continue };
+            self.observe_server_time(last.server_timestamp_ms);
+            newest_ts = newest_ts.max(last.server_timestamp_ms);
+            if first_page && stream.has_more() {
+                // As the memory fold: age a long catch-up's early pages against the tip.
+                if let Ok(d) = self.log.details(self.identity.key(account)).await {
+                    self.observe_server_time(d.last_server_timestamp_ms);
+                }
+            }
+            first_page = false;
+            // Expiry in server time: a batch's row expires at its commit time plus the
+            // window (the fold computes `now + window - age`, and now = tip here).
+            let tip = self.server_tip_ms();
+            let ctx = FoldContext {
+                client_id: self.identity.client(),
+                window_ms: self.window_ms(),
+                tip_ms: tip,
+                now_ms: tip,
+            };
+            match st.fold(&page, &ctx) {
+                Ok(applied) => self.metrics.events_folded.inc_by(applied),
+                Err(b) => {
+                    broken = Some(b);
+                    break;
+                }
+            }
+        }
+        self.metrics
+            .catchup_duration
+            .observe(started.elapsed().as_secs_f64());
+        let snap = st.snapshot();
+        if st.version > start || broken.is_some() {
+            let replayed = st.recent.live_entries();
+            statements += 1;
+            pg.persist(account, snap, broken.as_ref(), &replayed, newest_ts)
+                .await
+                .map_err(db_error)?;
+            self.metrics
+                .projection_db_rows_replayed
+                .inc_by(replayed.len() as u64);
+        }
+        if let Some(b) = broken {
+            self.metrics.poisoned_accounts.inc();
+            return Err(row_broken(account, snap, b));
+        }
+        // A lookup answers from the fold just done first (it is at least as new as the row
+        // read before it), then from the row read.
+        let tip = self.server_tip_ms();
+        let mut hits: Vec<(u128, RecentWrite)> = lookups
+            .iter()
+            .filter_map(|&id| st.recent.get(id, tip).map(|w| (id, w)))
+            .collect();
+        for (id, w) in loaded.hits {
+            if !hits.iter().any(|(h, _)| *h == id) {
+                hits.push((id, w));
+            }
+        }
+        Ok(PgCaughtUp {
+            snap,
+            hits,
+            statements,
+        })
+    }
+}

@@ -1,0 +1,403 @@
+//! The Postgres projection backend: the account's cursor, balance, highest own client
+//! sequence and recent-writes index live in two tables of one database that every replica
+//! shares, and move together, one statement at a time.
+//!
+//! - the write path's record ([`PgProjection::record`]) is ONE statement: the index rows
+//!   upserted (`expires_at_ms` only ever raised) and the cursor bumped, guarded on the
+//!   version the write expected. No replica can see the bump without the rows;
+//! - catch-up ([`super::Projection::refresh`]) persists what it replays, index rows inside the
+//!   window and the cursor, in one statement per catch-up, guarded so the cursor never
+//!   moves backwards ([`PgProjection::persist`]);
+//! - the index lookup rides the read of the account row as a LEFT JOIN
+//!   ([`PgProjection::load`]): never an extra round trip.
+//!
+//! Expiry is in the store's server time (its commit timestamps), never a replica's or the
+//! database's clock: a replayed row expires at its batch's commit time plus the window, a
+//! recorded write at the replica's server-time estimate plus the window, and lookups and
+//! the sweep compare against that same estimate (see `anchor.rs`).
+//!
+//! Files: this one (settings, pool, migrations, statements), `rows` (row <-> value
+//! conversions), `catch_up` (the catch-up over the store that persists what it folds).
+
+mod catch_up;
+mod rows;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::NoTls;
+use uuid::Uuid;
+
+use super::state::{Broken, Snapshot};
+use super::{RecentWrite, RecordedWrite};
+use crate::account::AccountId;
+use crate::metrics::Metrics;
+use rows::IndexRows;
+
+/// Connections in one replica's pool, unless configured.
+pub const DEFAULT_POOL_SIZE: usize = 16;
+/// The longest any one statement may run (server side), and the longest a request waits for
+/// a pooled connection, unless configured.
+pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The most expired index rows one sweep statement deletes, so a sweep never holds locks or
+/// runs long: a backlog is cleared over several statements.
+pub const SWEEP_BATCH_ROWS: i64 = 10_000;
+/// The most sweep statements one sweep pass runs (so at most this x [`SWEEP_BATCH_ROWS`]
+/// rows per pass); the next pass continues.
+pub const SWEEP_MAX_STATEMENTS: usize = 20;
+/// How long migrations may wait for the migration lock and run, at start.
+const MIGRATION_TIMEOUT: Duration = Duration::from_secs(60);
+/// The advisory lock that serialises migrations when several replicas start at once.
+const MIGRATION_LOCK: i64 = 0x7461_6c6c_795f_3134; // "tally_14"
+
+/// Embedded migrations, applied in order, each once (recorded in `tally_schema_migrations`).
+const MIGRATIONS: &[(i32, &str)] = &[(1, include_str!("../../../migrations/0001_projection.sql"))];
+
+/// How to reach the database.
+#[derive(Clone, Debug)]
+pub struct PostgresSettings {
+    /// A libpq-style URL or key=value string. Never logged (it may hold a password).
+    pub url: String,
+    pub pool_size: usize,
+    pub statement_timeout: Duration,
+}
+
+/// A database call failed. Retryable from the caller's point of view: nothing the
+/// projection reports as done depends on it.
+#[derive(Debug, thiserror::Error)]
+#[error("projection database: {0}")]
+pub struct PgError(String);
+
+impl From<tokio_postgres::Error> for PgError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        // `Display` of a db error is only "db error"; the detail says what.
+        match e.as_db_error() {
+            Some(db) => PgError(format!("{}: {}", db.code().code(), db.message())),
+            None => PgError(e.to_string()),
+        }
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for PgError {
+    fn from(e: deadpool_postgres::PoolError) -> Self {
+        PgError(format!("pool: {e}"))
+    }
+}
+
+/// The account row as read, with the index rows the read asked for.
+#[derive(Debug, Default)]
+pub struct PgRow {
+    /// `None`: no row yet (the account was never folded into this database).
+    pub state: Option<(Snapshot, Option<Broken>)>,
+    /// The commit time of the newest batch folded into the row (0 without one).
+    pub server_ts_ms: u64,
+    pub hits: Vec<(u128, RecentWrite)>,
+}
+
+/// One account's part of a recorded write: the row's new state and its index rows.
+pub struct RecordRow<'a> {
+    pub account: AccountId,
+    pub write: &'a RecordedWrite<'a>,
+}
+
+pub struct PgProjection {
+    pool: Pool,
+    metrics: Arc<Metrics>,
+}
+
+impl PgProjection {
+    /// Builds the pool (connections open lazily) and applies the embedded migrations.
+    pub async fn connect(
+        settings: &PostgresSettings,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, PgError> {
+        let mut pg: tokio_postgres::Config = settings
+            .url
+            .parse()
+            .map_err(|e| PgError(format!("bad --postgres-url: {e}")))?;
+        // Asynchronous commit: a statement returns before its WAL record is flushed. Safe for
+        // a projection, because nothing in it is the source of truth: a crash of the database
+        // loses the newest transactions whole (a consistent prefix, so a cursor is never
+        // without its index rows), and catch-up replays from the store what they had moved.
+        // It takes the WAL flush off every write's path.
+        let timeout_ms = settings.statement_timeout.as_millis();
+        let ours = format!("-c statement_timeout={timeout_ms} -c synchronous_commit=off");
+        let options = match pg.get_options() {
+            Some(o) if !o.is_empty() => format!("{o} {ours}"),
+            _ => ours,
+        };
+        pg.options(&options);
+        pg.application_name("tally");
+        let manager = Manager::from_config(
+            pg,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(settings.pool_size.max(1))
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(settings.statement_timeout))
+            .create_timeout(Some(settings.statement_timeout))
+            .build()
+            .map_err(|e| PgError(format!("pool: {e}")))?;
+        let this = Self { pool, metrics };
+        this.migrate().await?;
+        Ok(this)
+    }
+
+    /// Counts one statement by kind and outcome.
+    fn counted<T>(&self, statement: &str, r: Result<T, PgError>) -> Result<T, PgError> {
+        let outcome = if r.is_ok() { "ok" } else { "error" };
+        self.metrics
+            .projection_db_statements
+            .with_label_values(&[statement, outcome])
+            .inc();
+        r
+    }
+
+    /// Applies every embedded migration not applied yet, in one transaction under an
+    /// advisory lock: replicas starting at once take turns, and the later ones find
+    /// everything applied.
+    async fn migrate(&self) -> Result<(), PgError> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        tx.batch_execute(&format!(
+            "SET LOCAL statement_timeout = {}",
+            MIGRATION_TIMEOUT.as_millis()
+        ))
+        .await?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+            .await?;
+        tx.batch_execute(
+            "CREATE TABLE IF NOT EXISTS tally_schema_migrations (
+                 version integer PRIMARY KEY,
+                 applied_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .await?;
+        let applied: Vec<i32> = tx
+            .query("SELECT version FROM tally_schema_migrations", &[])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        for &(version, sql) in MIGRATIONS {
+            if applied.contains(&version) {
+                continue;
+            }
+            tracing::info!(version, "applying Postgres projection migration");
+            tx.batch_execute(sql).await?;
+            tx.execute(
+                "INSERT INTO tally_schema_migrations (version) VALUES ($1)",
+                &[&version],
+            )
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// The account row and, in the same statement (a LEFT JOIN), the live index rows of
+    /// `lookups`: the ones whose server-time expiry is after `tip_ms`.
+    pub async fn load(
+        &self,
+        account: AccountId,
+        lookups: &[u128],
+        tip_ms: u64,
+    ) -> Result<PgRow, PgError> {
+        let client = self.pool.get().await?;
+        let stmt = client
+            .prepare_cached(
+                "SELECT a.balance_cents, a.version, a.max_client_seq,
+                        a.broken_version, a.broken_reason, a.trimmed_min_available,
+                        a.server_ts_ms, r.event_id, r.balance_cents, r.version, r.event_kind,
+                        r.amount_cents, r.counterparty, r.expires_at_ms
+                 FROM (SELECT $1::uuid AS id) k
+                 LEFT JOIN tally_accounts a ON a.account_id = k.id
+                 LEFT JOIN tally_recent_writes r
+                        ON r.account_id = k.id AND r.event_id = ANY($2::uuid[])
+                       AND r.expires_at_ms > $3",
+            )
+            .await?;
+        let ids: Vec<Uuid> = lookups.iter().map(|&id| Uuid::from_u128(id)).collect();
+        let rows = client
+            .query(&stmt, &[&account.0, &ids, &rows::to_i64(tip_ms)])
+            .await
+            .map_err(PgError::from);
+        let rows = self.counted("load", rows)?;
+        rows::loaded(&rows).map_err(PgError)
+    }
+
+    /// The write path's record, for every account a write touched, as ONE statement: each
+    /// account's index rows upserted (a row's `expires_at_ms` only ever raised), and its
+    /// cursor bumped only where it still stands at the version the write expected (a row
+    /// is created only by a write that expected version 0). Returns the accounts whose
+    /// cursor moved.
+    pub async fn record(&self, rows: &[RecordRow<'_>], expires_at_ms: u64) -> Result<u64, PgError> {
+        // Rows in account order, so two records of one pair of accounts (transfers both ways)
+        // lock them in the same order and never deadlock.
+        let mut rows: Vec<&RecordRow<'_>> = rows.iter().collect();
+        rows.sort_by_key(|r| r.account.0);
+        let mut index = IndexRows::default();
+        let (mut ids, mut balances, mut versions, mut seqs, mut expected) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for r in rows {
+            let w = r.write;
+            for &(event_id, balance, event) in w.events {
+                index.push(
+                    r.account,
+                    event_id,
+                    &RecentWrite {
+                        balance,
+                        version: w.new_version,
+                        expires_at_ms,
+                        event,
+                    },
+                );
+            }
+            ids.push(r.account.0);
+            balances.push(w.balance_after);
+            versions.push(rows::to_i64(w.new_version));
+            seqs.push(rows::to_i64(w.max_client_seq));
+            expected.push(rows::to_i64(w.expected_version));
+        }
+        let client = self.pool.get().await?;
+        let stmt = client
+            .prepare_cached(&format!(
+                "WITH idx AS ({upsert})
+                 INSERT INTO tally_accounts AS a (account_id, balance_cents, version, max_client_seq)
+                 SELECT u.id, u.balance, u.version, u.seq
+                 FROM unnest($9::uuid[], $10::int8[], $11::int8[], $12::int8[], $13::int8[])
+                      AS u(id, balance, version, seq, expected)
+                 WHERE u.version = u.expected + 1
+                   AND (u.expected = 0 OR EXISTS
+                        (SELECT 1 FROM tally_accounts x WHERE x.account_id = u.id))
+                 ON CONFLICT (account_id) DO UPDATE
+                    SET balance_cents = EXCLUDED.balance_cents,
+                        version = EXCLUDED.version,
+                        max_client_seq = GREATEST(a.max_client_seq, EXCLUDED.max_client_seq)
+                  WHERE a.version = EXCLUDED.version - 1 AND a.broken_reason IS NULL",
+                upsert = rows::INDEX_UPSERT,
+            ))
+            .await?;
+        let n = client
+            .execute(
+                &stmt,
+                &[
+                    &index.accounts,
+                    &index.event_ids,
+                    &index.balances,
+                    &index.versions,
+                    &index.kinds,
+                    &index.amounts,
+                    &index.parties,
+                    &index.expires,
+                    &ids,
+                    &balances,
+                    &versions,
+                    &seqs,
+                    &expected,
+                ],
+            )
+            .await
+            .map_err(PgError::from);
+        self.counted("record", n)
+    }
+
+    /// Catch-up's persistence, as ONE statement: the index rows it replayed inside the
+    /// window, and the account row at the fold's state, moved only forward (or marked broken
+    /// at the version it already holds).
+    pub async fn persist(
+        &self,
+        account: AccountId,
+        snap: Snapshot,
+        broken: Option<&Broken>,
+        replayed: &[(u128, RecentWrite)],
+        server_ts_ms: u64,
+    ) -> Result<(), PgError> {
+        let mut index = IndexRows::default();
+        for (event_id, w) in replayed {
+            index.push(account, *event_id, w);
+        }
+        let (broken_version, broken_reason, trimmed) = rows::broken_columns(broken);
+        let client = self.pool.get().await?;
+        let stmt = client
+            .prepare_cached(&format!(
+                "WITH idx AS ({upsert})
+                 INSERT INTO tally_accounts AS a (account_id, balance_cents, version,
+                        max_client_seq, broken_version, broken_reason, trimmed_min_available,
+                        server_ts_ms)
+                 VALUES ($9, $10, $11, $12, $13, $14, $15, $16)
+                 ON CONFLICT (account_id) DO UPDATE
+                    SET balance_cents = EXCLUDED.balance_cents,
+                        version = EXCLUDED.version,
+                        max_client_seq = GREATEST(a.max_client_seq, EXCLUDED.max_client_seq),
+                        broken_version = EXCLUDED.broken_version,
+                        broken_reason = EXCLUDED.broken_reason,
+                        trimmed_min_available = EXCLUDED.trimmed_min_available,
+                        server_ts_ms = GREATEST(a.server_ts_ms, EXCLUDED.server_ts_ms)
+                  WHERE a.version < EXCLUDED.version
+                     OR (a.version = EXCLUDED.version AND a.broken_reason IS NULL
+                         AND EXCLUDED.broken_reason IS NOT NULL)",
+                upsert = rows::INDEX_UPSERT,
+            ))
+            .await?;
+        let n = client
+            .execute(
+                &stmt,
+                &[
+                    &index.accounts,
+                    &index.event_ids,
+                    &index.balances,
+                    &index.versions,
+                    &index.kinds,
+                    &index.amounts,
+                    &index.parties,
+                    &index.expires,
+                    &account.0,
+                    &snap.balance,
+                    &rows::to_i64(snap.version),
+                    &rows::to_i64(snap.max_client_seq),
+                    &broken_version,
+                    &broken_reason,
+                    &trimmed,
+                    &rows::to_i64(server_ts_ms),
+                ],
+            )
+            .await
+            .map_err(PgError::from);
+        self.counted("persist", n).map(|_| ())
+    }
+
+    /// Deletes index rows expired at `tip_ms` (server time), at most
+    /// [`SWEEP_BATCH_ROWS`] per statement and [`SWEEP_MAX_STATEMENTS`] statements. Returns
+    /// how many rows went.
+    pub async fn sweep(&self, tip_ms: u64) -> Result<u64, PgError> {
+        let client = self.pool.get().await?;
+        let stmt = client
+            .prepare_cached(
+                "DELETE FROM tally_recent_writes r
+                 USING (SELECT account_id, event_id FROM tally_recent_writes
+                        WHERE expires_at_ms <= $1
+                        ORDER BY expires_at_ms LIMIT $2) old
+                 WHERE r.account_id = old.account_id AND r.event_id = old.event_id",
+            )
+            .await?;
+        let mut total = 0;
+        for _ in 0..SWEEP_MAX_STATEMENTS {
+            let n = client
+                .execute(&stmt, &[&rows::to_i64(tip_ms), &SWEEP_BATCH_ROWS])
+                .await
+                .map_err(PgError::from);
+            let n = self.counted("sweep", n)?;
+            total += n;
+            if n < SWEEP_BATCH_ROWS as u64 {
+                break;
+            }
+        }
+        self.metrics.projection_db_rows_swept.inc_by(total);
+        Ok(total)
+    }
+}

@@ -1,0 +1,144 @@
+//! Conversions between the projection's values and the Postgres rows that hold them.
+
+use tokio_postgres::Row;
+use uuid::Uuid;
+
+use super::PgRow;
+use crate::account::{AccountEvent, AccountId};
+use crate::projection::RecentWrite;
+use crate::projection::state::{Broken, Snapshot};
+
+/// The index rows' upsert, the first half of every statement that moves a cursor. Arrays
+/// `$1..$8` are one row each: account, event id, balance, version, kind, amount,
+/// counterparty, expiry. A row already there keeps the later of the two expiries.
+pub(super) const INDEX_UPSERT: &str = "INSERT INTO tally_recent_writes AS r
+        (account_id, event_id, balance_cents, version, event_kind, amount_cents,
+         counterparty, expires_at_ms)
+     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int8[], $4::int8[], $5::int2[],
+                          $6::int8[], $7::uuid[], $8::int8[])
+     ON CONFLICT (account_id, event_id) DO UPDATE
+        SET balance_cents = EXCLUDED.balance_cents,
+            version = EXCLUDED.version,
+            event_kind = EXCLUDED.event_kind,
+            amount_cents = EXCLUDED.amount_cents,
+            counterparty = EXCLUDED.counterparty,
+            expires_at_ms = GREATEST(r.expires_at_ms, EXCLUDED.expires_at_ms)";
+
+/// The reason stored for a stream trimmed above the cursor.
+const TRIMMED: &str = "trimmed";
+
+/// Versions, sequences and server times are u64 in Tally and bigint in Postgres; none
+/// comes near 2^63, and one that did is clamped rather than wrapped negative.
+pub(super) fn to_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn to_u64(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+/// Index rows, column by column, for `unnest`.
+#[derive(Default)]
+pub(super) struct IndexRows {
+    pub accounts: Vec<Uuid>,
+    pub event_ids: Vec<Uuid>,
+    pub balances: Vec<i64>,
+    pub versions: Vec<i64>,
+    pub kinds: Vec<i16>,
+    pub amounts: Vec<i64>,
+    pub parties: Vec<Option<Uuid>>,
+    pub expires: Vec<i64>,
+}
+
+impl IndexRows {
+    pub fn push(&mut self, account: AccountId, event_id: u128, w: &RecentWrite) {
+        let (kind, amount, party) = match w.event {
+            AccountEvent::Deposited { amount } => (1, amount, None),
+            AccountEvent::Withdrawn { amount } => (2, amount, None),
+            AccountEvent::TransferredOut { amount, to } => (3, amount, Some(to.0)),
+            AccountEvent::TransferredIn { amount, from } => (4, amount, Some(from.0)),
+        };
+        self.accounts.push(account.0);
+        self.event_ids.push(Uuid::from_u128(event_id));
+        self.balances.push(w.balance);
+        self.versions.push(to_i64(w.version));
+        self.kinds.push(kind);
+        self.amounts.push(amount);
+        self.parties.push(party);
+        self.expires.push(to_i64(w.expires_at_ms));
+    }
+}
+
+fn event_of(kind: i16, amount: i64, party: Option<Uuid>) -> Result<AccountEvent, String> {
+    Ok(match (kind, party) {
+        (1, _) => AccountEvent::Deposited { amount },
+        (2, _) => AccountEvent::Withdrawn { amount },
+        (3, Some(to)) => AccountEvent::TransferredOut {
+            amount,
+            to: AccountId(to),
+        },
+        (4, Some(from)) => AccountEvent::TransferredIn {
+            amount,
+            from: AccountId(from),
+        },
+        _ => return Err(format!("index row with event kind {kind} is malformed")),
+    })
+}
+
+/// The columns that say why an account cannot be folded: (version, reason, trim point).
+pub(super) fn broken_columns(b: Option<&Broken>) -> (Option<i64>, Option<String>, Option<i64>) {
+    match b {
+        None => (None, None, None),
+        Some(Broken::Poisoned { version, reason }) => {
+            (Some(to_i64(*version)), Some(reason.clone()), None)
+        }
+        Some(Broken::Trimmed { min_available }) => {
+            (None, Some(TRIMMED.into()), Some(to_i64(*min_available)))
+        }
+    }
+}
+
+/// The rows of the load query: one per index hit, or one with NULL index columns.
+pub(super) fn loaded(rows: &[Row]) -> Result<PgRow, String> {
+    let mut out = PgRow::default();
+    let Some(first) = rows.first() else {
+        return Err("the account read returned no row".into());
+    };
+    let version: Option<i64> = first.get(1);
+    if let Some(version) = version {
+        let snap = Snapshot {
+            balance: first.get(0),
+            version: to_u64(version),
+            max_client_seq: to_u64(first.get(2)),
+        };
+        let reason: Option<String> = first.get(4);
+        let broken = match reason {
+            None => None,
+            Some(r) if r == TRIMMED => Some(Broken::Trimmed {
+                min_available: to_u64(first.get::<_, Option<i64>>(5).unwrap_or(0)),
+            }),
+            Some(reason) => Some(Broken::Poisoned {
+                version: to_u64(first.get::<_, Option<i64>>(3).unwrap_or(0)),
+                reason,
+            }),
+        };
+        out.state = Some((snap, broken));
+        out.server_ts_ms = to_u64(first.get(6));
+    }
+    for row in rows {
+        let Some(event_id) = row.get::<_, Option<Uuid>>(7) else {
+            continue;
+        };
+        let event = event_of(row.get(10), row.get(11), row.get(12))?;
+        out.hits.push((
+            event_id.as_u128(),
+            RecentWrite {
+                balance: row.get(8),
+                version: to_u64(row.get(9)),
+                expires_at_ms: to_u64(row.get(13)),
+                event,
+            },
+        ));
+    }
+    Ok(out)
+}

@@ -1,0 +1,522 @@
+//! The Postgres projection (issue 14) against a real Postgres: the throwaway cluster of
+//! `scripts/with-postgres.sh` (`make test` runs every suite inside it). Each test works in a
+//! fresh schema; replicas of one test share it, and share one store.
+//!
+//! Skipped only when `TALLY_TEST_POSTGRES_URL` is unset outside CI (see `common::pg`).
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use common::{TestApp, new_account, pg, spawn, test_config};
+use reqwest::StatusCode;
+use tally::account::{AccountEvent, AccountId, Identity};
+use tally::metrics::Metrics;
+use tally::projection::{
+    Backend, ManualClock, PgProjection, PostgresSettings, RecordedWrite, Snapshot,
+};
+use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock};
+use tally::store::{
+    AggregateDetails, AggregateKey, AggregateWrite, ClientId, EventLog, ReadFilter, ReadPage,
+    SharedLog, StoreResult,
+};
+use tokio::sync::Notify;
+use uuid::Uuid;
+
+/// A replica on the Postgres projection at `url`, over `store`.
+async fn replica(url: &str, store: SharedLog, extra: &[&str]) -> TestApp {
+    let mut flags: Vec<String> = pg::flags(url);
+    flags.extend(extra.iter().map(|s| s.to_string()));
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    spawn(test_config(&flags), Some(store), None).await
+}
+
+fn settings(url: &str) -> PostgresSettings {
+    PostgresSettings {
+        url: url.into(),
+        pool_size: 4,
+        statement_timeout: Duration::from_secs(5),
+    }
+}
+
+fn statements(t: &TestApp, statement: &str) -> u64 {
+    t.app
+        .metrics
+        .projection_db_statements
+        .with_label_values(&[statement, "ok"])
+        .get()
+}
+
+fn record_failures(t: &TestApp) -> u64 {
+    t.app.metrics.projection_record_failures.get()
+}
+
+/// The account row: (balance, version).
+async fn row(db: &tokio_postgres::Client, account: &str) -> Option<(i64, i64)> {
+    let id: Uuid = account.parse().expect("uuid");
+    db.query_opt(
+        "SELECT balance_cents, version FROM tally_accounts WHERE account_id = $1",
+        &[&id],
+    )
+    .await
+    .expect("row query")
+    .map(|r| (r.get(0), r.get(1)))
+}
+
+/// The index row of `key` (a UUID key is its own event id): (balance, version, expiry).
+async fn index_row(
+    db: &tokio_postgres::Client,
+    account: &str,
+    key: &str,
+) -> Option<(i64, i64, i64)> {
+    let id: Uuid = account.parse().expect("uuid");
+    let event: Uuid = key.parse().expect("uuid key");
+    db.query_opt(
+        "SELECT balance_cents, version, expires_at_ms FROM tally_recent_writes
+         WHERE account_id = $1 AND event_id = $2",
+        &[&id, &event],
+    )
+    .await
+    .expect("index query")
+    .map(|r| (r.get(0), r.get(1), r.get(2)))
+}
+
+fn key() -> String {
+    Uuid::new_v4().to_string()
+}
+
+fn created(r: &common::Reply) -> (i64, u64) {
+    assert!(r.status.is_success(), "{} {}", r.status, r.text);
+    (
+        r.body["balanceCents"].as_i64().expect("balance"),
+        r.body["aggregateVersion"].as_u64().expect("version"),
+    )
+}
+
+/// Rule: migrations are embedded and applied at start, once, even when several replicas
+/// start against an empty database at the same moment (the advisory lock serialises them).
+#[tokio::test]
+async fn migrations_apply_once_when_replicas_start_together() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let mut starts = Vec::new();
+    for _ in 0..4 {
+        let s = settings(&url);
+        starts.push(tokio::spawn(async move {
+            PgProjection::connect(&s, Arc::new(Metrics::new()))
+                .await
+                .map(|_| ())
+        }));
+    }
+    for s in starts {
+        s.await
+            .expect("task")
+            .expect("a replica migrates or finds the schema applied");
+    }
+    let db = pg::connect(&url).await;
+    let applied: i64 = db
+        .query_one("SELECT count(*) FROM tally_schema_migrations", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(applied, 1);
+    // And again later: nothing to do.
+    PgProjection::connect(&settings(&url), Arc::new(Metrics::new()))
+        .await
+        .expect("restart");
+}
+
+/// Rule (colocation): the write path's record is one statement that moves the cursor and
+/// writes the index row together; on a warm account a write costs two database round
+/// trips (the row read with its index lookup riding along, and the record).
+#[tokio::test]
+async fn a_write_records_its_cursor_and_index_row_in_one_statement() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let store: SharedLog = Arc::new(MemoryLog::new());
+    let t = replica(&url, store, &[]).await;
+    let db = pg::connect(&url).await;
+    let account = new_account();
+    created(&t.deposit(&account, 500, Some(&key())).await);
+    let (loads, records) = (statements(&t, "load"), statements(&t, "record"));
+    let k = key();
+    let (balance, version) = created(&t.deposit(&account, 250, Some(&k)).await);
+    assert_eq!((balance, version), (750, 2));
+    assert_eq!(
+        statements(&t, "load") - loads,
+        1,
+        "one row read, lookup included"
+    );
+    assert_eq!(
+        statements(&t, "record") - records,
+        1,
+        "one record statement"
+    );
+    assert_eq!(row(&db, &account).await, Some((750, 2)));
+    let (b, v, _) = index_row(&db, &account, &k).await.expect("the index row");
+    assert_eq!((b, v), (750, 2));
+    // The retry is answered from that row, on the same round trips.
+    let r = t.deposit(&account, 250, Some(&k)).await;
+    assert!(r.replayed());
+    assert_eq!(created(&r), (750, 2));
+}
+
+/// Rule (fleet): two replicas share one database and one store; a retry landing on the
+/// replica that did not write is replayed with the original answer, written once.
+#[tokio::test]
+async fn a_retry_on_the_replica_that_did_not_write_is_replayed() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let mem = Arc::new(MemoryLog::new());
+    let a = replica(&url, mem.clone(), &[]).await;
+    let b = replica(&url, mem.clone(), &[]).await;
+    let account = new_account();
+    created(&b.deposit(&account, 1_000, Some(&key())).await);
+    let k = key();
+    let first = created(&a.withdraw(&account, 300, Some(&k)).await);
+    let retry = b.withdraw(&account, 300, Some(&k)).await;
+    assert!(retry.replayed(), "{}", retry.text);
+    assert_eq!(created(&retry), first);
+    // A transfer retried on the other replica too.
+    let other = new_account();
+    let k = key();
+    let r = a.transfer(&account, &other, 100, Some(&k)).await;
+    assert!(r.status.is_success(), "{}", r.text);
+    let again = b.transfer(&account, &other, 100, Some(&k)).await;
+    assert!(again.replayed(), "{}", again.text);
+    assert_eq!(again.body, r.body);
+    assert_eq!(b.balance(&account).await, (600, 3));
+    assert_eq!(a.balance(&other).await, (100, 1));
+    // Reusing the key for another payload is refused on either replica.
+    let reused = b.transfer(&account, &other, 101, Some(&k)).await;
+    assert_eq!(
+        reused.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        reused.text
+    );
+    assert_eq!(reused.error_code(), "IDEMPOTENCY_KEY_REUSED");
+}
+
+/// Rule: a record statement that fails after the store accepted the write still answers
+/// (logged and counted), and the next catch-up replays the event: a retry on any replica
+/// then finds it.
+#[tokio::test]
+async fn a_failed_record_still_answers_and_the_next_catch_up_replays_it() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let mem = Arc::new(MemoryLog::new());
+    let a = replica(&url, mem.clone(), &[]).await;
+    let b = replica(&url, mem.clone(), &[]).await;
+    let db = pg::connect(&url).await;
+    let account = new_account();
+    created(&a.deposit(&account, 100, Some(&key())).await);
+    // Every statement that writes an account row now fails.
+    db.batch_execute(
+        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
+             $$ BEGIN RAISE EXCEPTION 'scripted failure'; END $$;
+         CREATE TRIGGER refuse BEFORE INSERT OR UPDATE ON tally_accounts
+             FOR EACH ROW EXECUTE FUNCTION refuse();",
+    )
+    .await
+    .expect("install the failing trigger");
+    let k = key();
+    let answered = created(&a.deposit(&account, 40, Some(&k)).await);
+    assert_eq!(answered, (140, 2), "the write landed and is answered");
+    assert_eq!(record_failures(&a), 1);
+    assert_eq!(row(&db, &account).await, Some((100, 1)), "nothing recorded");
+    assert_eq!(index_row(&db, &account, &k).await, None);
+    db.batch_execute("DROP TRIGGER refuse ON tally_accounts")
+        .await
+        .expect("drop the trigger");
+    let retry = b.deposit(&account, 40, Some(&k)).await;
+    assert!(retry.replayed(), "{}", retry.text);
+    assert_eq!(created(&retry), answered);
+    assert_eq!(
+        mem.batch_count(Identity::default().key(AccountId(account.parse().unwrap()))),
+        2
+    );
+    // The replay was persisted: cursor and index row together.
+    assert_eq!(row(&db, &account).await, Some((140, 2)));
+    assert!(index_row(&db, &account, &k).await.is_some());
+}
+
+/// A store that, once armed, holds every successful write's answer forever: the replica
+/// writing through it is as good as killed between the store's ack and its record.
+struct AckThenHang {
+    inner: SharedLog,
+    armed: AtomicBool,
+    acked: Notify,
+}
+
+#[async_trait]
+impl EventLog for AckThenHang {
+    async fn write(&self, client: ClientId, writes: Vec<AggregateWrite>) -> StoreResult<Vec<u64>> {
+        let r = self.inner.write(client, writes).await;
+        if r.is_ok() && self.armed.load(Ordering::SeqCst) {
+            self.acked.notify_one();
+            std::future::pending::<()>().await;
+        }
+        r
+    }
+    async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage> {
+        self.inner.read(key, filter).await
+    }
+    async fn details(&self, key: AggregateKey) -> StoreResult<AggregateDetails> {
+        self.inner.details(key).await
+    }
+    async fn trim_start(&self, key: AggregateKey, keep_from_version: u64) -> StoreResult<()> {
+        self.inner.trim_start(key, keep_from_version).await
+    }
+}
+
+/// Rule: a replica killed between the store's ack and its record statement loses nothing:
+/// the retry on another replica finds the event by catch-up and replays it.
+#[tokio::test]
+async fn a_replica_killed_between_ack_and_record_is_covered_by_catch_up() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let mem = Arc::new(MemoryLog::new());
+    let hang = Arc::new(AckThenHang {
+        inner: mem.clone(),
+        armed: AtomicBool::new(false),
+        acked: Notify::new(),
+    });
+    let a = replica(&url, hang.clone(), &[]).await;
+    let b = replica(&url, mem.clone(), &[]).await;
+    let account = new_account();
+    created(&a.deposit(&account, 100, Some(&key())).await);
+    hang.armed.store(true, Ordering::SeqCst);
+    let k = key();
+    let request = {
+        let (client, url) = (
+            a.client.clone(),
+            a.url(&format!("/api/accounts/{account}/deposit")),
+        );
+        let k = k.clone();
+        tokio::spawn(async move {
+            client
+                .post(url)
+                .header("Idempotency-Key", k)
+                .json(&serde_json::json!({ "amountCents": 7 }))
+                .send()
+                .await
+        })
+    };
+    hang.acked.notified().await;
+    // Killed: the request and the whole replica go away without recording.
+    request.abort();
+    drop(a);
+    let retry = b.deposit(&account, 7, Some(&k)).await;
+    assert!(retry.replayed(), "{}", retry.text);
+    assert_eq!(created(&retry), (107, 2));
+    assert_eq!(b.balance(&account).await, (107, 2));
+}
+
+/// A store that remembers where every read started.
+struct ReadLog {
+    inner: SharedLog,
+    reads: parking_lot::Mutex<Vec<u64>>,
+}
+
+#[async_trait]
+impl EventLog for ReadLog {
+    async fn write(&self, client: ClientId, writes: Vec<AggregateWrite>) -> StoreResult<Vec<u64>> {
+        self.inner.write(client, writes).await
+    }
+    async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage> {
+        self.reads.lock().push(filter.from_version);
+        self.inner.read(key, filter).await
+    }
+    async fn details(&self, key: AggregateKey) -> StoreResult<AggregateDetails> {
+        self.inner.details(key).await
+    }
+    async fn trim_start(&self, key: AggregateKey, keep_from_version: u64) -> StoreResult<()> {
+        self.inner.trim_start(key, keep_from_version).await
+    }
+}
+
+/// Rule (warm restart): a fresh replica against a warm database answers a retry from the
+/// shared rows, without re-folding the stream, and catches up only from the shared cursor.
+#[tokio::test]
+async fn a_fresh_replica_on_a_warm_database_answers_a_retry_without_refolding() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let mem = Arc::new(MemoryLog::new());
+    let a = replica(&url, mem.clone(), &[]).await;
+    let account = new_account();
+    let keys: Vec<String> = (0..20).map(|_| key()).collect();
+    let mut answers = Vec::new();
+    for k in &keys {
+        answers.push(created(&a.deposit(&account, 10, Some(k)).await));
+    }
+    a.shutdown().await;
+    let reads = Arc::new(ReadLog {
+        inner: mem.clone(),
+        reads: parking_lot::Mutex::new(Vec::new()),
+    });
+    let c = replica(&url, reads.clone(), &[]).await;
+    reads.reads.lock().clear();
+    let retry = c.deposit(&account, 10, Some(&keys[6])).await;
+    assert!(retry.replayed(), "{}", retry.text);
+    assert_eq!(created(&retry), answers[6]);
+    assert_eq!(c.balance(&account).await, (200, 20));
+    let from: Vec<u64> = reads.reads.lock().clone();
+    assert!(
+        from.iter().all(|&v| v > 20),
+        "a warm database is never re-folded from the start: reads from {from:?}"
+    );
+}
+
+/// Rule (server time): an index row's expiry is the store's server time plus the window,
+/// never a replica's clock (here at 0) nor the database's (today's date); past it the
+/// row stops answering, and the bounded sweep deletes it.
+#[tokio::test]
+async fn index_rows_expire_in_server_time_and_the_sweep_deletes_them() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    const T0: u64 = 5_000_000_000;
+    let server = Arc::new(ServerClock::new(T0));
+    let mem: SharedLog = Arc::new(MemoryLog::with_options(MemoryOptions {
+        clock: server.clone(),
+        ..MemoryOptions::default()
+    }));
+    let local = Arc::new(ManualClock::new(0));
+    let mut flags = pg::flags(&url);
+    flags.extend(["--idempotency-window".into(), "60".into()]);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let t = spawn(test_config(&flags), Some(mem), Some(local.clone())).await;
+    t.app.started().await;
+    let db = pg::connect(&url).await;
+    let account = new_account();
+    let k = key();
+    created(&t.deposit(&account, 5, Some(&k)).await);
+    let (_, _, expires) = index_row(&db, &account, &k).await.expect("row");
+    assert!(
+        (T0 + 60_000..=T0 + 61_000).contains(&(expires as u64)),
+        "expiry {expires} is server time + window"
+    );
+    // Inside the window: replayed. Past it (both clocks moved on): a new write.
+    server.advance(59_000);
+    local.advance_ms(59_000);
+    assert!(t.deposit(&account, 5, Some(&k)).await.replayed());
+    server.advance(2_000);
+    local.advance_ms(2_000);
+    let late = t.deposit(&account, 5, Some(&k)).await;
+    assert!(
+        !late.replayed(),
+        "past the window the key is forgotten: {}",
+        late.text
+    );
+    let Backend::Postgres(pg) = t.app.projection.backend() else {
+        panic!("on Postgres")
+    };
+    // The late write's row took the key's place with a raised expiry: nothing to sweep yet.
+    let tip = || t.app.projection.server_tip_ms();
+    assert_eq!(pg.sweep(tip()).await.expect("sweep"), 0);
+    assert!(index_row(&db, &account, &k).await.is_some());
+    server.advance(61_000);
+    local.advance_ms(61_000);
+    assert_eq!(
+        pg.sweep(tip()).await.expect("sweep"),
+        1,
+        "expired in server time"
+    );
+    assert_eq!(index_row(&db, &account, &k).await, None);
+}
+
+/// Rule: the cursor never moves backwards: a catch-up persisting an older fold and a
+/// record whose guard no longer holds leave the row alone; the record's index rows still
+/// land (they never depend on the bump).
+#[tokio::test]
+async fn the_shared_cursor_never_moves_backwards() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let pg = PgProjection::connect(&settings(&url), Arc::new(Metrics::new()))
+        .await
+        .expect("connect");
+    let account = AccountId(Uuid::new_v4());
+    let snap = |balance, version| Snapshot {
+        balance,
+        version,
+        max_client_seq: version,
+    };
+    pg.persist(account, snap(50, 5), None, &[], 0)
+        .await
+        .expect("persist 5");
+    pg.persist(account, snap(30, 3), None, &[], 0)
+        .await
+        .expect("persist 3");
+    let loaded = pg.load(account, &[], 0).await.expect("load");
+    assert_eq!(loaded.state.map(|s| s.0), Some(snap(50, 5)));
+    let event = AccountEvent::Deposited { amount: 1 };
+    let stale = RecordedWrite {
+        expected_version: 2,
+        new_version: 3,
+        balance_after: 31,
+        max_client_seq: 3,
+        events: &[(77, 31, event)],
+    };
+    pg.record(
+        &[tally::projection::postgres::RecordRow {
+            account,
+            write: &stale,
+        }],
+        1_000,
+    )
+    .await
+    .expect("record");
+    let loaded = pg.load(account, &[77], 0).await.expect("load");
+    assert_eq!(loaded.state.map(|s| s.0), Some(snap(50, 5)));
+    assert_eq!(
+        loaded.hits.len(),
+        1,
+        "the index row landed without the bump"
+    );
+}
+
+/// Rule: a poisoned or trimmed stream answers the same on Postgres: the account's balance
+/// is refused with its code, and the mark is shared, so every replica answers alike.
+#[tokio::test]
+async fn trimmed_streams_answer_account_trimmed_on_every_replica() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let mem = Arc::new(MemoryLog::new());
+    let account = new_account();
+    let identity = Identity::default();
+    let key_of = identity.key(AccountId(account.parse().unwrap()));
+    // Written and trimmed before any replica folded it: the stream starts above version 1.
+    let writer = replica(&pg::fresh_url().await.expect("url"), mem.clone(), &[]).await;
+    for _ in 0..3 {
+        created(&writer.deposit(&account, 1, Some(&key())).await);
+    }
+    mem.trim_start_now(key_of, 3).expect("trim");
+    let a = replica(&url, mem.clone(), &[]).await;
+    let b = replica(&url, mem.clone(), &[]).await;
+    for t in [&a, &b] {
+        let r = t.get(&format!("/api/accounts/{account}/balance")).await;
+        assert_eq!(r.error_code(), "ACCOUNT_TRIMMED", "{}", r.text);
+    }
+    let db = pg::connect(&url).await;
+    let reason: Option<String> = db
+        .query_one(
+            "SELECT broken_reason FROM tally_accounts WHERE account_id = $1",
+            &[&account.parse::<Uuid>().unwrap()],
+        )
+        .await
+        .expect("row")
+        .get(0);
+    assert_eq!(reason.as_deref(), Some("trimmed"));
+}
