@@ -606,3 +606,111 @@ async fn resumes_racing_live_writes_never_skip_or_repeat_a_version() {
     }
     t.shutdown().await;
 }
+
+/// A store whose watch opens but never reports anything: a feed gone silent without an
+/// error (a half-open connection).
+struct SilentWatch(Arc<MemoryLog>);
+
+struct SilentFeed;
+
+#[async_trait::async_trait]
+impl tally::store::WatchFeed for SilentFeed {
+    async fn next(&mut self) -> tally::store::StoreResult<tally::store::WatchItem> {
+        std::future::pending().await
+    }
+}
+
+#[async_trait::async_trait]
+impl tally::store::EventLog for SilentWatch {
+    async fn write(
+        &self,
+        client_id: tally::store::ClientId,
+        writes: Vec<AggregateWrite>,
+    ) -> tally::store::StoreResult<Vec<u64>> {
+        self.0.write_now(client_id, writes)
+    }
+    async fn read(
+        &self,
+        key: tally::store::AggregateKey,
+        filter: &tally::store::ReadFilter,
+    ) -> tally::store::StoreResult<tally::store::ReadPage> {
+        self.0.read_now(key, filter)
+    }
+    async fn details(
+        &self,
+        key: tally::store::AggregateKey,
+    ) -> tally::store::StoreResult<tally::store::AggregateDetails> {
+        self.0.details_now(key)
+    }
+    async fn trim_start(
+        &self,
+        key: tally::store::AggregateKey,
+        keep_from_version: u64,
+    ) -> tally::store::StoreResult<()> {
+        self.0.trim_start_now(key, keep_from_version)
+    }
+    async fn watch(
+        &self,
+        _filter: tally::store::WatchFilter,
+    ) -> tally::store::StoreResult<Box<dyn tally::store::WatchFeed>> {
+        Ok(Box::new(SilentFeed))
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_feed_gone_silent_still_delivers_through_the_periodic_resync() {
+    let mem = Arc::new(MemoryLog::new());
+    let app = tally::app::App::builder(test_config(&[]))
+        .store(Arc::new(SilentWatch(mem.clone())) as SharedLog)
+        .build()
+        .await
+        .unwrap();
+    app.started().await;
+    let account = new_account();
+    let id = AccountId(account.parse().unwrap());
+    let mut sub = app.watch.subscribe_account(id, Resume::Live).await.unwrap();
+    assert!(matches!(
+        sub.items.recv().await,
+        Some(Item::Snapshot { version: 0, .. })
+    ));
+    let event = AccountEvent::Deposited { amount: 7 };
+    let w = AggregateWrite {
+        key: app.identity.key(id),
+        events: vec![Event {
+            client_seq: 1,
+            event_id: None,
+            event_type: event.event_type(),
+            payload: event.encode(),
+            timestamp_ms: 0,
+        }],
+        expected_version: None,
+        allow_create: true,
+        enforce_client_idempotency: true,
+    };
+    mem.write_now(app.identity.client(), vec![w]).unwrap();
+    // No notification ever comes; the paused clock runs ahead to the resync (keep-alives
+    // on the way).
+    let started = tokio::time::Instant::now();
+    let frame = loop {
+        match sub.items.recv().await {
+            Some(Item::KeepAlive) => {
+                assert!(
+                    started.elapsed() < Duration::from_secs(60),
+                    "nothing delivered"
+                );
+            }
+            Some(Item::Events(f)) => break f,
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert_eq!(
+        (frame.version, frame.entries[0].balance_cents),
+        (1, Some(7))
+    );
+    assert!(
+        started.elapsed() <= Duration::from_secs(31),
+        "{:?}",
+        started.elapsed()
+    );
+    app.watch.shutdown();
+}
