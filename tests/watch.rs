@@ -494,3 +494,223 @@ async fn a_device_run_streams_as_one_version_written_by_the_device() {
     assert_eq!(again.next().await.id.as_deref(), Some("1"));
     t.shutdown().await;
 }
+
+/// Resumes that race live writes: each subscriber joins at a random moment from a random
+/// version (or live) while a writer appends, and must see every version from its start, once,
+/// in order, each with the balance after it. Seeded; the seed is printed on failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resumes_racing_live_writes_never_skip_or_repeat_a_version() {
+    use rand::{Rng, SeedableRng};
+    const WRITES: u64 = 300;
+    const SUBSCRIBERS: usize = 16;
+    let seed: u64 = std::env::var("TALLY_WATCH_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(16);
+    let store = Arc::new(MemoryLog::new());
+    let t = spawn(
+        test_config(&["--watch-buffer", "1000"]),
+        Some(store.clone() as SharedLog),
+        None,
+    )
+    .await;
+    let account = AccountId(uuid::Uuid::new_v4());
+    let key = t.app.identity.key(account);
+    let client = t.app.identity.client();
+    let writer = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let event = AccountEvent::Deposited { amount: 1 };
+            for seq in 1..=WRITES {
+                let w = AggregateWrite {
+                    key,
+                    events: vec![Event {
+                        client_seq: seq,
+                        event_id: None,
+                        event_type: event.event_type(),
+                        payload: event.encode(),
+                        timestamp_ms: 0,
+                    }],
+                    expected_version: None,
+                    allow_create: true,
+                    enforce_client_idempotency: true,
+                };
+                store.write_now(client, vec![w]).unwrap();
+                tokio::task::yield_now().await;
+            }
+        })
+    };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut readers = Vec::new();
+    for _ in 0..SUBSCRIBERS {
+        for _ in 0..rng.gen_range(0..20) {
+            tokio::task::yield_now().await;
+        }
+        let tip = store.details_now(key).map_or(0, |d| d.max_version);
+        let resume = if rng.gen_bool(0.25) {
+            Resume::Live
+        } else {
+            // Past the last write there would be nothing to wait for.
+            Resume::From(rng.gen_range(1..=(tip + 1).min(WRITES)))
+        };
+        let mut sub = t
+            .app
+            .watch
+            .subscribe_account(account, resume)
+            .await
+            .unwrap();
+        readers.push(tokio::spawn(async move {
+            let mut next = None;
+            loop {
+                let item = tokio::time::timeout(EVENT_BOUND, sub.items.recv())
+                    .await
+                    .unwrap_or_else(|_| panic!("seed {seed}: {resume:?} stalled at {next:?}"));
+                match item {
+                    Some(Item::Snapshot {
+                        version,
+                        balance_cents,
+                        ..
+                    }) => {
+                        assert_eq!(balance_cents, Some(version as i64), "seed {seed}");
+                        next = Some(version + 1);
+                        if version == WRITES {
+                            return;
+                        }
+                    }
+                    Some(Item::Events(f)) => {
+                        let expected = next.unwrap_or_else(|| match resume {
+                            Resume::From(v) => v,
+                            Resume::Live => {
+                                panic!("seed {seed}: a live stream starts with a snapshot")
+                            }
+                        });
+                        assert_eq!(f.version, expected, "seed {seed}: {resume:?}");
+                        assert_eq!(
+                            f.entries[0].balance_cents,
+                            Some(f.version as i64),
+                            "seed {seed}"
+                        );
+                        next = Some(f.version + 1);
+                        if f.version == WRITES {
+                            return;
+                        }
+                    }
+                    other => panic!("seed {seed}: {resume:?} got {other:?}"),
+                }
+            }
+        }));
+    }
+    writer.await.unwrap();
+    for r in readers {
+        r.await.unwrap();
+    }
+    t.shutdown().await;
+}
+
+/// A store whose watch opens but never reports anything: a feed gone silent without an
+/// error (a half-open connection).
+struct SilentWatch(Arc<MemoryLog>);
+
+struct SilentFeed;
+
+#[async_trait::async_trait]
+impl tally::store::WatchFeed for SilentFeed {
+    async fn next(&mut self) -> tally::store::StoreResult<tally::store::WatchItem> {
+        std::future::pending().await
+    }
+}
+
+#[async_trait::async_trait]
+impl tally::store::EventLog for SilentWatch {
+    async fn write(
+        &self,
+        client_id: tally::store::ClientId,
+        writes: Vec<AggregateWrite>,
+    ) -> tally::store::StoreResult<Vec<u64>> {
+        self.0.write_now(client_id, writes)
+    }
+    async fn read(
+        &self,
+        key: tally::store::AggregateKey,
+        filter: &tally::store::ReadFilter,
+    ) -> tally::store::StoreResult<tally::store::ReadPage> {
+        self.0.read_now(key, filter)
+    }
+    async fn details(
+        &self,
+        key: tally::store::AggregateKey,
+    ) -> tally::store::StoreResult<tally::store::AggregateDetails> {
+        self.0.details_now(key)
+    }
+    async fn trim_start(
+        &self,
+        key: tally::store::AggregateKey,
+        keep_from_version: u64,
+    ) -> tally::store::StoreResult<()> {
+        self.0.trim_start_now(key, keep_from_version)
+    }
+    async fn watch(
+        &self,
+        _filter: tally::store::WatchFilter,
+    ) -> tally::store::StoreResult<Box<dyn tally::store::WatchFeed>> {
+        Ok(Box::new(SilentFeed))
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_feed_gone_silent_still_delivers_through_the_periodic_resync() {
+    let mem = Arc::new(MemoryLog::new());
+    let app = tally::app::App::builder(test_config(&[]))
+        .store(Arc::new(SilentWatch(mem.clone())) as SharedLog)
+        .build()
+        .await
+        .unwrap();
+    app.started().await;
+    let account = new_account();
+    let id = AccountId(account.parse().unwrap());
+    let mut sub = app.watch.subscribe_account(id, Resume::Live).await.unwrap();
+    assert!(matches!(
+        sub.items.recv().await,
+        Some(Item::Snapshot { version: 0, .. })
+    ));
+    let event = AccountEvent::Deposited { amount: 7 };
+    let w = AggregateWrite {
+        key: app.identity.key(id),
+        events: vec![Event {
+            client_seq: 1,
+            event_id: None,
+            event_type: event.event_type(),
+            payload: event.encode(),
+            timestamp_ms: 0,
+        }],
+        expected_version: None,
+        allow_create: true,
+        enforce_client_idempotency: true,
+    };
+    mem.write_now(app.identity.client(), vec![w]).unwrap();
+    // No notification ever comes; the paused clock runs ahead to the resync (keep-alives
+    // on the way).
+    let started = tokio::time::Instant::now();
+    let frame = loop {
+        match sub.items.recv().await {
+            Some(Item::KeepAlive) => {
+                assert!(
+                    started.elapsed() < Duration::from_secs(60),
+                    "nothing delivered"
+                );
+            }
+            Some(Item::Events(f)) => break f,
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert_eq!(
+        (frame.version, frame.entries[0].balance_cents),
+        (1, Some(7))
+    );
+    assert!(
+        started.elapsed() <= Duration::from_secs(31),
+        "{:?}",
+        started.elapsed()
+    );
+    app.watch.shutdown();
+}

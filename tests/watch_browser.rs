@@ -46,6 +46,8 @@ struct Browser {
     driver: Child,
     http: reqwest::Client,
     session: String,
+    /// The session was ended by `close`.
+    closed: bool,
 }
 
 impl Browser {
@@ -111,6 +113,7 @@ impl Browser {
             driver: child,
             http,
             session: format!("{base}/session/{id}"),
+            closed: false,
         }
     }
 
@@ -239,7 +242,36 @@ impl Browser {
 
     async fn close(mut self) {
         let _ = self.http.delete(&self.session).send().await;
+        self.closed = true;
         let _ = self.driver.kill().await;
+    }
+}
+
+impl Drop for Browser {
+    /// A test that fails before `close` must not leave its browser running: killing
+    /// chromedriver alone orphans Chromium, so end the session first (a blocking request,
+    /// bounded, since Drop cannot await).
+    fn drop(&mut self) {
+        if self.closed {
+            return;
+        }
+        use std::io::{Read, Write};
+        let Some(rest) = self.session.strip_prefix("http://") else {
+            return;
+        };
+        let Some((host, path)) = rest.split_once('/') else {
+            return;
+        };
+        if let Ok(mut conn) = std::net::TcpStream::connect(host) {
+            let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+            let request = format!(
+                "DELETE /{path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            );
+            if conn.write_all(request.as_bytes()).is_ok() {
+                let mut reply = Vec::new();
+                let _ = conn.read_to_end(&mut reply);
+            }
+        }
     }
 }
 

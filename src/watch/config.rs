@@ -82,3 +82,41 @@ impl WatchConfig {
         Duration::from_secs(self.keepalive_secs)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::config::Config;
+
+    #[test]
+    fn watch_flags_reach_the_config_and_are_refused_out_of_range_by_name() {
+        let d = Config::defaults();
+        assert!(d.watch.problem().is_none());
+        assert_eq!(
+            d.watch.keepalive(),
+            Duration::from_secs(DEFAULT_KEEPALIVE_SECS)
+        );
+        let c = Config::parse_from([
+            "tally",
+            "--watch-buffer",
+            "7",
+            "--watch-max-per-account",
+            "3",
+        ]);
+        assert_eq!((c.watch.buffer, c.watch.max_per_account), (7, 3));
+        for bad in [
+            ["--watch-max-subscribers", "0"],
+            ["--watch-max-per-account", "0"],
+            ["--watch-buffer", "0"],
+            ["--watch-keepalive-secs", "0"],
+            ["--watch-keepalive-secs", "301"],
+        ] {
+            let e = Config::parse_from(["tally", bad[0], bad[1]])
+                .validate()
+                .expect_err("out of range");
+            assert!(e.to_string().contains(bad[0]), "{e}");
+        }
+    }
+}

@@ -214,7 +214,8 @@ pub struct Hub {
     state: Mutex<HubState>,
     global: Mutex<Vec<Slot<Arc<WriteFrame>>>>,
     next_id: AtomicU64,
-    pump: Mutex<Option<JoinHandle<()>>>,
+    /// The feed task and the periodic resync, once started.
+    pump: Mutex<Option<[JoinHandle<()>; 2]>>,
     /// Set once the feed is open (`Ok`) or known impossible (`Err`).
     feed_ready: tokio::sync::watch::Sender<Option<Result<(), String>>>,
     shutdown: tokio::sync::watch::Sender<bool>,
@@ -371,8 +372,8 @@ impl Hub {
             c.end_all(END_SHUTDOWN);
         }
         end_all(&mut self.global.lock(), END_SHUTDOWN);
-        if let Some(pump) = self.pump.lock().take() {
-            pump.abort();
+        for task in self.pump.lock().take().into_iter().flatten() {
+            task.abort();
         }
     }
 
@@ -468,7 +469,10 @@ impl Hub {
         {
             let mut pump = self.pump.lock();
             if pump.is_none() && !*self.shutdown.borrow() {
-                *pump = Some(tokio::spawn(pump::run(self.clone())));
+                *pump = Some([
+                    tokio::spawn(pump::run(self.clone())),
+                    tokio::spawn(pump::resync_periodically(self.clone())),
+                ]);
             }
         }
         let mut ready = self.feed_ready.subscribe();

@@ -12,6 +12,11 @@ use super::{END_FEED_GAP, Hub, WriteFrame, end_all, fan_out};
 use crate::account::AccountId;
 use crate::store::{Commit, StoreError, WATCH_UNSUPPORTED_CODE, WatchFilter, WatchItem};
 
+/// How often every watched account is re-read regardless of notifications: a safety net
+/// for a notification whose batch was not readable in time, or a feed that went silent
+/// without an error (a half-open connection). Reading past the tip costs one empty read.
+pub(super) const RESYNC_INTERVAL: Duration = Duration::from_secs(30);
+
 /// Pause before reopening a feed that failed, doubling up to the maximum.
 const REOPEN_BACKOFF: Duration = Duration::from_millis(100);
 const REOPEN_BACKOFF_MAX: Duration = Duration::from_secs(5);
@@ -83,5 +88,15 @@ async fn gap(hub: &Hub) {
     end_all(&mut hub.global.lock(), END_FEED_GAP);
     for channel in hub.channels() {
         channel.advance(hub, None).await;
+    }
+}
+
+/// Re-reads every watched account every [`RESYNC_INTERVAL`].
+pub(super) async fn resync_periodically(hub: Arc<Hub>) {
+    loop {
+        tokio::time::sleep(RESYNC_INTERVAL).await;
+        for channel in hub.channels() {
+            channel.advance(&hub, None).await;
+        }
     }
 }
