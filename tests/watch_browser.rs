@@ -7,7 +7,8 @@
 //! sends the same key again and sees the replay mark, changes the amount under that key and
 //! sees the 422, writes through replica B and sees that write appear, checks the page made
 //! no request to anywhere but A (a recording proxy catches anything else), checks labels
-//! and phone width, and saves the screenshot the README shows (docs/console.png).
+//! and phone width, and saves a screenshot (the README's docs/console.png when
+//! `TALLY_UPDATE_SCREENSHOT=1`).
 //!
 //! Skipped (and passing) when `chromedriver` is not installed, unless
 //! `TALLY_REQUIRE_BROWSER=1` (set by `make test`, which installs it).
@@ -31,8 +32,18 @@ const UI_BOUND: Duration = Duration::from_secs(15);
 const DRIVER_START_BOUND: Duration = Duration::from_secs(20);
 /// The WebDriver key of an element reference.
 const ELEMENT_KEY: &str = "element-6066-11e4-a52e-4f735466cecf";
-/// Where the README's screenshot is written.
+/// Where the README's screenshot lives: rewritten only when `TALLY_UPDATE_SCREENSHOT=1`, so
+/// an ordinary test run leaves the checkout clean (ports and ids differ from run to run).
 const SCREENSHOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/console.png");
+
+/// Where this run's screenshot goes: the README's when asked, else the temp directory.
+fn screenshot_path() -> std::path::PathBuf {
+    if std::env::var("TALLY_UPDATE_SCREENSHOT").as_deref() == Ok("1") {
+        SCREENSHOT.into()
+    } else {
+        std::env::temp_dir().join(format!("tally-console-{}.png", std::process::id()))
+    }
+}
 
 fn chromium_paths() -> Option<(String, String)> {
     let driver = std::env::var("CHROMEDRIVER").unwrap_or_else(|_| "/usr/bin/chromedriver".into());
@@ -493,7 +504,15 @@ async fn the_console_shows_live_balances_replays_and_other_replicas_writes_in_a_
         height.as_u64().unwrap_or(1000).clamp(800, 2400) as u32 + 100,
     )
     .await;
-    std::fs::write(SCREENSHOT, br.screenshot().await).expect("screenshot written");
+    let png = br.screenshot().await;
+    assert!(
+        png.starts_with(b"\x89PNG"),
+        "the screenshot is a PNG ({} bytes)",
+        png.len()
+    );
+    let path = screenshot_path();
+    std::fs::write(&path, png).expect("screenshot written");
+    println!("screenshot: {}", path.display());
     br.resize(390, 844).await;
     br.until(
         "the phone-width layout",
