@@ -202,6 +202,13 @@ pub struct Config {
     /// pooled connection, in ms.
     #[arg(long, env = "TALLY_POSTGRES_STATEMENT_TIMEOUT_MS", default_value_t = crate::projection::postgres::DEFAULT_STATEMENT_TIMEOUT.as_millis() as u64)]
     pub postgres_statement_timeout_ms: u64,
+
+    /// Scan on miss: when the recent-writes index misses a request, look for it among the
+    /// account's own batches committed this many seconds back (server time), and replay it
+    /// if found. 0 (the default) is off. Costs one store read per account of every new
+    /// request. Both projections.
+    #[arg(long, env = "TALLY_IDEMPOTENCY_SCAN_WINDOW", default_value_t = 0)]
+    pub idempotency_scan_window: u64,
 }
 
 /// Where the projection lives (issue 14). One setting for cursor and index together: the
@@ -282,6 +289,11 @@ impl Config {
 
     // The Postgres projection (issue 14).
     fn validate_postgres(&self) -> Result<(), ConfigError> {
+        if self.idempotency_scan_window > MAX_WINDOW_SECS {
+            return Err(ConfigError(format!(
+                "--idempotency-scan-window must be 0..={MAX_WINDOW_SECS} seconds"
+            )));
+        }
         if self.projection_kind != ProjectionKind::Postgres {
             return Ok(());
         }
@@ -343,6 +355,8 @@ impl Config {
             max_resident_accounts: self.max_resident_accounts,
             idle_timeout: Duration::from_secs(self.idle_timeout_secs),
             max_index_entries: self.max_index_entries,
+            scan_window: (self.idempotency_scan_window > 0)
+                .then(|| Duration::from_secs(self.idempotency_scan_window)),
         }
     }
 

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use crate::common::{self, new_account};
 
 /// Every flag the binary takes, each settable from the environment.
-const FLAGS: [&str; 38] = [
+const FLAGS: [&str; 39] = [
     "max-index-entries",
     "max-header-bytes",
     "max-live-writes",
@@ -54,6 +54,7 @@ const FLAGS: [&str; 38] = [
     "postgres-url",
     "postgres-pool-size",
     "postgres-statement-timeout-ms",
+    "idempotency-scan-window",
 ];
 
 /// How long the binary may take to start or stop before a test fails.
