@@ -451,6 +451,57 @@ mod tests {
         }
     }
 
+    /// Rule (issue 14): the Postgres projection needs its URL and sane pool settings; cursor
+    /// and index are one setting, so no flag can split them.
+    #[test]
+    fn the_postgres_projection_flags_are_checked() {
+        let ok = Config::parse_from([
+            "tally",
+            "--projection",
+            "postgres",
+            "--postgres-url",
+            "postgres://h/db",
+        ]);
+        assert!(ok.validate().is_ok());
+        let settings = ok.postgres().expect("postgres settings");
+        assert_eq!(
+            settings.pool_size,
+            crate::projection::postgres::DEFAULT_POOL_SIZE
+        );
+        assert!(Config::defaults().postgres().is_none(), "memory by default");
+        for bad in [
+            vec!["tally", "--projection", "postgres"],
+            vec!["tally", "--projection", "postgres", "--postgres-url", ""],
+            vec![
+                "tally",
+                "--projection",
+                "postgres",
+                "--postgres-url",
+                "x",
+                "--postgres-pool-size",
+                "0",
+            ],
+            vec![
+                "tally",
+                "--projection",
+                "postgres",
+                "--postgres-url",
+                "x",
+                "--postgres-statement-timeout-ms",
+                "0",
+            ],
+            vec!["tally", "--idempotency-scan-window", "86401"],
+        ] {
+            assert!(Config::parse_from(&bad).validate().is_err(), "{bad:?}");
+        }
+        let scan = Config::parse_from(["tally", "--idempotency-scan-window", "600"]);
+        assert_eq!(
+            scan.projection().scan_window,
+            Some(Duration::from_secs(600))
+        );
+        assert_eq!(Config::defaults().projection().scan_window, None);
+    }
+
     #[test]
     fn a_bad_fault_spec_is_refused_when_the_flags_are_parsed() {
         let e = Config::try_parse_from(["tally", "--faults", "lost-ack=2"])
