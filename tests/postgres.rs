@@ -563,3 +563,37 @@ async fn opposite_transfers_on_two_replicas_all_record() {
     assert_eq!(row(&db, &x).await, Some((bx, 41)));
     assert_eq!(row(&db, &y).await, Some((by, 41)));
 }
+
+/// Rule: a database that is down at boot does not stop the replica (as a store that is
+/// down does not): it starts unready, `/readyz` names the pending `postgresMigrations`
+/// step, and the API answers 503 until the step is done.
+#[tokio::test]
+async fn a_database_down_at_boot_leaves_the_replica_unready_not_dead() {
+    // A port nothing listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
+    let t = replica(&url, Arc::new(MemoryLog::new()), &[]).await;
+    assert!(!t.app.is_started());
+    assert_eq!(
+        t.app.startup_waiting(),
+        vec!["postgresMigrations".to_string()]
+    );
+    let ready = t.get("/readyz").await;
+    assert_eq!(
+        ready.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        ready.text
+    );
+    assert!(ready.text.contains("postgresMigrations"), "{}", ready.text);
+    let write = t.deposit(&new_account(), 1, Some(&key())).await;
+    assert_eq!(
+        write.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        write.text
+    );
+}
