@@ -10,7 +10,10 @@
 set -euo pipefail
 
 find_bin() {
-    ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1
+    local d
+    for d in /usr/lib/postgresql/*/bin; do
+        [ -x "$d/initdb" ] && echo "$d"
+    done | sort -V | tail -n 1
 }
 
 bin=$(find_bin)
@@ -43,11 +46,22 @@ if [ "$(id -u)" -eq 0 ]; then
     as_owner=(runuser -u postgres --)
 fi
 
+# shellcheck disable=SC2317 # called by the EXIT trap
 cleanup() {
     "${as_owner[@]}" "$bin/pg_ctl" -D "$dir/data" -m immediate stop >/dev/null 2>&1 || true
     rm -rf "$dir"
 }
 trap cleanup EXIT
+# A signal stops the command and ends the script through `exit`, so the EXIT trap tears the
+# cluster down too. (The command runs in the background and the script waits for it: bash
+# runs a trap only between commands, and `wait` is one it can interrupt.)
+child=""
+# shellcheck disable=SC2317 # called by the INT/TERM traps
+stop_child() {
+    if [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null || true; fi
+}
+trap 'stop_child; exit 130' INT
+trap 'stop_child; exit 143' TERM HUP
 
 "${as_owner[@]}" "$bin/initdb" -D "$dir/data" -U postgres --auth=trust --no-sync >"$dir/initdb.log" 2>&1 ||
     { cat "$dir/initdb.log" >&2; exit 1; }
@@ -65,7 +79,9 @@ fi
 export TALLY_TEST_POSTGRES_URL="postgres://postgres@127.0.0.1:$port/postgres"
 echo "with-postgres: throwaway cluster on 127.0.0.1:$port" >&2
 set +e
-"$@"
+"$@" &
+child=$!
+wait "$child"
 status=$?
 set -e
 exit "$status"

@@ -120,10 +120,10 @@ impl AppBuilder {
                 clock,
                 metrics.clone(),
             ),
-            // The Postgres projection (issue 14): connect and migrate before serving.
+            // The Postgres projection (issue 14): the pool now (a bad URL is fatal), the
+            // migrations as a start-up step (a database that is down at boot is not).
             Some(settings) => {
-                let pg = PgProjection::connect(&settings, metrics.clone())
-                    .await
+                let pg = PgProjection::new(&settings, metrics.clone())
                     .map_err(|e| StartError::Projection(e.to_string()))?;
                 Projection::with_postgres(
                     log.clone(),

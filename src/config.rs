@@ -257,6 +257,13 @@ pub struct Config {
     /// pooled connection, in ms.
     #[arg(long, env = "TALLY_POSTGRES_STATEMENT_TIMEOUT_MS", default_value_t = crate::projection::postgres::DEFAULT_STATEMENT_TIMEOUT.as_millis() as u64)]
     pub postgres_statement_timeout_ms: u64,
+
+    /// Scan on miss: when the recent-writes index misses a request, look for it among the
+    /// account's own batches committed this many seconds back (server time), and replay it
+    /// if found. 0 (the default) is off. Costs one store read per account of every new
+    /// request. Both projections.
+    #[arg(long, env = "TALLY_IDEMPOTENCY_SCAN_WINDOW", default_value_t = 0)]
+    pub idempotency_scan_window: u64,
 }
 
 /// Where the projection lives (issue 14). One setting for cursor and index together: the
@@ -343,6 +350,11 @@ impl Config {
 
     // The Postgres projection (issue 14).
     fn validate_postgres(&self) -> Result<(), ConfigError> {
+        if self.idempotency_scan_window > MAX_WINDOW_SECS {
+            return Err(ConfigError(format!(
+                "--idempotency-scan-window must be 0..={MAX_WINDOW_SECS} seconds"
+            )));
+        }
         if self.projection_kind != ProjectionKind::Postgres {
             return Ok(());
         }
@@ -404,6 +416,8 @@ impl Config {
             max_resident_accounts: self.max_resident_accounts,
             idle_timeout: Duration::from_secs(self.idle_timeout_secs),
             max_index_entries: self.max_index_entries,
+            scan_window: (self.idempotency_scan_window > 0)
+                .then(|| Duration::from_secs(self.idempotency_scan_window)),
         }
     }
 
@@ -510,6 +524,57 @@ mod tests {
             let e = c.validate().expect_err("out of range");
             assert!(e.to_string().contains(bad[0]), "{e}");
         }
+    }
+
+    /// Rule (issue 14): the Postgres projection needs its URL and sane pool settings; cursor
+    /// and index are one setting, so no flag can split them.
+    #[test]
+    fn the_postgres_projection_flags_are_checked() {
+        let ok = Config::parse_from([
+            "tally",
+            "--projection",
+            "postgres",
+            "--postgres-url",
+            "postgres://h/db",
+        ]);
+        assert!(ok.validate().is_ok());
+        let settings = ok.postgres().expect("postgres settings");
+        assert_eq!(
+            settings.pool_size,
+            crate::projection::postgres::DEFAULT_POOL_SIZE
+        );
+        assert!(Config::defaults().postgres().is_none(), "memory by default");
+        for bad in [
+            vec!["tally", "--projection", "postgres"],
+            vec!["tally", "--projection", "postgres", "--postgres-url", ""],
+            vec![
+                "tally",
+                "--projection",
+                "postgres",
+                "--postgres-url",
+                "x",
+                "--postgres-pool-size",
+                "0",
+            ],
+            vec![
+                "tally",
+                "--projection",
+                "postgres",
+                "--postgres-url",
+                "x",
+                "--postgres-statement-timeout-ms",
+                "0",
+            ],
+            vec!["tally", "--idempotency-scan-window", "86401"],
+        ] {
+            assert!(Config::parse_from(&bad).validate().is_err(), "{bad:?}");
+        }
+        let scan = Config::parse_from(["tally", "--idempotency-scan-window", "600"]);
+        assert_eq!(
+            scan.projection().scan_window,
+            Some(Duration::from_secs(600))
+        );
+        assert_eq!(Config::defaults().projection().scan_window, None);
     }
 
     #[test]

@@ -125,6 +125,7 @@ pub struct Metrics {
     pub projection_db_round_trips_per_write: Histogram,
     pub projection_db_rows_replayed: IntCounter,
     pub projection_db_rows_swept: IntCounter,
+    pub idem_scans: IntCounterVec,
 }
 
 impl Metrics {
@@ -394,6 +395,12 @@ impl Metrics {
                 r,
                 "tally_projection_db_index_rows_swept_total",
                 "Expired recent-writes index rows deleted by the background sweep.",
+            ),
+            idem_scans: counter_vec(
+                r,
+                "tally_idempotency_scans_total",
+                "Scans on miss (--idempotency-scan-window) by result: hit, miss, bounded (gave up at the batch bound).",
+                &["result"],
             ),
             registry,
         }

@@ -275,6 +275,8 @@ def build():
          "Projection statements per write-loop run: 2 on the fast path (the row read with its lookup, the record).")
     L.ts("Record failures", [t(f"sum by (instance) (increase(tally_projection_record_failures_total{sel()}[{RI}]))", "{{instance}}")], "short",
          "Writes that landed but whose record statement failed: answered anyway, replayed by the next catch-up.")
+    L.ts("Scans on miss by result", [t(f"sum by (result) ({rate('tally_idempotency_scans_total')})", "{{result}}")], "ops",
+         "--idempotency-scan-window (both projections): hit, miss, bounded, error. Zero when off.")
     L.ts("Index rows replayed and swept",
          [t(f"sum({rate('tally_projection_db_index_rows_replayed_total')})", "replayed"),
           t(f"sum({rate('tally_projection_db_index_rows_swept_total')})", "swept")], "ops")

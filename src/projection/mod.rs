@@ -24,6 +24,7 @@ pub mod clock;
 pub mod index;
 mod port;
 pub mod postgres;
+mod scan;
 mod state;
 mod sweep;
 
@@ -42,6 +43,7 @@ pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use index::{RecentIndex, RecentWrite};
 pub use port::{AccountView, Loaded};
 pub use postgres::{PgProjection, PostgresSettings};
+pub use scan::{SCAN_MAX_BATCHES, ScanHit};
 pub use state::{AccountState, Broken, FoldContext, Snapshot};
 pub use sweep::SweepStats;
 
@@ -69,6 +71,9 @@ pub struct ProjectionConfig {
     pub idle_timeout: Duration,
     /// See [`DEFAULT_MAX_INDEX_ENTRIES`] and [`Projection::check_index_room`].
     pub max_index_entries: usize,
+    /// Scan on miss (issue 14): how far back in server time a request the index misses is
+    /// looked for in the account's own batches. `None`: off. See [`Projection::scan_for`].
+    pub scan_window: Option<Duration>,
 }
 
 impl Default for ProjectionConfig {
@@ -78,6 +83,7 @@ impl Default for ProjectionConfig {
             max_resident_accounts: DEFAULT_MAX_RESIDENT_ACCOUNTS,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             max_index_entries: DEFAULT_MAX_INDEX_ENTRIES,
+            scan_window: None,
         }
     }
 }

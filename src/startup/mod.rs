@@ -1,8 +1,8 @@
 //! The work a replica does before it serves, and the clock upkeep it does while it runs.
 //!
 //! Start-up is a set of independent steps: anchoring the replica's estimate of the server's
-//! now (which ages the recent-writes index) and, when asked, one create-only seed per demo
-//! account (see [`seed`]). Each step runs in its own task and retries on its own, with a
+//! now (which ages the recent-writes index), on the Postgres projection its migrations, and,
+//! when asked, one create-only seed per demo account (see [`seed`]). Each step runs in its own task and retries on its own, with a
 //! capped, deterministically jittered backoff: a step that succeeded is never redone, and
 //! one step's failure never restarts another. Every step needs only its own store calls to
 //! succeed, so a faulty store slows start-up down instead of stalling it.
@@ -22,7 +22,8 @@ use tokio::task::JoinHandle;
 
 use crate::config::DEMO_ACCOUNTS;
 use crate::metrics::Metrics;
-use crate::projection::{Projection, SERVER_CLOCK_RESYNC};
+use crate::projection::postgres::PgError;
+use crate::projection::{Backend, Projection, SERVER_CLOCK_RESYNC};
 use crate::store::StoreError;
 use seed::{DemoSeed, SeedOutcome, SeedPending};
 
@@ -35,6 +36,8 @@ pub const STEP_RETRY_BASE: Duration = Duration::from_millis(50);
 pub const STEP_RETRY_MAX: Duration = Duration::from_secs(1);
 /// The name of the server-clock step, in `/readyz` and the metrics' `step` label.
 pub const SERVER_CLOCK_STEP: &str = "serverClock";
+/// The name of the Postgres projection's migration step (issue 14).
+pub const MIGRATIONS_STEP: &str = "postgresMigrations";
 
 /// The name of a demo account's seed step: `seed:<name>`, from the fixed demo list.
 pub fn seed_step_name(account: &str) -> String {
@@ -62,6 +65,9 @@ impl Startup {
     /// healthy store starts ready; steps that failed go on retrying in the background.
     pub async fn begin(projection: Arc<Projection>, metrics: Arc<Metrics>, seed: bool) -> Self {
         let mut steps = vec![Step::ServerClock];
+        if projection.uses_database() {
+            steps.push(Step::Migrations);
+        }
         if seed {
             steps.extend(DEMO_ACCOUNTS.iter().map(|&(name, cents)| {
                 Step::Seed(DemoSeed::new(projection.identity(), name, cents))
@@ -130,6 +136,9 @@ impl Drop for Startup {
 /// One piece of start-up work.
 enum Step {
     ServerClock,
+    /// The Postgres projection's migrations (issue 14): nothing is served before its tables
+    /// exist.
+    Migrations,
     Seed(DemoSeed),
 }
 
@@ -137,6 +146,7 @@ impl Step {
     fn name(&self) -> String {
         match self {
             Step::ServerClock => SERVER_CLOCK_STEP.to_string(),
+            Step::Migrations => MIGRATIONS_STEP.to_string(),
             Step::Seed(seed) => seed_step_name(seed.name()),
         }
     }
@@ -149,6 +159,8 @@ enum StepError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Seed(#[from] SeedPending),
+    #[error(transparent)]
+    Projection(#[from] PgError),
 }
 
 /// Runs one step to completion, then (for the clock) keeps the anchor fresh.
@@ -204,6 +216,10 @@ impl Runner {
     async fn attempt(&self, step: &mut Step) -> Result<(), StepError> {
         match step {
             Step::ServerClock => Ok(self.anchor().await.map(|_| ())?),
+            Step::Migrations => match self.projection.backend() {
+                Backend::Postgres(pg) => Ok(pg.migrate().await?),
+                Backend::Memory => Ok(()),
+            },
             Step::Seed(seed) => {
                 let outcome = seed.attempt(self.projection.log().as_ref()).await?;
                 self.metrics

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use crate::common::{self, new_account};
 
 /// Every flag the binary takes, each settable from the environment.
-const FLAGS: [&str; 51] = [
+const FLAGS: [&str; 52] = [
     // Authentication, rate limits and the admin listener (issue 17).
     "auth",
     "auth-secret-file",
@@ -69,6 +69,7 @@ const FLAGS: [&str; 51] = [
     "postgres-url",
     "postgres-pool-size",
     "postgres-statement-timeout-ms",
+    "idempotency-scan-window",
 ];
 
 /// How long the binary may take to start or stop before a test fails.

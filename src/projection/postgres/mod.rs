@@ -112,6 +112,15 @@ impl PgProjection {
         settings: &PostgresSettings,
         metrics: Arc<Metrics>,
     ) -> Result<Self, PgError> {
+        let this = Self::new(settings, metrics)?;
+        this.migrate().await?;
+        Ok(this)
+    }
+
+    /// Builds the pool without contacting the database (connections open lazily): a
+    /// database that is down at boot does not stop the replica. Run [`PgProjection::migrate`]
+    /// before serving (the start-up step `postgresMigrations` does).
+    pub fn new(settings: &PostgresSettings, metrics: Arc<Metrics>) -> Result<Self, PgError> {
         let mut pg: tokio_postgres::Config = settings
             .url
             .parse()
@@ -143,9 +152,7 @@ impl PgProjection {
             .create_timeout(Some(settings.statement_timeout))
             .build()
             .map_err(|e| PgError(format!("pool: {e}")))?;
-        let this = Self { pool, metrics };
-        this.migrate().await?;
-        Ok(this)
+        Ok(Self { pool, metrics })
     }
 
     /// Counts one statement by kind and outcome.
@@ -161,7 +168,7 @@ impl PgProjection {
     /// Applies every embedded migration not applied yet, in one transaction under an
     /// advisory lock: replicas starting at once take turns, and the later ones find
     /// everything applied.
-    async fn migrate(&self) -> Result<(), PgError> {
+    pub async fn migrate(&self) -> Result<(), PgError> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
         tx.batch_execute(&format!(

@@ -217,8 +217,12 @@ impl<'a> Run<'a> {
                     break;
                 }
             };
-            // 2. Did it already land? (On a catch-up, this is the read-back.)
+            // 2. Did it already land? (On a catch-up, this is the read-back.) Then, when
+            // configured, scan the stream for what the index missed.
             self.answer_from_index().await;
+            if !self.scan_misses().await {
+                continue;
+            }
             // 3. Decide on this state.
             let Some(batch) = self.decide(caught_up).await else {
                 continue;

@@ -3,7 +3,7 @@
 
 use super::{Phase, Run};
 use crate::metrics::arm;
-use crate::projection::RecentWrite;
+use crate::projection::{RecentWrite, ScanHit};
 use crate::write_loop::{LegResult, WriteError, WriteOutcome};
 
 impl Run<'_> {
@@ -126,6 +126,95 @@ impl Run<'_> {
                 Ok(d) if snap.version >= d.max_version => {}
                 _ => return false,
             }
+        }
+        true
+    }
+}
+
+impl Run<'_> {
+    /// Step 2b, scan on miss (opt-in, `--idempotency-scan-window`): a request the index
+    /// missed and this run never sent is looked for in each leg's account's own recent
+    /// batches. Found with the state reaching it: answered like any replay; found beyond the
+    /// state: [`Phase::Landed`], answered after a later catch-up; found under a different
+    /// operation: a reused key. Returns false when a scan failed: the attempt must not write
+    /// on a guess (the caller tries again).
+    pub(super) async fn scan_misses(&mut self) -> bool {
+        let svc = self.svc;
+        if svc.projection.config().scan_window.is_none() {
+            return true;
+        }
+        let mut replays = 0u64;
+        for mi in 0..self.members.len() {
+            let m = &self.members[mi];
+            if !matches!(m.phase, Phase::Open) || m.seqs.is_some() || m.may_have_landed {
+                continue;
+            }
+            let (legs, accounts, event_id) = (m.legs, m.accounts, m.req.event_id);
+            let legs = legs.as_slice();
+            let mut hits: [Option<ScanHit>; 2] = [None; 2];
+            for li in 0..legs.len() {
+                let t = &self.accounts[accounts[li]];
+                let (account, snap) = (t.account, t.snap);
+                self.round_trips += 1;
+                match svc.projection.scan_for(account, event_id, snap).await {
+                    Ok(hit) => {
+                        if hit.is_some_and(|h| h.balance.is_some()) {
+                            self.round_trips += 1;
+                        }
+                        hits[li] = hit;
+                    }
+                    Err(e) => {
+                        svc.metrics().idem_scans.with_label_values(&["error"]).inc();
+                        self.last_failure = format!("scan on miss: {e}");
+                        return false;
+                    }
+                }
+            }
+            if hits.iter().all(Option::is_none) {
+                continue;
+            }
+            let reused = hits
+                .iter()
+                .zip(legs)
+                .any(|(h, leg)| h.is_some_and(|h| h.event != leg.event));
+            let m = &mut self.members[mi];
+            if reused {
+                svc.metrics().idem_key_reuse.inc();
+                m.phase = Phase::Done(Err(WriteError::KeyReused));
+                continue;
+            }
+            let answered: Option<Vec<LegResult>> = legs
+                .iter()
+                .zip(&hits)
+                .map(|(leg, hit)| {
+                    let h = (*hit)?;
+                    Some(LegResult {
+                        account: leg.account,
+                        balance: h.balance?,
+                        version: h.version,
+                    })
+                })
+                .collect();
+            match answered {
+                Some(legs) => {
+                    replays += 1;
+                    m.phase = Phase::Done(Ok(WriteOutcome {
+                        legs,
+                        replayed: true,
+                    }));
+                }
+                None => {
+                    for (li, hit) in hits.iter().enumerate() {
+                        if let Some(h) = hit {
+                            m.mark_landed(li, h.version);
+                        }
+                    }
+                }
+            }
+        }
+        if replays > 0 {
+            svc.metrics().idem_replays.inc_by(replays);
+            self.arm(arm::REPLAYED);
         }
         true
     }
