@@ -116,6 +116,9 @@ pub enum ReadError {
     /// The store did not answer, or answered an error.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The Postgres projection's database did not answer. Retryable.
+    #[error("the projection database did not answer; retry shortly")]
+    Database,
 }
 
 impl From<ProjectionError> for ReadError {
@@ -138,6 +141,7 @@ impl From<ProjectionError> for ReadError {
                 min_available,
             },
             ProjectionError::Store(s) => ReadError::Store(s),
+            ProjectionError::Database => ReadError::Database,
         }
     }
 }
@@ -225,6 +229,7 @@ impl AccountReader {
         let (balance_cents, current) = match self.projection.refresh(account, &[]).await {
             Ok(loaded) => (Some(loaded.snap.balance), loaded.snap.version),
             Err(ProjectionError::Store(e)) => return Err(e.into()),
+            Err(ProjectionError::Database) => return Err(ReadError::Database),
             Err(_) => match log.details(key).await {
                 Ok(d) => (None, d.max_version),
                 Err(e) => return Err(ReadError::HistoryTipUnknown(e)),
@@ -297,6 +302,7 @@ impl AccountReader {
                 }
                 Ok(_) => return Err(ReadError::BalanceBehindHistory { seen: newest_read }),
                 Err(ProjectionError::Store(e)) => return Err(e.into()),
+                Err(ProjectionError::Database) => return Err(ReadError::Database),
                 Err(_) => (None, current),
             },
             other => (other, current),

@@ -597,3 +597,56 @@ async fn a_database_down_at_boot_leaves_the_replica_unready_not_dead() {
         write.text
     );
 }
+
+/// Rule: when the projection's database fails a statement, a read is answered a retryable
+/// 503 and a write, after its bounded attempts, the write loop's retryable 409; both name
+/// the projection database (never the driver's text, which can name tables and hosts), and
+/// the write is never sent to the store.
+#[tokio::test]
+async fn a_database_failure_answers_503_naming_the_projection_database_and_sends_nothing() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let mem = Arc::new(MemoryLog::new());
+    let a = replica(&url, mem.clone(), &[]).await;
+    let db = pg::connect(&url).await;
+    let account = new_account();
+    created(&a.deposit(&account, 100, Some(&key())).await);
+    // Every statement that reads the account row now fails.
+    db.batch_execute("ALTER TABLE tally_accounts RENAME TO tally_accounts_away")
+        .await
+        .expect("hide the table");
+    let read = a.get(&format!("/api/accounts/{account}/balance")).await;
+    let write = a.deposit(&account, 40, Some(&key())).await;
+    assert_eq!(
+        read.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        read.text
+    );
+    assert_eq!(read.body["error"], "SERVICE_UNAVAILABLE", "{}", read.text);
+    assert_eq!(write.status, StatusCode::CONFLICT, "{}", write.text);
+    assert_eq!(write.body["error"], "CONFLICT", "{}", write.text);
+    assert!(write.header("retry-after").is_some(), "retryable");
+    for reply in [&read, &write] {
+        assert!(
+            reply.text.contains("projection database"),
+            "names the projection database: {}",
+            reply.text
+        );
+        assert!(
+            !reply.text.contains("tally_accounts"),
+            "no driver detail: {}",
+            reply.text
+        );
+    }
+    assert_eq!(
+        mem.batch_count(Identity::default().key(AccountId(account.parse().unwrap()))),
+        1,
+        "the failed write was never sent"
+    );
+    db.batch_execute("ALTER TABLE tally_accounts_away RENAME TO tally_accounts")
+        .await
+        .expect("restore the table");
+    assert_eq!(a.balance(&account).await.0, 100);
+}

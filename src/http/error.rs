@@ -252,6 +252,7 @@ impl From<ProjectionError> for ApiError {
                 message: e.to_string(),
             },
             ProjectionError::Store(s) => s.into(),
+            ProjectionError::Database => ApiError::Unavailable(e.to_string()),
         }
     }
 }
@@ -262,7 +263,8 @@ impl From<ReadError> for ApiError {
             ReadError::NotVisibleYet { .. }
             | ReadError::HistoryBehindFold { .. }
             | ReadError::BalanceBehindHistory { .. }
-            | ReadError::HistoryTipUnknown(_) => ApiError::Unavailable(e.to_string()),
+            | ReadError::HistoryTipUnknown(_)
+            | ReadError::Database => ApiError::Unavailable(e.to_string()),
             ReadError::LimitOutOfRange { .. } => ApiError::bad_request("BAD_QUERY", e.to_string()),
             ReadError::Unreadable { .. } => ApiError::Internal {
                 code: "ACCOUNT_UNREADABLE",

@@ -117,6 +117,11 @@ pub enum ProjectionError {
     },
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The Postgres projection's database failed a statement (down, timed out, refused):
+    /// nothing was applied, so retryable. The detail is logged where it happened and never
+    /// answered to a client.
+    #[error("the projection database did not answer; retry shortly")]
+    Database,
 }
 
 /// One resident account: its state under a short, synchronous lock (never held across an

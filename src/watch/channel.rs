@@ -150,7 +150,9 @@ async fn start(projection: &Projection, account: AccountId) -> Result<Cursor, Wa
             version: snap.version,
             balance: Some(snap.balance),
         }),
-        Err(ProjectionError::Store(e)) => Err(WatchError::Store(e.to_string())),
+        Err(e @ (ProjectionError::Store(_) | ProjectionError::Database)) => {
+            Err(WatchError::Store(e.to_string()))
+        }
         Err(_) => match projection
             .log()
             .details(projection.identity().key(account))

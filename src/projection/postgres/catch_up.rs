@@ -19,11 +19,11 @@ pub struct PgCaughtUp {
     pub statements: u32,
 }
 
-/// A database failure, as the layers above see it: retryable, nothing applied.
+/// A database failure, as the layers above see it: retryable, nothing applied. The detail
+/// (an SQLSTATE and the server's message, never the URL) is logged here, once.
 pub(crate) fn db_error(e: PgError) -> ProjectionError {
-    ProjectionError::Store(StoreError::NotApplied {
-        reason: e.to_string(),
-    })
+    tracing::warn!(error = %e, "projection database statement failed");
+    ProjectionError::Database
 }
 
 /// The error of a row marked broken.

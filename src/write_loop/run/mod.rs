@@ -310,7 +310,7 @@ impl<'a> Run<'a> {
     /// an account that cannot be answered (poisoned, trimmed) answers every open request.
     fn load_failure(&mut self, e: ProjectionError) -> LoadFailure {
         match e {
-            ProjectionError::Store(e) => {
+            e @ (ProjectionError::Store(_) | ProjectionError::Database) => {
                 self.last_failure = format!("catch-up: {e}");
                 LoadFailure::Retry
             }
