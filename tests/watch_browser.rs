@@ -19,7 +19,7 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{TestApp, new_account, spawn_fleet};
+use common::{TestApp, new_account, spawn_fleet, test_auth};
 use serde_json::{Value, json};
 use tally::store::SharedLog;
 use tally::store::memory::MemoryLog;
@@ -555,4 +555,87 @@ async fn the_console_shows_live_balances_replays_and_other_replicas_writes_in_a_
     br.close().await;
     a.shutdown().await;
     b.shutdown().await;
+}
+
+/// Rule: against a replica run with `--auth jwt` the console works with a pasted token: it
+/// is refused (401 shown, nothing written) without one, and with one it lists, watches live
+/// (the stream read with the token, since `EventSource` cannot send it) and writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_auth_on_the_console_reads_streams_and_writes_with_a_pasted_token() {
+    let Some((driver, chromium)) = chromium_paths() else {
+        assert!(
+            std::env::var("TALLY_REQUIRE_BROWSER").is_err(),
+            "TALLY_REQUIRE_BROWSER is set but chromedriver/chromium are not installed"
+        );
+        eprintln!("skipped: chromedriver or chromium not installed (make test installs them)");
+        return;
+    };
+    let secret = test_auth::secret_file();
+    let store: SharedLog = Arc::new(MemoryLog::new());
+    let a = spawn_fleet(1, store, &test_auth::flags(&secret))
+        .await
+        .pop()
+        .expect("a replica");
+    let token = test_auth::token(json!({}));
+    let alice = new_account();
+    let client = reqwest::Client::new();
+    let deposit_with_token = |cents: i64| {
+        client
+            .post(format!("http://{}/api/accounts/{alice}/deposit", a.addr))
+            .bearer_auth(&token)
+            .header("Idempotency-Key", uuid::Uuid::new_v4().to_string())
+            .json(&json!({ "amountCents": cents }))
+            .send()
+    };
+    assert_eq!(deposit_with_token(1_000).await.unwrap().status(), 200);
+
+    let (proxy_port, _) = recording_proxy().await;
+    let br = Browser::start(&driver, &chromium, proxy_port).await;
+    let origin = format!("http://{}", a.addr);
+    br.goto(&format!("{origin}/#{alice}")).await;
+    // No token: the write is refused with the auth error shown, and nothing is written.
+    br.type_into("#w-amount", "5").await;
+    br.click("#send").await;
+    br.until(
+        "the refusal",
+        "document.getElementById('result-status').textContent === '401'",
+    )
+    .await;
+    assert_eq!(
+        br.js("return document.getElementById('result-code').textContent")
+            .await,
+        "UNAUTHORIZED"
+    );
+
+    br.type_into("#token", &token).await;
+    br.click("#token-form button").await;
+    let card = format!(r#"document.querySelector('[data-account="{alice}"]')"#);
+    let balance = format!("{card}?.querySelector('.balance')");
+    br.until(
+        "alice's snapshot over the token-carrying stream",
+        &format!("{balance}?.dataset.version === '1' && {balance}.dataset.cents === '1000'"),
+    )
+    .await;
+    // Another writer's deposit arrives by the stream.
+    assert_eq!(deposit_with_token(250).await.unwrap().status(), 200);
+    br.until(
+        "the live deposit",
+        &format!("{balance}.dataset.cents === '1250' && {balance}.dataset.version === '2'"),
+    )
+    .await;
+    // And the page's own write goes through with the token.
+    br.type_into("#w-amount", "50").await;
+    br.click("#send").await;
+    br.until(
+        "the write's answer",
+        "document.getElementById('result-status').textContent === '200'",
+    )
+    .await;
+    br.until(
+        "the page's own deposit on the stream",
+        &format!("{balance}.dataset.cents === '1300' && {balance}.dataset.version === '3'"),
+    )
+    .await;
+    br.close().await;
+    a.shutdown().await;
 }
