@@ -64,6 +64,11 @@ async fn send(
     read(req.send().await.expect("sent")).await
 }
 
+/// A GET with `token` (if any).
+async fn get(t: &TestApp, token: Option<&str>, path: &str) -> Reply {
+    send(t, reqwest::Method::GET, path, token, None, None).await
+}
+
 async fn deposit(
     t: &TestApp,
     token: Option<&str>,
@@ -85,23 +90,17 @@ async fn deposit(
 /// Balance, version and history as a fully privileged reader sees them.
 async fn observe(t: &TestApp, account: &str) -> (Value, Value) {
     let reader = token(json!({}));
-    let b = send(
+    let b = get(
         t,
-        reqwest::Method::GET,
-        &format!("/api/accounts/{account}/balance"),
         Some(&reader),
-        None,
-        None,
+        &format!("/api/accounts/{account}/balance"),
     )
     .await;
     assert_eq!(b.status, StatusCode::OK, "{}", b.text);
-    let h = send(
+    let h = get(
         t,
-        reqwest::Method::GET,
-        &format!("/api/accounts/{account}/history"),
         Some(&reader),
-        None,
-        None,
+        &format!("/api/accounts/{account}/history"),
     )
     .await;
     assert_eq!(h.status, StatusCode::OK, "{}", h.text);
@@ -274,13 +273,10 @@ async fn every_refused_token_is_answered_and_writes_nothing() {
     assert_error(&r, 403, "FORBIDDEN");
     // A write-only token cannot read.
     let write_only = token(json!({"scope": "accounts:write"}));
-    let r = send(
+    let r = get(
         &t,
-        reqwest::Method::GET,
-        &format!("/api/accounts/{account}/balance"),
         Some(&write_only),
-        None,
-        None,
+        &format!("/api/accounts/{account}/balance"),
     )
     .await;
     assert_error(&r, 403, "INSUFFICIENT_SCOPE");
@@ -377,7 +373,7 @@ async fn a_caller_over_its_rate_is_told_when_to_retry_and_others_are_not_slowed(
     let path = format!("/api/accounts/{account}/balance");
     let mut limited = None;
     for _ in 0..2 {
-        let r = send(&t, reqwest::Method::GET, &path, Some(&alice), None, None).await;
+        let r = get(&t, Some(&alice), &path).await;
         if r.status == StatusCode::TOO_MANY_REQUESTS {
             limited = Some(r);
             break;
@@ -392,7 +388,7 @@ async fn a_caller_over_its_rate_is_told_when_to_retry_and_others_are_not_slowed(
         .unwrap();
     assert!((1..=1).contains(&retry), "Retry-After {retry}");
     let bob = token(json!({"sub": "bob"}));
-    let r = send(&t, reqwest::Method::GET, &path, Some(&bob), None, None).await;
+    let r = get(&t, Some(&bob), &path).await;
     assert_eq!(r.status, StatusCode::OK, "bob has his own allowance");
     let metrics = t.get("/metrics").await.text;
     assert_eq!(
@@ -526,13 +522,10 @@ async fn a_jwks_replica_accepts_its_keys_and_refuses_an_unknown_kid() {
     let r = deposit(&t, Some(&ed_token(&known, "2026-11")), &account, 5, None).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     let reader = ed_token(&known, "2026-11");
-    let b = send(
+    let b = get(
         &t,
-        reqwest::Method::GET,
-        &format!("/api/accounts/{account}/balance"),
         Some(&reader),
-        None,
-        None,
+        &format!("/api/accounts/{account}/balance"),
     )
     .await;
     assert_eq!(b.body["balanceCents"], 5, "only the signed deposit landed");
@@ -639,13 +632,10 @@ async fn a_token_minted_by_tally_token_is_accepted() {
         403,
         "FORBIDDEN",
     );
-    let r = send(
+    let r = get(
         &t,
-        reqwest::Method::GET,
-        &format!("/api/accounts/{account}/balance"),
         Some(&minted),
-        None,
-        None,
+        &format!("/api/accounts/{account}/balance"),
     )
     .await;
     assert_error(&r, 403, "INSUFFICIENT_SCOPE");

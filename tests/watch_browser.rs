@@ -351,6 +351,20 @@ fn base64_decode(s: &str) -> Vec<u8> {
     out
 }
 
+/// chromedriver and Chromium, or `None` (the test is skipped, and says so) when they are not
+/// installed; `TALLY_REQUIRE_BROWSER` (set by `make test`) turns that into a failure.
+fn browser_or_skip() -> Option<(String, String)> {
+    let found = chromium_paths();
+    if found.is_none() {
+        assert!(
+            std::env::var("TALLY_REQUIRE_BROWSER").is_err(),
+            "TALLY_REQUIRE_BROWSER is set but chromedriver/chromium are not installed"
+        );
+        eprintln!("skipped: chromedriver or chromium not installed (make test installs them)");
+    }
+    found
+}
+
 async fn deposit(t: &TestApp, account: &str, cents: i64) {
     let r = t.deposit(account, cents, None).await;
     assert_eq!(r.status, reqwest::StatusCode::OK, "{}", r.text);
@@ -358,12 +372,7 @@ async fn deposit(t: &TestApp, account: &str, cents: i64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_console_shows_live_balances_replays_and_other_replicas_writes_in_a_browser() {
-    let Some((driver, chromium)) = chromium_paths() else {
-        assert!(
-            std::env::var("TALLY_REQUIRE_BROWSER").is_err(),
-            "TALLY_REQUIRE_BROWSER is set but chromedriver/chromium are not installed"
-        );
-        eprintln!("skipped: chromedriver or chromium not installed (make test installs them)");
+    let Some((driver, chromium)) = browser_or_skip() else {
         return;
     };
     // Replica A runs with --faults and no fault probabilities: the faults panel shows, and
@@ -562,12 +571,7 @@ async fn the_console_shows_live_balances_replays_and_other_replicas_writes_in_a_
 /// (the stream read with the token, since `EventSource` cannot send it) and writes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_auth_on_the_console_reads_streams_and_writes_with_a_pasted_token() {
-    let Some((driver, chromium)) = chromium_paths() else {
-        assert!(
-            std::env::var("TALLY_REQUIRE_BROWSER").is_err(),
-            "TALLY_REQUIRE_BROWSER is set but chromedriver/chromium are not installed"
-        );
-        eprintln!("skipped: chromedriver or chromium not installed (make test installs them)");
+    let Some((driver, chromium)) = browser_or_skip() else {
         return;
     };
     let secret = test_auth::secret_file();

@@ -107,6 +107,24 @@ async fn start(svc: &Arc<WriteService>, req: WriteRequest) -> Pending {
     fut
 }
 
+/// Starts `req` on its own task and holds its store write in flight (the store has it, no
+/// answer yet) until the returned handle releases it.
+async fn in_flight(
+    env: &Env,
+    req: WriteRequest,
+) -> (
+    tally::store::faults::HoldHandle,
+    tokio::task::JoinHandle<Result<tally::write_loop::WriteOutcome, WriteError>>,
+) {
+    let mut hold = env.faulty.hold_next_write();
+    let task = tokio::spawn({
+        let svc = env.svc.clone();
+        async move { svc.execute(req).await }
+    });
+    assert!(hold.held().await, "the first write is in flight");
+    (hold, task)
+}
+
 /// Rule: the live-writes bound counts a request for as long as it lives on the write side,
 /// not for as long as an HTTP caller waits: a write held in flight keeps its permit, and
 /// the next request is refused at once, without touching the store.
@@ -116,12 +134,7 @@ async fn a_write_in_flight_holds_its_live_permit_until_it_ends() {
         max_live_writes: 1,
         ..WriteConfig::default()
     });
-    let mut hold = env.faulty.hold_next_write();
-    let first = tokio::spawn({
-        let svc = env.svc.clone();
-        async move { svc.execute(deposit(acct(1), 10, 1)).await }
-    });
-    assert!(hold.held().await, "the first write is in flight");
+    let (hold, first) = in_flight(&env, deposit(acct(1), 10, 1)).await;
 
     let refused = env.svc.execute(deposit(acct(2), 10, 2)).await;
     assert!(
@@ -147,12 +160,7 @@ async fn a_request_over_a_full_account_queue_waits_for_a_place_and_lands_in_orde
         ..WriteConfig::default()
     });
     let x = acct(1);
-    let mut hold = env.faulty.hold_next_write();
-    let first = tokio::spawn({
-        let svc = env.svc.clone();
-        async move { svc.execute(deposit(x, 10, 1)).await }
-    });
-    assert!(hold.held().await, "the account's writer is in flight");
+    let (hold, first) = in_flight(&env, deposit(x, 10, 1)).await;
     let second = start(&env.svc, deposit(x, 20, 2)).await;
     let third = start(&env.svc, deposit(x, 30, 3)).await;
     let fourth = start(&env.svc, deposit(x, 40, 4)).await;
@@ -180,12 +188,7 @@ async fn a_request_waiting_for_a_place_past_its_deadline_is_refused_and_never_wr
         ..WriteConfig::default()
     });
     let x = acct(1);
-    let mut hold = env.faulty.hold_next_write();
-    let first = tokio::spawn({
-        let svc = env.svc.clone();
-        async move { svc.execute(deposit(x, 10, 1)).await }
-    });
-    assert!(hold.held().await, "the account's writer is in flight");
+    let (hold, first) = in_flight(&env, deposit(x, 10, 1)).await;
     let queued = start(&env.svc, deposit(x, 20, 2)).await;
     let waiting = start(&env.svc, deposit(x, 30, 3)).await;
 
@@ -217,12 +220,7 @@ async fn a_queued_write_past_its_deadline_is_answered_without_being_sent() {
         ..WriteConfig::default()
     });
     let x = acct(1);
-    let mut hold = env.faulty.hold_next_write();
-    let first = tokio::spawn({
-        let svc = env.svc.clone();
-        async move { svc.execute(deposit(x, 10, 1)).await }
-    });
-    assert!(hold.held().await, "the account's writer is in flight");
+    let (hold, first) = in_flight(&env, deposit(x, 10, 1)).await;
     let queued = start(&env.svc, deposit(x, 20, 2)).await;
 
     tokio::time::advance(deadline * 2).await;
@@ -245,12 +243,7 @@ async fn a_queued_write_past_its_deadline_is_answered_without_being_sent() {
 async fn the_same_key_on_two_accounts_is_two_requests_even_when_they_overlap() {
     let env = env(WriteConfig::default());
     let key = 0xC0FFEE;
-    let mut hold = env.faulty.hold_next_write();
-    let on_x = tokio::spawn({
-        let svc = env.svc.clone();
-        async move { svc.execute(deposit(acct(1), 10, key)).await }
-    });
-    assert!(hold.held().await, "the first is in flight");
+    let (hold, on_x) = in_flight(&env, deposit(acct(1), 10, key)).await;
     // Overlapping, on another account: not a follower of the first.
     let on_y = env.svc.execute(deposit(acct(2), 20, key)).await;
     assert_eq!(on_y.expect("lands").legs[0].balance, 20);

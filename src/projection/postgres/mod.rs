@@ -293,20 +293,10 @@ impl PgProjection {
             .execute(
                 &stmt,
                 &[
-                    &index.accounts,
-                    &index.event_ids,
-                    &index.balances,
-                    &index.versions,
-                    &index.kinds,
-                    &index.amounts,
-                    &index.parties,
-                    &index.expires,
-                    &ids,
-                    &balances,
-                    &versions,
-                    &seqs,
-                    &expected,
-                ],
+                    index.params(),
+                    vec![&ids, &balances, &versions, &seqs, &expected],
+                ]
+                .concat(),
             )
             .await
             .map_err(PgError::from);
@@ -329,6 +319,11 @@ impl PgProjection {
             index.push(account, *event_id, w);
         }
         let (broken_version, broken_reason, trimmed) = rows::broken_columns(broken);
+        let (version, max_client_seq, server_ts) = (
+            rows::to_i64(snap.version),
+            rows::to_i64(snap.max_client_seq),
+            rows::to_i64(server_ts_ms),
+        );
         let client = self.pool.get().await?;
         let stmt = client
             .prepare_cached(&format!(
@@ -355,23 +350,19 @@ impl PgProjection {
             .execute(
                 &stmt,
                 &[
-                    &index.accounts,
-                    &index.event_ids,
-                    &index.balances,
-                    &index.versions,
-                    &index.kinds,
-                    &index.amounts,
-                    &index.parties,
-                    &index.expires,
-                    &account.0,
-                    &snap.balance,
-                    &rows::to_i64(snap.version),
-                    &rows::to_i64(snap.max_client_seq),
-                    &broken_version,
-                    &broken_reason,
-                    &trimmed,
-                    &rows::to_i64(server_ts_ms),
-                ],
+                    index.params(),
+                    vec![
+                        &account.0,
+                        &snap.balance,
+                        &version,
+                        &max_client_seq,
+                        &broken_version,
+                        &broken_reason,
+                        &trimmed,
+                        &server_ts,
+                    ],
+                ]
+                .concat(),
             )
             .await
             .map_err(PgError::from);

@@ -1,6 +1,7 @@
 //! Conversions between the projection's values and the Postgres rows that hold them.
 
 use tokio_postgres::Row;
+use tokio_postgres::types::ToSql;
 use uuid::Uuid;
 
 use super::PgRow;
@@ -66,6 +67,21 @@ impl IndexRows {
         self.amounts.push(amount);
         self.parties.push(party);
         self.expires.push(to_i64(w.expires_at_ms));
+    }
+
+    /// The parameters `$1..$8` of [`INDEX_UPSERT`], in its column order; a statement that
+    /// embeds it appends its own from `$9`.
+    pub fn params(&self) -> Vec<&(dyn ToSql + Sync)> {
+        vec![
+            &self.accounts,
+            &self.event_ids,
+            &self.balances,
+            &self.versions,
+            &self.kinds,
+            &self.amounts,
+            &self.parties,
+            &self.expires,
+        ]
     }
 }
 
