@@ -20,11 +20,12 @@ unit:
 
 # The Postgres projection (issue 14): every suite runs inside one throwaway Postgres cluster
 # (scripts/with-postgres.sh: installs Debian's postgresql when missing, exports
-# TALLY_TEST_POSTGRES_URL, tears the cluster down after). tests/postgres.rs uses it, and the
-# API and fleet suites run a second time on the Postgres projection.
+# TALLY_TEST_POSTGRES_URL, tears the cluster down after). tests/postgres.rs and the simulation's
+# Postgres fleets use it, and the API, fleet and write-loop suites run a second time on the
+# Postgres projection.
 unit-suites:
 	$(CARGO) test --locked
-	TALLY_TEST_PROJECTION=postgres $(CARGO) test --locked --test api --test fleet
+	TALLY_TEST_PROJECTION=postgres $(CARGO) test --locked --test api --test fleet --test write_loop
 
 # Console and watch stream (issue 16): the console's browser test drives headless Debian
 # Chromium through chromedriver; install both when missing (Debian/Ubuntu, as root or

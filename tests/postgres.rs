@@ -15,8 +15,9 @@ use common::{TestApp, new_account, pg, spawn, test_config};
 use reqwest::StatusCode;
 use tally::account::{AccountEvent, AccountId, Identity};
 use tally::metrics::Metrics;
+use tally::projection::postgres::WARM_MAX_ROWS_PER_ACCOUNT;
 use tally::projection::{
-    Backend, ManualClock, PgProjection, PostgresSettings, RecordedWrite, Snapshot,
+    Backend, ManualClock, PgProjection, PostgresSettings, RecentWrite, RecordedWrite, Snapshot,
 };
 use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock};
 use tally::store::{
@@ -131,10 +132,11 @@ async fn migrations_apply_once_when_replicas_start_together() {
 }
 
 /// Rule (colocation): the write path's record is one statement that moves the cursor and
-/// writes the index row together; on a warm account a write costs two database round
-/// trips (the row read with its index lookup riding along, and the record).
+/// writes the index row together; on an account this replica holds a complete warm copy
+/// of, a write costs ONE database round trip (the record: no row read), and so does its
+/// retry's answer (none).
 #[tokio::test]
-async fn a_write_records_its_cursor_and_index_row_in_one_statement() {
+async fn a_warm_write_sends_one_statement_its_record_of_cursor_and_index_row() {
     let Some(url) = pg::fresh_url().await else {
         return;
     };
@@ -149,8 +151,8 @@ async fn a_write_records_its_cursor_and_index_row_in_one_statement() {
     assert_eq!((balance, version), (750, 2));
     assert_eq!(
         statements(&t, "load") - loads,
-        1,
-        "one row read, lookup included"
+        0,
+        "no row read: the replica's warm copy is complete"
     );
     assert_eq!(
         statements(&t, "record") - records,
@@ -160,10 +162,46 @@ async fn a_write_records_its_cursor_and_index_row_in_one_statement() {
     assert_eq!(row(&db, &account).await, Some((750, 2)));
     let (b, v, _) = index_row(&db, &account, &k).await.expect("the index row");
     assert_eq!((b, v), (750, 2));
-    // The retry is answered from that row, on the same round trips.
+    // The retry is answered from the warm copy, without a statement.
+    let before = (statements(&t, "load"), statements(&t, "record"));
     let r = t.deposit(&account, 250, Some(&k)).await;
     assert!(r.replayed());
     assert_eq!(created(&r), (750, 2));
+    assert_eq!((statements(&t, "load"), statements(&t, "record")), before);
+}
+
+/// Rule (the warm copy is complete, never merely current): a replica whose copy was
+/// brought up to date PAST another replica's write (by a read) holds that write's index
+/// row too, so the retry landing on it is replayed, not written a second time.
+#[tokio::test]
+async fn a_replica_warm_past_another_replicas_write_replays_its_retry() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let mem = Arc::new(MemoryLog::new());
+    let a = replica(&url, mem.clone(), &[]).await;
+    let b = replica(&url, mem.clone(), &[]).await;
+    let account = new_account();
+    // B warms first, then A writes twice (one key to retry), then B reads: B's copy now
+    // stands at A's last write, without having written anything since.
+    created(&b.deposit(&account, 1_000, Some(&key())).await);
+    let k = key();
+    let first = created(&a.withdraw(&account, 300, Some(&k)).await);
+    created(&a.deposit(&account, 5, Some(&key())).await);
+    assert_eq!(b.balance(&account).await, (705, 3));
+    let loads = statements(&b, "load");
+    let retry = b.withdraw(&account, 300, Some(&k)).await;
+    assert!(retry.replayed(), "{}", retry.text);
+    assert_eq!(created(&retry), first);
+    assert_eq!(statements(&b, "load"), loads, "answered from the warm copy");
+    assert_eq!(a.balance(&account).await, (705, 3), "written once");
+    // And a copy built cold from the database (a replica that never saw the account).
+    let c = replica(&url, mem.clone(), &[]).await;
+    assert_eq!(c.balance(&account).await, (705, 3));
+    let retry = c.withdraw(&account, 300, Some(&k)).await;
+    assert!(retry.replayed(), "{}", retry.text);
+    assert_eq!(created(&retry), first);
+    assert_eq!(c.balance(&account).await, (705, 3), "written once");
 }
 
 /// Rule (fleet): two replicas share one database and one store; a retry landing on the
@@ -462,7 +500,7 @@ async fn the_shared_cursor_never_moves_backwards() {
     pg.persist(account, snap(30, 3), None, &[], 0)
         .await
         .expect("persist 3");
-    let loaded = pg.load(account, &[], 0).await.expect("load");
+    let loaded = pg.load(account, &[], 0, None).await.expect("load");
     assert_eq!(loaded.state.map(|s| s.0), Some(snap(50, 5)));
     let event = AccountEvent::Deposited { amount: 1 };
     let stale = RecordedWrite {
@@ -481,12 +519,86 @@ async fn the_shared_cursor_never_moves_backwards() {
     )
     .await
     .expect("record");
-    let loaded = pg.load(account, &[77], 0).await.expect("load");
+    let loaded = pg.load(account, &[77], 0, None).await.expect("load");
     assert_eq!(loaded.state.map(|s| s.0), Some(snap(50, 5)));
     assert_eq!(
         loaded.hits.len(),
         1,
         "the index row landed without the bump"
+    );
+}
+
+/// Rule: a load asked for the rows above a version returns every live one, so a warm copy
+/// built from it is complete; past [`WARM_MAX_ROWS_PER_ACCOUNT`] it returns none, and
+/// the replica reads that account from the database instead of holding a copy.
+#[tokio::test]
+async fn a_load_returns_every_live_row_above_since_or_none_past_the_cap() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let pg = PgProjection::connect(&settings(&url), Arc::new(Metrics::new()))
+        .await
+        .expect("connect");
+    let account = AccountId(Uuid::new_v4());
+    let rows = |from: u64, to: u64, expires_at_ms: u64| -> Vec<(u128, RecentWrite)> {
+        (from..=to)
+            .map(|v| {
+                let write = RecentWrite {
+                    balance: v as i64,
+                    version: v,
+                    expires_at_ms,
+                    event: AccountEvent::Deposited { amount: 1 },
+                };
+                (u128::from(v) << 64 | 7, write)
+            })
+            .collect()
+    };
+    let snap = |version| Snapshot {
+        balance: version as i64,
+        version,
+        max_client_seq: version,
+    };
+    // Ten live rows and two expired ones (at tip 1_000).
+    let mut ten = rows(1, 10, 5_000);
+    ten.extend(rows(11, 12, 900));
+    pg.persist(account, snap(12), None, &ten, 0)
+        .await
+        .expect("persist");
+    let all = pg.load(account, &[], 1_000, Some(0)).await.expect("load");
+    assert_eq!(all.delta.as_ref().map(Vec::len), Some(10), "every live row");
+    let above = pg.load(account, &[], 1_000, Some(7)).await.expect("load");
+    let mut versions: Vec<u64> = above
+        .delta
+        .expect("delta")
+        .iter()
+        .map(|(_, w)| w.version)
+        .collect();
+    versions.sort_unstable();
+    assert_eq!(versions, vec![8, 9, 10]);
+    let lookup_only = pg
+        .load(account, &[u128::from(3u64) << 64 | 7], 1_000, None)
+        .await
+        .expect("load");
+    assert_eq!(
+        (lookup_only.hits.len(), lookup_only.delta.is_none()),
+        (1, true)
+    );
+    // Past the cap: no delta, and the lookups still answered.
+    let cap = WARM_MAX_ROWS_PER_ACCOUNT as u64;
+    pg.persist(account, snap(12 + cap), None, &rows(13, 12 + cap, 5_000), 0)
+        .await
+        .expect("persist");
+    let big = pg
+        .load(account, &[u128::from(3u64) << 64 | 7], 1_000, Some(0))
+        .await
+        .expect("load");
+    assert!(big.delta.is_none(), "more than the cap: no copy");
+    assert_eq!(big.hits.len(), 1, "the lookup still rides along");
+    let tail = pg.load(account, &[], 1_000, Some(cap)).await.expect("load");
+    assert_eq!(
+        tail.delta.map(|d| d.len()),
+        Some(12),
+        "the rows above the version"
     );
 }
 
@@ -609,6 +721,8 @@ async fn a_database_failure_answers_503_naming_the_projection_database_and_sends
     };
     let mem = Arc::new(MemoryLog::new());
     let a = replica(&url, mem.clone(), &[]).await;
+    // A replica without a warm copy of the account: its write must read the row.
+    let cold = replica(&url, mem.clone(), &[]).await;
     let db = pg::connect(&url).await;
     let account = new_account();
     created(&a.deposit(&account, 100, Some(&key())).await);
@@ -617,7 +731,7 @@ async fn a_database_failure_answers_503_naming_the_projection_database_and_sends
         .await
         .expect("hide the table");
     let read = a.get(&format!("/api/accounts/{account}/balance")).await;
-    let write = a.deposit(&account, 40, Some(&key())).await;
+    let write = cold.deposit(&account, 40, Some(&key())).await;
     assert_eq!(
         read.status,
         StatusCode::SERVICE_UNAVAILABLE,

@@ -25,9 +25,12 @@ use common::hooked_log::{Around, HookedLog, LegRecord, Step, WriteRecord, hook};
 use tally::account::events::{DEPOSITED, TRANSFERRED_OUT};
 use tally::account::{AccountEvent, AccountId, AmountCents, Identity, Operation, RuleError, fold};
 use tally::metrics::{Metrics, arm};
-use tally::projection::{ManualClock as LocalClock, Projection, ProjectionConfig, ProjectionError};
+use tally::projection::{
+    Backend, ManualClock as LocalClock, PgProjection, PostgresSettings, Projection,
+    ProjectionConfig, ProjectionError,
+};
 use tally::store::faults::{Fault, FaultConfig, FaultyLog};
-use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock};
+use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock, ServerTime};
 use tally::store::{
     AggregateKey, AggregateWrite, Batch, Event, EventType, ReadFilter, SharedLog, StoreError,
     StoreResult,
@@ -106,6 +109,9 @@ struct Env {
     faulty: Arc<FaultyLog<MemoryLog>>,
     /// The scripted path a replica writes through.
     script: Arc<HookedLog<Latency>>,
+    /// With `TALLY_TEST_PROJECTION=postgres` (issue 14): the schema every replica of this
+    /// fleet shares, created on the first replica's start.
+    pg_url: tokio::sync::OnceCell<String>,
 }
 
 impl Env {
@@ -127,6 +133,7 @@ impl Env {
             mem,
             faulty,
             script,
+            pg_url: tokio::sync::OnceCell::new(),
         }
     }
 
@@ -135,22 +142,77 @@ impl Env {
     }
 
     /// A replica writing through the scripted, faulty path.
-    fn replica(&self) -> Arc<Replica> {
+    async fn replica(&self) -> Arc<Replica> {
         self.replica_with(ProjectionConfig::default(), WriteConfig::default())
+            .await
     }
 
-    fn replica_with(&self, projection: ProjectionConfig, write: WriteConfig) -> Arc<Replica> {
-        Replica::build(self.script.clone(), self.identity, projection, write)
+    async fn replica_with(&self, projection: ProjectionConfig, write: WriteConfig) -> Arc<Replica> {
+        let pg = self.postgres().await;
+        let anchor = pg.map(|_| self.server_clock.now_ms());
+        Replica::build(
+            self.script.clone(),
+            self.identity,
+            projection,
+            write,
+            pg,
+            anchor,
+        )
+        .await
+    }
+
+    /// A replica that knows nothing of any account: on Postgres, one on a database of its
+    /// own (a replica of this fleet shares the fleet's rows, so it is never cold).
+    async fn cold_replica(&self) -> Arc<Replica> {
+        if !on_postgres() {
+            return self.replica().await;
+        }
+        let url = common::pg::fresh_url().await.expect("the test Postgres");
+        let config = (ProjectionConfig::default(), WriteConfig::default());
+        let anchor = Some(self.server_clock.now_ms());
+        let script = self.script.clone();
+        Replica::build(
+            script,
+            self.identity,
+            config.0,
+            config.1,
+            Some(&url),
+            anchor,
+        )
+        .await
     }
 
     /// A sibling replica straight on the store (same client id, no faults, not recorded).
-    fn sibling(&self) -> Arc<Replica> {
-        Replica::build(
-            self.mem.clone(),
-            self.identity,
-            ProjectionConfig::default(),
-            WriteConfig::default(),
-        )
+    async fn sibling(&self) -> Arc<Replica> {
+        self.sibling_with(ProjectionConfig::default()).await
+    }
+
+    async fn sibling_with(&self, projection: ProjectionConfig) -> Arc<Replica> {
+        let pg = self.postgres().await;
+        let anchor = pg.map(|_| self.server_clock.now_ms());
+        let (log, write) = (self.mem.clone(), WriteConfig::default());
+        Replica::build(log, self.identity, projection, write, pg, anchor).await
+    }
+
+    /// The fleet's shared schema when the suite runs on the Postgres projection.
+    async fn postgres(&self) -> Option<&str> {
+        if !common::pg::suite_on_postgres() {
+            return None;
+        }
+        let url = self
+            .pg_url
+            .get_or_init(|| async {
+                // The suite's tests start with tokio's clock paused (backoffs and latencies
+                // cost nothing); a paused clock jumps to the next timer whenever every task
+                // waits, including on a database socket, so deadlines would fire at once.
+                // On Postgres the test runs on the real clock from here on.
+                resume_real_time();
+                common::pg::fresh_url()
+                    .await
+                    .expect("TALLY_TEST_PROJECTION=postgres needs TALLY_TEST_POSTGRES_URL")
+            })
+            .await;
+        Some(url)
     }
 
     fn stream(&self, account: AccountId) -> Vec<Batch> {
@@ -207,6 +269,37 @@ impl Env {
     }
 }
 
+thread_local! {
+    /// Whether this test thread's runtime runs on the real clock (each test has its own).
+    static REAL_CLOCK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Unpauses tokio's clock, once per test.
+fn resume_real_time() {
+    if !REAL_CLOCK.replace(true) {
+        tokio::time::resume();
+    }
+}
+
+/// For the tests that start on the real clock: nothing to unpause.
+fn on_real_clock() {
+    REAL_CLOCK.set(true);
+}
+
+/// Whether this run puts the suite on the Postgres projection (`TALLY_TEST_PROJECTION`).
+fn on_postgres() -> bool {
+    common::pg::suite_on_postgres()
+}
+
+/// True (and says why) when a test pins a rule of the memory fold alone, so it does not
+/// run on Postgres.
+fn memory_only(why: &str) -> bool {
+    if on_postgres() {
+        eprintln!("memory projection only: {why}");
+    }
+    on_postgres()
+}
+
 struct Replica {
     svc: WriteService,
     projection: Arc<Projection>,
@@ -214,20 +307,35 @@ struct Replica {
 }
 
 impl Replica {
-    fn build(
+    async fn build(
         log: SharedLog,
         identity: Identity,
         projection: ProjectionConfig,
         write: WriteConfig,
+        postgres: Option<&str>,
+        anchor: Option<u64>,
     ) -> Arc<Self> {
         let clock = Arc::new(LocalClock::new(0));
-        let projection = Arc::new(Projection::new(
-            log,
-            identity,
-            projection,
-            clock.clone(),
-            Arc::new(Metrics::new()),
-        ));
+        let metrics = Arc::new(Metrics::new());
+        let projection = Arc::new(match postgres {
+            None => Projection::new(log, identity, projection, clock.clone(), metrics),
+            Some(url) => {
+                let settings = PostgresSettings {
+                    url: url.into(),
+                    pool_size: 4,
+                    statement_timeout: Duration::from_secs(5),
+                };
+                let pg = PgProjection::connect(&settings, metrics.clone())
+                    .await
+                    .expect("the test Postgres");
+                Projection::with_postgres(log, identity, projection, clock.clone(), metrics, pg)
+            }
+        });
+        if let Some(now) = anchor {
+            // As an App's start-up does before it serves: a Postgres replica's records
+            // carry server-time expiry, which needs the server's now.
+            projection.observe_server_time(now);
+        }
         Arc::new(Self {
             svc: WriteService::new(projection.clone(), write),
             projection,
@@ -255,7 +363,17 @@ impl Replica {
     }
 
     /// The live index entry for `event_id` on `account`, if this replica holds one.
-    fn indexed(&self, account: AccountId, event_id: u128) -> Option<(i64, u64)> {
+    /// On Postgres, the index is the fleet's shared table: the live row there.
+    async fn indexed(&self, account: AccountId, event_id: u128) -> Option<(i64, u64)> {
+        if let Backend::Postgres(pg) = self.projection.backend() {
+            let tip = self.projection.server_tip_ms();
+            let row = pg.load(account, &[event_id], tip, None).await;
+            return row
+                .expect("the test Postgres")
+                .hits
+                .first()
+                .map(|(_, w)| (w.balance, w.version));
+        }
         let slot = self.projection.resident_slot(account)?;
         let st = slot.state.lock();
         st.recent
@@ -382,7 +500,7 @@ fn running_balances(batches: &[Batch]) -> Vec<(u64, Option<u128>, i64)> {
 #[tokio::test(start_paused = true)]
 async fn the_retry_after_a_lost_ack_is_the_read_back_and_never_writes_again() {
     let env = Env::new();
-    let a = env.replica();
+    let a = env.replica().await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
 
@@ -401,8 +519,8 @@ async fn the_retry_after_a_lost_ack_is_the_read_back_and_never_writes_again() {
 #[tokio::test(start_paused = true)]
 async fn the_lost_ack_followed_by_a_conflict_must_not_deposit_twice() {
     let env = Env::new();
-    let a = env.replica();
-    let b = env.sibling();
+    let a = env.replica().await;
+    let b = env.sibling().await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
 
@@ -425,24 +543,22 @@ async fn the_lost_ack_followed_by_a_conflict_must_not_deposit_twice() {
         Ok(outcome(&[(x, 150, 2)], false)),
         "the original response, rebuilt from the index"
     );
-    assert_eq!(
-        shape(&env.script.records()),
-        vec![
-            (0, vec![1], "ok"),
-            (1, vec![2], "unknown"),
-            // Held seq, version from the (lagging) catch-up: a conflict...
-            (1, vec![2], "conflict"),
-            // ...and no re-derived write: the next catch-up found E1 by id.
-        ]
-    );
-    assert_eq!(a.arm("deposit", arm::CONFLICT), 1);
+    let mut expected = vec![(0, vec![1], "ok"), (1, vec![2], "unknown")];
+    if !on_postgres() {
+        // Held seq, version from the (lagging) catch-up: a conflict, and no re-derived
+        // write: the next catch-up found E1 by id. (On Postgres B's catch-up indexed E1 in
+        // the shared table before B wrote, so A's first catch-up finds it there.)
+        expected.push((1, vec![2], "conflict"));
+    }
+    assert_eq!(shape(&env.script.records()), expected);
+    assert_eq!(a.arm("deposit", arm::CONFLICT), u64::from(!on_postgres()));
     env.assert_deposit_landed_once(x, E1, 2, 50, 3, 157);
 }
 
 #[tokio::test(start_paused = true)]
 async fn after_an_ambiguous_failure_the_next_write_holds_the_seq_with_a_refreshed_version() {
     let env = Env::new();
-    let a = env.replica();
+    let a = env.replica().await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
 
@@ -492,14 +608,22 @@ async fn after_an_ambiguous_failure_the_next_write_holds_the_seq_with_a_refreshe
 async fn the_held_seq_catches_a_landed_write_that_the_index_cannot_answer() {
     let env = Env::new();
     // No index: only the held sequence stands between the retry and a second deposit.
-    let a = env.replica_with(
-        ProjectionConfig {
+    let a = env
+        .replica_with(
+            ProjectionConfig {
+                window: Duration::ZERO,
+                ..ProjectionConfig::default()
+            },
+            WriteConfig::default(),
+        )
+        .await;
+    // The sibling keeps no index either (on Postgres the fleet shares one).
+    let b = env
+        .sibling_with(ProjectionConfig {
             window: Duration::ZERO,
             ..ProjectionConfig::default()
-        },
-        WriteConfig::default(),
-    );
-    let b = env.sibling();
+        })
+        .await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
 
@@ -529,8 +653,8 @@ async fn the_held_seq_catches_a_landed_write_that_the_index_cannot_answer() {
 #[tokio::test(start_paused = true)]
 async fn a_conflict_re_derives_the_seq_from_fresh_state() {
     let env = Env::new();
-    let a = env.replica();
-    let b = env.sibling();
+    let a = env.replica().await;
+    let b = env.sibling().await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
     // B takes seq 2 at version 2; A's local fold still says version 1, max seq 1.
@@ -557,8 +681,8 @@ async fn a_conflict_re_derives_the_seq_from_fresh_state() {
 #[tokio::test(start_paused = true)]
 async fn a_sibling_that_takes_our_held_seq_must_not_report_success() {
     let env = Env::new();
-    let a = env.replica();
-    let b = env.sibling();
+    let a = env.replica().await;
+    let b = env.sibling().await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
 
@@ -605,7 +729,7 @@ async fn a_sibling_that_takes_our_held_seq_must_not_report_success() {
 #[tokio::test(start_paused = true)]
 async fn an_unwritten_verdict_is_a_retryable_unverifiable_and_writes_nothing() {
     let env = Env::new();
-    let a = env.replica();
+    let a = env.replica().await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
 
@@ -634,8 +758,8 @@ async fn an_unwritten_verdict_is_a_retryable_unverifiable_and_writes_nothing() {
 #[tokio::test(start_paused = true)]
 async fn a_seq_whose_batch_was_trimmed_is_unwritten_not_a_verdict() {
     let env = Env::new();
-    let a = env.replica();
-    let b = env.sibling();
+    let a = env.replica().await;
+    let b = env.sibling().await;
     let x = acct(1);
     let key = env.key(x);
     a.ok(deposit(x, 100, E0)).await;
@@ -693,7 +817,7 @@ async fn a_seq_whose_batch_was_trimmed_is_unwritten_not_a_verdict() {
 #[tokio::test(start_paused = true)]
 async fn an_in_flight_duplicate_is_held_and_resolves_to_a_clean_write() {
     let env = Env::new();
-    let a = env.replica();
+    let a = env.replica().await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
 
@@ -726,13 +850,15 @@ async fn an_in_flight_duplicate_that_resolves_to_a_2002_is_verified_as_ours() {
     let env = Env::new();
     // A zero window takes the index out of play: the 2002 and its point read are the only
     // way this replica can learn that its held write landed.
-    let a = env.replica_with(
-        ProjectionConfig {
-            window: Duration::ZERO,
-            ..ProjectionConfig::default()
-        },
-        WriteConfig::default(),
-    );
+    let a = env
+        .replica_with(
+            ProjectionConfig {
+                window: Duration::ZERO,
+                ..ProjectionConfig::default()
+            },
+            WriteConfig::default(),
+        )
+        .await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
 
@@ -762,7 +888,7 @@ async fn an_in_flight_duplicate_that_resolves_to_a_2002_is_verified_as_ours() {
 #[tokio::test(start_paused = true)]
 async fn not_applied_is_retried_as_is() {
     let env = Env::new();
-    let a = env.replica();
+    let a = env.replica().await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
 
@@ -793,7 +919,7 @@ async fn not_applied_is_retried_as_is() {
 #[tokio::test(start_paused = true)]
 async fn a_transfer_retried_after_a_lost_ack_lands_both_legs_exactly_once() {
     let env = Env::new();
-    let a = env.replica();
+    let a = env.replica().await;
     let (from, to) = (acct(1), acct(2));
     a.ok(deposit(from, 100, E0)).await;
 
@@ -841,8 +967,8 @@ async fn a_transfer_retried_after_a_lost_ack_lands_both_legs_exactly_once() {
 #[tokio::test(start_paused = true)]
 async fn a_transfer_2002_is_settled_by_either_leg_a_sibling_on_one_leg_means_it_never_landed() {
     let env = Env::new();
-    let a = env.replica();
-    let b = env.sibling();
+    let a = env.replica().await;
+    let b = env.sibling().await;
     let (from, to) = (acct(1), acct(2));
     a.ok(deposit(from, 100, E0)).await;
 
@@ -889,8 +1015,11 @@ async fn a_transfer_2002_is_settled_by_either_leg_a_sibling_on_one_leg_means_it_
 #[tokio::test(start_paused = true)]
 async fn a_transfer_is_answered_from_either_legs_entry_and_a_missing_leg_is_rebuilt_not_rewritten()
 {
+    if memory_only("each replica ages the entries it folds; Postgres rows carry one expiry") {
+        return;
+    }
     let env = Env::new();
-    let a = env.sibling();
+    let a = env.sibling().await;
     let (from, to) = (acct(1), acct(2));
     a.ok(deposit(from, 100, E0)).await;
     assert_eq!(
@@ -911,22 +1040,22 @@ async fn a_transfer_is_answered_from_either_legs_entry_and_a_missing_leg_is_rebu
     // A replica ages what it folds against the newest server time it has seen. Replica B
     // folds `from` (newest batch at T0) before `to` (newest at T0 + 60 s): `from`'s entry was
     // aged 0, `to`'s 60 s, so past `to`'s expiry only the `from` leg still answers.
-    let b = env.replica();
-    b.projection.catch_up(from).await.expect("fold from");
-    b.projection.catch_up(to).await.expect("fold to");
+    let b = env.replica().await;
+    b.projection.refresh(from, &[]).await.expect("fold from");
+    b.projection.refresh(to, &[]).await.expect("fold to");
     b.clock.advance_ms(WINDOW_MS - 60_000 + 1);
-    assert_eq!(b.indexed(to, E1), None);
-    assert_eq!(b.indexed(from, E1), Some((70, 2)));
+    assert_eq!(b.indexed(to, E1).await, None);
+    assert_eq!(b.indexed(from, E1).await, Some((70, 2)));
 
     // Replica C folds `to` (aged 60 s), then sees z's newer server time before folding
     // `from` (aged 90 s): the mirror image.
-    let c = env.replica();
-    c.projection.catch_up(to).await.expect("fold to");
-    c.projection.catch_up(z).await.expect("fold z");
-    c.projection.catch_up(from).await.expect("fold from");
+    let c = env.replica().await;
+    c.projection.refresh(to, &[]).await.expect("fold to");
+    c.projection.refresh(z, &[]).await.expect("fold z");
+    c.projection.refresh(from, &[]).await.expect("fold from");
     c.clock.advance_ms(WINDOW_MS - 90_000 + 1);
-    assert_eq!(c.indexed(from, E1), None);
-    assert_eq!(c.indexed(to, E1), Some((30, 1)));
+    assert_eq!(c.indexed(from, E1).await, None);
+    assert_eq!(c.indexed(to, E1).await, Some((30, 1)));
 
     // The hit on `from` proves the whole transfer landed; `to` is rebuilt from current state.
     assert_eq!(
@@ -952,7 +1081,7 @@ async fn a_transfer_is_answered_from_either_legs_entry_and_a_missing_leg_is_rebu
 async fn a_replica_that_folded_another_replicas_write_answers_its_retry_with_the_original_response()
 {
     let env = Env::new();
-    let a = env.sibling();
+    let a = env.sibling().await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
     assert_eq!(
@@ -961,8 +1090,8 @@ async fn a_replica_that_folded_another_replicas_write_answers_its_retry_with_the
     );
 
     // B folds the stream (serving a read, say), then A writes again.
-    let b = env.replica();
-    b.projection.catch_up(x).await.expect("fold");
+    let b = env.replica().await;
+    b.projection.refresh(x, &[]).await.expect("fold");
     a.ok(withdraw(x, 30, E2)).await;
 
     // The caller's retry of E1 lands on B: the original response, not current state.
@@ -971,7 +1100,7 @@ async fn a_replica_that_folded_another_replicas_write_answers_its_retry_with_the
         Ok(outcome(&[(x, 150, 2)], true))
     );
     // A replica that never saw the account folds it during the retry's own catch-up.
-    let c = env.replica();
+    let c = env.replica().await;
     assert_eq!(
         c.run(deposit(x, 50, E1)).await,
         Ok(outcome(&[(x, 150, 2)], true))
@@ -985,11 +1114,17 @@ async fn a_replica_that_folded_another_replicas_write_answers_its_retry_with_the
 
 #[tokio::test(start_paused = true)]
 async fn a_write_gets_the_full_window_even_when_the_replicas_server_tip_is_old() {
+    if memory_only(
+        "an unanchored replica's own entries; a Postgres replica's records take their expiry \
+         from the server-time tip its start-up anchors (and the harness anchors at build)",
+    ) {
+        return;
+    }
     let env = Env::new();
-    let a = env.replica();
+    let a = env.replica().await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
-    a.projection.catch_up(x).await.expect("fold");
+    a.projection.refresh(x, &[]).await.expect("fold");
     let tip = a.projection.server_tip_ms();
     assert!(tip <= T0, "A has seen nothing newer than T0");
 
@@ -1015,27 +1150,34 @@ async fn a_write_gets_the_full_window_even_when_the_replicas_server_tip_is_old()
     assert_eq!(env.batches(x), 2);
     assert_eq!(events_with_id(&env.stream(x), E1).len(), 1);
     // And the window is what it says: one millisecond later the entry is gone.
-    assert_eq!(a.indexed(x, E1), Some((150, 2)));
+    assert_eq!(a.indexed(x, E1).await, Some((150, 2)));
     a.clock.advance_ms(1);
-    assert_eq!(a.indexed(x, E1), None);
+    assert_eq!(a.indexed(x, E1).await, None);
     assert_eq!(a.projection.sweep().index_entries_expired, 2);
 }
 
 #[tokio::test(start_paused = true)]
 async fn folding_an_old_batch_never_revives_its_entry_when_any_account_shows_a_newer_server_time() {
+    if memory_only("each replica ages the entries it folds; Postgres rows carry one expiry") {
+        return;
+    }
     let env = Env::new();
-    let w = env.sibling();
+    let w = env.sibling().await;
     let (x, z) = (acct(1), acct(2));
     w.ok(deposit(x, 100, E1)).await; // x at T0
     env.server_clock.advance(WINDOW_MS + 10_000);
     w.ok(deposit(z, 5, E2)).await; // z at T0 + 100 s
 
     // B has seen z's newer server time before it folds x: x's batch is 100 s old.
-    let b = env.replica();
-    b.projection.catch_up(z).await.expect("fold z");
-    b.projection.catch_up(x).await.expect("fold x");
-    assert_eq!(b.indexed(z, E2), Some((5, 1)));
-    assert_eq!(b.indexed(x, E1), None, "an expired write is not revived");
+    let b = env.replica().await;
+    b.projection.refresh(z, &[]).await.expect("fold z");
+    b.projection.refresh(x, &[]).await.expect("fold x");
+    assert_eq!(b.indexed(z, E2).await, Some((5, 1)));
+    assert_eq!(
+        b.indexed(x, E1).await,
+        None,
+        "an expired write is not revived"
+    );
     assert_eq!(
         b.projection
             .resident_slot(x)
@@ -1046,16 +1188,16 @@ async fn folding_an_old_batch_never_revives_its_entry_when_any_account_shows_a_n
     // Contrast: a replica that has seen nothing newer than x's batch, and is not anchored to
     // the server's clock, measures its age as 0. That is why an App serves nothing until its
     // start-up has anchored it.
-    let c = env.replica();
-    c.projection.catch_up(x).await.expect("fold x");
-    assert_eq!(c.indexed(x, E1), Some((100, 1)));
+    let c = env.replica().await;
+    c.projection.refresh(x, &[]).await.expect("fold x");
+    assert_eq!(c.indexed(x, E1).await, Some((100, 1)));
 
     // Within one read, the read's own newest batch is the reference too.
     w.ok(deposit(x, 1, E3)).await; // x v2 at T0 + 100 s
-    let d = env.replica();
-    d.projection.catch_up(x).await.expect("fold x");
-    assert_eq!(d.indexed(x, E1), None);
-    assert_eq!(d.indexed(x, E3), Some((101, 2)));
+    let d = env.replica().await;
+    d.projection.refresh(x, &[]).await.expect("fold x");
+    assert_eq!(d.indexed(x, E1).await, None);
+    assert_eq!(d.indexed(x, E3).await, Some((101, 2)));
 }
 
 /// Black-box finding: a replica started after the window folded an idle account and replayed
@@ -1065,18 +1207,22 @@ async fn folding_an_old_batch_never_revives_its_entry_when_any_account_shows_a_n
 #[tokio::test(start_paused = true)]
 async fn a_replica_anchored_to_the_server_clock_never_revives_an_idle_accounts_expired_entries() {
     let env = Env::new();
-    let w = env.sibling();
+    let w = env.sibling().await;
     let x = acct(1);
     w.ok(deposit(x, 100, E1)).await; // x at T0, nothing written since
     env.server_clock.advance(WINDOW_MS + 10_000);
 
-    let b = env.replica();
+    let b = env.replica().await;
     assert_eq!(
         b.projection.sync_server_clock().await,
         Ok(T0 + WINDOW_MS + 10_000)
     );
-    b.projection.catch_up(x).await.expect("fold x");
-    assert_eq!(b.indexed(x, E1), None, "an expired write is not revived");
+    b.projection.refresh(x, &[]).await.expect("fold x");
+    assert_eq!(
+        b.indexed(x, E1).await,
+        None,
+        "an expired write is not revived"
+    );
 
     // Past the window a retry is a new request: it writes again, as the API says.
     assert_eq!(
@@ -1099,21 +1245,26 @@ async fn a_replica_anchored_to_the_server_clock_never_revives_an_idle_accounts_e
 #[tokio::test(start_paused = true)]
 async fn a_re_anchor_corrects_an_estimate_of_the_servers_now_that_ran_ahead() {
     let env = Env::new();
-    let (w, b) = (env.sibling(), env.replica());
+    let (w, b) = (env.sibling().await, env.replica().await);
     let x = acct(1);
     b.projection.sync_server_clock().await.expect("anchor");
     assert_eq!(b.projection.server_tip_ms(), T0);
 
-    // B's clock runs fast: 200 s pass locally while 100 s pass on the server.
+    // B's clock runs fast: 200 s pass locally while 100 s pass on the server (and on W).
     b.clock.advance_ms(200_000);
     env.server_clock.advance(100_000);
+    w.clock.advance_ms(100_000);
     assert_eq!(b.projection.server_tip_ms(), T0 + 200_000, "ahead by 100 s");
 
     b.projection.sync_server_clock().await.expect("re-anchor");
     assert_eq!(b.projection.server_tip_ms(), T0 + 100_000, "corrected");
     w.ok(deposit(x, 100, E1)).await;
-    b.projection.catch_up(x).await.expect("fold x");
-    assert_eq!(b.indexed(x, E1), Some((100, 1)), "a fresh write is indexed");
+    b.projection.refresh(x, &[]).await.expect("fold x");
+    assert_eq!(
+        b.indexed(x, E1).await,
+        Some((100, 1)),
+        "a fresh write is indexed"
+    );
     assert_eq!(
         b.run(deposit(x, 100, E1)).await,
         Ok(outcome(&[(x, 100, 1)], true))
@@ -1131,13 +1282,15 @@ async fn a_re_anchor_corrects_an_estimate_of_the_servers_now_that_ran_ahead() {
 #[tokio::test(start_paused = true)]
 async fn refolding_an_evicted_account_after_the_window_does_not_revive_its_own_write() {
     let env = Env::new();
-    let a = env.replica_with(
-        ProjectionConfig {
-            idle_timeout: Duration::from_secs(1),
-            ..ProjectionConfig::default()
-        },
-        WriteConfig::default(),
-    );
+    let a = env
+        .replica_with(
+            ProjectionConfig {
+                idle_timeout: Duration::from_secs(1),
+                ..ProjectionConfig::default()
+            },
+            WriteConfig::default(),
+        )
+        .await;
     a.projection.sync_server_clock().await.expect("anchor");
     let x = acct(1);
     a.ok(deposit(x, 100, E1)).await;
@@ -1147,9 +1300,9 @@ async fn refolding_an_evicted_account_after_the_window_does_not_revive_its_own_w
     assert_eq!(a.projection.sweep().evicted_idle, 1);
     assert!(a.projection.resident_slot(x).is_none());
 
-    a.projection.catch_up(x).await.expect("re-fold x");
+    a.projection.refresh(x, &[]).await.expect("re-fold x");
     assert_eq!(
-        a.indexed(x, E1),
+        a.indexed(x, E1).await,
         None,
         "its own expired write is not revived"
     );
@@ -1166,7 +1319,7 @@ async fn refolding_an_evicted_account_after_the_window_does_not_revive_its_own_w
 #[tokio::test(start_paused = true)]
 async fn reusing_a_key_for_a_different_operation_is_key_reused_and_writes_nothing() {
     let env = Env::new();
-    let a = env.replica();
+    let a = env.replica().await;
     let (x, y) = (acct(1), acct(2));
     a.ok(deposit(x, 50, E1)).await;
 
@@ -1178,7 +1331,7 @@ async fn reusing_a_key_for_a_different_operation_is_key_reused_and_writes_nothin
         assert_eq!(a.run(other).await, Err(WriteError::KeyReused), "{other:?}");
     }
     // On a replica that only knows the key from its fold, too.
-    let b = env.replica();
+    let b = env.replica().await;
     assert_eq!(b.run(deposit(x, 60, E1)).await, Err(WriteError::KeyReused));
     // The same operation under the same key is a replay, not a reuse.
     assert_eq!(
@@ -1198,7 +1351,7 @@ async fn reusing_a_key_for_a_different_operation_is_key_reused_and_writes_nothin
 #[tokio::test(start_paused = true)]
 async fn concurrent_duplicates_on_one_replica_are_coalesced_into_one_write() {
     let env = Env::new();
-    let a = env.replica();
+    let a = env.replica().await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
 
@@ -1244,8 +1397,8 @@ async fn concurrent_duplicates_on_one_replica_are_coalesced_into_one_write() {
 #[tokio::test(start_paused = true)]
 async fn a_rule_rejection_on_a_stale_local_fold_is_not_final_until_checked_on_fresh_state() {
     let env = Env::new();
-    let a = env.replica();
-    let b = env.sibling();
+    let a = env.replica().await;
+    let b = env.sibling().await;
     let x = acct(1);
     a.ok(deposit(x, 10, E0)).await;
     // Another replica deposits; A's warm fold still says 10.
@@ -1280,7 +1433,7 @@ async fn a_rule_rejection_on_a_stale_local_fold_is_not_final_until_checked_on_fr
 #[tokio::test(start_paused = true)]
 async fn a_rule_rejection_is_final_only_on_state_that_reached_the_stores_tip() {
     let env = Env::new();
-    let a = env.sibling();
+    let a = env.sibling().await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
     // The withdraw lands on A (funded by the deposit before it), but the caller never gets
@@ -1290,7 +1443,7 @@ async fn a_rule_rejection_is_final_only_on_state_that_reached_the_stores_tip() {
         a.ok(withdraw(x, 100, E1)).await,
         outcome(&[(x, 0, 2)], false)
     );
-    let b = env.replica();
+    let b = env.replica().await;
     env.faulty.lag_next_read(2);
     assert_eq!(
         b.run(withdraw(x, 100, E1)).await,
@@ -1327,13 +1480,15 @@ async fn bounded_attempts_give_up_retryably_when_every_write_is_refused() {
         },
         None,
     );
-    let a = env.replica_with(
-        ProjectionConfig::default(),
-        WriteConfig {
-            max_attempts: 4,
-            ..WriteConfig::default()
-        },
-    );
+    let a = env
+        .replica_with(
+            ProjectionConfig::default(),
+            WriteConfig {
+                max_attempts: 4,
+                ..WriteConfig::default()
+            },
+        )
+        .await;
     let x = acct(1);
 
     let got = a.run(deposit(x, 50, E1)).await;
@@ -1356,6 +1511,7 @@ async fn bounded_attempts_give_up_retryably_when_every_write_is_refused() {
 /// Real time: the deadline runs on the wall clock.
 #[tokio::test]
 async fn the_deadline_gives_up_retryably_before_the_attempts_run_out() {
+    on_real_clock();
     let env = Env::build(
         FaultConfig {
             refused: 1.0,
@@ -1363,14 +1519,16 @@ async fn the_deadline_gives_up_retryably_before_the_attempts_run_out() {
         },
         None,
     );
-    let a = env.replica_with(
-        ProjectionConfig::default(),
-        WriteConfig {
-            max_attempts: 1_000,
-            deadline: Duration::from_millis(40),
-            ..WriteConfig::default()
-        },
-    );
+    let a = env
+        .replica_with(
+            ProjectionConfig::default(),
+            WriteConfig {
+                max_attempts: 1_000,
+                deadline: Duration::from_millis(40),
+                ..WriteConfig::default()
+            },
+        )
+        .await;
     let x = acct(1);
 
     let started = Instant::now();
@@ -1396,7 +1554,7 @@ async fn the_deadline_gives_up_retryably_before_the_attempts_run_out() {
 #[tokio::test(start_paused = true)]
 async fn a_trimmed_stream_is_an_error_on_a_cold_replica_and_no_obstacle_on_a_warm_one() {
     let env = Env::new();
-    let a = env.replica();
+    let a = env.replica().await;
     let x = acct(1);
     for (amount, eid) in [(10, E0), (20, E1), (30, E2)] {
         a.ok(deposit(x, amount, eid)).await;
@@ -1407,20 +1565,25 @@ async fn a_trimmed_stream_is_an_error_on_a_cold_replica_and_no_obstacle_on_a_war
         account: x,
         min_available: 3,
     };
-    let cold = env.replica();
+    let cold = env.cold_replica().await;
     assert_eq!(
         cold.run(deposit(x, 5, E_SIB)).await,
         Err(WriteError::Account(trimmed.clone())),
         "never a balance folded from part of the stream"
     );
-    assert_eq!(cold.projection.catch_up(x).await.err(), Some(trimmed));
+    assert_eq!(cold.projection.refresh(x, &[]).await.err(), Some(trimmed));
 
     // A's cursor is past the trim point: it keeps working.
     assert_eq!(
         a.run(deposit(x, 40, E3)).await,
         Ok(outcome(&[(x, 100, 4)], false))
     );
-    let (_, snap) = a.projection.catch_up(x).await.expect("warm catch-up");
+    let snap = a
+        .projection
+        .refresh(x, &[])
+        .await
+        .expect("warm catch-up")
+        .snap;
     assert_eq!((snap.balance, snap.version), (100, 4));
     let s = env.stream(x);
     assert_eq!(s.iter().map(|b| b.version).collect::<Vec<_>>(), vec![3, 4]);
@@ -1431,7 +1594,7 @@ async fn a_trimmed_stream_is_an_error_on_a_cold_replica_and_no_obstacle_on_a_war
 #[tokio::test(start_paused = true)]
 async fn an_undecodable_event_poisons_the_account_naming_its_version() {
     let env = Env::new();
-    let a = env.replica();
+    let a = env.replica().await;
     let (x, y) = (acct(1), acct(2));
     a.ok(deposit(x, 100, E0)).await;
     env.foreign_write(x, DEPOSITED, br#"{"AmountCents":"lots"}"#);
@@ -1444,14 +1607,14 @@ async fn an_undecodable_event_poisons_the_account_naming_its_version() {
         _ => None,
     };
     // A cold replica stops at version 2.
-    let cold = env.replica();
+    let cold = env.cold_replica().await;
     let got = cold.run(deposit(x, 5, E1)).await;
     assert_eq!(poisoned_at(&got), Some((x, 2)), "{got:?}");
     // The warm writer's stale write bounces, and its catch-up hits the same event.
     let got = a.run(deposit(x, 5, E2)).await;
     assert_eq!(poisoned_at(&got), Some((x, 2)), "{got:?}");
     // It stays poisoned: every later request answers the same.
-    let again = cold.projection.catch_up(x).await.err();
+    let again = cold.projection.refresh(x, &[]).await.err();
     assert!(
         matches!(again, Some(ProjectionError::Poisoned { version: 2, .. })),
         "{again:?}"
@@ -1480,7 +1643,7 @@ async fn an_undecodable_event_poisons_the_account_naming_its_version() {
 async fn hot_account_deposits_are_batched_and_each_lands_exactly_once() {
     const N: u64 = 64;
     let env = Env::build(FaultConfig::default(), Some(Duration::from_millis(2)));
-    let a = env.replica();
+    let a = env.replica().await;
     let x = acct(1);
 
     let tasks: Vec<_> = (1..=N)
@@ -1525,7 +1688,7 @@ async fn hot_account_deposits_are_batched_and_each_lands_exactly_once() {
 #[tokio::test(start_paused = true)]
 async fn an_overdraw_inside_a_batch_is_rejected_alone() {
     let env = Env::new();
-    let a = env.replica();
+    let a = env.replica().await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
 
@@ -1598,6 +1761,7 @@ fn under_seeded_faults_every_request_lands_at_most_once_and_rules_hold() {
         Err(_) => CHAOS_SEEDS.to_vec(),
     };
     for seed in seeds {
+        REAL_CLOCK.set(false);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .start_paused(true)
@@ -1624,7 +1788,10 @@ async fn chaos(seed: u64) {
         },
         None,
     );
-    let replicas: Vec<_> = (0..3).map(|_| env.replica()).collect();
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        replicas.push(env.replica().await);
+    }
     let accounts: Vec<AccountId> = (1..=4).map(acct).collect();
 
     let mut callers = Vec::new();

@@ -148,7 +148,8 @@ pub struct Projection {
     server_offset_ms: AtomicI64,
     index_entries: AtomicI64,
     evict_signal: tokio::sync::Notify,
-    /// Where cursor and index live. Under Postgres the memory fold's map stays empty.
+    /// Where cursor and index live. Under Postgres the memory fold's map holds the warm
+    /// copies of rows (`postgres/warm.rs`).
     backend: Backend,
 }
 
@@ -270,11 +271,22 @@ impl Projection {
     }
 
     /// Reads the account's stream from its cursor and folds what is new. Returns the slot
-    /// and the state after the fold.
+    /// and the state after the fold. The memory fold's own catch-up: callers that serve
+    /// either backend go through [`Projection::refresh`].
+    ///
+    /// # Panics
+    /// On the Postgres backend, whose slots are warm copies with server-time expiry: a
+    /// memory fold there would mark a copy complete with entries aged on the local clock,
+    /// and a lookup could then miss a live key.
     pub async fn catch_up(
         &self,
         account: AccountId,
     ) -> Result<(Arc<AccountSlot>, Snapshot), ProjectionError> {
+        assert!(
+            matches!(self.backend, Backend::Memory),
+            "the memory fold's catch-up called on the {} projection",
+            self.backend_name()
+        );
         let slot = self.slot(account);
         let from = {
             let st = slot.state.lock();
@@ -405,9 +417,12 @@ impl Projection {
     /// indexes every event it replays inside the window (the colocation rule), which
     /// includes other replicas' writes. The count can therefore pass the cap, by the writes
     /// in flight when it was reached plus what catch-ups replay.
+    ///
+    /// On Postgres the index is the database's table, and the entries counted here are the
+    /// warm copies', which stop growing before the cap (`postgres/warm.rs`): never refused.
     pub fn check_index_room(&self) -> Result<(), IndexFull> {
         let entries = self.index_entries();
-        if entries < self.config.max_index_entries {
+        if entries < self.config.max_index_entries || self.uses_database() {
             return Ok(());
         }
         self.metrics.writes_refused_index_full.inc();

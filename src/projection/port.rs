@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::postgres::RecordRow;
+use super::postgres::{RecordRow, WarmUpdate};
 use super::state::Snapshot;
 use super::{AccountSlot, Backend, Projection, ProjectionError, RecentWrite, RecordedWrite};
 use crate::account::AccountId;
@@ -32,9 +32,10 @@ impl Projection {
     }
 
     /// The account's state without reading the store, when the backend can vouch for it:
-    /// the memory fold's resident, warm and readable account; or the shared database's row
-    /// (with the index rows of `lookups`), when there is one and it is readable. `None`:
-    /// catch up instead ([`Projection::refresh`]).
+    /// the memory fold's resident, warm and readable account; on Postgres, the replica's
+    /// complete warm copy of the row (no statement), else the shared database's row (with
+    /// the index rows of `lookups`), when there is one and it is readable. `None`: catch up
+    /// instead ([`Projection::refresh`]).
     pub async fn current(
         &self,
         account: AccountId,
@@ -47,13 +48,32 @@ impl Projection {
                 db_statements: 0,
             })),
             Backend::Postgres(pg) => {
-                let row = self.pg_load(pg, account, lookups).await?;
-                Ok(match row.state {
-                    Some((snap, None)) => Some(Loaded {
-                        view: AccountView::Postgres(row.hits),
+                if let Some((slot, snap)) = self.warm_snapshot(account) {
+                    return Ok(Some(Loaded {
+                        view: AccountView::Postgres(self.pg_warm_hits(&slot, lookups)),
                         snap,
-                        db_statements: 1,
-                    }),
+                        db_statements: 0,
+                    }));
+                }
+                let since = self.pg_since(account);
+                let row = self.pg_load(pg, account, lookups, since).await?;
+                Ok(match row.state {
+                    Some((snap, None)) => {
+                        self.pg_warm_up(
+                            account,
+                            WarmUpdate {
+                                since,
+                                snap,
+                                delta: row.delta.as_deref(),
+                                replayed: &[],
+                            },
+                        );
+                        Some(Loaded {
+                            view: AccountView::Postgres(row.hits),
+                            snap,
+                            db_statements: 1,
+                        })
+                    }
                     _ => None,
                 })
             }
@@ -127,6 +147,10 @@ impl Projection {
                 // not in the store's answer, and the estimate never runs ahead of the
                 // server, so the row outlives its window by a round trip at most.
                 let expires = self.server_tip_ms().saturating_add(self.window_ms());
+                // The warm copy first: the store holds the write whatever the database says.
+                for (account, _, write) in writes {
+                    self.pg_record_warm(*account, write, expires);
+                }
                 if let Err(e) = pg.record(&rows, expires).await {
                     self.metrics.projection_record_failures.inc();
                     tracing::warn!(error = %e, accounts = rows.len(),

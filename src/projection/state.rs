@@ -51,6 +51,9 @@ pub struct AccountState {
     pub broken: Option<Box<Broken>>,
     pub recent: RecentIndex,
     pub last_touch_ms: u64,
+    /// Postgres projection only: no warm copy of this account is built before this local
+    /// time, because the last one had too many rows (see `postgres/warm.rs`).
+    pub cold_until_ms: u64,
 }
 
 impl AccountState {

@@ -25,6 +25,12 @@ impl Projection {
     /// (a request holds their slot) are never dropped.
     pub fn sweep(&self) -> SweepStats {
         let now = self.now_ms();
+        // Entries expire in local time in the memory fold, in server time in the Postgres
+        // backend's warm copies (as the rows they copy).
+        let expiry_now = match self.backend {
+            super::Backend::Memory => now,
+            super::Backend::Postgres(_) => self.server_tip_ms(),
+        };
         let idle_ms = u64::try_from(self.config.idle_timeout.as_millis()).unwrap_or(u64::MAX);
         let mut stats = SweepStats::default();
         let mut idle = Vec::new();
@@ -37,7 +43,7 @@ impl Projection {
             let Some(mut st) = entry.value().state.try_lock() else {
                 continue;
             };
-            stats.index_entries_expired += st.recent.evict_expired(now);
+            stats.index_entries_expired += st.recent.evict_expired(expiry_now);
             if now.saturating_sub(st.last_touch_ms) >= idle_ms {
                 idle.push(*entry.key());
             } else if over_cap > 0 {
@@ -116,7 +122,7 @@ impl Projection {
                 {
                     tracing::warn!(error = %e, "sweeping expired index rows failed; the next sweep retries");
                 }
-                continue;
+                // The warm copies (`postgres/warm.rs`) are swept below like the memory fold.
             }
             let this = self.clone();
             // A sweep walks every resident account; keep it off the async workers.

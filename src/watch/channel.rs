@@ -145,8 +145,12 @@ impl Channel {
 /// Where a new channel starts: the fold's version and balance, or, when the fold cannot
 /// derive the balance (trimmed, unreadable), the store's tip without one.
 async fn start(projection: &Projection, account: AccountId) -> Result<Cursor, WatchError> {
-    match projection.catch_up(account).await {
-        Ok((_, snap)) => Ok(Cursor {
+    match projection
+        .refresh(account, &[])
+        .await
+        .map(|loaded| loaded.snap)
+    {
+        Ok(snap) => Ok(Cursor {
             version: snap.version,
             balance: Some(snap.balance),
         }),

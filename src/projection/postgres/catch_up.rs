@@ -5,6 +5,7 @@
 
 use std::time::Instant;
 
+use super::warm::WarmUpdate;
 use super::{PgError, PgProjection, PgRow};
 use crate::account::AccountId;
 use crate::projection::state::{AccountState, Broken, FoldContext, Snapshot};
@@ -37,15 +38,17 @@ pub(crate) fn row_broken(account: AccountId, snap: Snapshot, broken: Broken) -> 
 }
 
 impl Projection {
-    /// The account row and the index rows of `lookups`, without reading the store.
+    /// The account row and the index rows of `lookups` (and, with `since`, every live
+    /// row above it: see [`PgProjection::load`]), without reading the store.
     pub(crate) async fn pg_load(
         &self,
         pg: &PgProjection,
         account: AccountId,
         lookups: &[u128],
+        since: Option<u64>,
     ) -> Result<PgRow, ProjectionError> {
         let row = pg
-            .load(account, lookups, self.server_tip_ms())
+            .load(account, lookups, self.server_tip_ms(), since)
             .await
             .map_err(db_error)?;
         // The row's writer knew the server had reached this time: age entries against it
@@ -63,7 +66,8 @@ impl Projection {
         lookups: &[u128],
     ) -> Result<PgCaughtUp, ProjectionError> {
         let mut statements = 1;
-        let loaded = self.pg_load(pg, account, lookups).await?;
+        let since = self.pg_since(account);
+        let loaded = self.pg_load(pg, account, lookups, since).await?;
         let mut st = AccountState::default();
         if let Some((snap, broken)) = loaded.state {
             if let Some(b) = broken {
@@ -126,8 +130,8 @@ impl Projection {
             .catchup_duration
             .observe(started.elapsed().as_secs_f64());
         let snap = st.snapshot();
+        let replayed = st.recent.live_entries();
         if st.version > start || broken.is_some() {
-            let replayed = st.recent.live_entries();
             statements += 1;
             pg.persist(account, snap, broken.as_ref(), &replayed, newest_ts)
                 .await
@@ -140,6 +144,15 @@ impl Projection {
             self.metrics.poisoned_accounts.inc();
             return Err(row_broken(account, snap, b));
         }
+        self.pg_warm_up(
+            account,
+            WarmUpdate {
+                since,
+                snap,
+                delta: loaded.delta.as_deref(),
+                replayed: &replayed,
+            },
+        );
         // A lookup answers from the fold just done first (it is at least as new as the row
         // read before it), then from the row read.
         let tip = self.server_tip_ms();

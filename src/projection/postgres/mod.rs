@@ -17,10 +17,15 @@
 //! the sweep compare against that same estimate (see `anchor.rs`).
 //!
 //! Files: this one (settings, pool, migrations, statements), `rows` (row <-> value
-//! conversions), `catch_up` (the catch-up over the store that persists what it folds).
+//! conversions), `catch_up` (the catch-up over the store that persists what it folds),
+//! `warm` (the replica's complete copy of rows it has read, which takes the load off a
+//! write's fast path).
 
 mod catch_up;
 mod rows;
+mod warm;
+
+pub(crate) use warm::WarmUpdate;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,6 +51,11 @@ pub const SWEEP_BATCH_ROWS: i64 = 10_000;
 /// The most sweep statements one sweep pass runs (so at most this x [`SWEEP_BATCH_ROWS`]
 /// rows per pass); the next pass continues.
 pub const SWEEP_MAX_STATEMENTS: usize = 20;
+/// The most live index rows an account may have for this replica to keep a warm copy of
+/// it (see `warm.rs`): a load asks for at most one more. An account with more (a hot one
+/// with a long window) is read from the database on every write instead, where batching
+/// already spreads the round trip over many requests.
+pub const WARM_MAX_ROWS_PER_ACCOUNT: usize = 1_024;
 /// How long migrations may wait for the migration lock and run, at start.
 const MIGRATION_TIMEOUT: Duration = Duration::from_secs(60);
 /// The advisory lock that serialises migrations when several replicas start at once.
@@ -93,6 +103,9 @@ pub struct PgRow {
     /// The commit time of the newest batch folded into the row (0 without one).
     pub server_ts_ms: u64,
     pub hits: Vec<(u128, RecentWrite)>,
+    /// Every live index row above the `since` version the load was given, when it asked
+    /// and there were at most [`WARM_MAX_ROWS_PER_ACCOUNT`]; `None` otherwise.
+    pub delta: Option<Vec<(u128, RecentWrite)>>,
 }
 
 /// One account's part of a recorded write: the row's new state and its index rows.
@@ -207,12 +220,16 @@ impl PgProjection {
     }
 
     /// The account row and, in the same statement (a LEFT JOIN), the live index rows of
-    /// `lookups`: the ones whose server-time expiry is after `tip_ms`.
+    /// `lookups` (the ones whose server-time expiry is after `tip_ms`) and, when `since` is
+    /// given, every live index row of the account above version `since`, at most
+    /// [`WARM_MAX_ROWS_PER_ACCOUNT`] of them (more: [`PgRow::delta`] is `None`). The delta
+    /// is what keeps a replica's warm copy of the account complete (see `warm.rs`).
     pub async fn load(
         &self,
         account: AccountId,
         lookups: &[u128],
         tip_ms: u64,
+        since: Option<u64>,
     ) -> Result<PgRow, PgError> {
         let client = self.pool.get().await?;
         let stmt = client
@@ -220,21 +237,51 @@ impl PgProjection {
                 "SELECT a.balance_cents, a.version, a.max_client_seq,
                         a.broken_version, a.broken_reason, a.trimmed_min_available,
                         a.server_ts_ms, r.event_id, r.balance_cents, r.version, r.event_kind,
-                        r.amount_cents, r.counterparty, r.expires_at_ms
+                        r.amount_cents, r.counterparty, r.expires_at_ms, r.delta
                  FROM (SELECT $1::uuid AS id) k
                  LEFT JOIN tally_accounts a ON a.account_id = k.id
-                 LEFT JOIN tally_recent_writes r
-                        ON r.account_id = k.id AND r.event_id = ANY($2::uuid[])
-                       AND r.expires_at_ms > $3",
+                 LEFT JOIN LATERAL (
+                     SELECT w.event_id, w.balance_cents, w.version, w.event_kind,
+                            w.amount_cents, w.counterparty, w.expires_at_ms, false AS delta
+                     FROM tally_recent_writes w
+                     WHERE w.account_id = k.id AND w.event_id = ANY($2::uuid[])
+                       AND w.expires_at_ms > $3
+                     UNION ALL
+                     (SELECT w.event_id, w.balance_cents, w.version, w.event_kind,
+                             w.amount_cents, w.counterparty, w.expires_at_ms, true
+                      FROM tally_recent_writes w
+                      WHERE $4::int8 >= 0 AND w.account_id = k.id AND w.version > $4
+                        AND w.expires_at_ms > $3
+                      LIMIT $5)
+                 ) r ON true",
             )
             .await?;
         let ids: Vec<Uuid> = lookups.iter().map(|&id| Uuid::from_u128(id)).collect();
+        let since_param = since.map_or(-1, rows::to_i64);
+        let limit = i64::try_from(WARM_MAX_ROWS_PER_ACCOUNT + 1).unwrap_or(i64::MAX);
         let rows = client
-            .query(&stmt, &[&account.0, &ids, &rows::to_i64(tip_ms)])
+            .query(
+                &stmt,
+                &[
+                    &account.0,
+                    &ids,
+                    &rows::to_i64(tip_ms),
+                    &since_param,
+                    &limit,
+                ],
+            )
             .await
             .map_err(PgError::from);
         let rows = self.counted("load", rows)?;
-        rows::loaded(&rows).map_err(PgError)
+        let mut row = rows::loaded(&rows).map_err(PgError)?;
+        row.delta = match (since, row.delta.take()) {
+            (None, _) => None,
+            (Some(_), delta) => {
+                let delta = delta.unwrap_or_default();
+                (delta.len() <= WARM_MAX_ROWS_PER_ACCOUNT).then_some(delta)
+            }
+        };
+        Ok(row)
     }
 
     /// The write path's record, for every account a write touched, as ONE statement: each

@@ -114,7 +114,8 @@ pub(super) fn broken_columns(b: Option<&Broken>) -> (Option<i64>, Option<String>
     }
 }
 
-/// The rows of the load query: one per index hit, or one with NULL index columns.
+/// The rows of the load query: one per index row (a lookup hit, or a delta row when column
+/// 14 says so), or one with NULL index columns.
 pub(super) fn loaded(rows: &[Row]) -> Result<PgRow, String> {
     let mut out = PgRow::default();
     let Some(first) = rows.first() else {
@@ -146,7 +147,7 @@ pub(super) fn loaded(rows: &[Row]) -> Result<PgRow, String> {
             continue;
         };
         let event = event_of(row.get(10), row.get(11), row.get(12))?;
-        out.hits.push((
+        let entry = (
             event_id.as_u128(),
             RecentWrite {
                 balance: row.get(8),
@@ -154,7 +155,12 @@ pub(super) fn loaded(rows: &[Row]) -> Result<PgRow, String> {
                 expires_at_ms: to_u64(row.get(13)),
                 event,
             },
-        ));
+        );
+        if row.get::<_, Option<bool>>(14) == Some(true) {
+            out.delta.get_or_insert_with(Vec::new).push(entry);
+        } else {
+            out.hits.push(entry);
+        }
     }
     Ok(out)
 }
