@@ -528,6 +528,82 @@ async fn the_shared_cursor_never_moves_backwards() {
     );
 }
 
+/// Rule: records queued together share one statement (the database's per-statement cost
+/// is paid once for many writes), each row still guarded on its own expected version; two
+/// records of one account never share a statement (an upsert cannot touch a row twice).
+#[tokio::test]
+async fn queued_records_share_a_statement_and_never_repeat_an_account() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let metrics = Arc::new(Metrics::new());
+    let pg = PgProjection::connect(&settings(&url), metrics.clone())
+        .await
+        .expect("connect");
+    let statements = || {
+        metrics
+            .projection_db_statements
+            .with_label_values(&["record", "ok"])
+            .get()
+    };
+    let accounts: Vec<AccountId> = (0..40).map(|_| AccountId(Uuid::new_v4())).collect();
+    let pg = Arc::new(pg);
+    // (account, expected version, balance after, event id): the 40 first writes, and a
+    // second write on account 0.
+    let mut writes: Vec<(AccountId, u64, i64, u128)> = accounts
+        .iter()
+        .zip(1..)
+        .map(|(&a, id)| (a, 0, 5, id))
+        .collect();
+    writes.push((accounts[0], 1, 10, 1_000));
+    // Every record is queued before the dispatcher runs (one thread, tasks run in spawn
+    // order): one statement takes the 40 first writes, the next one account 0's second.
+    let tasks: Vec<_> = writes
+        .into_iter()
+        .map(|(account, expected, balance, id)| {
+            let pg = pg.clone();
+            tokio::spawn(async move {
+                let events = [(id, balance, AccountEvent::Deposited { amount: 5 })];
+                let write = RecordedWrite {
+                    expected_version: expected,
+                    new_version: expected + 1,
+                    balance_after: balance,
+                    max_client_seq: expected + 1,
+                    events: &events,
+                };
+                let row = tally::projection::postgres::RecordRow {
+                    account,
+                    write: &write,
+                };
+                pg.record(&[row], 1_000).await
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for t in tasks {
+        outcomes.push(t.await.expect("task"));
+    }
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    assert_eq!(statements(), 2, "41 records in 2 statements");
+    let db = pg::connect(&url).await;
+    let bumped: i64 = db
+        .query_one("SELECT count(*) FROM tally_accounts WHERE version = 1", &[])
+        .await
+        .expect("count")
+        .get(0);
+    let indexed: i64 = db
+        .query_one("SELECT count(*) FROM tally_recent_writes", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(indexed, 41, "every index row");
+    let zero = row(&db, &accounts[0].0.to_string()).await;
+    assert!(
+        bumped == 40 && zero == Some((5, 1)) || bumped == 39 && zero == Some((10, 2)),
+        "each cursor bumped from its own expected version: {bumped} at 1, account 0 at {zero:?}"
+    );
+}
+
 /// Rule: a load asked for the rows above a version returns every live one, so a warm copy
 /// built from it is complete; past [`WARM_MAX_ROWS_PER_ACCOUNT`] it returns none, and
 /// the replica reads that account from the database instead of holding a copy.

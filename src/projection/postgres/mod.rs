@@ -22,9 +22,11 @@
 //! write's fast path).
 
 mod catch_up;
+mod records;
 mod rows;
 mod warm;
 
+pub use records::{MAX_RECORD_ACCOUNTS, RECORD_QUEUE_CAPACITY, RECORD_STATEMENTS_IN_FLIGHT};
 pub(crate) use warm::WarmUpdate;
 
 use std::sync::Arc;
@@ -38,6 +40,7 @@ use super::state::{Broken, Snapshot};
 use super::{RecentWrite, RecordedWrite};
 use crate::account::AccountId;
 use crate::metrics::Metrics;
+use records::{Record, RecordQueue};
 use rows::IndexRows;
 
 /// Connections in one replica's pool, unless configured.
@@ -75,7 +78,7 @@ pub struct PostgresSettings {
 
 /// A database call failed. Retryable from the caller's point of view: nothing the
 /// projection reports as done depends on it.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 #[error("projection database: {0}")]
 pub struct PgError(String);
 
@@ -117,6 +120,8 @@ pub struct RecordRow<'a> {
 pub struct PgProjection {
     pool: Pool,
     metrics: Arc<Metrics>,
+    /// Where the write path's records queue for a statement (`records.rs`).
+    records: RecordQueue,
 }
 
 impl PgProjection {
@@ -130,8 +135,9 @@ impl PgProjection {
         Ok(this)
     }
 
-    /// Builds the pool without contacting the database (connections open lazily): a
-    /// database that is down at boot does not stop the replica. Run [`PgProjection::migrate`]
+    /// Builds the pool without contacting the database (connections open lazily), and
+    /// starts the record queue's dispatcher (so it needs a tokio runtime): a database that
+    /// is down at boot does not stop the replica. Run [`PgProjection::migrate`]
     /// before serving (the start-up step `postgresMigrations` does).
     pub fn new(settings: &PostgresSettings, metrics: Arc<Metrics>) -> Result<Self, PgError> {
         let mut pg: tokio_postgres::Config = settings
@@ -165,17 +171,17 @@ impl PgProjection {
             .create_timeout(Some(settings.statement_timeout))
             .build()
             .map_err(|e| PgError(format!("pool: {e}")))?;
-        Ok(Self { pool, metrics })
+        let records = RecordQueue::start(pool.clone(), metrics.clone());
+        Ok(Self {
+            pool,
+            metrics,
+            records,
+        })
     }
 
     /// Counts one statement by kind and outcome.
     fn counted<T>(&self, statement: &str, r: Result<T, PgError>) -> Result<T, PgError> {
-        let outcome = if r.is_ok() { "ok" } else { "error" };
-        self.metrics
-            .projection_db_statements
-            .with_label_values(&[statement, outcome])
-            .inc();
-        r
+        counted(&self.metrics, statement, r)
     }
 
     /// Applies every embedded migration not applied yet, in one transaction under an
@@ -284,70 +290,13 @@ impl PgProjection {
         Ok(row)
     }
 
-    /// The write path's record, for every account a write touched, as ONE statement: each
-    /// account's index rows upserted (a row's `expires_at_ms` only ever raised), and its
-    /// cursor bumped only where it still stands at the version the write expected (a row
-    /// is created only by a write that expected version 0). Returns the accounts whose
-    /// cursor moved.
-    pub async fn record(&self, rows: &[RecordRow<'_>], expires_at_ms: u64) -> Result<u64, PgError> {
-        // Rows in account order, so two records of one pair of accounts (transfers both ways)
-        // lock them in the same order and never deadlock.
-        let mut rows: Vec<&RecordRow<'_>> = rows.iter().collect();
-        rows.sort_by_key(|r| r.account.0);
-        let mut index = IndexRows::default();
-        let (mut ids, mut balances, mut versions, mut seqs, mut expected) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for r in rows {
-            let w = r.write;
-            for &(event_id, balance, event) in w.events {
-                index.push(
-                    r.account,
-                    event_id,
-                    &RecentWrite {
-                        balance,
-                        version: w.new_version,
-                        expires_at_ms,
-                        event,
-                    },
-                );
-            }
-            ids.push(r.account.0);
-            balances.push(w.balance_after);
-            versions.push(rows::to_i64(w.new_version));
-            seqs.push(rows::to_i64(w.max_client_seq));
-            expected.push(rows::to_i64(w.expected_version));
-        }
-        let client = self.pool.get().await?;
-        let stmt = client
-            .prepare_cached(&format!(
-                "WITH idx AS ({upsert})
-                 INSERT INTO tally_accounts AS a (account_id, balance_cents, version, max_client_seq)
-                 SELECT u.id, u.balance, u.version, u.seq
-                 FROM unnest($9::uuid[], $10::int8[], $11::int8[], $12::int8[], $13::int8[])
-                      AS u(id, balance, version, seq, expected)
-                 WHERE u.version = u.expected + 1
-                   AND (u.expected = 0 OR EXISTS
-                        (SELECT 1 FROM tally_accounts x WHERE x.account_id = u.id))
-                 ON CONFLICT (account_id) DO UPDATE
-                    SET balance_cents = EXCLUDED.balance_cents,
-                        version = EXCLUDED.version,
-                        max_client_seq = GREATEST(a.max_client_seq, EXCLUDED.max_client_seq)
-                  WHERE a.version = EXCLUDED.version - 1 AND a.broken_reason IS NULL",
-                upsert = rows::INDEX_UPSERT,
-            ))
-            .await?;
-        let n = client
-            .execute(
-                &stmt,
-                &[
-                    index.params(),
-                    vec![&ids, &balances, &versions, &seqs, &expected],
-                ]
-                .concat(),
-            )
-            .await
-            .map_err(PgError::from);
-        self.counted("record", n)
+    /// The write path's record, for every account a write touched, in ONE statement
+    /// (shared with other writes' records under load: `records.rs`): each account's index
+    /// rows upserted (a row's `expires_at_ms` only ever raised), and its cursor bumped only
+    /// where it still stands at the version the write expected (a row is created only by a
+    /// write that expected version 0).
+    pub async fn record(&self, rows: &[RecordRow<'_>], expires_at_ms: u64) -> Result<(), PgError> {
+        self.records.record(Record::of(rows, expires_at_ms)).await
     }
 
     /// Catch-up's persistence, as ONE statement: the index rows it replayed inside the
@@ -445,4 +394,50 @@ impl PgProjection {
         self.metrics.projection_db_rows_swept.inc_by(total);
         Ok(total)
     }
+}
+
+/// Counts one statement by kind and outcome.
+fn counted<T>(metrics: &Metrics, statement: &str, r: Result<T, PgError>) -> Result<T, PgError> {
+    let outcome = if r.is_ok() { "ok" } else { "error" };
+    metrics
+        .projection_db_statements
+        .with_label_values(&[statement, outcome])
+        .inc();
+    r
+}
+
+/// Sends one record statement: every account row and index row of `record`.
+async fn execute_record(pool: &Pool, metrics: &Metrics, record: Record) -> Result<(), PgError> {
+    let (index, [ids], [balances, versions, seqs, expected]) = record.columns();
+    let client = pool.get().await?;
+    let stmt = client
+        .prepare_cached(&format!(
+            "WITH idx AS ({upsert})
+             INSERT INTO tally_accounts AS a (account_id, balance_cents, version, max_client_seq)
+             SELECT u.id, u.balance, u.version, u.seq
+             FROM unnest($9::uuid[], $10::int8[], $11::int8[], $12::int8[], $13::int8[])
+                  AS u(id, balance, version, seq, expected)
+             WHERE u.version = u.expected + 1
+               AND (u.expected = 0 OR EXISTS
+                    (SELECT 1 FROM tally_accounts x WHERE x.account_id = u.id))
+             ON CONFLICT (account_id) DO UPDATE
+                SET balance_cents = EXCLUDED.balance_cents,
+                    version = EXCLUDED.version,
+                    max_client_seq = GREATEST(a.max_client_seq, EXCLUDED.max_client_seq)
+              WHERE a.version = EXCLUDED.version - 1 AND a.broken_reason IS NULL",
+            upsert = rows::INDEX_UPSERT,
+        ))
+        .await?;
+    let n = client
+        .execute(
+            &stmt,
+            &[
+                index.params(),
+                vec![&ids, &balances, &versions, &seqs, &expected],
+            ]
+            .concat(),
+        )
+        .await
+        .map_err(PgError::from);
+    counted(metrics, "record", n).map(|_| ())
 }

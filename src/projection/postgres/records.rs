@@ -1,0 +1,195 @@
+//! The write path's records, several writes to one statement.
+//!
+//! Every write that lands sends its record (the index rows and the guarded cursor bump,
+//! `PgProjection::record`). With many writes in flight, one statement per write spends the
+//! database's CPU on per-statement work (a transaction, a plan, a commit record each), which
+//! on a small machine is the projection's bottleneck. So records go through one queue: a
+//! dispatcher sends whatever has queued as ONE statement, with at most
+//! [`RECORD_STATEMENTS_IN_FLIGHT`] statements running at a time. Under light load a record
+//! goes out alone at once (nothing waits for company); under load the records that queued
+//! behind a running statement share the next one.
+//!
+//! Nothing about a record's meaning changes: each account row keeps its own guard (bumped
+//! only from the version its write expected), each index row its own upsert, and the
+//! statement's rows are in account order so concurrent statements lock accounts in one
+//! order. Two records of one account never share a statement (its writes are serialised
+//! by the write loop's lane, and a record that would repeat an account waits for the next
+//! statement), because an upsert cannot touch one row twice. A failed statement fails
+//! every record in it, each then handled as any failed record: answered anyway, counted,
+//! replayed by the next catch-up.
+
+use std::sync::Arc;
+
+use deadpool_postgres::Pool;
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use uuid::Uuid;
+
+use super::rows::{self, IndexRows};
+use super::{PgError, RecordRow};
+use crate::account::AccountId;
+use crate::metrics::Metrics;
+use crate::projection::RecentWrite;
+
+/// Records waiting for a statement, at most; a write whose record finds the queue full
+/// waits for room (the database is then the bottleneck, and this is its backpressure).
+pub const RECORD_QUEUE_CAPACITY: usize = 4_096;
+/// Record statements running at once (each holds a pooled connection while it runs).
+pub const RECORD_STATEMENTS_IN_FLIGHT: usize = 4;
+/// Account rows one record statement carries, at most.
+pub const MAX_RECORD_ACCOUNTS: usize = 256;
+
+/// One account row of a record.
+#[derive(Clone, Copy)]
+struct AccountRow {
+    id: Uuid,
+    balance: i64,
+    version: i64,
+    seq: i64,
+    expected: i64,
+}
+
+/// One write's record, owned, so that it can share a statement with others.
+#[derive(Default)]
+pub(super) struct Record {
+    accounts: Vec<AccountRow>,
+    index: Vec<(AccountId, u128, RecentWrite)>,
+}
+
+impl Record {
+    /// The record of one write's rows; its index rows expire at `expires_at_ms` (server
+    /// time).
+    pub fn of(rows: &[RecordRow<'_>], expires_at_ms: u64) -> Self {
+        let mut record = Record::default();
+        for r in rows {
+            let w = r.write;
+            for &(event_id, balance, event) in w.events {
+                let write = RecentWrite {
+                    balance,
+                    version: w.new_version,
+                    expires_at_ms,
+                    event,
+                };
+                record.index.push((r.account, event_id, write));
+            }
+            record.accounts.push(AccountRow {
+                id: r.account.0,
+                balance: w.balance_after,
+                version: rows::to_i64(w.new_version),
+                seq: rows::to_i64(w.max_client_seq),
+                expected: rows::to_i64(w.expected_version),
+            });
+        }
+        record
+    }
+
+    fn shares_an_account_with(&self, other: &Record) -> bool {
+        self.accounts
+            .iter()
+            .any(|a| other.accounts.iter().any(|b| a.id == b.id))
+    }
+
+    fn append(&mut self, other: Record) {
+        self.accounts.extend(other.accounts);
+        self.index.extend(other.index);
+    }
+
+    /// The statement's parameters: index rows (`$1..$8`), then the account rows' columns
+    /// (`$9..$13`), both in account order.
+    pub fn columns(mut self) -> (IndexRows, [Vec<Uuid>; 1], [Vec<i64>; 4]) {
+        self.accounts.sort_by_key(|a| a.id);
+        self.index
+            .sort_by_key(|(account, event_id, _)| (account.0, *event_id));
+        let mut index = IndexRows::default();
+        for (account, event_id, w) in &self.index {
+            index.push(*account, *event_id, w);
+        }
+        let ids = self.accounts.iter().map(|a| a.id).collect();
+        let col = |f: fn(&AccountRow) -> i64| self.accounts.iter().map(f).collect::<Vec<_>>();
+        let numbers = [
+            col(|a| a.balance),
+            col(|a| a.version),
+            col(|a| a.seq),
+            col(|a| a.expected),
+        ];
+        (index, [ids], numbers)
+    }
+}
+
+/// A record waiting for its statement, and where its outcome goes.
+struct Pending {
+    record: Record,
+    done: oneshot::Sender<Result<(), PgError>>,
+}
+
+/// The queue records go through (see the module docs).
+pub(super) struct RecordQueue {
+    tx: mpsc::Sender<Pending>,
+}
+
+impl RecordQueue {
+    /// Starts the dispatcher (on the current tokio runtime); it stops when the queue drops.
+    pub fn start(pool: Pool, metrics: Arc<Metrics>) -> Self {
+        let (tx, rx) = mpsc::channel(RECORD_QUEUE_CAPACITY);
+        tokio::spawn(dispatch(rx, pool, metrics));
+        Self { tx }
+    }
+
+    /// Sends `record` in the next statement with room for it, and waits for that
+    /// statement's outcome.
+    pub async fn record(&self, record: Record) -> Result<(), PgError> {
+        let (done, outcome) = oneshot::channel();
+        self.tx
+            .send(Pending { record, done })
+            .await
+            .map_err(|_| PgError("the record queue has stopped".into()))?;
+        outcome
+            .await
+            .map_err(|_| PgError("the record statement was dropped".into()))?
+    }
+}
+
+/// Takes a free statement slot, then everything queued (up to the caps) as one statement.
+async fn dispatch(mut rx: mpsc::Receiver<Pending>, pool: Pool, metrics: Arc<Metrics>) {
+    let slots = Arc::new(Semaphore::new(RECORD_STATEMENTS_IN_FLIGHT));
+    let mut carried: Option<Pending> = None;
+    loop {
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let first = match carried.take() {
+            Some(p) => p,
+            None => match rx.recv().await {
+                Some(p) => p,
+                None => return,
+            },
+        };
+        let mut batch = vec![first];
+        let mut merged = Record::default();
+        let mut accounts = batch[0].record.accounts.len();
+        while accounts < MAX_RECORD_ACCOUNTS {
+            let Ok(next) = rx.try_recv() else { break };
+            let clash = batch
+                .iter()
+                .any(|p| p.record.shares_an_account_with(&next.record));
+            if clash {
+                carried = Some(next);
+                break;
+            }
+            accounts += next.record.accounts.len();
+            batch.push(next);
+        }
+        let mut dones = Vec::with_capacity(batch.len());
+        for p in batch {
+            merged.append(p.record);
+            dones.push(p.done);
+        }
+        let (pool, metrics) = (pool.clone(), metrics.clone());
+        tokio::spawn(async move {
+            let outcome = super::execute_record(&pool, &metrics, merged).await;
+            for done in dones {
+                let _ = done.send(outcome.clone());
+            }
+            drop(slot);
+        });
+    }
+}
