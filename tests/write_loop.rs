@@ -69,6 +69,14 @@ impl Around for Latency {
     }
 }
 
+/// What `n` first touches that bounced look like in a write history: a write at version 0
+/// under sequence 1, refused by the version guard because the account exists
+/// (`Projection::first_touch`; the memory fold only). None on Postgres.
+fn first_touch_bounces(n: usize) -> Vec<(u64, Vec<u64>, &'static str)> {
+    let n = if on_postgres() { 0 } else { n };
+    vec![(0, vec![1], "conflict"); n]
+}
+
 /// A short label of a store answer, for comparing write histories.
 fn label(result: &StoreResult<Vec<u64>>) -> &'static str {
     match result {
@@ -1105,7 +1113,9 @@ async fn a_replica_that_folded_another_replicas_write_answers_its_retry_with_the
         c.run(deposit(x, 50, E1)).await,
         Ok(outcome(&[(x, 150, 2)], true))
     );
-    assert!(env.script.records().is_empty(), "no replica wrote");
+    // Nothing landed: C's first touch wrote at version 0 (the account might have been new)
+    // and the version guard refused it; B wrote nothing.
+    assert_eq!(shape(&env.script.records()), first_touch_bounces(1));
     let s = env.stream(x);
     assert_eq!(env.batches(x), 3);
     assert_eq!(events_with_id(&s, E1).len(), 1);
@@ -1316,6 +1326,76 @@ async fn refolding_an_evicted_account_after_the_window_does_not_revive_its_own_w
 // Keys, duplicates, rules
 // ---------------------------------------------------------------------------------------------
 
+/// Rule (issue 13, first touch): a deposit to an account this replica has never loaded is
+/// written at version 0 without reading first, so a brand-new account costs one store
+/// round trip. On an account that exists the version guard refuses it, the catch-up the
+/// first touch started beside the write gives the state, and the refusal is not counted as
+/// an attempt: a replica allowed one attempt still lands the deposit, once.
+#[tokio::test(start_paused = true)]
+async fn a_first_touch_writes_at_version_zero_and_a_bounce_costs_no_attempt() {
+    if memory_only("the Postgres projection reads the account's row on a first touch") {
+        return;
+    }
+    let env = Env::new();
+    let one_attempt = WriteConfig {
+        max_attempts: 1,
+        ..WriteConfig::default()
+    };
+    let a = env
+        .replica_with(ProjectionConfig::default(), one_attempt)
+        .await;
+    let x = acct(1);
+    let round_trips = |r: &Replica| {
+        let h = &r.projection.metrics().store_round_trips_per_write;
+        (h.get_sample_count(), h.get_sample_sum())
+    };
+    assert_eq!(
+        a.ok(deposit(x, 100, E0)).await,
+        outcome(&[(x, 100, 1)], false)
+    );
+    assert_eq!(round_trips(&a), (1, 1.0), "one round trip: the write");
+    // The account is warm after its first write: the next one writes at its cursor.
+    assert_eq!(
+        a.ok(deposit(x, 5, E1)).await,
+        outcome(&[(x, 105, 2)], false)
+    );
+    assert_eq!(round_trips(&a), (2, 2.0));
+
+    let b = env
+        .replica_with(ProjectionConfig::default(), one_attempt)
+        .await;
+    assert_eq!(
+        b.ok(deposit(x, 50, E2)).await,
+        outcome(&[(x, 155, 3)], false)
+    );
+    assert_eq!(
+        round_trips(&b),
+        (1, 3.0),
+        "the bounce, the read beside it, the write"
+    );
+    assert_eq!(
+        shape(&env.script.records()),
+        vec![
+            (0, vec![1], "ok"),
+            (1, vec![2], "ok"),
+            (0, vec![1], "conflict"),
+            (2, vec![3], "ok"),
+        ]
+    );
+    // Withdrawals never take a first touch (a balance of 0 would refuse them).
+    let c = env.replica().await;
+    assert_eq!(
+        c.ok(withdraw(x, 55, E3)).await,
+        outcome(&[(x, 100, 4)], false)
+    );
+    assert_eq!(
+        env.script.records().len(),
+        5,
+        "c read first, then wrote once"
+    );
+    assert_eq!(events_with_id(&env.stream(x), E2).len(), 1);
+}
+
 #[tokio::test(start_paused = true)]
 async fn reusing_a_key_for_a_different_operation_is_key_reused_and_writes_nothing() {
     let env = Env::new();
@@ -1338,11 +1418,10 @@ async fn reusing_a_key_for_a_different_operation_is_key_reused_and_writes_nothin
         b.run(deposit(x, 50, E1)).await,
         Ok(outcome(&[(x, 50, 1)], true))
     );
-    assert_eq!(
-        env.script.records().len(),
-        1,
-        "only the first deposit wrote"
-    );
+    // Only the first deposit landed; B's first touch (its reuse) bounced at version 0.
+    let mut expected = vec![(0, vec![1], "ok")];
+    expected.extend(first_touch_bounces(1));
+    assert_eq!(shape(&env.script.records()), expected);
     assert_eq!(env.batches(x), 1);
     assert_eq!(env.batches(y), 0);
     assert_eq!(a.projection.metrics().idem_key_reuse.get(), 3);
@@ -1628,11 +1707,16 @@ async fn an_undecodable_event_poisons_the_account_naming_its_version() {
     assert_eq!(env.batches(x), 3);
     assert_eq!(env.batches(y), 1);
     let written: Vec<_> = shape(&env.script.records());
-    assert_eq!(
-        written,
-        vec![(0, vec![1], "ok"), (1, vec![2], "conflict")],
-        "nothing written past the poison"
-    );
+    // The cold replica's first touches (x, then y) write at version 0 and bounce.
+    let bounce = || first_touch_bounces(1);
+    let expected: Vec<_> = [
+        vec![(0, vec![1], "ok")],
+        bounce(),
+        vec![(1, vec![2], "conflict")],
+        bounce(),
+    ]
+    .concat();
+    assert_eq!(written, expected, "nothing written past the poison");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -390,6 +390,9 @@ impl Projection {
             st.version = write.new_version;
             st.balance = write.balance_after;
             st.max_client_seq = st.max_client_seq.max(write.max_client_seq);
+            // Applied at version 0: the stream held nothing before it, so this state is
+            // the whole fold (a first touch's write leaves the account warm).
+            st.warm |= write.expected_version == 0;
         }
         st.last_touch_ms = now;
         self.add_index_entries(st.recent.len() as i64 - before as i64);

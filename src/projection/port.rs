@@ -80,6 +80,23 @@ impl Projection {
         }
     }
 
+    /// A first touch on the memory fold: an account this replica has never loaded (or has
+    /// evicted), taken as empty without reading the store. A write decided on it expects
+    /// version 0, so the store's version guard bounces it if the account has any event
+    /// (including a landed earlier attempt of the same request), and the loop catches up;
+    /// a brand-new account costs one round trip instead of a read of nothing and a write.
+    /// `None` when the account is resident, or on Postgres (its row read is the load).
+    pub fn first_touch(&self, account: AccountId) -> Option<Loaded> {
+        if self.uses_database() || self.resident_slot(account).is_some() {
+            return None;
+        }
+        Some(Loaded {
+            view: AccountView::Memory(self.slot(account)),
+            snap: Snapshot::default(),
+            db_statements: 0,
+        })
+    }
+
     /// Catches the account up with the store and returns its state; the index rows of
     /// `lookups` are answerable from the view.
     pub async fn refresh(

@@ -49,7 +49,8 @@ impl Run<'_> {
                 self.arm(arm);
                 self.last_failure = failure;
                 self.release_seqs();
-                false
+                // A first touch bounced: the account exists, nobody is contending.
+                self.first_touch
             }
             Step::Hold {
                 arm,

@@ -12,13 +12,14 @@
 mod append;
 mod readback;
 
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::decide::{self, Candidate, NeedsCurrentState, Verdict};
 use super::service::{WriteService, invariant};
 use super::{Answer, WriteError, WriteRequest};
-use crate::account::AccountId;
 use crate::account::rules::Legs;
+use crate::account::{AccountId, Operation};
 use crate::metrics::arm;
 use crate::projection::{AccountView, Loaded, ProjectionError, Snapshot};
 use crate::store::StoreError;
@@ -111,6 +112,32 @@ pub(super) struct Run<'a> {
     /// Each account's tip as the store reported it during this run: any state read later
     /// that reaches it folds everything that landed before this run started.
     tips: Option<Vec<u64>>,
+    /// This attempt's state is a first touch's (taken as empty without a read): a conflict
+    /// means only that the account exists, so the catch-up follows at once, and does not
+    /// count as an attempt (a run with one attempt still reads back a landed retry).
+    first_touch: bool,
+    /// A run takes at most one first touch.
+    first_touch_spent: bool,
+    /// The catch-up a first touch starts beside its write: the state the next attempt
+    /// uses when the write bounced (so a cold account that exists costs no more time than
+    /// before: its read ran while the write was out). Cancelled otherwise.
+    first_read: Option<(AccountId, Cancelling<Result<Loaded, ProjectionError>>)>,
+}
+
+/// A spawned task that is cancelled when its handle drops.
+struct Cancelling<T>(JoinHandle<T>);
+
+impl<T> Cancelling<T> {
+    /// The task's output, or `None` if it panicked or was cancelled.
+    async fn join(mut self) -> Option<T> {
+        (&mut self.0).await.ok()
+    }
+}
+
+impl<T> Drop for Cancelling<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 impl<'a> Run<'a> {
@@ -165,6 +192,9 @@ impl<'a> Run<'a> {
             db_round_trips: 0,
             last_failure: String::new(),
             tips: None,
+            first_touch: false,
+            first_touch_spent: false,
+            first_read: None,
         }
     }
 
@@ -204,6 +234,7 @@ impl<'a> Run<'a> {
                 self.svc.backoff(self.attempt, salt).await;
             }
             skip_backoff = false;
+            self.first_touch = false;
 
             // 1. State: the local fold on a warm account's first attempt, else a catch-up.
             let caught_up = match self
@@ -235,6 +266,13 @@ impl<'a> Run<'a> {
             self.assign_seqs(&batch);
             // 5. Append and classify.
             skip_backoff = self.write(&batch).await;
+            if skip_backoff && self.first_touch {
+                // The bounce of a first touch: the account exists. Its read is already under
+                // way; this was the attempt a read would have been.
+                self.attempt -= 1;
+            } else {
+                self.first_read = None;
+            }
         }
         let span = tracing::Span::current();
         span.record("attempts", self.attempt);
@@ -249,6 +287,17 @@ impl<'a> Run<'a> {
             m.projection_db_round_trips_per_write
                 .observe(f64::from(self.db_round_trips));
         }
+    }
+
+    /// Whether the run is one account's deposits only: the one shape a first touch
+    /// ([`Projection::first_touch`]) decides without a balance, so it never refuses on it.
+    fn deposits_only(&self) -> bool {
+        self.accounts.len() == 1
+            && self
+                .members
+                .iter()
+                .filter(|m| !m.is_done())
+                .all(|m| matches!(m.req.op, Operation::Deposit { .. }))
     }
 
     /// The event ids of unanswered members with a leg on account `ai`: what its load looks
@@ -279,6 +328,21 @@ impl<'a> Run<'a> {
                         self.db_round_trips += loaded.db_statements;
                         local.push(loaded);
                     }
+                    Ok(None) if !self.first_touch_spent && self.deposits_only() => {
+                        let account = self.accounts[ai].account;
+                        match projection.first_touch(account) {
+                            Some(loaded) => {
+                                self.first_touch = true;
+                                self.first_touch_spent = true;
+                                let p = projection.clone();
+                                let read =
+                                    tokio::spawn(async move { p.refresh(account, &[]).await });
+                                self.first_read = Some((account, Cancelling(read)));
+                                local.push(loaded);
+                            }
+                            None => break,
+                        }
+                    }
                     Ok(None) => break,
                     Err(e) => return Err(self.load_failure(e)),
                 }
@@ -292,9 +356,18 @@ impl<'a> Run<'a> {
             }
         }
         for i in 0..self.accounts.len() {
-            self.round_trips += 1;
             let lookups = self.lookups(i);
-            match projection.refresh(self.accounts[i].account, &lookups).await {
+            let account = self.accounts[i].account;
+            self.round_trips += 1;
+            let started = match self.first_read.take() {
+                Some((a, read)) if a == account => read.join().await,
+                _ => None,
+            };
+            let refreshed = match started {
+                Some(done) => done,
+                None => projection.refresh(account, &lookups).await,
+            };
+            match refreshed {
                 Ok(loaded) => {
                     self.db_round_trips += loaded.db_statements;
                     self.accounts[i].view = Some(loaded.view);
