@@ -1394,6 +1394,21 @@ async fn a_first_touch_writes_at_version_zero_and_a_bounce_costs_no_attempt() {
         "c read first, then wrote once"
     );
     assert_eq!(events_with_id(&env.stream(x), E2).len(), 1);
+
+    // An account evicted while it held events is known to exist: it is read first again.
+    let idle_ms = ProjectionConfig::default().idle_timeout.as_millis() as u64;
+    b.clock.advance_ms(idle_ms + 1);
+    assert_eq!(b.projection.sweep().evicted_idle, 1);
+    assert!(b.projection.resident_slot(x).is_none());
+    assert_eq!(
+        b.ok(deposit(x, 1, E4)).await,
+        outcome(&[(x, 101, 5)], false)
+    );
+    assert_eq!(
+        shape(&env.script.records())[5..],
+        [(4, vec![5], "ok")],
+        "no bounce"
+    );
 }
 
 #[tokio::test(start_paused = true)]

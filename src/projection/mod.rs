@@ -21,6 +21,7 @@
 
 mod anchor;
 pub mod clock;
+mod existed;
 pub mod index;
 mod port;
 pub mod postgres;
@@ -148,6 +149,8 @@ pub struct Projection {
     server_offset_ms: AtomicI64,
     index_entries: AtomicI64,
     evict_signal: tokio::sync::Notify,
+    /// Accounts evicted while they held events: a first touch reads them first.
+    existed: existed::Existed,
     /// Where cursor and index live. Under Postgres the memory fold's map holds the warm
     /// copies of rows (`postgres/warm.rs`).
     backend: Backend,
@@ -182,6 +185,7 @@ impl Projection {
             server_offset_ms: AtomicI64::new(i64::MIN),
             index_entries: AtomicI64::new(0),
             evict_signal: tokio::sync::Notify::new(),
+            existed: existed::Existed::default(),
             backend: Backend::Memory,
         }
     }

@@ -85,9 +85,13 @@ impl Projection {
     /// version 0, so the store's version guard bounces it if the account has any event
     /// (including a landed earlier attempt of the same request), and the loop catches up;
     /// a brand-new account costs one round trip instead of a read of nothing and a write.
-    /// `None` when the account is resident, or on Postgres (its row read is the load).
+    /// `None` when the account is resident, was evicted holding events (it exists: read
+    /// it), or on Postgres (its row read is the load).
     pub fn first_touch(&self, account: AccountId) -> Option<Loaded> {
-        if self.uses_database() || self.resident_slot(account).is_some() {
+        if self.uses_database()
+            || self.resident_slot(account).is_some()
+            || self.existed.knows(account)
+        {
             return None;
         }
         Some(Loaded {

@@ -92,8 +92,11 @@ impl Projection {
             .accounts
             .remove_if(&account, |_, slot| Arc::strong_count(slot) == 1);
         if let Some((_, slot)) = &removed {
-            let n = slot.state.lock().recent.len();
-            self.add_index_entries(-(n as i64));
+            let st = slot.state.lock();
+            self.add_index_entries(-(st.recent.len() as i64));
+            if st.version > 0 {
+                self.existed.remember(account);
+            }
         }
         removed.is_some()
     }

@@ -12,7 +12,6 @@
 mod append;
 mod readback;
 
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::decide::{self, Candidate, NeedsCurrentState, Verdict};
@@ -118,26 +117,6 @@ pub(super) struct Run<'a> {
     first_touch: bool,
     /// A run takes at most one first touch.
     first_touch_spent: bool,
-    /// The catch-up a first touch starts beside its write: the state the next attempt
-    /// uses when the write bounced (so a cold account that exists costs no more time than
-    /// before: its read ran while the write was out). Cancelled otherwise.
-    first_read: Option<(AccountId, Cancelling<Result<Loaded, ProjectionError>>)>,
-}
-
-/// A spawned task that is cancelled when its handle drops.
-struct Cancelling<T>(JoinHandle<T>);
-
-impl<T> Cancelling<T> {
-    /// The task's output, or `None` if it panicked or was cancelled.
-    async fn join(mut self) -> Option<T> {
-        (&mut self.0).await.ok()
-    }
-}
-
-impl<T> Drop for Cancelling<T> {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 impl<'a> Run<'a> {
@@ -194,7 +173,6 @@ impl<'a> Run<'a> {
             tips: None,
             first_touch: false,
             first_touch_spent: false,
-            first_read: None,
         }
     }
 
@@ -267,11 +245,9 @@ impl<'a> Run<'a> {
             // 5. Append and classify.
             skip_backoff = self.write(&batch).await;
             if skip_backoff && self.first_touch {
-                // The bounce of a first touch: the account exists. Its read is already under
-                // way; this was the attempt a read would have been.
+                // The bounce of a first touch: the account exists. Read it now; this attempt
+                // stood in for that read.
                 self.attempt -= 1;
-            } else {
-                self.first_read = None;
             }
         }
         let span = tracing::Span::current();
@@ -329,15 +305,10 @@ impl<'a> Run<'a> {
                         local.push(loaded);
                     }
                     Ok(None) if !self.first_touch_spent && self.deposits_only() => {
-                        let account = self.accounts[ai].account;
-                        match projection.first_touch(account) {
+                        match projection.first_touch(self.accounts[ai].account) {
                             Some(loaded) => {
                                 self.first_touch = true;
                                 self.first_touch_spent = true;
-                                let p = projection.clone();
-                                let read =
-                                    tokio::spawn(async move { p.refresh(account, &[]).await });
-                                self.first_read = Some((account, Cancelling(read)));
                                 local.push(loaded);
                             }
                             None => break,
@@ -359,15 +330,7 @@ impl<'a> Run<'a> {
             let lookups = self.lookups(i);
             let account = self.accounts[i].account;
             self.round_trips += 1;
-            let started = match self.first_read.take() {
-                Some((a, read)) if a == account => read.join().await,
-                _ => None,
-            };
-            let refreshed = match started {
-                Some(done) => done,
-                None => projection.refresh(account, &lookups).await,
-            };
-            match refreshed {
+            match projection.refresh(account, &lookups).await {
                 Ok(loaded) => {
                     self.db_round_trips += loaded.db_statements;
                     self.accounts[i].view = Some(loaded.view);
