@@ -170,6 +170,23 @@ async fn a_warm_write_sends_one_statement_its_record_of_cursor_and_index_row() {
     assert_eq!((statements(&t, "load"), statements(&t, "record")), before);
 }
 
+/// Two replicas on one fresh schema over one embedded store, and an account funded with
+/// 1,000 through `b`.
+async fn funded_pair(url: &str) -> (Arc<MemoryLog>, TestApp, TestApp, String) {
+    let mem = Arc::new(MemoryLog::new());
+    let a = replica(url, mem.clone(), &[]).await;
+    let b = replica(url, mem.clone(), &[]).await;
+    let account = new_account();
+    created(&b.deposit(&account, 1_000, Some(&key())).await);
+    (mem, a, b, account)
+}
+
+/// The retry was answered as a replay of `first`.
+fn assert_replay_of(retry: &common::Reply, first: (i64, u64)) {
+    assert!(retry.replayed(), "{}", retry.text);
+    assert_eq!(created(retry), first);
+}
+
 /// Rule (the warm copy is complete, never merely current): a replica whose copy was
 /// brought up to date PAST another replica's write (by a read) holds that write's index
 /// row too, so the retry landing on it is replayed, not written a second time.
@@ -178,29 +195,21 @@ async fn a_replica_warm_past_another_replicas_write_replays_its_retry() {
     let Some(url) = pg::fresh_url().await else {
         return;
     };
-    let mem = Arc::new(MemoryLog::new());
-    let a = replica(&url, mem.clone(), &[]).await;
-    let b = replica(&url, mem.clone(), &[]).await;
-    let account = new_account();
-    // B warms first, then A writes twice (one key to retry), then B reads: B's copy now
-    // stands at A's last write, without having written anything since.
-    created(&b.deposit(&account, 1_000, Some(&key())).await);
+    // B warms first (funding the account), then A writes twice (one key to retry), then B
+    // reads: B's copy now stands at A's last write, without having written anything since.
+    let (mem, a, b, account) = funded_pair(&url).await;
     let k = key();
     let first = created(&a.withdraw(&account, 300, Some(&k)).await);
     created(&a.deposit(&account, 5, Some(&key())).await);
     assert_eq!(b.balance(&account).await, (705, 3));
     let loads = statements(&b, "load");
-    let retry = b.withdraw(&account, 300, Some(&k)).await;
-    assert!(retry.replayed(), "{}", retry.text);
-    assert_eq!(created(&retry), first);
+    assert_replay_of(&b.withdraw(&account, 300, Some(&k)).await, first);
     assert_eq!(statements(&b, "load"), loads, "answered from the warm copy");
     assert_eq!(a.balance(&account).await, (705, 3), "written once");
     // And a copy built cold from the database (a replica that never saw the account).
     let c = replica(&url, mem.clone(), &[]).await;
     assert_eq!(c.balance(&account).await, (705, 3));
-    let retry = c.withdraw(&account, 300, Some(&k)).await;
-    assert!(retry.replayed(), "{}", retry.text);
-    assert_eq!(created(&retry), first);
+    assert_replay_of(&c.withdraw(&account, 300, Some(&k)).await, first);
     assert_eq!(c.balance(&account).await, (705, 3), "written once");
 }
 
@@ -211,16 +220,10 @@ async fn a_retry_on_the_replica_that_did_not_write_is_replayed() {
     let Some(url) = pg::fresh_url().await else {
         return;
     };
-    let mem = Arc::new(MemoryLog::new());
-    let a = replica(&url, mem.clone(), &[]).await;
-    let b = replica(&url, mem.clone(), &[]).await;
-    let account = new_account();
-    created(&b.deposit(&account, 1_000, Some(&key())).await);
+    let (_mem, a, b, account) = funded_pair(&url).await;
     let k = key();
     let first = created(&a.withdraw(&account, 300, Some(&k)).await);
-    let retry = b.withdraw(&account, 300, Some(&k)).await;
-    assert!(retry.replayed(), "{}", retry.text);
-    assert_eq!(created(&retry), first);
+    assert_replay_of(&b.withdraw(&account, 300, Some(&k)).await, first);
     // A transfer retried on the other replica too.
     let other = new_account();
     let k = key();

@@ -77,6 +77,15 @@ fn first_touch_bounces(n: usize) -> Vec<(u64, Vec<u64>, &'static str)> {
     vec![(0, vec![1], "conflict"); n]
 }
 
+/// A projection without a recent-writes index (a zero window): only the held sequence and
+/// the point read can tell that a write landed.
+fn no_window() -> ProjectionConfig {
+    ProjectionConfig {
+        window: Duration::ZERO,
+        ..ProjectionConfig::default()
+    }
+}
+
 /// A short label of a store answer, for comparing write histories.
 fn label(result: &StoreResult<Vec<u64>>) -> &'static str {
     match result {
@@ -616,22 +625,9 @@ async fn after_an_ambiguous_failure_the_next_write_holds_the_seq_with_a_refreshe
 async fn the_held_seq_catches_a_landed_write_that_the_index_cannot_answer() {
     let env = Env::new();
     // No index: only the held sequence stands between the retry and a second deposit.
-    let a = env
-        .replica_with(
-            ProjectionConfig {
-                window: Duration::ZERO,
-                ..ProjectionConfig::default()
-            },
-            WriteConfig::default(),
-        )
-        .await;
+    let a = env.replica_with(no_window(), WriteConfig::default()).await;
     // The sibling keeps no index either (on Postgres the fleet shares one).
-    let b = env
-        .sibling_with(ProjectionConfig {
-            window: Duration::ZERO,
-            ..ProjectionConfig::default()
-        })
-        .await;
+    let b = env.sibling_with(no_window()).await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
 
@@ -858,15 +854,7 @@ async fn an_in_flight_duplicate_that_resolves_to_a_2002_is_verified_as_ours() {
     let env = Env::new();
     // A zero window takes the index out of play: the 2002 and its point read are the only
     // way this replica can learn that its held write landed.
-    let a = env
-        .replica_with(
-            ProjectionConfig {
-                window: Duration::ZERO,
-                ..ProjectionConfig::default()
-            },
-            WriteConfig::default(),
-        )
-        .await;
+    let a = env.replica_with(no_window(), WriteConfig::default()).await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
 

@@ -375,20 +375,28 @@ impl Projection {
     /// here get the full window: this replica never re-folds its own event, so this entry is
     /// the only record it will have.
     pub fn record_write(&self, slot: &AccountSlot, write: &RecordedWrite<'_>) {
-        let now = self.now_ms();
-        let expires_at_ms = now.saturating_add(self.window_ms());
-        let mut st = slot.state.lock();
+        let expires_at_ms = self.now_ms().saturating_add(self.window_ms());
+        self.apply_own_write(&mut slot.state.lock(), write, expires_at_ms);
+    }
+
+    /// One own write on a held state (the memory fold's, or a Postgres warm copy): its
+    /// index entries, expiring at `expires_at_ms`, then the cursor bump when the write
+    /// applied on top of this state.
+    fn apply_own_write(
+        &self,
+        st: &mut AccountState,
+        write: &RecordedWrite<'_>,
+        expires_at_ms: u64,
+    ) {
         let before = st.recent.len();
         for &(event_id, balance, event) in write.events {
-            st.recent.insert(
-                event_id,
-                RecentWrite {
-                    balance,
-                    version: write.new_version,
-                    expires_at_ms,
-                    event,
-                },
-            );
+            let w = RecentWrite {
+                balance,
+                version: write.new_version,
+                expires_at_ms,
+                event,
+            };
+            st.recent.insert(event_id, w);
         }
         if st.version == write.expected_version && st.broken.is_none() {
             st.version = write.new_version;
@@ -398,7 +406,7 @@ impl Projection {
             // the whole fold (a first touch's write leaves the account warm).
             st.warm |= write.expected_version == 0;
         }
-        st.last_touch_ms = now;
+        st.last_touch_ms = self.now_ms();
         self.add_index_entries(st.recent.len() as i64 - before as i64);
     }
 

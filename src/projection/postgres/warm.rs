@@ -129,25 +129,7 @@ impl Projection {
         if !st.warm {
             return;
         }
-        let before = st.recent.len();
-        for &(event_id, balance, event) in write.events {
-            st.recent.insert(
-                event_id,
-                RecentWrite {
-                    balance,
-                    version: write.new_version,
-                    expires_at_ms,
-                    event,
-                },
-            );
-        }
-        if st.version == write.expected_version {
-            st.version = write.new_version;
-            st.balance = write.balance_after;
-            st.max_client_seq = st.max_client_seq.max(write.max_client_seq);
-        }
-        st.last_touch_ms = self.now_ms();
-        self.add_index_entries(st.recent.len() as i64 - before as i64);
+        self.apply_own_write(&mut st, write, expires_at_ms);
         self.cap_copy(&mut st);
     }
 
