@@ -171,7 +171,10 @@ impl PgProjection {
             .create_timeout(Some(settings.statement_timeout))
             .build()
             .map_err(|e| PgError(format!("pool: {e}")))?;
-        let records = RecordQueue::start(pool.clone(), metrics.clone());
+        // A write waits for its record at most two statement timeouts (one for a pooled
+        // connection, one for the statement), queueing included.
+        let wait_limit = settings.statement_timeout.saturating_mul(2);
+        let records = RecordQueue::start(pool.clone(), metrics.clone(), wait_limit);
         Ok(Self {
             pool,
             metrics,

@@ -19,6 +19,7 @@
 //! replayed by the next catch-up.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use tokio::sync::{Semaphore, mpsc, oneshot};
@@ -124,27 +125,42 @@ struct Pending {
 /// The queue records go through (see the module docs).
 pub(super) struct RecordQueue {
     tx: mpsc::Sender<Pending>,
+    /// The longest a write waits for its record (queueing included): then it is answered
+    /// anyway, and the record, if it still lands, lands later. A database that is down or
+    /// slow must not hold every write's answer for as long as the queue is deep.
+    wait_limit: Duration,
 }
 
 impl RecordQueue {
     /// Starts the dispatcher (on the current tokio runtime); it stops when the queue drops.
-    pub fn start(pool: Pool, metrics: Arc<Metrics>) -> Self {
+    /// A write waits at most `wait_limit` for its record.
+    pub fn start(pool: Pool, metrics: Arc<Metrics>, wait_limit: Duration) -> Self {
         let (tx, rx) = mpsc::channel(RECORD_QUEUE_CAPACITY);
         tokio::spawn(dispatch(rx, pool, metrics));
-        Self { tx }
+        Self { tx, wait_limit }
     }
 
     /// Sends `record` in the next statement with room for it, and waits for that
-    /// statement's outcome.
+    /// statement's outcome, for at most the wait limit.
     pub async fn record(&self, record: Record) -> Result<(), PgError> {
-        let (done, outcome) = oneshot::channel();
-        self.tx
-            .send(Pending { record, done })
+        let queued = async {
+            let (done, outcome) = oneshot::channel();
+            self.tx
+                .send(Pending { record, done })
+                .await
+                .map_err(|_| PgError("the record queue has stopped".into()))?;
+            outcome
+                .await
+                .map_err(|_| PgError("the record statement was dropped".into()))?
+        };
+        tokio::time::timeout(self.wait_limit, queued)
             .await
-            .map_err(|_| PgError("the record queue has stopped".into()))?;
-        outcome
-            .await
-            .map_err(|_| PgError("the record statement was dropped".into()))?
+            .unwrap_or_else(|_| {
+                Err(PgError(format!(
+                    "the record did not finish within {} ms",
+                    self.wait_limit.as_millis()
+                )))
+            })
     }
 }
 
@@ -191,5 +207,27 @@ async fn dispatch(mut rx: mpsc::Receiver<Pending>, pool: Pool, metrics: Arc<Metr
             }
             drop(slot);
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rule: a write waits for its record at most the wait limit, even when no statement
+    /// ever comes back (a database that hangs); it is then answered with the record counted
+    /// as failed, never held for as long as the queue is deep.
+    #[tokio::test(start_paused = true)]
+    async fn a_record_that_never_finishes_gives_up_at_the_wait_limit() {
+        let (tx, _stalled) = mpsc::channel(RECORD_QUEUE_CAPACITY);
+        let queue = RecordQueue {
+            tx,
+            wait_limit: Duration::from_millis(400),
+        };
+        let started = tokio::time::Instant::now();
+        let outcome = queue.record(Record::default()).await;
+        assert_eq!(started.elapsed(), Duration::from_millis(400));
+        let err = outcome.expect_err("no statement answered");
+        assert!(err.to_string().contains("within 400 ms"), "{err}");
     }
 }
