@@ -348,20 +348,16 @@ impl PgProjection {
         let n = client
             .execute(
                 &stmt,
-                &[
-                    index.params(),
-                    vec![
-                        &account.0,
-                        &snap.balance,
-                        &version,
-                        &max_client_seq,
-                        &broken_version,
-                        &broken_reason,
-                        &trimmed,
-                        &server_ts,
-                    ],
-                ]
-                .concat(),
+                &index.params_then(&[
+                    &account.0,
+                    &snap.balance,
+                    &version,
+                    &max_client_seq,
+                    &broken_version,
+                    &broken_reason,
+                    &trimmed,
+                    &server_ts,
+                ]),
             )
             .await
             .map_err(PgError::from);
@@ -411,7 +407,7 @@ fn counted<T>(metrics: &Metrics, statement: &str, r: Result<T, PgError>) -> Resu
 
 /// Sends one record statement: every account row and index row of `record`.
 async fn execute_record(pool: &Pool, metrics: &Metrics, record: Record) -> Result<(), PgError> {
-    let (index, [ids], [balances, versions, seqs, expected]) = record.columns();
+    let c = record.columns();
     let client = pool.get().await?;
     let stmt = client
         .prepare_cached(&format!(
@@ -434,11 +430,8 @@ async fn execute_record(pool: &Pool, metrics: &Metrics, record: Record) -> Resul
     let n = client
         .execute(
             &stmt,
-            &[
-                index.params(),
-                vec![&ids, &balances, &versions, &seqs, &expected],
-            ]
-            .concat(),
+            &c.index
+                .params_then(&[&c.ids, &c.balances, &c.versions, &c.seqs, &c.expected]),
         )
         .await
         .map_err(PgError::from);

@@ -94,9 +94,9 @@ impl Record {
         self.index.extend(other.index);
     }
 
-    /// The statement's parameters: index rows (`$1..$8`), then the account rows' columns
-    /// (`$9..$13`), both in account order.
-    pub fn columns(mut self) -> (IndexRows, [Vec<Uuid>; 1], [Vec<i64>; 4]) {
+    /// The statement's columns, index rows and account rows each in account order (so
+    /// concurrent statements lock accounts in one order).
+    pub fn columns(mut self) -> Columns {
         self.accounts.sort_by_key(|a| a.id);
         self.index
             .sort_by_key(|(account, event_id, _)| (account.0, *event_id));
@@ -104,16 +104,27 @@ impl Record {
         for (account, event_id, w) in &self.index {
             index.push(*account, *event_id, w);
         }
-        let ids = self.accounts.iter().map(|a| a.id).collect();
-        let col = |f: fn(&AccountRow) -> i64| self.accounts.iter().map(f).collect::<Vec<_>>();
-        let numbers = [
-            col(|a| a.balance),
-            col(|a| a.version),
-            col(|a| a.seq),
-            col(|a| a.expected),
-        ];
-        (index, [ids], numbers)
+        let col = |f: fn(&AccountRow) -> i64| self.accounts.iter().map(f).collect();
+        Columns {
+            index,
+            ids: self.accounts.iter().map(|a| a.id).collect(),
+            balances: col(|a| a.balance),
+            versions: col(|a| a.version),
+            seqs: col(|a| a.seq),
+            expected: col(|a| a.expected),
+        }
     }
+}
+
+/// A record statement's parameters: the index rows (`$1..$8`), then one column per
+/// account-row field (`$9..$13`).
+pub(super) struct Columns {
+    pub index: IndexRows,
+    pub ids: Vec<Uuid>,
+    pub balances: Vec<i64>,
+    pub versions: Vec<i64>,
+    pub seqs: Vec<i64>,
+    pub expected: Vec<i64>,
 }
 
 /// A record waiting for its statement, and where its outcome goes.

@@ -69,10 +69,13 @@ impl IndexRows {
         self.expires.push(to_i64(w.expires_at_ms));
     }
 
-    /// The parameters `$1..$8` of [`INDEX_UPSERT`], in its column order; a statement that
-    /// embeds it appends its own from `$9`.
-    pub fn params(&self) -> Vec<&(dyn ToSql + Sync)> {
-        vec![
+    /// The parameters `$1..$8` of [`INDEX_UPSERT`], in its column order, then `rest`: the
+    /// embedding statement's own, from `$9`.
+    pub fn params_then<'a>(
+        &'a self,
+        rest: &[&'a (dyn ToSql + Sync)],
+    ) -> Vec<&'a (dyn ToSql + Sync)> {
+        let mut params: Vec<&'a (dyn ToSql + Sync)> = vec![
             &self.accounts,
             &self.event_ids,
             &self.balances,
@@ -81,7 +84,9 @@ impl IndexRows {
             &self.amounts,
             &self.parties,
             &self.expires,
-        ]
+        ];
+        params.extend_from_slice(rest);
+        params
     }
 }
 

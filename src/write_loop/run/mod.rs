@@ -328,9 +328,8 @@ impl<'a> Run<'a> {
         }
         for i in 0..self.accounts.len() {
             let lookups = self.lookups(i);
-            let account = self.accounts[i].account;
             self.round_trips += 1;
-            match projection.refresh(account, &lookups).await {
+            match projection.refresh(self.accounts[i].account, &lookups).await {
                 Ok(loaded) => {
                     self.db_round_trips += loaded.db_statements;
                     self.accounts[i].view = Some(loaded.view);
