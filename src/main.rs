@@ -140,3 +140,10 @@ fn init_tracing(format: LogFormat) {
         LogFormat::Json => builder.json().init(),
     }
 }
+
+// mimalloc instead of glibc's malloc: under load from many connections on two cores, glibc's
+// arena locks and chunk consolidation showed in profiles (`__lll_lock_wait_private`,
+// `malloc_consolidate`), frees crossing worker threads; BENCHMARKS.md ("Overload, session
+// 6") has the before and after.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

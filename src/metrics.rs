@@ -110,6 +110,11 @@ pub struct Metrics {
     pub http_accept_paused: IntCounter,
     pub http_queued: IntGauge,
     pub http_queue_wait: Histogram,
+    pub http_gate_limit: IntGauge,
+    pub http_gate_waiting: IntGauge,
+    pub http_gate_active: IntGauge,
+    pub http_gate_taken: IntCounter,
+    pub http_gate_waits_expired: IntCounter,
     // Authentication and rate limits (issue 17): by outcome, never by caller.
     pub auth_outcomes: IntCounterVec,
     pub rate_limit_decisions: IntCounterVec,
@@ -326,6 +331,31 @@ impl Metrics {
                 "tally_http_queue_wait_seconds",
                 "Time a request over --max-concurrent-requests waited for a slot, admitted or shed.",
                 LATENCY_BUCKETS,
+            ),
+            http_gate_limit: gauge(
+                r,
+                "tally_http_gate_limit",
+                "Requests the gate lets this replica work on at once, adapted from latency between --min-active-requests and --max-active-requests.",
+            ),
+            http_gate_waiting: gauge(
+                r,
+                "tally_http_gate_waiting",
+                "Connections whose next request waits, unread, for a gate slot.",
+            ),
+            http_gate_active: gauge(
+                r,
+                "tally_http_gate_active",
+                "Gate slots held now: requests being read or worked on (at most tally_http_gate_limit, but for a moment after it shrinks).",
+            ),
+            http_gate_taken: counter(
+                r,
+                "tally_http_gate_slots_taken_total",
+                "Gate slots taken: one per request served, and one more each time a slow client gives its slot back and takes another.",
+            ),
+            http_gate_waits_expired: counter(
+                r,
+                "tally_http_gate_waits_expired_total",
+                "Requests read without a gate slot after waiting --max-queue-wait-ms for one; the in-flight limit then queues or sheds them.",
             ),
             auth_outcomes: counter_vec(
                 r,

@@ -157,8 +157,19 @@ async fn a_request_that_waited_its_full_time_is_shed() {
 /// and every write lands.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_on_one_account_waits_at_the_edge_instead_of_being_refused() {
+    // The gate is opened past the burst, so every request is read and the rule pinned is
+    // the in-flight limit's (the gate's own wait: `over_the_gate_...`).
     let t = spawn(
-        test_config(&["--max-queue-wait-ms", "10000", "--faults", "seed=1"]),
+        test_config(&[
+            "--max-queue-wait-ms",
+            "10000",
+            "--min-active-requests",
+            "1024",
+            "--max-active-requests",
+            "1024",
+            "--faults",
+            "seed=1",
+        ]),
         None,
         None,
     )
@@ -227,15 +238,8 @@ async fn at_the_connection_cap_a_shed_request_closes_its_connection() {
     .await;
     let account = new_account();
     // The first connection holds the only in-flight slot with a write held in the store.
-    let mut hold = faults(&t).hold_next_write();
-    let mut holder = TcpStream::connect(t.addr).await.expect("connect");
-    let body = r#"{"amountCents":1}"#;
-    let post = format!(
-        "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    holder.write_all(post.as_bytes()).await.expect("sent");
-    assert!(hold.held().await);
+    let (hold, mut holder) = hold_a_deposit(&t, &account).await;
+    let post = raw_deposit(&account, r#"{"amountCents":1}"#);
     // The second takes the last connection slot, waits 50 ms for an in-flight slot, and is
     // shed with its connection closed.
     let mut shed = TcpStream::connect(t.addr).await.expect("connect");
@@ -258,7 +262,7 @@ async fn at_the_connection_cap_a_shed_request_closes_its_connection() {
         "the server closed the connection"
     );
     hold.release();
-    assert!(read_response(&mut holder).await.starts_with("HTTP/1.1 200"));
+    assert_served(&mut holder, "the held deposit").await;
     drop(holder);
     t.shutdown().await;
 }
@@ -327,5 +331,223 @@ async fn at_the_connection_cap_the_server_stops_accepting() {
         .await
         .expect("served once the first connection closed");
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    t.shutdown().await;
+}
+
+/// The deposit request `POST /api/accounts/{account}/deposit` with `body`, as raw bytes.
+fn raw_deposit(account: &impl std::fmt::Display, body: &str) -> String {
+    format!(
+        "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// A replica whose gate lets exactly one request be worked on at once.
+async fn one_slot_gate() -> TestApp {
+    spawn(
+        test_config(&[
+            "--min-active-requests",
+            "1",
+            "--max-active-requests",
+            "1",
+            // Longer than any of these tests waits: no gate wait runs out in them.
+            "--max-queue-wait-ms",
+            "10000",
+            "--faults",
+            "seed=1",
+        ]),
+        None,
+        None,
+    )
+    .await
+}
+
+/// Sends a deposit of 1 cent on a raw connection of its own and waits until the store holds
+/// its write: its request keeps an in-flight slot (and a gate slot) until `release`.
+async fn hold_a_deposit(
+    t: &TestApp,
+    account: &impl std::fmt::Display,
+) -> (tally::store::faults::HoldHandle, TcpStream) {
+    let mut hold = faults(t).hold_next_write();
+    let mut holder = TcpStream::connect(t.addr).await.expect("connect");
+    holder
+        .write_all(raw_deposit(account, r#"{"amountCents":1}"#).as_bytes())
+        .await
+        .expect("sent");
+    assert!(hold.held().await);
+    (hold, holder)
+}
+
+/// Reads one answer from `stream` within [`BOUND`] and checks it is a 200.
+async fn assert_served(stream: &mut TcpStream, who: &str) {
+    let answer = tokio::time::timeout(BOUND, read_response(stream))
+        .await
+        .unwrap_or_else(|_| panic!("{who}: never answered"));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{who}: {answer}");
+}
+
+/// A new client's API request (a balance read) is answered within [`BOUND`].
+async fn another_client_is_served(t: &TestApp) {
+    let mut other = TcpStream::connect(t.addr).await.expect("connect");
+    let path = format!("/api/accounts/{}/balance", new_account());
+    let head = format!("GET {path} HTTP/1.1\r\nHost: tally\r\n\r\n");
+    other.write_all(head.as_bytes()).await.expect("sent");
+    assert_served(&mut other, "another client").await;
+}
+
+/// Polls an in-process gauge until it reads `value` (a signal from the server).
+async fn wait_for_gauge(gauge: &prometheus::IntGauge, value: i64) {
+    tokio::time::timeout(BOUND, async {
+        while gauge.get() != value {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("gauge never reached {value}, at {}", gauge.get()));
+}
+
+/// Rule: past the gate's limit a connection's request waits unread (it has not reached a
+/// handler, so it is not in flight) and is served when the slot frees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_the_gate_a_request_waits_unread_until_a_slot_frees() {
+    let t = one_slot_gate().await;
+    let m = t.app.metrics.clone();
+    let account = new_account();
+    let (hold, mut holder) = hold_a_deposit(&t, &account).await;
+    let mut waiter = TcpStream::connect(t.addr).await.expect("connect");
+    waiter
+        .write_all(raw_deposit(&account, r#"{"amountCents":2}"#).as_bytes())
+        .await
+        .expect("sent");
+    wait_for_gauge(&m.http_gate_waiting, 1).await;
+    assert_eq!(m.http_in_flight.get(), 1, "only the held request was read");
+    assert_eq!(
+        m.http_queued.get(),
+        0,
+        "nothing waits behind the in-flight limit"
+    );
+    hold.release();
+    assert_served(&mut holder, "the held deposit").await;
+    let answer = tokio::time::timeout(BOUND, read_response(&mut waiter))
+        .await
+        .expect("the waiting request is served once the slot frees");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(m.http_gate_waiting.get(), 0);
+    assert_eq!(t.balance(&account).await.0, 3);
+    t.shutdown().await;
+}
+
+/// Rule: a client sending its head slowly holds no slot while the server waits for the
+/// rest, so it cannot block the other connections (a slowloris against the gate).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_head_holds_no_gate_slot() {
+    let t = one_slot_gate().await;
+    let account = new_account();
+    let post = raw_deposit(&account, r#"{"amountCents":5}"#);
+    let (first, rest) = post.split_at(20);
+    let m = &t.app.metrics;
+    let taken = m.http_gate_taken.get();
+    let mut slow = TcpStream::connect(t.addr).await.expect("connect");
+    slow.write_all(first.as_bytes()).await.expect("sent");
+    // The server took a slot to read those bytes, and gave it back to wait for the rest.
+    tokio::time::timeout(BOUND, async {
+        while m.http_gate_taken.get() == taken || m.http_gate_active.get() != 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the slow connection took a slot and gave it back");
+    another_client_is_served(&t).await;
+    slow.write_all(rest.as_bytes()).await.expect("sent");
+    assert_served(&mut slow, "the slow client once its head is whole").await;
+    assert_eq!(t.balance(&account).await.0, 5);
+    t.shutdown().await;
+}
+
+/// Rule: a handler waiting for the rest of its body gives its slot back for the wait, so a
+/// slow body cannot block the other connections either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_body_holds_no_gate_slot() {
+    let t = one_slot_gate().await;
+    let account = new_account();
+    let post = raw_deposit(&account, r#"{"amountCents":7}"#);
+    let (head_and_some, rest) = post.split_at(post.len() - 4);
+    let mut slow = TcpStream::connect(t.addr).await.expect("connect");
+    slow.write_all(head_and_some.as_bytes())
+        .await
+        .expect("sent");
+    // Its handler is running, waiting for the body's last bytes without a slot.
+    wait_for_gauge(&t.app.metrics.http_in_flight, 1).await;
+    wait_for_gauge(&t.app.metrics.http_gate_active, 0).await;
+    another_client_is_served(&t).await;
+    slow.write_all(rest.as_bytes()).await.expect("sent");
+    assert_served(&mut slow, "the slow client once its body is whole").await;
+    assert_eq!(t.balance(&account).await.0, 7);
+    t.shutdown().await;
+}
+
+/// Rule: a probe or a scrape never waits at the gate: a replica at its limit still answers
+/// its load balancer and its monitoring, while an API request waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_or_scrape_never_waits_at_the_gate() {
+    let t = one_slot_gate().await;
+    let m = t.app.metrics.clone();
+    let account = new_account();
+    let (hold, mut holder) = hold_a_deposit(&t, &account).await;
+    let mut api = TcpStream::connect(t.addr).await.expect("connect");
+    let balance = format!("GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: tally\r\n\r\n");
+    api.write_all(balance.as_bytes()).await.expect("sent");
+    wait_for_gauge(&m.http_gate_waiting, 1).await;
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        let mut probe = TcpStream::connect(t.addr).await.expect("connect");
+        let answer = tokio::time::timeout(BOUND, raw_get(&mut probe, path))
+            .await
+            .unwrap_or_else(|_| panic!("{path} answered while the gate is full"));
+        assert!(answer.starts_with("HTTP/1.1 200"), "{path}: {answer}");
+    }
+    assert_eq!(m.http_gate_waiting.get(), 1, "the API request still waits");
+    hold.release();
+    assert_served(&mut holder, "the held deposit").await;
+    assert_served(&mut api, "the waiting balance read").await;
+    t.shutdown().await;
+}
+
+/// Rule: a request waits for a gate slot at most `--max-queue-wait-ms`; then it is read
+/// without one and meets the in-flight limit, which sheds it with 503 and Retry-After
+/// instead of leaving its client hanging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_gate_wait_runs_out_is_read_and_shed() {
+    let t = spawn(
+        test_config(&[
+            "--min-active-requests",
+            "1",
+            "--max-active-requests",
+            "1",
+            "--max-concurrent-requests",
+            "1",
+            "--max-queue-wait-ms",
+            "50",
+            "--faults",
+            "seed=1",
+        ]),
+        None,
+        None,
+    )
+    .await;
+    let account = new_account();
+    let (hold, mut holder) = hold_a_deposit(&t, &account).await;
+    let r = t.deposit(&account, 2, Some("late-1")).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text);
+    assert_eq!(r.header("retry-after"), Some("1"));
+    let m = t.get("/metrics").await.text;
+    assert_eq!(metric_sum(&m, "tally_http_gate_waits_expired_total"), 1.0);
+    assert_eq!(metric_sum(&m, "tally_http_requests_shed_total"), 1.0);
+    hold.release();
+    assert_served(&mut holder, "the held deposit").await;
+    assert_eq!(
+        t.balance(&account).await.0,
+        1,
+        "the shed deposit wrote nothing"
+    );
     t.shutdown().await;
 }

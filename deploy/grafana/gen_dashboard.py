@@ -151,6 +151,16 @@ def build():
          [t(f"sum by (instance) (tally_http_requests_queued{sel()})", "queued {{instance}}"),
           t(f"sum by (instance) (tally_http_connections_open{sel()})", "connections {{instance}}")], "short",
          "Requests waiting (at most --max-queue-wait-ms) for an in-flight slot, and open connections against --max-connections.")
+    L.ts("Edge gate: adaptive limit and connections waiting unread",
+         [t(f"sum by (instance) (tally_http_gate_limit{sel()})", "limit {{instance}}"),
+          t(f"sum by (instance) (tally_http_gate_active{sel()})", "active {{instance}}"),
+          t(f"sum by (instance) (tally_http_gate_waiting{sel()})", "waiting {{instance}}")], "short",
+         "Requests each replica works on at once (adapted from latency between --min-active-requests and "
+         "--max-active-requests), the slots held, and connections whose next request waits for a slot, still unread in the kernel.")
+    L.ts("Edge gate: waits that ran out",
+         [t(f"sum by (instance) ({rate('tally_http_gate_waits_expired_total')})", "{{instance}}")], "reqps",
+         "Requests that waited --max-queue-wait-ms for a gate slot and were read without one (the in-flight limit then "
+         "queues or sheds them). Steady non-zero: the replica is past what it can serve in that time.")
     L.ts("Edge admission: queue wait and accept pauses",
          [t(quantile(0.99, "tally_http_queue_wait_seconds", []), "queue wait p99"),
           t(f"sum by (instance) ({rate('tally_http_accept_paused_total')})", "accept paused {{instance}}")], "short",

@@ -1,6 +1,11 @@
 //! Admission at the HTTP edge: how many connections are open and how many API requests are
 //! served at once, and what the rest are told.
 //!
+//! In front of the in-flight limit below stands the gate (`super::gate`), which bounds the
+//! requests worked on at once *before they are read*, adaptively. A request reaches this
+//! limit when its gate wait ran out, when it was let through unread on purpose, or when the
+//! gate's ceiling is configured above `--max-concurrent-requests`.
+//!
 //! Overload is handled the way HTTP/2 and gRPC servers bound concurrent streams: the excess
 //! waits where waiting costs nothing, and only what waited too long is refused.
 //! - **Connections**: at `--max-connections` the accept loop stops, so further clients wait
@@ -27,6 +32,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::InFlightGauge;
 use super::error::ApiError;
+use super::gate::Gate;
 use crate::app::App;
 use crate::metrics::Metrics;
 
@@ -35,6 +41,8 @@ pub const SHED_REPORT_INTERVAL: Duration = Duration::from_secs(1);
 
 /// The edge's own state, shared by the accept loop and every request.
 pub struct Edge {
+    /// Requests worked on at once, taken before a request is read (see `gate`).
+    pub gate: Arc<Gate>,
     /// One permit per open connection.
     connections: Arc<Semaphore>,
     metrics: Arc<Metrics>,
@@ -61,6 +69,11 @@ impl Drop for ConnectionSlot {
 impl Edge {
     pub fn new(app: &App) -> Self {
         Edge {
+            gate: Gate::new(
+                app.config.min_active_requests,
+                app.config.max_active_requests,
+                app.metrics.clone(),
+            ),
             connections: Arc::new(Semaphore::new(app.config.max_connections)),
             metrics: app.metrics.clone(),
             started: Instant::now(),

@@ -1,6 +1,8 @@
 //! JSON in and out: content-type and size checks, decoding that tells malformed JSON (400)
 //! from a well-formed body with wrong fields or types (422).
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
@@ -10,6 +12,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::error::ApiError;
+use super::gate::ConnSlot;
 
 /// The largest request body accepted. Tally's bodies are tiny; this is generous.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
@@ -55,9 +58,13 @@ pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T,
             limit: MAX_BODY_BYTES,
         });
     }
-    let bytes = Limited::new(req.into_body(), MAX_BODY_BYTES)
-        .collect()
-        .await
+    let slot = req.extensions().get::<Arc<ConnSlot>>().cloned();
+    let collect = Limited::new(req.into_body(), MAX_BODY_BYTES).collect();
+    let collected = match slot {
+        Some(slot) => slot.while_client_sends(collect).await,
+        None => collect.await,
+    };
+    let bytes = collected
         .map_err(|e| {
             if e.is::<http_body_util::LengthLimitError>() {
                 ApiError::PayloadTooLarge {

@@ -9,6 +9,7 @@ pub mod body;
 mod console;
 mod devices;
 pub mod error;
+pub mod gate;
 pub mod idempotency;
 pub mod openapi;
 mod ops;
@@ -58,6 +59,10 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
         // hyper's default.
         .max_header_size(app.config.max_header_bytes);
     let edge = Arc::new(admission::Edge::new(&app));
+    let _ticking = edge.gate.start_ticking();
+    // Past this a request is read without a slot, and the in-flight limit decides; under
+    // half the head-read timeout, which would close the connection unanswered.
+    let gate_wait = app.config.max_queue_wait().min(HEADER_READ_TIMEOUT / 2);
     tokio::pin!(shutdown);
     loop {
         let slot = tokio::select! {
@@ -76,11 +81,19 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
                 };
                 let _ = stream.set_nodelay(true);
                 let (app, edge) = (app.clone(), edge.clone());
-                let svc = service_fn(move |req| {
-                    let (app, edge) = (app.clone(), edge.clone());
-                    async move { Ok::<_, Infallible>(handle(app, &edge, req).await) }
+                let gated = gate::ConnSlot::new(edge.gate.clone(), gate_wait);
+                let io = TokioIo::new(gate::GatedIo::new(stream, gated.clone()));
+                let svc = service_fn(move |mut req: Request<Incoming>| {
+                    let (app, edge, gated) = (app.clone(), edge.clone(), gated.clone());
+                    let serving = gated.serve();
+                    async move {
+                        serving.hold_slot().await;
+                        // For the body read, which gives the slot back while its client is slow.
+                        req.extensions_mut().insert(gated);
+                        Ok::<_, Infallible>(handle(app, &edge, req).await)
+                    }
                 });
-                let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc));
+                let conn = graceful.watch(builder.serve_connection(io, svc));
                 tokio::spawn(async move {
                     // Held while the connection is open.
                     let _slot = slot;
@@ -218,9 +231,9 @@ fn request_deadline(app: &App) -> Duration {
     app.config.write().deadline + REQUEST_DEADLINE_MARGIN
 }
 
-/// Counts a request on a gauge (in flight, or queued for a slot) until it is dropped: hyper
-/// drops a request's future when its client disconnects, and such a request must not stay
-/// counted. (Not the write loop's in-flight write, which followers of one key wait on.)
+/// Counts a request on a gauge (in flight, queued for a slot, or waiting at the gate) until it
+/// is dropped: hyper drops a request's future when its client disconnects, and such a request
+/// must not stay counted. (Not the write loop's in-flight write, which followers of one key wait on.)
 struct InFlightGauge<'a>(&'a prometheus::IntGauge);
 
 impl<'a> InFlightGauge<'a> {

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use crate::common::{self, new_account};
 
 /// Every flag the binary takes, each settable from the environment.
-const FLAGS: [&str; 52] = [
+const FLAGS: [&str; 54] = [
     // Authentication, rate limits and the admin listener (issue 17).
     "auth",
     "auth-secret-file",
@@ -39,6 +39,8 @@ const FLAGS: [&str; 52] = [
     "faults",
     "max-concurrent-requests",
     "max-queue-wait-ms",
+    "min-active-requests",
+    "max-active-requests",
     "max-connections",
     "write-deadline-ms",
     "write-max-attempts",
