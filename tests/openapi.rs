@@ -204,15 +204,26 @@ fn every_status_the_code_answers_is_documented_and_no_other() {
     );
 }
 
-/// The error codes the code can answer: string literals in `src/http` (outside tests) that
-/// look like codes, and the device layer's codes.
+/// Every `.rs` file under `dir`, its subdirectories included.
+fn rust_files(dir: &std::path::Path) -> Vec<String> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            files.extend(rust_files(&path));
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            files.push(path.to_string_lossy().into_owned());
+        }
+    }
+    files
+}
+
+/// The error codes the code can answer: string literals in `src/http` and its modules
+/// (outside tests) that look like codes, and the device layer's codes.
 fn codes_in_source() -> BTreeSet<String> {
     let mut out = BTreeSet::new();
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/http");
-    let mut files: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path().to_string_lossy().into_owned())
-        .collect();
+    let mut files = rust_files(std::path::Path::new(dir));
     files.push(concat!(env!("CARGO_MANIFEST_DIR"), "/src/device/protocol.rs").into());
     for file in files {
         let text = std::fs::read_to_string(&file).unwrap();
