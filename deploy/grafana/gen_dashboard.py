@@ -157,10 +157,12 @@ def build():
           t(f"sum by (instance) (tally_http_gate_waiting{sel()})", "waiting {{instance}}")], "short",
          "Requests each replica works on at once (adapted from latency between --min-active-requests and "
          "--max-active-requests), the slots held, and connections whose next request waits for a slot, still unread in the kernel.")
-    L.ts("Edge gate: waits that ran out",
-         [t(f"sum by (instance) ({rate('tally_http_gate_waits_expired_total')})", "{{instance}}")], "reqps",
-         "Requests that waited --max-queue-wait-ms for a gate slot and were read without one (the in-flight limit then "
-         "queues or sheds them). Steady non-zero: the replica is past what it can serve in that time.")
+    L.ts("Edge gate: slots taken, and waits that ran out",
+         [t(f"sum by (instance) ({rate('tally_http_gate_slots_taken_total')})", "taken {{instance}}"),
+          t(f"sum by (instance) ({rate('tally_http_gate_waits_expired_total')})", "ran out {{instance}}")], "reqps",
+         "Gate slots taken per second (about one per request), and requests that waited --max-queue-wait-ms for a slot "
+         "and were read without one (the in-flight limit then queues or sheds them). Steady non-zero: the replica is "
+         "past what it can serve in that time.")
     L.ts("Edge admission: queue wait and accept pauses",
          [t(quantile(0.99, "tally_http_queue_wait_seconds", []), "queue wait p99"),
           t(f"sum by (instance) ({rate('tally_http_accept_paused_total')})", "accept paused {{instance}}")], "short",
