@@ -65,7 +65,7 @@ impl Serving {
     pub async fn hold_slot(&self) {
         let conn = &self.conn;
         if !conn.holds() && !conn.unslotted.load(Ordering::Acquire) {
-            conn.take_bounded().await;
+            conn.clone().take_bounded().await;
         }
     }
 }
@@ -96,8 +96,9 @@ impl ConnSlot {
         self.serving.load(Ordering::Acquire)
     }
 
-    /// Holds a slot, or after `max_wait` goes on without one (rule 2).
-    async fn take_bounded(&self) {
+    /// Holds a slot, or after `max_wait` goes on without one (rule 2). Owns its handle, so
+    /// the socket wrapper can keep the wait across polls.
+    async fn take_bounded(self: Arc<Self>) {
         match tokio::time::timeout(self.max_wait, self.gate.clone().take()).await {
             Ok(slot) => *self.held.lock() = Some(slot),
             Err(_) => self.let_through(),
@@ -107,6 +108,12 @@ impl ConnSlot {
     fn let_through(&self) {
         self.gate.metrics.http_gate_waits_expired.inc();
         self.unslotted.store(true, Ordering::Release);
+    }
+
+    /// Rule 1: the connection waits on its client, with no slot and no pass.
+    fn give_back(&self) {
+        drop(self.held.lock().take());
+        self.unslotted.store(false, Ordering::Release);
     }
 
     /// Rule 4, first half: marks a request served. Called when hyper hands the request over,
@@ -119,7 +126,7 @@ impl ConnSlot {
 
     /// Rule 5: runs `body` (a read of the request's body), giving the slot back while it
     /// waits on the client and taking one again after.
-    pub async fn while_client_sends<F: Future>(&self, body: F) -> F::Output {
+    pub async fn while_client_sends<F: Future>(self: &Arc<Self>, body: F) -> F::Output {
         let mut body = pin!(body);
         if let Poll::Ready(done) = poll_fn(|cx| Poll::Ready(body.as_mut().poll(cx))).await {
             return done;
@@ -127,19 +134,19 @@ impl ConnSlot {
         let had = self.held.lock().take().is_some();
         let done = body.await;
         if had {
-            self.take_bounded().await;
+            self.clone().take_bounded().await;
         }
         done
     }
 }
 
-type Taking = Pin<Box<dyn Future<Output = Option<Slot>> + Send>>;
+type Taking = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// A client socket whose reads pass the gate (rules 1 to 3).
 pub struct GatedIo {
     stream: TcpStream,
     conn: Arc<ConnSlot>,
-    /// A slot being waited for; `None` when the wait ran out.
+    /// A bounded wait for a slot, under way.
     taking: Option<Taking>,
 }
 
@@ -171,16 +178,12 @@ impl GatedIo {
                 return Poll::Ready(Ok(()));
             }
         }
-        let (gate, max_wait) = (conn.gate.clone(), conn.max_wait);
-        let taking = self.taking.get_or_insert_with(|| {
-            Box::pin(async move { tokio::time::timeout(max_wait, gate.take()).await.ok() })
-        });
-        let taken = ready!(taking.as_mut().poll(cx));
+        let conn = self.conn.clone();
+        let taking = self
+            .taking
+            .get_or_insert_with(|| Box::pin(conn.take_bounded()));
+        ready!(taking.as_mut().poll(cx));
         self.taking = None;
-        match taken {
-            Some(slot) => *self.conn.held.lock() = Some(slot),
-            None => self.conn.let_through(),
-        }
         Poll::Ready(Ok(()))
     }
 
@@ -208,8 +211,7 @@ impl AsyncRead for GatedIo {
         ready!(this.poll_slot(cx))?;
         let read = Pin::new(&mut this.stream).poll_read(cx, buf);
         if read.is_pending() && !this.conn.serving() {
-            drop(this.conn.held.lock().take());
-            this.conn.unslotted.store(false, Ordering::Release);
+            this.conn.give_back();
         }
         read
     }
