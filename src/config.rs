@@ -65,6 +65,8 @@ pub const DEFAULT_MAX_ACTIVE_REQUESTS: usize = DEFAULT_MAX_CONCURRENT_REQUESTS;
 pub const MAX_ACTIVE_REQUESTS: usize = 65_536;
 /// The longest `--max-queue-wait-ms` accepted (the write deadline's order of magnitude).
 pub const MAX_QUEUE_WAIT_MS: u64 = 10_000;
+/// The most runtime worker threads `--worker-threads` accepts.
+pub const MAX_WORKER_THREADS: usize = 256;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum StoreKind {
@@ -152,6 +154,13 @@ pub struct Config {
     /// closes (clients wait in the kernel's accept queue).
     #[arg(long, env = "TALLY_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
+
+    /// Runtime worker threads; by default one per core this process may use. Give a
+    /// replica fewer than the machine's cores when it shares them (with a load generator,
+    /// a sidecar, the store): workers then contend for the same cores and move connections
+    /// between them (Envoy's `--concurrency`, nginx's `worker_processes`).
+    #[arg(long, env = "TALLY_WORKER_THREADS")]
+    pub worker_threads: Option<usize>,
 
     /// How long one write may spend retrying before it answers a retryable 409, in ms.
     #[arg(long, env = "TALLY_WRITE_DEADLINE_MS", default_value_t = DEFAULT_DEADLINE.as_millis() as u64)]
@@ -329,6 +338,14 @@ impl Config {
         {
             return Err(ConfigError(format!(
                 "--min-active-requests and --max-active-requests need 1 <= min <= max <= {MAX_ACTIVE_REQUESTS}"
+            )));
+        }
+        if self
+            .worker_threads
+            .is_some_and(|n| !(1..=MAX_WORKER_THREADS).contains(&n))
+        {
+            return Err(ConfigError(format!(
+                "--worker-threads must be 1..={MAX_WORKER_THREADS}"
             )));
         }
         if self.max_queue_wait_ms > MAX_QUEUE_WAIT_MS {
@@ -528,6 +545,8 @@ mod tests {
             ["--min-active-requests", "0"],
             ["--min-active-requests", "257"],
             ["--max-active-requests", "65537"],
+            ["--worker-threads", "0"],
+            ["--worker-threads", "257"],
         ] {
             let e = Config::parse_from(["tally", bad[0], bad[1]])
                 .validate()

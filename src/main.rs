@@ -20,10 +20,11 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     init_tracing(config.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(workers) = config.worker_threads {
+        builder.worker_threads(workers);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("tally: cannot start the runtime: {e}");

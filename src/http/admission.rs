@@ -72,6 +72,12 @@ impl Edge {
             gate: Gate::new(
                 app.config.min_active_requests,
                 app.config.max_active_requests,
+                // Past this a request is read without a slot, and the in-flight limit
+                // decides; under half the head-read timeout, which would close the
+                // connection unanswered.
+                app.config
+                    .max_queue_wait()
+                    .min(super::HEADER_READ_TIMEOUT / 2),
                 app.metrics.clone(),
             ),
             connections: Arc::new(Semaphore::new(app.config.max_connections)),

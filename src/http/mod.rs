@@ -60,9 +60,6 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
         .max_header_size(app.config.max_header_bytes);
     let edge = Arc::new(admission::Edge::new(&app));
     let _ticking = edge.gate.start_ticking();
-    // Past this a request is read without a slot, and the in-flight limit decides; under
-    // half the head-read timeout, which would close the connection unanswered.
-    let gate_wait = app.config.max_queue_wait().min(HEADER_READ_TIMEOUT / 2);
     tokio::pin!(shutdown);
     loop {
         let slot = tokio::select! {
@@ -81,8 +78,8 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
                 };
                 let _ = stream.set_nodelay(true);
                 let (app, edge) = (app.clone(), edge.clone());
-                let gated = gate::ConnSlot::new(edge.gate.clone(), gate_wait);
-                let io = TokioIo::new(gate::GatedIo::new(stream, gated.clone()));
+                let (io, gated) = gate::GatedIo::new(stream, edge.gate.clone());
+                let io = TokioIo::new(io);
                 let svc = service_fn(move |mut req: Request<Incoming>| {
                     let (app, edge, gated) = (app.clone(), edge.clone(), gated.clone());
                     let serving = gated.serve();

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use crate::common::{self, new_account};
 
 /// Every flag the binary takes, each settable from the environment.
-const FLAGS: [&str; 54] = [
+const FLAGS: [&str; 55] = [
     // Authentication, rate limits and the admin listener (issue 17).
     "auth",
     "auth-secret-file",
@@ -42,6 +42,7 @@ const FLAGS: [&str; 54] = [
     "min-active-requests",
     "max-active-requests",
     "max-connections",
+    "worker-threads",
     "write-deadline-ms",
     "write-max-attempts",
     "one-round-trip",

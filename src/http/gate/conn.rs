@@ -7,7 +7,8 @@
 //!    connection is idle, or its client is slow to send the rest of a head, and neither
 //!    may hold a slot that other connections' waiting requests could use.
 //! 2. A connection waits for a slot at most `--max-queue-wait-ms` (and never more than half
-//!    the head-read timeout, which would otherwise close it unanswered). Then its request
+//!    the head-read timeout, which would otherwise close it unanswered), give or take one
+//!    50 ms tick of the gate, which checks the queue's oldest. Then its request
 //!    is read without a slot and meets the in-flight limit behind the gate, which queues it
 //!    briefly or sheds it with 503 and `Retry-After`: a client is told, never left hanging.
 //! 3. A probe or scrape (`GET /healthz`, `/readyz`, `/metrics`) never waits: it is seen in
@@ -18,14 +19,22 @@
 //!    Waiting on the store counts as work: the slot stays.
 //! 5. A handler that must wait for its client to send more of the body gives the slot back
 //!    for that wait and takes one again after, so a slow body holds no slot either.
+//!
+//! How an idle connection waits: it leaves a callback ([`OnReadable`]) with its socket
+//! instead of its task's waker. When its client's next request arrives the callback takes a
+//! free slot, or lets a probe through, or puts the connection in the gate's queue, and only
+//! then wakes the task, once, to read. Under overload nearly every request waits at the
+//! gate; waking its task just to queue it would touch the connection's state (task, hyper's
+//! buffers) twice per request, and at a thousand connections that state is cold. No timer
+//! per wait either: the gate's ticker lets the expired ones through. Measured (BENCHMARKS.md,
+//! "Overload, session 7"): 4-5% less server CPU per request at 1,500 connections than
+//! waking the task to wait on a semaphore with a timeout.
 
 use std::future::{Future, poll_fn};
 use std::io;
 use std::pin::{Pin, pin};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Context, Poll, ready};
-use std::time::Duration;
+use std::sync::{Arc, Weak};
+use std::task::{Context, Poll, Wake, Waker, ready};
 
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -38,18 +47,61 @@ const UNGATED: [&[u8]; 3] = [b"GET /healthz", b"GET /readyz", b"GET /metrics"];
 /// Bytes peeked to recognise them: the longest prefix above.
 const PEEK_BYTES: usize = 12;
 
-/// A connection's slot, shared by its socket wrapper and the handler of its current request
-/// (both run in the connection's task; the lock is never contended).
+/// A connection's side of the gate, shared by its socket wrapper, its readiness callback,
+/// the handler of its current request and (weakly) the gate's queue.
 pub struct ConnSlot {
     gate: Arc<Gate>,
-    /// The longest a request waits for a slot (rule 2).
-    max_wait: Duration,
-    held: Mutex<Option<Slot>>,
+    /// The socket, for the readiness callback to peek at; gone once the connection is.
+    stream: Weak<TcpStream>,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    slot: Option<Slot>,
+    /// The current request may be read without a slot (rules 2 and 3).
+    pass: bool,
+    /// In the gate's queue, to be handed a slot or let through.
+    queued: bool,
     /// A request's handler is running: reads are for its body or hyper's check that the
     /// client is still there, and take no slot of their own.
-    serving: AtomicBool,
-    /// The current request was let through without a slot (rules 2 and 3).
-    unslotted: AtomicBool,
+    serving: bool,
+    /// The socket wrapper is gone: nothing is handed to this connection any more.
+    closed: bool,
+    /// The connection task's waker, woken when it may read.
+    waker: Option<Waker>,
+}
+
+impl State {
+    fn may_read(&self) -> bool {
+        self.serving || self.slot.is_some() || self.pass
+    }
+
+    fn keep_waker(&mut self, waker: &Waker) {
+        if !self.waker.as_ref().is_some_and(|w| w.will_wake(waker)) {
+            self.waker = Some(waker.clone());
+        }
+    }
+}
+
+/// What rule 1 decided for a readable socket.
+enum Decision {
+    /// A slot or a pass: read.
+    Read,
+    /// Queued at the gate.
+    Wait,
+    /// Nothing to read after all (a stale readiness): wait for the socket again.
+    Stale,
+}
+
+/// What the first bytes waiting in a socket are.
+enum Peeked {
+    /// An API request's: it waits for a slot.
+    Request,
+    /// A probe's or a scrape's, or the end of the connection: let through (rule 3).
+    Ungated,
+    /// None yet.
+    Nothing,
 }
 
 /// A request being served; on drop the connection goes back to rule 1. The slot itself is
@@ -63,64 +115,184 @@ impl Serving {
     /// Rule 4, second half: holds a slot, taking one if the head came without the gate
     /// (and was not let through on purpose).
     pub async fn hold_slot(&self) {
-        let conn = &self.conn;
-        if !conn.holds() && !conn.unslotted.load(Ordering::Acquire) {
-            conn.clone().take_bounded().await;
-        }
+        self.conn.take().await;
     }
 }
 
 impl Drop for Serving {
     fn drop(&mut self) {
-        self.conn.serving.store(false, Ordering::Release);
-        self.conn.unslotted.store(false, Ordering::Release);
+        let mut s = self.conn.state.lock();
+        s.serving = false;
+        s.pass = false;
     }
 }
 
 impl ConnSlot {
-    pub fn new(gate: Arc<Gate>, max_wait: Duration) -> Arc<Self> {
+    /// A connection's side of the gate, with no socket to peek at (its requests come some
+    /// other way, or it is a test's).
+    pub fn new(gate: Arc<Gate>) -> Arc<Self> {
+        Self::with_stream(gate, Weak::new())
+    }
+
+    fn with_stream(gate: Arc<Gate>, stream: Weak<TcpStream>) -> Arc<Self> {
         Arc::new(ConnSlot {
             gate,
-            max_wait,
-            held: Mutex::new(None),
-            serving: AtomicBool::new(false),
-            unslotted: AtomicBool::new(false),
+            stream,
+            state: Mutex::new(State::default()),
         })
     }
 
-    fn holds(&self) -> bool {
-        self.held.lock().is_some()
+    #[cfg(test)]
+    pub(super) fn holds(&self) -> bool {
+        self.state.lock().slot.is_some()
     }
 
-    fn serving(&self) -> bool {
-        self.serving.load(Ordering::Acquire)
-    }
-
-    /// Holds a slot, or after `max_wait` goes on without one (rule 2). Owns its handle, so
-    /// the socket wrapper can keep the wait across polls.
-    async fn take_bounded(self: Arc<Self>) {
-        match tokio::time::timeout(self.max_wait, self.gate.clone().take()).await {
-            Ok(slot) => *self.held.lock() = Some(slot),
-            Err(_) => self.let_through(),
+    /// Rule 1 for a readable socket, under the connection's lock: a free slot, else a pass
+    /// for a probe or a closed connection, else the queue.
+    fn decide(self: &Arc<Self>, s: &mut State, peek: impl FnOnce() -> Peeked) -> Decision {
+        debug_assert!(!s.may_read() && !s.queued && !s.closed);
+        if let Some(slot) = self.gate.try_take() {
+            s.slot = Some(slot);
+            return Decision::Read;
+        }
+        match peek() {
+            Peeked::Nothing => Decision::Stale,
+            Peeked::Ungated => {
+                s.pass = true;
+                Decision::Read
+            }
+            Peeked::Request => self.wait(s),
         }
     }
 
-    fn let_through(&self) {
-        self.gate.metrics.http_gate_waits_expired.inc();
-        self.unslotted.store(true, Ordering::Release);
+    /// A slot if one is free, or else the back of the gate's queue (rule 2 bounds the wait).
+    fn wait(self: &Arc<Self>, s: &mut State) -> Decision {
+        if self.gate.max_wait.is_zero() {
+            self.gate.metrics.http_gate_waits_expired.inc();
+            s.pass = true;
+            return Decision::Read;
+        }
+        match self.gate.take_or_wait(self) {
+            Some(slot) => {
+                s.slot = Some(slot);
+                Decision::Read
+            }
+            None => {
+                s.queued = true;
+                Decision::Wait
+            }
+        }
     }
 
-    /// Rule 1: the connection waits on its client, with no slot and no pass.
-    fn give_back(&self) {
-        drop(self.held.lock().take());
-        self.unslotted.store(false, Ordering::Release);
+    /// Holds a slot, or goes on without one once its wait ran out (rules 2 and 4). The
+    /// connection stays queued if this future is dropped: it takes the slot when handed one
+    /// and gives it back at its next empty read.
+    pub(super) async fn take(self: &Arc<Self>) {
+        poll_fn(|cx| {
+            let mut s = self.state.lock();
+            if s.slot.is_some() || s.pass {
+                return Poll::Ready(());
+            }
+            s.keep_waker(cx.waker());
+            if s.queued {
+                return Poll::Pending;
+            }
+            match self.wait(&mut s) {
+                Decision::Read => Poll::Ready(()),
+                Decision::Wait | Decision::Stale => Poll::Pending,
+            }
+        })
+        .await
+    }
+
+    /// The gate hands this queued connection a slot.
+    pub(super) fn hand(&self, slot: Slot) {
+        let mut s = self.state.lock();
+        if s.closed || !s.queued {
+            drop(s);
+            // Released again, to the next in line.
+            drop(slot);
+            return;
+        }
+        debug_assert!(s.slot.is_none(), "a queued connection holds no slot");
+        s.queued = false;
+        s.slot = Some(slot);
+        Self::wake(s);
+    }
+
+    /// Rule 2: this queued connection waited its full time; it reads without a slot.
+    pub(super) fn let_through(&self) {
+        let mut s = self.state.lock();
+        if s.closed || !s.queued {
+            return;
+        }
+        self.gate.metrics.http_gate_waits_expired.inc();
+        s.queued = false;
+        s.pass = true;
+        Self::wake(s);
+    }
+
+    /// Wakes the connection's task, after the lock is released.
+    fn wake(mut s: parking_lot::MutexGuard<'_, State>) {
+        let waker = s.waker.take();
+        drop(s);
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+    }
+
+    /// The socket became readable while the connection was idle (see [`OnReadable`]).
+    fn on_readable(self: &Arc<Self>) {
+        let mut s = self.state.lock();
+        if s.closed || s.queued {
+            return;
+        }
+        if !s.may_read() {
+            let decision = self.decide(&mut s, || match self.stream.upgrade() {
+                // The task re-registers readiness on its next poll if this finds nothing.
+                Some(stream) => peek(&stream, &mut Context::from_waker(Waker::noop())),
+                None => Peeked::Ungated,
+            });
+            if let Decision::Wait = decision {
+                return;
+            }
+        }
+        Self::wake(s);
+    }
+
+    /// Rule 1: a read found nothing; unless a request is being served (false), the
+    /// connection is idle again and its slot or pass goes back.
+    fn go_idle(&self) -> bool {
+        let mut s = self.state.lock();
+        if s.serving {
+            return false;
+        }
+        let slot = s.slot.take();
+        s.pass = false;
+        drop(s);
+        drop(slot);
+        true
+    }
+
+    /// The connection is gone: gives back its slot and leaves the queue.
+    pub(super) fn close(self: &Arc<Self>) {
+        let mut s = self.state.lock();
+        s.closed = true;
+        s.waker = None;
+        let slot = s.slot.take();
+        let queued = std::mem::take(&mut s.queued);
+        drop(s);
+        drop(slot);
+        if queued {
+            self.gate.forget(self);
+        }
     }
 
     /// Rule 4, first half: marks a request served. Called when hyper hands the request over,
     /// before its future is first polled: hyper's check that the client is still there
     /// comes in between, and must not give the slot back.
     pub fn serve(self: &Arc<Self>) -> Serving {
-        self.serving.store(true, Ordering::Release);
+        self.state.lock().serving = true;
         Serving { conn: self.clone() }
     }
 
@@ -131,73 +303,110 @@ impl ConnSlot {
         if let Poll::Ready(done) = poll_fn(|cx| Poll::Ready(body.as_mut().poll(cx))).await {
             return done;
         }
-        let had = self.held.lock().take().is_some();
+        let slot = self.state.lock().slot.take();
+        let had = slot.is_some();
+        drop(slot);
         let done = body.await;
         if had {
-            self.clone().take_bounded().await;
+            self.take().await;
         }
         done
     }
 }
 
-type Taking = Pin<Box<dyn Future<Output = ()> + Send>>;
+/// Rule 3: whether the bytes waiting in `stream` start a probe or a scrape (peeked, not
+/// read). A connection its client closed (or broke) has nothing to wait for either:
+/// reading tells hyper to close it now. `Nothing` when the readiness was stale.
+fn peek(stream: &TcpStream, cx: &mut Context<'_>) -> Peeked {
+    let mut bytes = [0u8; PEEK_BYTES];
+    let mut buf = ReadBuf::new(&mut bytes);
+    match stream.poll_peek(cx, &mut buf) {
+        Poll::Pending => Peeked::Nothing,
+        Poll::Ready(Ok(0) | Err(_)) => Peeked::Ungated,
+        Poll::Ready(Ok(_)) if UNGATED.iter().any(|l| buf.filled().starts_with(l)) => {
+            Peeked::Ungated
+        }
+        Poll::Ready(Ok(_)) => Peeked::Request,
+    }
+}
+
+/// The waker an idle connection leaves with its socket.
+struct OnReadable(Weak<ConnSlot>);
+
+impl Wake for OnReadable {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if let Some(conn) = self.0.upgrade() {
+            conn.on_readable();
+        }
+    }
+}
 
 /// A client socket whose reads pass the gate (rules 1 to 3).
+///
+/// The socket is shared with the readiness callback (which peeks at it), so reads and
+/// writes go through tokio's `&self` readiness API (`poll_*_ready` then `try_*`), as its
+/// own `AsyncRead` for `TcpStream` does.
 pub struct GatedIo {
-    stream: TcpStream,
+    stream: Arc<TcpStream>,
     conn: Arc<ConnSlot>,
-    /// A bounded wait for a slot, under way.
-    taking: Option<Taking>,
+    /// [`OnReadable`] for this connection, made once.
+    readable: Waker,
 }
 
 impl GatedIo {
-    pub fn new(stream: TcpStream, conn: Arc<ConnSlot>) -> Self {
-        GatedIo {
+    /// Wraps `stream`; the returned [`ConnSlot`] is the handle its requests' handlers use.
+    pub fn new(stream: TcpStream, gate: Arc<Gate>) -> (Self, Arc<ConnSlot>) {
+        let stream = Arc::new(stream);
+        let conn = ConnSlot::with_stream(gate, Arc::downgrade(&stream));
+        let readable = Waker::from(Arc::new(OnReadable(Arc::downgrade(&conn))));
+        let io = GatedIo {
             stream,
-            conn,
-            taking: None,
-        }
+            conn: conn.clone(),
+            readable,
+        };
+        (io, conn)
     }
 
     /// Ready once this connection holds a slot or may read without one.
     fn poll_slot(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let conn = &self.conn;
-        if conn.serving() || conn.holds() || conn.unslotted.load(Ordering::Acquire) {
-            return Poll::Ready(Ok(()));
-        }
-        // Nothing to read yet: wait for the client without a slot.
-        ready!(self.stream.poll_read_ready(cx))?;
-        // Once queued, only the queue hands out the slot (first come, first served).
-        if self.taking.is_none() {
-            if let Some(slot) = conn.gate.try_take() {
-                *conn.held.lock() = Some(slot);
-                return Poll::Ready(Ok(()));
+        loop {
+            {
+                let mut s = self.conn.state.lock();
+                if s.may_read() {
+                    return Poll::Ready(Ok(()));
+                }
+                s.keep_waker(cx.waker());
+                if s.queued {
+                    return Poll::Pending;
+                }
             }
-            if ready!(self.poll_ungated(cx)) {
-                conn.unslotted.store(true, Ordering::Release);
-                return Poll::Ready(Ok(()));
+            // Idle: from here readiness goes to the callback, not to this task.
+            ready!(
+                self.stream
+                    .poll_read_ready(&mut Context::from_waker(&self.readable))
+            )?;
+            let mut s = self.conn.state.lock();
+            if s.may_read() || s.queued {
+                // The callback decided first.
+                continue;
+            }
+            match self.conn.decide(&mut s, || peek(&self.stream, cx)) {
+                Decision::Read => return Poll::Ready(Ok(())),
+                Decision::Wait => return Poll::Pending,
+                // The peek found nothing and cleared the readiness: register again.
+                Decision::Stale => continue,
             }
         }
-        let conn = self.conn.clone();
-        let taking = self
-            .taking
-            .get_or_insert_with(|| Box::pin(conn.take_bounded()));
-        ready!(taking.as_mut().poll(cx));
-        self.taking = None;
-        Poll::Ready(Ok(()))
     }
+}
 
-    /// Rule 3: whether the waiting bytes start a probe or a scrape (peeked, not read). A
-    /// connection its client closed (or broke) has nothing to wait for either: reading
-    /// tells hyper to close it now, instead of after a wait for a slot. Pending when the
-    /// readiness was stale and nothing has arrived yet.
-    fn poll_ungated(&self, cx: &mut Context<'_>) -> Poll<bool> {
-        let mut bytes = [0u8; PEEK_BYTES];
-        let mut buf = ReadBuf::new(&mut bytes);
-        Poll::Ready(match ready!(self.stream.poll_peek(cx, &mut buf)) {
-            Ok(0) | Err(_) => true,
-            Ok(_) => UNGATED.iter().any(|line| buf.filled().starts_with(line)),
-        })
+impl Drop for GatedIo {
+    fn drop(&mut self) {
+        self.conn.close();
     }
 }
 
@@ -208,41 +417,65 @@ impl AsyncRead for GatedIo {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        ready!(this.poll_slot(cx))?;
-        let read = Pin::new(&mut this.stream).poll_read(cx, buf);
-        if read.is_pending() && !this.conn.serving() {
-            this.conn.give_back();
+        loop {
+            ready!(this.poll_slot(cx))?;
+            match this.stream.poll_read_ready(cx) {
+                Poll::Ready(Ok(())) => match this.stream.try_read_buf(buf) {
+                    Ok(_) => return Poll::Ready(Ok(())),
+                    // The readiness is cleared; the next round waits for the socket.
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                    Err(e) => return Poll::Ready(Err(e)),
+                },
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                // Nothing to read. Serving a request, the task waits for its socket; idle,
+                // the slot goes back and the next round leaves the callback with the socket.
+                Poll::Pending if this.conn.go_idle() => {}
+                Poll::Pending => return Poll::Pending,
+            }
         }
-        read
     }
 }
 
 impl AsyncWrite for GatedIo {
     fn poll_write(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
+        loop {
+            ready!(self.stream.poll_write_ready(cx))?;
+            match self.stream.try_write(buf) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                written => return Poll::Ready(written),
+            }
+        }
     }
 
     fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+        loop {
+            ready!(self.stream.poll_write_ready(cx))?;
+            match self.stream.try_write_vectored(bufs) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                written => return Poll::Ready(written),
+            }
+        }
     }
 
     fn is_write_vectored(&self) -> bool {
-        self.stream.is_write_vectored()
+        true
     }
 
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_flush(cx)
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // Writes go straight to the socket.
+        Poll::Ready(Ok(()))
     }
 
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_shutdown(cx)
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // What tokio's own `poll_shutdown` for a `TcpStream` does, from a shared reference.
+        Poll::Ready(socket2::SockRef::from(&*self.stream).shutdown(std::net::Shutdown::Write))
     }
 }

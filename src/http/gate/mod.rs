@@ -20,99 +20,162 @@
 mod conn;
 pub mod limit;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 pub use conn::{ConnSlot, GatedIo};
 use limit::{CpuLimit, Tick};
 
-use super::InFlightGauge;
 use crate::metrics::Metrics;
 
 /// Slots shared by every connection of one listener.
 pub struct Gate {
-    slots: Arc<Semaphore>,
-    /// Slots to retire as they come back: the limit shrank while they were taken.
-    owed: AtomicUsize,
+    slots: Mutex<Slots>,
     limit: Mutex<CpuLimit>,
     /// A connection waited for a slot since the last tick.
     saturated: AtomicBool,
+    /// The longest a connection waits for a slot (rule 2 of [`conn`]); checked each tick.
+    max_wait: Duration,
     metrics: Arc<Metrics>,
 }
 
-/// One taken slot; given back (or retired, if the limit shrank) when dropped.
-pub struct Slot {
-    permit: Option<OwnedSemaphorePermit>,
-    gate: Arc<Gate>,
+/// The slots' books, under one lock.
+struct Slots {
+    limit: usize,
+    /// Slots held now; above `limit` for a while after the limit shrinks.
+    taken: usize,
+    /// Connections waiting for a slot, oldest first. A connection is here at most once
+    /// (its `queued` flag), so the queue is bounded by the open connections.
+    waiting: VecDeque<Waiter>,
 }
 
-impl Slot {
-    fn new(permit: OwnedSemaphorePermit, gate: Arc<Gate>) -> Self {
-        gate.metrics.http_gate_active.inc();
-        gate.metrics.http_gate_taken.inc();
-        Slot {
-            permit: Some(permit),
-            gate,
-        }
-    }
+struct Waiter {
+    conn: Weak<ConnSlot>,
+    since: Instant,
+}
+
+/// One taken slot. Dropped, it goes straight to the oldest waiting connection, or back to
+/// the gate (retired instead, if the limit shrank while it was taken).
+pub struct Slot {
+    gate: Arc<Gate>,
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.gate.metrics.http_gate_active.dec();
-        let retire = self
-            .gate
-            .owed
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |o| o.checked_sub(1))
-            .is_ok();
-        if let Some(permit) = self.permit.take()
-            && retire
-        {
-            permit.forget();
-        }
+        self.gate.release();
     }
 }
 
 impl Gate {
-    /// A gate adapting within `[min, max]`, starting at `min`.
-    pub fn new(min: usize, max: usize, metrics: Arc<Metrics>) -> Arc<Self> {
+    /// A gate adapting within `[min, max]`, starting at `min`; a connection waits for a
+    /// slot at most `max_wait`.
+    pub fn new(min: usize, max: usize, max_wait: Duration, metrics: Arc<Metrics>) -> Arc<Self> {
         metrics.http_gate_limit.set(min as i64);
         Arc::new(Gate {
-            slots: Arc::new(Semaphore::new(min)),
-            owed: AtomicUsize::new(0),
+            slots: Mutex::new(Slots {
+                limit: min,
+                taken: 0,
+                waiting: VecDeque::new(),
+            }),
             limit: Mutex::new(CpuLimit::new(min, max)),
             saturated: AtomicBool::new(false),
+            max_wait,
             metrics,
         })
     }
 
-    /// A slot if one is free now.
-    fn try_take(self: &Arc<Self>) -> Option<Slot> {
-        let permit = self.slots.clone().try_acquire_owned().ok()?;
-        Some(Slot::new(permit, self.clone()))
+    /// A slot the caller counted in `taken` already.
+    fn counted_slot(self: &Arc<Self>) -> Slot {
+        self.metrics.http_gate_taken.inc();
+        Slot { gate: self.clone() }
     }
 
-    /// A slot, waiting in arrival order while all are taken.
-    pub async fn take(self: Arc<Self>) -> Slot {
-        if let Some(slot) = self.try_take() {
-            return slot;
+    /// A slot if one is free now.
+    fn try_take(self: &Arc<Self>) -> Option<Slot> {
+        let mut s = self.slots.lock();
+        if s.taken >= s.limit {
+            return None;
         }
+        s.taken += 1;
+        self.metrics.http_gate_active.set(s.taken as i64);
+        drop(s);
+        Some(self.counted_slot())
+    }
+
+    /// A slot if one is free now, or else `conn` joins the back of the queue, to be handed
+    /// one by [`Gate::release`]. The caller holds `conn`'s lock and marks it queued.
+    fn take_or_wait(self: &Arc<Self>, conn: &Arc<ConnSlot>) -> Option<Slot> {
+        let mut s = self.slots.lock();
+        if s.taken < s.limit {
+            s.taken += 1;
+            self.metrics.http_gate_active.set(s.taken as i64);
+            drop(s);
+            return Some(self.counted_slot());
+        }
+        s.waiting.push_back(Waiter {
+            conn: Arc::downgrade(conn),
+            since: Instant::now(),
+        });
+        self.metrics.http_gate_waiting.set(s.waiting.len() as i64);
         self.saturated.store(true, Ordering::Relaxed);
-        let permit = {
-            let _waiting = InFlightGauge::enter(&self.metrics.http_gate_waiting);
-            self.slots.clone().acquire_owned().await
+        None
+    }
+
+    /// A released slot: handed to the oldest waiting connection (it stays taken), or
+    /// returned.
+    fn release(self: &Arc<Self>) {
+        let mut s = self.slots.lock();
+        while s.taken <= s.limit {
+            let Some(next) = s.waiting.pop_front() else {
+                break;
+            };
+            self.metrics.http_gate_waiting.set(s.waiting.len() as i64);
+            // A connection that closed while queued left the queue (`ConnSlot::close`); one
+            // that closes after this pop is handed the slot and drops it, releasing it again.
+            if let Some(conn) = next.conn.upgrade() {
+                drop(s);
+                conn.hand(self.counted_slot());
+                return;
+            }
         }
-        .expect("the gate's semaphore is never closed");
-        Slot::new(permit, self)
+        assert!(s.taken > 0, "a slot was released that was never taken");
+        s.taken -= 1;
+        self.metrics.http_gate_active.set(s.taken as i64);
+    }
+
+    /// Takes `conn` out of the queue (it closed while waiting).
+    fn forget(&self, conn: &Arc<ConnSlot>) {
+        let mut s = self.slots.lock();
+        s.waiting
+            .retain(|w| !std::ptr::eq(w.conn.as_ptr(), Arc::as_ptr(conn)));
+        self.metrics.http_gate_waiting.set(s.waiting.len() as i64);
+    }
+
+    /// Rule 2: lets through every connection that has waited `max_wait` by `now`.
+    fn expire(&self, now: Instant) {
+        let mut expired = Vec::new();
+        let mut s = self.slots.lock();
+        while s
+            .waiting
+            .front()
+            .is_some_and(|w| now.duration_since(w.since) >= self.max_wait)
+        {
+            expired.extend(s.waiting.pop_front().and_then(|w| w.conn.upgrade()));
+        }
+        self.metrics.http_gate_waiting.set(s.waiting.len() as i64);
+        drop(s);
+        for conn in expired {
+            conn.let_through();
+        }
     }
 
     /// Reconsiders the limit after one tick of `busy` (the workers' busy fraction).
-    pub fn tick(&self, busy: f64) {
+    pub fn tick(self: &Arc<Self>, busy: f64) {
         let connections = usize::try_from(self.metrics.http_connections.get()).unwrap_or(0);
         let mut limit = self.limit.lock();
         let before = limit.limit();
@@ -123,12 +186,13 @@ impl Gate {
         });
         drop(limit);
         if after != before {
-            self.resize(before, after);
+            self.resize(after);
         }
     }
 
     /// Ticks every [`limit::TICK`] with the busy fraction of the current runtime's workers,
-    /// until the returned handle is dropped.
+    /// and lets through the connections whose wait ran out, until the returned handle is
+    /// dropped.
     pub fn start_ticking(self: &Arc<Self>) -> Ticking {
         let gate = Arc::downgrade(self);
         let task = tokio::spawn(async move {
@@ -146,6 +210,7 @@ impl Gate {
                 ticks.tick().await;
                 let Some(gate) = gate.upgrade() else { return };
                 let (now, busy_now) = (Instant::now(), busy_total());
+                gate.expire(now);
                 let wall = now.duration_since(at).as_secs_f64() * workers as f64;
                 if wall > 0.0 {
                     let fraction = busy_now.saturating_sub(busy).as_secs_f64() / wall;
@@ -157,43 +222,36 @@ impl Gate {
         Ticking(task)
     }
 
-    /// Moves the number of slots from `before` to `after`: new ones first pay off slots
-    /// still owed; a shrink retires free slots now and owes the rest.
-    fn resize(&self, before: usize, after: usize) {
-        if after > before {
-            let mut grow = after - before;
-            while grow > 0 {
-                let owed = self.owed.load(Ordering::Acquire);
-                if owed == 0 {
-                    break;
-                }
-                let pay = owed.min(grow);
-                if self
-                    .owed
-                    .compare_exchange(owed, owed - pay, Ordering::AcqRel, Ordering::Acquire)
-                    .is_ok()
-                {
-                    grow -= pay;
-                }
-            }
-            self.slots.add_permits(grow);
-        } else {
-            for _ in after..before {
-                match self.slots.try_acquire() {
-                    Ok(permit) => permit.forget(),
-                    Err(_) => {
-                        self.owed.fetch_add(1, Ordering::AcqRel);
-                    }
-                }
+    /// Sets the number of slots: a grow hands the new slots to waiting connections at
+    /// once; a shrink retires slots as they come back.
+    fn resize(self: &Arc<Self>, after: usize) {
+        let mut handed = Vec::new();
+        let mut s = self.slots.lock();
+        s.limit = after;
+        while s.taken < s.limit {
+            let Some(next) = s.waiting.pop_front() else {
+                break;
+            };
+            if let Some(conn) = next.conn.upgrade() {
+                s.taken += 1;
+                handed.push(conn);
             }
         }
+        self.metrics.http_gate_active.set(s.taken as i64);
+        self.metrics.http_gate_waiting.set(s.waiting.len() as i64);
+        drop(s);
         self.metrics.http_gate_limit.set(after as i64);
+        for conn in handed {
+            conn.hand(self.counted_slot());
+        }
     }
 
-    /// Slots that can be taken now, net of those owed (for tests and assertions).
+    /// Slots that can be taken now: negative while more are taken than the limit allows
+    /// (for tests and assertions).
     #[cfg(test)]
     fn free(&self) -> isize {
-        self.slots.available_permits() as isize - self.owed.load(Ordering::Acquire) as isize
+        let s = self.slots.lock();
+        s.limit as isize - s.taken as isize
     }
 }
 
@@ -208,48 +266,119 @@ impl Drop for Ticking {
 
 #[cfg(test)]
 mod tests {
+    use std::future::Future;
+    use std::task::{Context, Waker};
+
     use super::*;
 
+    const WAIT: Duration = Duration::from_secs(1);
+
     fn gate(min: usize, max: usize) -> Arc<Gate> {
-        Gate::new(min, max, Arc::new(Metrics::new()))
+        Gate::new(min, max, WAIT, Arc::new(Metrics::new()))
+    }
+
+    /// Polls `conn`'s take once: true if it holds a slot or a pass after it.
+    fn poll_take(conn: &Arc<ConnSlot>) -> bool {
+        let mut take = Box::pin(conn.take());
+        let mut cx = Context::from_waker(Waker::noop());
+        take.as_mut().poll(&mut cx).is_ready()
     }
 
     #[test]
     fn a_shrink_retires_slots_as_they_come_back() {
         let g = gate(2, 8);
-        g.resize(2, 4);
+        g.resize(4);
         assert_eq!(g.free(), 4);
         let taken: Vec<_> = (0..4).map(|_| g.try_take().expect("a free slot")).collect();
-        g.resize(4, 2);
-        assert_eq!(g.free(), -2, "two slots are owed");
+        g.resize(2);
+        assert_eq!(g.free(), -2, "two slots too many are taken");
         drop(taken);
         assert_eq!(g.free(), 2, "two came back, two were retired");
         assert_eq!(g.metrics.http_gate_limit.get(), 2);
+        assert_eq!(g.metrics.http_gate_active.get(), 0);
     }
 
     #[test]
-    fn a_grow_pays_off_owed_slots_first() {
+    fn a_released_slot_goes_to_the_oldest_waiting_connection() {
         let g = gate(1, 8);
-        g.resize(1, 3);
-        let taken: Vec<_> = (0..3).map(|_| g.try_take().expect("a free slot")).collect();
-        g.resize(3, 1);
-        g.resize(1, 2);
+        let first = g.try_take().expect("a free slot");
+        let (a, b) = (ConnSlot::new(g.clone()), ConnSlot::new(g.clone()));
+        assert!(!poll_take(&a) && !poll_take(&b), "both wait");
+        assert_eq!(g.metrics.http_gate_waiting.get(), 2);
+        assert!(g.saturated.load(Ordering::Relaxed));
+        drop(first);
+        assert!(a.holds() && !b.holds(), "first come, first served");
+        assert_eq!(g.metrics.http_gate_waiting.get(), 1);
+        assert_eq!(g.free(), 0, "the slot changed hands without coming free");
+        assert!(poll_take(&a), "a's take is done");
+    }
+
+    #[test]
+    fn a_shrink_retires_a_released_slot_before_handing_it_on() {
+        let g = gate(2, 8);
+        let taken: Vec<_> = (0..2).map(|_| g.try_take().expect("a free slot")).collect();
+        let waiter = ConnSlot::new(g.clone());
+        assert!(!poll_take(&waiter));
+        g.resize(1);
         drop(taken);
-        assert_eq!(g.free(), 2);
+        assert!(waiter.holds(), "the second slot back is within the limit");
+        assert_eq!(g.free(), 0);
+    }
+
+    #[test]
+    fn a_grow_hands_the_new_slots_to_waiting_connections() {
+        let g = gate(1, 8);
+        let _first = g.try_take().expect("a free slot");
+        let waiters: Vec<_> = (0..3).map(|_| ConnSlot::new(g.clone())).collect();
+        assert!(waiters.iter().all(|w| !poll_take(w)));
+        g.resize(3);
+        let holding = waiters.iter().filter(|w| w.holds()).count();
+        assert_eq!(holding, 2);
+        assert!(!waiters[2].holds(), "the newest still waits");
+        assert_eq!(g.metrics.http_gate_waiting.get(), 1);
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_waiting_take_is_counted_and_marks_the_tick_saturated() {
+    async fn a_connection_that_waited_its_full_time_is_let_through() {
         let g = gate(1, 8);
-        let first = g.clone().take().await;
-        let second = tokio::spawn(g.clone().take());
-        while g.metrics.http_gate_waiting.get() == 0 {
-            tokio::task::yield_now().await;
-        }
-        assert!(g.saturated.load(Ordering::Relaxed));
+        let _first = g.try_take().expect("a free slot");
+        let (old, new) = (ConnSlot::new(g.clone()), ConnSlot::new(g.clone()));
+        assert!(!poll_take(&old));
+        tokio::time::advance(WAIT / 2).await;
+        assert!(!poll_take(&new));
+        g.expire(Instant::now() + WAIT / 2);
+        assert!(poll_take(&old), "waited its full time: let through");
+        assert!(!old.holds(), "without a slot");
+        assert!(!poll_take(&new), "the newer one waits on");
+        assert_eq!(g.metrics.http_gate_waits_expired.get(), 1);
+        assert_eq!(g.metrics.http_gate_waiting.get(), 1);
+    }
+
+    #[test]
+    fn a_closed_connection_leaves_the_queue() {
+        let g = gate(1, 8);
+        let first = g.try_take().expect("a free slot");
+        let (gone, next) = (ConnSlot::new(g.clone()), ConnSlot::new(g.clone()));
+        assert!(!poll_take(&gone) && !poll_take(&next));
+        gone.close();
+        assert_eq!(g.metrics.http_gate_waiting.get(), 1);
         drop(first);
-        let _second = second.await.expect("the waiter gets the slot");
-        assert_eq!(g.metrics.http_gate_waiting.get(), 0);
+        assert!(next.holds(), "the slot skips the closed connection");
+    }
+
+    #[test]
+    fn a_slot_handed_to_a_connection_closing_meanwhile_goes_on_to_the_next() {
+        let g = gate(1, 8);
+        let (gone, next) = (ConnSlot::new(g.clone()), ConnSlot::new(g.clone()));
+        let first = g.try_take().expect("a free slot");
+        assert!(!poll_take(&gone) && !poll_take(&next));
+        // The gate pops `gone` to hand it the released slot, and it closes just then.
+        let popped = g.slots.lock().waiting.pop_front().expect("queued");
+        std::mem::forget(first);
+        gone.close();
+        popped.conn.upgrade().expect("alive").hand(g.counted_slot());
+        assert!(next.holds(), "the slot went on to the next in line");
+        assert_eq!(g.free(), 0, "still one slot taken, by next");
     }
 
     #[test]
@@ -292,6 +421,19 @@ mod tests {
         assert_eq!(g.metrics.http_gate_limit.get(), 4);
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn the_ticker_lets_through_a_wait_that_ran_out() {
+        let g = gate(1, 1);
+        let _first = g.try_take().expect("a free slot");
+        let _ticking = g.start_ticking();
+        let waiter = ConnSlot::new(g.clone());
+        tokio::time::timeout(WAIT + limit::TICK * 2, waiter.take())
+            .await
+            .expect("let through within a tick of its wait");
+        assert!(!waiter.holds());
+        assert_eq!(g.metrics.http_gate_waits_expired.get(), 1);
+    }
+
     #[test]
     fn few_connections_open_the_gate_to_its_ceiling() {
         let g = gate(16, 256);
@@ -299,5 +441,15 @@ mod tests {
         g.tick(1.0);
         assert_eq!(g.metrics.http_gate_limit.get(), 256);
         assert_eq!(g.free(), 256);
+    }
+
+    #[test]
+    fn a_zero_wait_lets_a_request_through_at_once() {
+        let g = Gate::new(1, 1, Duration::ZERO, Arc::new(Metrics::new()));
+        let _first = g.try_take().expect("a free slot");
+        let conn = ConnSlot::new(g.clone());
+        assert!(poll_take(&conn));
+        assert!(!conn.holds());
+        assert_eq!(g.metrics.http_gate_waits_expired.get(), 1);
     }
 }
