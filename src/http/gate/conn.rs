@@ -27,7 +27,7 @@
 //! gate; waking its task just to queue it would touch the connection's state (task, hyper's
 //! buffers) twice per request, and at a thousand connections that state is cold. No timer
 //! per wait either: the gate's ticker lets the expired ones through. Measured (BENCHMARKS.md,
-//! "Overload, session 7"): 4-5% less server CPU per request at 1,500 connections than
+//! "Overload, session 7"): about 6% less server CPU per request at 1,500 connections than
 //! waking the task to wait on a semaphore with a timeout.
 
 use std::future::{Future, poll_fn};
