@@ -284,6 +284,16 @@ mod tests {
         take.as_mut().poll(&mut cx).is_ready()
     }
 
+    /// A one-slot gate whose slot is taken, and two connections queued behind it, oldest
+    /// first.
+    fn one_taken_two_waiting() -> (Arc<Gate>, Slot, Arc<ConnSlot>, Arc<ConnSlot>) {
+        let g = gate(1, 8);
+        let first = g.try_take().expect("a free slot");
+        let (a, b) = (ConnSlot::new(g.clone()), ConnSlot::new(g.clone()));
+        assert!(!poll_take(&a) && !poll_take(&b), "both wait");
+        (g, first, a, b)
+    }
+
     #[test]
     fn a_shrink_retires_slots_as_they_come_back() {
         let g = gate(2, 8);
@@ -300,10 +310,7 @@ mod tests {
 
     #[test]
     fn a_released_slot_goes_to_the_oldest_waiting_connection() {
-        let g = gate(1, 8);
-        let first = g.try_take().expect("a free slot");
-        let (a, b) = (ConnSlot::new(g.clone()), ConnSlot::new(g.clone()));
-        assert!(!poll_take(&a) && !poll_take(&b), "both wait");
+        let (g, first, a, b) = one_taken_two_waiting();
         assert_eq!(g.metrics.http_gate_waiting.get(), 2);
         assert!(g.saturated.load(Ordering::Relaxed));
         drop(first);
@@ -356,10 +363,7 @@ mod tests {
 
     #[test]
     fn a_closed_connection_leaves_the_queue() {
-        let g = gate(1, 8);
-        let first = g.try_take().expect("a free slot");
-        let (gone, next) = (ConnSlot::new(g.clone()), ConnSlot::new(g.clone()));
-        assert!(!poll_take(&gone) && !poll_take(&next));
+        let (g, first, gone, next) = one_taken_two_waiting();
         gone.close();
         assert_eq!(g.metrics.http_gate_waiting.get(), 1);
         drop(first);
@@ -368,10 +372,7 @@ mod tests {
 
     #[test]
     fn a_slot_handed_to_a_connection_closing_meanwhile_goes_on_to_the_next() {
-        let g = gate(1, 8);
-        let (gone, next) = (ConnSlot::new(g.clone()), ConnSlot::new(g.clone()));
-        let first = g.try_take().expect("a free slot");
-        assert!(!poll_take(&gone) && !poll_take(&next));
+        let (g, first, gone, next) = one_taken_two_waiting();
         // The gate pops `gone` to hand it the released slot, and it closes just then.
         let popped = g.slots.lock().waiting.pop_front().expect("queued");
         std::mem::forget(first);
