@@ -1,5 +1,6 @@
 //! `tally`: serve the account API. Thin: configuration, tracing, serve, graceful shutdown.
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -135,7 +136,11 @@ async fn shutdown_signal() {
 
 fn init_tracing(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    // Colours only for a person at a terminal: escape codes in a log file or a collector's
+    // pipe are noise (and cost a little on every access-log line).
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stdout().is_terminal());
     match format {
         LogFormat::Human => builder.init(),
         LogFormat::Json => builder.json().init(),

@@ -1,6 +1,6 @@
 //! The real `tally` binary as a child process: `--help` names every flag and its
 //! environment variable, it starts like `make run`, drains in-flight requests and exits 0 on
-//! SIGTERM, and refuses an invalid configuration with exit 2.
+//! SIGTERM, refuses an invalid configuration with exit 2, and logs to a pipe without colour.
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -413,5 +413,40 @@ fn binary_refuses_an_invalid_configuration_with_exit_2() {
             "{args:?}: {stderr}"
         );
         assert!(out.stdout.is_empty(), "nothing was served: {args:?}");
+    }
+}
+
+/// Rule: a log that is not a terminal (a file, a pipe to a collector) carries no colour
+/// escape codes; the human format colours only what a person reads live.
+#[test]
+fn binary_logs_to_a_pipe_without_colour_codes() {
+    let mut child = tally_command(&["--listen", "127.0.0.1:0"], &[])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("tally starts");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = Instant::now() + PROCESS_BOUND;
+    let mut read = Vec::new();
+    while !read.iter().any(|l: &String| l.contains("tally listening")) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        read.push(
+            lines
+                .recv_timeout(left)
+                .expect("tally logs that it listens"),
+        );
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    for line in &read {
+        assert!(!line.contains('\u{1b}'), "an escape code in: {line:?}");
     }
 }
