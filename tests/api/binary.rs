@@ -90,6 +90,25 @@ fn tally_command(args: &[&str], env: &[(&str, &str)]) -> Command {
     cmd
 }
 
+/// Starts `tally` with its stdout (the log) streamed to the returned channel, a line at a time.
+fn spawn_logging(args: &[&str], env: &[(&str, &str)]) -> (Child, mpsc::Receiver<String>) {
+    let mut child = tally_command(args, env)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("tally starts");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, lines)
+}
+
 /// A running `tally` with its JSON log lines streamed to the test; killed if the test fails.
 struct Server {
     child: Child,
@@ -100,21 +119,7 @@ struct Server {
 
 impl Server {
     fn start(args: &[&str], env: &[(&str, &str)]) -> Server {
-        let mut child = tally_command(args, env)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("tally starts");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let (child, lines) = spawn_logging(args, env);
         let mut server = Server {
             child,
             lines,
@@ -420,20 +425,7 @@ fn binary_refuses_an_invalid_configuration_with_exit_2() {
 /// escape codes; the human format colours only what a person reads live.
 #[test]
 fn binary_logs_to_a_pipe_without_colour_codes() {
-    let mut child = tally_command(&["--listen", "127.0.0.1:0"], &[])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("tally starts");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, lines) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let (mut child, lines) = spawn_logging(&["--listen", "127.0.0.1:0"], &[]);
     let deadline = Instant::now() + PROCESS_BOUND;
     let mut read = Vec::new();
     while !read.iter().any(|l: &String| l.contains("tally listening")) {
