@@ -128,9 +128,10 @@ impl Drop for Serving {
 }
 
 impl ConnSlot {
-    /// A connection's side of the gate, with no socket to peek at (its requests come some
-    /// other way, or it is a test's).
-    pub fn new(gate: Arc<Gate>) -> Arc<Self> {
+    /// A connection's side of the gate with no socket: the queue's tests take slots through
+    /// [`ConnSlot::take`] only.
+    #[cfg(test)]
+    pub(super) fn new(gate: Arc<Gate>) -> Arc<Self> {
         Self::with_stream(gate, Weak::new())
     }
 
@@ -168,8 +169,7 @@ impl ConnSlot {
     /// A slot if one is free, or else the back of the gate's queue (rule 2 bounds the wait).
     fn wait(self: &Arc<Self>, s: &mut State) -> Decision {
         if self.gate.max_wait.is_zero() {
-            self.gate.metrics.http_gate_waits_expired.inc();
-            s.pass = true;
+            self.wait_ran_out(s);
             return Decision::Read;
         }
         match self.gate.take_or_wait(self) {
@@ -226,10 +226,15 @@ impl ConnSlot {
         if s.closed || !s.queued {
             return;
         }
-        self.gate.metrics.http_gate_waits_expired.inc();
         s.queued = false;
-        s.pass = true;
+        self.wait_ran_out(&mut s);
         Self::wake(s);
+    }
+
+    /// Rule 2's outcome, counted: the request is read without a slot.
+    fn wait_ran_out(&self, s: &mut State) {
+        self.gate.metrics.http_gate_waits_expired.inc();
+        s.pass = true;
     }
 
     /// Wakes the connection's task, after the lock is released.
