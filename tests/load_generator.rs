@@ -6,7 +6,6 @@
 mod tally_load;
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,6 +23,7 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use uuid::Uuid;
 
+use tally_load::conn::TARGET_DOWN_PAUSE;
 use tally_load::verify::{Verdict, ViolationKind};
 use tally_load::{Options, Report};
 
@@ -47,6 +47,9 @@ struct Faults {
     shed_every: u64,
     /// Apply every Nth fresh write but answer 503, as if the answer were lost (0 = never).
     lost_answer_every: u64,
+    /// Apply every Nth fresh write, then close the connection without answering, as a
+    /// replica killed after its write landed does (0 = never).
+    hang_up_every: u64,
 }
 
 /// A stored first answer for an idempotency key.
@@ -79,6 +82,8 @@ struct Reply {
     body: String,
     replayed: bool,
     retry_after: bool,
+    /// Close the connection instead of answering.
+    hang_up: bool,
 }
 
 impl Reply {
@@ -88,6 +93,7 @@ impl Reply {
             body: body.to_string(),
             replayed: false,
             retry_after: false,
+            hang_up: false,
         }
     }
 
@@ -231,6 +237,7 @@ impl Fake {
                     body: stored.body.clone(),
                     replayed: true,
                     retry_after: false,
+                    hang_up: false,
                 };
             }
         }
@@ -285,7 +292,9 @@ impl Fake {
             lost.retry_after = true;
             return lost;
         }
-        reply
+        let hang_up = self.faults.hang_up_every > 0
+            && state.fresh_writes.is_multiple_of(self.faults.hang_up_every);
+        Reply { hang_up, ..reply }
     }
 }
 
@@ -322,10 +331,11 @@ fn position(state: &State, account: Uuid) -> Value {
     })
 }
 
+/// Serves one request; an error makes hyper close the connection without an answer.
 async fn handle(
     fake: Arc<Fake>,
     request: Request<Incoming>,
-) -> Result<Response<Full<Bytes>>, Infallible> {
+) -> Result<Response<Full<Bytes>>, std::io::Error> {
     let method = request.method().clone();
     let path = request.uri().path().to_string();
     let query = request.uri().query().unwrap_or_default().to_string();
@@ -342,6 +352,9 @@ async fn handle(
         Err(_) => Bytes::new(),
     };
     let reply = fake.route(&method, &path, &query, key.as_deref(), &body);
+    if reply.hang_up {
+        return Err(std::io::Error::other("the fake hangs up after writing"));
+    }
     let mut response = Response::builder()
         .status(StatusCode::from_u16(reply.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR))
         .header("content-type", "application/json");
@@ -388,10 +401,29 @@ fn target(addr: SocketAddr) -> String {
     format!("http://{addr}")
 }
 
+/// A loopback address nothing listens on: connections to it are refused.
+async fn refusing_address() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    listener.local_addr().unwrap()
+}
+
+/// 2xx answers in `report`.
+fn successes(report: &Report) -> u64 {
+    report
+        .status_counts
+        .iter()
+        .filter(|(status, _)| (200..300).contains(*status))
+        .map(|(_, n)| n)
+        .sum()
+}
+
 /// The counts a report must satisfy whatever the scenario.
 fn assert_counts_add_up(report: &Report, fake: &Fake) {
     let answered: u64 = report.status_counts.values().sum();
-    assert_eq!(report.requests, report.operations + report.retries);
+    assert_eq!(
+        report.requests,
+        report.operations + report.retries + report.failovers
+    );
     assert_eq!(answered + report.errors, report.requests);
     assert_eq!(report.latency_us.count, answered);
     assert!(report.latency_us.p50 <= report.latency_us.p90);
@@ -497,6 +529,80 @@ async fn open_loop_hot_uses_the_demo_accounts() {
     }
     assert_eq!(json["exactly_once"]["verdict"], "pass");
     assert!(json["exactly_once"]["violations"].is_array());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_that_refuses_connections_is_left_alone_and_verified_through_the_others() {
+    let fake = Fake::new(Faults::default());
+    let (dead, live) = (refusing_address().await, serve(fake.clone()).await);
+    let connections = 4;
+    let report = run_generator(&format!(
+        "--target {} --target {} --scenario spread --accounts 20 --requests 400 --connections {connections} --seed 5",
+        target(dead),
+        target(live)
+    ))
+    .await;
+    print!("{report}");
+    let refused = report.error_kinds.get("connect").copied().unwrap_or(0);
+    assert!(refused > 0, "half the tickets start at the dead target");
+    assert_eq!(report.errors, refused, "no other transport error");
+    // A worker meets the refusal once, then leaves the target alone for a pause: not once
+    // per ticket (about 200 of the 400 would start there).
+    let pauses = (report.elapsed_secs / TARGET_DOWN_PAUSE.as_secs_f64()).ceil() as u64 + 1;
+    assert!(
+        refused <= connections * pauses,
+        "{refused} refusals in {:.2} s from {connections} workers",
+        report.elapsed_secs
+    );
+    assert_eq!(successes(&report), report.operations - refused);
+    assert_eq!(report.failovers, 0, "failover is off by default");
+    // The verifier's reads move on to the live target instead of giving up.
+    let e = &report.exactly_once;
+    assert_eq!(e.verdict, Verdict::Pass, "{:?} {:?}", e.error, e.violations);
+    assert_eq!(e.unknown, refused, "a refused operation was never sent");
+    assert_eq!(e.unknown_landed, 0);
+    // The hot scenario lists its accounts from the first target that answers.
+    let hot = run_generator(&format!(
+        "--target {} --target {} --scenario hot --requests 100 --connections 2 --seed 5",
+        target(dead),
+        target(live)
+    ))
+    .await;
+    assert_eq!(hot.exactly_once.verdict, Verdict::Pass);
+    assert_eq!(successes(&hot), hot.operations - hot.errors);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_resends_an_unanswered_write_elsewhere_and_it_lands_once() {
+    let fake = Fake::new(Faults {
+        hang_up_every: 7,
+        ..Faults::default()
+    });
+    let (a, b) = (serve(fake.clone()).await, serve(fake.clone()).await);
+    let report = run_generator(&format!(
+        "--target {} --target {} --scenario mixed --accounts 8 --requests 300 --connections 6 --failover true --seed 13",
+        target(a),
+        target(b)
+    ))
+    .await;
+    print!("{report}");
+    assert_counts_add_up(&report, &fake);
+    assert!(
+        report.failovers > 0,
+        "every 7th write is applied, then hung up on"
+    );
+    assert_eq!(
+        report.failovers, report.errors,
+        "each unanswered request failed over"
+    );
+    assert!(
+        report.replays >= report.failovers,
+        "a failed-over write had landed: the other target replays it"
+    );
+    let e = &report.exactly_once;
+    assert_eq!(e.verdict, Verdict::Pass, "{:?}", e.violations);
+    assert_eq!(e.unknown, 0, "every write settled after its failover");
+    assert_eq!(e.checked, e.succeeded + e.rejected);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -112,6 +112,12 @@ pub struct Options {
     /// worker moves on to its next operation.
     #[arg(long = "on-503", env = "TALLY_LOAD_ON_503", value_enum)]
     pub on_503: Option<On503>,
+    /// Re-send a request that got no answer (refused connection, reset, timeout) with the
+    /// same key to the next target that is up, as a client behind a load balancer does when
+    /// a replica dies; at most once per other target. Off: the outcome stays unknown and the
+    /// verifier settles it.
+    #[arg(long, env = "TALLY_LOAD_FAILOVER", default_value_t = false, action = ArgAction::Set)]
+    pub failover: bool,
     /// First-touch only: share of requests that go to a brand-new account (default 1).
     #[arg(long, env = "TALLY_LOAD_FRESH_RATIO")]
     pub fresh_ratio: Option<f64>,
@@ -137,6 +143,7 @@ pub struct Config {
     pub verify: bool,
     pub timeout: Duration,
     pub on_503: Option<On503>,
+    pub failover: bool,
     /// Share of brand-new accounts; 0 for every scenario but first-touch.
     pub fresh_ratio: f64,
     pub server_pid: Option<u32>,
@@ -230,6 +237,7 @@ impl Options {
             verify: self.verify,
             timeout: Duration::from_millis(self.timeout_ms),
             on_503: self.on_503,
+            failover: self.failover,
             fresh_ratio,
             server_pid: self.server_pid,
         })
@@ -266,6 +274,9 @@ mod tests {
         assert!(parse(&["--amount-cents", "0"]).is_err());
         assert!(parse(&["--verify", "maybe"]).is_err());
         assert!(!parse(&["--verify", "false"]).unwrap().verify);
+        assert!(!parse(&[]).unwrap().failover);
+        assert!(parse(&["--failover", "true"]).unwrap().failover);
+        assert!(parse(&["--failover", "often"]).is_err());
     }
 
     #[test]

@@ -7,6 +7,8 @@
 
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::client::conn::http1::{self, SendRequest};
@@ -15,7 +17,11 @@ use hyper::{Method, Request};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
-use super::http::{IDEMPOTENCY_KEY, Outcome, Target, TransportError, chain, read_answer};
+use super::http::{CONNECT, IDEMPOTENCY_KEY, Outcome, Target, TransportError, chain, read_answer};
+
+/// How long a worker leaves a target alone after it refused a connection (a replica that
+/// is down or restarting), rather than spinning on refusals.
+pub const TARGET_DOWN_PAUSE: Duration = Duration::from_millis(250);
 
 /// A worker's connection to one target (none open until the first request).
 pub struct WorkerConn {
@@ -23,6 +29,8 @@ pub struct WorkerConn {
     sender: Option<SendRequest<Full<Bytes>>>,
     /// Connections opened so far.
     pub connects: u64,
+    /// Set when a connection was refused: the target is left alone until then.
+    down_until: Option<Instant>,
 }
 
 impl WorkerConn {
@@ -31,7 +39,14 @@ impl WorkerConn {
             target,
             sender: None,
             connects: 0,
+            down_until: None,
         }
+    }
+
+    /// When the target refused a connection within the last [`TARGET_DOWN_PAUSE`]: until
+    /// when it is left alone.
+    pub fn down_until(&self, now: Instant) -> Option<Instant> {
+        self.down_until.filter(|&until| until > now)
     }
 
     /// Sends one request and reads the whole answer, connecting first if needed, all within
@@ -56,8 +71,14 @@ impl WorkerConn {
                 detail: format!("no complete answer within {} ms", timeout.as_millis()),
             })
         });
-        if outcome.is_err() {
-            self.sender = None;
+        match &outcome {
+            Err(e) => {
+                self.sender = None;
+                if e.kind == CONNECT {
+                    self.down_until = Some(Instant::now() + TARGET_DOWN_PAUSE);
+                }
+            }
+            Ok(_) => self.down_until = None,
         }
         outcome
     }
@@ -112,7 +133,7 @@ impl WorkerConn {
         }
         if self.sender.is_none() {
             let connect_error = |detail: String| TransportError {
-                kind: "connect",
+                kind: CONNECT,
                 detail,
             };
             let stream = TcpStream::connect(self.target.address())
@@ -130,7 +151,7 @@ impl WorkerConn {
             self.sender = Some(sender);
         }
         self.sender.as_mut().ok_or_else(|| TransportError {
-            kind: "connect",
+            kind: CONNECT,
             detail: "no connection".into(),
         })
     }

@@ -140,6 +140,9 @@ pub struct Answer {
     pub body: Bytes,
 }
 
+/// The error kind of a connection that could not be opened (refused, unreachable).
+pub const CONNECT: &str = "connect";
+
 /// Why no answer arrived.
 #[derive(Debug, Clone)]
 pub struct TransportError {
@@ -217,7 +220,7 @@ pub async fn exchange(
         })?;
     let work = async {
         let response = client.request(request).await.map_err(|e| TransportError {
-            kind: if e.is_connect() { "connect" } else { "request" },
+            kind: if e.is_connect() { CONNECT } else { "request" },
             detail: chain(&e),
         })?;
         read_answer(response).await

@@ -104,6 +104,7 @@ pub async fn run(options: Options) -> Result<Report, LoadError> {
         connects: stats.connects,
         on_503: config.on_503,
         resends: stats.resends,
+        failovers: stats.failovers,
         requests: stats.requests,
         throughput: per_sec(stats.requests),
         goodput: per_sec(admitted),

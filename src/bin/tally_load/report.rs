@@ -81,6 +81,8 @@ pub struct Report {
     pub on_503: Option<On503>,
     /// Re-sends of requests answered 503, under `--on-503`.
     pub resends: u64,
+    /// Re-sends to another target after no answer, under `--failover`.
+    pub failovers: u64,
     pub requests: u64,
     /// Requests (answered or not) per second of the measured phase.
     pub throughput: f64,
@@ -146,11 +148,12 @@ impl fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "requests:    {} ({} operations + {} retries + {} re-sent after 503) in {:.2} s = {:.1} req/s",
+            "requests:    {} ({} operations + {} retries + {} re-sent after 503 + {} failed over) in {:.2} s = {:.1} req/s",
             self.requests,
             self.operations,
             self.retries,
             self.resends,
+            self.failovers,
             self.elapsed_secs,
             self.throughput
         )?;

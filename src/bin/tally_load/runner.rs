@@ -101,7 +101,9 @@ pub struct Stats {
     pub retries: u64,
     /// Re-sends with the same key after a 503 (`--on-503`).
     pub resends: u64,
-    /// Every request sent: operations plus retries plus resends.
+    /// Re-sends with the same key to another target after no answer (`--failover`).
+    pub failovers: u64,
+    /// Every request sent: operations plus retries, resends and failovers.
     pub requests: u64,
     /// Connections opened by the workers.
     pub connects: u64,
@@ -125,6 +127,7 @@ impl Stats {
             operations: 0,
             retries: 0,
             resends: 0,
+            failovers: 0,
             requests: 0,
             connects: 0,
             records: Vec::new(),
@@ -187,6 +190,7 @@ impl Stats {
         self.operations += other.operations;
         self.retries += other.retries;
         self.resends += other.resends;
+        self.failovers += other.failovers;
         self.connects += other.connects;
         self.requests += other.requests;
         self.records.extend(other.records);
@@ -246,6 +250,14 @@ async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
     // One connection per target, opened on first use.
     let mut conns: Vec<WorkerConn> = targets.iter().cloned().map(WorkerConn::new).collect();
     loop {
+        // Every target refused a connection just now: wait for the first to be tried again,
+        // rather than spin on refusals.
+        if let Some(until) = all_down_until(&conns) {
+            if until >= shared.deadline {
+                break;
+            }
+            tokio::time::sleep_until(until).await;
+        }
         let ticket = shared.next_ticket.fetch_add(1, Ordering::Relaxed);
         if config.max_ops.is_some_and(|max| ticket >= max) || Instant::now() >= shared.deadline {
             break;
@@ -264,7 +276,7 @@ async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
         };
         let mut rng = Rng::derive(config.seed, ticket);
         let draw = shared.workload.next_draw(&mut rng);
-        let first = (ticket % targets.len() as u64) as usize;
+        let first = next_up(&conns, (ticket % targets.len() as u64) as usize);
         let key = draw.op.is_write().then(Uuid::new_v4);
         let mut sends = OpSends {
             shared: &shared,
@@ -277,6 +289,11 @@ async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
         };
         stats.operations += 1;
         let mut outcome = sends.send(&mut stats, first, intended).await;
+        // The target that last answered, or was last tried: re-sends go there.
+        let mut at = first;
+        if config.failover {
+            (at, outcome) = sends.fail_over(&mut stats, at, outcome).await;
+        }
         // Set when a re-send would start after the run's end: this worker is done, and the
         // key is left unresolved (the verifier allows it at most once).
         let mut out_of_time = false;
@@ -289,7 +306,10 @@ async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
                     break;
                 }
                 stats.resends += 1;
-                outcome = sends.send(&mut stats, first, Instant::now()).await;
+                outcome = sends.send(&mut stats, at, Instant::now()).await;
+                if config.failover {
+                    (at, outcome) = sends.fail_over(&mut stats, at, outcome).await;
+                }
             }
         }
         if outcome.as_ref().is_ok_and(|a| is_success(a.status)) {
@@ -300,9 +320,10 @@ async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
         }
         if !out_of_time && sends.record.is_some() && rng.unit() < config.retry_ratio {
             let again = if targets.len() > 1 && rng.unit() < RETRY_ELSEWHERE_SHARE {
-                (first + 1 + rng.below(targets.len() as u64 - 1) as usize) % targets.len()
+                let other = (at + 1 + rng.below(targets.len() as u64 - 1) as usize) % targets.len();
+                next_up(sends.conns, other)
             } else {
-                first
+                at
             };
             stats.retries += 1;
             // Counted and recorded by `send`; nothing more to do with this answer.
@@ -317,6 +338,27 @@ async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
     }
     stats.connects = conns.iter().map(|c| c.connects).sum();
     stats
+}
+
+/// `preferred`, or the next target after it that has not just refused a connection (itself
+/// when every target has).
+fn next_up(conns: &[WorkerConn], preferred: usize) -> usize {
+    let now = Instant::now();
+    (0..conns.len())
+        .map(|i| (preferred + i) % conns.len())
+        .find(|&i| conns[i].down_until(now).is_none())
+        .unwrap_or(preferred)
+}
+
+/// When every target has just refused a connection: the earliest it will be tried again.
+fn all_down_until(conns: &[WorkerConn]) -> Option<Instant> {
+    let now = Instant::now();
+    let mut earliest: Option<Instant> = None;
+    for conn in conns {
+        let until = conn.down_until(now)?;
+        earliest = Some(earliest.map_or(until, |e| e.min(until)));
+    }
+    earliest
 }
 
 /// The sends of one operation, each counted in the stats and noted in the key's record.
@@ -344,6 +386,27 @@ impl OpSends<'_> {
             record.observe(&outcome);
         }
         outcome
+    }
+
+    /// `--failover`: while `outcome` is no answer, re-sends the same key to the next target
+    /// that is up, at most once per other target. Returns the target last tried and its
+    /// outcome.
+    async fn fail_over(
+        &mut self,
+        stats: &mut Stats,
+        mut at: usize,
+        mut outcome: Outcome,
+    ) -> (usize, Outcome) {
+        let targets = self.conns.len();
+        for _ in 1..targets {
+            if outcome.is_ok() {
+                break;
+            }
+            at = next_up(self.conns, (at + 1) % targets);
+            stats.failovers += 1;
+            outcome = self.send(stats, at, Instant::now()).await;
+        }
+        (at, outcome)
     }
 }
 

@@ -21,7 +21,8 @@ use super::workload::{OpKind, quote};
 pub const HISTORY_PAGE_LIMIT: u32 = 500;
 /// Most pages read per account before the read is declared runaway.
 pub const MAX_HISTORY_PAGES: u32 = 10_000;
-/// Attempts per history page on a retryable answer (409, 503, 5xx, no answer).
+/// Attempts per history page on a retryable answer (409, 503, 5xx, no answer); each retry
+/// goes to the next target, so a replica that is down does not leave the run unverified.
 pub const HISTORY_MAX_ATTEMPTS: u32 = 5;
 /// Pause between history attempts, multiplied by the attempt number.
 pub const HISTORY_BACKOFF: Duration = Duration::from_millis(100);
@@ -250,10 +251,10 @@ async fn read_streams(
                 let Some(&account) = accounts.get(i) else {
                     return (read, None);
                 };
-                let target = &targets[(i + round) % targets.len()];
+                let first = (i + round) % targets.len();
                 let result = tokio::time::timeout_at(
                     deadline,
-                    read_stream(&client, target, account, &keys, timeout),
+                    read_stream(&client, (&targets, first), account, &keys, timeout),
                 )
                 .await
                 .unwrap_or_else(|_| Err("verification deadline reached".to_string()));
@@ -274,10 +275,11 @@ async fn read_streams(
     (streams, first_error)
 }
 
-/// One account's whole history, following `nextFromVersion` until it is absent.
+/// One account's whole history, following `nextFromVersion` until it is absent; read from
+/// `targets` starting at the given index.
 async fn read_stream(
     client: &Client,
-    target: &Target,
+    targets: (&[Target], usize),
     account: Uuid,
     keys: &HashSet<Uuid>,
     timeout: Duration,
@@ -288,7 +290,7 @@ async fn read_stream(
         let path = format!(
             "/api/accounts/{account}/history?fromVersion={from}&limit={HISTORY_PAGE_LIMIT}"
         );
-        let answer = get_with_retries(client, target, &path, timeout).await?;
+        let answer = get_with_retries(client, targets, &path, timeout).await?;
         let page: HistoryPage = serde_json::from_slice(&answer.body).map_err(|e| {
             format!(
                 "history of {account}: unexpected body ({e}): {}",
@@ -320,14 +322,17 @@ async fn read_stream(
     ))
 }
 
+/// GETs `path`, from `targets` starting at the given index and moving on to the next
+/// target after each retryable answer.
 async fn get_with_retries(
     client: &Client,
-    target: &Target,
+    (targets, first): (&[Target], usize),
     path: &str,
     timeout: Duration,
 ) -> Result<Answer, String> {
     let mut last = String::new();
     for attempt in 1..=HISTORY_MAX_ATTEMPTS {
+        let target = &targets[(first + attempt as usize - 1) % targets.len()];
         let uri = target.uri(path)?;
         match exchange(client, Method::GET, uri, None, None, timeout).await {
             Ok(a) if (200..300).contains(&a.status) => return Ok(a),

@@ -264,8 +264,23 @@ pub async fn prepare(config: &Config, client: &Client) -> Result<Setup, LoadErro
     })
 }
 
+/// The listed (demo) accounts, from the first target that answers.
 async fn list_accounts(config: &Config, client: &Client) -> Result<Vec<Uuid>, LoadError> {
-    let target = &config.targets[0];
+    let mut last = None;
+    for target in &config.targets {
+        match list_accounts_on(config, client, target).await {
+            Ok(accounts) => return Ok(accounts),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| LoadError::Setup("no target to list accounts from".into())))
+}
+
+async fn list_accounts_on(
+    config: &Config,
+    client: &Client,
+    target: &Target,
+) -> Result<Vec<Uuid>, LoadError> {
     let fail =
         |why: String| LoadError::Setup(format!("GET {}/api/accounts: {why}", target.as_str()));
     let uri = target.uri("/api/accounts").map_err(fail)?;
