@@ -486,6 +486,41 @@ async fn a_slow_body_holds_no_gate_slot() {
     t.shutdown().await;
 }
 
+/// Rule: a handler waiting for the rest of its body gives its in-flight slot back for the
+/// wait too: clients trickling their bodies cannot hold `--max-concurrent-requests` against
+/// every other API request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_body_holds_no_in_flight_slot() {
+    let t = spawn(
+        test_config(&[
+            "--max-concurrent-requests",
+            "1",
+            // Longer than this test waits: another request over the limit would wait, not
+            // be shed, and never be served while the slow body held the slot.
+            "--max-queue-wait-ms",
+            "10000",
+        ]),
+        None,
+        None,
+    )
+    .await;
+    let account = new_account();
+    let post = raw_deposit(&account, r#"{"amountCents":9}"#);
+    let (head_and_some, rest) = post.split_at(post.len() - 4);
+    let mut slow = TcpStream::connect(t.addr).await.expect("connect");
+    slow.write_all(head_and_some.as_bytes())
+        .await
+        .expect("sent");
+    // Its handler is running, admitted, waiting for the body's last bytes: the other
+    // request gets the only slot (before the fix it waited out its 10 s and was shed).
+    wait_for_gauge(&t.app.metrics.http_in_flight, 1).await;
+    another_client_is_served(&t).await;
+    slow.write_all(rest.as_bytes()).await.expect("sent");
+    assert_served(&mut slow, "the slow client once its body is whole").await;
+    assert_eq!(t.balance(&account).await.0, 9);
+    t.shutdown().await;
+}
+
 /// Rule: a probe or a scrape never waits at the gate: a replica at its limit still answers
 /// its load balancer and its monitoring, while an API request waits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -24,9 +24,14 @@
 //! most once per [`SHED_REPORT_INTERVAL`]: the access-log line alone is a quarter of a
 //! refusal's cost.
 
+use std::future::{Future, poll_fn};
+use std::pin::pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Poll;
 use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -161,5 +166,42 @@ impl Edge {
                 "shedding load: requests waited --max-queue-wait-ms for an in-flight slot and were refused"
             );
         }
+    }
+}
+
+/// An admitted API request's in-flight slot. Like the gate's slot (rule 5), it is given back
+/// while the handler waits on its client for the rest of the body, and taken again after, so
+/// clients that trickle their bodies cannot hold the in-flight limit against everyone else.
+pub struct InFlight {
+    edge: Arc<Edge>,
+    app: Arc<App>,
+    permit: Mutex<Option<OwnedSemaphorePermit>>,
+}
+
+impl InFlight {
+    /// Admits one API request (see [`Edge::admit`]).
+    pub async fn admit(edge: &Arc<Edge>, app: &Arc<App>) -> Result<Arc<Self>, ApiError> {
+        let permit = edge.admit(app).await?;
+        Ok(Arc::new(InFlight {
+            edge: edge.clone(),
+            app: app.clone(),
+            permit: Mutex::new(Some(permit)),
+        }))
+    }
+
+    /// Runs `body` (a read of the request's body), without the slot while it waits on the
+    /// client; taking the slot again after waits, or is shed, like any admission.
+    pub async fn while_client_sends<F: Future>(&self, body: F) -> Result<F::Output, ApiError> {
+        let mut body = pin!(body);
+        if let Poll::Ready(done) = poll_fn(|cx| Poll::Ready(body.as_mut().poll(cx))).await {
+            return Ok(done);
+        }
+        let had = self.permit.lock().take().is_some();
+        let done = body.await;
+        if had {
+            let permit = self.edge.admit(&self.app).await?;
+            *self.permit.lock() = Some(permit);
+        }
+        Ok(done)
     }
 }

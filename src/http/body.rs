@@ -11,6 +11,7 @@ use hyper::{Request, Response, StatusCode};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use super::admission::InFlight;
 use super::error::ApiError;
 use super::gate::ConnSlot;
 
@@ -58,11 +59,19 @@ pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T,
             limit: MAX_BODY_BYTES,
         });
     }
+    // A client slow to send its body holds neither the gate's slot nor the in-flight one.
     let slot = req.extensions().get::<Arc<ConnSlot>>().cloned();
+    let in_flight = req.extensions().get::<Arc<InFlight>>().cloned();
     let collect = Limited::new(req.into_body(), MAX_BODY_BYTES).collect();
-    let collected = match slot {
-        Some(slot) => slot.while_client_sends(collect).await,
-        None => collect.await,
+    let gated = async {
+        match slot {
+            Some(slot) => slot.while_client_sends(collect).await,
+            None => collect.await,
+        }
+    };
+    let collected = match in_flight {
+        Some(in_flight) => in_flight.while_client_sends(gated).await?,
+        None => gated.await,
     };
     let bytes = collected
         .map_err(|e| {

@@ -135,7 +135,7 @@ pub(crate) fn starting(waiting: &[String]) -> ApiError {
 /// One request: route, admit, dispatch, then count and log it.
 async fn handle(
     app: Arc<App>,
-    edge: &admission::Edge,
+    edge: &Arc<admission::Edge>,
     mut req: Request<Incoming>,
 ) -> Response<HttpBody> {
     let started = Instant::now();
@@ -172,8 +172,12 @@ async fn handle(
             return Err(starting(&app.startup_waiting()));
         }
         // Before the body is read: a request that is refused costs no more than its head.
-        let _permit = if route.is_api() {
-            Some(edge.admit(&app).await?)
+        // Held here until the answer; the body read gives the slot back while its client
+        // is slow (`body::read_json`).
+        let _in_flight = if route.is_api() {
+            let in_flight = admission::InFlight::admit(edge, &app).await?;
+            req.extensions_mut().insert(in_flight.clone());
+            Some(in_flight)
         } else {
             None
         };
