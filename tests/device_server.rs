@@ -298,3 +298,29 @@ async fn a_covered_run_whose_batches_were_trimmed_rests_on_the_mark() {
     assert_eq!(again.status, SyncStatus::AlreadySynced);
     assert_eq!(again.last_seq, 3);
 }
+
+/// Rule: a run the device's mark covers but that never landed, proven by a read that shows a
+/// later sequence of the device's (and every version before it), is a final conflict: the
+/// device synced out of order. Before, it was a retryable 503 for ever. A read that does not
+/// reach the later sequence proves nothing, and stays a retry.
+#[tokio::test]
+async fn a_run_below_the_mark_that_never_landed_is_a_conflict_not_a_retry() {
+    let (memory, faulty, core) = faulty();
+    core.handle(DEVICE, &run(10, 10, 5)).await.unwrap();
+    faulty.lag_next_read(1);
+    let err = core.handle(DEVICE, &run(5, 5, 5)).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DeviceSyncError::Retry {
+                reason: RetryReason::Unverified,
+                ..
+            }
+        ),
+        "a lagging read: {err:?}"
+    );
+    let err = core.handle(DEVICE, &run(5, 5, 5)).await.unwrap_err();
+    assert_eq!(err, DeviceSyncError::RunConflictsWithStore { seq: 5 });
+    assert!(err.is_conflict() && !err.resend_may_help());
+    assert_eq!(batches(&memory).len(), 1, "nothing written");
+}

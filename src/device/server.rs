@@ -310,7 +310,11 @@ impl DeviceSync {
         expected: &[Event],
     ) -> Result<(), DeviceSyncError> {
         let (first, last) = (run.first_seq(), run.last_seq());
-        let (found, trimmed) = match self.read_run(device, run).await {
+        let RunRead {
+            found,
+            trimmed,
+            later,
+        } = match self.read_run(device, run).await {
             Ok(read) => read,
             Err(e) => {
                 return Err(DeviceSyncError::Retry {
@@ -333,6 +337,15 @@ impl DeviceSync {
                 }
                 // Trimmed away: the mark is the only proof left, and it is the store's own.
                 None if trimmed => {}
+                // The read shows a later sequence of this device's and every version before
+                // it: this one could only have landed below that event, where it is not. The
+                // device synced out of order (or skipped ahead), and resending cannot help.
+                None if later => {
+                    tracing::warn!(device = %device, seq = want.client_seq, "device run below its mark never landed");
+                    return Err(DeviceSyncError::RunConflictsWithStore {
+                        seq: want.client_seq,
+                    });
+                }
                 None => {
                     return Err(DeviceSyncError::Retry {
                         reason: RetryReason::Unverified,
@@ -347,22 +360,16 @@ impl DeviceSync {
         Ok(())
     }
 
-    /// This device's events of the run's sequences, by sequence, and whether part of the
-    /// stream was trimmed away.
-    async fn read_run(
-        &self,
-        device: DeviceId,
-        run: &DeviceRun,
-    ) -> StoreResult<(BTreeMap<u64, Event>, bool)> {
+    /// This device's events of the run's sequences and from above it (see [`RunRead`]).
+    async fn read_run(&self, device: DeviceId, run: &DeviceRun) -> StoreResult<RunRead> {
         let (first, last) = (run.first_seq(), run.last_seq());
         let mut filter = ReadFilter {
             include_client_id: Some(device.as_u128()),
             min_client_seq: Some(first),
-            max_client_seq: Some(last),
             ..ReadFilter::from_version(1)
         };
         let mut found = BTreeMap::new();
-        let mut trimmed = false;
+        let (mut trimmed, mut later) = (false, false);
         let key = self.identity.key(run.account());
         let mut stream = BatchStream::new(self.log.as_ref(), key, filter.clone());
         loop {
@@ -372,6 +379,7 @@ impl DeviceSync {
                         if (first..=last).contains(&e.client_seq) {
                             found.entry(e.client_seq).or_insert_with(|| e.clone());
                         }
+                        later |= e.client_seq > last;
                     }
                 }
                 Ok(None) | Err(StoreError::AggregateNotFound) => break,
@@ -384,8 +392,24 @@ impl DeviceSync {
                 Err(e) => return Err(e),
             }
         }
-        Ok((found, trimmed))
+        Ok(RunRead {
+            found,
+            trimmed,
+            later,
+        })
     }
+}
+
+/// What a read of one device's batches on one account shows of a run.
+struct RunRead {
+    /// The run's sequences found, each with its event.
+    found: BTreeMap<u64, Event>,
+    /// Part of the stream was trimmed away (read from the trim point on).
+    trimmed: bool,
+    /// An event of this device's with a sequence above the run's was read. Reads show a
+    /// prefix of the stream, and the store refuses a sequence at or below the device's mark,
+    /// so a run sequence that is missing from such a read never landed.
+    later: bool,
 }
 
 /// The store events of a run: one per device event, named by [`store_event_id`].
