@@ -51,6 +51,32 @@ async fn a_replay_returns_the_original_status_and_body_marked_replayed() {
     t.shutdown().await;
 }
 
+/// Rule: a rule's refusal wrote nothing and is not remembered: a retry with the same key is
+/// decided again on the account as it is then, and lands once if it now passes.
+#[tokio::test]
+async fn a_rules_refusal_is_decided_again_on_retry() {
+    let t = spawn_default().await;
+    let account = new_account();
+    let key = "withdraw-when-funded";
+    let refused = t.withdraw(&account, 500, Some(key)).await;
+    assert_error(&refused, 422, "INSUFFICIENT_FUNDS");
+    assert!(!refused.replayed());
+    // Unchanged account: decided the same way again, not replayed.
+    let again = t.withdraw(&account, 500, Some(key)).await;
+    assert_error(&again, 422, "INSUFFICIENT_FUNDS");
+    assert!(!again.replayed());
+    assert_eq!(t.deposit(&account, 800, None).await.status, StatusCode::OK);
+    let landed = t.withdraw(&account, 500, Some(key)).await;
+    assert_eq!(landed.status, StatusCode::OK, "{}", landed.text);
+    assert!(!landed.replayed());
+    // From here the key names a landed write: replayed, never written twice.
+    let replay = t.withdraw(&account, 500, Some(key)).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.text, landed.text);
+    assert_eq!(t.balance(&account).await, (300, 2));
+    t.shutdown().await;
+}
+
 #[tokio::test]
 async fn uuid_and_opaque_keys_dedup_and_a_quoted_key_is_the_same_key() {
     let t = spawn_default().await;
