@@ -6,7 +6,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use hyper::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
+use hyper::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
 use hyper::{Request, Response, StatusCode};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -47,7 +47,20 @@ pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T,
         .and_then(|v| v.split(';').next())
         .is_some_and(|mime| mime.trim().eq_ignore_ascii_case("application/json"));
     if !is_json {
-        return Err(ApiError::UnsupportedMediaType);
+        return Err(ApiError::UnsupportedMediaType(
+            "content type must be application/json",
+        ));
+    }
+    // A compressed body would be read as JSON bytes it is not: refused, never guessed at.
+    let encoded = req
+        .headers()
+        .get_all(CONTENT_ENCODING)
+        .iter()
+        .any(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
+    if encoded {
+        return Err(ApiError::UnsupportedMediaType(
+            "content codings are not accepted: send the JSON body as is",
+        ));
     }
     let declared = req
         .headers()

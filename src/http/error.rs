@@ -28,8 +28,9 @@ pub enum ApiError {
     NotFound { path: String },
     #[error("method not allowed; allowed: {allow}")]
     MethodNotAllowed { allow: &'static str },
-    #[error("content type must be application/json")]
-    UnsupportedMediaType,
+    /// The body's media type or content coding is not one the API reads.
+    #[error("{0}")]
+    UnsupportedMediaType(&'static str),
     #[error("{0}")]
     Validation(String),
     #[error("insufficient funds")]
@@ -95,7 +96,7 @@ impl ApiError {
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Validation(_)
             | ApiError::InsufficientFunds { .. }
             | ApiError::KeyReused
@@ -121,7 +122,7 @@ impl ApiError {
             ApiError::PayloadTooLarge { .. } => "PAYLOAD_TOO_LARGE",
             ApiError::NotFound { .. } => "NOT_FOUND",
             ApiError::MethodNotAllowed { .. } => "METHOD_NOT_ALLOWED",
-            ApiError::UnsupportedMediaType => "UNSUPPORTED_MEDIA_TYPE",
+            ApiError::UnsupportedMediaType(_) => "UNSUPPORTED_MEDIA_TYPE",
             ApiError::Validation(_) => "VALIDATION_ERROR",
             ApiError::InsufficientFunds { .. } => "INSUFFICIENT_FUNDS",
             ApiError::KeyReused => "IDEMPOTENCY_KEY_REUSED",

@@ -136,6 +136,19 @@ impl Route {
         )
     }
 
+    /// API routes without query parameters: a query on one is refused, never ignored.
+    fn refuses_query(&self) -> bool {
+        matches!(
+            self,
+            Route::Accounts
+                | Route::Deposit(_)
+                | Route::Withdraw(_)
+                | Route::AccountTransfer(_)
+                | Route::Transfers
+                | Route::DeviceSync(_)
+        )
+    }
+
     /// Matches a path, then the method. Unknown paths are 404; known paths with another
     /// method are 405; a malformed account id is 400.
     pub fn resolve(method: &Method, path: &str) -> Result<Route, ApiError> {
@@ -218,6 +231,14 @@ pub async fn dispatch(
     route: Route,
     req: Request<Incoming>,
 ) -> Result<Resp, ApiError> {
+    if route.refuses_query() && req.uri().query().is_some_and(|q| !q.is_empty()) {
+        // A write never silently ignores a parameter it does not know (`?dryRun=true`
+        // must not move money), as reads refuse theirs.
+        return Err(ApiError::bad_request(
+            "BAD_QUERY",
+            format!("{} takes no query parameters", route.template()),
+        ));
+    }
     match route {
         Route::Healthz => Ok(ops::healthz()),
         Route::Readyz => ops::readyz(app).await,

@@ -103,6 +103,43 @@ async fn bad_query_parameters_are_400() {
     t.shutdown().await;
 }
 
+/// Rule: a write (or the account list) takes no query parameters, and one sent is refused
+/// rather than ignored: `?dryRun=true` must not move money.
+#[tokio::test]
+async fn a_query_on_a_write_is_400_and_changes_nothing() {
+    let t = spawn_default().await;
+    let (account, payee) = (funded(&t, 100).await, new_account());
+    let before = (observe(&t, &account).await, observe(&t, &payee).await);
+    let one = json!({ "amountCents": 1 });
+    let to_payee = json!({ "toAccountId": payee, "amountCents": 1 });
+    let both = json!({ "fromAccountId": account, "toAccountId": payee, "amountCents": 1 });
+    let writes = [
+        (deposit_path(&account), &one),
+        (withdraw_path(&account), &one),
+        (account_transfer_path(&account), &to_payee),
+        ("/api/transfers".to_string(), &both),
+    ];
+    for (path, body) in writes {
+        for query in ["dryRun=true", "amountCents=999", "x"] {
+            let r = t.post(&format!("{path}?{query}"), body, None).await;
+            assert_error(&r, 400, "BAD_QUERY");
+        }
+    }
+    assert_eq!(
+        (observe(&t, &account).await, observe(&t, &payee).await),
+        before,
+        "a write with a query changed something"
+    );
+    assert_error(&t.get("/api/accounts?limit=abc").await, 400, "BAD_QUERY");
+    // An empty query is no query.
+    let r = t
+        .post(&format!("{}?", deposit_path(&account)), &one, None)
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(t.get("/api/accounts?").await.status, StatusCode::OK);
+    t.shutdown().await;
+}
+
 #[tokio::test]
 async fn unknown_routes_are_404_json() {
     let t = spawn_default().await;
@@ -226,6 +263,38 @@ async fn a_missing_or_wrong_content_type_is_415_and_changes_nothing() {
             );
         }
     }
+    // A content coding is refused, never guessed at (hyper does not decode bodies).
+    for coding in ["gzip", "deflate, identity", "br"] {
+        let r = send(
+            &t,
+            Method::POST,
+            &withdraw_path(&account),
+            &[
+                ("content-type", b"application/json".as_slice()),
+                ("content-encoding", coding.as_bytes()),
+            ],
+            Some(withdraw.clone()),
+        )
+        .await;
+        assert_error(&r, 415, "UNSUPPORTED_MEDIA_TYPE");
+    }
+    assert_eq!(
+        (observe(&t, &account).await, observe(&t, &payee).await),
+        before,
+        "a coded body changed something"
+    );
+    let r = send(
+        &t,
+        Method::POST,
+        &withdraw_path(&account),
+        &[
+            ("content-type", b"application/json".as_slice()),
+            ("content-encoding", b"Identity".as_slice()),
+        ],
+        Some(withdraw.clone()),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "identity: {}", r.text);
     // Parameters and case do not matter.
     for ct in ["application/json; charset=utf-8", "Application/JSON"] {
         let r = send(
@@ -238,7 +307,7 @@ async fn a_missing_or_wrong_content_type_is_415_and_changes_nothing() {
         .await;
         assert_eq!(r.status, StatusCode::OK, "{ct}: {}", r.text);
     }
-    assert_eq!(t.balance(&account).await, (90, 3));
+    assert_eq!(t.balance(&account).await, (85, 4));
     t.shutdown().await;
 }
 
