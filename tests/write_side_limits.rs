@@ -282,10 +282,12 @@ async fn a_full_index_refuses_new_writes_but_still_replays_landed_ones() {
     let first = env.svc.execute(deposit(x, 10, 1)).await.expect("lands");
 
     let refused = env.svc.execute(deposit(x, 20, 2)).await;
-    assert!(
-        matches!(refused, Err(WriteError::Overloaded { .. })),
-        "{refused:?}"
-    );
+    let Err(e @ WriteError::Overloaded { .. }) = refused else {
+        panic!("{refused:?}");
+    };
+    let message = e.to_string();
+    assert!(message.contains("at its cap of 1"), "{message}");
+    assert_eq!(message.matches("retry").count(), 1, "said once: {message}");
     assert_eq!(env.metrics.writes_refused_index_full.get(), 1);
     let replay = env.svc.execute(deposit(x, 10, 1)).await.expect("replayed");
     assert!(replay.replayed);

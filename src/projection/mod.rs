@@ -92,7 +92,7 @@ impl Default for ProjectionConfig {
 /// A new write refused because the replica-wide recent-writes index is at its cap.
 /// Retryable: expiry frees room within the window, and another replica may have room.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("the recent-writes index holds {entries} entries, at its cap of {cap}; retry shortly")]
+#[error("the recent-writes index holds {entries} entries, at its cap of {cap}")]
 pub struct IndexFull {
     pub entries: usize,
     pub cap: usize,
