@@ -28,6 +28,9 @@ use tokio::process::{Child, Command};
 
 /// How long the page may take to show what a step waits for.
 const UI_BOUND: Duration = Duration::from_secs(15);
+/// How long a refused stream is watched for a retry it must not make (the console used to
+/// retry every second).
+const NO_RETRY_WATCH: Duration = Duration::from_millis(2_500);
 /// How long chromedriver may take to start.
 const DRIVER_START_BOUND: Duration = Duration::from_secs(20);
 /// The WebDriver key of an element reference.
@@ -568,7 +571,8 @@ async fn the_console_shows_live_balances_replays_and_other_replicas_writes_in_a_
 
 /// Rule: against a replica run with `--auth jwt` the console works with a pasted token: it
 /// is refused (401 shown, nothing written) without one, and with one it lists, watches live
-/// (the stream read with the token, since `EventSource` cannot send it) and writes.
+/// (the stream read with the token, since `EventSource` cannot send it) and writes. A stream
+/// the token may not read is shown refused, with its status, and not asked for again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_auth_on_the_console_reads_streams_and_writes_with_a_pasted_token() {
     let Some((driver, chromium)) = browser_or_skip() else {
@@ -597,6 +601,19 @@ async fn with_auth_on_the_console_reads_streams_and_writes_with_a_pasted_token()
     let br = Browser::start(&driver, &chromium, proxy_port).await;
     let origin = format!("http://{}", a.addr);
     br.goto(&format!("{origin}/#{alice}")).await;
+    // No token: the account list and the card's stream say they were refused, and why.
+    br.until(
+        "the account list's refusal",
+        "document.getElementById('accounts-error').textContent.includes('HTTP 401')",
+    )
+    .await;
+    let card = format!(r#"document.querySelector('[data-account="{alice}"]')"#);
+    let badge = format!("{card}?.querySelector('.live')");
+    br.until(
+        "the card's refused stream",
+        &format!("{badge}?.textContent === 'refused: HTTP 401'"),
+    )
+    .await;
     // No token: the write is refused with the auth error shown, and nothing is written.
     br.type_into("#w-amount", "5").await;
     br.click("#send").await;
@@ -613,7 +630,6 @@ async fn with_auth_on_the_console_reads_streams_and_writes_with_a_pasted_token()
 
     br.type_into("#token", &token).await;
     br.click("#token-form button").await;
-    let card = format!(r#"document.querySelector('[data-account="{alice}"]')"#);
     let balance = format!("{card}?.querySelector('.balance')");
     br.until(
         "alice's snapshot over the token-carrying stream",
@@ -640,6 +656,68 @@ async fn with_auth_on_the_console_reads_streams_and_writes_with_a_pasted_token()
         &format!("{balance}.dataset.cents === '1300' && {balance}.dataset.version === '3'"),
     )
     .await;
+    assert_eq!(
+        br.js("return document.getElementById('accounts-error').textContent")
+            .await,
+        "",
+        "with the token the list is served"
+    );
+
+    // A token for another account only: alice's stream is forbidden, said once, not retried.
+    let other = test_auth::token(json!({ "accounts": [new_account()] }));
+    let listed = client
+        .get(format!("{origin}/api/accounts"))
+        .bearer_auth(&other)
+        .send()
+        .await
+        .unwrap()
+        .json::<Value>()
+        .await
+        .unwrap()["accounts"]
+        .as_array()
+        .map_or(0, Vec::len);
+    br.js("document.getElementById('token').value = ''").await;
+    br.type_into("#token", &other).await;
+    br.click("#token-form button").await;
+    br.until(
+        "every card's stream refused",
+        &format!(
+            "(() => {{ const b = [...document.querySelectorAll('.card .live')]; \
+             return b.length === {} && b.every((x) => x.textContent === 'refused: HTTP 403'); }})()",
+            listed + 1
+        ),
+    )
+    .await;
+    let detail = br
+        .js(&format!(
+            "return {card}.querySelector('.refusal').textContent"
+        ))
+        .await;
+    assert!(
+        detail.as_str().is_some_and(|d| d.contains("FORBIDDEN")),
+        "{detail}"
+    );
+    let forbidden = || async {
+        let text = client
+            .get(format!("{origin}/metrics"))
+            .send()
+            .await
+            .expect("scraped")
+            .text()
+            .await
+            .expect("read");
+        common::metric_sum(&text, r#"tally_auth_requests_total{outcome="forbidden"}"#)
+    };
+    let refused = forbidden().await;
+    assert_eq!(refused, (listed + 1) as f64, "one refusal per card");
+    // Nothing can signal a request that is never made: watch for longer than the former
+    // retry loop's second between tries.
+    tokio::time::sleep(NO_RETRY_WATCH).await;
+    assert_eq!(
+        forbidden().await,
+        refused,
+        "a refused stream was asked for again"
+    );
     br.close().await;
     a.shutdown().await;
 }
