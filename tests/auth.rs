@@ -325,6 +325,29 @@ async fn a_token_limited_to_accounts_may_use_them() {
     .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     assert_eq!(observe(&t, &payee).await.0["balanceCents"], 200);
+    // The account list shows such a token only the accounts it names.
+    let ids = |r: Reply| -> Vec<String> {
+        assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+        r.body["accounts"]
+            .as_array()
+            .expect("a list")
+            .iter()
+            .map(|a| a["id"].as_str().expect("an id").to_string())
+            .collect()
+    };
+    t.shutdown().await;
+    let flags = hs_flags(&secret_file(), "0");
+    let mut config = test_config(&flags.iter().map(String::as_str).collect::<Vec<_>>());
+    config.seed_demo_accounts = Some(true);
+    let t = spawn(config, None, None).await;
+    let all = ids(get(&t, Some(&token(json!({}))), "/api/accounts").await);
+    assert!(!all.is_empty(), "the demo accounts are seeded");
+    assert!(ids(get(&t, Some(&tok), "/api/accounts").await).is_empty());
+    let one = token(json!({"accounts": [all[0]]}));
+    assert_eq!(
+        ids(get(&t, Some(&one), "/api/accounts").await),
+        [all[0].clone()]
+    );
     t.shutdown().await;
 }
 

@@ -714,3 +714,60 @@ async fn a_feed_gone_silent_still_delivers_through_the_periodic_resync() {
     );
     app.watch.shutdown();
 }
+
+/// Rule: a stream lasts as long as the bearer token it was opened with: when the token stops
+/// being accepted (its `exp` plus the leeway) the stream ends with a final `expired` event,
+/// having delivered everything before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_ends_with_an_expired_event_when_its_token_expires() {
+    let secret = common::test_auth::secret_file();
+    let mut flags = common::test_auth::flags(&secret);
+    flags.extend(["--auth-leeway-secs", "0"]);
+    let t = spawn_fleet(1, Arc::new(MemoryLog::new()), &flags)
+        .await
+        .pop()
+        .expect("a replica");
+    let account = new_account();
+    let writer = common::test_auth::token(serde_json::json!({}));
+    let deposit = || {
+        t.client
+            .post(t.url(&format!("/api/accounts/{account}/deposit")))
+            .bearer_auth(&writer)
+            .json(&serde_json::json!({ "amountCents": 7 }))
+            .send()
+    };
+    assert_eq!(deposit().await.unwrap().status(), StatusCode::OK);
+    let now = jsonwebtoken::get_current_timestamp();
+    let short = common::test_auth::token(serde_json::json!({ "exp": now + 2 }));
+    let mut resp = t
+        .client
+        .get(t.url(&events_path(&account)))
+        .bearer_auth(&short)
+        .send()
+        .await
+        .expect("stream opened");
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(deposit().await.unwrap().status(), StatusCode::OK);
+    let mut text = String::new();
+    let ended = tokio::time::timeout(EVENT_BOUND, async {
+        while let Some(chunk) = resp.chunk().await.expect("readable") {
+            text.push_str(std::str::from_utf8(&chunk).expect("utf-8"));
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the stream never ended: {text}");
+    let names: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: "))
+        .collect();
+    assert_eq!(
+        names,
+        ["snapshot", "Deposited", "expired"],
+        "the live deposit, then the end: {text}"
+    );
+    assert!(
+        jsonwebtoken::get_current_timestamp() >= now + 2,
+        "not before the token expired"
+    );
+    t.shutdown().await;
+}

@@ -94,6 +94,9 @@ pub struct Caller {
     scopes: Vec<Scope>,
     /// The accounts the caller may touch; `None` is any.
     accounts: Option<Vec<Uuid>>,
+    /// When the token stops being accepted (its `exp` plus the leeway), as Unix seconds: a
+    /// watch stream opened with it ends then. `None` for a caller made without a token.
+    expires_at: Option<u64>,
 }
 
 impl Caller {
@@ -102,7 +105,27 @@ impl Caller {
             id: id.into(),
             scopes,
             accounts,
+            expires_at: None,
         }
+    }
+
+    /// The caller, whose token is accepted until `expires_at` (Unix seconds).
+    pub fn expiring_at(self, expires_at: u64) -> Self {
+        Self {
+            expires_at: Some(expires_at),
+            ..self
+        }
+    }
+
+    /// How long the caller's token is still accepted, from now (zero when it no longer is);
+    /// `None` when it has no expiry.
+    pub fn time_left(&self) -> Option<Duration> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        self.expires_at
+            .map(|at| Duration::from_secs(at.saturating_sub(now)))
     }
 
     pub fn has(&self, scope: Scope) -> bool {
@@ -153,6 +176,10 @@ pub struct AuthConfig {
 #[derive(Deserialize)]
 struct Claims {
     sub: String,
+    /// Required and checked by the validator (which names it missing, so it is optional
+    /// here); kept to end streams when it passes. A NumericDate may carry a fraction.
+    #[serde(default)]
+    exp: Option<f64>,
     #[serde(default)]
     scope: String,
     #[serde(default)]
@@ -258,7 +285,14 @@ impl Authenticator {
                 _ => "malformed token",
             })
         })?;
-        caller_from(data.claims)
+        // The validator refused a token without `exp`; float to integer saturates, and a
+        // negative or NaN `exp` was refused as expired or malformed.
+        let exp = data
+            .claims
+            .exp
+            .ok_or(AuthError::Invalid("a required claim is missing"))?;
+        let expires_at = (exp as u64).saturating_add(self.leeway);
+        Ok(caller_from(data.claims)?.expiring_at(expires_at))
     }
 
     /// Takes one request from the caller's allowance; `Err` is how long until the next

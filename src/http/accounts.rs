@@ -14,6 +14,7 @@ use super::body::{Resp, json_response};
 use super::error::ApiError;
 use crate::account::{AccountEvent, AccountId};
 use crate::app::App;
+use crate::auth::Caller;
 use crate::reader::{Balance, HistoryEntry, Writer};
 
 /// A balance at a version: the body of a balance read and of each leg of a write.
@@ -34,10 +35,12 @@ impl From<Balance> for BalanceBody {
 }
 
 /// `GET /api/accounts`
-pub fn list(app: &App) -> Resp {
+/// `GET /api/accounts`: the demo accounts; with a token that lists accounts, only those.
+pub fn list(app: &App, caller: Option<&Caller>) -> Resp {
     let accounts: Vec<_> = app
         .demo_accounts()
         .into_iter()
+        .filter(|(id, _)| caller.is_none_or(|c| c.may_touch(id.0)))
         .map(|(id, name)| json!({"id": id.to_string(), "name": name}))
         .collect();
     json_response(StatusCode::OK, &json!({ "accounts": accounts }))

@@ -243,7 +243,7 @@ pub async fn dispatch(
         Route::Healthz => Ok(ops::healthz()),
         Route::Readyz => ops::readyz(app).await,
         Route::Metrics => Ok(ops::metrics(app)),
-        Route::Accounts => Ok(accounts::list(app)),
+        Route::Accounts => Ok(accounts::list(app, req.extensions().get())),
         Route::Balance(account) => accounts::balance(app, account, req.uri().query()).await,
         Route::History(account) => accounts::history(app, account, req.uri().query()).await,
         Route::Deposit(account) => writes::deposit(app, account, req).await,

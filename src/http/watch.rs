@@ -13,13 +13,15 @@
 //! Typed control events: `trimmed` (the resume point is below the trim point; the stream
 //! goes on from the first available version), and one final event when the replica ends a
 //! stream: `lagged` (the client fell behind its buffer), `shutdown`, `gap` (the store's
-//! feed lost notifications; reconnect) or `error`. A `: keep-alive` comment is sent on an
+//! feed lost notifications; reconnect), `expired` (the bearer token it was opened with is no
+//! longer accepted; reconnect with a fresh one) or `error`. A `: keep-alive` comment is sent on an
 //! idle stream.
 
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http_body_util::{Either, Full};
@@ -33,6 +35,7 @@ use super::accounts::history_event;
 use super::error::ApiError;
 use crate::account::AccountId;
 use crate::app::App;
+use crate::auth::Caller;
 use crate::watch::{AccountFrame, EndReason, Item, Resume, WatchError, WriteFrame};
 
 /// Every response's body: a whole JSON (or page) body, or an event stream.
@@ -52,7 +55,7 @@ pub async fn account_events(
 ) -> Result<Response<HttpBody>, ApiError> {
     let resume = resume_point(req)?;
     let sub = app.watch.subscribe_account(account, resume).await?;
-    Ok(stream_response(sub.items))
+    Ok(stream_response(sub.items, token_time_left(req)))
 }
 
 /// `GET /api/watch/stream`
@@ -64,7 +67,7 @@ pub async fn all(app: &Arc<App>, req: &Request<Incoming>) -> Result<Response<Htt
         ));
     }
     let sub = app.watch.subscribe_all().await?;
-    Ok(stream_response(sub.items))
+    Ok(stream_response(sub.items, token_time_left(req)))
 }
 
 /// Where to start: after `Last-Event-ID` (what a browser sends when it reconnects, so it
@@ -127,10 +130,23 @@ impl From<WatchError> for ApiError {
     }
 }
 
-fn stream_response(items: mpsc::Receiver<Item>) -> Response<HttpBody> {
+/// How long the caller's token is still accepted (`None`: no token, or no expiry).
+fn token_time_left(req: &Request<Incoming>) -> Option<Duration> {
+    req.extensions().get::<Caller>().and_then(Caller::time_left)
+}
+
+/// A stream's response; it ends with `event: expired` after `token_left`, when the token
+/// it was opened with stops being accepted: access lasts as long as the token, not as long
+/// as the connection.
+fn stream_response(
+    items: mpsc::Receiver<Item>,
+    token_left: Option<Duration>,
+) -> Response<HttpBody> {
     let mut resp = Response::new(Either::Right(SseBody {
         items,
         preamble: true,
+        expires: token_left.map(|left| Box::pin(tokio::time::sleep(left))),
+        expired: false,
     }));
     *resp.status_mut() = StatusCode::OK;
     let h = resp.headers_mut();
@@ -149,6 +165,10 @@ fn stream_response(items: mpsc::Receiver<Item>) -> Response<HttpBody> {
 pub struct SseBody {
     items: mpsc::Receiver<Item>,
     preamble: bool,
+    /// When the token the stream was opened with stops being accepted.
+    expires: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The `expired` event was sent: the body ends.
+    expired: bool,
 }
 
 impl Body for SseBody {
@@ -159,9 +179,21 @@ impl Body for SseBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.expired {
+            return Poll::Ready(None);
+        }
         let mut chunk = BytesMut::new();
         if std::mem::take(&mut self.preamble) {
             chunk.extend_from_slice(format!("retry: {RETRY_MS}\n\n").as_bytes());
+        }
+        // Nothing more once the token has run out, however much is ready.
+        if let Some(expires) = self.expires.as_mut()
+            && expires.as_mut().poll(cx).is_ready()
+        {
+            self.expired = true;
+            let data = json!({"message": "the bearer token this stream was opened with has expired; reconnect with a fresh one (Last-Event-ID resumes)"});
+            chunk.extend_from_slice(format!("event: expired\ndata: {data}\n\n").as_bytes());
+            return Poll::Ready(Some(Ok(Frame::data(chunk.freeze()))));
         }
         let mut ended = false;
         for _ in 0..MAX_ITEMS_PER_CHUNK {
