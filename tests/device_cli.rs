@@ -447,3 +447,23 @@ async fn the_cli_refuses_transfers_and_bad_input_and_records_nothing() {
         "no outbox is created implicitly"
     );
 }
+
+/// Rule: output cut short by its reader (`tally-device status | head -1`) ends the program
+/// quietly with success, never with a panic. The pipe's reading end is closed before the
+/// program starts, so its first write meets a closed pipe.
+#[tokio::test]
+async fn a_reader_that_goes_away_ends_the_output_quietly() {
+    let mut d = device("pipe").await;
+    d.record(ACCOUNT_A, "deposit", 5).await;
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    let mut cmd = d.command(&["status"], None);
+    cmd.stdout(writer);
+    // Not `output()`, which would pipe stdout again.
+    let child = cmd.spawn().expect("started");
+    drop(cmd);
+    let out = child.wait_with_output().await.expect("ran");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

@@ -99,6 +99,20 @@ impl From<OutboxError> for Failure {
     }
 }
 
+/// Writes one line to stdout. A reader that went away (`tally-device status | head -1`)
+/// ends the program quietly with success, as Unix tools do, instead of a panic.
+fn say(line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    match writeln!(std::io::stdout().lock(), "{line}") {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
+        Err(e) => {
+            eprintln!("tally-device: cannot write to stdout: {e}");
+            std::process::exit(i32::from(EXIT_ERROR));
+        }
+    }
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -128,11 +142,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             } else {
                 "already initialised; kept"
             };
-            println!(
+            say(format_args!(
                 "outbox {} {verb}; device id {}",
                 cli.outbox.display(),
                 outbox.device_id()
-            );
+            ));
         }
         Command::Record {
             kind,
@@ -142,14 +156,14 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             let operation = operation(&kind, &account, &amount_cents)?;
             let mut outbox = Outbox::open(&cli.outbox)?;
             let event = outbox.record(operation, tally::store::wall_clock_ms(), &mut hooks)?;
-            println!(
+            say(format_args!(
                 "recorded {} of {} cents on {} as sequence {} (event {})",
                 event.kind.wire(),
                 event.amount_cents,
                 event.account,
                 event.client_seq,
                 event.event_id
-            );
+            ));
         }
         Command::Sync {
             server,
@@ -177,13 +191,13 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 .run(&mut hooks)
                 .await
                 .map_err(|e| Failure(EXIT_ERROR, e.to_string()))?;
-            println!(
+            say(format_args!(
                 "synced {} events in {} runs ({} found already synced); {} failed sends",
                 report.events_synced,
                 report.runs_synced + report.runs_already_synced,
                 report.runs_already_synced,
                 report.failed_sends
-            );
+            ));
             if let Some(stop) = report.stopped {
                 return Err(Failure(EXIT_STOPPED, stop.to_string()));
             }
@@ -193,22 +207,22 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             if json {
                 let text = serde_json::to_string_pretty(&status)
                     .map_err(|e| Failure(EXIT_ERROR, e.to_string()))?;
-                println!("{text}");
+                say(format_args!("{text}"));
             } else {
-                println!(
+                say(format_args!(
                     "device {}: {} pending, {} in flight, {} synced",
                     status.device_id, status.pending, status.in_flight, status.synced
-                );
+                ));
                 for a in &status.accounts {
                     let run = match (a.run_attempts, &a.last_error) {
                         (Some(n), Some(e)) => format!("; {n} failed sends, last: {e}"),
                         (Some(n), None) => format!("; {n} failed sends"),
                         _ => String::new(),
                     };
-                    println!(
+                    say(format_args!(
                         "  {}: {} pending, {} in flight, {} synced, last sequence {}{run}",
                         a.account, a.pending, a.in_flight, a.synced, a.last_seq
-                    );
+                    ));
                 }
             }
         }

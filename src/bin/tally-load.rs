@@ -26,16 +26,23 @@ async fn main() -> ExitCode {
             return ExitCode::from(EXIT_ERROR);
         }
     };
-    if json {
+    let text = if json {
         match serde_json::to_string(&report) {
-            Ok(text) => println!("{text}"),
+            Ok(text) => format!("{text}\n"),
             Err(e) => {
                 eprintln!("tally-load: cannot encode report: {e}");
                 return ExitCode::from(EXIT_ERROR);
             }
         }
     } else {
-        print!("{report}");
+        report.to_string()
+    };
+    // A reader that went away (`tally-load ... | head`) is no failure of the run.
+    if let Err(e) = std::io::Write::write_all(&mut std::io::stdout().lock(), text.as_bytes())
+        && e.kind() != std::io::ErrorKind::BrokenPipe
+    {
+        eprintln!("tally-load: cannot write the report: {e}");
+        return ExitCode::from(EXIT_ERROR);
     }
     if report.passed() {
         ExitCode::SUCCESS
