@@ -258,10 +258,16 @@ impl Authenticator {
             return Err(AuthError::Invalid("token too long"));
         }
         let value = std::str::from_utf8(raw).map_err(|_| AuthError::Invalid("not a token"))?;
-        let token = match value.split_once(' ') {
-            Some((scheme, token)) if scheme.eq_ignore_ascii_case("bearer") => token.trim(),
-            _ => return Err(AuthError::Invalid("expected the Bearer scheme")),
-        };
+        // Another scheme (Basic, say) carries no bearer token: answered as none at all, with
+        // no error code (RFC 6750, section 3.1).
+        let (scheme, token) = value.trim().split_once(' ').unwrap_or((value.trim(), ""));
+        if !scheme.eq_ignore_ascii_case("bearer") {
+            return Err(AuthError::Missing);
+        }
+        let token = token.trim();
+        if token.is_empty() {
+            return Err(AuthError::Invalid("the Bearer scheme without a token"));
+        }
         let header = jsonwebtoken::decode_header(token)
             .map_err(|_| AuthError::Invalid("malformed token or unsupported algorithm"))?;
         let (key, alg) = keys.key_for(header.kid.as_deref(), header.alg)?;

@@ -114,7 +114,16 @@ fn every_bad_token_is_refused_with_its_reason() {
     assert_eq!(auth.verify(None), Err(AuthError::Missing));
     assert_eq!(
         auth.verify(Some(b"Basic dXNlcjpwdw==")),
-        invalid("expected the Bearer scheme")
+        Err(AuthError::Missing),
+        "another scheme carries no bearer token"
+    );
+    assert_eq!(
+        auth.verify(Some(b"Bearer ")),
+        invalid("the Bearer scheme without a token")
+    );
+    assert_eq!(
+        auth.verify(Some(b"bearer")),
+        invalid("the Bearer scheme without a token")
     );
     let forged = jsonwebtoken::encode(
         &Header::new(Algorithm::HS256),
