@@ -62,6 +62,9 @@ impl Keys {
     pub fn jwks_file(path: &Path) -> Result<Keys, String> {
         let bytes = read_bounded(path)?;
         let loaded = parse_jwks(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+        if loaded.keys.is_empty() {
+            return Err(format!("{}: the key set is empty", path.display()));
+        }
         Ok(Keys::Jwks(JwksFile {
             path: path.to_owned(),
             loaded: RwLock::new(loaded),
@@ -92,7 +95,10 @@ impl Keys {
         }
     }
 
-    /// Rereads the JWKS file; `Ok(true)` when its keys changed. A secret never changes.
+    /// Rereads the JWKS file; `Ok(true)` when its keys changed. A secret never changes. An
+    /// explicitly empty key set (`{"keys":[]}`) revokes every key: every token is refused
+    /// until keys return. A file that does not parse, or whose keys are all unusable, keeps
+    /// the keys in use.
     pub fn reload(&self) -> Result<bool, String> {
         let Keys::Jwks(file) = self else {
             return Ok(false);
@@ -125,6 +131,8 @@ pub fn spawn_reloader(keys: Weak<Keys>, every: Duration) -> tokio::task::JoinHan
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // A file that stays unusable is reported once, not every tick.
+        let mut reported: Option<String> = None;
         loop {
             tick.tick().await;
             let Some(keys) = keys.upgrade() else { return };
@@ -135,13 +143,20 @@ pub fn spawn_reloader(keys: Weak<Keys>, every: Duration) -> tokio::task::JoinHan
             })
             .await;
             match result {
+                Ok(Ok(true)) if keys.is_empty() => {
+                    reported = None;
+                    tracing::warn!("JWKS file holds no keys: every token is refused until it does")
+                }
                 Ok(Ok(true)) => {
+                    reported = None;
                     tracing::info!(keys = keys.len(), "JWKS file changed: keys reloaded")
                 }
-                Ok(Ok(false)) => {}
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "JWKS file unusable; keeping the keys in use")
+                Ok(Ok(false)) => reported = None,
+                Ok(Err(e)) if reported.as_ref() != Some(&e) => {
+                    tracing::warn!(error = %e, "JWKS file unusable; keeping the keys in use");
+                    reported = Some(e);
                 }
+                Ok(Err(_)) => {}
                 Err(e) => tracing::warn!(error = %e, "JWKS reload task failed"),
             }
         }
@@ -176,7 +191,9 @@ fn parse_jwks(bytes: &[u8]) -> Result<Loaded, String> {
             usable
         })
         .collect();
-    if keys.is_empty() {
+    // An empty set is the operator's word (revoke every key); keys that are all unusable are
+    // a mistake, and refused.
+    if keys.is_empty() && !set.keys.is_empty() {
         return Err("no usable key (RS256, ES256 or EdDSA, each with a kid)".into());
     }
     Ok(Loaded {

@@ -190,6 +190,20 @@ fn jwks_keys_are_chosen_by_kid_and_reloaded_when_the_file_changes() {
         auth.verify(Some(&bearer(&hs(&claims())))),
         Err(AuthError::Invalid("the token names no key id"))
     );
+    // An explicitly empty set revokes every key; keys coming back are used again.
+    std::fs::write(&path, write(vec![])).unwrap();
+    assert_eq!(auth.keys().unwrap().reload(), Ok(true));
+    assert!(auth.keys().unwrap().is_empty());
+    assert_eq!(
+        auth.verify(Some(&bearer(&ed_token(&k2, "two")))),
+        Err(AuthError::Invalid("unknown key id"))
+    );
+    std::fs::write(&path, write(vec![j1])).unwrap();
+    assert_eq!(auth.keys().unwrap().reload(), Ok(true));
+    auth.verify(Some(&bearer(&ed_token(&k1, "one")))).unwrap();
+    // At start an empty set is a configuration that cannot check a token.
+    let empty = temp_file("empty-jwks.json", &write(vec![]));
+    assert!(Authenticator::new(&config(None, Some(empty))).is_err());
 }
 
 #[test]
