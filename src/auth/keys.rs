@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, JwkSet};
 use jsonwebtoken::{Algorithm, DecodingKey};
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use sha2::{Digest, Sha256};
 
 use super::{ASYMMETRIC_ALGORITHMS, AuthError};
@@ -35,6 +35,9 @@ pub enum Keys {
 pub struct JwksFile {
     path: PathBuf,
     loaded: RwLock<Loaded>,
+    /// The digest of the last contents that could not be used, and why: not parsed again
+    /// (nor its skipped keys logged again) until the file changes.
+    refused: Mutex<Option<([u8; 32], String)>>,
 }
 
 struct Loaded {
@@ -68,6 +71,7 @@ impl Keys {
         Ok(Keys::Jwks(JwksFile {
             path: path.to_owned(),
             loaded: RwLock::new(loaded),
+            refused: Mutex::new(None),
         }))
     }
 
@@ -104,12 +108,26 @@ impl Keys {
             return Ok(false);
         };
         let bytes = read_bounded(&file.path)?;
-        if Sha256::digest(&bytes).as_slice() == file.loaded.read().digest {
+        let digest: [u8; 32] = Sha256::digest(&bytes).into();
+        if digest == file.loaded.read().digest {
             return Ok(false);
         }
-        let loaded = parse_jwks(&bytes)?;
-        *file.loaded.write() = loaded;
-        Ok(true)
+        if let Some((seen, why)) = file.refused.lock().as_ref()
+            && *seen == digest
+        {
+            return Err(why.clone());
+        }
+        match parse_jwks(&bytes) {
+            Ok(loaded) => {
+                *file.loaded.write() = loaded;
+                *file.refused.lock() = None;
+                Ok(true)
+            }
+            Err(why) => {
+                *file.refused.lock() = Some((digest, why.clone()));
+                Err(why)
+            }
+        }
     }
 
     /// How many keys are in use.

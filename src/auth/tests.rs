@@ -181,9 +181,15 @@ fn jwks_keys_are_chosen_by_kid_and_reloaded_when_the_file_changes() {
     assert_eq!(auth.keys().unwrap().reload(), Ok(false), "unchanged file");
     auth.verify(Some(&bearer(&ed_token(&k2, "two")))).unwrap();
     assert!(auth.verify(Some(&bearer(&ed_token(&k1, "one")))).is_err());
-    // A broken file keeps the keys in use.
+    // A broken file keeps the keys in use, and is not parsed again until it changes.
     std::fs::write(&path, b"{not json").unwrap();
-    assert!(auth.keys().unwrap().reload().is_err());
+    let refused = auth.keys().unwrap().reload();
+    assert!(refused.is_err());
+    assert_eq!(
+        auth.keys().unwrap().reload(),
+        refused,
+        "the same refusal, once parsed"
+    );
     auth.verify(Some(&bearer(&ed_token(&k2, "two")))).unwrap();
     // An HS256 token is never accepted against a JWKS.
     assert_eq!(

@@ -100,16 +100,14 @@ impl From<OutboxError> for Failure {
 }
 
 /// Writes one line to stdout. A reader that went away (`tally-device status | head -1`)
-/// ends the program quietly with success, as Unix tools do, instead of a panic.
+/// is no failure: the line is dropped, never a panic, and the exit status stays what the
+/// command's outcome makes it (a stopped sync still exits 1).
 fn say(line: std::fmt::Arguments<'_>) {
     use std::io::Write;
-    match writeln!(std::io::stdout().lock(), "{line}") {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
-        Err(e) => {
-            eprintln!("tally-device: cannot write to stdout: {e}");
-            std::process::exit(i32::from(EXIT_ERROR));
-        }
+    if let Err(e) = writeln!(std::io::stdout().lock(), "{line}")
+        && e.kind() != std::io::ErrorKind::BrokenPipe
+    {
+        eprintln!("tally-device: cannot write to stdout: {e}");
     }
 }
 

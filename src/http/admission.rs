@@ -24,11 +24,10 @@
 //! most once per [`SHED_REPORT_INTERVAL`]: the access-log line alone is a quarter of a
 //! refusal's cost.
 
-use std::future::{Future, poll_fn};
+use std::future::Future;
 use std::pin::pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -41,6 +40,10 @@ use super::gate::Gate;
 use crate::app::App;
 use crate::metrics::Metrics;
 
+/// How long a request's body may take to arrive before its in-flight slot is given back for
+/// the wait: longer than a second segment or an `Expect: 100-continue` round trip takes on
+/// a network, far shorter than a client trickling its body holds it.
+pub const SLOW_BODY_GRACE: Duration = Duration::from_millis(20);
 /// The most often shedding is reported in the log.
 pub const SHED_REPORT_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -189,16 +192,22 @@ impl InFlight {
         }))
     }
 
-    /// Runs `body` (a read of the request's body), without the slot while it waits on the
-    /// client; taking the slot again after waits, or is shed, like any admission.
-    pub async fn while_client_sends<F: Future>(&self, body: F) -> Result<F::Output, ApiError> {
+    /// Runs `body` (a read of the request's body). A body that has not arrived within
+    /// [`SLOW_BODY_GRACE`] (a second TCP segment, or the round trip of `Expect:
+    /// 100-continue`, comes sooner) is waited for without the slot; taking the slot again
+    /// after waits, or is shed, like any admission. A read that failed needs no slot: its
+    /// error is the answer.
+    pub async fn while_client_sends<F, T, E>(&self, body: F) -> Result<Result<T, E>, ApiError>
+    where
+        F: Future<Output = Result<T, E>>,
+    {
         let mut body = pin!(body);
-        if let Poll::Ready(done) = poll_fn(|cx| Poll::Ready(body.as_mut().poll(cx))).await {
+        if let Ok(done) = tokio::time::timeout(SLOW_BODY_GRACE, body.as_mut()).await {
             return Ok(done);
         }
         let had = self.permit.lock().take().is_some();
         let done = body.await;
-        if had {
+        if had && done.is_ok() {
             let permit = self.edge.admit(&self.app).await?;
             *self.permit.lock() = Some(permit);
         }

@@ -388,9 +388,9 @@ impl OpSends<'_> {
         outcome
     }
 
-    /// `--failover`: while `outcome` is no answer, re-sends the same key to the next target
-    /// that is up, at most once per other target. Returns the target last tried and its
-    /// outcome.
+    /// `--failover`: while `outcome` is no answer, re-sends the same key to the next other
+    /// target that is up, at most once per other target and never past the run's end.
+    /// Returns the target last tried and its outcome.
     async fn fail_over(
         &mut self,
         stats: &mut Stats,
@@ -399,10 +399,15 @@ impl OpSends<'_> {
     ) -> (usize, Outcome) {
         let targets = self.conns.len();
         for _ in 1..targets {
-            if outcome.is_ok() {
+            if outcome.is_ok() || Instant::now() >= self.shared.deadline {
                 break;
             }
-            at = next_up(self.conns, (at + 1) % targets);
+            let next = next_up(self.conns, (at + 1) % targets);
+            if next == at {
+                // Every other target refused a connection just now.
+                break;
+            }
+            at = next;
             stats.failovers += 1;
             outcome = self.send(stats, at, Instant::now()).await;
         }

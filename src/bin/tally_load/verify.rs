@@ -276,10 +276,10 @@ async fn read_streams(
 }
 
 /// One account's whole history, following `nextFromVersion` until it is absent; read from
-/// `targets` starting at the given index.
+/// `targets` starting at the given index, each page from the target that answered the last.
 async fn read_stream(
     client: &Client,
-    targets: (&[Target], usize),
+    (targets, mut first): (&[Target], usize),
     account: Uuid,
     keys: &HashSet<Uuid>,
     timeout: Duration,
@@ -290,7 +290,8 @@ async fn read_stream(
         let path = format!(
             "/api/accounts/{account}/history?fromVersion={from}&limit={HISTORY_PAGE_LIMIT}"
         );
-        let answer = get_with_retries(client, targets, &path, timeout).await?;
+        let (answer, answered) = get_with_retries(client, (targets, first), &path, timeout).await?;
+        first = answered;
         let page: HistoryPage = serde_json::from_slice(&answer.body).map_err(|e| {
             format!(
                 "history of {account}: unexpected body ({e}): {}",
@@ -323,19 +324,20 @@ async fn read_stream(
 }
 
 /// GETs `path`, from `targets` starting at the given index and moving on to the next
-/// target after each retryable answer.
+/// target after each retryable answer; returns the answer and the index of the target that
+/// gave it.
 async fn get_with_retries(
     client: &Client,
     (targets, first): (&[Target], usize),
     path: &str,
     timeout: Duration,
-) -> Result<Answer, String> {
+) -> Result<(Answer, usize), String> {
     let mut last = String::new();
     for attempt in 1..=HISTORY_MAX_ATTEMPTS {
-        let target = &targets[(first + attempt as usize - 1) % targets.len()];
-        let uri = target.uri(path)?;
+        let index = (first + attempt as usize - 1) % targets.len();
+        let uri = targets[index].uri(path)?;
         match exchange(client, Method::GET, uri, None, None, timeout).await {
-            Ok(a) if (200..300).contains(&a.status) => return Ok(a),
+            Ok(a) if (200..300).contains(&a.status) => return Ok((a, index)),
             Ok(a) if a.status == 409 || a.status >= 500 => {
                 last = format!("status {}: {}", a.status, quote(&a.body));
             }
