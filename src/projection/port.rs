@@ -176,6 +176,14 @@ impl Projection {
                     self.metrics.projection_record_failures.inc();
                     tracing::warn!(error = %e, accounts = rows.len(),
                         "the write landed but recording it in the projection failed; the next catch-up replays it");
+                    // The database is now behind this replica's copy. Kept, the copy would
+                    // send every later write down the fast path, whose records are guarded on
+                    // a cursor the database never reached: the shared row would stay stale
+                    // for as long as only this replica wrote. Without it, the next write
+                    // loads the row and catches up, which persists what was missed.
+                    for (account, _, _) in writes {
+                        self.pg_forget_warm(*account);
+                    }
                 }
                 1
             }

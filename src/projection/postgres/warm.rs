@@ -133,6 +133,13 @@ impl Projection {
         self.cap_copy(&mut st);
     }
 
+    /// Forgets the account's warm copy, if it has one: the database fell behind it.
+    pub(crate) fn pg_forget_warm(&self, account: AccountId) {
+        if let Some(slot) = self.resident_slot(account) {
+            self.drop_copy(&mut slot.state.lock());
+        }
+    }
+
     /// Drops a copy grown past [`super::WARM_MAX_ROWS_PER_ACCOUNT`] live entries.
     fn cap_copy(&self, st: &mut AccountState) {
         if st.recent.len() > super::WARM_MAX_ROWS_PER_ACCOUNT {
