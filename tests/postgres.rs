@@ -282,8 +282,15 @@ async fn a_failed_record_still_answers_and_the_next_catch_up_replays_it() {
     // the database never reached, and the row would stay stale while only it wrote).
     let after = created(&a.deposit(&account, 5, Some(&key())).await);
     assert_eq!(after, (145, 3));
-    assert_eq!(row(&db, &account).await, Some((145, 3)), "the row caught up");
-    assert!(index_row(&db, &account, &k).await.is_some(), "the missed row too");
+    assert_eq!(
+        row(&db, &account).await,
+        Some((145, 3)),
+        "the row caught up"
+    );
+    assert!(
+        index_row(&db, &account, &k).await.is_some(),
+        "the missed row too"
+    );
     // A retry on the replica that wrote (its row read is stale: the version guard sends it
     // to a catch-up, which replays the event) and on the other one.
     for t in [&a, &b] {
@@ -847,4 +854,108 @@ async fn a_database_failure_answers_503_naming_the_projection_database_and_sends
         .await
         .expect("restore the table");
     assert_eq!(a.balance(&account).await.0, 100);
+}
+
+/// A TCP relay to the test cluster that can be frozen: bytes stop flowing both ways, as
+/// from a database that hangs or a network that drops packets (no error, no answer).
+struct Relay {
+    /// `url` with the relay in place of the cluster's address.
+    url: String,
+    frozen: tokio::sync::watch::Sender<bool>,
+}
+
+impl Relay {
+    async fn start(url: &str) -> Relay {
+        let (user, rest) = url.split_once('@').expect("a URL with user@host");
+        let (upstream, path) = rest.split_once('/').expect("a URL with a database");
+        let upstream = upstream.to_string();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("relay bound");
+        let addr = listener.local_addr().expect("relay address");
+        let (frozen, watch) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let (upstream, watch) = (upstream.clone(), watch.clone());
+                tokio::spawn(async move {
+                    let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                        return;
+                    };
+                    let (client_r, client_w) = client.into_split();
+                    let (server_r, server_w) = server.into_split();
+                    tokio::join!(
+                        pump(client_r, server_w, watch.clone()),
+                        pump(server_r, client_w, watch)
+                    );
+                });
+            }
+        });
+        Relay {
+            url: format!("{user}@{addr}/{path}"),
+            frozen,
+        }
+    }
+
+    fn freeze(&self, on: bool) {
+        self.frozen.send_replace(on);
+    }
+}
+
+/// Relays bytes from one side to the other, holding each chunk while the relay is frozen.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut frozen: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if frozen.wait_for(|f| !*f).await.is_err() || to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Rule: a database that stops answering (hung, or behind a network that drops packets) is
+/// given up on by the replica itself, within two statement timeouts: a read that needs it is
+/// answered the projection's retryable 503, not left to the request's own deadline (10 s,
+/// "the request took too long"), since `statement_timeout` only bounds a server that
+/// answers.
+#[tokio::test]
+async fn a_database_that_stops_answering_is_given_up_on_and_named() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let relay = Relay::start(&url).await;
+    let mem = Arc::new(MemoryLog::new());
+    let t = replica(
+        &relay.url,
+        mem.clone(),
+        &["--postgres-statement-timeout-ms", "300"],
+    )
+    .await;
+    let account = new_account();
+    created(&t.deposit(&account, 100, Some(&key())).await);
+    relay.freeze(true);
+    // An account this replica has no copy of: the read needs the database.
+    let read = t
+        .get(&format!("/api/accounts/{}/balance", new_account()))
+        .await;
+    assert_eq!(
+        read.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        read.text
+    );
+    assert!(
+        read.text.contains("projection database"),
+        "the projection's own answer: {}",
+        read.text
+    );
+    relay.freeze(false);
+    assert_eq!(t.balance(&account).await.0, 100);
 }

@@ -120,6 +120,10 @@ pub struct RecordRow<'a> {
 pub struct PgProjection {
     pool: Pool,
     metrics: Arc<Metrics>,
+    /// The longest a request waits for the database to answer one statement: a pooled
+    /// connection, then the statement. `statement_timeout` only bounds a database that
+    /// answers; this bounds one that hangs or a network that drops packets.
+    answer_limit: Duration,
     /// Where the write path's records queue for a statement (`records.rs`).
     records: RecordQueue,
 }
@@ -178,8 +182,25 @@ impl PgProjection {
         Ok(Self {
             pool,
             metrics,
+            answer_limit: wait_limit,
             records,
         })
+    }
+
+    /// `statement`, given up (as a failed statement) once [`PgProjection::answer_limit`]
+    /// has passed without an answer.
+    async fn answered<T>(
+        &self,
+        statement: impl std::future::Future<Output = Result<T, PgError>>,
+    ) -> Result<T, PgError> {
+        tokio::time::timeout(self.answer_limit, statement)
+            .await
+            .unwrap_or_else(|_| {
+                Err(PgError(format!(
+                    "no answer within {} ms",
+                    self.answer_limit.as_millis()
+                )))
+            })
     }
 
     /// Counts one statement by kind and outcome.
@@ -240,6 +261,19 @@ impl PgProjection {
         tip_ms: u64,
         since: Option<u64>,
     ) -> Result<PgRow, PgError> {
+        let loaded = self
+            .answered(self.load_now(account, lookups, tip_ms, since))
+            .await;
+        self.counted("load", loaded)
+    }
+
+    async fn load_now(
+        &self,
+        account: AccountId,
+        lookups: &[u128],
+        tip_ms: u64,
+        since: Option<u64>,
+    ) -> Result<PgRow, PgError> {
         let client = self.pool.get().await?;
         let stmt = client
             .prepare_cached(
@@ -279,9 +313,7 @@ impl PgProjection {
                     &limit,
                 ],
             )
-            .await
-            .map_err(PgError::from);
-        let rows = self.counted("load", rows)?;
+            .await?;
         let mut row = rows::loaded(&rows).map_err(PgError)?;
         row.delta = match (since, row.delta.take()) {
             (None, _) => None,
@@ -306,6 +338,20 @@ impl PgProjection {
     /// window, and the account row at the fold's state, moved only forward (or marked broken
     /// at the version it already holds).
     pub async fn persist(
+        &self,
+        account: AccountId,
+        snap: Snapshot,
+        broken: Option<&Broken>,
+        replayed: &[(u128, RecentWrite)],
+        server_ts_ms: u64,
+    ) -> Result<(), PgError> {
+        let persisted = self
+            .answered(self.persist_now(account, snap, broken, replayed, server_ts_ms))
+            .await;
+        self.counted("persist", persisted)
+    }
+
+    async fn persist_now(
         &self,
         account: AccountId,
         snap: Snapshot,
@@ -345,7 +391,7 @@ impl PgProjection {
                 upsert = rows::INDEX_UPSERT,
             ))
             .await?;
-        let n = client
+        client
             .execute(
                 &stmt,
                 &index.params_then(&[
@@ -359,9 +405,8 @@ impl PgProjection {
                     &server_ts,
                 ]),
             )
-            .await
-            .map_err(PgError::from);
-        self.counted("persist", n).map(|_| ())
+            .await?;
+        Ok(())
     }
 
     /// Deletes index rows expired at `tip_ms` (server time), at most
