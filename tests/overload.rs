@@ -40,23 +40,24 @@ async fn wait_for_metric(t: &TestApp, name: &str, value: f64) {
     .unwrap_or_else(|_| panic!("{name} never reached {value}"));
 }
 
+/// A replica with one in-flight slot, where a request over it waits (for longer than any
+/// of these tests waits: never shed in them), and `extra` flags.
+async fn one_in_flight_slot(extra: &[&str]) -> TestApp {
+    let mut flags = vec![
+        "--max-concurrent-requests",
+        "1",
+        "--max-queue-wait-ms",
+        "10000",
+    ];
+    flags.extend_from_slice(extra);
+    spawn(test_config(&flags), None, None).await
+}
+
 /// Rule: a request over `--max-concurrent-requests` waits for a slot and is served when one
 /// frees, instead of being refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_over_the_limit_waits_for_a_slot() {
-    let t = spawn(
-        test_config(&[
-            "--max-concurrent-requests",
-            "1",
-            "--max-queue-wait-ms",
-            "10000",
-            "--faults",
-            "seed=1",
-        ]),
-        None,
-        None,
-    )
-    .await;
+    let t = one_in_flight_slot(&["--faults", "seed=1"]).await;
     let account = new_account();
     // Hold one write inside the store: its request keeps the only slot.
     let mut hold = faults(&t).hold_next_write();
@@ -464,24 +465,40 @@ async fn a_slow_head_holds_no_gate_slot() {
     t.shutdown().await;
 }
 
+/// A deposit of `cents` whose client sends all but the last bytes of its body and then
+/// stalls: returns its connection and the bytes still to send, once its handler is running.
+async fn stalled_deposit(
+    t: &TestApp,
+    account: &impl std::fmt::Display,
+    cents: i64,
+) -> (TcpStream, String) {
+    let post = raw_deposit(account, &format!(r#"{{"amountCents":{cents}}}"#));
+    let (head_and_some, rest) = post.split_at(post.len() - 4);
+    let mut slow = TcpStream::connect(t.addr).await.expect("connect");
+    slow.write_all(head_and_some.as_bytes())
+        .await
+        .expect("sent");
+    wait_for_gauge(&t.app.metrics.http_in_flight, 1).await;
+    (slow, rest.to_string())
+}
+
+/// Sends the rest of a stalled deposit's body; it is then served.
+async fn finish_stalled(mut slow: TcpStream, rest: &str) {
+    slow.write_all(rest.as_bytes()).await.expect("sent");
+    assert_served(&mut slow, "the slow client once its body is whole").await;
+}
+
 /// Rule: a handler waiting for the rest of its body gives its slot back for the wait, so a
 /// slow body cannot block the other connections either.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_body_holds_no_gate_slot() {
     let t = one_slot_gate().await;
     let account = new_account();
-    let post = raw_deposit(&account, r#"{"amountCents":7}"#);
-    let (head_and_some, rest) = post.split_at(post.len() - 4);
-    let mut slow = TcpStream::connect(t.addr).await.expect("connect");
-    slow.write_all(head_and_some.as_bytes())
-        .await
-        .expect("sent");
+    let (slow, rest) = stalled_deposit(&t, &account, 7).await;
     // Its handler is running, waiting for the body's last bytes without a slot.
-    wait_for_gauge(&t.app.metrics.http_in_flight, 1).await;
     wait_for_gauge(&t.app.metrics.http_gate_active, 0).await;
     another_client_is_served(&t).await;
-    slow.write_all(rest.as_bytes()).await.expect("sent");
-    assert_served(&mut slow, "the slow client once its body is whole").await;
+    finish_stalled(slow, &rest).await;
     assert_eq!(t.balance(&account).await.0, 7);
     t.shutdown().await;
 }
@@ -491,32 +508,13 @@ async fn a_slow_body_holds_no_gate_slot() {
 /// every other API request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_body_holds_no_in_flight_slot() {
-    let t = spawn(
-        test_config(&[
-            "--max-concurrent-requests",
-            "1",
-            // Longer than this test waits: another request over the limit would wait, not
-            // be shed, and never be served while the slow body held the slot.
-            "--max-queue-wait-ms",
-            "10000",
-        ]),
-        None,
-        None,
-    )
-    .await;
+    let t = one_in_flight_slot(&[]).await;
     let account = new_account();
-    let post = raw_deposit(&account, r#"{"amountCents":9}"#);
-    let (head_and_some, rest) = post.split_at(post.len() - 4);
-    let mut slow = TcpStream::connect(t.addr).await.expect("connect");
-    slow.write_all(head_and_some.as_bytes())
-        .await
-        .expect("sent");
     // Its handler is running, admitted, waiting for the body's last bytes: the other
     // request gets the only slot (before the fix it waited out its 10 s and was shed).
-    wait_for_gauge(&t.app.metrics.http_in_flight, 1).await;
+    let (slow, rest) = stalled_deposit(&t, &account, 9).await;
     another_client_is_served(&t).await;
-    slow.write_all(rest.as_bytes()).await.expect("sent");
-    assert_served(&mut slow, "the slow client once its body is whole").await;
+    finish_stalled(slow, &rest).await;
     assert_eq!(t.balance(&account).await.0, 9);
     t.shutdown().await;
 }

@@ -98,6 +98,22 @@ impl From<deadpool_postgres::PoolError> for PgError {
     }
 }
 
+/// `statement`, given up (as a failed statement) once `limit` has passed without an answer:
+/// the server-side `statement_timeout` only bounds a database that answers.
+async fn within<T>(
+    limit: Duration,
+    statement: impl std::future::Future<Output = Result<T, PgError>>,
+) -> Result<T, PgError> {
+    tokio::time::timeout(limit, statement)
+        .await
+        .unwrap_or_else(|_| {
+            Err(PgError(format!(
+                "no answer within {} ms",
+                limit.as_millis()
+            )))
+        })
+}
+
 /// The account row as read, with the index rows the read asked for.
 #[derive(Debug, Default)]
 pub struct PgRow {
@@ -187,22 +203,6 @@ impl PgProjection {
         })
     }
 
-    /// `statement`, given up (as a failed statement) once [`PgProjection::answer_limit`]
-    /// has passed without an answer.
-    async fn answered<T>(
-        &self,
-        statement: impl std::future::Future<Output = Result<T, PgError>>,
-    ) -> Result<T, PgError> {
-        tokio::time::timeout(self.answer_limit, statement)
-            .await
-            .unwrap_or_else(|_| {
-                Err(PgError(format!(
-                    "no answer within {} ms",
-                    self.answer_limit.as_millis()
-                )))
-            })
-    }
-
     /// Counts one statement by kind and outcome.
     fn counted<T>(&self, statement: &str, r: Result<T, PgError>) -> Result<T, PgError> {
         counted(&self.metrics, statement, r)
@@ -212,6 +212,15 @@ impl PgProjection {
     /// advisory lock: replicas starting at once take turns, and the later ones find
     /// everything applied.
     pub async fn migrate(&self) -> Result<(), PgError> {
+        // Longer than the server-side limit, so a database that answers says why.
+        within(
+            MIGRATION_TIMEOUT.saturating_add(self.answer_limit),
+            self.migrate_now(),
+        )
+        .await
+    }
+
+    async fn migrate_now(&self) -> Result<(), PgError> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
         tx.batch_execute(&format!(
@@ -261,23 +270,11 @@ impl PgProjection {
         tip_ms: u64,
         since: Option<u64>,
     ) -> Result<PgRow, PgError> {
-        let loaded = self
-            .answered(self.load_now(account, lookups, tip_ms, since))
-            .await;
-        self.counted("load", loaded)
-    }
-
-    async fn load_now(
-        &self,
-        account: AccountId,
-        lookups: &[u128],
-        tip_ms: u64,
-        since: Option<u64>,
-    ) -> Result<PgRow, PgError> {
-        let client = self.pool.get().await?;
-        let stmt = client
-            .prepare_cached(
-                "SELECT a.balance_cents, a.version, a.max_client_seq,
+        let loaded = within(self.answer_limit, async {
+            let client = self.pool.get().await?;
+            let stmt = client
+                .prepare_cached(
+                    "SELECT a.balance_cents, a.version, a.max_client_seq,
                         a.broken_version, a.broken_reason, a.trimmed_min_available,
                         a.server_ts_ms, r.event_id, r.balance_cents, r.version, r.event_kind,
                         r.amount_cents, r.counterparty, r.expires_at_ms, r.delta
@@ -297,32 +294,35 @@ impl PgProjection {
                         AND w.expires_at_ms > $3
                       LIMIT $5)
                  ) r ON true",
-            )
-            .await?;
-        let ids: Vec<Uuid> = lookups.iter().map(|&id| Uuid::from_u128(id)).collect();
-        let since_param = since.map_or(-1, rows::to_i64);
-        let limit = i64::try_from(WARM_MAX_ROWS_PER_ACCOUNT + 1).unwrap_or(i64::MAX);
-        let rows = client
-            .query(
-                &stmt,
-                &[
-                    &account.0,
-                    &ids,
-                    &rows::to_i64(tip_ms),
-                    &since_param,
-                    &limit,
-                ],
-            )
-            .await?;
-        let mut row = rows::loaded(&rows).map_err(PgError)?;
-        row.delta = match (since, row.delta.take()) {
-            (None, _) => None,
-            (Some(_), delta) => {
-                let delta = delta.unwrap_or_default();
-                (delta.len() <= WARM_MAX_ROWS_PER_ACCOUNT).then_some(delta)
-            }
-        };
-        Ok(row)
+                )
+                .await?;
+            let ids: Vec<Uuid> = lookups.iter().map(|&id| Uuid::from_u128(id)).collect();
+            let since_param = since.map_or(-1, rows::to_i64);
+            let limit = i64::try_from(WARM_MAX_ROWS_PER_ACCOUNT + 1).unwrap_or(i64::MAX);
+            let rows = client
+                .query(
+                    &stmt,
+                    &[
+                        &account.0,
+                        &ids,
+                        &rows::to_i64(tip_ms),
+                        &since_param,
+                        &limit,
+                    ],
+                )
+                .await?;
+            let mut row = rows::loaded(&rows).map_err(PgError)?;
+            row.delta = match (since, row.delta.take()) {
+                (None, _) => None,
+                (Some(_), delta) => {
+                    let delta = delta.unwrap_or_default();
+                    (delta.len() <= WARM_MAX_ROWS_PER_ACCOUNT).then_some(delta)
+                }
+            };
+            Ok(row)
+        })
+        .await;
+        self.counted("load", loaded)
     }
 
     /// The write path's record, for every account a write touched, in ONE statement
@@ -345,34 +345,21 @@ impl PgProjection {
         replayed: &[(u128, RecentWrite)],
         server_ts_ms: u64,
     ) -> Result<(), PgError> {
-        let persisted = self
-            .answered(self.persist_now(account, snap, broken, replayed, server_ts_ms))
-            .await;
-        self.counted("persist", persisted)
-    }
-
-    async fn persist_now(
-        &self,
-        account: AccountId,
-        snap: Snapshot,
-        broken: Option<&Broken>,
-        replayed: &[(u128, RecentWrite)],
-        server_ts_ms: u64,
-    ) -> Result<(), PgError> {
-        let mut index = IndexRows::default();
-        for (event_id, w) in replayed {
-            index.push(account, *event_id, w);
-        }
-        let (broken_version, broken_reason, trimmed) = rows::broken_columns(broken);
-        let (version, max_client_seq, server_ts) = (
-            rows::to_i64(snap.version),
-            rows::to_i64(snap.max_client_seq),
-            rows::to_i64(server_ts_ms),
-        );
-        let client = self.pool.get().await?;
-        let stmt = client
-            .prepare_cached(&format!(
-                "WITH idx AS ({upsert})
+        let persisted = within(self.answer_limit, async {
+            let mut index = IndexRows::default();
+            for (event_id, w) in replayed {
+                index.push(account, *event_id, w);
+            }
+            let (broken_version, broken_reason, trimmed) = rows::broken_columns(broken);
+            let (version, max_client_seq, server_ts) = (
+                rows::to_i64(snap.version),
+                rows::to_i64(snap.max_client_seq),
+                rows::to_i64(server_ts_ms),
+            );
+            let client = self.pool.get().await?;
+            let stmt = client
+                .prepare_cached(&format!(
+                    "WITH idx AS ({upsert})
                  INSERT INTO tally_accounts AS a (account_id, balance_cents, version,
                         max_client_seq, broken_version, broken_reason, trimmed_min_available,
                         server_ts_ms)
@@ -388,31 +375,41 @@ impl PgProjection {
                   WHERE a.version < EXCLUDED.version
                      OR (a.version = EXCLUDED.version AND a.broken_reason IS NULL
                          AND EXCLUDED.broken_reason IS NOT NULL)",
-                upsert = rows::INDEX_UPSERT,
-            ))
-            .await?;
-        client
-            .execute(
-                &stmt,
-                &index.params_then(&[
-                    &account.0,
-                    &snap.balance,
-                    &version,
-                    &max_client_seq,
-                    &broken_version,
-                    &broken_reason,
-                    &trimmed,
-                    &server_ts,
-                ]),
-            )
-            .await?;
-        Ok(())
+                    upsert = rows::INDEX_UPSERT,
+                ))
+                .await?;
+            client
+                .execute(
+                    &stmt,
+                    &index.params_then(&[
+                        &account.0,
+                        &snap.balance,
+                        &version,
+                        &max_client_seq,
+                        &broken_version,
+                        &broken_reason,
+                        &trimmed,
+                        &server_ts,
+                    ]),
+                )
+                .await?;
+            Ok(())
+        })
+        .await;
+        self.counted("persist", persisted)
     }
 
     /// Deletes index rows expired at `tip_ms` (server time), at most
     /// [`SWEEP_BATCH_ROWS`] per statement and [`SWEEP_MAX_STATEMENTS`] statements. Returns
     /// how many rows went.
     pub async fn sweep(&self, tip_ms: u64) -> Result<u64, PgError> {
+        let limit = self
+            .answer_limit
+            .saturating_mul(SWEEP_MAX_STATEMENTS as u32);
+        within(limit, self.sweep_now(tip_ms)).await
+    }
+
+    async fn sweep_now(&self, tip_ms: u64) -> Result<u64, PgError> {
         let client = self.pool.get().await?;
         let stmt = client
             .prepare_cached(
