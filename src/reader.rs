@@ -119,6 +119,13 @@ pub enum ReadError {
     /// The Postgres projection's database did not answer. Retryable.
     #[error("the projection database did not answer; retry shortly")]
     Database,
+    /// Retryable: the store's reads show none of the account's events, but the store says
+    /// the account is at `version`. Never a balance of 0 at version 0 for an account that
+    /// exists (a server found to hide a new aggregate's head from reads; README, "Stores").
+    #[error(
+        "the store says the account is at version {version}, but its reads show none of its events yet; retry"
+    )]
+    StoreHidesEvents { version: u64 },
 }
 
 impl From<ProjectionError> for ReadError {
@@ -168,7 +175,7 @@ impl AccountReader {
         // A read-your-writes read this replica can already satisfy needs no store round trip.
         if let Some(min) = min_version
             && let Some(snap) = self.local_snapshot(account).await?
-            && snap.version >= min
+            && snap.version >= min.max(1)
         {
             return Ok(snap.into());
         }
@@ -176,6 +183,7 @@ impl AccountReader {
         loop {
             let snap = self.projection.refresh(account, &[]).await?.snap;
             if min_version.is_none_or(|min| snap.version >= min) {
+                self.confirm_empty(account, snap.version).await?;
                 return Ok(snap.into());
             }
             attempt += 1;
@@ -185,6 +193,24 @@ impl AccountReader {
                 });
             }
             tokio::time::sleep(MIN_VERSION_BACKOFF).await;
+        }
+    }
+
+    /// An account whose reads showed no event at all (`version` 0) is asked about once more,
+    /// by the store's details: one that does not exist is answered as such (balance 0 at
+    /// version 0); one the store says exists is a read that hides its events, and retryable.
+    /// Costs a round trip only for accounts that look new.
+    async fn confirm_empty(&self, account: AccountId, version: u64) -> Result<(), ReadError> {
+        if version > 0 {
+            return Ok(());
+        }
+        let key = self.projection.identity().key(account);
+        match self.projection.log().details(key).await {
+            Ok(d) if d.max_version > 0 => Err(ReadError::StoreHidesEvents {
+                version: d.max_version,
+            }),
+            Ok(_) | Err(StoreError::AggregateNotFound) => Ok(()),
+            Err(e) => Err(e.into()),
         }
     }
 
@@ -227,7 +253,10 @@ impl AccountReader {
         // The balance comes from the fold; a stream the fold cannot derive (trimmed) still
         // has a readable history, just no balance.
         let (balance_cents, current) = match self.projection.refresh(account, &[]).await {
-            Ok(loaded) => (Some(loaded.snap.balance), loaded.snap.version),
+            Ok(loaded) => {
+                self.confirm_empty(account, loaded.snap.version).await?;
+                (Some(loaded.snap.balance), loaded.snap.version)
+            }
             Err(ProjectionError::Store(e)) => return Err(e.into()),
             Err(ProjectionError::Database) => return Err(ReadError::Database),
             Err(_) => match log.details(key).await {

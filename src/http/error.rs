@@ -265,6 +265,7 @@ impl From<ReadError> for ApiError {
             | ReadError::HistoryBehindFold { .. }
             | ReadError::BalanceBehindHistory { .. }
             | ReadError::HistoryTipUnknown(_)
+            | ReadError::StoreHidesEvents { .. }
             | ReadError::Database => ApiError::Unavailable(e.to_string()),
             ReadError::LimitOutOfRange { .. } => ApiError::bad_request("BAD_QUERY", e.to_string()),
             ReadError::Unreadable { .. } => ApiError::Internal {

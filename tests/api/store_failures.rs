@@ -149,3 +149,90 @@ async fn a_poisoned_stream_is_500_with_an_error_id_and_nothing_is_written_to_it(
     assert_eq!(t.get("/readyz").await.status, StatusCode::OK);
     t.shutdown().await;
 }
+
+/// A store whose reads hide every event of the accounts in `hidden`, while its details
+/// still say where they stand: the shape of a server that acknowledged a create and then
+/// kept the new aggregate's head from every read (README, "Stores").
+struct HidesReads {
+    inner: SharedLog,
+    hidden: std::sync::Mutex<Vec<tally::store::AggregateKey>>,
+}
+
+#[async_trait::async_trait]
+impl tally::store::EventLog for HidesReads {
+    async fn write(
+        &self,
+        client: tally::store::ClientId,
+        writes: Vec<AggregateWrite>,
+    ) -> tally::store::StoreResult<Vec<u64>> {
+        self.inner.write(client, writes).await
+    }
+    async fn read(
+        &self,
+        key: tally::store::AggregateKey,
+        filter: &tally::store::ReadFilter,
+    ) -> tally::store::StoreResult<tally::store::ReadPage> {
+        if self.hidden.lock().unwrap().contains(&key) {
+            return Ok(tally::store::ReadPage {
+                batches: Vec::new(),
+                next_version: None,
+            });
+        }
+        self.inner.read(key, filter).await
+    }
+    async fn details(
+        &self,
+        key: tally::store::AggregateKey,
+    ) -> tally::store::StoreResult<tally::store::AggregateDetails> {
+        self.inner.details(key).await
+    }
+    async fn trim_start(
+        &self,
+        key: tally::store::AggregateKey,
+        keep_from_version: u64,
+    ) -> tally::store::StoreResult<()> {
+        self.inner.trim_start(key, keep_from_version).await
+    }
+}
+
+/// Rule: an account the store says exists, but whose events its reads do not show, is never
+/// answered as a new account (balance 0 at version 0 in a 200): balance and history are a
+/// retryable 503. An account that really does not exist still reads as empty.
+#[tokio::test]
+async fn an_account_whose_events_the_store_hides_is_a_retryable_503_never_a_zero_balance() {
+    let mem: SharedLog = Arc::new(MemoryLog::new());
+    let writer = spawn(test_config(&[]), Some(mem.clone()), None).await;
+    let account = new_account();
+    assert_eq!(
+        writer.deposit(&account, 700, None).await.status,
+        StatusCode::OK
+    );
+    let key = tally::account::Identity::default().key(AccountId(account.parse().unwrap()));
+    let hiding: SharedLog = Arc::new(HidesReads {
+        inner: mem,
+        hidden: std::sync::Mutex::new(vec![key]),
+    });
+    let reader = spawn(test_config(&[]), Some(hiding), None).await;
+    let balance = reader
+        .get(&format!("/api/accounts/{account}/balance"))
+        .await;
+    assert_error(&balance, 503, "SERVICE_UNAVAILABLE");
+    assert!(balance.text.contains("version 1"), "{}", balance.text);
+    let history = reader
+        .get(&format!("/api/accounts/{account}/history"))
+        .await;
+    assert_error(&history, 503, "SERVICE_UNAVAILABLE");
+    let unknown = reader
+        .get(&format!("/api/accounts/{}/balance", new_account()))
+        .await;
+    assert_eq!(unknown.status, StatusCode::OK, "{}", unknown.text);
+    assert_eq!(
+        (
+            &unknown.body["balanceCents"],
+            &unknown.body["aggregateVersion"]
+        ),
+        (&serde_json::json!(0), &serde_json::json!(0))
+    );
+    writer.shutdown().await;
+    reader.shutdown().await;
+}
