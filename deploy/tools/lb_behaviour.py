@@ -160,14 +160,19 @@ def retry_checks(lb_port, replica_ports, logs):
     acct = str(uuid.uuid4())
     post_ok = True
     post_seen = []
+    codes = set()
     for _ in range(5):
         tag = "post-" + uuid.uuid4().hex
-        status, _, _ = request(lb_port, "POST", f"/api/accounts/{acct}/deposit", {"X-Stub-Drop": "1", "X-Stub-Tag": tag}, b"{}")
+        status, _, payload = request(lb_port, "POST", f"/api/accounts/{acct}/deposit", {"X-Stub-Drop": "1", "X-Stub-Tag": tag}, b"{}")
         time.sleep(0.2)
         seen = sum(1 for r in stub_log_lines(logs) if r.get("tag") == tag)
         post_seen.append(seen)
         post_ok &= status == 502 and seen == 1
+        codes.add((payload or {}).get("error"))
     check(post_ok, f"a POST dropped after reaching a replica is never re-sent (502; replicas saw each {post_seen}x)")
+    check(codes == {"UPSTREAM_FAILED"}, f"nginx's 502 is the API's JSON error shape ({codes})")
+    status, _, payload = request(lb_port, "POST", f"/api/accounts/{acct}/deposit", {"Content-Type": "application/json"}, b"x" * 70_000)
+    check(status == 413 and (payload or {}).get("error") == "PAYLOAD_TOO_LARGE", f"nginx's 413 is the API's JSON error shape ({status} {payload})")
 
     # nginx re-sends a GET to the next replica (proxy_next_upstream_tries 2), and grants
     # one extra try when the failure was on a reused keep-alive connection: 2 or 3 sends.
