@@ -120,10 +120,8 @@ impl Caller {
     /// How long the caller's token is still accepted, from now (zero when it no longer is);
     /// `None` when it has no expiry.
     pub fn time_left(&self) -> Option<Duration> {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_secs();
+        // The validator's own clock, which judged `exp` when the token was checked.
+        let now = jsonwebtoken::get_current_timestamp();
         self.expires_at
             .map(|at| Duration::from_secs(at.saturating_sub(now)))
     }

@@ -7,8 +7,6 @@
 
 use std::time::Duration;
 
-use tokio::time::Instant;
-
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::client::conn::http1::{self, SendRequest};
@@ -16,6 +14,7 @@ use hyper::header::{CONNECTION, CONTENT_TYPE, HOST, HeaderValue};
 use hyper::{Method, Request};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 use super::http::{CONNECT, IDEMPOTENCY_KEY, Outcome, Target, TransportError, chain, read_answer};
 
