@@ -1477,6 +1477,50 @@ async fn concurrent_duplicates_on_one_replica_are_coalesced_into_one_write() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_different_operation_waiting_on_a_refused_first_is_decided_on_its_own() {
+    // The same rule as one sent after the refusal: nothing landed under the key, so the
+    // waiting request is a new request, never a reused key.
+    let env = Env::new();
+    let a = env.replica().await;
+    let b = env.sibling().await;
+    let x = acct(1);
+    a.ok(deposit(x, 100, E0)).await;
+
+    let mut hold = env.faulty.hold_next_write();
+    let first = tokio::spawn({
+        let a = a.clone();
+        async move { a.run(withdraw(x, 50, E1)).await }
+    });
+    assert!(hold.held().await);
+    let second = tokio::spawn({
+        let a = a.clone();
+        async move { a.run(deposit(x, 30, E1)).await }
+    });
+    let coalesced = || a.projection.metrics().idem_coalesced.get();
+    for _ in 0..1_000 {
+        if coalesced() == 1 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(coalesced(), 1);
+    // Another replica empties the account while the first write is held: released, it
+    // bounces, and on fresh state the withdrawal is refused.
+    b.ok(withdraw(x, 100, E_SIB)).await;
+    hold.release();
+
+    assert_eq!(
+        first.await.unwrap(),
+        Err(WriteError::Rule(RuleError::InsufficientFunds { balance: 0 }))
+    );
+    assert_eq!(second.await.unwrap(), Ok(outcome(&[(x, 30, 3)], false)));
+    assert_eq!(a.projection.metrics().idem_key_reuse.get(), 0);
+    let s = env.stream(x);
+    assert_eq!(events_with_id(&s, E1).len(), 1);
+    assert_eq!(folded_balance(&s), 30);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_rule_rejection_on_a_stale_local_fold_is_not_final_until_checked_on_fresh_state() {
     let env = Env::new();
     let a = env.replica().await;

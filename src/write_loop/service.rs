@@ -7,7 +7,8 @@
 //!   not the HTTP limit, bounds what really runs); none left is a 503 at once;
 //! - **coalescing**: a duplicate of a key already being written on this replica, on the same
 //!   account, waits for the first and shares its answer, marked replayed (a different
-//!   operation under the key is a reused key). The key of a request is (event id, first
+//!   operation under the key is a reused key if the first landed, and is decided on its
+//!   own if the first did not, as it would be had it come later). The key of a request is (event id, first
 //!   account), the same scope as the recent-writes index, so an overlapping duplicate and a
 //!   later one are answered by the same rule;
 //! - **batching**: a single-account request queues in its account's lane (at most
@@ -163,7 +164,8 @@ impl WriteService {
             Err(_) => None,
         };
         match answer {
-            Some(_) if leader.op != req.op => {
+            // The key landed with another payload: the same answer the index gives later.
+            Some(Ok(_)) if leader.op != req.op => {
                 self.metrics().idem_key_reuse.inc();
                 Err(WriteError::KeyReused)
             }
@@ -171,8 +173,12 @@ impl WriteService {
                 outcome.replayed = true;
                 Ok(outcome)
             }
-            Some(Err(e)) => Err(e),
-            None => Box::pin(self.execute_admitted(req, arrived)).await,
+            Some(Err(e)) if leader.op == req.op => Err(e),
+            // The first request under this key did not land here (a refusal, or an outcome
+            // this replica still has to settle): nothing the key names is known, so this
+            // request is decided on its own, exactly as if it had come after. Reusing the key
+            // is only proven once the first payload is found in the stream.
+            Some(Err(_)) | None => Box::pin(self.execute_admitted(req, arrived)).await,
         }
     }
 
