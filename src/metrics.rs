@@ -81,6 +81,7 @@ pub struct Metrics {
     pub device_sync_runs: IntCounterVec,
     pub device_sync_events: IntCounter,
     pub write_live: IntGauge,
+    pub write_answer_timeouts: IntCounter,
     // Idempotency
     pub idem_replays: IntCounter,
     pub idem_key_reuse: IntCounter,
@@ -201,6 +202,11 @@ impl Metrics {
                 r,
                 "tally_write_live",
                 "Requests alive on the write side (running, queued or coalesced).",
+            ),
+            write_answer_timeouts: counter(
+                r,
+                "tally_write_answers_late_total",
+                "Writes answered 409 (outcome not known yet, retry with the key) because the write loop had not answered within the request's deadline; the write went on.",
             ),
             idem_replays: counter(
                 r,

@@ -202,7 +202,8 @@ def build():
          [t(f"sum({rate('tally_idempotency_replays_total')})", "replays (original response)"),
           t(f"sum({rate('tally_idempotency_key_reuse_total')})", "key reuse refused"),
           t(f"sum({rate('tally_idempotency_keys_minted_total')})", "keys minted (no Idempotency-Key)"),
-          t(f"sum({rate('tally_idempotency_coalesced_total')})", "coalesced duplicates")], "ops")
+          t(f"sum({rate('tally_idempotency_coalesced_total')})", "coalesced duplicates"),
+          t(f"sum({rate('tally_write_answers_late_total')})", "late answers (409, the write went on)")], "ops")
     L.ts("Idempotency events by replica",
          [t(f"sum by (instance) ({rate('tally_idempotency_replays_total')})", "replays {{instance}}"),
           t(f"sum by (instance) ({rate('tally_idempotency_coalesced_total')})", "coalesced {{instance}}"),

@@ -181,11 +181,14 @@ async fn handle(
         } else {
             None
         };
+        // A keyed write bounds its own wait (`writes::write`): its late answer must still
+        // name its key, and the write goes on after it.
+        if route.is_keyed_write() {
+            return serve_route(&app, route, req).await;
+        }
         match tokio::time::timeout(request_deadline(&app), serve_route(&app, route, req)).await {
             Ok(result) => result,
-            Err(_) => Err(ApiError::Unavailable(
-                "the request took too long; retry it".into(),
-            )),
+            Err(_) => Err(took_too_long()),
         }
     }
     .instrument(span.clone())
@@ -230,6 +233,11 @@ async fn serve_route(
 
 fn request_deadline(app: &App) -> Duration {
     app.config.write().deadline + REQUEST_DEADLINE_MARGIN
+}
+
+/// The backstop's answer: nothing is known to have been done, so retry.
+fn took_too_long() -> ApiError {
+    ApiError::Unavailable("the request took too long; retry it".into())
 }
 
 /// Counts a request on a gauge (in flight, queued for a slot, or waiting at the gate) until it

@@ -136,6 +136,14 @@ impl Route {
         )
     }
 
+    /// The routes that run the write loop under an idempotency key.
+    pub fn is_keyed_write(&self) -> bool {
+        matches!(
+            self,
+            Route::Deposit(_) | Route::Withdraw(_) | Route::AccountTransfer(_) | Route::Transfers
+        )
+    }
+
     /// API routes without query parameters: a query on one is refused, never ignored.
     fn refuses_query(&self) -> bool {
         matches!(

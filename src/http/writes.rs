@@ -20,7 +20,7 @@ use super::idempotency::{self, IdempotencyKey};
 use crate::account::{AccountId, AmountCents, Operation};
 use crate::app::App;
 use crate::auth::Caller;
-use crate::write_loop::{LegResult, WriteOutcome, WriteRequest};
+use crate::write_loop::{LegResult, WriteError, WriteOutcome, WriteRequest};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -124,7 +124,10 @@ where
     let caller = req.extensions().get::<Caller>().cloned();
     let key = IdempotencyKey::from_headers(req.headers(), caller.as_ref().map(|c| c.id.as_str()))?;
     tracing::Span::current().record("key_hash", key.short_hash().as_str());
-    let body: B = read_json(req).await?;
+    // The body read is bounded as any request is; the write is bounded below.
+    let body: B = tokio::time::timeout(super::request_deadline(app), read_json(req))
+        .await
+        .map_err(|_| super::took_too_long())??;
     let op = build(body)?;
     super::auth::authorize_operation(app, caller.as_ref(), &op)?;
     if key.minted {
@@ -136,12 +139,23 @@ where
         event_id: key.event_id.as_u128(),
     };
     let span = tracing::Span::current();
-    let answer = tokio::spawn(async move { writes.execute(request).await }.instrument(span))
-        .await
-        .map_err(|e| ApiError::Internal {
-            code: "INTERNAL",
-            message: format!("the write task failed: {e}"),
-        })?;
+    let task = tokio::spawn(async move { writes.execute(request).await }.instrument(span));
+    // The loop stops trying at its deadline, but a store call under way then runs to its own
+    // timeout: past this backstop the answer is "not known yet", with the key, and the task
+    // goes on to record the outcome for the retry.
+    let answer = match tokio::time::timeout(super::request_deadline(app), task).await {
+        Ok(Ok(answer)) => answer,
+        Ok(Err(e)) => Err(WriteError::Invariant {
+            what: format!("the write task failed: {e}"),
+        }),
+        Err(_) => {
+            app.metrics.write_answer_timeouts.inc();
+            Err(WriteError::Unverifiable {
+                reason: "no answer within the request's deadline; the write may still land"
+                    .into(),
+            })
+        }
+    };
     let mut resp = match answer {
         Ok(outcome) => outcome_response(&outcome),
         Err(e) => ApiError::from(e).into_response(),

@@ -609,6 +609,41 @@ async fn a_concurrent_request_reusing_an_in_flight_key_with_another_amount_is_re
     t.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_unanswered_by_the_request_deadline_is_a_retryable_409_naming_its_key() {
+    // No key sent: the minted key must reach the client even when the answer is "not known
+    // yet", or a retry (under a new minted key) could write twice.
+    let t = spawn(
+        test_config(&["--faults", "seed=1", "--write-deadline-ms", "100"]),
+        None,
+        None,
+    )
+    .await;
+    let account = new_account();
+    let mut hold = faults(&t).hold_next_write();
+    let late = t.deposit(&account, 700, None).await;
+    assert!(hold.held().await);
+    assert_error(&late, 409, "CONFLICT");
+    let key = late
+        .header("idempotency-key")
+        .expect("the minted key is named")
+        .to_string();
+    assert!(late.header("idempotency-window").is_some(), "{late:?}");
+    let m = t.get("/metrics").await;
+    assert_eq!(
+        common::metric_sum(&m.text, "tally_write_answers_late_total"),
+        1.0
+    );
+    // The write went on: released, it lands once, and the retry under the key replays it.
+    hold.release();
+    let retry = t.deposit(&account, 700, Some(&key)).await;
+    assert_eq!(retry.status, StatusCode::OK, "{}", retry.text);
+    assert!(retry.replayed());
+    assert_eq!(leg(&retry.body), (700, 1));
+    assert_eq!(t.history(&account).await.len(), 1);
+    t.shutdown().await;
+}
+
 #[tokio::test]
 async fn every_write_response_states_the_idempotency_window() {
     let t = spawn_default().await;
