@@ -285,7 +285,7 @@ impl AccountReader {
                 Ok(None) | Err(StoreError::AggregateNotFound) => break,
                 Err(StoreError::Trimmed { min_available }) if first_available_version.is_none() => {
                     first_available_version = Some(min_available);
-                    last_version = min_available - 1;
+                    last_version = min_available.saturating_sub(1);
                     stream = BatchStream::new(log.as_ref(), key, filter(min_available));
                     continue;
                 }

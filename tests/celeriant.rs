@@ -215,8 +215,8 @@ mod live {
         assert_eq!(
             log.write(c, vec![write(key, &[6], Some(2), true)]).await,
             Err(StoreError::IdempotencyViolation {
-                last_seq: 6,
-                attempted_seq: 6
+                last_seq: Some(6),
+                attempted_seq: Some(6)
             })
         );
         // 1000
@@ -431,8 +431,8 @@ mod live {
         assert_eq!(
             log.write(c, vec![write(key, &[41], Some(2), true)]).await,
             Err(StoreError::IdempotencyViolation {
-                last_seq: 41,
-                attempted_seq: 41
+                last_seq: Some(41),
+                attempted_seq: Some(41)
             })
         );
         assert_eq!(

@@ -390,8 +390,8 @@ mod rules {
             log.write(c, vec![write(key, &[2], Some(fresh), true)])
                 .await,
             Err(StoreError::IdempotencyViolation {
-                last_seq: 2,
-                attempted_seq: 2
+                last_seq: Some(2),
+                attempted_seq: Some(2)
             })
         );
         assert_eq!(max_version(&log, key).await, 2, "nothing appended");
@@ -405,16 +405,16 @@ mod rules {
         assert_eq!(
             log.write(c, vec![write(key, &[5], None, true)]).await,
             Err(StoreError::IdempotencyViolation {
-                last_seq: 5,
-                attempted_seq: 5
+                last_seq: Some(5),
+                attempted_seq: Some(5)
             })
         );
         // Judged by the lowest sequence of the write, whatever the order of events.
         assert_eq!(
             log.write(c, vec![write(key, &[9, 3, 7], None, true)]).await,
             Err(StoreError::IdempotencyViolation {
-                last_seq: 5,
-                attempted_seq: 3
+                last_seq: Some(5),
+                attempted_seq: Some(3)
             })
         );
         assert_eq!(
@@ -424,8 +424,8 @@ mod rules {
         assert_eq!(
             log.write(c, vec![write(key, &[7], None, true)]).await,
             Err(StoreError::IdempotencyViolation {
-                last_seq: 7,
-                attempted_seq: 7
+                last_seq: Some(7),
+                attempted_seq: Some(7)
             })
         );
         assert_eq!(versions(&log, key).await, vec![1, 2]);
@@ -443,8 +443,8 @@ mod rules {
         assert!(matches!(
             log.write(c1, vec![write(key, &[1], None, true)]).await,
             Err(StoreError::IdempotencyViolation {
-                last_seq: 10,
-                attempted_seq: 1
+                last_seq: Some(10),
+                attempted_seq: Some(1)
             })
         ));
     }
@@ -468,8 +468,8 @@ mod rules {
         assert_eq!(
             log.write(c, vec![write(key, &[8], None, true)]).await,
             Err(StoreError::IdempotencyViolation {
-                last_seq: 500,
-                attempted_seq: 8
+                last_seq: Some(500),
+                attempted_seq: Some(8)
             })
         );
         // Unenforced writes below the mark still land.
@@ -490,8 +490,8 @@ mod rules {
         assert_eq!(
             log.write(c, vec![write(key, &[500], None, true)]).await,
             Err(StoreError::IdempotencyViolation {
-                last_seq: 500,
-                attempted_seq: 500
+                last_seq: Some(500),
+                attempted_seq: Some(500)
             })
         );
         assert_eq!(
@@ -562,8 +562,8 @@ mod rules {
         assert_eq!(
             got,
             Err(StoreError::IdempotencyViolation {
-                last_seq: 9,
-                attempted_seq: 5
+                last_seq: Some(9),
+                attempted_seq: Some(5)
             })
         );
         assert_eq!(
@@ -1008,8 +1008,8 @@ mod rules {
         assert_eq!(
             log.write(c, vec![write(key, &[41], Some(2), true)]).await,
             Err(StoreError::IdempotencyViolation {
-                last_seq: 41,
-                attempted_seq: 41
+                last_seq: Some(41),
+                attempted_seq: Some(41)
             })
         );
         assert_eq!(

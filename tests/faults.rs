@@ -132,8 +132,8 @@ async fn lost_ack_applies_the_write_then_reports_outcome_unknown() {
     assert_eq!(
         log.write(CLIENT, vec![write(k, &[1])]).await,
         Err(StoreError::IdempotencyViolation {
-            last_seq: 1,
-            attempted_seq: 1
+            last_seq: Some(1),
+            attempted_seq: Some(1)
         })
     );
 }
@@ -247,8 +247,8 @@ async fn held_write_makes_an_overlapping_duplicate_inflight_then_idempotency_vio
     assert_eq!(
         log.write(CLIENT, vec![write(k, &[5])]).await,
         Err(StoreError::IdempotencyViolation {
-            last_seq: 6,
-            attempted_seq: 5
+            last_seq: Some(6),
+            attempted_seq: Some(5)
         })
     );
     only(
@@ -280,8 +280,8 @@ async fn unenforced_write_is_never_an_inflight_duplicate_and_the_held_write_gets
     assert_eq!(
         held.await.expect("task"),
         Err(StoreError::IdempotencyViolation {
-            last_seq: 5,
-            attempted_seq: 5
+            last_seq: Some(5),
+            attempted_seq: Some(5)
         })
     );
     assert_eq!(inner.batch_count(k), 1);

@@ -741,8 +741,8 @@ async fn an_unwritten_verdict_is_a_retryable_unverifiable_and_writes_nothing() {
     // view would look the same). Never guess.
     env.script
         .push(Step::Reject(StoreError::IdempotencyViolation {
-            last_seq: 9,
-            attempted_seq: 2,
+            last_seq: Some(9),
+            attempted_seq: Some(2),
         }));
     let got = a.run(deposit(x, 50, E1)).await;
 
@@ -1511,7 +1511,9 @@ async fn a_different_operation_waiting_on_a_refused_first_is_decided_on_its_own(
 
     assert_eq!(
         first.await.unwrap(),
-        Err(WriteError::Rule(RuleError::InsufficientFunds { balance: 0 }))
+        Err(WriteError::Rule(RuleError::InsufficientFunds {
+            balance: 0
+        }))
     );
     assert_eq!(second.await.unwrap(), Ok(outcome(&[(x, 30, 3)], false)));
     assert_eq!(a.projection.metrics().idem_key_reuse.get(), 0);

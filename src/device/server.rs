@@ -265,11 +265,23 @@ impl DeviceSync {
                     message: "the store acknowledged a write without a version".into(),
                 })),
             },
-            Err(StoreError::IdempotencyViolation { last_seq: mark, .. }) if mark >= last_seq => {
+            Err(StoreError::IdempotencyViolation {
+                last_seq: Some(mark),
+                ..
+            }) if mark >= last_seq => {
                 self.check_landed(device, run, &events).await?;
                 Ok(SyncOutcome::AlreadySynced { last_seq: mark })
             }
-            Err(StoreError::IdempotencyViolation { last_seq: mark, .. }) => {
+            // The server did not say where its mark is: only the stream can tell whether the
+            // run landed, and a run it does not show is retried, never called a straddle.
+            Err(StoreError::IdempotencyViolation { last_seq: None, .. }) => {
+                self.check_landed(device, run, &events).await?;
+                Ok(SyncOutcome::AlreadySynced { last_seq })
+            }
+            Err(StoreError::IdempotencyViolation {
+                last_seq: Some(mark),
+                ..
+            }) => {
                 tracing::warn!(
                     device = %device,
                     mark,
@@ -541,6 +553,67 @@ mod tests {
             }
         );
         assert!(!err.is_retryable() && !err.is_invalid_request());
+        let key = Identity::default().key(ACCOUNT.parse().unwrap());
+        assert_eq!(log.batch_count(key), 1);
+    }
+
+    /// A store whose 2002s leave out the committed sequence.
+    struct WithoutMark(Arc<MemoryLog>);
+
+    #[async_trait::async_trait]
+    impl crate::store::EventLog for WithoutMark {
+        async fn write(
+            &self,
+            client_id: crate::store::ClientId,
+            writes: Vec<crate::store::AggregateWrite>,
+        ) -> crate::store::StoreResult<Vec<u64>> {
+            match self.0.write(client_id, writes).await {
+                Err(StoreError::IdempotencyViolation { attempted_seq, .. }) => {
+                    Err(StoreError::IdempotencyViolation {
+                        last_seq: None,
+                        attempted_seq,
+                    })
+                }
+                other => other,
+            }
+        }
+        async fn read(
+            &self,
+            key: crate::store::AggregateKey,
+            filter: &crate::store::ReadFilter,
+        ) -> crate::store::StoreResult<crate::store::ReadPage> {
+            self.0.read(key, filter).await
+        }
+        async fn details(
+            &self,
+            key: crate::store::AggregateKey,
+        ) -> crate::store::StoreResult<crate::store::AggregateDetails> {
+            self.0.details(key).await
+        }
+        async fn trim_start(
+            &self,
+            key: crate::store::AggregateKey,
+            keep_from_version: u64,
+        ) -> crate::store::StoreResult<()> {
+            self.0.trim_start(key, keep_from_version).await
+        }
+    }
+
+    #[tokio::test]
+    async fn a_2002_without_the_mark_is_settled_by_the_stream_never_called_a_straddle() {
+        let log = Arc::new(MemoryLog::new());
+        let core = DeviceSync::new(Arc::new(WithoutMark(log.clone())), Identity::default());
+        let run = request((1..=3).map(|s| event(s, "deposit", 10)).collect());
+        core.handle(DEVICE, &run).await.unwrap();
+        // A lost ack's resend: the stream shows the run, so it is synced.
+        let again = core.handle(DEVICE, &run).await.unwrap();
+        assert_eq!(again.status, SyncStatus::AlreadySynced);
+        assert_eq!(again.last_seq, 3);
+        // A run the stream shows only in part (the mark, unknown here, is inside it) is
+        // retried, not refused for good.
+        let grown = request((2..=5).map(|s| event(s, "deposit", 10)).collect());
+        let err = core.handle(DEVICE, &grown).await.unwrap_err();
+        assert!(err.is_retryable(), "{err}");
         let key = Identity::default().key(ACCOUNT.parse().unwrap());
         assert_eq!(log.batch_count(key), 1);
     }

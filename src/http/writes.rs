@@ -151,8 +151,7 @@ where
         Err(_) => {
             app.metrics.write_answer_timeouts.inc();
             Err(WriteError::Unverifiable {
-                reason: "no answer within the request's deadline; the write may still land"
-                    .into(),
+                reason: "no answer within the request's deadline; the write may still land".into(),
             })
         }
     };

@@ -241,8 +241,8 @@ impl MemoryLog {
                 && lowest <= mark
             {
                 return Err(StoreError::IdempotencyViolation {
-                    last_seq: mark,
-                    attempted_seq: lowest,
+                    last_seq: Some(mark),
+                    attempted_seq: Some(lowest),
                 });
             }
         }

@@ -199,9 +199,14 @@ pub enum StoreError {
     #[error("version conflict: expected {expected}, current {current}")]
     Conflict { expected: u64, current: u64 },
     /// 2002: a committed batch from this client id already recorded a sequence at or above
-    /// the write's lowest one. Proves nothing about whose event that was.
-    #[error("client sequence {attempted_seq} at or below committed {last_seq}")]
-    IdempotencyViolation { last_seq: u64, attempted_seq: u64 },
+    /// the write's lowest one. Proves nothing about whose event that was. The sequences
+    /// are the server's word, `None` when its message left one out: only a device's sync
+    /// needs the committed one, and without it checks the stream instead.
+    #[error("client sequence {attempted_seq:?} at or below committed {last_seq:?}")]
+    IdempotencyViolation {
+        last_seq: Option<u64>,
+        attempted_seq: Option<u64>,
+    },
     /// 2013: a write holding this sequence is accepted but not yet durable.
     #[error("a write holding this client sequence is in flight")]
     InflightDuplicate,

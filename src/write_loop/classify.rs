@@ -136,8 +136,8 @@ mod tests {
         ));
         assert_eq!(
             classify(Err(StoreError::IdempotencyViolation {
-                last_seq: 3,
-                attempted_seq: 3
+                last_seq: Some(3),
+                attempted_seq: Some(3)
             })),
             Step::Contested
         );

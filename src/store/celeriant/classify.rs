@@ -110,21 +110,26 @@ fn json_u64(message: &str, field: &str) -> Option<u64> {
         .as_u64()
 }
 
-/// Sorts a server error code. Missing numeric fields in the message read as 0.
+/// Sorts a server error code. Numbers the server's message left out are never read as 0:
+/// a 2002's sequences stay unknown (`None`; a device's landed run would otherwise look like
+/// it straddles a mark of 0), and a 1000 without a usable minimum (versions start at 1) is
+/// left unclassified, retryable and never final (a trimmed account would otherwise look
+/// untrimmed). The 2003 fields only describe the conflict, so a missing one reads as 0.
 fn map_server_code(op: Op, code: u32, message: String) -> StoreError {
-    let field = |name: &str| json_u64(&message, name).unwrap_or(0);
+    let field = |name: &str| json_u64(&message, name);
     match code {
         codes::WRITE_OPTIMISTIC_CONCURRENCY_VIOLATION => StoreError::Conflict {
-            expected: field("expected_version"),
-            current: field("current_aggregate_version"),
+            expected: field("expected_version").unwrap_or(0),
+            current: field("current_aggregate_version").unwrap_or(0),
         },
         codes::WRITE_CLIENT_IDEMPOTENCY_VIOLATION => StoreError::IdempotencyViolation {
             last_seq: field("last_client_seq"),
             attempted_seq: field("attempted_client_seq"),
         },
         codes::WRITE_INFLIGHT_DUPLICATE => StoreError::InflightDuplicate,
-        codes::READ_UNAVAILABLE_VERSION => StoreError::Trimmed {
-            min_available: field("minimum_available"),
+        codes::READ_UNAVAILABLE_VERSION => match field("minimum_available") {
+            Some(min_available) if min_available > 0 => StoreError::Trimmed { min_available },
+            _ => StoreError::Other { code, message },
         },
         codes::READ_AGGREGATE_NOT_EXISTS
         | codes::WRITE_AGGREGATE_NOT_EXISTS

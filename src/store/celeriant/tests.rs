@@ -194,10 +194,62 @@ fn idempotency_violation_carries_both_sequences() {
     assert_eq!(
         map_error(Op::Write, e),
         StoreError::IdempotencyViolation {
-            last_seq: 9,
-            attempted_seq: 7
+            last_seq: Some(9),
+            attempted_seq: Some(7)
         }
     );
+}
+
+#[test]
+fn a_2002_without_its_mark_leaves_the_mark_unknown_never_0() {
+    // A device's landed run would look like it straddles a mark of 0.
+    let e = server(
+        WriteError::ClientIdempotencyViolation {
+            last_client_seq: None,
+            attempted_client_seq: Some(7),
+        },
+        r#"{"attempted_client_seq":7}"#,
+    );
+    assert_eq!(
+        map_error(Op::Write, e),
+        StoreError::IdempotencyViolation {
+            last_seq: None,
+            attempted_seq: Some(7)
+        }
+    );
+}
+
+#[test]
+fn a_1000_without_a_usable_minimum_is_unclassified_never_read_as_0() {
+    // A trimmed account would look untrimmed.
+    for (op, e) in [
+        (
+            Op::Read,
+            ClientError::Server(ServerError::Read {
+                kind: ReadError::UnavailableBatchIndex {
+                    requested_version: Some(1),
+                    minimum_available_version: None,
+                },
+                error_message: "below the trim".into(),
+            }),
+        ),
+        (
+            Op::Read,
+            ClientError::Server(ServerError::Read {
+                kind: ReadError::UnavailableBatchIndex {
+                    requested_version: Some(1),
+                    minimum_available_version: Some(0),
+                },
+                error_message: r#"{"requested":1,"minimum_available":0}"#.into(),
+            }),
+        ),
+    ] {
+        let mapped = map_error(op, e);
+        assert!(
+            matches!(mapped, StoreError::Other { .. }),
+            "{op:?}: {mapped:?}"
+        );
+    }
 }
 
 #[test]
@@ -853,8 +905,8 @@ fn leg(expected: Option<u64>, allow_create: bool) -> AggregateGuard {
 
 fn idempotency() -> StoreError {
     StoreError::IdempotencyViolation {
-        last_seq: 5,
-        attempted_seq: 5,
+        last_seq: Some(5),
+        attempted_seq: Some(5),
     }
 }
 
