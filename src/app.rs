@@ -20,6 +20,7 @@ use crate::store::celeriant::CeleriantLog;
 use crate::store::faults::FaultyLog;
 use crate::store::memory::MemoryLog;
 use crate::store::metered::MeteredLog;
+use crate::store::probe::SharedPing;
 use crate::store::{EventLog, SharedLog};
 use crate::watch::Hub;
 use crate::write_loop::WriteService;
@@ -55,6 +56,8 @@ pub struct App {
     pub auth: Arc<Authenticator>,
     /// The watch streams (issue 16): every committed event, from any replica, as it lands.
     pub watch: Arc<Hub>,
+    /// The store's liveness for `/readyz`, one ping shared by the probes of a second.
+    pub store_ping: SharedPing,
     pub(crate) limiter: Arc<Semaphore>,
     shutting_down: AtomicBool,
     /// The start-up steps (server clock, demo accounts): until every one is done, API
@@ -154,6 +157,7 @@ impl AppBuilder {
                 .run_sweeper(SWEEP_INTERVAL, std::future::pending()),
         );
         Ok(Arc::new(App {
+            store_ping: SharedPing::default(),
             limiter: Arc::new(Semaphore::new(config.max_concurrent_requests)),
             config,
             identity,

@@ -8,8 +8,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::Full;
 use hyper::StatusCode;
 use serde_json::json;
 
@@ -40,10 +38,13 @@ pub async fn readyz(app: &Arc<App>) -> Result<Resp, ApiError> {
             Some(waiting),
         ));
     }
-    let unreachable = match tokio::time::timeout(READY_PROBE_TIMEOUT, app.log.ping()).await {
-        Ok(Ok(())) => return Ok(json_response(StatusCode::OK, &json!({"status": "ready"}))),
-        Ok(Err(e)) => format!("store not reachable: {e}"),
-        Err(_) => "store did not answer in time".into(),
+    // One ping a second at most, however many probes ask (`SharedPing`).
+    let Err(unreachable) = app
+        .store_ping
+        .ping(app.log.as_ref(), READY_PROBE_TIMEOUT)
+        .await
+    else {
+        return Ok(json_response(StatusCode::OK, &json!({"status": "ready"})));
     };
     Ok(not_ready(
         "storeUnreachable",
@@ -59,9 +60,12 @@ fn not_ready(status: &'static str, err: ApiError, waiting: Option<Vec<String>>) 
     if let Some(waiting) = waiting {
         body["waiting"] = json!(waiting);
     }
-    let mut resp = err.into_response();
-    // Serialising a `Value` built here cannot fail.
-    *resp.body_mut() = Full::new(Bytes::from(serde_json::to_vec(&body).unwrap_or_default()));
+    let status = err.status();
+    let mut resp = json_response(status, &body);
+    // The error's own headers (`Retry-After`), on the body above.
+    for (name, value) in err.into_response().headers() {
+        resp.headers_mut().insert(name, value.clone());
+    }
     resp
 }
 

@@ -22,6 +22,7 @@ pub mod celeriant;
 pub mod faults;
 pub mod memory;
 pub mod metered;
+pub mod probe;
 
 use std::fmt;
 use std::sync::Arc;

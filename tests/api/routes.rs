@@ -460,6 +460,42 @@ async fn healthz_and_readyz_answer_and_readyz_fails_while_shutting_down() {
     t.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_probes_share_one_store_ping_a_second() {
+    // Probes are unauthenticated and skip every admission limit: they must not become
+    // store load.
+    const PROBES: usize = 32;
+    let t = Arc::new(spawn_default().await);
+    let pings = |text: &str| {
+        text.lines()
+            .filter(|l| {
+                l.starts_with("tally_store_requests_total{") && l.contains("operation=\"ping\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let before = pings(&t.get("/metrics").await.text);
+    let started = std::time::Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..PROBES {
+        let t = t.clone();
+        set.spawn(async move { t.get("/readyz").await });
+    }
+    for r in set.join_all().await {
+        assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    }
+    let sent = pings(&t.get("/metrics").await.text) - before;
+    let most = 1.0 + started.elapsed().as_secs_f64().floor();
+    assert!(
+        sent >= 1.0 && sent <= most,
+        "{sent} pings for {PROBES} probes"
+    );
+    let Ok(t) = Arc::try_unwrap(t) else {
+        panic!("every probe has finished")
+    };
+    t.shutdown().await;
+}
+
 #[tokio::test]
 async fn metrics_are_prometheus_text_labelled_by_route_template_never_by_raw_path() {
     let t = spawn_default().await;
