@@ -856,6 +856,36 @@ async fn a_database_failure_answers_503_naming_the_projection_database_and_sends
     assert_eq!(a.balance(&account).await.0, 100);
 }
 
+/// Rule: a row this code never wrote (a negative cursor, a trim without its point) is an
+/// error the replica answers retryably, never read as a new account (version 0) inside a 200.
+#[tokio::test]
+async fn an_account_row_this_code_never_wrote_is_refused_never_read_as_new() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let mem = Arc::new(MemoryLog::new());
+    let a = replica(&url, mem.clone(), &[]).await;
+    let db = pg::connect(&url).await;
+    let account = new_account();
+    created(&a.deposit(&account, 100, Some(&key())).await);
+    for corrupt in [
+        "UPDATE tally_accounts SET version = -3",
+        "UPDATE tally_accounts SET version = 1, broken_reason = 'trimmed', trimmed_min_available = NULL",
+    ] {
+        db.batch_execute(corrupt).await.expect("corrupt the row");
+        // A replica without a warm copy reads the row.
+        let cold = replica(&url, mem.clone(), &[]).await;
+        let read = cold.get(&format!("/api/accounts/{account}/balance")).await;
+        assert_eq!(
+            read.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{corrupt}: {}",
+            read.text
+        );
+        assert!(read.text.contains("projection database"), "{}", read.text);
+    }
+}
+
 /// A TCP relay to the test cluster that can be frozen: bytes stop flowing both ways, as
 /// from a database that hangs or a network that drops packets (no error, no answer).
 struct Relay {

@@ -1,7 +1,7 @@
 //! Conversions between the projection's values and the Postgres rows that hold them.
 
 use tokio_postgres::Row;
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::{FromSql, ToSql};
 use uuid::Uuid;
 
 use super::PgRow;
@@ -34,8 +34,17 @@ pub(super) fn to_i64(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
-fn to_u64(v: i64) -> u64 {
-    u64::try_from(v).unwrap_or(0)
+/// A column the projection wrote from a `u64`: a negative value is a row this code never
+/// wrote (or a schema it does not know), refused rather than read as 0, a new account.
+fn to_u64(v: i64, what: &str) -> Result<u64, String> {
+    u64::try_from(v).map_err(|_| format!("the account row's {what} is negative ({v})"))
+}
+
+/// Column `i` of `row`, or why not (NULL where a value is due, another type): a row this
+/// code did not write is an error to answer, never a panic.
+fn col<'a, T: FromSql<'a>>(row: &'a Row, i: usize) -> Result<T, String> {
+    row.try_get(i)
+        .map_err(|e| format!("the account row's column {i} is unreadable: {e}"))
 }
 
 /// Index rows, column by column, for `unnest`.
@@ -126,42 +135,42 @@ pub(super) fn loaded(rows: &[Row]) -> Result<PgRow, String> {
     let Some(first) = rows.first() else {
         return Err("the account read returned no row".into());
     };
-    let version: Option<i64> = first.get(1);
+    let version: Option<i64> = col(first, 1)?;
     if let Some(version) = version {
         let snap = Snapshot {
-            balance: first.get(0),
-            version: to_u64(version),
-            max_client_seq: to_u64(first.get(2)),
+            balance: col(first, 0)?,
+            version: to_u64(version, "version")?,
+            max_client_seq: to_u64(col(first, 2)?, "max_client_seq")?,
         };
-        let reason: Option<String> = first.get(4);
+        let reason: Option<String> = col(first, 4)?;
         let broken = match reason {
             None => None,
             Some(r) if r == TRIMMED => Some(Broken::Trimmed {
-                min_available: to_u64(first.get::<_, Option<i64>>(5).unwrap_or(0)),
+                min_available: to_u64(col(first, 5)?, "trimmed_min_available")?,
             }),
             Some(reason) => Some(Broken::Poisoned {
-                version: to_u64(first.get::<_, Option<i64>>(3).unwrap_or(0)),
+                version: to_u64(col(first, 3)?, "broken_version")?,
                 reason,
             }),
         };
         out.state = Some((snap, broken));
-        out.server_ts_ms = to_u64(first.get(6));
+        out.server_ts_ms = to_u64(col(first, 6)?, "server timestamp")?;
     }
     for row in rows {
-        let Some(event_id) = row.get::<_, Option<Uuid>>(7) else {
+        let Some(event_id) = col::<Option<Uuid>>(row, 7)? else {
             continue;
         };
-        let event = event_of(row.get(10), row.get(11), row.get(12))?;
+        let event = event_of(col(row, 10)?, col(row, 11)?, col(row, 12)?)?;
         let entry = (
             event_id.as_u128(),
             RecentWrite {
-                balance: row.get(8),
-                version: to_u64(row.get(9)),
-                expires_at_ms: to_u64(row.get(13)),
+                balance: col(row, 8)?,
+                version: to_u64(col(row, 9)?, "index version")?,
+                expires_at_ms: to_u64(col(row, 13)?, "index expiry")?,
                 event,
             },
         );
-        if row.get::<_, Option<bool>>(14) == Some(true) {
+        if col::<Option<bool>>(row, 14)? == Some(true) {
             out.delta.get_or_insert_with(Vec::new).push(entry);
         } else {
             out.hits.push(entry);
