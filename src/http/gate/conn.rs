@@ -37,7 +37,7 @@ use std::sync::{Arc, Weak};
 use std::task::{Context, Poll, Wake, Waker, ready};
 
 use parking_lot::Mutex;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::{Gate, Slot};
@@ -335,6 +335,29 @@ fn peek(stream: &TcpStream, cx: &mut Context<'_>) -> Peeked {
     }
 }
 
+/// Reads what the socket holds into `buf`. A read that did not fill `buf` emptied the
+/// socket's receive queue, so the socket's readiness is cleared with it, as tokio's own
+/// `TcpStream` reads do: the next poll then waits for new bytes instead of asking the
+/// kernel once more only to hear `WouldBlock` (a system call per request saved). The
+/// readiness is cleared against the event seen *before* the read, so bytes that arrive
+/// meanwhile keep their wake-up.
+fn read_draining(stream: &TcpStream, buf: &mut ReadBuf<'_>) -> io::Result<()> {
+    let room = buf.remaining();
+    let mut read = 0;
+    let drained = stream.try_io(Interest::READABLE, || {
+        read = stream.try_read_buf(buf)?;
+        if read > 0 && read < room {
+            // Clears the readiness; the bytes read are returned below.
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        Ok(())
+    });
+    match drained {
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock && read > 0 => Ok(()),
+        other => other,
+    }
+}
+
 /// The waker an idle connection leaves with its socket.
 struct OnReadable(Weak<ConnSlot>);
 
@@ -425,8 +448,8 @@ impl AsyncRead for GatedIo {
         loop {
             ready!(this.poll_slot(cx))?;
             match this.stream.poll_read_ready(cx) {
-                Poll::Ready(Ok(())) => match this.stream.try_read_buf(buf) {
-                    Ok(_) => return Poll::Ready(Ok(())),
+                Poll::Ready(Ok(())) => match read_draining(&this.stream, buf) {
+                    Ok(()) => return Poll::Ready(Ok(())),
                     // The readiness is cleared; the next round waits for the socket.
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                     Err(e) => return Poll::Ready(Err(e)),
