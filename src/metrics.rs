@@ -435,7 +435,7 @@ impl Metrics {
             idem_scans: counter_vec(
                 r,
                 "tally_idempotency_scans_total",
-                "Scans on miss (--idempotency-scan-window) by result: hit, miss, bounded (gave up at the batch bound).",
+                "Scans on miss (--idempotency-scan-window) by result: hit, miss, bounded (gave up at the page bound).",
                 &["result"],
             ),
             registry,

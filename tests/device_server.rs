@@ -1,12 +1,17 @@
 //! The service-side core of device sync against the store port: the device's own client id,
 //! no version guard, the classification of every store answer, and the projection.
 
+mod common;
+
 use std::sync::Arc;
 
+use common::windowed_log::{CELERIANT_WINDOW, WindowedLog};
 use tally::account::{AccountEvent, AccountId, Identity};
 use tally::device::DeviceId;
 use tally::device::protocol::{SyncEvent, SyncRequest, SyncStatus};
-use tally::device::server::{DeviceSync, DeviceSyncError, RetryReason, store_event_id};
+use tally::device::server::{
+    DeviceSync, DeviceSyncError, MAX_RUN_READ_PAGES, RetryReason, store_event_id,
+};
 use tally::metrics::Metrics;
 use tally::projection::{ManualClock, Projection, ProjectionConfig};
 use tally::store::faults::{Fault, FaultConfig, FaultyLog};
@@ -323,4 +328,89 @@ async fn a_run_below_the_mark_that_never_landed_is_a_conflict_not_a_retry() {
     assert_eq!(err, DeviceSyncError::RunConflictsWithStore { seq: 5 });
     assert!(err.is_conflict() && !err.resend_may_help());
     assert_eq!(batches(&memory).len(), 1, "nothing written");
+}
+
+/// A device core over the embedded store paged in Celeriant's windows, counting its reads.
+fn windowed() -> (Arc<MemoryLog>, Arc<WindowedLog>, DeviceSync) {
+    let memory = Arc::new(MemoryLog::new());
+    let windowed = Arc::new(WindowedLog::new(memory.clone(), CELERIANT_WINDOW));
+    let core = DeviceSync::new(windowed.clone() as SharedLog, Identity::default());
+    (memory, windowed, core)
+}
+
+/// Appends `n` one-event batches by the service's own client id (sequences from `seq`):
+/// versions a device's read-back filters out but, on Celeriant, still pages through.
+fn service_batches(memory: &MemoryLog, seq: u64, n: u64) {
+    let identity = Identity::default();
+    for s in seq..seq + n {
+        let event = AccountEvent::Deposited { amount: 1 };
+        memory
+            .write_now(
+                identity.client(),
+                vec![AggregateWrite {
+                    key: identity.key(account()),
+                    events: vec![Event {
+                        client_seq: s,
+                        event_id: Some(u128::from(s)),
+                        event_type: event.event_type(),
+                        payload: event.encode(),
+                        timestamp_ms: 0,
+                    }],
+                    expected_version: None,
+                    allow_create: true,
+                    enforce_client_idempotency: true,
+                }],
+            )
+            .expect("service write");
+    }
+}
+
+/// Rule: a resent run's read-back stops as soon as the answer is decided: at the run's own
+/// batch (already synced), or at a later sequence of the device's (a run below it that
+/// never landed: a conflict). It used to read every version to the stream's end: on
+/// Celeriant a read and a details call per 512 versions, on every resend.
+#[tokio::test]
+async fn a_resent_runs_read_back_stops_once_the_answer_is_decided() {
+    let (memory, windowed, core) = windowed();
+    core.handle(DEVICE, &run(1, 3, 10)).await.unwrap();
+    core.handle(DEVICE, &run(10, 10, 10)).await.unwrap();
+    service_batches(&memory, 1, 20 * CELERIANT_WINDOW);
+
+    windowed.reset();
+    let again = core.handle(DEVICE, &run(1, 3, 10)).await.unwrap();
+    assert_eq!(again.status, SyncStatus::AlreadySynced);
+    assert_eq!(windowed.reads(), 1, "one window holds the run");
+
+    windowed.reset();
+    let err = core.handle(DEVICE, &run(5, 5, 10)).await.unwrap_err();
+    assert_eq!(err, DeviceSyncError::RunConflictsWithStore { seq: 5 });
+    assert_eq!(windowed.reads(), 1, "one window holds the later sequence");
+}
+
+/// Rule: the read-back takes at most `MAX_RUN_READ_PAGES` pages; a run further up the
+/// stream than that is answered unverified (a retryable 503), never synced or refused on a
+/// read that did not reach it.
+#[tokio::test]
+async fn a_run_beyond_the_read_back_page_cap_is_unverified_not_a_verdict() {
+    let (memory, windowed, core) = windowed();
+    service_batches(&memory, 1, MAX_RUN_READ_PAGES as u64 * CELERIANT_WINDOW);
+    core.handle(DEVICE, &run(1, 3, 10)).await.unwrap();
+
+    windowed.reset();
+    let err = core.handle(DEVICE, &run(1, 3, 10)).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DeviceSyncError::Retry {
+                reason: RetryReason::Unverified,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(err.code(), "SYNC_UNVERIFIED");
+    assert_eq!(windowed.reads(), MAX_RUN_READ_PAGES);
+    let key = Identity::default().key(account());
+    let written = MAX_RUN_READ_PAGES as u64 * CELERIANT_WINDOW + 1;
+    assert_eq!(memory.batch_count(key) as u64, written, "nothing written");
 }

@@ -8,11 +8,13 @@ mod common;
 
 use std::sync::Arc;
 
+use common::windowed_log::{CELERIANT_WINDOW, WindowedLog};
 use common::{TestApp, new_account, pg, spawn, test_config};
 use reqwest::StatusCode;
-use tally::projection::ManualClock;
-use tally::store::SharedLog;
+use tally::account::AccountEvent;
+use tally::projection::{ManualClock, SCAN_MAX_PAGES, SCAN_MAX_VERSIONS};
 use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock};
+use tally::store::{AggregateWrite, Event, SharedLog};
 
 const T0: u64 = 7_000_000_000;
 
@@ -139,4 +141,91 @@ async fn postgres_without_the_flag_a_retry_past_the_window_writes_again() {
         return;
     };
     without_the_flag_a_retry_past_the_window_writes_again(pg::flags(&url)).await;
+}
+
+/// The account of the long-stream tests.
+const LONG_ACCOUNT: &str = "00000000-0000-0000-0000-0000000005ca";
+
+/// A replica scanning 600 s back over an account whose `3 * SCAN_MAX_VERSIONS` batches, all
+/// the service's own, were committed long before the scan window, on a store paged in
+/// windows of `width` versions; its fold is warm (one deposit) and the read count reset.
+async fn long_account(width: u64) -> (TestApp, Arc<WindowedLog>) {
+    let server = Arc::new(ServerClock::new(T0));
+    let memory = Arc::new(MemoryLog::with_options(MemoryOptions {
+        clock: server.clone(),
+        ..MemoryOptions::default()
+    }));
+    let windowed = Arc::new(WindowedLog::new(memory.clone(), width));
+    let local = Arc::new(ManualClock::new(0));
+    let flags = [
+        "--idempotency-window",
+        "60",
+        "--idempotency-scan-window",
+        "600",
+    ];
+    let store: SharedLog = windowed.clone();
+    let t = spawn(test_config(&flags), Some(store), Some(local.clone())).await;
+    t.app.started().await;
+    let key = t.app.identity.key(LONG_ACCOUNT.parse().unwrap());
+    let event = AccountEvent::Deposited { amount: 1 };
+    for seq in 1..=3 * SCAN_MAX_VERSIONS {
+        let write = AggregateWrite {
+            key,
+            events: vec![Event {
+                client_seq: seq,
+                event_id: Some(u128::from(seq)),
+                event_type: event.event_type(),
+                payload: event.encode(),
+                timestamp_ms: 0,
+            }],
+            expected_version: None,
+            allow_create: true,
+            enforce_client_idempotency: true,
+        };
+        memory
+            .write_now(t.app.identity.client(), vec![write])
+            .expect("old batch");
+    }
+    // Far past the scan window: every batch above is filtered out of a scan.
+    server.advance(3_600_000);
+    local.advance_ms(3_600_000);
+    answer(&t.deposit(LONG_ACCOUNT, 5, Some("warm-up")).await);
+    windowed.reset();
+    (t, windowed)
+}
+
+/// Rule: a scan's store work is bounded in versions read, not in batches found: on a long
+/// account whose batches the server-time filter all drops (on Celeriant each 512-version
+/// window of them is still a read and a details call), a new request's miss reads the
+/// newest `SCAN_MAX_VERSIONS` versions, not the stream from version 1.
+#[tokio::test]
+async fn memory_a_miss_on_a_long_account_reads_only_its_newest_versions() {
+    let (t, windowed) = long_account(CELERIANT_WINDOW).await;
+    let misses = scans(&t, "miss");
+    let fresh = t.deposit(LONG_ACCOUNT, 5, Some("fresh")).await;
+    assert!(!fresh.replayed(), "{}", fresh.text);
+    assert_eq!(scans(&t, "miss"), misses + 1);
+    assert!(
+        windowed.versions_read() <= SCAN_MAX_VERSIONS + CELERIANT_WINDOW,
+        "{} versions read for one miss",
+        windowed.versions_read()
+    );
+}
+
+/// Rule: past `SCAN_MAX_PAGES` pages a scan gives up as it always did past its cap: counted
+/// `bounded`, answered as a miss (the request is new), never a store error. (Pages of 100
+/// versions: the newest `SCAN_MAX_VERSIONS` versions take more than the cap.)
+#[tokio::test]
+async fn memory_a_scan_past_its_page_cap_gives_up_as_a_miss() {
+    let (t, windowed) = long_account(100).await;
+    let bounded = scans(&t, "bounded");
+    let fresh = t.deposit(LONG_ACCOUNT, 5, Some("fresh")).await;
+    assert!(!fresh.replayed(), "{}", fresh.text);
+    assert_eq!(answer(&fresh).1, 3 * SCAN_MAX_VERSIONS + 2);
+    assert_eq!(scans(&t, "bounded"), bounded + 1);
+    assert!(
+        windowed.reads() <= SCAN_MAX_PAGES + 2,
+        "{} reads",
+        windowed.reads()
+    );
 }

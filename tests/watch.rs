@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::sse::{EVENT_BOUND, Stream};
+use common::windowed_log::{CELERIANT_WINDOW, WindowedLog};
 use common::{TestApp, metric_sample, new_account, spawn, spawn_fleet, test_config};
 use reqwest::StatusCode;
 use tally::account::{AccountEvent, AccountId, Identity};
@@ -217,6 +218,60 @@ async fn bad_resume_points_are_refused_with_json_errors() {
         1,
         "refused streams hold no place"
     );
+    t.shutdown().await;
+}
+
+/// Rule: a resume point further back than `--watch-max-replay` versions is refused before
+/// the stream starts (400 `RESUME_TOO_FAR_BACK`, naming the history API), never replayed
+/// from the store however long the account; one within it replays its range, read once.
+#[tokio::test]
+async fn a_resume_further_back_than_the_replay_limit_is_refused_before_the_stream_starts() {
+    let memory = Arc::new(MemoryLog::new());
+    let windowed = Arc::new(WindowedLog::new(memory, CELERIANT_WINDOW));
+    let store: SharedLog = windowed.clone();
+    let t = spawn(test_config(&["--watch-max-replay", "4"]), Some(store), None).await;
+    let account = new_account();
+    for _ in 0..6 {
+        deposit_ok(&t, &account, 10).await;
+    }
+    // From version 2 to 6 is five versions: one too many, by either way of resuming.
+    let r = t
+        .get(&format!("{}?fromVersion=2", events_path(&account)))
+        .await;
+    common::assert_error(&r, 400, "RESUME_TOO_FAR_BACK");
+    assert!(r.text.contains("/history"), "{}", r.text);
+    let r = common::read(
+        t.client
+            .get(t.url(&events_path(&account)))
+            .header("Last-Event-ID", "1")
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    common::assert_error(&r, 400, "RESUME_TOO_FAR_BACK");
+    assert_eq!(
+        t.app.watch.subscribers(),
+        0,
+        "refused streams hold no place"
+    );
+
+    // A live stream first, so the account's channel has started and reads nothing more.
+    let mut live = Stream::open(&t, &events_path(&account), None).await;
+    assert_eq!(live.next().await.name(), "snapshot");
+    windowed.reset();
+    let mut s = Stream::open(
+        &t,
+        &format!("{}?fromVersion=3", events_path(&account)),
+        None,
+    )
+    .await;
+    for version in 3..=6u64 {
+        let e = s.next().await;
+        assert_eq!(e.id, Some(version.to_string()));
+        assert_eq!(e.json()["balanceCents"], 10 * version);
+    }
+    assert_eq!(windowed.reads(), 1, "the replayed range is read once");
     t.shutdown().await;
 }
 

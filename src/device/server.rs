@@ -28,7 +28,7 @@ pub use super::run::{DeviceRun, RunEvent};
 use super::{DeviceId, MAX_RUN_EVENTS};
 use crate::account::{AccountId, Identity, named_id};
 use crate::store::{
-    AggregateWrite, BatchStream, Event, ReadFilter, SharedLog, StoreError, StoreResult,
+    AggregateWrite, Batch, BatchStream, Event, ReadFilter, SharedLog, StoreError, StoreResult,
     wall_clock_ms,
 };
 
@@ -373,6 +373,13 @@ impl DeviceSync {
     }
 
     /// This device's events of the run's sequences and from above it (see [`RunRead`]).
+    ///
+    /// Read from version 1 (no lower bound is known: the service keeps nothing per device,
+    /// and a 2002 names only the mark), and only as far as the answer needs: it stops once
+    /// every sequence of the run was found or a later sequence of the device's was read
+    /// (the device's batches hold rising sequences, so nothing further up can change the
+    /// verdict), and gives up past [`MAX_RUN_READ_PAGES`] pages with
+    /// [`StoreError::NotApplied`], which the caller answers as unverified (a retry).
     async fn read_run(&self, device: DeviceId, run: &DeviceRun) -> StoreResult<RunRead> {
         let (first, last) = (run.first_seq(), run.last_seq());
         let mut filter = ReadFilter {
@@ -380,37 +387,42 @@ impl DeviceSync {
             min_client_seq: Some(first),
             ..ReadFilter::from_version(1)
         };
-        let mut found = BTreeMap::new();
-        let (mut trimmed, mut later) = (false, false);
+        let mut read = RunRead {
+            found: BTreeMap::new(),
+            trimmed: false,
+            later: false,
+        };
         let key = self.identity.key(run.account());
         let mut stream = BatchStream::new(self.log.as_ref(), key, filter.clone());
-        loop {
+        for _ in 0..MAX_RUN_READ_PAGES {
             match stream.next_page().await {
                 Ok(Some(batches)) => {
-                    for e in batches.iter().flat_map(|b| b.events.iter()) {
-                        if (first..=last).contains(&e.client_seq) {
-                            found.entry(e.client_seq).or_insert_with(|| e.clone());
-                        }
-                        later |= e.client_seq > last;
+                    read.absorb(&batches, first, last);
+                    if read.decided(first, last) {
+                        return Ok(read);
                     }
                 }
-                Ok(None) | Err(StoreError::AggregateNotFound) => break,
+                Ok(None) | Err(StoreError::AggregateNotFound) => return Ok(read),
                 // Read what is left above the trim point, once.
-                Err(StoreError::Trimmed { min_available }) if !trimmed => {
-                    trimmed = true;
+                Err(StoreError::Trimmed { min_available }) if !read.trimmed => {
+                    read.trimmed = true;
                     filter.from_version = min_available;
                     stream = BatchStream::new(self.log.as_ref(), key, filter.clone());
                 }
                 Err(e) => return Err(e),
             }
         }
-        Ok(RunRead {
-            found,
-            trimmed,
-            later,
+        Err(StoreError::NotApplied {
+            reason: format!("the read-back passed {MAX_RUN_READ_PAGES} pages"),
         })
     }
 }
+
+/// The most pages one read-back of a device run may take (a Celeriant page spans at most
+/// 512 versions, and costs a read and a details call). The read starts at version 1 and
+/// stops at the run, so this caps how far up an account's stream a resent run can still
+/// be proven: beyond it the answer is the retryable `SYNC_UNVERIFIED`, never a guess.
+pub const MAX_RUN_READ_PAGES: usize = 32;
 
 /// What a read of one device's batches on one account shows of a run.
 struct RunRead {
@@ -422,6 +434,25 @@ struct RunRead {
     /// prefix of the stream, and the store refuses a sequence at or below the device's mark,
     /// so a run sequence that is missing from such a read never landed.
     later: bool,
+}
+
+impl RunRead {
+    /// Takes in one page of the device's batches.
+    fn absorb(&mut self, batches: &[Batch], first: u64, last: u64) {
+        for e in batches.iter().flat_map(|b| b.events.iter()) {
+            if (first..=last).contains(&e.client_seq) {
+                self.found.entry(e.client_seq).or_insert_with(|| e.clone());
+            }
+            self.later |= e.client_seq > last;
+        }
+    }
+
+    /// Whether reading further up can no longer change the verdict: every sequence of the
+    /// run was found (runs have no gaps), or a later sequence was, above which none of the
+    /// run's can stand.
+    fn decided(&self, first: u64, last: u64) -> bool {
+        self.later || self.found.len() as u64 > last - first
+    }
 }
 
 /// The store events of a run: one per device event, named by [`store_event_id`].

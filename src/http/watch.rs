@@ -122,6 +122,9 @@ impl From<WatchError> for ApiError {
             WatchError::BeyondTip { .. } => {
                 ApiError::bad_request("RESUME_BEYOND_TIP", e.to_string())
             }
+            WatchError::TooFarBack { .. } => {
+                ApiError::bad_request("RESUME_TOO_FAR_BACK", e.to_string())
+            }
             WatchError::ReplicaFull { .. }
             | WatchError::AccountFull { .. }
             | WatchError::ShuttingDown

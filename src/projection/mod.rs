@@ -44,7 +44,7 @@ pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use index::{RecentIndex, RecentWrite};
 pub use port::{AccountView, Loaded};
 pub use postgres::{PgProjection, PostgresSettings};
-pub use scan::{SCAN_MAX_BATCHES, ScanHit};
+pub use scan::{SCAN_MAX_PAGES, SCAN_MAX_VERSIONS, ScanHit};
 pub use state::{AccountState, Broken, FoldContext, Snapshot};
 pub use sweep::SweepStats;
 

@@ -5,15 +5,25 @@
 //! request's event id looked for. A request found this way answers like any replay.
 //!
 //! Cost: one store read per account of every request the index misses (every new request),
-//! and one more read on a hit, to rebuild the balance right after the found event.
+//! and one more read on a hit, to rebuild the balance right after the found event. Bounded
+//! in versions, not in batches found: the server-time and client filters drop batches
+//! without making the read cheaper (on Celeriant every 512-version window is a read and a
+//! details call, kept or not), so the scan starts [`SCAN_MAX_VERSIONS`] below the state it
+//! is given, never at version 1, and reads at most [`SCAN_MAX_PAGES`] pages.
 
 use super::{Projection, Snapshot};
 use crate::account::{AccountEvent, AccountId};
-use crate::store::{BatchStream, ReadFilter, StoreError};
+use crate::store::{Batch, BatchStream, ReadFilter, StoreError};
 
-/// The most batches one scan reads before it gives up (counted as a miss): bounds the cost
-/// of a miss on a very busy account with a long scan window.
-pub const SCAN_MAX_BATCHES: usize = 10_000;
+/// How far below the state it is given a scan starts, in versions: a retry is looked for
+/// among the account's newest versions, and one further back is a miss (as past the
+/// window). On Celeriant, 20 windows of 512 versions.
+pub const SCAN_MAX_VERSIONS: u64 = 10_240;
+
+/// The most pages one scan reads before it gives up (counted as `bounded`, answered as a
+/// miss): [`SCAN_MAX_VERSIONS`] in Celeriant's windows, and four more for what landed above
+/// the state (a fold this replica trusted without reading).
+pub const SCAN_MAX_PAGES: usize = 24;
 
 /// A request found by a scan on one account.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,43 +51,34 @@ impl Projection {
             return Ok(None);
         };
         let window_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
-        let key = self.identity.key(account);
         let filter = ReadFilter {
-            from_version: 1,
+            from_version: (snap.version + 1).saturating_sub(SCAN_MAX_VERSIONS).max(1),
             include_client_id: Some(self.identity.client()),
             min_server_timestamp_ms: Some(self.server_tip_ms().saturating_sub(window_ms)),
             ..ReadFilter::default()
         };
-        let mut stream = BatchStream::new(self.log.as_ref(), key, filter);
-        let mut seen = 0usize;
+        let mut stream = BatchStream::new(self.log.as_ref(), self.identity.key(account), filter);
         let mut found: Option<(u64, usize, AccountEvent)> = None;
-        'pages: while let Some(page) = match stream.next_page().await {
-            Ok(page) => page,
-            Err(StoreError::AggregateNotFound) => None,
-            Err(e) => return Err(e),
-        } {
-            for batch in &page {
-                seen += 1;
-                if seen > SCAN_MAX_BATCHES {
-                    self.metrics
-                        .idem_scans
-                        .with_label_values(&["bounded"])
-                        .inc();
-                    return Ok(None);
-                }
-                if let Some(at) = batch
-                    .events
-                    .iter()
-                    .position(|e| e.event_id == Some(event_id))
-                {
-                    let e = &batch.events[at];
-                    let Ok(event) = AccountEvent::decode(e.event_type, &e.payload) else {
-                        // Undecodable: the fold reports the account as poisoned; no answer here.
-                        return Ok(None);
-                    };
-                    found = Some((batch.version, at, event));
-                    break 'pages;
-                }
+        let mut pages = 0usize;
+        while found.is_none() {
+            if pages == SCAN_MAX_PAGES && stream.has_more() {
+                self.metrics
+                    .idem_scans
+                    .with_label_values(&["bounded"])
+                    .inc();
+                return Ok(None);
+            }
+            let page = match stream.next_page().await {
+                Ok(Some(page)) => page,
+                Ok(None) | Err(StoreError::AggregateNotFound) => break,
+                Err(e) => return Err(e),
+            };
+            pages += 1;
+            match find_event(&page, event_id) {
+                Found::Yes(hit) => found = Some(hit),
+                Found::No => {}
+                // Undecodable: the fold reports the account as poisoned; no answer here.
+                Found::Undecodable => return Ok(None),
             }
         }
         let Some((version, at, event)) = found else {
@@ -138,4 +139,30 @@ impl Projection {
         }
         Ok(balance)
     }
+}
+
+/// What one page holds of a request's event.
+enum Found {
+    /// (batch version, index in the batch, the event).
+    Yes((u64, usize, AccountEvent)),
+    No,
+    Undecodable,
+}
+
+/// Looks for the event carrying `event_id` in `page`.
+fn find_event(page: &[Batch], event_id: u128) -> Found {
+    for batch in page {
+        if let Some(at) = batch
+            .events
+            .iter()
+            .position(|e| e.event_id == Some(event_id))
+        {
+            let e = &batch.events[at];
+            return match AccountEvent::decode(e.event_type, &e.payload) {
+                Ok(event) => Found::Yes((batch.version, at, event)),
+                Err(_) => Found::Undecodable,
+            };
+        }
+    }
+    Found::No
 }

@@ -15,6 +15,13 @@ pub const DEFAULT_BUFFER: usize = 256;
 /// Seconds between keep-alive comments on an idle stream, unless configured: under the
 /// usual 60 s proxy idle timeout, with room for one lost.
 pub const DEFAULT_KEEPALIVE_SECS: u64 = 15;
+/// Versions a resume may replay from the store, unless configured: a resume point further
+/// below the stream's version is refused (400 `RESUME_TOO_FAR_BACK`) before the stream
+/// starts, and the client reads that range from the history API. A replay reads its range
+/// once and holds it (the balance before it is the joined balance minus what it added), so
+/// this bounds a replay's store reads and its memory alike: on Celeriant, 8 windows of 512
+/// versions.
+pub const DEFAULT_MAX_REPLAY: usize = 4096;
 /// The accepted range of each count flag.
 pub const COUNT_RANGE: std::ops::RangeInclusive<usize> = 1..=1_000_000;
 /// The accepted range of `--watch-keepalive-secs`.
@@ -36,6 +43,11 @@ pub struct WatchConfig {
     #[arg(long = "watch-buffer", env = "TALLY_WATCH_BUFFER", default_value_t = DEFAULT_BUFFER)]
     pub buffer: usize,
 
+    /// Versions a resume (`Last-Event-ID`, `?fromVersion=`) may replay; a resume point
+    /// further back is refused with 400 `RESUME_TOO_FAR_BACK`.
+    #[arg(long = "watch-max-replay", env = "TALLY_WATCH_MAX_REPLAY", default_value_t = DEFAULT_MAX_REPLAY)]
+    pub max_replay: usize,
+
     /// Seconds between keep-alive comments on an idle watch stream.
     #[arg(long = "watch-keepalive-secs", env = "TALLY_WATCH_KEEPALIVE_SECS", default_value_t = DEFAULT_KEEPALIVE_SECS)]
     pub keepalive_secs: u64,
@@ -47,6 +59,7 @@ impl Default for WatchConfig {
             max_subscribers: DEFAULT_MAX_SUBSCRIBERS,
             max_per_account: DEFAULT_MAX_PER_ACCOUNT,
             buffer: DEFAULT_BUFFER,
+            max_replay: DEFAULT_MAX_REPLAY,
             keepalive_secs: DEFAULT_KEEPALIVE_SECS,
         }
     }
@@ -59,6 +72,7 @@ impl WatchConfig {
             ("--watch-max-subscribers", self.max_subscribers),
             ("--watch-max-per-account", self.max_per_account),
             ("--watch-buffer", self.buffer),
+            ("--watch-max-replay", self.max_replay),
         ] {
             if !COUNT_RANGE.contains(&n) {
                 return Some(format!(
@@ -104,12 +118,16 @@ mod tests {
             "7",
             "--watch-max-per-account",
             "3",
+            "--watch-max-replay",
+            "9",
         ]);
         assert_eq!((c.watch.buffer, c.watch.max_per_account), (7, 3));
+        assert_eq!(c.watch.max_replay, 9);
         for bad in [
             ["--watch-max-subscribers", "0"],
             ["--watch-max-per-account", "0"],
             ["--watch-buffer", "0"],
+            ["--watch-max-replay", "0"],
             ["--watch-keepalive-secs", "0"],
             ["--watch-keepalive-secs", "301"],
         ] {

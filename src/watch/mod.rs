@@ -36,7 +36,7 @@ use tokio::task::JoinHandle;
 
 pub use config::{
     COUNT_RANGE, DEFAULT_BUFFER, DEFAULT_KEEPALIVE_SECS, DEFAULT_MAX_PER_ACCOUNT,
-    DEFAULT_MAX_SUBSCRIBERS, KEEPALIVE_RANGE, WatchConfig,
+    DEFAULT_MAX_REPLAY, DEFAULT_MAX_SUBSCRIBERS, KEEPALIVE_RANGE, WatchConfig,
 };
 
 use crate::account::AccountId;
@@ -70,6 +70,19 @@ pub enum WatchError {
     /// The resume point is past the account's newest version: nothing there to resume.
     #[error("resume point {from_version} is past the account's newest version {current}")]
     BeyondTip { from_version: u64, current: u64 },
+    /// The resume point is further below the stream's version than a replay may cover
+    /// (`--watch-max-replay`): that range is the history API's to serve.
+    #[error(
+        "resume point {from_version} is {behind} versions behind the account's version \
+         {current}, more than a stream replays ({max}); read that range from \
+         /api/accounts/{{id}}/history, then resume from its last version + 1"
+    )]
+    TooFarBack {
+        from_version: u64,
+        current: u64,
+        behind: u64,
+        max: usize,
+    },
 }
 
 /// Where a stream starts.
@@ -277,6 +290,38 @@ impl Hub {
         self.state.lock().channels.len()
     }
 
+    /// Refuses a resume from `from` whose replay, up to `current` (where the stream goes
+    /// live), would pass `--watch-max-replay` versions. Decided before the stream starts, on
+    /// the range the replay would really read: past a trim it starts at the trim point, which
+    /// only a resume far enough back pays a details call to learn.
+    async fn check_replay(
+        &self,
+        account: AccountId,
+        from: u64,
+        current: u64,
+    ) -> Result<(), WatchError> {
+        let max = self.limits.max_replay;
+        let span = |start: u64| (current + 1).saturating_sub(start.max(1));
+        if span(from) <= max as u64 {
+            return Ok(());
+        }
+        let key = self.projection.identity().key(account);
+        let start = match self.projection.log().details(key).await {
+            Ok(d) => from.max(d.min_available_version),
+            Err(crate::store::StoreError::AggregateNotFound) => from,
+            Err(e) => return Err(WatchError::Store(e.to_string())),
+        };
+        if span(start) <= max as u64 {
+            return Ok(());
+        }
+        Err(WatchError::TooFarBack {
+            from_version: from,
+            current,
+            behind: span(start),
+            max,
+        })
+    }
+
     /// Streams `account`'s events from `resume` on.
     pub async fn subscribe_account(
         self: &Arc<Self>,
@@ -315,6 +360,9 @@ impl Hub {
                     current,
                 });
             }
+        }
+        if let Resume::From(from) = resume {
+            self.check_replay(account, from, at.version).await?;
         }
         let (out, items) = mpsc::channel(OUT_CAPACITY);
         let task = subscriber::AccountTask {

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use crate::common::{self, new_account};
 
 /// Every flag the binary takes, each settable from the environment.
-const FLAGS: [&str; 55] = [
+const FLAGS: [&str; 56] = [
     // Authentication, rate limits and the admin listener (issue 17).
     "auth",
     "auth-secret-file",
@@ -66,6 +66,7 @@ const FLAGS: [&str; 55] = [
     "watch-max-subscribers",
     "watch-max-per-account",
     "watch-buffer",
+    "watch-max-replay",
     "watch-keepalive-secs",
     // The Postgres projection (issue 14).
     "projection",

@@ -7,7 +7,9 @@
 //! - [`raw_http`]: requests a well-behaved client cannot send (raw headers and bodies, raw
 //!   bytes over one TCP connection);
 //! - [`hooked_log`]: one store decorator that hooks, scripts and records a replica's store
-//!   calls, for the suites that steer the store from inside.
+//!   calls, for the suites that steer the store from inside;
+//! - [`windowed_log`]: a store decorator that pages reads in Celeriant's version windows and
+//!   counts them, for the suites that bound a read's cost.
 //!
 //! Every suite compiles this module whole and uses part of it, hence `dead_code` is allowed.
 #![allow(dead_code)]
@@ -16,6 +18,7 @@ pub mod hooked_log;
 pub mod pg;
 pub mod raw_http;
 pub mod sse;
+pub mod windowed_log;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
