@@ -419,10 +419,12 @@ impl DeviceSync {
 }
 
 /// The most pages one read-back of a device run may take (a Celeriant page spans at most
-/// 512 versions, and costs a read and a details call). The read starts at version 1 and
+/// 512 versions, and costs a read and a details call: 256 pages are about 131,000 versions
+/// and, on a local network, a few hundred ms, well inside the request's deadline; it is paid
+/// only by a resend after a lost answer). The read starts at version 1 and
 /// stops at the run, so this caps how far up an account's stream a resent run can still
 /// be proven: beyond it the answer is the retryable `SYNC_UNVERIFIED`, never a guess.
-pub const MAX_RUN_READ_PAGES: usize = 32;
+pub const MAX_RUN_READ_PAGES: usize = 256;
 
 /// What a read of one device's batches on one account shows of a run.
 struct RunRead {
