@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::windowed_log::{CELERIANT_WINDOW, WindowedLog};
+use common::windowed_log::{CELERIANT_WINDOW, WindowedLog, one_deposit};
 use tally::account::{AccountEvent, AccountId, Identity};
 use tally::device::DeviceId;
 use tally::device::protocol::{SyncEvent, SyncRequest, SyncStatus};
@@ -343,23 +343,15 @@ fn windowed() -> (Arc<MemoryLog>, Arc<WindowedLog>, DeviceSync) {
 fn service_batches(memory: &MemoryLog, seq: u64, n: u64) {
     let identity = Identity::default();
     for s in seq..seq + n {
-        let event = AccountEvent::Deposited { amount: 1 };
         memory
             .write_now(
                 identity.client(),
-                vec![AggregateWrite {
-                    key: identity.key(account()),
-                    events: vec![Event {
-                        client_seq: s,
-                        event_id: Some(u128::from(s)),
-                        event_type: event.event_type(),
-                        payload: event.encode(),
-                        timestamp_ms: 0,
-                    }],
-                    expected_version: None,
-                    allow_create: true,
-                    enforce_client_idempotency: true,
-                }],
+                vec![one_deposit(
+                    identity.key(account()),
+                    s,
+                    Some(u128::from(s)),
+                    1,
+                )],
             )
             .expect("service write");
     }

@@ -8,13 +8,12 @@ mod common;
 
 use std::sync::Arc;
 
-use common::windowed_log::{CELERIANT_WINDOW, WindowedLog};
+use common::windowed_log::{CELERIANT_WINDOW, WindowedLog, one_deposit};
 use common::{TestApp, new_account, pg, spawn, test_config};
 use reqwest::StatusCode;
-use tally::account::AccountEvent;
 use tally::projection::{ManualClock, SCAN_MAX_PAGES, SCAN_MAX_VERSIONS};
+use tally::store::SharedLog;
 use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock};
-use tally::store::{AggregateWrite, Event, SharedLog};
 
 const T0: u64 = 7_000_000_000;
 
@@ -167,21 +166,8 @@ async fn long_account(width: u64) -> (TestApp, Arc<WindowedLog>) {
     let t = spawn(test_config(&flags), Some(store), Some(local.clone())).await;
     t.app.started().await;
     let key = t.app.identity.key(LONG_ACCOUNT.parse().unwrap());
-    let event = AccountEvent::Deposited { amount: 1 };
     for seq in 1..=3 * SCAN_MAX_VERSIONS {
-        let write = AggregateWrite {
-            key,
-            events: vec![Event {
-                client_seq: seq,
-                event_id: Some(u128::from(seq)),
-                event_type: event.event_type(),
-                payload: event.encode(),
-                timestamp_ms: 0,
-            }],
-            expected_version: None,
-            allow_create: true,
-            enforce_client_idempotency: true,
-        };
+        let write = one_deposit(key, seq, Some(u128::from(seq)), 1);
         memory
             .write_now(t.app.identity.client(), vec![write])
             .expect("old batch");

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::sse::{EVENT_BOUND, Stream};
-use common::windowed_log::{CELERIANT_WINDOW, WindowedLog};
+use common::windowed_log::{CELERIANT_WINDOW, WindowedLog, one_deposit};
 use common::{TestApp, metric_sample, new_account, spawn, spawn_fleet, test_config};
 use reqwest::StatusCode;
 use tally::account::{AccountEvent, AccountId, Identity};
@@ -81,24 +81,8 @@ async fn another_replicas_writes_and_another_writers_events_appear_on_the_stream
     // A write by another client id (an offline device's sync writes this way).
     let device = uuid::Uuid::new_v4();
     let key = Identity::default().key(AccountId(account.parse().unwrap()));
-    let event = AccountEvent::Deposited { amount: 40 };
     store
-        .write(
-            device.as_u128(),
-            vec![AggregateWrite {
-                key,
-                events: vec![Event {
-                    client_seq: 1,
-                    event_id: None,
-                    event_type: event.event_type(),
-                    payload: event.encode(),
-                    timestamp_ms: 0,
-                }],
-                expected_version: None,
-                allow_create: true,
-                enforce_client_idempotency: true,
-            }],
-        )
+        .write(device.as_u128(), vec![one_deposit(key, 1, None, 40)])
         .await
         .unwrap();
     let e = s.next().await;

@@ -6,17 +6,43 @@
 //! (`READ_PAGE_MAX_VERSIONS`), whatever the filters keep, and goes on after it. A read whose
 //! filters drop most batches is one page here and many there; this decorator makes it many
 //! here too, so a bound on pages is tested against the store that pays for them.
+//! [`one_deposit`] is the one-event batch those suites fill long streams with.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use async_trait::async_trait;
+use tally::account::AccountEvent;
 use tally::store::{
-    AggregateDetails, AggregateKey, AggregateWrite, ClientId, EventLog, ReadFilter, ReadPage,
-    SharedLog, StoreResult, WatchFeed, WatchFilter,
+    AggregateDetails, AggregateKey, AggregateWrite, ClientId, Event, EventLog, ReadFilter,
+    ReadPage, SharedLog, StoreResult, WatchFeed, WatchFilter,
 };
 
 /// Celeriant's page: at most this many versions per read.
 pub const CELERIANT_WINDOW: u64 = 512;
+
+/// A batch of one deposit of `amount` at client sequence `seq`, created on demand, with no
+/// version guard.
+pub fn one_deposit(
+    key: AggregateKey,
+    seq: u64,
+    event_id: Option<u128>,
+    amount: i64,
+) -> AggregateWrite {
+    let event = AccountEvent::Deposited { amount };
+    AggregateWrite {
+        key,
+        events: vec![Event {
+            client_seq: seq,
+            event_id,
+            event_type: event.event_type(),
+            payload: event.encode(),
+            timestamp_ms: 0,
+        }],
+        expected_version: None,
+        allow_create: true,
+        enforce_client_idempotency: true,
+    }
+}
 
 pub struct WindowedLog {
     inner: SharedLog,
