@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 use super::channel::{Cursor, delta_of, frame_of};
 use super::{AccountFrame, EndReason, Hub, Item, Place, Resume, WriteFrame, end_reason};
 use crate::account::AccountId;
-use crate::store::{Batch, BatchStream, ReadFilter, StoreError};
+use crate::store::{BatchStream, ReadFilter, StoreError};
 
 /// How a stream stopped.
 enum Stop {
@@ -105,63 +105,70 @@ impl AccountTask {
     }
 
     /// Sends versions `from..=at.version` from the store, with the balance after each
-    /// event: the balance before the range is the joined balance minus what the range
-    /// added. The range is read once and held, which the hub bounds before the stream
-    /// starts (`--watch-max-replay` versions, `Hub::check_replay`).
+    /// event: the balance before `from` is the joined balance minus what the replayed
+    /// batches added, so the range is read twice rather than held (the hub bounds the
+    /// range before the stream starts: `--watch-max-replay` versions, `Hub::check_replay`;
+    /// held, up to 2,048 streams' ranges could be in memory at once).
     async fn replay(&mut self, from: u64) -> Result<(), Stop> {
-        let batches = self.read_range(from).await?;
-        let ours = self.hub.projection.identity().client();
-        let added = batches
-            .iter()
-            .try_fold(0i64, |a, b| delta_of(b).and_then(|d| a.checked_add(d)));
-        let mut balance = self
-            .at
-            .balance
-            .zip(added)
-            .and_then(|(b, a)| b.checked_sub(a));
-        for b in &batches {
-            let frame = frame_of(self.account, b, ours, &mut balance).map_err(|reason| {
-                Stop::End(EndReason::Unreadable {
-                    version: b.version,
-                    reason,
-                })
-            })?;
-            send(&self.out, Item::Events(Arc::new(frame))).await?;
-        }
-        Ok(())
-    }
-
-    /// The batches of versions `from..=at.version` (from the trim point on, after telling
-    /// the client, when `from` was trimmed away).
-    async fn read_range(&mut self, from: u64) -> Result<Vec<Batch>, Stop> {
         let projection = &self.hub.projection;
         let log = projection.log().clone();
         let key = projection.identity().key(self.account);
+        let ours = projection.identity().client();
         let to = self.at.version;
         let window = |from| ReadFilter {
             from_version: from,
             to_version: Some(to),
             ..ReadFilter::default()
         };
-        let (mut batches, mut trimmed) = (Vec::new(), false);
-        let mut stream = BatchStream::new(log.as_ref(), key, window(from));
+        let store_error = |e: StoreError| Stop::End(EndReason::StoreError(e.to_string()));
+        // Pass one: where the replay really starts, and what it adds to the balance.
+        let mut start = from;
+        let mut added: Option<i64> = Some(0);
+        let mut stream = BatchStream::new(log.as_ref(), key, window(start));
         loop {
             match stream.next_page().await {
-                Ok(Some(page)) => batches.extend(page),
-                Ok(None) | Err(StoreError::AggregateNotFound) => return Ok(batches),
-                // Once: the read goes on from the trim point.
-                Err(StoreError::Trimmed { min_available }) if !trimmed => {
-                    trimmed = true;
-                    let item = Item::Trimmed {
+                Ok(Some(page)) => {
+                    for b in &page {
+                        added = added.and_then(|a| delta_of(b).and_then(|d| a.checked_add(d)));
+                    }
+                }
+                Ok(None) | Err(StoreError::AggregateNotFound) => break,
+                Err(StoreError::Trimmed { min_available }) if start == from => {
+                    let trimmed = Item::Trimmed {
                         from_version: from,
                         first_available: min_available,
                     };
-                    send(&self.out, item).await?;
-                    stream = BatchStream::new(log.as_ref(), key, window(min_available));
+                    send(&self.out, trimmed).await?;
+                    start = min_available;
+                    stream = BatchStream::new(log.as_ref(), key, window(start));
                 }
-                Err(e) => return Err(Stop::End(EndReason::StoreError(e.to_string()))),
+                Err(e) => return Err(store_error(e)),
             }
         }
+        // Pass two: the frames.
+        let mut balance = self
+            .at
+            .balance
+            .zip(added)
+            .and_then(|(b, a)| b.checked_sub(a));
+        let mut stream = BatchStream::new(log.as_ref(), key, window(start));
+        loop {
+            let page = match stream.next_page().await {
+                Ok(Some(page)) => page,
+                Ok(None) | Err(StoreError::AggregateNotFound) => break,
+                Err(e) => return Err(store_error(e)),
+            };
+            for b in &page {
+                let frame = frame_of(self.account, b, ours, &mut balance).map_err(|reason| {
+                    Stop::End(EndReason::Unreadable {
+                        version: b.version,
+                        reason,
+                    })
+                })?;
+                send(&self.out, Item::Events(Arc::new(frame))).await?;
+            }
+        }
+        Ok(())
     }
 }
 
