@@ -291,17 +291,26 @@ async fn a_covered_run_a_lagging_read_cannot_show_is_retried_not_synced() {
     assert_eq!(again.status, SyncStatus::AlreadySynced);
 }
 
+/// Rule: a covered run whose batches were trimmed away is never answered as synced on the
+/// mark alone: the mark says some event of the device's held each sequence, not that it was
+/// this one, and a device that reissued sequences (restored from an old copy) would be told
+/// its new events landed. It is a final refusal for an operator, never a guess.
 #[tokio::test]
-async fn a_covered_run_whose_batches_were_trimmed_rests_on_the_mark() {
+async fn a_covered_run_whose_batches_were_trimmed_is_never_answered_synced() {
     let (memory, faulty, core) = faulty();
     core.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
     core.handle(DEVICE, &run(3, 3, 10)).await.unwrap();
     let key = Identity::default().key(account());
     faulty.trim_start(key, 2).await.unwrap();
     assert_eq!(memory.batch_count(key), 1);
-    let again = core.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
-    assert_eq!(again.status, SyncStatus::AlreadySynced);
-    assert_eq!(again.last_seq, 3);
+    // The same run, and a different one under the same sequences: nothing tells them apart.
+    for resent in [run(1, 2, 10), run(1, 2, 999)] {
+        let err = core.handle(DEVICE, &resent).await.unwrap_err();
+        assert_eq!(err, DeviceSyncError::RunTrimmed { seq: 1 });
+        assert_eq!(err.code(), "DEVICE_RUN_TRIMMED");
+        assert!(err.is_conflict() && !err.is_retryable());
+    }
+    assert_eq!(memory.batch_count(key), 1, "nothing written");
 }
 
 /// Rule: a run the device's mark covers but that never landed, proven by a read that shows a
@@ -325,7 +334,7 @@ async fn a_run_below_the_mark_that_never_landed_is_a_conflict_not_a_retry() {
         "a lagging read: {err:?}"
     );
     let err = core.handle(DEVICE, &run(5, 5, 5)).await.unwrap_err();
-    assert_eq!(err, DeviceSyncError::RunConflictsWithStore { seq: 5 });
+    assert_eq!(err, DeviceSyncError::RunNeverLanded { seq: 5 });
     assert!(err.is_conflict() && !err.resend_may_help());
     assert_eq!(batches(&memory).len(), 1, "nothing written");
 }
@@ -375,7 +384,7 @@ async fn a_resent_runs_read_back_stops_once_the_answer_is_decided() {
 
     windowed.reset();
     let err = core.handle(DEVICE, &run(5, 5, 10)).await.unwrap_err();
-    assert_eq!(err, DeviceSyncError::RunConflictsWithStore { seq: 5 });
+    assert_eq!(err, DeviceSyncError::RunNeverLanded { seq: 5 });
     assert_eq!(windowed.reads(), 1, "one window holds the later sequence");
 }
 

@@ -43,6 +43,9 @@ pub mod codes {
     /// The store holds a different event of this device under one of the run's sequences:
     /// the device reissued sequences. Never answered as synced.
     pub const RUN_CONFLICTS_WITH_STORE: &str = "DEVICE_RUN_CONFLICTS_WITH_STORE";
+    /// The store's mark covers the run, but the batches that would prove it were trimmed
+    /// away: it cannot be shown to be the run that landed. Never answered as synced.
+    pub const RUN_TRIMMED: &str = "DEVICE_RUN_TRIMMED";
     /// Retryable: a write holding these sequences is in flight (2013).
     pub const SYNC_IN_FLIGHT: &str = "SYNC_IN_FLIGHT";
     /// Retryable: the write may or may not have landed; resend the same run.

@@ -90,6 +90,21 @@ pub enum DeviceSyncError {
          the device reissued sequences (was its outbox restored from an old copy?)"
     )]
     RunConflictsWithStore { seq: u64 },
+    /// A sequence of the run below the store's mark never landed: the read shows a later
+    /// sequence of this device's and, below it, nothing under this one. The device synced out
+    /// of order or skipped ahead; resending cannot help.
+    #[error(
+        "sequence {seq} of this device never landed, and the store already holds a later one:          the device synced out of order or skipped sequences"
+    )]
+    RunNeverLanded { seq: u64 },
+    /// The store's mark covers the run but the batches that held it were trimmed away, so
+    /// nothing can show that this is the run that landed (a device that reissued sequences
+    /// would be told its new events were synced). An operator compares the device's queue
+    /// with the account's history.
+    #[error(
+        "the store's mark covers sequence {seq} from this device, but the batches that held it          were trimmed away: this run cannot be proven to be the one that landed"
+    )]
+    RunTrimmed { seq: u64 },
     /// Send exactly the same run again (after a backoff).
     #[error("retry the same run ({reason:?}): {detail}")]
     Retry { reason: RetryReason, detail: String },
@@ -112,7 +127,9 @@ impl DeviceSyncError {
             DeviceSyncError::InvalidAmount { .. } => codes::INVALID_AMOUNT,
             DeviceSyncError::InvalidEventId { .. } => codes::INVALID_EVENT_ID,
             DeviceSyncError::RunStraddlesMark { .. } => codes::RUN_STRADDLES_MARK,
-            DeviceSyncError::RunConflictsWithStore { .. } => codes::RUN_CONFLICTS_WITH_STORE,
+            DeviceSyncError::RunConflictsWithStore { .. }
+            | DeviceSyncError::RunNeverLanded { .. } => codes::RUN_CONFLICTS_WITH_STORE,
+            DeviceSyncError::RunTrimmed { .. } => codes::RUN_TRIMMED,
             DeviceSyncError::Retry { reason, .. } => match reason {
                 RetryReason::InFlight => codes::SYNC_IN_FLIGHT,
                 RetryReason::OutcomeUnknown => codes::SYNC_OUTCOME_UNKNOWN,
@@ -129,6 +146,8 @@ impl DeviceSyncError {
             self,
             DeviceSyncError::RunStraddlesMark { .. }
                 | DeviceSyncError::RunConflictsWithStore { .. }
+                | DeviceSyncError::RunNeverLanded { .. }
+                | DeviceSyncError::RunTrimmed { .. }
                 | DeviceSyncError::Retry { .. }
                 | DeviceSyncError::Store(_)
         )
@@ -141,6 +160,8 @@ impl DeviceSyncError {
             self,
             DeviceSyncError::RunStraddlesMark { .. }
                 | DeviceSyncError::RunConflictsWithStore { .. }
+                | DeviceSyncError::RunNeverLanded { .. }
+                | DeviceSyncError::RunTrimmed { .. }
         )
     }
 
@@ -326,12 +347,21 @@ impl DeviceSync {
             found,
             trimmed,
             later,
-        } = match self.read_run(device, run).await {
-            Ok(read) => read,
-            Err(e) => {
+        } = match tokio::time::timeout(READ_BACK_BUDGET, self.read_run(device, run)).await {
+            Ok(Ok(read)) => read,
+            Ok(Err(e)) => {
                 return Err(DeviceSyncError::Retry {
                     reason: RetryReason::Unverified,
                     detail: format!("reading back run {first}..={last} failed: {e}"),
+                });
+            }
+            Err(_) => {
+                return Err(DeviceSyncError::Retry {
+                    reason: RetryReason::Unverified,
+                    detail: format!(
+                        "reading back run {first}..={last} took longer than {} s",
+                        READ_BACK_BUDGET.as_secs()
+                    ),
                 });
             }
         };
@@ -347,14 +377,20 @@ impl DeviceSync {
                         seq: want.client_seq,
                     });
                 }
-                // Trimmed away: the mark is the only proof left, and it is the store's own.
-                None if trimmed => {}
+                // Trimmed away: the mark says some event of this device's held the sequence,
+                // not that it was this one. Never answered as synced on the mark alone.
+                None if trimmed => {
+                    tracing::warn!(device = %device, seq = want.client_seq, "device run below its mark was trimmed away");
+                    return Err(DeviceSyncError::RunTrimmed {
+                        seq: want.client_seq,
+                    });
+                }
                 // The read shows a later sequence of this device's and every version before
                 // it: this one could only have landed below that event, where it is not. The
                 // device synced out of order (or skipped ahead), and resending cannot help.
                 None if later => {
                     tracing::warn!(device = %device, seq = want.client_seq, "device run below its mark never landed");
-                    return Err(DeviceSyncError::RunConflictsWithStore {
+                    return Err(DeviceSyncError::RunNeverLanded {
                         seq: want.client_seq,
                     });
                 }
@@ -425,6 +461,11 @@ impl DeviceSync {
 /// stops at the run, so this caps how far up an account's stream a resent run can still
 /// be proven: beyond it the answer is the retryable `SYNC_UNVERIFIED`, never a guess.
 pub const MAX_RUN_READ_PAGES: usize = 256;
+
+/// The longest one read-back of a device run may take: inside the request's own bound
+/// (the write deadline plus 5 s), so a slow store's answer is the documented retryable
+/// `SYNC_UNVERIFIED`, not the backstop's generic 503.
+pub const READ_BACK_BUDGET: std::time::Duration = std::time::Duration::from_secs(4);
 
 /// What a read of one device's batches on one account shows of a run.
 struct RunRead {
@@ -630,6 +671,53 @@ mod tests {
         ) -> crate::store::StoreResult<()> {
             self.0.trim_start(key, keep_from_version).await
         }
+    }
+
+    /// A store whose reads take longer than a read-back may.
+    struct SlowReads(Arc<MemoryLog>);
+
+    #[async_trait::async_trait]
+    impl crate::store::EventLog for SlowReads {
+        async fn write(
+            &self,
+            client_id: crate::store::ClientId,
+            writes: Vec<crate::store::AggregateWrite>,
+        ) -> crate::store::StoreResult<Vec<u64>> {
+            self.0.write(client_id, writes).await
+        }
+        async fn read(
+            &self,
+            key: crate::store::AggregateKey,
+            filter: &crate::store::ReadFilter,
+        ) -> crate::store::StoreResult<crate::store::ReadPage> {
+            tokio::time::sleep(READ_BACK_BUDGET * 2).await;
+            self.0.read(key, filter).await
+        }
+        async fn details(
+            &self,
+            key: crate::store::AggregateKey,
+        ) -> crate::store::StoreResult<crate::store::AggregateDetails> {
+            self.0.details(key).await
+        }
+        async fn trim_start(
+            &self,
+            key: crate::store::AggregateKey,
+            keep_from_version: u64,
+        ) -> crate::store::StoreResult<()> {
+            self.0.trim_start(key, keep_from_version).await
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_read_back_slower_than_its_budget_is_unverified_within_it() {
+        let log = Arc::new(MemoryLog::new());
+        let core = DeviceSync::new(Arc::new(SlowReads(log.clone())), Identity::default());
+        let run = request((1..=3).map(|s| event(s, "deposit", 10)).collect());
+        core.handle(DEVICE, &run).await.unwrap();
+        let started = tokio::time::Instant::now();
+        let err = core.handle(DEVICE, &run).await.unwrap_err();
+        assert_eq!(err.code(), codes::SYNC_UNVERIFIED, "{err}");
+        assert_eq!(started.elapsed(), READ_BACK_BUDGET);
     }
 
     #[tokio::test]

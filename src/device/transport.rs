@@ -170,6 +170,7 @@ pub fn classify_http(status: StatusCode, body: &[u8]) -> Result<SyncResponse, Tr
     let detail = format!("HTTP {}: {message}", status.as_u16());
     let refused = code == codes::RUN_STRADDLES_MARK
         || code == codes::RUN_CONFLICTS_WITH_STORE
+        || code == codes::RUN_TRIMMED
         || matches!(
             status,
             StatusCode::BAD_REQUEST
