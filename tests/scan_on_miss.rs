@@ -112,6 +112,84 @@ async fn without_the_flag_a_retry_past_the_window_writes_again(flags: Vec<String
     assert_eq!(scans(&t, "miss") + scans(&t, "hit"), 0, "no scan when off");
 }
 
+/// Two replicas (60 s index window, 600 s scan window) over one embedded store.
+async fn two_replicas() -> (TestApp, TestApp, SharedLog, Clocks) {
+    let server = Arc::new(ServerClock::new(T0));
+    let store: SharedLog = Arc::new(MemoryLog::with_options(MemoryOptions {
+        clock: server.clone(),
+        ..MemoryOptions::default()
+    }));
+    let local = Arc::new(ManualClock::new(0));
+    let flags = [
+        "--idempotency-window",
+        "60",
+        "--idempotency-scan-window",
+        "600",
+    ];
+    let a = spawn(
+        test_config(&flags),
+        Some(store.clone()),
+        Some(local.clone()),
+    )
+    .await;
+    let b = spawn(
+        test_config(&flags),
+        Some(store.clone()),
+        Some(local.clone()),
+    )
+    .await;
+    a.app.started().await;
+    b.app.started().await;
+    (a, b, store, Clocks { server, local })
+}
+
+/// Rule: a scan's replay is the original response on a replica that never loaded the
+/// account too (its state is the empty account at version 0, below the found batch), never
+/// the current balance. Found black-box on live Celeriant: the first such retry got it.
+#[tokio::test]
+async fn memory_a_late_retry_on_a_replica_that_never_loaded_the_account_gets_the_original() {
+    let (a, b, _store, clocks) = two_replicas().await;
+    let account = new_account();
+    let first = a.deposit(&account, 100, Some("cold-1")).await;
+    assert_eq!(answer(&first), (100, 1));
+    assert_eq!(
+        answer(&a.deposit(&account, 20, Some("cold-2")).await),
+        (120, 2)
+    );
+    clocks.advance(120_000);
+    let retry = b.deposit(&account, 100, Some("cold-1")).await;
+    assert!(retry.replayed(), "{}", retry.text);
+    assert_eq!(retry.body, first.body, "the original response");
+    assert_eq!(b.balance(&account).await, (120, 2), "written once");
+}
+
+/// Rule: a scan that starts below a trim point reads what is left above it; it does not
+/// turn every write to a trimmed account into a 409 (found black-box on live Celeriant).
+#[tokio::test]
+async fn memory_a_scan_on_a_trimmed_account_reads_above_the_trim() {
+    let (a, _b, store, clocks) = two_replicas().await;
+    let account = new_account();
+    for (i, key) in ["t-1", "t-2", "t-3", "t-4"].into_iter().enumerate() {
+        let version = u64::try_from(i).unwrap() + 1;
+        assert_eq!(
+            answer(&a.deposit(&account, 10, Some(key)).await),
+            (10 * version as i64, version)
+        );
+    }
+    let key = a.app.identity.key(account.parse().unwrap());
+    store.trim_start(key, 3).await.expect("trim");
+    clocks.advance(120_000);
+    // A new request (a miss, so scanned) and a retry of a kept batch's key.
+    assert_eq!(
+        answer(&a.deposit(&account, 5, Some("t-new")).await),
+        (45, 5)
+    );
+    let retry = a.deposit(&account, 10, Some("t-4")).await;
+    assert!(retry.replayed(), "{}", retry.text);
+    assert_eq!(answer(&retry), (40, 4));
+    assert_eq!(a.balance(&account).await, (45, 5));
+}
+
 /// Rule (scan on miss, memory projection).
 #[tokio::test]
 async fn memory_a_late_retry_inside_the_scan_window_is_replayed() {

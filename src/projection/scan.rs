@@ -11,6 +11,8 @@
 //! details call, kept or not), so the scan starts [`SCAN_MAX_VERSIONS`] below the state it
 //! is given, never at version 1, and reads at most [`SCAN_MAX_PAGES`] pages.
 
+use std::cmp::Ordering;
+
 use super::{Projection, Snapshot};
 use crate::account::{AccountEvent, AccountId};
 use crate::store::{Batch, BatchStream, ReadFilter, StoreError};
@@ -32,9 +34,8 @@ pub struct ScanHit {
     pub version: u64,
     /// What it wrote (the fingerprint a reused key is checked against).
     pub event: AccountEvent,
-    /// The balance right after it, when the state read reaches its batch; `None` when the
-    /// found batch is newer than that state (a later catch-up answers it).
-    pub balance: Option<i64>,
+    /// The balance right after it.
+    pub balance: i64,
 }
 
 impl Projection {
@@ -57,9 +58,10 @@ impl Projection {
             min_server_timestamp_ms: Some(self.server_tip_ms().saturating_sub(window_ms)),
             ..ReadFilter::default()
         };
-        let mut stream = BatchStream::new(self.log.as_ref(), self.identity.key(account), filter);
+        let key = self.identity.key(account);
+        let mut stream = BatchStream::new(self.log.as_ref(), key, filter.clone());
         let mut found: Option<(u64, usize, AccountEvent)> = None;
-        let mut pages = 0usize;
+        let (mut pages, mut trimmed) = (0usize, false);
         while found.is_none() {
             if pages == SCAN_MAX_PAGES && stream.has_more() {
                 self.metrics
@@ -71,6 +73,18 @@ impl Projection {
             let page = match stream.next_page().await {
                 Ok(Some(page)) => page,
                 Ok(None) | Err(StoreError::AggregateNotFound) => break,
+                // Started below a trim: what is left above it, once. A request in a batch
+                // trimmed away cannot be found, as one older than the window cannot.
+                Err(StoreError::Trimmed { min_available }) if !trimmed => {
+                    trimmed = true;
+                    let from_version = min_available.max(filter.from_version);
+                    let rest = ReadFilter {
+                        from_version,
+                        ..filter.clone()
+                    };
+                    stream = BatchStream::new(self.log.as_ref(), key, rest);
+                    continue;
+                }
                 Err(e) => return Err(e),
             };
             pages += 1;
@@ -86,11 +100,10 @@ impl Projection {
             return Ok(None);
         };
         self.metrics.idem_scans.with_label_values(&["hit"]).inc();
-        let balance = if version > snap.version {
-            None
-        } else {
-            Some(self.balance_after(account, version, at, snap).await?)
-        };
+        // Also when the found batch is newer than the state (a first touch's state is the
+        // empty account at version 0): a later catch-up cannot answer it, since the index
+        // no longer holds a request this old (that is why it was scanned for).
+        let balance = self.balance_after(account, version, at, snap).await?;
         Ok(Some(ScanHit {
             version,
             event,
@@ -98,9 +111,9 @@ impl Projection {
         }))
     }
 
-    /// The balance right after event `at` of batch `version`: the state's balance with every
-    /// later event up to the state's version taken back out (any writer's: all of them moved
-    /// the balance).
+    /// The balance right after event `at` of batch `version`, from the state's: every event
+    /// between them taken back out (found below the state) or added (found above it), any
+    /// writer's, since all of them moved the balance.
     async fn balance_after(
         &self,
         account: AccountId,
@@ -108,17 +121,35 @@ impl Projection {
         at: usize,
         snap: Snapshot,
     ) -> Result<i64, StoreError> {
-        let filter = ReadFilter {
-            from_version: version,
-            to_version: Some(snap.version),
-            ..ReadFilter::default()
+        let above = version > snap.version;
+        let filter = if above {
+            ReadFilter {
+                from_version: snap.version + 1,
+                to_version: Some(version),
+                ..ReadFilter::default()
+            }
+        } else {
+            ReadFilter {
+                from_version: version,
+                to_version: Some(snap.version),
+                ..ReadFilter::default()
+            }
         };
         let mut stream = BatchStream::new(self.log.as_ref(), self.identity.key(account), filter);
         let mut balance = snap.balance;
         while let Some(page) = stream.next_page().await? {
-            for batch in page.iter().filter(|b| b.version <= snap.version) {
-                let skip = if batch.version == version { at + 1 } else { 0 };
-                for e in batch.events.iter().skip(skip) {
+            for batch in &page {
+                // Above: the events up to and including the found one. Below: those after it.
+                let events = match (above, batch.version.cmp(&version)) {
+                    (true, Ordering::Less) => &batch.events[..],
+                    (true, Ordering::Equal) => &batch.events[..(at + 1).min(batch.events.len())],
+                    (false, Ordering::Equal) => batch.events.get(at + 1..).unwrap_or(&[]),
+                    (false, Ordering::Greater) if batch.version <= snap.version => {
+                        &batch.events[..]
+                    }
+                    _ => continue,
+                };
+                for e in events {
                     let event = AccountEvent::decode(e.event_type, &e.payload).map_err(|err| {
                         StoreError::Other {
                             code: 0,
@@ -128,11 +159,15 @@ impl Projection {
                             ),
                         }
                     })?;
-                    let amount = event.amount();
-                    balance = if event.is_credit() {
-                        balance.wrapping_sub(amount)
+                    let delta = if event.is_credit() {
+                        event.amount()
                     } else {
-                        balance.wrapping_add(amount)
+                        event.amount().wrapping_neg()
+                    };
+                    balance = if above {
+                        balance.wrapping_add(delta)
+                    } else {
+                        balance.wrapping_sub(delta)
                     };
                 }
             }

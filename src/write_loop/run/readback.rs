@@ -134,9 +134,9 @@ impl Run<'_> {
 impl Run<'_> {
     /// Step 2b, scan on miss (opt-in, `--idempotency-scan-window`): a request the index
     /// missed and this run never sent is looked for in each leg's account's own recent
-    /// batches. Found with the state reaching it: answered like any replay; found beyond the
-    /// state: [`Phase::Landed`], answered after a later catch-up; found under a different
-    /// operation: a reused key. Returns false when a scan failed: the attempt must not write
+    /// batches. Found on every leg: answered like any replay, with the balance right after
+    /// it (read from the state, below or above it); found on some legs only: [`Phase::Landed`],
+    /// answered after a later catch-up; found under a different operation: a reused key. Returns false when a scan failed: the attempt must not write
     /// on a guess (the caller tries again).
     pub(super) async fn scan_misses(&mut self) -> bool {
         let svc = self.svc;
@@ -158,7 +158,7 @@ impl Run<'_> {
                 self.round_trips += 1;
                 match svc.projection.scan_for(account, event_id, snap).await {
                     Ok(hit) => {
-                        if hit.is_some_and(|h| h.balance.is_some()) {
+                        if hit.is_some() {
                             self.round_trips += 1;
                         }
                         hits[li] = hit;
@@ -190,7 +190,7 @@ impl Run<'_> {
                     let h = (*hit)?;
                     Some(LegResult {
                         account: leg.account,
-                        balance: h.balance?,
+                        balance: h.balance,
                         version: h.version,
                     })
                 })
