@@ -130,32 +130,44 @@ impl WriteService {
     }
 
     async fn execute_admitted(&self, req: WriteRequest, arrived: Instant) -> Answer {
-        let (tx, leader_rx) = watch::channel(None);
         let key: CoalesceKey = (req.event_id, req.op.legs().as_slice()[0].account);
-        let entry = self
-            .leaders
-            .entry(key)
-            .or_insert_with(|| {
-                Arc::new(Leader {
-                    op: req.op,
-                    answer: leader_rx,
+        // Each round waits for a first request to end, so the rounds are as many as the
+        // requests racing under this key at most; a loop, not a recursion, so no number of
+        // them can grow the stack.
+        loop {
+            let (tx, leader_rx) = watch::channel(None);
+            let entry = self
+                .leaders
+                .entry(key)
+                .or_insert_with(|| {
+                    Arc::new(Leader {
+                        op: req.op,
+                        answer: leader_rx,
+                    })
                 })
-            })
-            .clone();
-        if !entry.answer.same_channel(&tx.subscribe()) {
-            return self.follow(&entry, req, arrived).await;
+                .clone();
+            if entry.answer.same_channel(&tx.subscribe()) {
+                let _guard = LeaderGuard {
+                    map: &self.leaders,
+                    key,
+                    entry,
+                };
+                let answer = self.execute_uncoalesced(req, arrived).await;
+                let _ = tx.send(Some(answer.clone()));
+                return answer;
+            }
+            if let Some(answer) = self.follow(&entry, &req).await {
+                return answer;
+            }
+            // Decided on its own: the first request's entry may outlive its answer for a
+            // moment (its guard drops after it sends), and must not be waited on again.
+            self.leaders.remove_if(&key, |_, e| Arc::ptr_eq(e, &entry));
         }
-        let _guard = LeaderGuard {
-            map: &self.leaders,
-            key,
-            entry,
-        };
-        let answer = self.execute_uncoalesced(req, arrived).await;
-        let _ = tx.send(Some(answer.clone()));
-        answer
     }
 
-    async fn follow(&self, leader: &Leader, req: WriteRequest, arrived: Instant) -> Answer {
+    /// Waits for the first request under this key and shares its answer; `None` when this
+    /// request must be decided on its own (the first did not land here, or ended unanswered).
+    async fn follow(&self, leader: &Leader, req: &WriteRequest) -> Option<Answer> {
         self.metrics().idem_coalesced.inc();
         let mut rx = leader.answer.clone();
         let answer = match rx.wait_for(Option::is_some).await {
@@ -167,18 +179,18 @@ impl WriteService {
             // The key landed with another payload: the same answer the index gives later.
             Some(Ok(_)) if leader.op != req.op => {
                 self.metrics().idem_key_reuse.inc();
-                Err(WriteError::KeyReused)
+                Some(Err(WriteError::KeyReused))
             }
             Some(Ok(mut outcome)) => {
                 outcome.replayed = true;
-                Ok(outcome)
+                Some(Ok(outcome))
             }
-            Some(Err(e)) if leader.op == req.op => Err(e),
+            Some(Err(e)) if leader.op == req.op => Some(Err(e)),
             // The first request under this key did not land here (a refusal, or an outcome
             // this replica still has to settle): nothing the key names is known, so this
             // request is decided on its own, exactly as if it had come after. Reusing the key
             // is only proven once the first payload is found in the stream.
-            Some(Err(_)) | None => Box::pin(self.execute_admitted(req, arrived)).await,
+            Some(Err(_)) | None => None,
         }
     }
 
@@ -320,4 +332,66 @@ pub(super) fn invariant(what: &str) -> WriteError {
     debug_assert!(false, "write-loop invariant broken: {what}");
     tracing::error!(what, "write-loop invariant broken");
     WriteError::Invariant { what: what.into() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::account::{AmountCents, Identity};
+    use crate::projection::{ManualClock, ProjectionConfig};
+    use crate::store::memory::MemoryLog;
+
+    fn service() -> WriteService {
+        let projection = Arc::new(Projection::new(
+            Arc::new(MemoryLog::new()),
+            Identity::default(),
+            ProjectionConfig::default(),
+            Arc::new(ManualClock::new(0)),
+            Arc::new(Metrics::new()),
+        ));
+        WriteService::new(projection, WriteConfig::default())
+    }
+
+    fn amount(cents: i64) -> AmountCents {
+        AmountCents::new(cents).expect("a positive amount")
+    }
+
+    /// Rule: a first request that was refused, answered, and is still listed for a moment
+    /// (its entry leaves after it answers) is not followed again: the request waiting on it
+    /// is decided on its own. Before, it followed the same answered entry at once, over and
+    /// over, and recursed until the stack overflowed (found black-box: a race of refused
+    /// withdrawals under one key killed the process).
+    #[tokio::test]
+    async fn a_refused_first_still_listed_is_not_followed_again() {
+        let svc = service();
+        let account = AccountId(uuid::Uuid::from_u128(7));
+        let (_first, answered) = watch::channel(Some(Err(WriteError::Overloaded {
+            reason: "refused".into(),
+        })));
+        let first = Operation::Withdraw {
+            account,
+            amount: amount(500),
+        };
+        svc.leaders.insert(
+            (9, account),
+            Arc::new(Leader {
+                op: first,
+                answer: answered,
+            }),
+        );
+        let deposit = Operation::Deposit {
+            account,
+            amount: amount(30),
+        };
+        let answer = svc
+            .execute(WriteRequest {
+                op: deposit,
+                event_id: 9,
+            })
+            .await
+            .expect("decided on its own, and landed");
+        assert_eq!(answer.legs[0].balance, 30);
+        assert!(!answer.replayed);
+        assert!(svc.leaders.is_empty(), "the stale entry was taken out");
+    }
 }

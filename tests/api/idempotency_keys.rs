@@ -609,6 +609,34 @@ async fn a_concurrent_request_reusing_an_in_flight_key_with_another_amount_is_re
     t.shutdown().await;
 }
 
+/// Rule: requests under one key whose first is refused are each decided on their own; a
+/// race of many (each a different amount, each refused) ends in a refusal for every one.
+/// Found black-box: a follower re-ran while the refused first's entry was still in the map,
+/// followed it again at once, and recursed until the stack overflowed and the process died.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_race_of_refused_requests_under_one_key_refuses_each() {
+    const RACERS: i64 = 20;
+    const ROUNDS: usize = 20;
+    let t = Arc::new(spawn_default().await);
+    let account = funded(&t, 100).await;
+    for round in 0..ROUNDS {
+        let key = format!("refused-race-{round}");
+        let mut set = JoinSet::new();
+        for i in 0..RACERS {
+            let (t, account, key) = (t.clone(), account.clone(), key.clone());
+            set.spawn(async move { t.withdraw(&account, 1_000 + i, Some(&key)).await });
+        }
+        for r in set.join_all().await {
+            assert_error(&r, 422, "INSUFFICIENT_FUNDS");
+        }
+    }
+    assert_eq!(t.balance(&account).await, (100, 1), "nothing written");
+    let Ok(t) = Arc::try_unwrap(t) else {
+        panic!("every request task has finished")
+    };
+    t.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_unanswered_by_the_request_deadline_is_a_retryable_409_naming_its_key() {
     // No key sent: the minted key must reach the client even when the answer is "not known
