@@ -142,9 +142,9 @@ impl AppBuilder {
         let reader = AccountReader::new(projection.clone());
         let devices = DeviceSync::new(log.clone(), identity);
         let watch = Hub::new(projection.clone(), metrics.clone(), config.watch.clone());
-        // Each step is tried once before this returns, so a healthy store starts ready; a
-        // store that is down or faulty at boot does not stop the replica: each pending step
-        // is retried on its own in the background.
+        // Each step is tried once before this returns (or for `FIRST_ATTEMPTS_WAIT`), so a
+        // healthy store starts ready; a store that is down, faulty or slow at boot does not
+        // stop the replica: each pending step is retried on its own in the background.
         let startup = Startup::begin(
             projection.clone(),
             metrics.clone(),

@@ -34,6 +34,10 @@ pub const STEP_RETRY_BASE: Duration = Duration::from_millis(50);
 /// long a replica stays unready after the store recovers, and how often each step knocks on
 /// a store that is down.
 pub const STEP_RETRY_MAX: Duration = Duration::from_secs(1);
+/// How long a replica waits for its steps' first attempts before it listens anyway (not
+/// ready): a healthy store answers far sooner, and a store that holds every call must not
+/// keep `/healthz` and `/readyz` from answering.
+pub const FIRST_ATTEMPTS_WAIT: Duration = Duration::from_secs(2);
 /// The name of the server-clock step, in `/readyz` and the metrics' `step` label.
 pub const SERVER_CLOCK_STEP: &str = "serverClock";
 /// The name of the Postgres projection's migration step (issue 14).
@@ -94,8 +98,13 @@ impl Startup {
             .collect();
         // Owned before the wait, so a caller that gives up on `begin` aborts the tasks.
         let mut startup = Self { progress, tasks };
-        // An error means every step's task is gone, which a running replica never sees.
-        let _ = startup.progress.wait_for(|p| p.untried == 0).await;
+        // An error means every step's task is gone, which a running replica never sees; a
+        // timeout, that a first attempt is still waiting on the store.
+        let _ = tokio::time::timeout(
+            FIRST_ATTEMPTS_WAIT,
+            startup.progress.wait_for(|p| p.untried == 0),
+        )
+        .await;
         match startup.waiting().as_slice() {
             [] => tracing::info!("start-up done"),
             waiting => tracing::warn!(

@@ -403,6 +403,44 @@ async fn binary_drains_an_in_flight_request_on_sigterm_and_exits_0() {
     assert!(draining < served && served < stopped, "{:#?}", server.log);
 }
 
+/// Rule: a store that holds every call at boot does not keep the replica from listening:
+/// it answers `/healthz`, and `/readyz` says what it waits for, while its start-up steps'
+/// first attempts are still held (found black-box: it listened only after they returned).
+#[tokio::test]
+async fn binary_listens_not_ready_while_its_start_up_writes_are_held() {
+    // `Server::start` waits (bounded) for the listening line, which came only after the
+    // held first attempts returned (60 s) before the fix.
+    let server = Server::start(
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+            "--faults",
+            "inflight=1,inflight-hold-ms=60000,seed=1",
+        ],
+        &[],
+    );
+    let client = reqwest::Client::new();
+    let health = common::read(client.get(server.url("/healthz")).send().await.unwrap()).await;
+    assert_eq!(health.status, StatusCode::OK, "{}", health.text);
+    let ready = common::read(client.get(server.url("/readyz")).send().await.unwrap()).await;
+    assert_eq!(
+        ready.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        ready.text
+    );
+    assert_eq!(ready.body["status"], "starting", "{}", ready.text);
+    assert!(
+        ready.body["waiting"]
+            .as_array()
+            .is_some_and(|w| w.iter().any(|s| s == "serverClock")),
+        "{}",
+        ready.text
+    );
+}
+
 #[test]
 fn binary_refuses_an_invalid_configuration_with_exit_2() {
     for args in [
