@@ -70,6 +70,7 @@ impl DeviceRun {
             .enumerate()
             .map(|(index, e)| run_event(index, account, e))
             .collect::<Result<Vec<_>, _>>()?;
+        repeated_event_id(&events)?;
         Ok(DeviceRun { account, events })
     }
 
@@ -88,6 +89,18 @@ impl DeviceRun {
     pub fn last_seq(&self) -> u64 {
         self.events.last().map_or(0, |e| e.client_seq)
     }
+}
+
+/// Refuses a run in which two events name the same eventId (a run holds at most
+/// `MAX_RUN_EVENTS`, so the quadratic check is a few thousand comparisons at worst).
+fn repeated_event_id(events: &[RunEvent]) -> Result<(), DeviceSyncError> {
+    for (index, e) in events.iter().enumerate() {
+        let Some(id) = e.event_id else { continue };
+        if let Some(first) = events[..index].iter().position(|p| p.event_id == Some(id)) {
+            return Err(DeviceSyncError::RepeatedEventId { index, first });
+        }
+    }
+    Ok(())
 }
 
 fn run_event(index: usize, account: AccountId, e: &SyncEvent) -> Result<RunEvent, DeviceSyncError> {
@@ -209,6 +222,19 @@ mod tests {
             refused(&request(vec![bad_id])),
             DeviceSyncError::InvalidEventId { index: 0, .. }
         ));
+        // One eventId on two events of a run (found black-box: both landed, and history
+        // showed it twice).
+        let id = "7b0e9a52-4c1d-4a8e-9c57-2f1e6f3b9d10";
+        let mut twice = vec![
+            event(1, "deposit", 1),
+            event(2, "deposit", 1),
+            event(3, "deposit", 1),
+        ];
+        twice[0].event_id = Some(id.into());
+        twice[2].event_id = Some(id.into());
+        let err = refused(&request(twice));
+        assert_eq!(err, DeviceSyncError::RepeatedEventId { index: 2, first: 0 });
+        assert_eq!(err.code(), crate::device::protocol::codes::INVALID_EVENT_ID);
         let mut bad_account = request(vec![event(1, "deposit", 1)]);
         bad_account.account_id = "acc-1".into();
         assert!(matches!(

@@ -72,6 +72,9 @@ pub enum DeviceSyncError {
     InvalidAmount { index: usize, reason: String },
     #[error("event {index}: eventId {value:?} is not a UUID")]
     InvalidEventId { index: usize, value: String },
+    /// Two events of one run name the same eventId, which readers take as unique.
+    #[error("event {index}: eventId repeats event {first}'s; each event names its own")]
+    RepeatedEventId { index: usize, first: usize },
     /// The store's mark for (account, device) is inside the run. Impossible for a device that
     /// follows the rules; resending cannot fix it.
     #[error(
@@ -125,7 +128,9 @@ impl DeviceSyncError {
             DeviceSyncError::BadSequence(_) => codes::BAD_SEQUENCE,
             DeviceSyncError::UnknownEventType { .. } => codes::UNKNOWN_EVENT_TYPE,
             DeviceSyncError::InvalidAmount { .. } => codes::INVALID_AMOUNT,
-            DeviceSyncError::InvalidEventId { .. } => codes::INVALID_EVENT_ID,
+            DeviceSyncError::InvalidEventId { .. } | DeviceSyncError::RepeatedEventId { .. } => {
+                codes::INVALID_EVENT_ID
+            }
             DeviceSyncError::RunStraddlesMark { .. } => codes::RUN_STRADDLES_MARK,
             DeviceSyncError::RunConflictsWithStore { .. }
             | DeviceSyncError::RunNeverLanded { .. } => codes::RUN_CONFLICTS_WITH_STORE,

@@ -73,8 +73,8 @@ pub enum WatchError {
     /// The resume point is further below the stream's version than a replay may cover
     /// (`--watch-max-replay`): that range is the history API's to serve.
     #[error(
-        "resume point {from_version} is {behind} versions behind the account's version \
-         {current}, more than a stream replays ({max}); read that range from \
+        "resuming from version {from_version} would replay {behind} versions (up to the \
+         account's version {current}), more than a stream replays ({max}); read that range from \
          /api/accounts/{{id}}/history, then resume from its last version + 1"
     )]
     TooFarBack {
