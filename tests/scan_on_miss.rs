@@ -29,23 +29,29 @@ impl Clocks {
     }
 }
 
-/// One replica with a 60 s index window and a 600 s scan window, on `projection_flags`.
-async fn replica(projection_flags: &[String], scan: bool) -> (TestApp, Clocks) {
+/// An embedded store on a manual server clock, and a manual local clock.
+fn store_and_clocks() -> (SharedLog, Clocks) {
     let server = Arc::new(ServerClock::new(T0));
     let store: SharedLog = Arc::new(MemoryLog::with_options(MemoryOptions {
         clock: server.clone(),
         ..MemoryOptions::default()
     }));
     let local = Arc::new(ManualClock::new(0));
+    (store, Clocks { server, local })
+}
+
+/// One replica with a 60 s index window and a 600 s scan window, on `projection_flags`.
+async fn replica(projection_flags: &[String], scan: bool) -> (TestApp, Clocks) {
+    let (store, clocks) = store_and_clocks();
     let mut flags: Vec<String> = projection_flags.to_vec();
     flags.extend(["--idempotency-window".into(), "60".into()]);
     if scan {
         flags.extend(["--idempotency-scan-window".into(), "600".into()]);
     }
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let t = spawn(test_config(&flags), Some(store), Some(local.clone())).await;
+    let t = spawn(test_config(&flags), Some(store), Some(clocks.local.clone())).await;
     t.app.started().await;
-    (t, Clocks { server, local })
+    (t, clocks)
 }
 
 fn answer(r: &common::Reply) -> (i64, u64) {
@@ -114,12 +120,8 @@ async fn without_the_flag_a_retry_past_the_window_writes_again(flags: Vec<String
 
 /// Two replicas (60 s index window, 600 s scan window) over one embedded store.
 async fn two_replicas() -> (TestApp, TestApp, SharedLog, Clocks) {
-    let server = Arc::new(ServerClock::new(T0));
-    let store: SharedLog = Arc::new(MemoryLog::with_options(MemoryOptions {
-        clock: server.clone(),
-        ..MemoryOptions::default()
-    }));
-    let local = Arc::new(ManualClock::new(0));
+    let (store, clocks) = store_and_clocks();
+    let local = &clocks.local;
     let flags = [
         "--idempotency-window",
         "60",
@@ -140,7 +142,7 @@ async fn two_replicas() -> (TestApp, TestApp, SharedLog, Clocks) {
     .await;
     a.app.started().await;
     b.app.started().await;
-    (a, b, store, Clocks { server, local })
+    (a, b, store, clocks)
 }
 
 /// Rule: a scan's replay is the original response on a replica that never loaded the

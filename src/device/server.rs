@@ -636,18 +636,23 @@ mod tests {
         assert_eq!(log.batch_count(key), 1);
     }
 
-    /// A store whose 2002s leave out the committed sequence.
-    struct WithoutMark(Arc<MemoryLog>);
+    /// The memory store, bent one way: 2002s that leave out the committed sequence, or
+    /// reads that take longer than a read-back may.
+    struct Bent {
+        inner: Arc<MemoryLog>,
+        hide_mark: bool,
+        slow_reads: bool,
+    }
 
     #[async_trait::async_trait]
-    impl crate::store::EventLog for WithoutMark {
+    impl crate::store::EventLog for Bent {
         async fn write(
             &self,
             client_id: crate::store::ClientId,
             writes: Vec<crate::store::AggregateWrite>,
         ) -> crate::store::StoreResult<Vec<u64>> {
-            match self.0.write(client_id, writes).await {
-                Err(StoreError::IdempotencyViolation { attempted_seq, .. }) => {
+            match self.inner.write(client_id, writes).await {
+                Err(StoreError::IdempotencyViolation { attempted_seq, .. }) if self.hide_mark => {
                     Err(StoreError::IdempotencyViolation {
                         last_seq: None,
                         attempted_seq,
@@ -661,62 +666,39 @@ mod tests {
             key: crate::store::AggregateKey,
             filter: &crate::store::ReadFilter,
         ) -> crate::store::StoreResult<crate::store::ReadPage> {
-            self.0.read(key, filter).await
+            if self.slow_reads {
+                tokio::time::sleep(READ_BACK_BUDGET * 2).await;
+            }
+            self.inner.read(key, filter).await
         }
         async fn details(
             &self,
             key: crate::store::AggregateKey,
         ) -> crate::store::StoreResult<crate::store::AggregateDetails> {
-            self.0.details(key).await
+            self.inner.details(key).await
         }
         async fn trim_start(
             &self,
             key: crate::store::AggregateKey,
             keep_from_version: u64,
         ) -> crate::store::StoreResult<()> {
-            self.0.trim_start(key, keep_from_version).await
+            self.inner.trim_start(key, keep_from_version).await
         }
     }
 
-    /// A store whose reads take longer than a read-back may.
-    struct SlowReads(Arc<MemoryLog>);
-
-    #[async_trait::async_trait]
-    impl crate::store::EventLog for SlowReads {
-        async fn write(
-            &self,
-            client_id: crate::store::ClientId,
-            writes: Vec<crate::store::AggregateWrite>,
-        ) -> crate::store::StoreResult<Vec<u64>> {
-            self.0.write(client_id, writes).await
-        }
-        async fn read(
-            &self,
-            key: crate::store::AggregateKey,
-            filter: &crate::store::ReadFilter,
-        ) -> crate::store::StoreResult<crate::store::ReadPage> {
-            tokio::time::sleep(READ_BACK_BUDGET * 2).await;
-            self.0.read(key, filter).await
-        }
-        async fn details(
-            &self,
-            key: crate::store::AggregateKey,
-        ) -> crate::store::StoreResult<crate::store::AggregateDetails> {
-            self.0.details(key).await
-        }
-        async fn trim_start(
-            &self,
-            key: crate::store::AggregateKey,
-            keep_from_version: u64,
-        ) -> crate::store::StoreResult<()> {
-            self.0.trim_start(key, keep_from_version).await
-        }
+    fn bent(hide_mark: bool, slow_reads: bool) -> (Arc<MemoryLog>, DeviceSync) {
+        let inner = Arc::new(MemoryLog::new());
+        let log = Bent {
+            inner: inner.clone(),
+            hide_mark,
+            slow_reads,
+        };
+        (inner, DeviceSync::new(Arc::new(log), Identity::default()))
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_read_back_slower_than_its_budget_is_unverified_within_it() {
-        let log = Arc::new(MemoryLog::new());
-        let core = DeviceSync::new(Arc::new(SlowReads(log.clone())), Identity::default());
+        let (_log, core) = bent(false, true);
         let run = request((1..=3).map(|s| event(s, "deposit", 10)).collect());
         core.handle(DEVICE, &run).await.unwrap();
         let started = tokio::time::Instant::now();
@@ -727,8 +709,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_2002_without_the_mark_is_settled_by_the_stream_never_called_a_straddle() {
-        let log = Arc::new(MemoryLog::new());
-        let core = DeviceSync::new(Arc::new(WithoutMark(log.clone())), Identity::default());
+        let (log, core) = bent(true, false);
         let run = request((1..=3).map(|s| event(s, "deposit", 10)).collect());
         core.handle(DEVICE, &run).await.unwrap();
         // A lost ack's resend: the stream shows the run, so it is synced.
