@@ -15,9 +15,9 @@ use common::sse::{EVENT_BOUND, Stream};
 use common::windowed_log::{CELERIANT_WINDOW, WindowedLog, one_deposit};
 use common::{TestApp, metric_sample, new_account, spawn, spawn_fleet, test_config};
 use reqwest::StatusCode;
-use tally::account::{AccountEvent, AccountId, Identity};
+use tally::account::{AccountId, Identity};
 use tally::store::memory::MemoryLog;
-use tally::store::{AggregateWrite, Event, SharedLog};
+use tally::store::{AggregateWrite, SharedLog};
 use tally::watch::{EndReason, Item, Resume};
 
 fn events_path(account: &str) -> String {
@@ -467,22 +467,10 @@ async fn a_feed_that_falls_behind_resyncs_account_streams_and_ends_fleet_wide_on
     let mut all = Stream::open(&t, "/api/watch/stream", None).await;
     assert_eq!(s.next().await.name(), "snapshot");
     let key = t.app.identity.key(AccountId(account.parse().unwrap()));
-    let event = AccountEvent::Deposited { amount: 10 };
+    let amount = 10;
     // Synchronous writes: the feed's reader cannot run in between.
     for seq in 1..=20u64 {
-        let w = AggregateWrite {
-            key,
-            events: vec![Event {
-                client_seq: seq,
-                event_id: None,
-                event_type: event.event_type(),
-                payload: event.encode(),
-                timestamp_ms: 0,
-            }],
-            expected_version: None,
-            allow_create: true,
-            enforce_client_idempotency: true,
-        };
+        let w = one_deposit(key, seq, None, amount);
         store.write_now(t.app.identity.client(), vec![w]).unwrap();
     }
     // The account stream re-read the store: every version, once, in order.
@@ -565,21 +553,9 @@ async fn resumes_racing_live_writes_never_skip_or_repeat_a_version() {
     let writer = {
         let store = store.clone();
         tokio::spawn(async move {
-            let event = AccountEvent::Deposited { amount: 1 };
+            let amount = 1;
             for seq in 1..=WRITES {
-                let w = AggregateWrite {
-                    key,
-                    events: vec![Event {
-                        client_seq: seq,
-                        event_id: None,
-                        event_type: event.event_type(),
-                        payload: event.encode(),
-                        timestamp_ms: 0,
-                    }],
-                    expected_version: None,
-                    allow_create: true,
-                    enforce_client_idempotency: true,
-                };
+                let w = one_deposit(key, seq, None, amount);
                 store.write_now(client, vec![w]).unwrap();
                 tokio::task::yield_now().await;
             }
@@ -718,20 +694,8 @@ async fn a_feed_gone_silent_still_delivers_through_the_periodic_resync() {
         sub.items.recv().await,
         Some(Item::Snapshot { version: 0, .. })
     ));
-    let event = AccountEvent::Deposited { amount: 7 };
-    let w = AggregateWrite {
-        key: app.identity.key(id),
-        events: vec![Event {
-            client_seq: 1,
-            event_id: None,
-            event_type: event.event_type(),
-            payload: event.encode(),
-            timestamp_ms: 0,
-        }],
-        expected_version: None,
-        allow_create: true,
-        enforce_client_idempotency: true,
-    };
+    let amount = 7;
+    let w = one_deposit(app.identity.key(id), 1, None, amount);
     mem.write_now(app.identity.client(), vec![w]).unwrap();
     // No notification ever comes; the paused clock runs ahead to the resync (keep-alives
     // on the way).
