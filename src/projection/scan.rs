@@ -14,7 +14,7 @@
 use std::cmp::Ordering;
 
 use super::{Projection, Snapshot};
-use crate::account::{AccountEvent, AccountId};
+use crate::account::{AccountEvent, AccountId, fold};
 use crate::store::{Batch, BatchStream, ReadFilter, StoreError};
 
 /// How far below the state it is given a scan starts, in versions: a retry is looked for
@@ -150,25 +150,21 @@ impl Projection {
                     _ => continue,
                 };
                 for e in events {
-                    let event = AccountEvent::decode(e.event_type, &e.payload).map_err(|err| {
-                        StoreError::Other {
-                            code: 0,
-                            message: format!(
-                                "undecodable event at version {}: {err}",
-                                batch.version
-                            ),
-                        }
-                    })?;
-                    let delta = if event.is_credit() {
-                        event.amount()
-                    } else {
-                        event.amount().wrapping_neg()
+                    let unfoldable = |why: String| StoreError::Other {
+                        code: 0,
+                        message: format!("event at version {}: {why}", batch.version),
                     };
-                    balance = if above {
-                        balance.wrapping_add(delta)
+                    let event = AccountEvent::decode(e.event_type, &e.payload)
+                        .map_err(|err| unfoldable(format!("undecodable: {err}")))?;
+                    // The event's signed effect, by the fold's own rule.
+                    let delta =
+                        fold::apply(0, &event).map_err(|err| unfoldable(err.to_string()))?;
+                    let next = if above {
+                        balance.checked_add(delta)
                     } else {
-                        balance.wrapping_sub(delta)
+                        balance.checked_sub(delta)
                     };
+                    balance = next.ok_or_else(|| unfoldable("the balance overflows".into()))?;
                 }
             }
         }
