@@ -64,6 +64,11 @@ async fn seeded_demo_accounts_are_listed_with_named_ids_and_opening_balances() {
 #[tokio::test]
 async fn a_store_fault_during_start_up_leaves_the_replica_serving_and_not_ready_until_retried() {
     let faulty = scripted_faults();
+    // The first write (the clock anchor's probe: steps start in order on this test's one
+    // thread) is held until released, so the replica is not started for as long as the
+    // checks below take, however slow the machine (a refused anchor retried after 50 ms
+    // could land before them). Two seeds fail on the way.
+    let hold = faulty.hold_next_write();
     faulty.fail_next_write(Fault::Refused);
     faulty.fail_next_write(Fault::LostAck);
     let t = spawn(seeding_config(), Some(faulty.clone()), None).await;
@@ -80,6 +85,7 @@ async fn a_store_fault_during_start_up_leaves_the_replica_serving_and_not_ready_
     assert_eq!(r.header("retry-after"), Some("1"));
     assert_eq!(t.app.projection.server_tip_ms(), 0, "not anchored yet");
 
+    hold.release();
     t.app.started().await;
     assert!(t.app.projection.server_tip_ms() > 0, "anchored");
     assert_eq!(t.get("/readyz").await.status, StatusCode::OK);
