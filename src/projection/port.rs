@@ -128,6 +128,18 @@ impl Projection {
         }
     }
 
+    /// The live index entry of `event_id` on an account that is warm here, from memory alone:
+    /// no store or database call, so it can answer when nothing else may run. `None` when the
+    /// account is not warm here or holds no live entry (which proves nothing).
+    pub fn warm_lookup(&self, account: AccountId, event_id: u128) -> Option<RecentWrite> {
+        let (slot, _) = self.warm_snapshot(account)?;
+        let view = match &self.backend {
+            Backend::Memory => AccountView::Memory(slot),
+            Backend::Postgres(_) => AccountView::Postgres(self.pg_warm_hits(&slot, &[event_id])),
+        };
+        self.lookup(&view, event_id)
+    }
+
     /// The live index entry of `event_id` in a loaded view.
     pub fn lookup(&self, view: &AccountView, event_id: u128) -> Option<RecentWrite> {
         match view {

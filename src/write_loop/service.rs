@@ -26,7 +26,7 @@ use tokio::sync::{Semaphore, oneshot, watch};
 
 use super::lanes::{Lane, Lanes, QueuedWrite};
 use super::run::Run;
-use super::{Answer, WriteConfig, WriteError, WriteRequest};
+use super::{Answer, LegResult, WriteConfig, WriteError, WriteOutcome, WriteRequest};
 use crate::account::{AccountId, Operation};
 use crate::metrics::{Metrics, refused};
 use crate::projection::Projection;
@@ -113,10 +113,52 @@ impl WriteService {
         let arrived = Instant::now();
         // Held until this request leaves the write side, however its future ends.
         let Ok(_permit) = self.live.try_acquire() else {
+            // A retry of a write that landed costs no store call: answer it from memory
+            // rather than refuse it, so a full replica still gives retries their answer.
+            if let Some(answer) = self.replay_from_memory(&req) {
+                return answer;
+            }
             return Err(self.refuse(refused::LIVE_WRITES, "too many writes in flight"));
         };
         let _live = LiveGauge::enter(&self.metrics().write_live);
         self.execute_admitted(req, arrived).await
+    }
+
+    /// The answer the recent-writes index already holds for this request, looked up in
+    /// memory only: a replay when every leg's entry is this request's event, a reused key
+    /// when any leg's entry is another event. `None` otherwise (not warm here, no entry on
+    /// some leg): only the write loop can decide such a request. An entry is only ever made
+    /// for an event the store holds, so a hit proves the landing, as it does in the loop's
+    /// own read-back.
+    fn replay_from_memory(&self, req: &WriteRequest) -> Option<Answer> {
+        let projection = &self.projection;
+        let legs = req.op.legs();
+        let mut results = Vec::with_capacity(2);
+        let mut reused = false;
+        for leg in legs.as_slice() {
+            let hit = projection.warm_lookup(leg.account, req.event_id);
+            match hit {
+                Some(h) if h.event == leg.event => results.push(LegResult {
+                    account: leg.account,
+                    balance: h.balance,
+                    version: h.version,
+                }),
+                Some(_) => reused = true,
+                None => {}
+            }
+        }
+        if reused {
+            self.metrics().idem_key_reuse.inc();
+            return Some(Err(WriteError::KeyReused));
+        }
+        if results.len() != legs.as_slice().len() {
+            return None;
+        }
+        self.metrics().idem_replays.inc();
+        Some(Ok(WriteOutcome {
+            legs: results,
+            replayed: true,
+        }))
     }
 
     fn refuse(&self, reason: &'static str, message: &str) -> WriteError {
@@ -354,6 +396,57 @@ mod tests {
 
     fn amount(cents: i64) -> AmountCents {
         AmountCents::new(cents).expect("a positive amount")
+    }
+
+    /// Rule: a retry of a write that landed gets its original answer even when no write may
+    /// start (every live-write permit is taken), because the index answers it from memory;
+    /// a new write is still refused, and the key under another payload is a reused key.
+    #[tokio::test]
+    async fn a_retry_of_a_landed_write_is_answered_when_no_write_may_start() {
+        let svc = service();
+        let account = AccountId(uuid::Uuid::from_u128(7));
+        let deposit = |cents| Operation::Deposit {
+            account,
+            amount: amount(cents),
+        };
+        let first = svc
+            .execute(WriteRequest {
+                op: deposit(30),
+                event_id: 5,
+            })
+            .await
+            .expect("the first write lands");
+        let all = u32::try_from(svc.live.available_permits()).expect("a small count");
+        let _taken = svc.live.try_acquire_many(all).expect("every permit");
+
+        let retry = svc
+            .execute(WriteRequest {
+                op: deposit(30),
+                event_id: 5,
+            })
+            .await
+            .expect("the retry is answered from the index");
+        assert!(retry.replayed);
+        assert_eq!(retry.legs, first.legs);
+
+        let other = svc
+            .execute(WriteRequest {
+                op: deposit(31),
+                event_id: 5,
+            })
+            .await;
+        assert_eq!(other, Err(WriteError::KeyReused));
+
+        let fresh = svc
+            .execute(WriteRequest {
+                op: deposit(30),
+                event_id: 6,
+            })
+            .await;
+        assert!(
+            matches!(fresh, Err(WriteError::Overloaded { .. })),
+            "a new write still waits for room: {fresh:?}"
+        );
     }
 
     /// Rule: a first request that was refused, answered, and is still listed for a moment
