@@ -313,6 +313,24 @@ async fn a_covered_run_whose_batches_were_trimmed_is_never_answered_synced() {
     assert_eq!(memory.batch_count(key), 1, "nothing written");
 }
 
+/// Rule: a trim hides a run only if nothing read places the run above it. A missing
+/// sequence between two of the device's events above the trim never landed (a final
+/// conflict, as without a trim), and is not blamed on the trim.
+#[tokio::test]
+async fn a_run_placed_above_the_trim_is_judged_on_what_the_read_shows() {
+    let (memory, faulty, core) = faulty();
+    for seq in [1, 2, 4] {
+        core.handle(DEVICE, &run(seq, seq, 10)).await.unwrap();
+    }
+    let key = Identity::default().key(account());
+    faulty.trim_start(key, 2).await.unwrap();
+    let err = core.handle(DEVICE, &run(3, 3, 10)).await.unwrap_err();
+    assert_eq!(err, DeviceSyncError::RunNeverLanded { seq: 3 });
+    let err = core.handle(DEVICE, &run(1, 1, 10)).await.unwrap_err();
+    assert_eq!(err, DeviceSyncError::RunTrimmed { seq: 1 });
+    assert_eq!(memory.batch_count(key), 2, "nothing written");
+}
+
 /// Rule: a run the device's mark covers but that never landed, proven by a read that shows a
 /// later sequence of the device's (and every version before it), is a final conflict: the
 /// device synced out of order. Before, it was a retryable 503 for ever. A read that does not
@@ -369,7 +387,8 @@ fn service_batches(memory: &MemoryLog, seq: u64, n: u64) {
 /// Rule: a resent run's read-back stops as soon as the answer is decided: at the run's own
 /// batch (already synced), or at a later sequence of the device's (a run below it that
 /// never landed: a conflict). It used to read every version to the stream's end: on
-/// Celeriant a read and a details call per 512 versions, on every resend.
+/// Celeriant a read and a details call per 512 versions, on every resend. A run near the
+/// bottom of a long stream costs a window from each end.
 #[tokio::test]
 async fn a_resent_runs_read_back_stops_once_the_answer_is_decided() {
     let (memory, windowed, core) = windowed();
@@ -380,22 +399,56 @@ async fn a_resent_runs_read_back_stops_once_the_answer_is_decided() {
     windowed.reset();
     let again = core.handle(DEVICE, &run(1, 3, 10)).await.unwrap();
     assert_eq!(again.status, SyncStatus::AlreadySynced);
-    assert_eq!(windowed.reads(), 1, "one window holds the run");
+    assert_eq!(
+        windowed.reads(),
+        2,
+        "the top window, then the bottom one, which holds the run"
+    );
 
     windowed.reset();
     let err = core.handle(DEVICE, &run(5, 5, 10)).await.unwrap_err();
     assert_eq!(err, DeviceSyncError::RunNeverLanded { seq: 5 });
-    assert_eq!(windowed.reads(), 1, "one window holds the later sequence");
+    assert_eq!(
+        windowed.reads(),
+        2,
+        "the bottom window holds the later sequence"
+    );
 }
 
-/// Rule: the read-back takes at most `MAX_RUN_READ_PAGES` pages; a run further up the
-/// stream than that is answered unverified (a retryable 503), never synced or refused on a
-/// read that did not reach it.
+/// Rule: a resend after a lost answer finds its run near the top of the stream, however long
+/// the stream below it: the read-back starts at the newest versions. It used to start at
+/// version 1, so on a busy account a lost answer could never be proven (past the page cap,
+/// `SYNC_UNVERIFIED` on every resend).
+#[tokio::test]
+async fn a_resent_run_near_the_top_of_a_long_stream_is_proven_in_one_window() {
+    let (memory, windowed, core) = windowed();
+    core.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
+    service_batches(&memory, 1, 2 * MAX_RUN_READ_PAGES as u64 * CELERIANT_WINDOW);
+    core.handle(DEVICE, &run(3, 4, 10)).await.unwrap();
+    service_batches(&memory, 1_000_000, 40);
+
+    windowed.reset();
+    let again = core.handle(DEVICE, &run(3, 4, 10)).await.unwrap();
+    assert_eq!(again.status, SyncStatus::AlreadySynced);
+    assert_eq!(windowed.reads(), 1, "the newest window holds the run");
+
+    // The same sequences under another payload: told apart in the same window.
+    windowed.reset();
+    let reissued = core.handle(DEVICE, &run(3, 4, 11)).await.unwrap_err();
+    assert_eq!(reissued, DeviceSyncError::RunConflictsWithStore { seq: 3 });
+    assert_eq!(windowed.reads(), 1);
+}
+
+/// Rule: the read-back takes at most `MAX_RUN_READ_PAGES` pages; a run further from both
+/// ends of the stream than that is answered unverified (a retryable 503), never synced or
+/// refused on a read that did not reach it.
 #[tokio::test]
 async fn a_run_beyond_the_read_back_page_cap_is_unverified_not_a_verdict() {
     let (memory, windowed, core) = windowed();
-    service_batches(&memory, 1, MAX_RUN_READ_PAGES as u64 * CELERIANT_WINDOW);
+    let half = MAX_RUN_READ_PAGES as u64 / 2 * CELERIANT_WINDOW;
+    service_batches(&memory, 1, half);
     core.handle(DEVICE, &run(1, 3, 10)).await.unwrap();
+    service_batches(&memory, half + 1, half);
 
     windowed.reset();
     let err = core.handle(DEVICE, &run(1, 3, 10)).await.unwrap_err();
@@ -412,6 +465,9 @@ async fn a_run_beyond_the_read_back_page_cap_is_unverified_not_a_verdict() {
     assert_eq!(err.code(), "SYNC_UNVERIFIED");
     assert_eq!(windowed.reads(), MAX_RUN_READ_PAGES);
     let key = Identity::default().key(account());
-    let written = MAX_RUN_READ_PAGES as u64 * CELERIANT_WINDOW + 1;
-    assert_eq!(memory.batch_count(key) as u64, written, "nothing written");
+    assert_eq!(
+        memory.batch_count(key) as u64,
+        2 * half + 1,
+        "nothing written"
+    );
 }

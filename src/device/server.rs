@@ -12,8 +12,8 @@
 //! device's batches covering the run are read back and must hold these very events (same
 //! sequence, event id and payload). A device restored from an old backup reissues sequences
 //! for new events; without the check those sales would be swallowed as "already synced".
-//! Events the store no longer has (trimmed) are taken on the mark alone; events a lagging
-//! read does not show yet make the answer a retry.
+//! Events the store no longer has (trimmed) are never taken on the mark alone (a final
+//! refusal for an operator); events a lagging read does not show yet make the answer a retry.
 //!
 //! Device batches never raise Tally's own client sequence: the projection only counts batches
 //! whose client id is the service's, and a device may not use that id (nor the reference
@@ -28,8 +28,8 @@ pub use super::run::{DeviceRun, RunEvent};
 use super::{DeviceId, MAX_RUN_EVENTS};
 use crate::account::{AccountId, Identity, named_id};
 use crate::store::{
-    AggregateWrite, Batch, BatchStream, Event, ReadFilter, SharedLog, StoreError, StoreResult,
-    wall_clock_ms,
+    AggregateKey, AggregateWrite, Batch, BatchStream, Event, ReadFilter, SharedLog, StoreError,
+    StoreResult, wall_clock_ms,
 };
 
 /// The namespace the store's event ids of device events are derived in. Never change it: a
@@ -352,6 +352,7 @@ impl DeviceSync {
             found,
             trimmed,
             later,
+            ..
         } = match tokio::time::timeout(READ_BACK_BUDGET, self.read_run(device, run)).await {
             Ok(Ok(read)) => read,
             Ok(Err(e)) => {
@@ -413,58 +414,106 @@ impl DeviceSync {
         Ok(())
     }
 
-    /// This device's events of the run's sequences and from above it (see [`RunRead`]).
+    /// What this device's batches on the account show of the run (see [`RunRead`]).
     ///
-    /// Read from version 1 (no lower bound is known: the service keeps nothing per device,
-    /// and a 2002 names only the mark), and only as far as the answer needs: it stops once
-    /// every sequence of the run was found or a later sequence of the device's was read
-    /// (the device's batches hold rising sequences, so nothing further up can change the
-    /// verdict), and gives up past [`MAX_RUN_READ_PAGES`] pages with
-    /// [`StoreError::NotApplied`], which the caller answers as unverified (a retry).
+    /// The service keeps nothing per device and a 2002 names only the mark, so the run may
+    /// stand anywhere in the stream. The read takes [`READ_BACK_WINDOW`] versions at a time
+    /// from both ends in turn, the newest end first: a resend after a lost answer finds its
+    /// run near the top, a device restored from an old copy near the bottom, and either costs
+    /// at most twice the shorter distance, not the account's length. It stops as soon as the
+    /// answer is decided (see [`RunRead::absorb`]) and gives up past [`MAX_RUN_READ_PAGES`]
+    /// pages with [`StoreError::NotApplied`], which the caller answers as unverified (a retry).
     async fn read_run(&self, device: DeviceId, run: &DeviceRun) -> StoreResult<RunRead> {
-        let (first, last) = (run.first_seq(), run.last_seq());
-        let mut filter = ReadFilter {
-            include_client_id: Some(device.as_u128()),
-            min_client_seq: Some(first),
-            ..ReadFilter::from_version(1)
-        };
-        let mut read = RunRead {
-            found: BTreeMap::new(),
-            trimmed: false,
-            later: false,
-        };
         let key = self.identity.key(run.account());
-        let mut stream = BatchStream::new(self.log.as_ref(), key, filter.clone());
-        for _ in 0..MAX_RUN_READ_PAGES {
-            match stream.next_page().await {
-                Ok(Some(batches)) => {
-                    read.absorb(&batches, first, last);
-                    if read.decided(first, last) {
-                        return Ok(read);
-                    }
-                }
-                Ok(None) | Err(StoreError::AggregateNotFound) => return Ok(read),
-                // Read what is left above the trim point, once.
-                Err(StoreError::Trimmed { min_available }) if !read.trimmed => {
-                    read.trimmed = true;
-                    filter.from_version = min_available;
-                    stream = BatchStream::new(self.log.as_ref(), key, filter.clone());
+        let details = match self.log.details(key).await {
+            Ok(d) => d,
+            Err(StoreError::AggregateNotFound) => return Ok(RunRead::new(run)),
+            Err(e) => return Err(e),
+        };
+        let mut read = RunRead::new(run);
+        let mut trimmed = details.min_available_version > 1;
+        // The versions not read yet: [low, high].
+        let (mut low, mut high) = (details.min_available_version.max(1), details.max_version);
+        let mut pages = 0;
+        let mut from_top = true;
+        while low <= high {
+            let (from, to) = if from_top {
+                (high.saturating_sub(READ_BACK_WINDOW - 1).max(low), high)
+            } else {
+                (low, low.saturating_add(READ_BACK_WINDOW - 1).min(high))
+            };
+            match self
+                .read_window(device, key, from, to, &mut pages, &mut read)
+                .await
+            {
+                Ok(()) => {}
+                // Trimmed while we read: what is left starts higher up.
+                Err(StoreError::Trimmed { min_available }) if min_available > low => {
+                    trimmed = true;
+                    low = min_available;
+                    continue;
                 }
                 Err(e) => return Err(e),
             }
+            if read.decided(from_top) {
+                break;
+            }
+            if from_top {
+                high = from - 1;
+            } else {
+                low = to + 1;
+            }
+            from_top = !from_top;
         }
-        Err(StoreError::NotApplied {
-            reason: format!("the read-back passed {MAX_RUN_READ_PAGES} pages"),
-        })
+        // A trim only hides the run if nothing read places the run above it.
+        read.trimmed = trimmed && !read.earlier;
+        Ok(read)
+    }
+
+    /// Reads this device's batches in versions `from..=to`, page by page, into `read`.
+    async fn read_window(
+        &self,
+        device: DeviceId,
+        key: AggregateKey,
+        from: u64,
+        to: u64,
+        pages: &mut usize,
+        read: &mut RunRead,
+    ) -> StoreResult<()> {
+        let filter = ReadFilter {
+            to_version: Some(to),
+            include_client_id: Some(device.as_u128()),
+            ..ReadFilter::from_version(from)
+        };
+        let mut stream = BatchStream::new(self.log.as_ref(), key, filter);
+        loop {
+            if *pages >= MAX_RUN_READ_PAGES {
+                return Err(StoreError::NotApplied {
+                    reason: format!("the read-back passed {MAX_RUN_READ_PAGES} pages"),
+                });
+            }
+            *pages += 1;
+            match stream.next_page().await {
+                Ok(Some(batches)) => read.absorb(&batches),
+                Ok(None) | Err(StoreError::AggregateNotFound) => return Ok(()),
+                Err(e) => return Err(e),
+            }
+            if !stream.has_more() {
+                return Ok(());
+            }
+        }
     }
 }
+
+/// Versions one step of a device run's read-back covers: one Celeriant page.
+pub const READ_BACK_WINDOW: u64 = 512;
 
 /// The most pages one read-back of a device run may take (a Celeriant page spans at most
 /// 512 versions, and costs a read and a details call: 256 pages are about 131,000 versions
 /// and, on a local network, a few hundred ms, well inside the request's deadline; it is paid
-/// only by a resend after a lost answer). The read starts at version 1 and
-/// stops at the run, so this caps how far up an account's stream a resent run can still
-/// be proven: beyond it the answer is the retryable `SYNC_UNVERIFIED`, never a guess.
+/// only by a resend after a lost answer). The read works in from both ends of the stream, so
+/// this caps how far from the nearer end a resent run can still be proven: beyond it the
+/// answer is the retryable `SYNC_UNVERIFIED`, never a guess.
 pub const MAX_RUN_READ_PAGES: usize = 256;
 
 /// The longest one read-back of a device run may take: inside the request's own bound
@@ -473,33 +522,68 @@ pub const MAX_RUN_READ_PAGES: usize = 256;
 pub const READ_BACK_BUDGET: std::time::Duration = std::time::Duration::from_secs(4);
 
 /// What a read of one device's batches on one account shows of a run.
+///
+/// A device's batches on an account hold rising sequences in rising versions (the store
+/// refuses a sequence at or below the device's mark), so one event of the device's places the
+/// run: below it when its sequence is higher than the run's, above it when lower.
 struct RunRead {
+    first: u64,
+    last: u64,
     /// The run's sequences found, each with its event.
     found: BTreeMap<u64, Event>,
-    /// Part of the stream was trimmed away (read from the trim point on).
+    /// Part of the stream was trimmed away and nothing read places the run above the trim.
     trimmed: bool,
-    /// An event of this device's with a sequence above the run's was read. Reads show a
-    /// prefix of the stream, and the store refuses a sequence at or below the device's mark,
-    /// so a run sequence that is missing from such a read never landed.
+    /// An event of this device's with a sequence above the run's was read.
     later: bool,
+    /// An event of this device's with a sequence below the run's was read.
+    earlier: bool,
+    /// The last window read held a later (or earlier) event: set per window by
+    /// [`RunRead::absorb`], read by [`RunRead::decided`].
+    window_later: bool,
+    window_earlier: bool,
 }
 
 impl RunRead {
-    /// Takes in one page of the device's batches.
-    fn absorb(&mut self, batches: &[Batch], first: u64, last: u64) {
-        for e in batches.iter().flat_map(|b| b.events.iter()) {
-            if (first..=last).contains(&e.client_seq) {
-                self.found.entry(e.client_seq).or_insert_with(|| e.clone());
-            }
-            self.later |= e.client_seq > last;
+    fn new(run: &DeviceRun) -> Self {
+        Self {
+            first: run.first_seq(),
+            last: run.last_seq(),
+            found: BTreeMap::new(),
+            trimmed: false,
+            later: false,
+            earlier: false,
+            window_later: false,
+            window_earlier: false,
         }
     }
 
-    /// Whether reading further up can no longer change the verdict: every sequence of the
-    /// run was found (runs have no gaps), or a later sequence was, above which none of the
-    /// run's can stand.
-    fn decided(&self, first: u64, last: u64) -> bool {
-        self.later || self.found.len() as u64 > last - first
+    /// Takes in one page of the device's batches.
+    fn absorb(&mut self, batches: &[Batch]) {
+        for e in batches.iter().flat_map(|b| b.events.iter()) {
+            if (self.first..=self.last).contains(&e.client_seq) {
+                self.found.entry(e.client_seq).or_insert_with(|| e.clone());
+            }
+            self.window_later |= e.client_seq > self.last;
+            self.window_earlier |= e.client_seq < self.first;
+        }
+        self.later |= self.window_later;
+        self.earlier |= self.window_earlier;
+    }
+
+    /// Whether reading on can no longer change the verdict, after a window from the top
+    /// (`from_top`) or the bottom of the unread range: every sequence of the run was found
+    /// (runs have no gaps); or, from the bottom, a later sequence was, below which every
+    /// version is read and above which none of the run's can stand; or, from the top, an
+    /// earlier one was, the same way up.
+    fn decided(&mut self, from_top: bool) -> bool {
+        let placed = if from_top {
+            self.window_earlier
+        } else {
+            self.window_later
+        };
+        self.window_later = false;
+        self.window_earlier = false;
+        placed || self.found.len() as u64 > self.last - self.first
     }
 }
 
