@@ -126,7 +126,7 @@ pub enum WriteError {
     #[error("the write's outcome could not be verified ({reason}); retry the request")]
     Unverifiable { reason: String },
     /// Attempts or deadline exhausted. Retryable.
-    #[error("the write did not complete after {attempts} attempts ({last}); retry the request")]
+    #[error("{}", gave_up_message(*attempts, last))]
     GaveUp { attempts: u32, last: String },
     #[error(transparent)]
     Account(#[from] ProjectionError),
@@ -148,3 +148,51 @@ pub enum WriteError {
 
 /// What a request gets back from the write loop.
 pub type Answer = Result<WriteOutcome, WriteError>;
+
+/// A give-up's message. Zero attempts is a run whose time ran out before one was counted
+/// (a first touch's bounce is not an attempt): it says so rather than "after 0 attempts".
+fn gave_up_message(attempts: u32, last: &str) -> String {
+    let detail = if last.is_empty() {
+        "no store answer"
+    } else {
+        last
+    };
+    if attempts == 0 {
+        format!(
+            "the write ran out of time before its first attempt ended ({detail}); retry the request"
+        )
+    } else {
+        format!(
+            "the write did not complete after {attempts} attempts ({detail}); retry the request"
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rule: a give-up names what happened; a run whose time ran out before an attempt was
+    /// counted does not claim "after 0 attempts" (found black-box on a late first touch).
+    #[test]
+    fn a_give_up_message_says_what_ran_out() {
+        let late = WriteError::GaveUp {
+            attempts: 0,
+            last: "version conflict: expected 0, current 4".into(),
+        };
+        assert_eq!(
+            late.to_string(),
+            "the write ran out of time before its first attempt ended \
+             (version conflict: expected 0, current 4); retry the request"
+        );
+        let spent = WriteError::GaveUp {
+            attempts: 12,
+            last: String::new(),
+        };
+        assert!(
+            spent
+                .to_string()
+                .contains("after 12 attempts (no store answer)")
+        );
+    }
+}
