@@ -211,6 +211,38 @@ fn a_run_keeps_its_boundaries_until_marked_synced() {
     ));
 }
 
+/// Rule: a run carries, as its read-back hint, the version the account's latest run synced
+/// by this device landed at (per account; an `alreadySynced` answer names none, so the
+/// version before it stands).
+#[test]
+fn a_run_names_where_the_accounts_latest_synced_run_landed() {
+    let dir = TempDir::new("hint");
+    let (mut outbox, _) = Outbox::init(&dir.file(), 0).unwrap();
+    let (a, b) = (acct(1), acct(2));
+    for op in [deposit(a, 1), deposit(b, 2)] {
+        outbox.record(op, 0, &mut NoHooks).unwrap();
+    }
+    let first = outbox.next_run(1, 0).unwrap().unwrap();
+    assert_eq!(first.last_synced_version, None);
+    outbox.mark_synced(&first, Some(41), 0).unwrap();
+    let other = outbox.next_run(1, 0).unwrap().unwrap();
+    assert_eq!((other.account, other.last_synced_version), (b, None));
+    outbox.mark_synced(&other, Some(7), 0).unwrap();
+
+    outbox.record(deposit(a, 3), 0, &mut NoHooks).unwrap();
+    let second = outbox.next_run(1, 0).unwrap().unwrap();
+    assert_eq!(second.last_synced_version, Some(41));
+    assert_eq!(second.request().last_synced_version, Some(41));
+    outbox.mark_synced(&second, None, 0).unwrap();
+    outbox.record(deposit(a, 4), 0, &mut NoHooks).unwrap();
+    let third = outbox.next_run(1, 0).unwrap().unwrap();
+    assert_eq!(
+        third.last_synced_version,
+        Some(41),
+        "already synced: no newer version"
+    );
+}
+
 #[test]
 fn runs_are_taken_in_recording_order_across_accounts() {
     let dir = TempDir::new("order");

@@ -84,6 +84,10 @@ fn one_of_each() -> Vec<ApiError> {
         },
         ApiError::Conflict("x".into()),
         ApiError::Unavailable("x".into()),
+        ApiError::RetryLater {
+            code: "SYNC_UNVERIFIED",
+            message: "x".into(),
+        },
         ApiError::Shed {
             close_connection: false,
         },
@@ -118,6 +122,7 @@ fn variant(e: &ApiError) -> usize {
         ApiError::Unauthorized { .. } => 14,
         ApiError::Forbidden { .. } => 15,
         ApiError::RateLimited { .. } => 16,
+        ApiError::RetryLater { .. } => 17,
     }
 }
 
@@ -194,7 +199,7 @@ fn status_of_response(r: &Value) -> u16 {
 fn every_status_the_code_answers_is_documented_and_no_other() {
     let errors = one_of_each();
     let listed: BTreeSet<usize> = errors.iter().map(variant).collect();
-    assert_eq!(listed.len(), 17, "one sample of each ApiError variant");
+    assert_eq!(listed.len(), 18, "one sample of each ApiError variant");
     let mut code: BTreeSet<u16> = errors.iter().map(|e| e.status().as_u16()).collect();
     code.insert(200);
     assert_eq!(

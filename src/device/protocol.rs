@@ -2,9 +2,9 @@
 //! and the device's HTTP transport.
 //!
 //! Request (camelCase, unknown fields refused):
-//! `{"accountId":"…","firstSeq":1,"events":[{"clientSeq":1,"type":"deposit","amountCents":500,
-//! "eventId":"…","recordedAtMs":…}]}` where `firstSeq`, `eventId` and `recordedAtMs` are
-//! optional. Types are `deposit` or `withdraw`.
+//! `{"accountId":"…","firstSeq":1,"lastSyncedVersion":6,"events":[{"clientSeq":1,"type":"deposit",
+//! "amountCents":500,"eventId":"…","recordedAtMs":…}]}` where `firstSeq`, `lastSyncedVersion`,
+//! `eventId` and `recordedAtMs` are optional. Types are `deposit` or `withdraw`.
 //!
 //! Success (200): `{"status":"synced","aggregateVersion":7,"lastSeq":12}` when this request
 //! appended the run, `{"status":"alreadySynced","lastSeq":12}` when the store already holds
@@ -66,7 +66,24 @@ pub struct SyncRequest {
     /// When present, must equal the first event's `clientSeq`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_seq: Option<u64>,
+    /// The account version at which this device's latest synced run of the account landed
+    /// (a `synced` answer's `aggregateVersion`). Optional, and only a hint: a resend's
+    /// read-back looks above it first, since this run can only have landed after that one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_synced_version: Option<u64>,
+    #[serde(deserialize_with = "events_as_objects")]
     pub events: Vec<SyncEvent>,
+}
+
+/// Reads `events` as JSON objects only: serde's derived reading of a struct also takes an
+/// array of its fields by position, which the contract does not allow (found black-box:
+/// `[[1,"deposit",5]]` was written as a deposit).
+fn events_as_objects<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<SyncEvent>, D::Error> {
+    use serde::de::Error;
+    Vec::<serde_json::Map<String, serde_json::Value>>::deserialize(d)?
+        .into_iter()
+        .map(|e| serde_json::from_value(serde_json::Value::Object(e)).map_err(D::Error::custom))
+        .collect()
 }
 
 /// One recorded event as it travels.
@@ -129,6 +146,21 @@ mod tests {
         let back = serde_json::to_value(&req).unwrap();
         assert_eq!(back["events"][0]["type"], "deposit");
         assert_eq!(back["events"][0]["clientSeq"], 3);
+    }
+
+    #[test]
+    fn device_sync_events_are_objects_never_arrays() {
+        let body = r#"{"accountId":"a","events":[[1,"deposit",5]]}"#;
+        assert!(serde_json::from_str::<SyncRequest>(body).is_err());
+        let body =
+            r#"{"accountId":"a","events":[{"clientSeq":1,"type":"deposit","amountCents":5}]}"#;
+        assert_eq!(
+            serde_json::from_str::<SyncRequest>(body)
+                .unwrap()
+                .events
+                .len(),
+            1
+        );
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub struct RunEvent {
 pub struct DeviceRun {
     account: AccountId,
     events: Vec<RunEvent>,
+    /// The device's hint: the version its latest synced run of the account landed at.
+    last_synced_version: Option<u64>,
 }
 
 impl DeviceRun {
@@ -71,7 +73,11 @@ impl DeviceRun {
             .map(|(index, e)| run_event(index, account, e))
             .collect::<Result<Vec<_>, _>>()?;
         repeated_event_id(&events)?;
-        Ok(DeviceRun { account, events })
+        Ok(DeviceRun {
+            account,
+            events,
+            last_synced_version: req.last_synced_version,
+        })
     }
 
     pub fn account(&self) -> AccountId {
@@ -80,6 +86,12 @@ impl DeviceRun {
 
     pub fn events(&self) -> &[RunEvent] {
         &self.events
+    }
+
+    /// Where the device says its latest synced run of the account landed. Unverified: it
+    /// only orders a read-back, never decides one.
+    pub fn last_synced_version(&self) -> Option<u64> {
+        self.last_synced_version
     }
 
     pub fn first_seq(&self) -> u64 {
@@ -156,6 +168,7 @@ mod tests {
         SyncRequest {
             account_id: ACCOUNT.into(),
             first_seq: None,
+            last_synced_version: None,
             events,
         }
     }

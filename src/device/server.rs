@@ -97,7 +97,8 @@ pub enum DeviceSyncError {
     /// sequence of this device's and, below it, nothing under this one. The device synced out
     /// of order or skipped ahead; resending cannot help.
     #[error(
-        "sequence {seq} of this device never landed, and the store already holds a later one:          the device synced out of order or skipped sequences"
+        "sequence {seq} of this device never landed, and the store already holds a later one: \
+         the device synced out of order or skipped sequences"
     )]
     RunNeverLanded { seq: u64 },
     /// The store's mark covers the run but the batches that held it were trimmed away, so
@@ -105,7 +106,8 @@ pub enum DeviceSyncError {
     /// would be told its new events were synced). An operator compares the device's queue
     /// with the account's history.
     #[error(
-        "the store's mark covers sequence {seq} from this device, but the batches that held it          were trimmed away: this run cannot be proven to be the one that landed"
+        "the store's mark covers sequence {seq} from this device, but the batches that held it \
+         were trimmed away: this run cannot be proven to be the one that landed"
     )]
     RunTrimmed { seq: u64 },
     /// Send exactly the same run again (after a backoff).
@@ -351,7 +353,7 @@ impl DeviceSync {
         let RunRead {
             found,
             trimmed,
-            later,
+            max_seen,
             ..
         } = match tokio::time::timeout(READ_BACK_BUDGET, self.read_run(device, run)).await {
             Ok(Ok(read)) => read,
@@ -391,10 +393,10 @@ impl DeviceSync {
                         seq: want.client_seq,
                     });
                 }
-                // The read shows a later sequence of this device's and every version before
-                // it: this one could only have landed below that event, where it is not. The
-                // device synced out of order (or skipped ahead), and resending cannot help.
-                None if later => {
+                // The read shows a later sequence of this device's and every version where
+                // this one could stand below it (see `read_run`): it is not there. The device
+                // synced out of order (or skipped ahead), and resending cannot help.
+                None if max_seen > want.client_seq => {
                     tracing::warn!(device = %device, seq = want.client_seq, "device run below its mark never landed");
                     return Err(DeviceSyncError::RunNeverLanded {
                         seq: want.client_seq,
@@ -417,12 +419,22 @@ impl DeviceSync {
     /// What this device's batches on the account show of the run (see [`RunRead`]).
     ///
     /// The service keeps nothing per device and a 2002 names only the mark, so the run may
-    /// stand anywhere in the stream. The read takes [`READ_BACK_WINDOW`] versions at a time
-    /// from both ends in turn, the newest end first: a resend after a lost answer finds its
-    /// run near the top, a device restored from an old copy near the bottom, and either costs
-    /// at most twice the shorter distance, not the account's length. It stops as soon as the
-    /// answer is decided (see [`RunRead::absorb`]) and gives up past [`MAX_RUN_READ_PAGES`]
-    /// pages with [`StoreError::NotApplied`], which the caller answers as unverified (a retry).
+    /// stand anywhere in the stream. The read goes down from the newest version,
+    /// [`READ_BACK_WINDOW`] versions at a time, because that is where a resend after a lost
+    /// answer finds its run, and because Celeriant serves recent versions from memory and
+    /// older ones by walking the account's chain back from its newest write: a read far below
+    /// the tip costs in proportion to the distance, so starting at version 1 made every page
+    /// of a long account cost the whole account (measured on Celeriant e7c6df9, session 10).
+    ///
+    /// A device that names the version its latest synced run landed at (`lastSyncedVersion`)
+    /// has the versions above that one read from both ends in turn: its run can only have
+    /// landed after that one, so a resend after a long time offline is found right above the
+    /// hint. The hint only orders the read: until an event read above it places the run
+    /// there, the versions below it are read as without it.
+    ///
+    /// It stops as soon as the answer is decided (see [`RunRead::decided`]) and gives up past
+    /// [`MAX_RUN_READ_PAGES`] pages with [`StoreError::NotApplied`], which the caller answers
+    /// as unverified (a retry).
     async fn read_run(&self, device: DeviceId, run: &DeviceRun) -> StoreResult<RunRead> {
         let key = self.identity.key(run.account());
         let details = match self.log.details(key).await {
@@ -430,11 +442,43 @@ impl DeviceSync {
             Err(StoreError::AggregateNotFound) => return Ok(RunRead::new(run)),
             Err(e) => return Err(e),
         };
-        let mut read = RunRead::new(run);
-        let mut trimmed = details.min_available_version > 1;
-        // The versions not read yet: [low, high].
-        let (mut low, mut high) = (details.min_available_version.max(1), details.max_version);
-        let mut pages = 0;
+        let tip = details.max_version;
+        let mut scan = Scan {
+            device,
+            key,
+            read: RunRead::new(run),
+            floor: details.min_available_version.max(1),
+            trimmed: details.min_available_version > 1,
+            pages: 0,
+        };
+        let hint = run
+            .last_synced_version()
+            .filter(|&h| h > scan.floor && h <= tip);
+        let mut decided = false;
+        let mut high = tip;
+        if let Some(h) = hint {
+            decided = self.scan(&mut scan, h, tip, Ends::Both).await?;
+            high = h - 1;
+        }
+        if !decided {
+            let low = scan.floor;
+            self.scan(&mut scan, low, high, Ends::Top).await?;
+        }
+        let mut read = scan.read;
+        // A trim only hides the run if nothing read places the run above it.
+        read.trimmed = scan.trimmed && !read.earlier;
+        Ok(read)
+    }
+
+    /// Reads versions `low..=high` a window at a time, from the top down or from both ends
+    /// in turn (top first), until the answer is decided (true) or the range is read (false).
+    async fn scan(
+        &self,
+        scan: &mut Scan,
+        mut low: u64,
+        mut high: u64,
+        ends: Ends,
+    ) -> StoreResult<bool> {
         let mut from_top = true;
         while low <= high {
             let (from, to) = if from_top {
@@ -442,59 +486,47 @@ impl DeviceSync {
             } else {
                 (low, low.saturating_add(READ_BACK_WINDOW - 1).min(high))
             };
-            match self
-                .read_window(device, key, from, to, &mut pages, &mut read)
-                .await
-            {
+            match self.read_window(scan, from, to).await {
                 Ok(()) => {}
                 // Trimmed while we read: what is left starts higher up.
                 Err(StoreError::Trimmed { min_available }) if min_available > low => {
-                    trimmed = true;
+                    scan.trimmed = true;
+                    scan.floor = scan.floor.max(min_available);
                     low = min_available;
                     continue;
                 }
                 Err(e) => return Err(e),
             }
-            if read.decided(from_top) {
-                break;
+            if scan.read.decided(from_top) {
+                return Ok(true);
             }
             if from_top {
                 high = from - 1;
             } else {
                 low = to + 1;
             }
-            from_top = !from_top;
+            from_top = ends == Ends::Top || !from_top;
         }
-        // A trim only hides the run if nothing read places the run above it.
-        read.trimmed = trimmed && !read.earlier;
-        Ok(read)
+        Ok(false)
     }
 
-    /// Reads this device's batches in versions `from..=to`, page by page, into `read`.
-    async fn read_window(
-        &self,
-        device: DeviceId,
-        key: AggregateKey,
-        from: u64,
-        to: u64,
-        pages: &mut usize,
-        read: &mut RunRead,
-    ) -> StoreResult<()> {
+    /// Reads this device's batches in versions `from..=to`, page by page, into the scan.
+    async fn read_window(&self, scan: &mut Scan, from: u64, to: u64) -> StoreResult<()> {
         let filter = ReadFilter {
             to_version: Some(to),
-            include_client_id: Some(device.as_u128()),
+            include_client_id: Some(scan.device.as_u128()),
             ..ReadFilter::from_version(from)
         };
-        let mut stream = BatchStream::new(self.log.as_ref(), key, filter);
+        let mut stream = BatchStream::new(self.log.as_ref(), scan.key, filter);
         loop {
-            if *pages >= MAX_RUN_READ_PAGES {
+            if scan.pages >= MAX_RUN_READ_PAGES {
                 return Err(StoreError::NotApplied {
                     reason: format!("the read-back passed {MAX_RUN_READ_PAGES} pages"),
                 });
             }
-            *pages += 1;
+            scan.pages += 1;
             match stream.next_page().await {
-                Ok(Some(batches)) => read.absorb(&batches),
+                Ok(Some(batches)) => scan.read.absorb(&batches),
                 Ok(None) | Err(StoreError::AggregateNotFound) => return Ok(()),
                 Err(e) => return Err(e),
             }
@@ -505,15 +537,34 @@ impl DeviceSync {
     }
 }
 
+/// One read-back in progress.
+struct Scan {
+    device: DeviceId,
+    key: AggregateKey,
+    read: RunRead,
+    /// The lowest version still readable.
+    floor: u64,
+    /// Part of the stream was trimmed away.
+    trimmed: bool,
+    /// Pages read so far, against [`MAX_RUN_READ_PAGES`].
+    pages: usize,
+}
+
+/// Where a read-back takes its windows from: the top only, or both ends in turn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ends {
+    Top,
+    Both,
+}
+
 /// Versions one step of a device run's read-back covers: one Celeriant page.
 pub const READ_BACK_WINDOW: u64 = 512;
 
 /// The most pages one read-back of a device run may take (a Celeriant page spans at most
-/// 512 versions, and costs a read and a details call: 256 pages are about 131,000 versions
-/// and, on a local network, a few hundred ms, well inside the request's deadline; it is paid
-/// only by a resend after a lost answer). The read works in from both ends of the stream, so
-/// this caps how far from the nearer end a resent run can still be proven: beyond it the
-/// answer is the retryable `SYNC_UNVERIFIED`, never a guess.
+/// 512 versions: 256 pages are about 131,000 versions; it is paid only by a resend after a
+/// lost answer). This caps how far below the newest version (or above the device's hint) a
+/// resent run can still be proven: beyond it the answer is the retryable `SYNC_UNVERIFIED`,
+/// never a guess.
 pub const MAX_RUN_READ_PAGES: usize = 256;
 
 /// The longest one read-back of a device run may take: inside the request's own bound
@@ -533,12 +584,13 @@ struct RunRead {
     found: BTreeMap<u64, Event>,
     /// Part of the stream was trimmed away and nothing read places the run above the trim.
     trimmed: bool,
-    /// An event of this device's with a sequence above the run's was read.
-    later: bool,
+    /// The highest sequence of this device's read (0: none). A missing sequence of the run
+    /// below it never landed, once the read covers every version where it could stand.
+    max_seen: u64,
     /// An event of this device's with a sequence below the run's was read.
     earlier: bool,
-    /// The last window read held a later (or earlier) event: set per window by
-    /// [`RunRead::absorb`], read by [`RunRead::decided`].
+    /// The last window read held a later (or earlier) event than the run's: set per window
+    /// by [`RunRead::absorb`], read by [`RunRead::decided`].
     window_later: bool,
     window_earlier: bool,
 }
@@ -550,7 +602,7 @@ impl RunRead {
             last: run.last_seq(),
             found: BTreeMap::new(),
             trimmed: false,
-            later: false,
+            max_seen: 0,
             earlier: false,
             window_later: false,
             window_earlier: false,
@@ -563,23 +615,24 @@ impl RunRead {
             if (self.first..=self.last).contains(&e.client_seq) {
                 self.found.entry(e.client_seq).or_insert_with(|| e.clone());
             }
+            self.max_seen = self.max_seen.max(e.client_seq);
             self.window_later |= e.client_seq > self.last;
             self.window_earlier |= e.client_seq < self.first;
         }
-        self.later |= self.window_later;
         self.earlier |= self.window_earlier;
     }
 
     /// Whether reading on can no longer change the verdict, after a window from the top
     /// (`from_top`) or the bottom of the unread range: every sequence of the run was found
-    /// (runs have no gaps); or, from the bottom, a later sequence was, below which every
-    /// version is read and above which none of the run's can stand; or, from the top, an
-    /// earlier one was, the same way up.
+    /// (runs have no gaps); or, from the top, an earlier sequence was, above which every
+    /// version is read and below which none of the run's can stand; or, from the bottom
+    /// (above the device's hint), a later one was, once an earlier one was read above the
+    /// hint too: until then the run may stand below the hint, which says nothing for sure.
     fn decided(&mut self, from_top: bool) -> bool {
         let placed = if from_top {
             self.window_earlier
         } else {
-            self.window_later
+            self.window_later && self.earlier
         };
         self.window_later = false;
         self.window_earlier = false;
@@ -649,6 +702,7 @@ mod tests {
         SyncRequest {
             account_id: ACCOUNT.into(),
             first_seq: None,
+            last_synced_version: None,
             events,
         }
     }

@@ -52,6 +52,10 @@ pub enum ApiError {
     /// Retryable: the store is unreachable or the replica is not ready.
     #[error("{0}")]
     Unavailable(String),
+    /// Retryable, 503 with a code of its own (a device sync's `SYNC_*`): resend the same
+    /// request after `Retry-After`.
+    #[error("{message}")]
+    RetryLater { code: &'static str, message: String },
     /// Retryable: the replica is shedding load (no in-flight slot came free in time). At
     /// the connection cap it also closes the connection, so the client reconnects behind
     /// the clients waiting in the accept queue instead of keeping its place.
@@ -102,7 +106,9 @@ impl ApiError {
             | ApiError::KeyReused
             | ApiError::Unprocessable { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::Conflict(_) | ApiError::StoreConflict { .. } => StatusCode::CONFLICT,
-            ApiError::Unavailable(_) | ApiError::Shed { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unavailable(_) | ApiError::RetryLater { .. } | ApiError::Shed { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden { .. } => StatusCode::FORBIDDEN,
@@ -117,7 +123,8 @@ impl ApiError {
             | ApiError::Unprocessable { code, .. }
             | ApiError::StoreConflict { code, .. }
             | ApiError::Unauthorized { code, .. }
-            | ApiError::Forbidden { code, .. } => code,
+            | ApiError::Forbidden { code, .. }
+            | ApiError::RetryLater { code, .. } => code,
             ApiError::RateLimited { .. } => "RATE_LIMITED",
             ApiError::PayloadTooLarge { .. } => "PAYLOAD_TOO_LARGE",
             ApiError::NotFound { .. } => "NOT_FOUND",
@@ -149,7 +156,7 @@ impl ApiError {
             ApiError::MethodNotAllowed { allow } => {
                 headers.insert(ALLOW, HeaderValue::from_static(allow));
             }
-            ApiError::Conflict(_) | ApiError::Unavailable(_) => {
+            ApiError::Conflict(_) | ApiError::Unavailable(_) | ApiError::RetryLater { .. } => {
                 headers.insert(RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
             }
             ApiError::Unauthorized { reason, .. } => {
@@ -225,7 +232,7 @@ impl From<DeviceSyncError> for ApiError {
         } else if e.is_conflict() {
             ApiError::StoreConflict { code, message }
         } else if e.is_retryable() {
-            ApiError::Unavailable(format!("{code}: {message}"))
+            ApiError::RetryLater { code, message }
         } else {
             ApiError::Internal { code, message }
         }
@@ -436,6 +443,20 @@ mod tests {
         assert_eq!(r.headers()[RETRY_AFTER], "1");
         let r = ApiError::MethodNotAllowed { allow: "GET" }.into_response();
         assert_eq!(r.headers()[ALLOW], "GET");
+    }
+
+    /// Rule: a device sync told to resend names why in `error` (the contract's `SYNC_*`
+    /// codes), not only in the message. Found black-box: every one read `SERVICE_UNAVAILABLE`.
+    #[test]
+    fn a_device_retry_carries_its_own_code() {
+        let e = ApiError::from(DeviceSyncError::Retry {
+            reason: crate::device::server::RetryReason::Unverified,
+            detail: "x".into(),
+        });
+        assert_eq!(e.code(), "SYNC_UNVERIFIED");
+        let r = e.into_response();
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(r.headers()[RETRY_AFTER], "1");
     }
 
     /// A shed request is told when to retry, in the usual JSON shape; its connection is

@@ -131,6 +131,9 @@ pub struct Run {
     pub last_seq: u64,
     /// Attempts made so far, across every sync that tried it.
     pub attempts: u64,
+    /// The version the account's latest run synced by this device landed at, when the
+    /// server said (a `synced` answer): sent as a hint for the read-back of a resend.
+    pub last_synced_version: Option<u64>,
     pub events: Vec<StoredEvent>,
 }
 
@@ -140,6 +143,7 @@ impl Run {
         SyncRequest {
             account_id: self.account.to_string(),
             first_seq: Some(self.first_seq),
+            last_synced_version: self.last_synced_version,
             events: self
                 .events
                 .iter()
@@ -382,12 +386,25 @@ impl Outbox {
         };
         let events = load_events(&tx, &key, first_seq, last_seq)?;
         check_run(&tx, &key, account, first_seq, last_seq, &events)?;
+        // The newest synced event with a version: runs land in sequence order, so it is the
+        // highest version (one step down the (account, client_seq) index).
+        let last_synced_version: Option<i64> = tx
+            .query_row(
+                "SELECT synced_version FROM events
+                 WHERE account = ?1 AND synced_version IS NOT NULL
+                 ORDER BY client_seq DESC LIMIT 1",
+                [&key],
+                |r| r.get(0),
+            )
+            .optional()?;
+        let last_synced_version = last_synced_version.map(from_sql).transpose()?;
         tx.commit()?;
         Ok(Some(Run {
             account,
             first_seq,
             last_seq,
             attempts,
+            last_synced_version,
             events,
         }))
     }
