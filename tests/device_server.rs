@@ -314,6 +314,28 @@ async fn a_covered_run_whose_batches_were_trimmed_is_never_answered_synced() {
     assert_eq!(memory.batch_count(key), 1, "nothing written");
 }
 
+/// Rule: a verdict is drawn only from windows read whole. A lagging read (a replica behind
+/// the tip the store reported) that hides a landed run on a trimmed account is a retry,
+/// never the final `DEVICE_RUN_TRIMMED` (found in review: the device stopped syncing a run
+/// that had landed).
+#[tokio::test]
+async fn a_lagging_read_never_turns_a_landed_run_into_a_final_refusal() {
+    let (memory, faulty, core) = faulty();
+    service_batches(&memory, 1, 3);
+    let key = Identity::default().key(account());
+    faulty.trim_start(key, 3).await.unwrap();
+    faulty.fail_next_write(Fault::LostAck);
+    let lost = core.handle(DEVICE, &run(1, 2, 10)).await.unwrap_err();
+    assert!(lost.is_retryable(), "{lost:?}");
+    assert_eq!(memory.batch_count(key), 2, "the run landed");
+
+    faulty.lag_next_read(1);
+    let lagged = core.handle(DEVICE, &run(1, 2, 10)).await.unwrap_err();
+    assert_eq!(lagged.code(), "SYNC_UNVERIFIED", "{lagged:?}");
+    let again = core.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
+    assert_eq!(again.status, SyncStatus::AlreadySynced);
+}
+
 /// Rule: a trim hides a run only if nothing read places the run above it. A missing
 /// sequence between two of the device's events above the trim never landed (a final
 /// conflict, as without a trim), and is not blamed on the trim.

@@ -422,9 +422,8 @@ impl DeviceSync {
     /// stand anywhere in the stream. The read goes down from the newest version,
     /// [`READ_BACK_WINDOW`] versions at a time, because that is where a resend after a lost
     /// answer finds its run, and because Celeriant serves recent versions from memory and
-    /// older ones by walking the account's chain back from its newest write: a read far below
-    /// the tip costs in proportion to the distance, so starting at version 1 made every page
-    /// of a long account cost the whole account (measured on Celeriant e7c6df9, session 10).
+    /// older ones from disk (starting at version 1 made every page of a long account cost a
+    /// walk of the whole account there: Celeriant e7c6df9, session 10).
     ///
     /// A device that names the version its latest synced run landed at (`lastSyncedVersion`)
     /// has the versions above that one read from both ends in turn: its run can only have
@@ -510,14 +509,18 @@ impl DeviceSync {
         Ok(false)
     }
 
-    /// Reads this device's batches in versions `from..=to`, page by page, into the scan.
+    /// Reads versions `from..=to` (every batch, so the read proves it saw them all), page by
+    /// page, and takes this device's batches into the scan. A read that shows less than the
+    /// whole window (a replica behind the tip the details call reported) is an error, which
+    /// the caller answers as unverified: a verdict is only ever drawn from complete windows.
     async fn read_window(&self, scan: &mut Scan, from: u64, to: u64) -> StoreResult<()> {
         let filter = ReadFilter {
             to_version: Some(to),
-            include_client_id: Some(scan.device.as_u128()),
             ..ReadFilter::from_version(from)
         };
+        let device = scan.device.as_u128();
         let mut stream = BatchStream::new(self.log.as_ref(), scan.key, filter);
+        let mut next = from;
         loop {
             if scan.pages >= MAX_RUN_READ_PAGES {
                 return Err(StoreError::NotApplied {
@@ -525,15 +528,36 @@ impl DeviceSync {
                 });
             }
             scan.pages += 1;
-            match stream.next_page().await {
-                Ok(Some(batches)) => scan.read.absorb(&batches),
-                Ok(None) | Err(StoreError::AggregateNotFound) => return Ok(()),
+            let batches = match stream.next_page().await {
+                Ok(Some(batches)) => batches,
+                Ok(None) | Err(StoreError::AggregateNotFound) => break,
                 Err(e) => return Err(e),
+            };
+            for b in &batches {
+                if b.version != next {
+                    return Err(incomplete(from, to, next));
+                }
+                next += 1;
             }
+            scan.read
+                .absorb(batches.iter().filter(|b| b.client_id == device));
             if !stream.has_more() {
-                return Ok(());
+                break;
             }
         }
+        if next <= to {
+            return Err(incomplete(from, to, next));
+        }
+        Ok(())
+    }
+}
+
+/// A window of the read-back came back without version `missing`.
+fn incomplete(from: u64, to: u64, missing: u64) -> StoreError {
+    StoreError::NotApplied {
+        reason: format!(
+            "a read of versions {from}..={to} did not show version {missing} (a replica behind the tip)"
+        ),
     }
 }
 
@@ -609,9 +633,9 @@ impl RunRead {
         }
     }
 
-    /// Takes in one page of the device's batches.
-    fn absorb(&mut self, batches: &[Batch]) {
-        for e in batches.iter().flat_map(|b| b.events.iter()) {
+    /// Takes in the device's batches of one page.
+    fn absorb<'b>(&mut self, batches: impl Iterator<Item = &'b Batch>) {
+        for e in batches.flat_map(|b| b.events.iter()) {
             if (self.first..=self.last).contains(&e.client_seq) {
                 self.found.entry(e.client_seq).or_insert_with(|| e.clone());
             }

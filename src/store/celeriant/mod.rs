@@ -72,8 +72,7 @@ pub use config::{
 };
 pub use wire::READ_PAGE_MAX_VERSIONS;
 use wire::{
-    Next, estimated_request_bytes, has_server_filters, next_after, port_batch, server_filters,
-    window, wire_event, wire_key,
+    estimated_request_bytes, next_after, port_batch, server_filters, window, wire_event, wire_key,
 };
 
 /// Most attempts for one read whose reply was lost (the first try included).
@@ -300,24 +299,13 @@ impl EventLog for CeleriantLog {
         let request = ReadRequest {
             correlation_id: None,
             aggregate_key: wire_key(key),
-            filters: server_filters(filter, w),
+            filters: server_filters(w),
         };
         let response = self
             .repeatable(Op::Read, || self.pool.read(request.clone()))
             .await?;
         let last_returned = response.event_batches.last().map(|b| b.aggregate_version);
-        let next = match next_after(
-            w,
-            response.next_aggregate_version,
-            last_returned,
-            has_server_filters(filter),
-        ) {
-            Next::At(next) => next,
-            Next::Unknown { after } => {
-                let tip = self.details_as(Op::Read, key).await?.max_version;
-                (tip >= after).then_some(after)
-            }
-        };
+        let next = next_after(w, response.next_aggregate_version, last_returned);
         let batches = response
             .event_batches
             .into_iter()

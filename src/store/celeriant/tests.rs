@@ -697,8 +697,10 @@ fn window_starts_at_one_and_is_capped() {
     assert_eq!((w.from, w.to), (u64::MAX, u64::MAX));
 }
 
+/// Rule: a read sends the server its version window only; every batch filter is applied
+/// here (the server would cut events out of batches, and serves a filtered window from disk).
 #[test]
-fn client_seq_filters_stay_on_this_side() {
+fn batch_filters_stay_on_this_side() {
     let filter = ReadFilter {
         from_version: 3,
         to_version: None,
@@ -707,24 +709,19 @@ fn client_seq_filters_stay_on_this_side() {
         include_client_id: Some(77),
         min_server_timestamp_ms: Some(1_000),
     };
-    let f = server_filters(&filter, window(&filter));
+    let f = server_filters(window(&filter));
     assert_eq!(f.from_aggregate_version, 3);
     assert_eq!(f.to_aggregate_version, Some(2 + READ_PAGE_MAX_VERSIONS));
     assert_eq!(f.min_client_seq, None);
     assert_eq!(f.max_client_seq, None);
-    assert_eq!(f.include_client_id, Some(77));
-    assert_eq!(f.min_server_timestamp, Some(1_000));
-    assert!(has_server_filters(&filter));
-    assert!(!has_server_filters(&ReadFilter {
-        min_client_seq: Some(1),
-        ..ReadFilter::default()
-    }));
+    assert_eq!(f.include_client_id, None);
+    assert_eq!(f.min_server_timestamp, None);
 }
 
 #[test]
 fn next_page_follows_the_server_cursor_first() {
     let w = window(&ReadFilter::default());
-    assert_eq!(next_after(w, Some(40), Some(39), false), Next::At(Some(40)));
+    assert_eq!(next_after(w, Some(40), Some(39)), Some(40));
 }
 
 #[test]
@@ -733,45 +730,27 @@ fn next_page_stops_at_the_callers_bound() {
         to_version: Some(5),
         ..ReadFilter::default()
     });
-    assert_eq!(next_after(w, None, Some(5), false), Next::At(None));
+    assert_eq!(next_after(w, None, Some(5)), None);
 }
 
 #[test]
 fn a_full_window_continues_after_it() {
     let w = window(&ReadFilter::default());
     let end = READ_PAGE_MAX_VERSIONS;
-    assert_eq!(
-        next_after(w, None, Some(end), false),
-        Next::At(Some(end + 1))
-    );
-    assert_eq!(
-        next_after(w, None, Some(end), true),
-        Next::At(Some(end + 1))
-    );
+    assert_eq!(next_after(w, None, Some(end)), Some(end + 1));
 }
 
 #[test]
-fn a_short_unfiltered_window_is_the_tip() {
+fn a_short_window_is_the_tip() {
     let w = window(&ReadFilter::default());
-    assert_eq!(next_after(w, None, Some(3), false), Next::At(None));
-    assert_eq!(next_after(w, None, None, false), Next::At(None));
-}
-
-#[test]
-fn a_short_filtered_window_needs_the_tip() {
-    let w = window(&ReadFilter::default());
-    assert_eq!(
-        next_after(w, None, Some(3), true),
-        Next::Unknown {
-            after: READ_PAGE_MAX_VERSIONS + 1
-        }
-    );
+    assert_eq!(next_after(w, None, Some(3)), None);
+    assert_eq!(next_after(w, None, None), None);
 }
 
 #[test]
 fn the_last_version_has_no_next_page() {
     let w = window(&ReadFilter::from_version(u64::MAX));
-    assert_eq!(next_after(w, None, Some(u64::MAX), false), Next::At(None));
+    assert_eq!(next_after(w, None, Some(u64::MAX)), None);
 }
 
 fn event(seq: u64, payload: &'static [u8]) -> Event {
