@@ -236,15 +236,23 @@ async fn open_store(config: &Config) -> Result<SharedLog, StartError> {
     match config.store {
         StoreKind::Memory => Ok(Arc::new(MemoryLog::new())),
         StoreKind::Celeriant => {
-            let log = CeleriantLog::connect(&config.celeriant)
-                .map_err(|e| StartError::Store(e.to_string()))?;
+            let log = Arc::new(
+                CeleriantLog::connect(&config.celeriant)
+                    .map_err(|e| StartError::Store(e.to_string()))?,
+            );
             // A store that is down at boot is not fatal: the replica starts not ready
             // (`/readyz` answers 503) and recovers when the store does, instead of
-            // crash-looping through a transient outage.
-            if let Err(e) = log.ping().await {
-                tracing::warn!(address = %config.celeriant.address, error = %e, "Celeriant does not answer yet; not ready until it does");
-            }
-            Ok(Arc::new(log))
+            // crash-looping through a transient outage. The first ping only tells the log,
+            // so it runs beside start-up: a store that accepts connections and never answers
+            // held it for two request timeouts, and the replica did not listen until then
+            // (found black-box).
+            let (ping, address) = (log.clone(), config.celeriant.address.clone());
+            tokio::spawn(async move {
+                if let Err(e) = ping.ping().await {
+                    tracing::warn!(%address, error = %e, "Celeriant does not answer yet; not ready until it does");
+                }
+            });
+            Ok(log)
         }
     }
 }

@@ -441,6 +441,52 @@ async fn binary_listens_not_ready_while_its_start_up_writes_are_held() {
     );
 }
 
+/// Rule: a Celeriant that accepts connections and never answers does not keep the replica
+/// from listening either (found black-box: the boot ping held it for two request timeouts).
+#[tokio::test]
+async fn binary_listens_not_ready_while_celeriant_accepts_but_never_answers() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("a local port");
+    let address = silent.local_addr().unwrap().to_string();
+    // Accepts, keeps each connection open, never writes: a store that holds every call.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in silent.incoming() {
+            match conn {
+                Ok(c) => held.push(c),
+                Err(_) => break,
+            }
+        }
+    });
+    // Without the fix, `Server::start` gives up waiting for the listening line: the ping
+    // alone held start-up for two of these timeouts.
+    let server = Server::start(
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+            "--store",
+            "celeriant",
+            "--celeriant-address",
+            &address,
+            "--celeriant-request-timeout-ms",
+            "60000",
+        ],
+        &[],
+    );
+    let client = reqwest::Client::new();
+    let health = common::read(client.get(server.url("/healthz")).send().await.unwrap()).await;
+    assert_eq!(health.status, StatusCode::OK, "{}", health.text);
+    let ready = common::read(client.get(server.url("/readyz")).send().await.unwrap()).await;
+    assert_eq!(
+        ready.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        ready.text
+    );
+    assert_eq!(ready.body["status"], "starting", "{}", ready.text);
+}
+
 #[test]
 fn binary_refuses_an_invalid_configuration_with_exit_2() {
     for args in [
