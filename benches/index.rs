@@ -13,6 +13,7 @@ fn entry(i: u64) -> RecentWrite {
         version: i,
         expires_at_ms: 1_000 + i,
         event: AccountEvent::Deposited { amount: 100 },
+        write_tag: Some(tally::projection::index::write_tag(i, i)),
     }
 }
 

@@ -73,6 +73,7 @@ fleet_scenarios! {
     #[tokio::test] an_old_request_is_still_answered_after_folding_a_siblings_write,
     #[tokio::test] a_lost_ack_is_resolved_by_catch_up_and_replayed_by_the_other_replica,
     #[tokio::test] lost_ack_then_retry_on_another_replica_returns_the_landed_write,
+    #[tokio::test] a_retry_whose_own_write_was_lost_still_replays_the_siblings_landing,
     #[tokio::test] a_sibling_that_took_the_held_sequence_is_detected_and_the_request_lands_once,
     #[tokio::test] an_in_flight_duplicate_waits_for_the_first_attempt_and_replays_it,
     #[tokio::test] an_unverifiable_violation_answers_409_with_retry_after_and_writes_nothing,
@@ -734,6 +735,36 @@ async fn lost_ack_then_retry_on_another_replica_returns_the_landed_write(base: S
     let retry = f.apps[1].deposit(&acct, 100, Some(&k)).await;
     assert_balance(&retry, &k, 100, 1, true);
     f.assert_stream(1, &acct, &[("Deposited", 100, &k)]).await;
+}
+
+/// A retry that finds its key landed by another replica is a replay even when its own write
+/// went unanswered on the way: both replicas derived the same sequence from the same fold,
+/// but the landing carries the other replica's send time, which this request never sent
+/// (found black-box on live Celeriant with lost acks: such retries came back without
+/// `Idempotent-Replayed`).
+async fn a_retry_whose_own_write_was_lost_still_replays_the_siblings_landing(base: SharedLog) {
+    let f = Fleet::faulty(base, 2, &[]).await;
+    let (acct, k0) = f.funded_and_warm_on_both().await;
+    let k = idem_key();
+    assert_balance(
+        &f.apps[0].deposit(&acct, 50, Some(&k)).await,
+        &k,
+        150,
+        2,
+        false,
+    );
+    // Replica 1's fold is a version behind: it misses the index, writes, and hears nothing.
+    f.faults().fail_next_write(Fault::LostRequest);
+    assert_balance(
+        &f.apps[1].deposit(&acct, 50, Some(&k)).await,
+        &k,
+        150,
+        2,
+        true,
+    );
+    assert_eq!(f.arm(1, "deposit", arm::OUTCOME_UNKNOWN), 1);
+    f.assert_stream(1, &acct, &[("Deposited", 100, &k0), ("Deposited", 50, &k)])
+        .await;
 }
 
 /// Replica 0 holds sequence 2 after an ambiguous failure, but replica 1's request already

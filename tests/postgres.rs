@@ -639,6 +639,7 @@ async fn a_load_returns_every_live_row_above_since_or_none_past_the_cap() {
                     version: v,
                     expires_at_ms,
                     event: AccountEvent::Deposited { amount: 1 },
+                    write_tag: None,
                 };
                 (u128::from(v) << 64 | 7, write)
             })

@@ -426,10 +426,13 @@ impl DeviceSync {
     /// walk of the whole account there: Celeriant e7c6df9, session 10).
     ///
     /// A device that names the version its latest synced run landed at (`lastSyncedVersion`)
-    /// has the versions above that one read from both ends in turn: its run can only have
-    /// landed after that one, so a resend after a long time offline is found right above the
-    /// hint. The hint only orders the read: until an event read above it places the run
-    /// there, the versions below it are read as without it.
+    /// has the versions above that one read first, from both ends in turn, starting right
+    /// above the hint: its run is its next batch after that one, so a resend after a long
+    /// time offline is found there in one window, and so is a prompt one (on a Celeriant
+    /// that just restarted, with nothing in memory, even the newest versions cost a disk
+    /// read, so the window most likely to hold the run goes first). The hint only orders
+    /// the read: until an event read above it places the run there, the versions below it
+    /// are read as without it.
     ///
     /// It stops as soon as the answer is decided (see [`RunRead::decided`]) and gives up past
     /// [`MAX_RUN_READ_PAGES`] pages with [`StoreError::NotApplied`], which the caller answers
@@ -469,8 +472,9 @@ impl DeviceSync {
         Ok(read)
     }
 
-    /// Reads versions `low..=high` a window at a time, from the top down or from both ends
-    /// in turn (top first), until the answer is decided (true) or the range is read (false).
+    /// Reads versions `low..=high` a window at a time, from the top down, or from both ends
+    /// in turn, bottom first (above a hint, the run is the device's next batch), until the
+    /// answer is decided (true) or the range is read (false).
     async fn scan(
         &self,
         scan: &mut Scan,
@@ -478,7 +482,7 @@ impl DeviceSync {
         mut high: u64,
         ends: Ends,
     ) -> StoreResult<bool> {
-        let mut from_top = true;
+        let mut from_top = ends == Ends::Top;
         while low <= high {
             let (from, to) = if from_top {
                 (high.saturating_sub(READ_BACK_WINDOW - 1).max(low), high)

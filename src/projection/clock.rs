@@ -9,6 +9,13 @@ use std::time::Instant;
 pub trait Clock: Send + Sync + 'static {
     /// Milliseconds since an arbitrary fixed origin; never goes backwards.
     fn now_ms(&self) -> u64;
+
+    /// Epoch milliseconds, for the timestamps the write loop stamps its events with: the
+    /// wall clock, except where a test drives time by hand (and must get the same stamps,
+    /// hence the same write tags, on every run of a seed).
+    fn epoch_ms(&self) -> u64 {
+        crate::store::wall_clock_ms()
+    }
 }
 
 /// The process's monotonic clock.
@@ -58,5 +65,9 @@ impl ManualClock {
 impl Clock for ManualClock {
     fn now_ms(&self) -> u64 {
         self.now.load(Ordering::SeqCst)
+    }
+
+    fn epoch_ms(&self) -> u64 {
+        self.now_ms()
     }
 }

@@ -31,6 +31,25 @@ pub struct RecentWrite {
     pub expires_at_ms: u64,
     /// The event itself: the fingerprint a reused key is checked against.
     pub event: AccountEvent,
+    /// [`write_tag`] of the event as one of this service's own batches carried it (its client
+    /// sequence and timestamp), when read from the stream; `None` when not known here (a
+    /// write recorded on success, a Postgres row, another writer's batch). It tells a run
+    /// that lost an answer whether a landing it finds is its own write or another request's:
+    /// replicas share one client id and derive the same next sequence from the same fold, so
+    /// the sequence alone cannot, but each write stamps its events with its own send time.
+    pub write_tag: Option<u32>,
+}
+
+/// The bits of a write tag an index entry keeps ([`RecentWrite::write_tag`]).
+const WRITE_TAG_BITS: u32 = 29;
+
+/// The tag of an event written with `client_seq` at `timestamp_ms`: a mix of both, cut to
+/// [`WRITE_TAG_BITS`]. Equal for the same write; for two different writes equal only by a
+/// 1-in-2^29 chance, and then a landing is taken as possibly one's own (never a wrong
+/// replay claim).
+pub fn write_tag(client_seq: u64, timestamp_ms: u64) -> u32 {
+    let mixed = (client_seq ^ timestamp_ms.rotate_left(23)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (mixed >> (64 - WRITE_TAG_BITS)) as u32
 }
 
 /// One account's index. Empty indexes cost one pointer, so idle accounts stay small.
@@ -41,7 +60,8 @@ pub struct RecentIndex {
 
 /// A record: what one event answers, in 56 bytes. The id is kept as two words (no 16-byte
 /// alignment), and the event as its kind and amount; a transfer's counterparty lives in
-/// `Inner::parties`, so the other events do not carry 16 unused bytes each.
+/// `Inner::parties`, so the other events do not carry 16 unused bytes each. The write tag
+/// rides in `meta`'s spare bits.
 #[derive(Clone, Copy)]
 struct Record {
     id_lo: u64,
@@ -50,8 +70,9 @@ struct Record {
     version: u64,
     expires_at_ms: u64,
     amount: i64,
-    /// The event kind in the low two bits; for a transfer, the low 32 bits of its
-    /// counterparty's sequence in `Inner::parties` in the high 32.
+    /// The event kind in the low two bits; bit 2 set when the write tag is known, the tag
+    /// in bits 3..32; for a transfer, the low 32 bits of its counterparty's sequence in
+    /// `Inner::parties` in the high 32.
     meta: u64,
 }
 
@@ -62,6 +83,12 @@ const KIND_DEPOSITED: u64 = 0;
 const KIND_WITHDRAWN: u64 = 1;
 const KIND_TRANSFERRED_OUT: u64 = 2;
 const KIND_TRANSFERRED_IN: u64 = 3;
+const TAG_KNOWN: u64 = 1 << 2;
+const TAG_SHIFT: u32 = 3;
+const _: () = assert!(
+    TAG_SHIFT + WRITE_TAG_BITS <= 32,
+    "the tag stays below the party bits"
+);
 
 impl Record {
     fn id(&self) -> u128 {
@@ -185,6 +212,10 @@ impl Inner {
             }
         };
         let mut meta = kind;
+        if let Some(tag) = write.write_tag {
+            debug_assert!(tag < 1 << WRITE_TAG_BITS, "a write tag fits its bits");
+            meta |= TAG_KNOWN | (u64::from(tag & ((1 << WRITE_TAG_BITS) - 1)) << TAG_SHIFT);
+        }
         if let Some(party) = party {
             let seq = self
                 .parties_front_seq
@@ -222,11 +253,14 @@ impl Inner {
                 from: party(),
             },
         };
+        let write_tag = (record.meta & TAG_KNOWN != 0)
+            .then(|| ((record.meta & u64::from(u32::MAX)) >> TAG_SHIFT) as u32);
         RecentWrite {
             balance: record.balance,
             version: record.version,
             expires_at_ms: record.expires_at_ms,
             event,
+            write_tag,
         }
     }
 
@@ -553,6 +587,7 @@ mod tests {
             version: 1,
             expires_at_ms,
             event: AccountEvent::Deposited { amount: 1 },
+            write_tag: None,
         }
     }
 
@@ -647,6 +682,7 @@ mod tests {
                     version: i,
                     expires_at_ms: 100 + i,
                     event,
+                    write_tag: (!i.is_multiple_of(3)).then(|| write_tag(u64::MAX - i, i)),
                 },
             );
         }
@@ -751,6 +787,9 @@ mod tests {
                     from: party,
                 },
             },
+            // Known for most records, with tags that use every bit (and their neighbours').
+            write_tag: (!kind.is_multiple_of(5))
+                .then(|| write_tag(u64::from(balance as u8), u64::from(kind))),
         }
     }
 

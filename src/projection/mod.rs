@@ -237,6 +237,11 @@ impl Projection {
         self.clock.now_ms()
     }
 
+    /// The epoch time the write loop stamps its events with (see [`Clock::epoch_ms`]).
+    pub fn event_time_ms(&self) -> u64 {
+        self.clock.epoch_ms()
+    }
+
     pub fn window_ms(&self) -> u64 {
         u64::try_from(self.config.window.as_millis()).unwrap_or(u64::MAX)
     }
@@ -390,11 +395,13 @@ impl Projection {
     ) {
         let before = st.recent.len();
         for &(event_id, balance, event) in write.events {
+            // The run that wrote it answers from its own success, never from this entry.
             let w = RecentWrite {
                 balance,
                 version: write.new_version,
                 expires_at_ms,
                 event,
+                write_tag: None,
             };
             st.recent.insert(event_id, w);
         }

@@ -138,6 +138,7 @@ impl AccountState {
                             version: batch.version,
                             expires_at_ms,
                             event,
+                            write_tag: own.then(|| index::write_tag(e.client_seq, e.timestamp_ms)),
                         },
                     );
                 }

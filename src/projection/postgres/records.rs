@@ -69,6 +69,7 @@ impl Record {
                     version: w.new_version,
                     expires_at_ms,
                     event,
+                    write_tag: None,
                 };
                 record.index.push((r.account, event_id, write));
             }

@@ -168,6 +168,9 @@ pub(super) fn loaded(rows: &[Row]) -> Result<PgRow, String> {
                 version: to_u64(col(row, 9)?, "index version")?,
                 expires_at_ms: to_u64(col(row, 13)?, "index expiry")?,
                 event,
+                // The table keeps no sequence: a run that lost an answer takes a landing
+                // found here as possibly its own.
+                write_tag: None,
             },
         );
         if col::<Option<bool>>(row, 14)? == Some(true) {

@@ -5,7 +5,8 @@ use super::{Member, Phase, Run};
 use crate::account::rules::Leg;
 use crate::metrics::arm;
 use crate::projection::RecordedWrite;
-use crate::store::{AggregateWrite, Event, wall_clock_ms};
+use crate::projection::index::write_tag;
+use crate::store::{AggregateWrite, Event};
 use crate::write_loop::classify::{self, Settlement, Step};
 use crate::write_loop::service::invariant;
 use crate::write_loop::verify::{self, SeqOwnership};
@@ -17,7 +18,7 @@ impl Run<'_> {
     pub(super) async fn write(&mut self, batch: &[usize]) -> bool {
         let svc = self.svc;
         let identity = *svc.projection.identity();
-        let now_ms = wall_clock_ms();
+        let now_ms = svc.projection.event_time_ms();
         let writes: Vec<AggregateWrite> = (0..self.accounts.len())
             .map(|ai| AggregateWrite {
                 key: identity.key(self.accounts[ai].account),
@@ -60,8 +61,17 @@ impl Run<'_> {
                 self.arm(arm);
                 self.last_failure = failure;
                 for &mi in batch {
-                    self.members[mi].may_have_landed = true;
-                    self.members[mi].sent_unknown |= sent_unknown;
+                    let m = &mut self.members[mi];
+                    m.may_have_landed = true;
+                    if sent_unknown {
+                        m.sent_unknown = true;
+                        if let Some([s0, s1]) = m.seqs {
+                            let tags = [write_tag(s0, now_ms), write_tag(s1, now_ms)];
+                            if !m.unknown_tags.contains(&tags) {
+                                m.unknown_tags.push(tags);
+                            }
+                        }
+                    }
                 }
                 false
             }

@@ -60,6 +60,9 @@ struct Member {
     /// landing found in the index be this run's own; otherwise it is another request's
     /// result, a replay.
     sent_unknown: bool,
+    /// The write tags (per leg) of those writes, at most one per attempt: a landing found
+    /// in the index under another tag is another request's, a replay, even so.
+    unknown_tags: Vec<[u32; 2]>,
 }
 
 impl Member {
@@ -158,6 +161,7 @@ impl<'a> Run<'a> {
                     balances: [0; 2],
                     may_have_landed: false,
                     sent_unknown: false,
+                    unknown_tags: Vec::new(),
                 }
             })
             .collect();

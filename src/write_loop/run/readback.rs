@@ -23,7 +23,6 @@ impl Run<'_> {
                 continue;
             }
             let landed_at = m.landed_at();
-            let replayed = !m.sent_unknown;
             let legs = m.legs;
             let legs = legs.as_slice();
             let hits: Vec<Option<RecentWrite>> = (0..legs.len())
@@ -34,6 +33,7 @@ impl Run<'_> {
                         .and_then(|v| projection.lookup(v, m.req.event_id))
                 })
                 .collect();
+            let replayed = !m.sent_unknown || landed_by_another(&hits, &m.unknown_tags);
             let landed_visible = landed_at.iter().zip(legs).any(|(v, _)| v.is_some())
                 && landed_at
                     .iter()
@@ -129,6 +129,20 @@ impl Run<'_> {
         }
         true
     }
+}
+
+/// Whether the index shows the landing as a write this run never sent with an unknown
+/// outcome (another write tag: another replica's, or an earlier request's): then the answer
+/// is a replay. Only when every hit's tag is known; otherwise the landing may be this run's
+/// own, and it is not called a replay.
+fn landed_by_another(hits: &[Option<RecentWrite>], unknown_tags: &[[u32; 2]]) -> bool {
+    hits.iter().any(Option::is_some)
+        && hits.iter().enumerate().all(|(li, hit)| match hit {
+            None => true,
+            Some(h) => h
+                .write_tag
+                .is_some_and(|tag| unknown_tags.iter().all(|t| t[li] != tag)),
+        })
 }
 
 impl Run<'_> {
