@@ -753,6 +753,13 @@ async fn a_retry_whose_own_write_was_lost_still_replays_the_siblings_landing(bas
         2,
         false,
     );
+    // The two writes are told apart by their send times (ms): the retry must be sent in a
+    // later millisecond than the landed write, as any real retry is. Waits for the clock to
+    // tick past the first answer (a condition, not a guess: usually under a millisecond).
+    let answered_at = tally::store::wall_clock_ms();
+    while tally::store::wall_clock_ms() <= answered_at {
+        tokio::task::yield_now().await;
+    }
     // Replica 1's fold is a version behind: it misses the index, writes, and hears nothing.
     f.faults().fail_next_write(Fault::LostRequest);
     assert_balance(
