@@ -762,12 +762,15 @@ async fn a_retry_whose_own_write_was_lost_still_replays_the_siblings_landing(bas
     }
     // Replica 1's fold is a version behind: it misses the index, writes, and hears nothing.
     f.faults().fail_next_write(Fault::LostRequest);
+    // The Postgres projection's index table keeps no write tag, so there a landing found
+    // after a lost answer stays unmarked (the body is the same either way).
+    let marked = !common::pg::suite_on_postgres();
     assert_balance(
         &f.apps[1].deposit(&acct, 50, Some(&k)).await,
         &k,
         150,
         2,
-        true,
+        marked,
     );
     assert_eq!(f.arm(1, "deposit", arm::OUTCOME_UNKNOWN), 1);
     f.assert_stream(1, &acct, &[("Deposited", 100, &k0), ("Deposited", 50, &k)])
