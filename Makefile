@@ -1,6 +1,8 @@
 # Tally: two commands work on a fresh machine: `make run` and `make test`.
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
+# A full run builds once: incremental caches would only add gigabytes to target/ (CI's disk).
+export CARGO_INCREMENTAL ?= 0
 
 .PHONY: run test lint unit unit-suites check-deploy bench soak fleet load clean contract lint-docker image browser auth-suites
 
