@@ -79,6 +79,12 @@ pub enum ReadError {
     /// against another replica's write).
     #[error("this replica has not yet seen version {min_version} of the account")]
     NotVisibleYet { min_version: u64 },
+    /// Final: the store itself says the account has not reached `min_version`, so no
+    /// replica can answer it (a version no write has produced; retrying cannot help).
+    #[error(
+        "minVersion {min_version} is beyond the account's newest version ({current}) in the store"
+    )]
+    MinVersionBeyondTip { min_version: u64, current: u64 },
     /// Retryable: the history read showed nothing where the fold has events (a lagging
     /// read). An empty page pointing at itself would stop a client that follows the pages.
     #[error(
@@ -186,14 +192,38 @@ impl AccountReader {
                 self.confirm_empty(account, snap.version).await?;
                 return Ok(snap.into());
             }
+            let min = min_version.expect("only a min version can be unmet");
+            if attempt == 0 {
+                self.check_reachable(account, min).await?;
+            }
             attempt += 1;
             if attempt >= MIN_VERSION_ATTEMPTS {
-                return Err(ReadError::NotVisibleYet {
-                    min_version: min_version.unwrap_or(0),
-                });
+                return Err(ReadError::NotVisibleYet { min_version: min });
             }
             tokio::time::sleep(MIN_VERSION_BACKOFF).await;
         }
+    }
+
+    /// On the first miss of a `min_version` read, asks the store how far the account goes
+    /// (one round trip, only when this replica is behind): a version the store has not
+    /// reached is refused at once, as the watch route refuses a resume beyond the tip,
+    /// instead of a retryable 503 that no retry can turn into an answer. A version the store
+    /// has is this replica's lag, and the catch-ups go on. A failed details call decides
+    /// nothing: the read stays retryable.
+    async fn check_reachable(&self, account: AccountId, min_version: u64) -> Result<(), ReadError> {
+        let key = self.projection.identity().key(account);
+        let current = match self.projection.log().details(key).await {
+            Ok(d) => d.max_version,
+            Err(StoreError::AggregateNotFound) => 0,
+            Err(_) => return Ok(()),
+        };
+        if min_version > current {
+            return Err(ReadError::MinVersionBeyondTip {
+                min_version,
+                current,
+            });
+        }
+        Ok(())
     }
 
     /// An account whose reads showed no event at all (`version` 0) is asked about once more,
@@ -731,18 +761,52 @@ mod tests {
     async fn a_min_version_this_replica_has_not_seen_is_a_typed_error_after_its_attempts() {
         let mut f = fixture();
         f.deposit_batch(&[5]).await;
+        f.deposit_batch(&[7]).await;
+        // The store has version 2, but every read of this replica's catch-ups hides it.
+        for _ in 0..MIN_VERSION_ATTEMPTS {
+            f.faulty.lag_next_read(1);
+        }
         assert_eq!(
             f.reader.balance(f.account, Some(2)).await,
             Err(ReadError::NotVisibleYet { min_version: 2 })
         );
         assert_eq!(f.catch_ups(), u64::from(MIN_VERSION_ATTEMPTS));
-        f.deposit_batch(&[7]).await;
+        // Once a read shows it, the same request is answered.
         assert_eq!(
             f.reader.balance(f.account, Some(2)).await,
             Ok(Balance {
                 balance_cents: 12,
                 version: 2
             })
+        );
+    }
+
+    /// Rule: a `minVersion` the store itself has not reached is refused at once (400), as a
+    /// watch resume beyond the tip is: no retry can answer it, so it must not be a 503.
+    #[tokio::test(start_paused = true)]
+    async fn a_min_version_beyond_the_stores_tip_is_refused_after_one_catch_up() {
+        let mut f = fixture();
+        assert_eq!(
+            f.reader.balance(f.account, Some(1)).await,
+            Err(ReadError::MinVersionBeyondTip {
+                min_version: 1,
+                current: 0
+            })
+        );
+        f.deposit_batch(&[5]).await;
+        assert_eq!(
+            f.reader.balance(f.account, Some(u64::MAX)).await,
+            Err(ReadError::MinVersionBeyondTip {
+                min_version: u64::MAX,
+                current: 1
+            })
+        );
+        assert_eq!(f.catch_ups(), 2);
+        // A store that cannot say how far the account goes decides nothing: retryable.
+        f.details.armed.store(true, Ordering::SeqCst);
+        assert_eq!(
+            f.reader.balance(f.account, Some(2)).await,
+            Err(ReadError::NotVisibleYet { min_version: 2 })
         );
     }
 

@@ -52,9 +52,17 @@ pub fn text_response(status: StatusCode, content_type: &'static str, body: Strin
 
 /// Reads and decodes a JSON body of at most [`MAX_BODY_BYTES`].
 pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, ApiError> {
-    let is_json = req
-        .headers()
-        .get(CONTENT_TYPE)
+    // Content-Type is a singleton field (RFC 9110): two of them name no one type, and
+    // taking the first would read a body its sender may have meant as the other.
+    let mut types = req.headers().get_all(CONTENT_TYPE).iter();
+    let content_type = types.next();
+    if types.next().is_some() {
+        return Err(ApiError::bad_request(
+            "BAD_REQUEST",
+            "send one Content-Type header, not several",
+        ));
+    }
+    let is_json = content_type
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.split(';').next())
         .is_some_and(|mime| mime.trim().eq_ignore_ascii_case("application/json"));

@@ -275,6 +275,9 @@ impl From<ReadError> for ApiError {
             | ReadError::StoreHidesEvents { .. }
             | ReadError::Database => ApiError::Unavailable(e.to_string()),
             ReadError::LimitOutOfRange { .. } => ApiError::bad_request("BAD_QUERY", e.to_string()),
+            ReadError::MinVersionBeyondTip { .. } => {
+                ApiError::bad_request("MIN_VERSION_BEYOND_TIP", e.to_string())
+            }
             ReadError::Unreadable { .. } => ApiError::Internal {
                 code: "ACCOUNT_UNREADABLE",
                 message: e.to_string(),
@@ -378,6 +381,14 @@ mod tests {
                 "SERVICE_UNAVAILABLE",
             ),
             (ReadError::LimitOutOfRange { max: 1000 }, 400, "BAD_QUERY"),
+            (
+                ReadError::MinVersionBeyondTip {
+                    min_version: 9,
+                    current: 4,
+                },
+                400,
+                "MIN_VERSION_BEYOND_TIP",
+            ),
             (
                 ReadError::Unreadable {
                     account,

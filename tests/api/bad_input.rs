@@ -295,6 +295,26 @@ async fn a_missing_or_wrong_content_type_is_415_and_changes_nothing() {
     )
     .await;
     assert_eq!(r.status, StatusCode::OK, "identity: {}", r.text);
+    // Content-Type is a singleton: two of them are malformed, whichever they name.
+    for second in ["text/plain", "application/json"] {
+        let r = send(
+            &t,
+            Method::POST,
+            &withdraw_path(&account),
+            &[
+                ("content-type", b"application/json".as_slice()),
+                ("content-type", second.as_bytes()),
+            ],
+            Some(withdraw.clone()),
+        )
+        .await;
+        assert_error(&r, 400, "BAD_REQUEST");
+    }
+    assert_eq!(
+        t.balance(&account).await,
+        (95, 2),
+        "two content types wrote"
+    );
     // Parameters and case do not matter.
     for ct in ["application/json; charset=utf-8", "Application/JSON"] {
         let r = send(
