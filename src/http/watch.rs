@@ -71,8 +71,10 @@ pub async fn all(app: &Arc<App>, req: &Request<Incoming>) -> Result<Response<Htt
 }
 
 /// Where to start: after `Last-Event-ID` (what a browser sends when it reconnects, so it
-/// wins over the `fromVersion` still in the URL), at `?fromVersion=N`, or from now.
+/// wins over the `fromVersion` still in the URL), at `?fromVersion=N`, or from now. The
+/// query is checked either way: an unknown parameter is refused even next to the header.
 fn resume_point(req: &Request<Incoming>) -> Result<Resume, ApiError> {
+    let from = from_version(req)?;
     if let Some(v) = req.headers().get("last-event-id") {
         let n = v
             .to_str()
@@ -88,6 +90,11 @@ fn resume_point(req: &Request<Incoming>) -> Result<Resume, ApiError> {
             })?;
         return Ok(Resume::From(n.saturating_add(1)));
     }
+    Ok(from.map_or(Resume::Live, Resume::From))
+}
+
+/// `?fromVersion=N`, the stream's one query parameter (at most once).
+fn from_version(req: &Request<Incoming>) -> Result<Option<u64>, ApiError> {
     let mut from = None;
     for (name, value) in form_urlencoded::parse(req.uri().query().unwrap_or("").as_bytes()) {
         if name != "fromVersion" {
@@ -113,7 +120,7 @@ fn resume_point(req: &Request<Incoming>) -> Result<Resume, ApiError> {
             })?;
         from = Some(n.max(1));
     }
-    Ok(from.map_or(Resume::Live, Resume::From))
+    Ok(from)
 }
 
 impl From<WatchError> for ApiError {

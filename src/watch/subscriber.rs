@@ -4,13 +4,14 @@
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU8;
+use std::time::Duration;
 
 use tokio::sync::mpsc;
 
 use super::channel::{Cursor, delta_of, frame_of};
 use super::{AccountFrame, EndReason, Hub, Item, Place, Resume, WriteFrame, end_reason};
 use crate::account::AccountId;
-use crate::store::{BatchStream, ReadFilter, StoreError};
+use crate::store::{AggregateKey, Batch, BatchStream, EventLog, ReadFilter, StoreError};
 
 /// How a stream stopped.
 enum Stop {
@@ -108,41 +109,38 @@ impl AccountTask {
     /// event: the balance before `from` is the joined balance minus what the replayed
     /// batches added, so the range is read twice rather than held (the hub bounds the
     /// range before the stream starts: `--watch-max-replay` versions, `Hub::check_replay`;
-    /// held, up to 2,048 streams' ranges could be in memory at once).
+    /// held, up to 2,048 streams' ranges could be in memory at once). Both passes read
+    /// exactly the same versions ([`RangeRead`]), so the balances line up.
     async fn replay(&mut self, from: u64) -> Result<(), Stop> {
         let projection = &self.hub.projection;
         let log = projection.log().clone();
         let key = projection.identity().key(self.account);
         let ours = projection.identity().client();
         let to = self.at.version;
-        let window = |from| ReadFilter {
-            from_version: from,
-            to_version: Some(to),
-            ..ReadFilter::default()
-        };
-        let store_error = |e: StoreError| Stop::End(EndReason::StoreError(e.to_string()));
         // Pass one: where the replay really starts, and what it adds to the balance.
         let mut start = from;
         let mut added: Option<i64> = Some(0);
-        let mut stream = BatchStream::new(log.as_ref(), key, window(start));
+        let mut range = RangeRead::new(log.as_ref(), key, start, to);
         loop {
-            match stream.next_page().await {
+            match range.next_page().await {
                 Ok(Some(page)) => {
                     for b in &page {
                         added = added.and_then(|a| delta_of(b).and_then(|d| a.checked_add(d)));
                     }
                 }
-                Ok(None) | Err(StoreError::AggregateNotFound) => break,
-                Err(StoreError::Trimmed { min_available }) if start == from => {
+                Ok(None) => break,
+                Err(RangeError::Store(StoreError::Trimmed { min_available }))
+                    if start == from && range.next == from =>
+                {
                     let trimmed = Item::Trimmed {
                         from_version: from,
                         first_available: min_available,
                     };
                     send(&self.out, trimmed).await?;
                     start = min_available;
-                    stream = BatchStream::new(log.as_ref(), key, window(start));
+                    range = RangeRead::new(log.as_ref(), key, start, to);
                 }
-                Err(e) => return Err(store_error(e)),
+                Err(e) => return Err(e.into()),
             }
         }
         // Pass two: the frames.
@@ -151,13 +149,8 @@ impl AccountTask {
             .balance
             .zip(added)
             .and_then(|(b, a)| b.checked_sub(a));
-        let mut stream = BatchStream::new(log.as_ref(), key, window(start));
-        loop {
-            let page = match stream.next_page().await {
-                Ok(Some(page)) => page,
-                Ok(None) | Err(StoreError::AggregateNotFound) => break,
-                Err(e) => return Err(store_error(e)),
-            };
+        let mut range = RangeRead::new(log.as_ref(), key, start, to);
+        while let Some(page) = range.next_page().await? {
             for b in &page {
                 let frame = frame_of(self.account, b, ours, &mut balance).map_err(|reason| {
                     Stop::End(EndReason::Unreadable {
@@ -169,6 +162,116 @@ impl AccountTask {
             }
         }
         Ok(())
+    }
+}
+
+/// Reads in a row that a lagging replica of the store may cut short, with no version
+/// gained, before a replay gives up (as the channel's own advance does).
+const REPLAY_READ_ATTEMPTS: u32 = 5;
+const REPLAY_READ_BACKOFF: Duration = Duration::from_millis(20);
+
+/// Why a replay range could not be read whole.
+enum RangeError {
+    Store(StoreError),
+    /// The store's reads kept ending before the range did.
+    Short {
+        reached: u64,
+        to: u64,
+    },
+}
+
+impl From<RangeError> for Stop {
+    fn from(e: RangeError) -> Self {
+        let message = match e {
+            RangeError::Store(e) => e.to_string(),
+            RangeError::Short { reached, to } => format!(
+                "the store's reads stop at version {reached} of a replay up to {to}; resume again"
+            ),
+        };
+        Stop::End(EndReason::StoreError(message))
+    }
+}
+
+/// Versions `from..=to` of one account, each exactly once and in order, however the
+/// store's reads cut them. A read served by a lagging replica of the store ends early or
+/// skips versions, without an error: such a read is made again from the first missing
+/// version, and a range still short after [`REPLAY_READ_ATTEMPTS`] reads without progress
+/// ends the stream with an error event (the client resumes from its last id). A stream
+/// never goes live over a hole, and the two passes of a replay see the same batches.
+struct RangeRead<'a> {
+    log: &'a dyn EventLog,
+    key: AggregateKey,
+    /// The next version to hand out.
+    next: u64,
+    to: u64,
+    stream: BatchStream<'a>,
+    stalls: u32,
+}
+
+impl<'a> RangeRead<'a> {
+    fn new(log: &'a dyn EventLog, key: AggregateKey, from: u64, to: u64) -> Self {
+        Self {
+            log,
+            key,
+            next: from,
+            to,
+            stream: BatchStream::new(log, key, Self::window(from, to)),
+            stalls: 0,
+        }
+    }
+
+    fn window(from: u64, to: u64) -> ReadFilter {
+        ReadFilter {
+            from_version: from,
+            to_version: Some(to),
+            ..ReadFilter::default()
+        }
+    }
+
+    /// The next batches of the range, in order; `None` once `to` was handed out.
+    async fn next_page(&mut self) -> Result<Option<Vec<Batch>>, RangeError> {
+        while self.next <= self.to {
+            let page = match self.stream.next_page().await {
+                Ok(Some(page)) => page,
+                // A lagging read may not show even the account.
+                Ok(None) | Err(StoreError::AggregateNotFound) => Vec::new(),
+                Err(e) => return Err(RangeError::Store(e)),
+            };
+            let mut out = Vec::new();
+            let mut hole = false;
+            for b in page {
+                if b.version < self.next {
+                    continue;
+                }
+                if b.version != self.next || b.version > self.to {
+                    hole = b.version > self.next;
+                    break;
+                }
+                self.next += 1;
+                out.push(b);
+            }
+            let short = hole || (!self.stream.has_more() && self.next <= self.to);
+            if short {
+                // Read again from the first version missing.
+                self.stream =
+                    BatchStream::new(self.log, self.key, Self::window(self.next, self.to));
+            }
+            if !out.is_empty() {
+                self.stalls = 0;
+                return Ok(Some(out));
+            }
+            if short {
+                self.stalls += 1;
+                if self.stalls >= REPLAY_READ_ATTEMPTS {
+                    return Err(RangeError::Short {
+                        reached: self.next - 1,
+                        to: self.to,
+                    });
+                }
+                tokio::time::sleep(REPLAY_READ_BACKOFF).await;
+            }
+        }
+        Ok(None)
     }
 }
 
