@@ -33,6 +33,7 @@ use tokio::sync::mpsc;
 
 use super::accounts::history_event;
 use super::error::ApiError;
+use super::gate::{ConnSlot, Streaming};
 use crate::account::AccountId;
 use crate::app::App;
 use crate::auth::Caller;
@@ -55,7 +56,7 @@ pub async fn account_events(
 ) -> Result<Response<HttpBody>, ApiError> {
     let resume = resume_point(req)?;
     let sub = app.watch.subscribe_account(account, resume).await?;
-    Ok(stream_response(sub.items, token_time_left(req)))
+    Ok(stream_response(sub.items, req))
 }
 
 /// `GET /api/watch/stream`
@@ -67,7 +68,7 @@ pub async fn all(app: &Arc<App>, req: &Request<Incoming>) -> Result<Response<Htt
         ));
     }
     let sub = app.watch.subscribe_all().await?;
-    Ok(stream_response(sub.items, token_time_left(req)))
+    Ok(stream_response(sub.items, req))
 }
 
 /// Where to start: after `Last-Event-ID` (what a browser sends when it reconnects, so it
@@ -148,15 +149,18 @@ fn token_time_left(req: &Request<Incoming>) -> Option<Duration> {
 /// A stream's response; it ends with `event: expired` after `token_left`, when the token
 /// it was opened with stops being accepted: access lasts as long as the token, not as long
 /// as the connection.
-fn stream_response(
-    items: mpsc::Receiver<Item>,
-    token_left: Option<Duration>,
-) -> Response<HttpBody> {
+fn stream_response(items: mpsc::Receiver<Item>, req: &Request<Incoming>) -> Response<HttpBody> {
+    // Rule 6 of the gate: the stream gives its slot back and its reads take none.
+    let streaming = req
+        .extensions()
+        .get::<Arc<ConnSlot>>()
+        .map(|conn| conn.stream_started());
     let mut resp = Response::new(Either::Right(SseBody {
         items,
         preamble: true,
-        expires: token_left.map(|left| Box::pin(tokio::time::sleep(left))),
+        expires: token_time_left(req).map(|left| Box::pin(tokio::time::sleep(left))),
         expired: false,
+        _streaming: streaming,
     }));
     *resp.status_mut() = StatusCode::OK;
     let h = resp.headers_mut();
@@ -179,6 +183,8 @@ pub struct SseBody {
     expires: Option<Pin<Box<tokio::time::Sleep>>>,
     /// The `expired` event was sent: the body ends.
     expired: bool,
+    /// Keeps the connection's reads off the gate while the stream lasts.
+    _streaming: Option<Streaming>,
 }
 
 impl Body for SseBody {

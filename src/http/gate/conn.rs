@@ -19,6 +19,11 @@
 //!    Waiting on the store counts as work: the slot stays.
 //! 5. A handler that must wait for its client to send more of the body gives the slot back
 //!    for that wait and takes one again after, so a slow body holds no slot either.
+//! 6. An event stream holds no slot while it lasts: its slot goes back when the stream
+//!    starts, and its connection's reads take none until the stream's body is gone. hyper
+//!    keeps reading a streaming connection to notice a hang-up, and keeps whatever bytes its
+//!    client sends meanwhile without reading again, so a slot taken by such a read would
+//!    never come back; and a stream waits on notifications, not on the CPU slots share out.
 //!
 //! How an idle connection waits: it leaves a callback ([`OnReadable`]) with its socket
 //! instead of its task's waker. When its client's next request arrives the callback takes a
@@ -66,6 +71,8 @@ struct State {
     /// A request's handler is running: reads are for its body or hyper's check that the
     /// client is still there, and take no slot of their own.
     serving: bool,
+    /// An event stream's body is being sent (rule 6): reads take no slot.
+    streaming: bool,
     /// The socket wrapper is gone: nothing is handed to this connection any more.
     closed: bool,
     /// The connection task's waker, woken when it may read.
@@ -74,7 +81,7 @@ struct State {
 
 impl State {
     fn may_read(&self) -> bool {
-        self.serving || self.slot.is_some() || self.pass
+        self.serving || self.streaming || self.slot.is_some() || self.pass
     }
 
     fn keep_waker(&mut self, waker: &Waker) {
@@ -124,6 +131,18 @@ impl Drop for Serving {
         let mut s = self.conn.state.lock();
         s.serving = false;
         s.pass = false;
+    }
+}
+
+/// An event stream being sent on a connection (rule 6); on drop (with the stream's body)
+/// the connection's reads go back to the gate.
+pub struct Streaming {
+    conn: Arc<ConnSlot>,
+}
+
+impl Drop for Streaming {
+    fn drop(&mut self) {
+        self.conn.state.lock().streaming = false;
     }
 }
 
@@ -269,7 +288,7 @@ impl ConnSlot {
     /// connection is idle again and its slot or pass goes back.
     fn go_idle(&self) -> bool {
         let mut s = self.state.lock();
-        if s.serving {
+        if s.serving || s.streaming {
             return false;
         }
         let slot = s.slot.take();
@@ -299,6 +318,17 @@ impl ConnSlot {
     pub fn serve(self: &Arc<Self>) -> Serving {
         self.state.lock().serving = true;
         Serving { conn: self.clone() }
+    }
+
+    /// Rule 6: an event stream starts on this connection. Its slot goes back now, and its
+    /// reads take none until the returned guard (kept by the stream's body) is dropped.
+    pub fn stream_started(self: &Arc<Self>) -> Streaming {
+        let mut s = self.state.lock();
+        s.streaming = true;
+        let slot = s.slot.take();
+        drop(s);
+        drop(slot);
+        Streaming { conn: self.clone() }
     }
 
     /// Rule 5: runs `body` (a read of the request's body), giving the slot back while it

@@ -28,7 +28,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-pub use conn::{ConnSlot, GatedIo};
+pub use conn::{ConnSlot, GatedIo, Streaming};
 use limit::{CpuLimit, Tick};
 
 use crate::metrics::Metrics;
