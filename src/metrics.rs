@@ -385,7 +385,7 @@ impl Metrics {
             watch_dropped: counter_vec(
                 r,
                 "tally_watch_dropped_total",
-                "Watch streams the replica ended, by reason (lagged, shutdown, feed_gap, store_error, unreadable).",
+                "Watch streams the replica ended, by reason (lagged, stalled, shutdown, feed_gap, store_error, unreadable).",
                 &["reason"],
             ),
             watch_refused: counter_vec(

@@ -529,6 +529,55 @@ async fn a_subscriber_that_falls_behind_its_buffer_gets_a_final_lagged_event() {
     t.shutdown().await;
 }
 
+/// Rule: a stream whose client takes nothing for two keep-alive intervals (it stopped
+/// reading, its connection's buffers full) ends and releases its place, counted as
+/// `stalled`: a client that keeps a connection open and reads nothing cannot hold a place
+/// for ever.
+#[tokio::test]
+async fn a_client_that_stops_reading_releases_its_place() {
+    let t = spawn(test_config(&["--watch-keepalive-secs", "1"]), None, None).await;
+    let account = new_account();
+    let id = AccountId(account.parse().unwrap());
+    // Never read: the snapshot and the first events fill the hand-off to the body.
+    let mut sub = t
+        .app
+        .watch
+        .subscribe_account(id, Resume::Live)
+        .await
+        .unwrap();
+    for _ in 0..20 {
+        deposit_ok(&t, &account, 1).await;
+    }
+    assert_eq!(t.app.watch.subscribers(), 1);
+    let deadline = tokio::time::Instant::now() + EVENT_BOUND;
+    while t.app.watch.subscribers() > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "a stream nobody reads kept its place"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let metrics = t.get("/metrics").await.text;
+    assert_eq!(
+        metric_sample(&metrics, r#"tally_watch_dropped_total{reason="stalled"}"#),
+        1.0
+    );
+    // What was handed over is a gap-free prefix, then the end: nothing after the stall.
+    let mut versions = Vec::new();
+    while let Some(item) = sub.items.recv().await {
+        match item {
+            Item::Snapshot { version, .. } => assert_eq!(version, 0),
+            Item::Events(f) => versions.push(f.version),
+            Item::KeepAlive => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let n = versions.len() as u64;
+    assert!(n > 0 && n < 20, "{versions:?}");
+    assert_eq!(versions, (1..=n).collect::<Vec<_>>());
+    t.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_feed_that_falls_behind_resyncs_account_streams_and_ends_fleet_wide_ones() {
     // Room for one notification: a burst of writes overflows the feed.

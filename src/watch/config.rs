@@ -22,6 +22,11 @@ pub const DEFAULT_KEEPALIVE_SECS: u64 = 15;
 /// this bounds a replay's store reads and its memory alike: on Celeriant, 8 windows of 512
 /// versions.
 pub const DEFAULT_MAX_REPLAY: usize = 4096;
+/// Keep-alive intervals a stream's client may go without taking anything sent to it (its
+/// connection's buffers full: it stopped reading) before the stream gives up on it and
+/// releases its place. Its buffer alone cannot tell: a stream with no writes fills it only
+/// with keep-alives. 30 s with the default keep-alive.
+pub const STALL_KEEPALIVES: u32 = 2;
 /// The accepted range of each count flag.
 pub const COUNT_RANGE: std::ops::RangeInclusive<usize> = 1..=1_000_000;
 /// The accepted range of `--watch-keepalive-secs`.
@@ -94,6 +99,11 @@ impl WatchConfig {
 
     pub fn keepalive(&self) -> Duration {
         Duration::from_secs(self.keepalive_secs)
+    }
+
+    /// How long one item may wait for a client that takes nothing ([`STALL_KEEPALIVES`]).
+    pub fn stall_limit(&self) -> Duration {
+        self.keepalive() * STALL_KEEPALIVES
     }
 }
 

@@ -502,6 +502,14 @@ impl Hub {
         self.metrics.watch_subscribers.with_label_values(&[label])
     }
 
+    /// A stream ended because its client stopped reading (`subscriber.rs`).
+    fn count_stalled(&self) {
+        self.metrics
+            .watch_dropped
+            .with_label_values(&["stalled"])
+            .inc();
+    }
+
     fn count_end(&self, reason: &EndReason) {
         // Lagged subscribers were counted when the hub dropped them.
         if !matches!(reason, EndReason::Lagged { .. }) {

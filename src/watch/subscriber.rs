@@ -3,13 +3,15 @@
 //! HTTP body is dropped), releasing its place.
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicU8;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
 
 use super::channel::{Cursor, delta_of, frame_of};
-use super::{AccountFrame, EndReason, Hub, Item, Place, Resume, WriteFrame, end_reason};
+use super::{
+    AccountFrame, END_LAGGED, EndReason, Hub, Item, Place, Resume, WriteFrame, end_reason,
+};
 use crate::account::AccountId;
 use crate::store::{AggregateKey, Batch, BatchStream, EventLog, ReadFilter, StoreError};
 
@@ -17,19 +19,34 @@ use crate::store::{AggregateKey, Batch, BatchStream, EventLog, ReadFilter, Store
 enum Stop {
     /// The client went away: nothing more to send.
     Gone,
+    /// The client took nothing for the stall limit: it stopped reading. Nothing more can
+    /// reach it either; its place goes back.
+    Stalled,
     End(EndReason),
 }
 
-/// Sends one item; the client having gone is a [`Stop`].
-async fn send(out: &mpsc::Sender<Item>, item: Item) -> Result<(), Stop> {
-    out.send(item).await.map_err(|_| Stop::Gone)
+/// Sends one item, waiting at most the stall limit for room: the client having gone, or
+/// having stopped reading, is a [`Stop`]. Without the limit a client that keeps its
+/// connection open and reads nothing would hold its place for ever.
+async fn send(hub: &Hub, out: &mpsc::Sender<Item>, item: Item) -> Result<(), Stop> {
+    match tokio::time::timeout(hub.limits.stall_limit(), out.send(item)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(_)) => Err(Stop::Gone),
+        Err(_) => Err(Stop::Stalled),
+    }
 }
 
-/// Ends the stream: counts why, and tells the client if it is still there.
-async fn finish(hub: &Hub, out: &mpsc::Sender<Item>, stop: Stop) {
-    if let Stop::End(reason) = stop {
-        hub.count_end(&reason);
-        let _ = out.send(Item::End(reason)).await;
+/// Ends the stream: counts why, and tells the client if it is still there and reading.
+async fn finish(hub: &Hub, out: &mpsc::Sender<Item>, end: &AtomicU8, stop: Stop) {
+    match stop {
+        Stop::Gone => {}
+        // A stream the hub already dropped as lagged was counted then.
+        Stop::Stalled if end.load(Ordering::SeqCst) == END_LAGGED => {}
+        Stop::Stalled => hub.count_stalled(),
+        Stop::End(reason) => {
+            hub.count_end(&reason);
+            let _ = send(hub, out, Item::End(reason)).await;
+        }
     }
 }
 
@@ -51,7 +68,7 @@ impl AccountTask {
             Ok(never) => match never {},
             Err(stop) => stop,
         };
-        finish(&self.hub, &self.out, stop).await;
+        finish(&self.hub, &self.out, &self.end, stop).await;
         drop(self.place);
     }
 
@@ -64,7 +81,7 @@ impl AccountTask {
                     version: at.version,
                     balance_cents: at.balance,
                 };
-                send(&self.out, snapshot).await?;
+                send(&self.hub, &self.out, snapshot).await?;
                 at.version + 1
             }
             Resume::From(from) => {
@@ -98,9 +115,9 @@ impl AccountTask {
                     }
                     next = frame.version + 1;
                     last = Some(frame.version);
-                    send(&self.out, Item::Events(frame)).await?;
+                    send(&self.hub, &self.out, Item::Events(frame)).await?;
                 }
-                _ = tokio::time::sleep(keepalive) => send(&self.out, Item::KeepAlive).await?,
+                _ = tokio::time::sleep(keepalive) => send(&self.hub, &self.out, Item::KeepAlive).await?,
             }
         }
     }
@@ -136,7 +153,7 @@ impl AccountTask {
                         from_version: from,
                         first_available: min_available,
                     };
-                    send(&self.out, trimmed).await?;
+                    send(&self.hub, &self.out, trimmed).await?;
                     start = min_available;
                     range = RangeRead::new(log.as_ref(), key, start, to);
                 }
@@ -158,7 +175,7 @@ impl AccountTask {
                         reason,
                     })
                 })?;
-                send(&self.out, Item::Events(Arc::new(frame))).await?;
+                send(&self.hub, &self.out, Item::Events(Arc::new(frame))).await?;
             }
         }
         Ok(())
@@ -286,7 +303,7 @@ pub(super) struct AllTask {
 impl AllTask {
     pub async fn run(mut self) {
         let stop = self.stream().await;
-        finish(&self.hub, &self.out, stop).await;
+        finish(&self.hub, &self.out, &self.end, stop).await;
         drop(self.place);
     }
 
@@ -302,8 +319,8 @@ impl AllTask {
                 },
                 _ = tokio::time::sleep(keepalive) => Item::KeepAlive,
             };
-            if self.out.send(item).await.is_err() {
-                return Stop::Gone;
+            if let Err(stop) = send(&self.hub, &self.out, item).await {
+                return stop;
             }
         }
     }
