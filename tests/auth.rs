@@ -555,6 +555,72 @@ async fn a_jwks_replica_accepts_its_keys_and_refuses_an_unknown_kid() {
     t.shutdown().await;
 }
 
+/// Reads an event stream's chunks until its text holds `marker`, within a bound.
+async fn read_until(resp: &mut reqwest::Response, seen: &mut String, marker: &str) {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !seen.contains(marker) {
+            let chunk = resp.chunk().await.expect("readable").expect("stream open");
+            seen.push_str(std::str::from_utf8(&chunk).expect("utf-8"));
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("no {marker:?} within the bound; got {seen:?}"));
+}
+
+/// Rule: a watch stream lasts as long as its token is accepted, and a JWKS reload that
+/// removes the token's key (revokes it) ends the stream with `event: expired` at its next
+/// item, as it refuses every new request; a stream signed by a key still there goes on.
+#[tokio::test]
+async fn a_revoked_key_ends_the_streams_its_tokens_opened() {
+    let (revoked, revoked_jwk) = ed25519(7, "2026-11");
+    let (kept, kept_jwk) = ed25519(9, "2026-12");
+    let dir = std::env::temp_dir().join(format!("tally-auth-revoke-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path: PathBuf = dir.join("jwks.json");
+    let write_keys = |keys: Vec<Jwk>| {
+        std::fs::write(&path, serde_json::to_vec(&JwkSet { keys }).unwrap()).unwrap()
+    };
+    write_keys(vec![revoked_jwk, kept_jwk.clone()]);
+    let flags = [
+        "--auth",
+        "jwt",
+        "--auth-jwks-file",
+        path.to_str().unwrap(),
+        "--watch-keepalive-secs",
+        "1",
+    ]
+    .map(String::from);
+    let t = replica(&flags, None).await;
+    let account = new_account();
+    let open = |token: String| {
+        t.client
+            .get(t.url(&format!("/api/accounts/{account}/events")))
+            .bearer_auth(token)
+            .send()
+    };
+    let mut doomed = open(ed_token(&revoked, "2026-11")).await.unwrap();
+    let mut lasting = open(ed_token(&kept, "2026-12")).await.unwrap();
+    assert_eq!(
+        (doomed.status(), lasting.status()),
+        (StatusCode::OK, StatusCode::OK)
+    );
+    let (mut d, mut l) = (String::new(), String::new());
+    read_until(&mut doomed, &mut d, "event: snapshot").await;
+    read_until(&mut lasting, &mut l, "event: snapshot").await;
+    write_keys(vec![kept_jwk]);
+    assert_eq!(t.app.auth.keys().unwrap().reload(), Ok(true));
+    read_until(&mut doomed, &mut d, "event: expired").await;
+    assert!(d.contains("no longer accepted"), "{d}");
+    assert!(
+        doomed.chunk().await.expect("readable").is_none(),
+        "the stream ends after its final event"
+    );
+    // The other stream goes on: a keep-alive after the reload, no final event.
+    read_until(&mut lasting, &mut l, "keep-alive").await;
+    assert!(!l.contains("event: expired"), "{l}");
+    t.shutdown().await;
+}
+
 /// A fleet with authentication on: three replicas over one store, two callers sending the
 /// same keys to different replicas at once. Each caller's retries, wherever they land,
 /// replay that caller's write; the two callers never share one.

@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -35,6 +36,9 @@ pub enum Keys {
 pub struct JwksFile {
     path: PathBuf,
     loaded: RwLock<Loaded>,
+    /// Bumped on every change of the keys, so a long-lived holder of a token (a watch
+    /// stream) checks its key again only when something changed.
+    generation: AtomicU64,
     /// The digest of the last contents that could not be used, and why: not parsed again
     /// (nor its skipped keys logged again) until the file changes.
     refused: Mutex<Option<([u8; 32], String)>>,
@@ -71,6 +75,7 @@ impl Keys {
         Ok(Keys::Jwks(JwksFile {
             path: path.to_owned(),
             loaded: RwLock::new(loaded),
+            generation: AtomicU64::new(0),
             refused: Mutex::new(None),
         }))
     }
@@ -120,6 +125,7 @@ impl Keys {
         match parse_jwks(&bytes) {
             Ok(loaded) => {
                 *file.loaded.write() = loaded;
+                file.generation.fetch_add(1, Ordering::SeqCst);
                 *file.refused.lock() = None;
                 Ok(true)
             }
@@ -127,6 +133,29 @@ impl Keys {
                 *file.refused.lock() = Some((digest, why.clone()));
                 Err(why)
             }
+        }
+    }
+
+    /// Changes with every reload that changed the keys (always 0 for a secret).
+    pub fn generation(&self) -> u64 {
+        match self {
+            Keys::Secret(_) => 0,
+            Keys::Jwks(file) => file.generation.load(Ordering::SeqCst),
+        }
+    }
+
+    /// Whether a token signed with this key id and algorithm is still checked against a key
+    /// (a JWKS reload may have removed it: the key is revoked).
+    pub fn still_has(&self, kid: Option<&str>, alg: Algorithm) -> bool {
+        match self {
+            Keys::Secret(_) => alg == Algorithm::HS256,
+            Keys::Jwks(file) => kid.is_some_and(|kid| {
+                file.loaded
+                    .read()
+                    .keys
+                    .get(kid)
+                    .is_some_and(|(_, key_alg)| *key_alg == alg)
+            }),
         }
     }
 

@@ -97,6 +97,9 @@ pub struct Caller {
     /// When the token stops being accepted (its `exp` plus the leeway), as Unix seconds: a
     /// watch stream opened with it ends then. `None` for a caller made without a token.
     expires_at: Option<u64>,
+    /// The key id and algorithm its token was checked with: a watch stream opened with it
+    /// ends when a reload removes that key. `None` for a caller made without a token.
+    signed_with: Option<(Option<String>, Algorithm)>,
 }
 
 impl Caller {
@@ -106,7 +109,24 @@ impl Caller {
             scopes,
             accounts,
             expires_at: None,
+            signed_with: None,
         }
+    }
+
+    /// The caller, whose token was checked with this key (id and algorithm).
+    pub fn signed_with(self, kid: Option<String>, alg: Algorithm) -> Self {
+        Self {
+            signed_with: Some((kid, alg)),
+            ..self
+        }
+    }
+
+    /// Whether the key its token was checked with is still in `keys` (true for a caller
+    /// made without a token).
+    pub fn key_still_in(&self, keys: &Keys) -> bool {
+        self.signed_with
+            .as_ref()
+            .is_none_or(|(kid, alg)| keys.still_has(kid.as_deref(), *alg))
     }
 
     /// The caller, whose token is accepted until `expires_at` (Unix seconds).
@@ -296,7 +316,9 @@ impl Authenticator {
             .exp
             .ok_or(AuthError::Invalid("a required claim is missing"))?;
         let expires_at = (exp as u64).saturating_add(self.leeway);
-        Ok(caller_from(data.claims)?.expiring_at(expires_at))
+        Ok(caller_from(data.claims)?
+            .expiring_at(expires_at)
+            .signed_with(header.kid, alg))
     }
 
     /// Takes one request from the caller's allowance; `Err` is how long until the next

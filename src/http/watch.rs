@@ -37,6 +37,7 @@ use super::gate::{ConnSlot, Streaming};
 use crate::account::AccountId;
 use crate::app::App;
 use crate::auth::Caller;
+use crate::auth::keys::Keys;
 use crate::watch::{AccountFrame, EndReason, Item, Resume, WatchError, WriteFrame};
 
 /// Every response's body: a whole JSON (or page) body, or an event stream.
@@ -56,7 +57,7 @@ pub async fn account_events(
 ) -> Result<Response<HttpBody>, ApiError> {
     let resume = resume_point(req)?;
     let sub = app.watch.subscribe_account(account, resume).await?;
-    Ok(stream_response(sub.items, req))
+    Ok(stream_response(app, sub.items, req))
 }
 
 /// `GET /api/watch/stream`
@@ -68,7 +69,7 @@ pub async fn all(app: &Arc<App>, req: &Request<Incoming>) -> Result<Response<Htt
         ));
     }
     let sub = app.watch.subscribe_all().await?;
-    Ok(stream_response(sub.items, req))
+    Ok(stream_response(app, sub.items, req))
 }
 
 /// Where to start: after `Last-Event-ID` (what a browser sends when it reconnects, so it
@@ -149,7 +150,11 @@ fn token_time_left(req: &Request<Incoming>) -> Option<Duration> {
 /// A stream's response; it ends with `event: expired` after `token_left`, when the token
 /// it was opened with stops being accepted: access lasts as long as the token, not as long
 /// as the connection.
-fn stream_response(items: mpsc::Receiver<Item>, req: &Request<Incoming>) -> Response<HttpBody> {
+fn stream_response(
+    app: &App,
+    items: mpsc::Receiver<Item>,
+    req: &Request<Incoming>,
+) -> Response<HttpBody> {
     // Rule 6 of the gate: the stream gives its slot back and its reads take none.
     let streaming = req
         .extensions()
@@ -159,6 +164,7 @@ fn stream_response(items: mpsc::Receiver<Item>, req: &Request<Incoming>) -> Resp
         items,
         preamble: true,
         expires: token_time_left(req).map(|left| Box::pin(tokio::time::sleep(left))),
+        key: KeyWatch::of(app, req),
         expired: false,
         _streaming: streaming,
     }));
@@ -181,10 +187,41 @@ pub struct SseBody {
     preamble: bool,
     /// When the token the stream was opened with stops being accepted.
     expires: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The key the stream's token was checked with, watched for revocation.
+    key: Option<KeyWatch>,
     /// The `expired` event was sent: the body ends.
     expired: bool,
     /// Keeps the connection's reads off the gate while the stream lasts.
     _streaming: Option<Streaming>,
+}
+
+/// A stream's token key, checked again whenever the key set changed: a JWKS reload that
+/// removes the key (revokes it) ends the stream, as it refuses every new request.
+struct KeyWatch {
+    keys: Arc<Keys>,
+    caller: Caller,
+    /// The key set's generation last checked against.
+    generation: u64,
+}
+
+impl KeyWatch {
+    fn of(app: &App, req: &Request<Incoming>) -> Option<KeyWatch> {
+        Some(KeyWatch {
+            keys: app.auth.keys()?.clone(),
+            caller: req.extensions().get::<Caller>()?.clone(),
+            // Checked at the first item: a reload may have come since the token's check.
+            generation: u64::MAX,
+        })
+    }
+
+    fn revoked(&mut self) -> bool {
+        let now = self.keys.generation();
+        if now == self.generation {
+            return false;
+        }
+        self.generation = now;
+        !self.caller.key_still_in(&self.keys)
+    }
 }
 
 impl Body for SseBody {
@@ -202,12 +239,21 @@ impl Body for SseBody {
         if std::mem::take(&mut self.preamble) {
             chunk.extend_from_slice(format!("retry: {RETRY_MS}\n\n").as_bytes());
         }
-        // Nothing more once the token has run out, however much is ready.
-        if let Some(expires) = self.expires.as_mut()
-            && expires.as_mut().poll(cx).is_ready()
-        {
+        // Nothing more once the token has run out, or its key was revoked, however much is
+        // ready. A revocation is seen at the stream's next item: a keep-alive at the latest.
+        let expired = self
+            .expires
+            .as_mut()
+            .is_some_and(|expires| expires.as_mut().poll(cx).is_ready());
+        let revoked = !expired && self.key.as_mut().is_some_and(KeyWatch::revoked);
+        if expired || revoked {
             self.expired = true;
-            let data = json!({"message": "the bearer token this stream was opened with has expired; reconnect with a fresh one (Last-Event-ID resumes)"});
+            let message = if expired {
+                "the bearer token this stream was opened with has expired; reconnect with a fresh one (Last-Event-ID resumes)"
+            } else {
+                "the key that signed this stream's token is no longer accepted; reconnect with a fresh token (Last-Event-ID resumes)"
+            };
+            let data = json!({ "message": message });
             chunk.extend_from_slice(format!("event: expired\ndata: {data}\n\n").as_bytes());
             return Poll::Ready(Some(Ok(Frame::data(chunk.freeze()))));
         }
