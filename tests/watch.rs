@@ -19,7 +19,7 @@ use tally::account::{AccountId, Identity};
 use tally::store::faults::{FaultConfig, FaultyLog};
 use tally::store::memory::MemoryLog;
 use tally::store::{AggregateWrite, SharedLog};
-use tally::watch::{EndReason, Item, Resume};
+use tally::watch::{EndReason, Item, Resume, Subscription};
 
 fn events_path(account: &str) -> String {
     format!("/api/accounts/{account}/events")
@@ -29,6 +29,38 @@ async fn deposit_ok(t: &TestApp, account: &str, cents: i64) -> u64 {
     let r = t.deposit(account, cents, None).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     r.body["aggregateVersion"].as_u64().expect("version")
+}
+
+/// Waits, bounded, until the replica serves no stream (it learns of a closed connection,
+/// or ends a stream, asynchronously).
+async fn wait_for_no_subscribers(t: &TestApp, why: &str) {
+    let deadline = tokio::time::Instant::now() + EVENT_BOUND;
+    while t.app.watch.subscribers() > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{why}: subscribers stuck at {}",
+            t.app.watch.subscribers()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A replica with `flags`, and a stream on a new account that the test does not read while
+/// `deposits` deposits of 1 cent land on it.
+async fn unread_stream_over_deposits(flags: &[&str], deposits: usize) -> (TestApp, Subscription) {
+    let t = spawn(test_config(flags), None, None).await;
+    let account = new_account();
+    let id = AccountId(account.parse().unwrap());
+    let sub = t
+        .app
+        .watch
+        .subscribe_account(id, Resume::Live)
+        .await
+        .unwrap();
+    for _ in 0..deposits {
+        deposit_ok(&t, &account, 1).await;
+    }
+    (t, sub)
 }
 
 #[tokio::test]
@@ -387,16 +419,7 @@ async fn the_subscriber_count_returns_to_zero_after_clients_disconnect() {
     assert_eq!(t.app.watch.subscribers(), 3);
     assert_eq!(t.app.watch.watched_accounts(), 1);
     drop(streams);
-    // The server learns of a closed connection asynchronously; wait for it, bounded.
-    let deadline = tokio::time::Instant::now() + EVENT_BOUND;
-    while t.app.watch.subscribers() > 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "subscribers stuck at {}",
-            t.app.watch.subscribers()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_for_no_subscribers(&t, "closed connections").await;
     assert_eq!(t.app.watch.watched_accounts(), 0);
     let metrics = t.get("/metrics").await.text;
     assert_eq!(
@@ -475,19 +498,8 @@ async fn an_idle_stream_gets_keep_alive_comments() {
 
 #[tokio::test]
 async fn a_subscriber_that_falls_behind_its_buffer_gets_a_final_lagged_event() {
-    let t = spawn(test_config(&["--watch-buffer", "2"]), None, None).await;
-    let account = new_account();
-    let id = AccountId(account.parse().unwrap());
     // Not read while the writes land: its buffer (2) and the hand-off (a few) overflow.
-    let mut sub = t
-        .app
-        .watch
-        .subscribe_account(id, Resume::Live)
-        .await
-        .unwrap();
-    for _ in 0..40 {
-        deposit_ok(&t, &account, 1).await;
-    }
+    let (t, mut sub) = unread_stream_over_deposits(&["--watch-buffer", "2"], 40).await;
     let mut versions = Vec::new();
     let end = loop {
         match tokio::time::timeout(EVENT_BOUND, sub.items.recv())
@@ -516,11 +528,7 @@ async fn a_subscriber_that_falls_behind_its_buffer_gets_a_final_lagged_event() {
         }
     );
     drop(sub);
-    let deadline = tokio::time::Instant::now() + EVENT_BOUND;
-    while t.app.watch.subscribers() > 0 {
-        assert!(tokio::time::Instant::now() < deadline);
-        tokio::task::yield_now().await;
-    }
+    wait_for_no_subscribers(&t, "a dropped lagged stream").await;
     let metrics = t.get("/metrics").await.text;
     assert_eq!(
         metric_sample(&metrics, r#"tally_watch_dropped_total{reason="lagged"}"#),
@@ -535,28 +543,10 @@ async fn a_subscriber_that_falls_behind_its_buffer_gets_a_final_lagged_event() {
 /// for ever.
 #[tokio::test]
 async fn a_client_that_stops_reading_releases_its_place() {
-    let t = spawn(test_config(&["--watch-keepalive-secs", "1"]), None, None).await;
-    let account = new_account();
-    let id = AccountId(account.parse().unwrap());
     // Never read: the snapshot and the first events fill the hand-off to the body.
-    let mut sub = t
-        .app
-        .watch
-        .subscribe_account(id, Resume::Live)
-        .await
-        .unwrap();
-    for _ in 0..20 {
-        deposit_ok(&t, &account, 1).await;
-    }
+    let (t, mut sub) = unread_stream_over_deposits(&["--watch-keepalive-secs", "1"], 20).await;
     assert_eq!(t.app.watch.subscribers(), 1);
-    let deadline = tokio::time::Instant::now() + EVENT_BOUND;
-    while t.app.watch.subscribers() > 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "a stream nobody reads kept its place"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_for_no_subscribers(&t, "a stream nobody reads").await;
     let metrics = t.get("/metrics").await.text;
     assert_eq!(
         metric_sample(&metrics, r#"tally_watch_dropped_total{reason="stalled"}"#),
