@@ -654,6 +654,43 @@ async fn the_held_seq_catches_a_landed_write_that_the_index_cannot_answer() {
     env.assert_deposit_landed_once(x, E1, 2, 50, 3, 157);
 }
 
+/// Rule: a conflict (2003) never releases a sequence whose earlier write went unanswered.
+/// That write may have landed; only the held sequence (2002 and the point read) can prove
+/// it whatever the index holds: the index keeps a landing only for its window, and a run
+/// (its deadline, a slow catch-up) can outlast that. Released, the sequence would be
+/// re-derived on the next attempt and the deposit written twice (found in review).
+#[tokio::test(start_paused = true)]
+async fn a_conflict_never_releases_a_seq_whose_write_went_unanswered() {
+    let env = Env::new();
+    // No index: as when the landing is older than the window by the time it is folded.
+    let a = env.replica_with(no_window(), WriteConfig::default()).await;
+    let b = env.sibling_with(no_window()).await;
+    let x = acct(1);
+    a.ok(deposit(x, 100, E0)).await;
+
+    // A's deposit lands under seq 2, its ack lost; sibling B lands seq 3 on top; A's next
+    // catch-up lags behind both, so its retry of seq 2 meets the version guard: 2003.
+    env.faulty.fail_next_write(Fault::LostAck);
+    let b2 = b.clone();
+    env.script.push(Step::After(hook(async move {
+        b2.ok(deposit(x, 7, E_SIB)).await;
+    })));
+    env.faulty.lag_next_read(2);
+    let got = a.run(deposit(x, 50, E1)).await;
+
+    assert_eq!(got, Ok(outcome(&[(x, 157, 3)], false)));
+    assert_eq!(
+        shape(&env.script.records()),
+        vec![
+            (0, vec![1], "ok"),
+            (1, vec![2], "unknown"),
+            (1, vec![2], "conflict"),
+            (3, vec![2], "2002"),
+        ]
+    );
+    env.assert_deposit_landed_once(x, E1, 2, 50, 3, 157);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_conflict_re_derives_the_seq_from_fresh_state() {
     let env = Env::new();

@@ -49,7 +49,9 @@ impl Run<'_> {
             Step::Rejected { arm, failure } => {
                 self.arm(arm);
                 self.last_failure = failure;
-                self.release_seqs();
+                // This write did not land, but an earlier one under a held sequence may have:
+                // that sequence stays held until a 2002 and the point read settle it.
+                self.release_seqs_of_answered();
                 // A first touch bounced: the account exists, nobody is contending.
                 self.first_touch
             }
@@ -65,6 +67,7 @@ impl Run<'_> {
                     m.may_have_landed = true;
                     if sent_unknown {
                         m.sent_unknown = true;
+                        m.seq_unanswered = true;
                         if let Some([s0, s1]) = m.seqs {
                             let tags = [write_tag(s0, now_ms), write_tag(s1, now_ms)];
                             if !m.unknown_tags.contains(&tags) {

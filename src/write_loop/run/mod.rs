@@ -60,6 +60,10 @@ struct Member {
     /// landing found in the index be this run's own; otherwise it is another request's
     /// result, a replay.
     sent_unknown: bool,
+    /// The sequence held now went out in a write whose outcome is unknown: it may stand in
+    /// the stream, so it is never released on a rejection (only a 2002's point read, or a
+    /// landing, settles it). Cleared when fresh sequences are derived.
+    seq_unanswered: bool,
     /// The write tags (per leg) of those writes, at most one per attempt: a landing found
     /// in the index under another tag is another request's, a replay, even so.
     unknown_tags: Vec<[u32; 2]>,
@@ -161,6 +165,7 @@ impl<'a> Run<'a> {
                     balances: [0; 2],
                     may_have_landed: false,
                     sent_unknown: false,
+                    seq_unanswered: false,
                     unknown_tags: Vec::new(),
                 }
             })
@@ -504,6 +509,7 @@ impl<'a> Run<'a> {
                 m.seq_floor[li] = self.accounts[ai].snap.version + 1;
             }
             m.seqs = Some(seqs);
+            m.seq_unanswered = false;
         }
         debug_assert!(
             batch.iter().all(|&mi| {
@@ -520,6 +526,18 @@ impl<'a> Run<'a> {
     fn release_seqs(&mut self) {
         for m in &mut self.members {
             m.seqs = None;
+        }
+    }
+
+    /// Releases the sequences of a write that was rejected, except those an earlier write
+    /// carried with an unknown outcome (`seq_unanswered`): that write may have landed, and
+    /// only its own sequence proves it whatever the index holds (2002, then the point read).
+    /// The index keeps a landing for its window only, and a run can outlast it.
+    fn release_seqs_of_answered(&mut self) {
+        for m in &mut self.members {
+            if !m.seq_unanswered {
+                m.seqs = None;
+            }
         }
     }
 
