@@ -292,6 +292,13 @@ async fn bad_resume_points_are_refused_with_json_errors() {
         let r = t.get(&format!("{}?{query}", events_path(&account))).await;
         common::assert_error(&r, 400, code);
     }
+    // An account the store shows no version of decides nothing (a create may be hidden
+    // from the store's details: README, "Stores"): retryable, never a final 400.
+    let r = t
+        .get(&format!("{}?fromVersion=5", events_path(&new_account())))
+        .await;
+    common::assert_error(&r, 503, "SERVICE_UNAVAILABLE");
+    assert_eq!(r.header("retry-after"), Some("1"));
     // The version after the tip is where a caught-up client resumes: accepted.
     let mut s = Stream::open(
         &t,

@@ -354,6 +354,13 @@ impl Hub {
                 Err(crate::store::StoreError::AggregateNotFound) => 0,
                 Err(e) => return Err(WatchError::Store(e.to_string())),
             };
+            // No version at all decides nothing: the store may hide a create that landed
+            // (README, "Stores"), and the resume would then be from a version a client saw.
+            if current == 0 {
+                return Err(WatchError::Store(
+                    "the store shows no version of this account yet; retry".into(),
+                ));
+            }
             if from > current + 1 {
                 return Err(WatchError::BeyondTip {
                     from_version: from,
