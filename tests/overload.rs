@@ -445,6 +445,48 @@ async fn an_open_event_stream_holds_no_gate_slot() {
     t.shutdown().await;
 }
 
+/// Rule 7 of the gate: a client that pipelines requests and never reads the answers holds
+/// no gate slot once its answers fill the socket: other clients are served without waiting
+/// out their gate wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_its_answers_holds_no_gate_slot() {
+    let t = one_slot_gate().await;
+    let m = t.app.metrics.clone();
+    let account = new_account();
+    // A history page of 1,000 events is about 150 KB.
+    for _ in 0..1_000 {
+        assert_eq!(t.deposit(&account, 1, None).await.status, StatusCode::OK);
+    }
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .set_recv_buffer_size(4096)
+        .expect("small receive buffer");
+    let mut deaf = socket.connect(t.addr).await.expect("connect");
+    let get =
+        format!("GET /api/accounts/{account}/history?limit=1000 HTTP/1.1\r\nHost: tally\r\n\r\n");
+    let taken = m.http_gate_taken.get();
+    // Far more answer bytes than the two sockets' buffers hold: the server's writes block.
+    deaf.write_all(get.repeat(60).as_bytes())
+        .await
+        .expect("sent");
+    tokio::time::timeout(BOUND, async {
+        while m.http_gate_taken.get() == taken || m.http_gate_active.get() != 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the deaf client took a slot and gave it back");
+    let expired = m.http_gate_waits_expired.get();
+    another_client_is_served(&t).await;
+    assert_eq!(
+        m.http_gate_waits_expired.get(),
+        expired,
+        "another client waited out its gate wait"
+    );
+    drop(deaf);
+    t.shutdown().await;
+}
+
 /// Rule: past the gate's limit a connection's request waits unread (it has not reached a
 /// handler, so it is not in flight) and is served when the slot frees.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

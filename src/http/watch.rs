@@ -165,6 +165,8 @@ fn stream_response(
         preamble: true,
         expires: token_time_left(req).map(|left| Box::pin(tokio::time::sleep(left))),
         key: KeyWatch::of(app, req),
+        last_id: None,
+        told_end: false,
         expired: false,
         _streaming: streaming,
     }));
@@ -189,6 +191,10 @@ pub struct SseBody {
     expires: Option<Pin<Box<tokio::time::Sleep>>>,
     /// The key the stream's token was checked with, watched for revocation.
     key: Option<KeyWatch>,
+    /// The id of the last event or snapshot written to the body.
+    last_id: Option<u64>,
+    /// A final event went out: the subscription ended with a reason.
+    told_end: bool,
     /// The `expired` event was sent: the body ends.
     expired: bool,
     /// Keeps the connection's reads off the gate while the stream lasts.
@@ -260,13 +266,29 @@ impl Body for SseBody {
         let mut ended = false;
         for _ in 0..MAX_ITEMS_PER_CHUNK {
             match self.items.poll_recv(cx) {
-                Poll::Ready(Some(item)) => encode(&item, &mut chunk),
+                Poll::Ready(Some(item)) => {
+                    match &item {
+                        Item::Events(frame) => self.last_id = Some(frame.version),
+                        Item::Snapshot { version, .. } => self.last_id = Some(*version),
+                        Item::End(_) => self.told_end = true,
+                        _ => {}
+                    }
+                    encode(&item, &mut chunk);
+                }
                 Poll::Ready(None) => {
                     ended = true;
                     break;
                 }
                 Poll::Pending => break,
             }
+        }
+        // A subscription that ended without a final event gave up on a client that took
+        // nothing for its stall limit (its final event could not be handed over either):
+        // the client, reading again, is told it fell behind and where to resume.
+        if ended && !self.told_end {
+            self.told_end = true;
+            let last_version = self.last_id;
+            encode(&Item::End(EndReason::Lagged { last_version }), &mut chunk);
         }
         if !chunk.is_empty() {
             return Poll::Ready(Some(Ok(Frame::data(chunk.freeze()))));
@@ -371,5 +393,63 @@ fn end(reason: &EndReason) -> (&'static str, serde_json::Value) {
             "error",
             json!({"error": "ACCOUNT_UNREADABLE", "message": format!("version {version}: {reason}")}),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+    use uuid::Uuid;
+
+    /// A stream's body over `items`, with no token, key or gate.
+    fn body(items: mpsc::Receiver<Item>) -> SseBody {
+        SseBody {
+            items,
+            preamble: true,
+            expires: None,
+            key: None,
+            last_id: None,
+            told_end: false,
+            expired: false,
+            _streaming: None,
+        }
+    }
+
+    async fn text(body: SseBody) -> String {
+        let bytes = body.collect().await.expect("infallible").to_bytes();
+        String::from_utf8(bytes.to_vec()).expect("utf-8")
+    }
+
+    fn snapshot(version: u64) -> Item {
+        Item::Snapshot {
+            account: AccountId(Uuid::from_u128(1)),
+            version,
+            balance_cents: Some(5),
+        }
+    }
+
+    /// Rule: a stream whose subscription ended without a final event (it gave up on a client
+    /// that took nothing, and could not hand the final event over either) ends with
+    /// `event: lagged` and the last id the client was sent, so the client knows to resume.
+    #[tokio::test]
+    async fn a_subscription_that_ends_without_a_reason_tells_the_client_it_fell_behind() {
+        let (tx, rx) = mpsc::channel(8);
+        tx.send(snapshot(7)).await.unwrap();
+        drop(tx);
+        let out = text(body(rx)).await;
+        assert!(out.contains("event: snapshot"), "{out}");
+        assert!(
+            out.ends_with("event: lagged\ndata: {\"lastEventId\":7,\"message\":\"this stream fell behind its buffer and was closed; reconnect with Last-Event-ID to resume\"}\n\n"),
+            "{out}"
+        );
+        // A subscription that ended with its reason is not told twice.
+        let (tx, rx) = mpsc::channel(8);
+        tx.send(snapshot(3)).await.unwrap();
+        tx.send(Item::End(EndReason::Shutdown)).await.unwrap();
+        drop(tx);
+        let out = text(body(rx)).await;
+        assert!(out.ends_with("event: shutdown\ndata: {\"message\":\"the replica is shutting down; reconnect to resume\"}\n\n"), "{out}");
+        assert!(!out.contains("lagged"), "{out}");
     }
 }

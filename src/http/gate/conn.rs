@@ -24,6 +24,10 @@
 //!    keeps reading a streaming connection to notice a hang-up, and keeps whatever bytes its
 //!    client sends meanwhile without reading again, so a slot taken by such a read would
 //!    never come back; and a stream waits on notifications, not on the CPU slots share out.
+//! 7. A response whose write waits for its client to read (the socket's send buffer is
+//!    full) gives the slot back once its handler is done: a client that pipelines requests
+//!    and never reads the answers would otherwise hold it for as long as it likes, as a
+//!    slow body would (rule 5).
 //!
 //! How an idle connection waits: it leaves a callback ([`OnReadable`]) with its socket
 //! instead of its task's waker. When its client's next request arrives the callback takes a
@@ -320,6 +324,19 @@ impl ConnSlot {
         Serving { conn: self.clone() }
     }
 
+    /// Rule 7: a write found the socket full. Unless a handler is still running, the slot
+    /// goes back: waiting for a client to read takes no CPU the gate shares out. The next
+    /// request takes one again (rules 1 and 4).
+    fn write_blocked(&self) {
+        let mut s = self.state.lock();
+        if s.serving {
+            return;
+        }
+        let slot = s.slot.take();
+        drop(s);
+        drop(slot);
+    }
+
     /// Rule 6: an event stream starts on this connection. Its slot goes back now, and its
     /// reads take none until the returned guard (kept by the stream's body) is dropped.
     pub fn stream_started(self: &Arc<Self>) -> Streaming {
@@ -429,6 +446,15 @@ impl GatedIo {
         (io, conn)
     }
 
+    /// The socket's write readiness; a full socket gives the slot back (rule 7).
+    fn poll_write_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let ready = self.stream.poll_write_ready(cx);
+        if ready.is_pending() {
+            self.conn.write_blocked();
+        }
+        ready
+    }
+
     /// Ready once this connection holds a slot or may read without one.
     fn poll_slot(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         loop {
@@ -501,7 +527,7 @@ impl AsyncWrite for GatedIo {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         loop {
-            ready!(self.stream.poll_write_ready(cx))?;
+            ready!(self.poll_write_ready(cx))?;
             match self.stream.try_write(buf) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 written => return Poll::Ready(written),
@@ -515,7 +541,7 @@ impl AsyncWrite for GatedIo {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         loop {
-            ready!(self.stream.poll_write_ready(cx))?;
+            ready!(self.poll_write_ready(cx))?;
             match self.stream.try_write_vectored(bufs) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 written => return Poll::Ready(written),
