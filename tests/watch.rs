@@ -271,6 +271,18 @@ async fn bad_resume_points_are_refused_with_json_errors() {
     )
     .await;
     common::assert_error(&r, 400, "BAD_LAST_EVENT_ID");
+    // One header, like every other one Tally reads: two are refused, not resolved.
+    let r = common::read(
+        t.client
+            .get(t.url(&events_path(&account)))
+            .header("Last-Event-ID", "0")
+            .header("Last-Event-ID", "1")
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    common::assert_error(&r, 400, "BAD_LAST_EVENT_ID");
     // The header wins over fromVersion, but the query is still checked.
     for query in ["bogus=1", "fromVersion=1&fromVersion=2", "fromVersion=-1"] {
         let r = common::read(

@@ -50,6 +50,27 @@ pub fn text_response(status: StatusCode, content_type: &'static str, body: Strin
     resp
 }
 
+/// Whether a Content-Type names JSON the way it is read: `application/json`, with no
+/// parameter but a UTF-8 charset (JSON is UTF-8, RFC 8259; a body its sender encoded in
+/// another charset would be read as bytes it is not).
+fn is_utf8_json(content_type: &str) -> bool {
+    let mut parts = content_type.split(';');
+    let mime = parts.next().unwrap_or("").trim();
+    mime.eq_ignore_ascii_case("application/json")
+        && parts.all(|param| {
+            let param = param.trim();
+            match param.split_once('=') {
+                Some((name, value)) if name.trim().eq_ignore_ascii_case("charset") => {
+                    let value = value.trim().trim_matches('"');
+                    value.eq_ignore_ascii_case("utf-8") || value.eq_ignore_ascii_case("utf8")
+                }
+                // Other parameters say nothing about how the body is read.
+                Some(_) => true,
+                None => param.is_empty(),
+            }
+        })
+}
+
 /// Reads and decodes a JSON body of at most [`MAX_BODY_BYTES`].
 pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, ApiError> {
     // Content-Type is a singleton field (RFC 9110): two of them name no one type, and
@@ -64,8 +85,7 @@ pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T,
     }
     let is_json = content_type
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(';').next())
-        .is_some_and(|mime| mime.trim().eq_ignore_ascii_case("application/json"));
+        .is_some_and(is_utf8_json);
     if !is_json {
         return Err(ApiError::UnsupportedMediaType(
             "content type must be application/json",

@@ -77,7 +77,15 @@ pub async fn all(app: &Arc<App>, req: &Request<Incoming>) -> Result<Response<Htt
 /// query is checked either way: an unknown parameter is refused even next to the header.
 fn resume_point(req: &Request<Incoming>) -> Result<Resume, ApiError> {
     let from = from_version(req)?;
-    if let Some(v) = req.headers().get("last-event-id") {
+    let mut ids = req.headers().get_all("last-event-id").iter();
+    let last_event_id = ids.next();
+    if ids.next().is_some() {
+        return Err(ApiError::bad_request(
+            "BAD_LAST_EVENT_ID",
+            "send one Last-Event-ID header, not several",
+        ));
+    }
+    if let Some(v) = last_event_id {
         let n = v
             .to_str()
             .ok()

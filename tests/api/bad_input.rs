@@ -240,13 +240,16 @@ async fn a_missing_or_wrong_content_type_is_415_and_changes_nothing() {
         (withdraw_path(&account), withdraw.clone()),
         ("/api/transfers".to_string(), transfer),
     ];
-    let content_types: [Option<&str>; 6] = [
+    let content_types: [Option<&str>; 8] = [
         None,
         Some("text/plain"),
         Some("application/x-www-form-urlencoded"),
         Some("application/jsonx"),
         Some("application/problem+json"),
         Some(""),
+        // JSON is UTF-8: a body sent in another charset would be read as what it is not.
+        Some("application/json; charset=latin1"),
+        Some("application/json; charset=utf-16"),
     ];
     for (path, body) in &requests {
         for ct in content_types {
@@ -316,7 +319,11 @@ async fn a_missing_or_wrong_content_type_is_415_and_changes_nothing() {
         "two content types wrote"
     );
     // Parameters and case do not matter.
-    for ct in ["application/json; charset=utf-8", "Application/JSON"] {
+    for ct in [
+        "application/json; charset=utf-8",
+        "Application/JSON",
+        "application/json; charset=\"UTF-8\"",
+    ] {
         let r = send(
             &t,
             Method::POST,
@@ -327,7 +334,7 @@ async fn a_missing_or_wrong_content_type_is_415_and_changes_nothing() {
         .await;
         assert_eq!(r.status, StatusCode::OK, "{ct}: {}", r.text);
     }
-    assert_eq!(t.balance(&account).await, (85, 4));
+    assert_eq!(t.balance(&account).await, (80, 5));
     t.shutdown().await;
 }
 
