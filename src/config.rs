@@ -26,6 +26,12 @@ use crate::write_loop::{
 
 /// The longest idempotency window accepted, in seconds (one day).
 pub const MAX_WINDOW_SECS: u64 = 86_400;
+/// How long an answer waits for its client to read any of it, unless configured: twice the
+/// watch stream's default keep-alive, so a stream's own stall limit (which can still tell
+/// its client why) comes first.
+pub const DEFAULT_WRITE_STALL_SECS: u64 = 30;
+/// The largest accepted `--write-stall-secs`.
+pub const MAX_WRITE_STALL_SECS: u64 = 3_600;
 /// The most requests served at once, unless configured; beyond it a request waits for a slot
 /// (up to `--max-queue-wait-ms`). No more than one account's write queue holds: were every
 /// request in flight a write to one hot account, none would be refused by the write side's
@@ -132,6 +138,12 @@ pub struct Config {
     /// slot, then gets a 503.
     #[arg(long, env = "TALLY_MAX_CONCURRENT_REQUESTS", default_value_t = DEFAULT_MAX_CONCURRENT_REQUESTS)]
     pub max_concurrent_requests: usize,
+
+    /// Seconds an answer may wait for its client to read any of it (the connection's send
+    /// buffer full) before the connection is closed: a client that stops reading holds no
+    /// connection for ever. An event stream's client too.
+    #[arg(long, env = "TALLY_WRITE_STALL_SECS", default_value_t = DEFAULT_WRITE_STALL_SECS)]
+    pub write_stall_secs: u64,
 
     /// How long a request over `--max-concurrent-requests` waits for a slot (first come,
     /// first served) before it is refused with 503 and its connection closed, in ms; 0
@@ -348,6 +360,11 @@ impl Config {
                 "--worker-threads must be 1..={MAX_WORKER_THREADS}"
             )));
         }
+        if !(1..=MAX_WRITE_STALL_SECS).contains(&self.write_stall_secs) {
+            return Err(ConfigError(format!(
+                "--write-stall-secs must be 1..={MAX_WRITE_STALL_SECS}"
+            )));
+        }
         if self.max_queue_wait_ms > MAX_QUEUE_WAIT_MS {
             return Err(ConfigError(format!(
                 "--max-queue-wait-ms must be 0..={MAX_QUEUE_WAIT_MS}"
@@ -444,6 +461,11 @@ impl Config {
     pub fn seeds_demo_accounts(&self) -> bool {
         self.seed_demo_accounts
             .unwrap_or(self.store == StoreKind::Memory)
+    }
+
+    /// How long an answer may wait for its client to read any of it.
+    pub fn write_stall(&self) -> Duration {
+        Duration::from_secs(self.write_stall_secs)
     }
 
     /// How long a request waits for an in-flight slot before it is refused.

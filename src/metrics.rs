@@ -109,6 +109,7 @@ pub struct Metrics {
     // Admission at the HTTP edge (issue 13)
     pub http_connections: IntGauge,
     pub http_accept_paused: IntCounter,
+    pub http_write_stalls: IntCounter,
     pub http_queued: IntGauge,
     pub http_queue_wait: Histogram,
     pub http_gate_limit: IntGauge,
@@ -326,6 +327,11 @@ impl Metrics {
                 r,
                 "tally_http_accept_paused_total",
                 "Times the server stopped accepting because --max-connections were open.",
+            ),
+            http_write_stalls: counter(
+                r,
+                "tally_http_write_stalls_total",
+                "Connections closed because their client took none of an answer for --write-stall-secs.",
             ),
             http_queued: gauge(
                 r,

@@ -445,15 +445,12 @@ async fn an_open_event_stream_holds_no_gate_slot() {
     t.shutdown().await;
 }
 
-/// Rule 7 of the gate: a client that pipelines requests and never reads the answers holds
-/// no gate slot once its answers fill the socket: other clients are served without waiting
-/// out their gate wait.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_never_reads_its_answers_holds_no_gate_slot() {
-    let t = one_slot_gate().await;
-    let m = t.app.metrics.clone();
+/// A client that pipelines 60 history pages of 1,000 events (about 150 KB each) with a
+/// small receive buffer and never reads: far more answer bytes than the two sockets'
+/// buffers hold, so the server's writes block. Returns it once its first request took a
+/// gate slot.
+async fn deaf_client(t: &TestApp) -> TcpStream {
     let account = new_account();
-    // A history page of 1,000 events is about 150 KB.
     for _ in 0..1_000 {
         assert_eq!(t.deposit(&account, 1, None).await.status, StatusCode::OK);
     }
@@ -464,18 +461,38 @@ async fn a_client_that_never_reads_its_answers_holds_no_gate_slot() {
     let mut deaf = socket.connect(t.addr).await.expect("connect");
     let get =
         format!("GET /api/accounts/{account}/history?limit=1000 HTTP/1.1\r\nHost: tally\r\n\r\n");
-    let taken = m.http_gate_taken.get();
-    // Far more answer bytes than the two sockets' buffers hold: the server's writes block.
+    let taken = t.app.metrics.http_gate_taken.get();
     deaf.write_all(get.repeat(60).as_bytes())
         .await
         .expect("sent");
+    wait_for(
+        || t.app.metrics.http_gate_taken.get() > taken,
+        "the deaf client's slot",
+    )
+    .await;
+    deaf
+}
+
+/// Polls an in-process condition until it holds (a signal from the server), within BOUND.
+async fn wait_for(mut done: impl FnMut() -> bool, what: &str) {
     tokio::time::timeout(BOUND, async {
-        while m.http_gate_taken.get() == taken || m.http_gate_active.get() != 0 {
+        while !done() {
             tokio::task::yield_now().await;
         }
     })
     .await
-    .expect("the deaf client took a slot and gave it back");
+    .unwrap_or_else(|_| panic!("{what}: not within the bound"));
+}
+
+/// Rule 7 of the gate: a client that pipelines requests and never reads the answers holds
+/// no gate slot once its answers fill the socket: other clients are served without waiting
+/// out their gate wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_its_answers_holds_no_gate_slot() {
+    let t = one_slot_gate().await;
+    let m = t.app.metrics.clone();
+    let deaf = deaf_client(&t).await;
+    wait_for(|| m.http_gate_active.get() == 0, "the slot given back").await;
     let expired = m.http_gate_waits_expired.get();
     another_client_is_served(&t).await;
     assert_eq!(
@@ -484,6 +501,31 @@ async fn a_client_that_never_reads_its_answers_holds_no_gate_slot() {
         "another client waited out its gate wait"
     );
     drop(deaf);
+    t.shutdown().await;
+}
+
+/// Rule: a connection whose client takes none of an answer for `--write-stall-secs` is
+/// closed, so clients that stop reading cannot hold connections (and `--max-connections`)
+/// for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_whose_client_reads_nothing_is_closed_at_the_write_stall_limit() {
+    let t = spawn(test_config(&["--write-stall-secs", "1"]), None, None).await;
+    let m = t.app.metrics.clone();
+    let mut deaf = deaf_client(&t).await;
+    wait_for(
+        || m.http_write_stalls.get() == 1,
+        "the stalled connection closed",
+    )
+    .await;
+    // The client, reading at last, finds part of the answers and then the end.
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(BOUND, deaf.read_to_end(&mut got)).await;
+    assert!(read.is_ok(), "the connection is still open after its stall");
+    assert!(
+        got.len() < 60 * 100_000,
+        "all the answers arrived: {} bytes",
+        got.len()
+    );
     t.shutdown().await;
 }
 

@@ -165,8 +165,10 @@ def build():
          "past what it can serve in that time.")
     L.ts("Edge admission: queue wait and accept pauses",
          [t(quantile(0.99, "tally_http_queue_wait_seconds", []), "queue wait p99"),
-          t(f"sum by (instance) ({rate('tally_http_accept_paused_total')})", "accept paused {{instance}}")], "short",
-         "How long admitted requests waited for a slot, and how often accepting paused at the connection cap.")
+          t(f"sum by (instance) ({rate('tally_http_accept_paused_total')})", "accept paused {{instance}}"),
+          t(f"sum by (instance) ({rate('tally_http_write_stalls_total')})", "write stalls {{instance}}")], "short",
+         "How long admitted requests waited for a slot, how often accepting paused at the connection cap, and "
+         "connections closed because their client read none of an answer for --write-stall-secs.")
     L.ts("Shed (503 at the concurrency limit)",
          [t(f"sum({rate('tally_http_requests_shed_total')})", "fleet"),
           t(f"sum by (instance) ({rate('tally_http_requests_shed_total')})", "{{instance}}")], "reqps", w=24)

@@ -78,7 +78,8 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
                 };
                 let _ = stream.set_nodelay(true);
                 let (app, edge) = (app.clone(), edge.clone());
-                let (io, gated) = gate::GatedIo::new(stream, edge.gate.clone());
+                let (io, gated) =
+                    gate::GatedIo::new(stream, edge.gate.clone(), app.config.write_stall());
                 let io = TokioIo::new(io);
                 let svc = service_fn(move |mut req: Request<Incoming>| {
                     let (app, edge, gated) = (app.clone(), edge.clone(), gated.clone());

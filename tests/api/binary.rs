@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use crate::common::{self, new_account};
 
 /// Every flag the binary takes, each settable from the environment.
-const FLAGS: [&str; 56] = [
+const FLAGS: [&str; 57] = [
     // Authentication, rate limits and the admin listener (issue 17).
     "auth",
     "auth-secret-file",
@@ -39,6 +39,7 @@ const FLAGS: [&str; 56] = [
     "faults",
     "max-concurrent-requests",
     "max-queue-wait-ms",
+    "write-stall-secs",
     "min-active-requests",
     "max-active-requests",
     "max-connections",

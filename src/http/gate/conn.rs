@@ -44,10 +44,12 @@ use std::io;
 use std::pin::{Pin, pin};
 use std::sync::{Arc, Weak};
 use std::task::{Context, Poll, Wake, Waker, ready};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
 use tokio::net::TcpStream;
+use tokio::time::Sleep;
 
 use super::{Gate, Slot};
 
@@ -430,11 +432,15 @@ pub struct GatedIo {
     conn: Arc<ConnSlot>,
     /// [`OnReadable`] for this connection, made once.
     readable: Waker,
+    /// How long a write may wait for the client to take any of it (`--write-stall-secs`).
+    stall_limit: Duration,
+    /// Running while a write waits on a full socket; its end closes the connection.
+    stalled: Option<Pin<Box<Sleep>>>,
 }
 
 impl GatedIo {
     /// Wraps `stream`; the returned [`ConnSlot`] is the handle its requests' handlers use.
-    pub fn new(stream: TcpStream, gate: Arc<Gate>) -> (Self, Arc<ConnSlot>) {
+    pub fn new(stream: TcpStream, gate: Arc<Gate>, stall_limit: Duration) -> (Self, Arc<ConnSlot>) {
         let stream = Arc::new(stream);
         let conn = ConnSlot::with_stream(gate, Arc::downgrade(&stream));
         let readable = Waker::from(Arc::new(OnReadable(Arc::downgrade(&conn))));
@@ -442,17 +448,33 @@ impl GatedIo {
             stream,
             conn: conn.clone(),
             readable,
+            stall_limit,
+            stalled: None,
         };
         (io, conn)
     }
 
-    /// The socket's write readiness; a full socket gives the slot back (rule 7).
-    fn poll_write_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let ready = self.stream.poll_write_ready(cx);
-        if ready.is_pending() {
-            self.conn.write_blocked();
+    /// The socket's write readiness. A full socket gives the slot back (rule 7), and one
+    /// that stays full for the stall limit fails the write, which closes the connection: a
+    /// client that reads nothing holds neither a slot nor a connection for ever.
+    fn poll_write_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if let Poll::Ready(ready) = self.stream.poll_write_ready(cx) {
+            self.stalled = None;
+            return Poll::Ready(ready);
         }
-        ready
+        self.conn.write_blocked();
+        let limit = self.stall_limit;
+        let stalled = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        if stalled.as_mut().poll(cx).is_ready() {
+            self.conn.gate.metrics.http_write_stalls.inc();
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client took none of the answer within the write stall limit",
+            )));
+        }
+        Poll::Pending
     }
 
     /// Ready once this connection holds a slot or may read without one.
@@ -526,9 +548,10 @@ impl AsyncWrite for GatedIo {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
         loop {
-            ready!(self.poll_write_ready(cx))?;
-            match self.stream.try_write(buf) {
+            ready!(this.poll_write_ready(cx))?;
+            match this.stream.try_write(buf) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 written => return Poll::Ready(written),
             }
@@ -540,9 +563,10 @@ impl AsyncWrite for GatedIo {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
         loop {
-            ready!(self.poll_write_ready(cx))?;
-            match self.stream.try_write_vectored(bufs) {
+            ready!(this.poll_write_ready(cx))?;
+            match this.stream.try_write_vectored(bufs) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 written => return Poll::Ready(written),
             }
