@@ -26,10 +26,10 @@ use crate::write_loop::{
 
 /// The longest idempotency window accepted, in seconds (one day).
 pub const MAX_WINDOW_SECS: u64 = 86_400;
-/// How long an answer waits for its client to read any of it, unless configured: twice the
-/// watch stream's default keep-alive, so a stream's own stall limit (which can still tell
-/// its client why) comes first.
-pub const DEFAULT_WRITE_STALL_SECS: u64 = 30;
+/// How long an answer waits for its client to read any of it, unless configured: longer
+/// than a watch stream's own stall limit with the default keep-alive (2 x 15 s), so that
+/// one comes first and the stream can still tell its client why it ended.
+pub const DEFAULT_WRITE_STALL_SECS: u64 = 60;
 /// The largest accepted `--write-stall-secs`.
 pub const MAX_WRITE_STALL_SECS: u64 = 3_600;
 /// The most requests served at once, unless configured; beyond it a request waits for a slot
