@@ -679,15 +679,15 @@ async fn a_conflict_never_releases_a_seq_whose_write_went_unanswered() {
     let got = a.run(deposit(x, 50, E1)).await;
 
     assert_eq!(got, Ok(outcome(&[(x, 157, 3)], false)));
-    assert_eq!(
-        shape(&env.script.records()),
-        vec![
-            (0, vec![1], "ok"),
-            (1, vec![2], "unknown"),
-            (1, vec![2], "conflict"),
-            (3, vec![2], "2002"),
-        ]
-    );
+    let mut expected = vec![(0, vec![1], "ok"), (1, vec![2], "unknown")];
+    if !on_postgres() {
+        // The lagging catch-up's version: a conflict, and the held seq kept. (On Postgres
+        // A's catch-up reads B's write from the shared row, not the lagging store read, and
+        // its held seq meets the 2002 at once.)
+        expected.push((1, vec![2], "conflict"));
+    }
+    expected.push((3, vec![2], "2002"));
+    assert_eq!(shape(&env.script.records()), expected);
     env.assert_deposit_landed_once(x, E1, 2, 50, 3, 157);
 }
 
