@@ -90,7 +90,7 @@ pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T,
         .is_some_and(is_utf8_json);
     if !is_json {
         return Err(ApiError::UnsupportedMediaType(
-            "content type must be application/json",
+            "content type must be application/json (a charset, if named, UTF-8)",
         ));
     }
     // A compressed body would be read as JSON bytes it is not: refused, never guessed at.
