@@ -568,11 +568,14 @@ async fn read_until(resp: &mut reqwest::Response, seen: &mut String, marker: &st
 }
 
 /// Rule: a watch stream lasts as long as its token is accepted, and a JWKS reload that
-/// removes the token's key (revokes it) ends the stream with `event: expired` at its next
-/// item, as it refuses every new request; a stream signed by a key still there goes on.
+/// removes the token's key, or replaces its material under the same kid, (revokes it) ends
+/// the stream with `event: expired` at its next item, as it refuses every new request; a
+/// stream signed by a key still there goes on.
 #[tokio::test]
 async fn a_revoked_key_ends_the_streams_its_tokens_opened() {
-    let (revoked, revoked_jwk) = ed25519(7, "2026-11");
+    let (removed, removed_jwk) = ed25519(7, "2026-11");
+    let (replaced, replaced_jwk) = ed25519(8, "2026-10");
+    let (_, replacement_jwk) = ed25519(10, "2026-10");
     let (kept, kept_jwk) = ed25519(9, "2026-12");
     let dir = std::env::temp_dir().join(format!("tally-auth-revoke-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -580,7 +583,7 @@ async fn a_revoked_key_ends_the_streams_its_tokens_opened() {
     let write_keys = |keys: Vec<Jwk>| {
         std::fs::write(&path, serde_json::to_vec(&JwkSet { keys }).unwrap()).unwrap()
     };
-    write_keys(vec![revoked_jwk, kept_jwk.clone()]);
+    write_keys(vec![removed_jwk, replaced_jwk, kept_jwk.clone()]);
     let flags = [
         "--auth",
         "jwt",
@@ -598,25 +601,36 @@ async fn a_revoked_key_ends_the_streams_its_tokens_opened() {
             .bearer_auth(token)
             .send()
     };
-    let mut doomed = open(ed_token(&revoked, "2026-11")).await.unwrap();
+    let mut gone = open(ed_token(&removed, "2026-11")).await.unwrap();
+    let mut swapped = open(ed_token(&replaced, "2026-10")).await.unwrap();
     let mut lasting = open(ed_token(&kept, "2026-12")).await.unwrap();
-    assert_eq!(
-        (doomed.status(), lasting.status()),
-        (StatusCode::OK, StatusCode::OK)
-    );
-    let (mut d, mut l) = (String::new(), String::new());
-    read_until(&mut doomed, &mut d, "event: snapshot").await;
-    read_until(&mut lasting, &mut l, "event: snapshot").await;
-    write_keys(vec![kept_jwk]);
+    let mut seen = [String::new(), String::new(), String::new()];
+    for (resp, text) in [&mut gone, &mut swapped, &mut lasting]
+        .into_iter()
+        .zip(seen.iter_mut())
+    {
+        assert_eq!(resp.status(), StatusCode::OK);
+        read_until(resp, text, "event: snapshot").await;
+    }
+    write_keys(vec![replacement_jwk, kept_jwk]);
     assert_eq!(t.app.auth.keys().unwrap().reload(), Ok(true));
-    read_until(&mut doomed, &mut d, "event: expired").await;
-    assert!(d.contains("no longer accepted"), "{d}");
-    assert!(
-        doomed.chunk().await.expect("readable").is_none(),
-        "the stream ends after its final event"
-    );
-    // The other stream goes on: a keep-alive after the reload, no final event.
-    read_until(&mut lasting, &mut l, "keep-alive").await;
+    let [g, s, l] = &mut seen;
+    for (resp, text) in [(&mut gone, g), (&mut swapped, s)] {
+        read_until(resp, text, "event: expired").await;
+        assert!(text.contains("no longer accepted"), "{text}");
+        assert!(
+            resp.chunk().await.expect("readable").is_none(),
+            "the stream ends after its final event"
+        );
+    }
+    // The other stream goes on: two more keep-alives (the second sent after the reload
+    // whatever was in flight), and no final event.
+    l.clear();
+    read_until(&mut lasting, l, "keep-alive").await;
+    let first = l.len();
+    let mut rest = l.split_off(first);
+    read_until(&mut lasting, &mut rest, "keep-alive").await;
+    l.push_str(&rest);
     assert!(!l.contains("event: expired"), "{l}");
     t.shutdown().await;
 }

@@ -46,8 +46,20 @@ pub struct JwksFile {
 
 struct Loaded {
     digest: [u8; 32],
-    keys: HashMap<String, (DecodingKey, Algorithm)>,
+    keys: HashMap<String, JwksKey>,
 }
+
+/// One usable JWKS key.
+struct JwksKey {
+    key: DecodingKey,
+    alg: Algorithm,
+    /// A digest of the key's material: a key replaced under the same kid is another key.
+    material: KeyMaterial,
+}
+
+/// Which key checked a token: the digest of a JWKS key's material (a shared secret, read
+/// once, never changes: all zeroes).
+pub type KeyMaterial = [u8; 32];
 
 impl Keys {
     /// HS256 with the secret in this file.
@@ -80,26 +92,27 @@ impl Keys {
         }))
     }
 
-    /// The key and algorithm a token with this header is checked with.
+    /// The key and algorithm a token with this header is checked with, and which key that
+    /// is ([`KeyMaterial`]).
     pub fn key_for(
         &self,
         kid: Option<&str>,
         alg: Algorithm,
-    ) -> Result<(DecodingKey, Algorithm), AuthError> {
+    ) -> Result<(DecodingKey, Algorithm, KeyMaterial), AuthError> {
         match self {
-            Keys::Secret(key) if alg == Algorithm::HS256 => Ok((key.clone(), alg)),
+            Keys::Secret(key) if alg == Algorithm::HS256 => Ok((key.clone(), alg, [0; 32])),
             Keys::Secret(_) => Err(AuthError::Invalid("algorithm not allowed")),
             Keys::Jwks(file) => {
                 let kid = kid.ok_or(AuthError::Invalid("the token names no key id"))?;
                 let loaded = file.loaded.read();
-                let (key, key_alg) = loaded
+                let k = loaded
                     .keys
                     .get(kid)
                     .ok_or(AuthError::Invalid("unknown key id"))?;
-                if *key_alg != alg {
+                if k.alg != alg {
                     return Err(AuthError::Invalid("algorithm not allowed"));
                 }
-                Ok((key.clone(), alg))
+                Ok((k.key.clone(), alg, k.material))
             }
         }
     }
@@ -144,9 +157,10 @@ impl Keys {
         }
     }
 
-    /// Whether a token signed with this key id and algorithm is still checked against a key
-    /// (a JWKS reload may have removed it: the key is revoked).
-    pub fn still_has(&self, kid: Option<&str>, alg: Algorithm) -> bool {
+    /// Whether a token checked with this key (id, algorithm and material) would still be
+    /// checked with the same key: a JWKS reload that removed it, or replaced its material
+    /// under the same kid, revoked it.
+    pub fn still_has(&self, kid: Option<&str>, alg: Algorithm, material: &KeyMaterial) -> bool {
         match self {
             Keys::Secret(_) => alg == Algorithm::HS256,
             Keys::Jwks(file) => kid.is_some_and(|kid| {
@@ -154,7 +168,7 @@ impl Keys {
                     .read()
                     .keys
                     .get(kid)
-                    .is_some_and(|(_, key_alg)| *key_alg == alg)
+                    .is_some_and(|k| k.alg == alg && k.material == *material)
             }),
         }
     }
@@ -249,7 +263,7 @@ fn parse_jwks(bytes: &[u8]) -> Result<Loaded, String> {
     })
 }
 
-fn usable(jwk: &Jwk) -> Option<(String, (DecodingKey, Algorithm))> {
+fn usable(jwk: &Jwk) -> Option<(String, JwksKey)> {
     let kid = jwk.common.key_id.clone()?;
     let alg = match &jwk.algorithm {
         AlgorithmParameters::RSA(_) => Algorithm::RS256,
@@ -266,5 +280,7 @@ fn usable(jwk: &Jwk) -> Option<(String, (DecodingKey, Algorithm))> {
         return None;
     }
     let key = DecodingKey::from_jwk(jwk).ok()?;
-    Some((kid, (key, alg)))
+    let params = serde_json::to_vec(&jwk.algorithm).ok()?;
+    let material = Sha256::digest(&params).into();
+    Some((kid, JwksKey { key, alg, material }))
 }

@@ -25,7 +25,7 @@ use jsonwebtoken::{Algorithm, Validation};
 use serde::Deserialize;
 use uuid::Uuid;
 
-use keys::Keys;
+use keys::{KeyMaterial, Keys};
 use rate::CallerLimiter;
 
 /// Clock skew allowed on `exp` and `nbf`, in seconds, unless configured: enough for hosts
@@ -99,7 +99,7 @@ pub struct Caller {
     expires_at: Option<u64>,
     /// The key id and algorithm its token was checked with: a watch stream opened with it
     /// ends when a reload removes that key. `None` for a caller made without a token.
-    signed_with: Option<(Option<String>, Algorithm)>,
+    signed_with: Option<(Option<String>, Algorithm, KeyMaterial)>,
 }
 
 impl Caller {
@@ -114,9 +114,9 @@ impl Caller {
     }
 
     /// The caller, whose token was checked with this key (id and algorithm).
-    pub fn signed_with(self, kid: Option<String>, alg: Algorithm) -> Self {
+    pub fn signed_with(self, kid: Option<String>, alg: Algorithm, material: KeyMaterial) -> Self {
         Self {
-            signed_with: Some((kid, alg)),
+            signed_with: Some((kid, alg, material)),
             ..self
         }
     }
@@ -126,7 +126,7 @@ impl Caller {
     pub fn key_still_in(&self, keys: &Keys) -> bool {
         self.signed_with
             .as_ref()
-            .is_none_or(|(kid, alg)| keys.still_has(kid.as_deref(), *alg))
+            .is_none_or(|(kid, alg, material)| keys.still_has(kid.as_deref(), *alg, material))
     }
 
     /// The caller, whose token is accepted until `expires_at` (Unix seconds).
@@ -288,7 +288,7 @@ impl Authenticator {
         }
         let header = jsonwebtoken::decode_header(token)
             .map_err(|_| AuthError::Invalid("malformed token or unsupported algorithm"))?;
-        let (key, alg) = keys.key_for(header.kid.as_deref(), header.alg)?;
+        let (key, alg, material) = keys.key_for(header.kid.as_deref(), header.alg)?;
         let mut v = Validation::new(alg);
         v.algorithms = vec![alg];
         v.leeway = self.leeway;
@@ -318,7 +318,7 @@ impl Authenticator {
         let expires_at = (exp as u64).saturating_add(self.leeway);
         Ok(caller_from(data.claims)?
             .expiring_at(expires_at)
-            .signed_with(header.kid, alg))
+            .signed_with(header.kid, alg, material))
     }
 
     /// Takes one request from the caller's allowance; `Err` is how long until the next
