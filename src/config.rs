@@ -141,7 +141,8 @@ pub struct Config {
 
     /// Seconds an answer may wait for its client to read any of it (the connection's send
     /// buffer full) before the connection is closed: a client that stops reading holds no
-    /// connection for ever. An event stream's client too.
+    /// connection for ever. An event stream's client too: keep this above twice
+    /// `--watch-keepalive-secs`, after which a stalled stream ends and can tell its client.
     #[arg(long, env = "TALLY_WRITE_STALL_SECS", default_value_t = DEFAULT_WRITE_STALL_SECS)]
     pub write_stall_secs: u64,
 
