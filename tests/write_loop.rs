@@ -621,24 +621,35 @@ async fn after_an_ambiguous_failure_the_next_write_holds_the_seq_with_a_refreshe
     assert_eq!(folded_balance(&s), 155);
 }
 
-#[tokio::test(start_paused = true)]
-async fn the_held_seq_catches_a_landed_write_that_the_index_cannot_answer() {
-    let env = Env::new();
-    // No index: only the held sequence stands between the retry and a second deposit.
+/// Replica A, keeping no index (nor its sibling B: on Postgres the fleet shares one), runs a
+/// deposit of 50 (E1) on account 1 (100 at version 1) whose write lands under seq 2 with its
+/// ack lost, while B (same client id) lands 7 on top at version 3; A's next read hides
+/// `lag` batches. Only the held sequence stands between A's retry and a second deposit.
+async fn lost_ack_under_a_sibling_without_index(
+    env: &Env,
+    lag: u64,
+) -> (Arc<Replica>, Result<WriteOutcome, WriteError>) {
     let a = env.replica_with(no_window(), WriteConfig::default()).await;
-    // The sibling keeps no index either (on Postgres the fleet shares one).
     let b = env.sibling_with(no_window()).await;
     let x = acct(1);
     a.ok(deposit(x, 100, E0)).await;
-
-    // A's deposit lands under seq 2 and the ack is lost; sibling B (same client id) lands
-    // seq 3 on top. Re-deriving now would take seq 4 and deposit again.
     env.faulty.fail_next_write(Fault::LostAck);
-    let b2 = b.clone();
     env.script.push(Step::After(hook(async move {
-        b2.ok(deposit(x, 7, E_SIB)).await;
+        b.ok(deposit(x, 7, E_SIB)).await;
     })));
+    if lag > 0 {
+        env.faulty.lag_next_read(lag);
+    }
     let got = a.run(deposit(x, 50, E1)).await;
+    (a, got)
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_held_seq_catches_a_landed_write_that_the_index_cannot_answer() {
+    let env = Env::new();
+    let x = acct(1);
+    // Re-deriving after the lost ack would take seq 4 and deposit again.
+    let (a, got) = lost_ack_under_a_sibling_without_index(&env, 0).await;
 
     // Proven by the point read, answered from current state (no index entry to replay).
     assert_eq!(got, Ok(outcome(&[(x, 157, 3)], false)));
@@ -662,21 +673,10 @@ async fn the_held_seq_catches_a_landed_write_that_the_index_cannot_answer() {
 #[tokio::test(start_paused = true)]
 async fn a_conflict_never_releases_a_seq_whose_write_went_unanswered() {
     let env = Env::new();
-    // No index: as when the landing is older than the window by the time it is folded.
-    let a = env.replica_with(no_window(), WriteConfig::default()).await;
-    let b = env.sibling_with(no_window()).await;
     let x = acct(1);
-    a.ok(deposit(x, 100, E0)).await;
-
-    // A's deposit lands under seq 2, its ack lost; sibling B lands seq 3 on top; A's next
-    // catch-up lags behind both, so its retry of seq 2 meets the version guard: 2003.
-    env.faulty.fail_next_write(Fault::LostAck);
-    let b2 = b.clone();
-    env.script.push(Step::After(hook(async move {
-        b2.ok(deposit(x, 7, E_SIB)).await;
-    })));
-    env.faulty.lag_next_read(2);
-    let got = a.run(deposit(x, 50, E1)).await;
+    // No index: as when the landing is older than the window by the time it is folded. A's
+    // next catch-up lags behind both writes, so its retry of seq 2 meets the version guard.
+    let (_a, got) = lost_ack_under_a_sibling_without_index(&env, 2).await;
 
     assert_eq!(got, Ok(outcome(&[(x, 157, 3)], false)));
     let mut expected = vec![(0, vec![1], "ok"), (1, vec![2], "unknown")];
