@@ -214,9 +214,8 @@ impl AccountReader {
     /// call as well as its reads (README, "Stores"), so "no version" may be a create that
     /// landed, and a final 400 for the version its writer was given would be wrong.
     async fn check_reachable(&self, account: AccountId, min_version: u64) -> Result<(), ReadError> {
-        let key = self.projection.identity().key(account);
-        let current = match self.projection.log().details(key).await {
-            Ok(d) if d.max_version > 0 => d.max_version,
+        let current = match self.projection.store_version(account).await {
+            Ok(v) if v > 0 => v,
             Ok(_) | Err(_) => return Ok(()),
         };
         if min_version > current {
@@ -236,13 +235,9 @@ impl AccountReader {
         if version > 0 {
             return Ok(());
         }
-        let key = self.projection.identity().key(account);
-        match self.projection.log().details(key).await {
-            Ok(d) if d.max_version > 0 => Err(ReadError::StoreHidesEvents {
-                version: d.max_version,
-            }),
-            Ok(_) | Err(StoreError::AggregateNotFound) => Ok(()),
-            Err(e) => Err(e.into()),
+        match self.projection.store_version(account).await? {
+            0 => Ok(()),
+            version => Err(ReadError::StoreHidesEvents { version }),
         }
     }
 

@@ -221,6 +221,18 @@ impl Projection {
         &self.log
     }
 
+    /// The account's newest version as the store itself gives it (its details call), 0 for
+    /// an account it does not have. One round trip; what a version beyond it means is the
+    /// caller's (a Celeriant server was found to hide a new account from this call too:
+    /// README, "Stores").
+    pub async fn store_version(&self, account: AccountId) -> Result<u64, StoreError> {
+        match self.log.details(self.identity.key(account)).await {
+            Ok(d) => Ok(d.max_version),
+            Err(StoreError::AggregateNotFound) => Ok(0),
+            Err(e) => Err(e),
+        }
+    }
+
     pub fn identity(&self) -> &Identity {
         &self.identity
     }

@@ -348,12 +348,11 @@ impl Hub {
             && from > at.version + 1
         {
             // The channel may trail the store by a notification; ask the store itself.
-            let key = self.projection.identity().key(account);
-            let current = match self.projection.log().details(key).await {
-                Ok(d) => d.max_version,
-                Err(crate::store::StoreError::AggregateNotFound) => 0,
-                Err(e) => return Err(WatchError::Store(e.to_string())),
-            };
+            let current = self
+                .projection
+                .store_version(account)
+                .await
+                .map_err(|e| WatchError::Store(e.to_string()))?;
             // No version at all decides nothing: the store may hide a create that landed
             // (README, "Stores"), and the resume would then be from a version a client saw.
             if current == 0 {
