@@ -70,14 +70,12 @@ pub fn check(app: &App, route: &Route, headers: &HeaderMap) -> Result<Option<Cal
         m.auth_outcomes.with_label_values(&[outcome]).inc();
         Err(ApiError::from(e))
     };
-    let mut values = headers.get_all(AUTHORIZATION).iter();
-    let value = values.next();
-    if values.next().is_some() {
+    let Ok(value) = super::at_most_one(headers, AUTHORIZATION) else {
         return refuse(
             auth_outcome::INVALID,
             AuthError::Invalid("send one Authorization header"),
         );
-    }
+    };
     let caller = match app.auth.verify(value.map(|v| v.as_bytes())) {
         Ok(caller) => caller,
         Err(e @ AuthError::Missing) => return refuse(auth_outcome::MISSING, e),

@@ -77,14 +77,9 @@ fn is_utf8_json(content_type: &str) -> bool {
 pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, ApiError> {
     // Content-Type is a singleton field (RFC 9110): two of them name no one type, and
     // taking the first would read a body its sender may have meant as the other.
-    let mut types = req.headers().get_all(CONTENT_TYPE).iter();
-    let content_type = types.next();
-    if types.next().is_some() {
-        return Err(ApiError::bad_request(
-            "BAD_REQUEST",
-            "send one Content-Type header, not several",
-        ));
-    }
+    let content_type = super::at_most_one(req.headers(), CONTENT_TYPE).map_err(|_| {
+        ApiError::bad_request("BAD_REQUEST", "send one Content-Type header, not several")
+    })?;
     let is_json = content_type
         .and_then(|v| v.to_str().ok())
         .is_some_and(is_utf8_json);

@@ -45,8 +45,9 @@ pub struct IdempotencyKey {
 impl IdempotencyKey {
     /// The request's key; `caller` is the authenticated caller's id, when there is one.
     pub fn from_headers(headers: &HeaderMap, caller: Option<&str>) -> Result<Self, ApiError> {
-        let mut values = headers.get_all(HEADER).iter();
-        let Some(value) = values.next() else {
+        let value = super::at_most_one(headers, HEADER)
+            .map_err(|_| invalid("send one Idempotency-Key header, not several"))?;
+        let Some(value) = value else {
             let key = Uuid::new_v4().hyphenated().to_string();
             return Ok(Self {
                 // Derived like a sent key's, so a retry that sends the minted key back
@@ -57,9 +58,6 @@ impl IdempotencyKey {
                 minted: true,
             });
         };
-        if values.next().is_some() {
-            return Err(invalid("send one Idempotency-Key header, not several"));
-        }
         let raw = value
             .to_str()
             .map_err(|_| invalid("the Idempotency-Key must be visible ASCII"))?;

@@ -116,6 +116,24 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
     }
 }
 
+/// A header sent more than once where the API reads one.
+pub(crate) struct RepeatedHeader;
+
+/// The value of a header a request may carry at most once (`Idempotency-Key`,
+/// `Authorization`, `Content-Type`, `Last-Event-ID`): two of them name no one value, and
+/// taking the first would act on what the sender may have meant as the other.
+pub(crate) fn at_most_one<K: hyper::header::AsHeaderName>(
+    headers: &hyper::HeaderMap,
+    name: K,
+) -> Result<Option<&hyper::header::HeaderValue>, RepeatedHeader> {
+    let mut values = headers.get_all(name).iter();
+    let first = values.next();
+    match values.next() {
+        Some(_) => Err(RepeatedHeader),
+        None => Ok(first),
+    }
+}
+
 /// What a request to a replica that has not finished starting is told, before the steps
 /// it waits for.
 pub(crate) const STARTING: &str = "starting: not serving until its start-up steps are done";

@@ -77,14 +77,12 @@ pub async fn all(app: &Arc<App>, req: &Request<Incoming>) -> Result<Response<Htt
 /// query is checked either way: an unknown parameter is refused even next to the header.
 fn resume_point(req: &Request<Incoming>) -> Result<Resume, ApiError> {
     let from = from_version(req)?;
-    let mut ids = req.headers().get_all("last-event-id").iter();
-    let last_event_id = ids.next();
-    if ids.next().is_some() {
-        return Err(ApiError::bad_request(
+    let last_event_id = super::at_most_one(req.headers(), "last-event-id").map_err(|_| {
+        ApiError::bad_request(
             "BAD_LAST_EVENT_ID",
             "send one Last-Event-ID header, not several",
-        ));
-    }
+        )
+    })?;
     if let Some(v) = last_event_id {
         let n = v
             .to_str()
