@@ -73,6 +73,25 @@ pub const MAX_ACTIVE_REQUESTS: usize = 65_536;
 pub const MAX_QUEUE_WAIT_MS: u64 = 10_000;
 /// The most runtime worker threads `--worker-threads` accepts.
 pub const MAX_WORKER_THREADS: usize = 256;
+/// The most client connections `--max-connections` accepts: far past what one process's
+/// file descriptors allow on any usual system.
+pub const MAX_CONNECTIONS: usize = 1 << 20;
+/// The most live writes `--max-live-writes` accepts.
+pub const MAX_LIVE_WRITES: usize = 1 << 20;
+/// The most operations `--max-batch-events` accepts in one store write.
+pub const MAX_BATCH_EVENTS: usize = 4096;
+/// The most accounts `--max-resident-accounts` accepts (a few hundred bytes each, folded).
+pub const MAX_RESIDENT_ACCOUNTS: usize = 100_000_000;
+/// The most recent-writes entries `--max-index-entries` accepts (about 100 bytes each).
+pub const MAX_INDEX_ENTRIES: usize = 100_000_000;
+/// The longest `--write-deadline-ms` accepted (ten minutes).
+pub const MAX_WRITE_DEADLINE_MS: u64 = 600_000;
+/// The most store writes `--write-max-attempts` accepts for one request.
+pub const MAX_WRITE_ATTEMPTS: u64 = 1_000;
+/// The longest `--idle-timeout-secs` accepted (a week).
+pub const MAX_IDLE_TIMEOUT_SECS: u64 = 7 * 86_400;
+/// The longest `--shutdown-grace-secs` accepted (an hour).
+pub const MAX_SHUTDOWN_GRACE_SECS: u64 = 3_600;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum StoreKind {
@@ -338,17 +357,8 @@ impl Config {
                 "--idempotency-window must be 1..={MAX_WINDOW_SECS} seconds"
             )));
         }
-        if self.max_concurrent_requests == 0 {
-            return Err(ConfigError(
-                "--max-concurrent-requests must be positive".into(),
-            ));
-        }
-        if self.max_connections == 0 {
-            return Err(ConfigError("--max-connections must be positive".into()));
-        }
-        if !(1..=MAX_ACTIVE_REQUESTS).contains(&self.max_active_requests)
-            || !(1..=self.max_active_requests).contains(&self.min_active_requests)
-        {
+        self.check_bounded_flags()?;
+        if !(1..=self.max_active_requests).contains(&self.min_active_requests) {
             return Err(ConfigError(format!(
                 "--min-active-requests and --max-active-requests need 1 <= min <= max <= {MAX_ACTIVE_REQUESTS}"
             )));
@@ -361,34 +371,7 @@ impl Config {
                 "--worker-threads must be 1..={MAX_WORKER_THREADS}"
             )));
         }
-        if !(1..=MAX_WRITE_STALL_SECS).contains(&self.write_stall_secs) {
-            return Err(ConfigError(format!(
-                "--write-stall-secs must be 1..={MAX_WRITE_STALL_SECS}"
-            )));
-        }
-        if self.max_queue_wait_ms > MAX_QUEUE_WAIT_MS {
-            return Err(ConfigError(format!(
-                "--max-queue-wait-ms must be 0..={MAX_QUEUE_WAIT_MS}"
-            )));
-        }
-        if self.write_max_attempts == 0 || self.write_deadline_ms == 0 {
-            return Err(ConfigError(
-                "--write-max-attempts and --write-deadline-ms must be positive".into(),
-            ));
-        }
-        if self.max_live_writes == 0 || self.max_queued_writes_per_account == 0 {
-            return Err(ConfigError(
-                "--max-live-writes and --max-queued-writes-per-account must be positive".into(),
-            ));
-        }
-        if self.max_batch_events == 0 || self.max_resident_accounts == 0 {
-            return Err(ConfigError(
-                "--max-batch-events and --max-resident-accounts must be positive".into(),
-            ));
-        }
-        if self.max_index_entries == 0 {
-            return Err(ConfigError("--max-index-entries must be positive".into()));
-        }
+        self.check_time_relations()?;
         if !HEADER_BYTES_RANGE.contains(&self.max_header_bytes) {
             return Err(ConfigError(format!(
                 "--max-header-bytes must be {}..={}",
@@ -408,6 +391,122 @@ impl Config {
                 .map_err(|e| ConfigError(e.to_string()))?;
         }
         self.validate_postgres()?;
+        Ok(())
+    }
+
+    /// Every count and time flag against its accepted range, by name: nothing is unbounded,
+    /// and a value no replica could use is a typo refused at start (several of these size a
+    /// semaphore, which panics past its own maximum).
+    fn check_bounded_flags(&self) -> Result<(), ConfigError> {
+        let counts: [(&str, usize, usize); 8] = [
+            (
+                "--max-concurrent-requests",
+                self.max_concurrent_requests,
+                MAX_ACTIVE_REQUESTS,
+            ),
+            (
+                "--max-active-requests",
+                self.max_active_requests,
+                MAX_ACTIVE_REQUESTS,
+            ),
+            ("--max-connections", self.max_connections, MAX_CONNECTIONS),
+            ("--max-live-writes", self.max_live_writes, MAX_LIVE_WRITES),
+            (
+                "--max-queued-writes-per-account",
+                self.max_queued_writes_per_account,
+                MAX_ACTIVE_REQUESTS,
+            ),
+            (
+                "--max-batch-events",
+                self.max_batch_events,
+                MAX_BATCH_EVENTS,
+            ),
+            (
+                "--max-resident-accounts",
+                self.max_resident_accounts,
+                MAX_RESIDENT_ACCOUNTS,
+            ),
+            (
+                "--max-index-entries",
+                self.max_index_entries,
+                MAX_INDEX_ENTRIES,
+            ),
+        ];
+        for (flag, value, max) in counts {
+            if !(1..=max).contains(&value) {
+                return Err(ConfigError(format!("{flag} must be 1..={max}")));
+            }
+        }
+        let times: [(&str, u64, u64, u64); 6] = [
+            (
+                "--write-deadline-ms",
+                self.write_deadline_ms,
+                1,
+                MAX_WRITE_DEADLINE_MS,
+            ),
+            (
+                "--write-max-attempts",
+                self.write_max_attempts.into(),
+                1,
+                MAX_WRITE_ATTEMPTS,
+            ),
+            (
+                "--write-stall-secs",
+                self.write_stall_secs,
+                1,
+                MAX_WRITE_STALL_SECS,
+            ),
+            (
+                "--max-queue-wait-ms",
+                self.max_queue_wait_ms,
+                0,
+                MAX_QUEUE_WAIT_MS,
+            ),
+            (
+                "--idle-timeout-secs",
+                self.idle_timeout_secs,
+                0,
+                MAX_IDLE_TIMEOUT_SECS,
+            ),
+            (
+                "--shutdown-grace-secs",
+                self.shutdown_grace_secs,
+                0,
+                MAX_SHUTDOWN_GRACE_SECS,
+            ),
+        ];
+        for (flag, value, min, max) in times {
+            if !(min..=max).contains(&value) {
+                return Err(ConfigError(format!("{flag} must be {min}..={max}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Settings that are each in range but do not fit together.
+    fn check_time_relations(&self) -> Result<(), ConfigError> {
+        // A write's whole life (its deadline, and the last store request it may still have
+        // out when the deadline passes) fits in the window: what it wrote is in the
+        // recent-writes index for as long as the write itself can look for it there.
+        let request_timeout = match self.store {
+            StoreKind::Celeriant => self.celeriant.request_timeout_ms,
+            StoreKind::Memory => 0,
+        };
+        let life_ms = self.write_deadline_ms.saturating_add(request_timeout);
+        if life_ms >= self.idempotency_window.saturating_mul(1000) {
+            return Err(ConfigError(format!(
+                "--idempotency-window ({} s) must be longer than --write-deadline-ms plus the store's request timeout ({life_ms} ms)",
+                self.idempotency_window
+            )));
+        }
+        // A stalled event stream ends itself first, so it can still tell its client why.
+        if self.write_stall_secs <= self.watch.stall_limit().as_secs() {
+            return Err(ConfigError(format!(
+                "--write-stall-secs must be longer than {} x --watch-keepalive-secs ({} s)",
+                crate::watch::STALL_KEEPALIVES,
+                self.watch.stall_limit().as_secs()
+            )));
+        }
         Ok(())
     }
 
@@ -604,6 +703,92 @@ mod tests {
             let e = c.validate().expect_err("out of range");
             assert!(e.to_string().contains(bad[0]), "{e}");
         }
+    }
+
+    /// Rule: every count and time flag has a named upper bound, refused by name past it
+    /// (several size a semaphore, which would panic at start).
+    #[test]
+    fn every_count_and_time_flag_is_refused_past_its_bound_by_name() {
+        let past = |n: u64| (n + 1).to_string();
+        for (flag, value) in [
+            (
+                "--max-concurrent-requests",
+                past(MAX_ACTIVE_REQUESTS as u64),
+            ),
+            ("--max-connections", past(MAX_CONNECTIONS as u64)),
+            ("--max-connections", u64::MAX.to_string()),
+            ("--max-live-writes", past(MAX_LIVE_WRITES as u64)),
+            ("--max-live-writes", "0".into()),
+            (
+                "--max-queued-writes-per-account",
+                past(MAX_ACTIVE_REQUESTS as u64),
+            ),
+            ("--max-batch-events", past(MAX_BATCH_EVENTS as u64)),
+            (
+                "--max-resident-accounts",
+                past(MAX_RESIDENT_ACCOUNTS as u64),
+            ),
+            ("--max-index-entries", past(MAX_INDEX_ENTRIES as u64)),
+            ("--write-deadline-ms", past(MAX_WRITE_DEADLINE_MS)),
+            ("--write-deadline-ms", "0".into()),
+            ("--write-max-attempts", past(MAX_WRITE_ATTEMPTS)),
+            ("--idle-timeout-secs", past(MAX_IDLE_TIMEOUT_SECS)),
+            ("--shutdown-grace-secs", past(MAX_SHUTDOWN_GRACE_SECS)),
+        ] {
+            let c = Config::parse_from(["tally", flag, &value, "--idempotency-window", "86400"]);
+            let e = c.validate().expect_err("out of range");
+            assert!(e.to_string().contains(flag), "{flag} {value}: {e}");
+        }
+        let at_the_bounds = Config::parse_from([
+            "tally",
+            "--max-connections",
+            &MAX_CONNECTIONS.to_string(),
+            "--max-batch-events",
+            &MAX_BATCH_EVENTS.to_string(),
+            "--write-max-attempts",
+            &MAX_WRITE_ATTEMPTS.to_string(),
+        ]);
+        at_the_bounds.validate().unwrap();
+    }
+
+    /// Rule: a write's whole life (deadline, plus the store request it may still have out)
+    /// fits in the idempotency window, so what it wrote stays in the index while it looks.
+    #[test]
+    fn a_window_no_longer_than_a_writes_life_is_refused() {
+        let c = Config::parse_from(["tally", "--idempotency-window", "5"]);
+        let e = c.validate().expect_err("5 s window, 5 s deadline");
+        assert!(e.to_string().contains("--idempotency-window"), "{e}");
+        Config::parse_from(["tally", "--idempotency-window", "6"])
+            .validate()
+            .unwrap();
+        // On Celeriant a last request may still be out for its own timeout (5 s).
+        let celeriant = ["tally", "--store", "celeriant", "--idempotency-window"];
+        let c = Config::parse_from([&celeriant[..], &["10"]].concat());
+        assert!(c.validate().is_err(), "5 s deadline + 5 s request timeout");
+        Config::parse_from([&celeriant[..], &["11"]].concat())
+            .validate()
+            .unwrap();
+    }
+
+    /// Rule: a stalled event stream ends itself (with a final event naming why) before the
+    /// connection's write-stall limit closes it silently.
+    #[test]
+    fn a_write_stall_within_a_streams_own_stall_limit_is_refused() {
+        let c = Config::parse_from(["tally", "--write-stall-secs", "30"]);
+        let e = c.validate().expect_err("30 s is 2 x the 15 s keep-alive");
+        assert!(e.to_string().contains("--write-stall-secs"), "{e}");
+        Config::parse_from(["tally", "--write-stall-secs", "31"])
+            .validate()
+            .unwrap();
+        Config::parse_from([
+            "tally",
+            "--write-stall-secs",
+            "3",
+            "--watch-keepalive-secs",
+            "1",
+        ])
+        .validate()
+        .unwrap();
     }
 
     /// Rule (issue 14): the Postgres projection needs its URL and sane pool settings; cursor

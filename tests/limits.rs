@@ -117,3 +117,48 @@ async fn the_header_limit_follows_its_flag() {
     assert_eq!(server.get_with_header(1500).await, "HTTP/1.1 200 OK");
     server.shutdown().await;
 }
+
+/// Rule (RFC 9112 §6.1, request smuggling): a request carrying both `Transfer-Encoding:
+/// chunked` and `Content-Length` is framed by its chunks alone, whichever header comes
+/// first, and its connection is closed after the answer, so bytes a proxy might have framed
+/// differently are never read as a second request.
+#[tokio::test]
+async fn a_request_with_both_framings_is_read_by_its_chunks_and_its_connection_closed() {
+    let server = Server::start(&[]).await;
+    let body = r#"{"amountCents":5}"#;
+    let chunked = format!("{:x}\r\n{body}\r\n0\r\n\r\n", body.len());
+    for (n, framing) in [
+        "Transfer-Encoding: chunked\r\nContent-Length: 3\r\n",
+        "Content-Length: 3\r\nTransfer-Encoding: chunked\r\n",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let account = uuid::Uuid::new_v4();
+        let mut stream = TcpStream::connect(server.addr).await.expect("connect");
+        // The deposit, then a request a Content-Length reader would find inside its body.
+        let request = format!(
+            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+             Content-Type: application/json\r\nIdempotency-Key: both-{n}\r\n{framing}\r\n\
+             {chunked}GET /healthz HTTP/1.1\r\nHost: tally\r\n\r\n"
+        );
+        stream.write_all(request.as_bytes()).await.expect("sent");
+        let mut answer = Vec::new();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            stream.read_to_end(&mut answer),
+        )
+        .await
+        .expect("the connection is closed after the answer")
+        .expect("read");
+        let text = String::from_utf8_lossy(&answer);
+        assert!(text.starts_with("HTTP/1.1 200 OK"), "{framing}: {text}");
+        assert!(text.contains(r#""balanceCents":5"#), "{framing}: {text}");
+        assert_eq!(
+            text.matches("HTTP/1.1 ").count(),
+            1,
+            "{framing}: one answer, nothing read past the chunks: {text}"
+        );
+    }
+    server.shutdown().await;
+}

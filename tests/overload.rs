@@ -509,7 +509,13 @@ async fn a_client_that_never_reads_its_answers_holds_no_gate_slot() {
 /// for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_whose_client_reads_nothing_is_closed_at_the_write_stall_limit() {
-    let t = spawn(test_config(&["--write-stall-secs", "1"]), None, None).await;
+    // The shortest stall limit accepted: longer than a watch stream's own (2 x 1 s).
+    let t = spawn(
+        test_config(&["--write-stall-secs", "3", "--watch-keepalive-secs", "1"]),
+        None,
+        None,
+    )
+    .await;
     let m = t.app.metrics.clone();
     let mut deaf = deaf_client(&t).await;
     wait_for(
