@@ -543,6 +543,60 @@ async fn the_shared_cursor_never_moves_backwards() {
     );
 }
 
+/// Rule: an index row is never taken back to an older landing of its key: a record that
+/// runs late (its waiter gone), after the key was written again past its window, leaves the
+/// newer row, so later retries keep getting the newer answer.
+#[tokio::test]
+async fn a_late_record_never_takes_an_index_row_back_to_an_older_landing() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let pg = PgProjection::connect(&settings(&url), Arc::new(Metrics::new()))
+        .await
+        .expect("connect");
+    let account = AccountId(Uuid::new_v4());
+    let key = 0x5eed_u128;
+    let event = AccountEvent::Deposited { amount: 1 };
+    let newer = RecentWrite {
+        balance: 100,
+        version: 10,
+        expires_at_ms: 5_000,
+        event,
+        write_tag: None,
+    };
+    let snap = Snapshot {
+        balance: 100,
+        version: 10,
+        max_client_seq: 10,
+    };
+    pg.persist(account, snap, None, &[(key, newer)], 0)
+        .await
+        .expect("persist");
+    let late = RecordedWrite {
+        expected_version: 2,
+        new_version: 3,
+        balance_after: 31,
+        max_client_seq: 3,
+        events: &[(key, 31, event)],
+    };
+    pg.record(
+        &[tally::projection::postgres::RecordRow {
+            account,
+            write: &late,
+        }],
+        9_000,
+    )
+    .await
+    .expect("record");
+    let loaded = pg.load(account, &[key], 0, None).await.expect("load");
+    let hits: Vec<(u64, i64)> = loaded
+        .hits
+        .iter()
+        .map(|(_, w)| (w.version, w.balance))
+        .collect();
+    assert_eq!(hits, vec![(10, 100)], "the newer landing's row stays");
+}
+
 /// Rule: records queued together share one statement (the database's per-statement cost
 /// is paid once for many writes), each row still guarded on its own expected version; two
 /// records of one account never share a statement (an upsert cannot touch a row twice).

@@ -295,3 +295,65 @@ async fn memory_a_scan_past_its_page_cap_gives_up_as_a_miss() {
         windowed.reads()
     );
 }
+
+/// Rule: a scan's replay carries the original body. The balance right after the found event
+/// is rebuilt from a second read; a read served behind the tip ends early without an error,
+/// so one that did not show every version between the found batch and the state fails the
+/// attempt (the loop tries again) instead of answering a 200 with another balance.
+#[tokio::test]
+async fn memory_a_scan_replay_over_a_lagging_read_answers_the_original_balance() {
+    use std::time::Duration;
+    use tally::account::{AccountId, AmountCents, Identity, Operation};
+    use tally::metrics::Metrics;
+    use tally::projection::{Projection, ProjectionConfig};
+    use tally::store::faults::{FaultConfig, FaultyLog};
+    use tally::write_loop::{WriteConfig, WriteRequest, WriteService};
+
+    let (store, clocks) = store_and_clocks();
+    let faulty = Arc::new(FaultyLog::new(store, FaultConfig::default()));
+    let projection = Arc::new(Projection::new(
+        faulty.clone(),
+        Identity::default(),
+        ProjectionConfig {
+            window: Duration::from_secs(60),
+            scan_window: Some(Duration::from_secs(600)),
+            ..ProjectionConfig::default()
+        },
+        clocks.local.clone(),
+        Arc::new(Metrics::new()),
+    ));
+    let svc = WriteService::new(
+        projection,
+        WriteConfig {
+            batching: false,
+            ..WriteConfig::default()
+        },
+    );
+    let account = AccountId(uuid::Uuid::new_v4());
+    let deposit = |cents: i64, event_id: u128| WriteRequest {
+        op: Operation::Deposit {
+            account,
+            amount: AmountCents::new(cents).expect("amount"),
+        },
+        event_id,
+    };
+    let mut answers = Vec::new();
+    for (i, cents) in [1, 2, 4, 8, 16].into_iter().enumerate() {
+        let out = svc.execute(deposit(cents, 100 + i as u128)).await;
+        answers.push(out.expect("lands").legs[0]);
+    }
+    let original = answers[2];
+    assert_eq!((original.balance, original.version), (7, 3));
+    clocks.advance(120_000);
+    // The scan itself reads the tip; the read that rebuilds the balance (versions 3..=5)
+    // is served two batches behind it.
+    faulty.lag_next_read(0);
+    faulty.lag_next_read(2);
+    let retry = svc.execute(deposit(4, 102)).await.expect("answered");
+    assert!(retry.replayed);
+    assert_eq!(
+        (retry.legs[0].balance, retry.legs[0].version),
+        (original.balance, original.version),
+        "the original body, not one rebuilt from a short read"
+    );
+}

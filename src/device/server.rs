@@ -29,7 +29,7 @@ use super::{DeviceId, MAX_RUN_EVENTS};
 use crate::account::{AccountId, Identity, named_id};
 use crate::store::{
     AggregateKey, AggregateWrite, Batch, BatchStream, Event, ReadFilter, SharedLog, StoreError,
-    StoreResult, wall_clock_ms,
+    StoreResult, WholeRange, wall_clock_ms,
 };
 
 /// The namespace the store's event ids of device events are derived in. Never change it: a
@@ -524,7 +524,7 @@ impl DeviceSync {
         };
         let device = scan.device.as_u128();
         let mut stream = BatchStream::new(self.log.as_ref(), scan.key, filter);
-        let mut next = from;
+        let mut whole = WholeRange::new(from, to);
         loop {
             if scan.pages >= MAX_RUN_READ_PAGES {
                 return Err(StoreError::NotApplied {
@@ -538,10 +538,7 @@ impl DeviceSync {
                 Err(e) => return Err(e),
             };
             for b in &batches {
-                if b.version != next {
-                    return Err(incomplete(from, to, next));
-                }
-                next += 1;
+                whole.saw(b.version)?;
             }
             scan.read
                 .absorb(batches.iter().filter(|b| b.client_id == device));
@@ -549,19 +546,7 @@ impl DeviceSync {
                 break;
             }
         }
-        if next <= to {
-            return Err(incomplete(from, to, next));
-        }
-        Ok(())
-    }
-}
-
-/// A window of the read-back came back without version `missing`.
-fn incomplete(from: u64, to: u64, missing: u64) -> StoreError {
-    StoreError::NotApplied {
-        reason: format!(
-            "a read of versions {from}..={to} did not show version {missing} (a replica behind the tip)"
-        ),
+        whole.finish()
     }
 }
 

@@ -15,7 +15,7 @@ use std::cmp::Ordering;
 
 use super::{Projection, Snapshot};
 use crate::account::{AccountEvent, AccountId, fold};
-use crate::store::{Batch, BatchStream, ReadFilter, StoreError};
+use crate::store::{Batch, BatchStream, ReadFilter, StoreError, WholeRange};
 
 /// How far below the state it is given a scan starts, in versions: a retry is looked for
 /// among the account's newest versions, and one further back is a miss (as past the
@@ -122,23 +122,22 @@ impl Projection {
         snap: Snapshot,
     ) -> Result<i64, StoreError> {
         let above = version > snap.version;
-        let filter = if above {
-            ReadFilter {
-                from_version: snap.version + 1,
-                to_version: Some(version),
-                ..ReadFilter::default()
-            }
+        let (from, to) = if above {
+            (snap.version + 1, version)
         } else {
-            ReadFilter {
-                from_version: version,
-                to_version: Some(snap.version),
-                ..ReadFilter::default()
-            }
+            (version, snap.version)
+        };
+        let filter = ReadFilter {
+            to_version: Some(to),
+            ..ReadFilter::from_version(from)
         };
         let mut stream = BatchStream::new(self.log.as_ref(), self.identity.key(account), filter);
+        // Every version between them, or the rebuilt balance is not the one answered then.
+        let mut whole = WholeRange::new(from, to);
         let mut balance = snap.balance;
         while let Some(page) = stream.next_page().await? {
             for batch in &page {
+                whole.saw(batch.version)?;
                 // Above: the events up to and including the found one. Below: those after it.
                 let events = match (above, batch.version.cmp(&version)) {
                     (true, Ordering::Less) => &batch.events[..],
@@ -168,6 +167,7 @@ impl Projection {
                 }
             }
         }
+        whole.finish()?;
         Ok(balance)
     }
 }

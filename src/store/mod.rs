@@ -362,3 +362,49 @@ impl<'a> BatchStream<'a> {
         Ok(Some(page.batches))
     }
 }
+
+/// Checks that an unfiltered read of versions `from..=to` showed every one of them, in order:
+/// a read served by a replica behind the tip ends early without an error, and whatever is
+/// drawn from it (a verdict, a balance rebuilt from it) would be silently wrong.
+#[derive(Clone, Copy, Debug)]
+pub struct WholeRange {
+    from: u64,
+    to: u64,
+    next: u64,
+}
+
+impl WholeRange {
+    pub fn new(from: u64, to: u64) -> Self {
+        Self {
+            from,
+            to,
+            next: from,
+        }
+    }
+
+    /// The next batch the read showed: it must be the next version.
+    pub fn saw(&mut self, version: u64) -> StoreResult<()> {
+        if version != self.next {
+            return Err(self.incomplete());
+        }
+        self.next += 1;
+        Ok(())
+    }
+
+    /// The read ended: it must have reached `to`.
+    pub fn finish(&self) -> StoreResult<()> {
+        if self.next <= self.to {
+            return Err(self.incomplete());
+        }
+        Ok(())
+    }
+
+    fn incomplete(&self) -> StoreError {
+        StoreError::NotApplied {
+            reason: format!(
+                "a read of versions {}..={} did not show version {} (a replica behind the tip)",
+                self.from, self.to, self.next
+            ),
+        }
+    }
+}

@@ -11,7 +11,10 @@ use crate::projection::state::{Broken, Snapshot};
 
 /// The index rows' upsert, the first half of every statement that moves a cursor. Arrays
 /// `$1..$8` are one row each: account, event id, balance, version, kind, amount,
-/// counterparty, expiry. A row already there keeps the later of the two expiries.
+/// counterparty, expiry. A row already there keeps the later of the two expiries, and is
+/// never taken back to an older landing of its key (a record that ran late, after the key
+/// was written again past its window, would otherwise answer later retries with the old
+/// response).
 pub(super) const INDEX_UPSERT: &str = "INSERT INTO tally_recent_writes AS r
         (account_id, event_id, balance_cents, version, event_kind, amount_cents,
          counterparty, expires_at_ms)
@@ -23,7 +26,8 @@ pub(super) const INDEX_UPSERT: &str = "INSERT INTO tally_recent_writes AS r
             event_kind = EXCLUDED.event_kind,
             amount_cents = EXCLUDED.amount_cents,
             counterparty = EXCLUDED.counterparty,
-            expires_at_ms = GREATEST(r.expires_at_ms, EXCLUDED.expires_at_ms)";
+            expires_at_ms = GREATEST(r.expires_at_ms, EXCLUDED.expires_at_ms)
+      WHERE r.version <= EXCLUDED.version";
 
 /// The reason stored for a stream trimmed above the cursor.
 const TRIMMED: &str = "trimmed";
