@@ -783,6 +783,86 @@ async fn trimmed_streams_answer_account_trimmed_on_every_replica() {
     assert_eq!(reason.as_deref(), Some("trimmed"));
 }
 
+/// A store whose next read of one aggregate, once armed, waits for `go` (signalling
+/// `reached` first): a catch-up paused between reading the shared row and reading the store.
+struct PausedRead {
+    inner: SharedLog,
+    key: AggregateKey,
+    armed: AtomicBool,
+    reached: Notify,
+    go: Notify,
+}
+
+#[async_trait]
+impl EventLog for PausedRead {
+    async fn write(&self, client: ClientId, writes: Vec<AggregateWrite>) -> StoreResult<Vec<u64>> {
+        self.inner.write(client, writes).await
+    }
+    async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage> {
+        if key == self.key && self.armed.swap(false, Ordering::SeqCst) {
+            self.reached.notify_one();
+            self.go.notified().await;
+        }
+        self.inner.read(key, filter).await
+    }
+    async fn details(&self, key: AggregateKey) -> StoreResult<AggregateDetails> {
+        self.inner.details(key).await
+    }
+    async fn trim_start(&self, key: AggregateKey, keep_from_version: u64) -> StoreResult<()> {
+        self.inner.trim_start(key, keep_from_version).await
+    }
+}
+
+/// Rule: a trim above the row a catch-up started from is not a broken account when another
+/// replica moved the shared row past the trim meanwhile: that catch-up answers a retry (not
+/// a final 500 `ACCOUNT_TRIMMED`), and the next request is answered from the moved row.
+#[tokio::test]
+async fn a_trim_the_shared_cursor_already_passed_is_a_retry_not_a_broken_account() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let mem = Arc::new(MemoryLog::new());
+    let account = new_account();
+    let key_of = Identity::default().key(AccountId(account.parse().unwrap()));
+    // Written through another database: the shared rows of `url` know nothing of it.
+    let writer = replica(&pg::fresh_url().await.expect("url"), mem.clone(), &[]).await;
+    for _ in 0..6 {
+        created(&writer.deposit(&account, 1, Some(&key())).await);
+    }
+    let paused = Arc::new(PausedRead {
+        inner: mem.clone(),
+        key: key_of,
+        armed: AtomicBool::new(false),
+        reached: Notify::new(),
+        go: Notify::new(),
+    });
+    let a = Arc::new(replica(&url, paused.clone(), &[]).await);
+    let b = replica(&url, mem.clone(), &[]).await;
+    a.app.started().await;
+    paused.armed.store(true, Ordering::SeqCst);
+    let first = {
+        let (a, account) = (a.clone(), account.clone());
+        tokio::spawn(async move { a.get(&format!("/api/accounts/{account}/balance")).await })
+    };
+    // `a` read the shared row (no row yet) and waits to read the store from version 1.
+    paused.reached.notified().await;
+    assert_eq!(
+        b.balance(&account).await,
+        (6, 6),
+        "b moves the shared row to 6"
+    );
+    mem.trim_start_now(key_of, 4).expect("trim");
+    paused.go.notify_one();
+    let r = first.await.expect("task");
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text);
+    assert!(r.header("retry-after").is_some(), "{r:?}");
+    assert_eq!(
+        a.balance(&account).await,
+        (6, 6),
+        "answered from the moved row"
+    );
+}
+
 /// Rule: concurrent transfers in both directions between two accounts, on two replicas
 /// sharing the database, all land once and every record statement succeeds (records lock
 /// account rows in one order, so opposite transfers never deadlock); the shared rows end

@@ -58,6 +58,28 @@ impl Projection {
         Ok(row)
     }
 
+    /// Before a trim above the row this catch-up started from marks the account broken: the
+    /// shared row is read again, and if another replica has meanwhile moved it past the trim
+    /// (it folded those versions before they went), the account is fine and this attempt
+    /// answers a retry (the next one starts from that row) rather than a final 500.
+    async fn pg_cursor_still_below(
+        &self,
+        pg: &PgProjection,
+        account: AccountId,
+        min_available: u64,
+    ) -> Result<(), ProjectionError> {
+        let row = self.pg_load(pg, account, &[], None).await?;
+        let version = row.state.map_or(0, |(snap, _)| snap.version);
+        if version + 1 >= min_available {
+            return Err(ProjectionError::Store(StoreError::NotApplied {
+                reason: format!(
+                    "the shared cursor moved to version {version}, past the trim at {min_available}, during this catch-up"
+                ),
+            }));
+        }
+        Ok(())
+    }
+
     /// Catches the account up from the shared row and persists what it folded.
     pub(crate) async fn pg_catch_up(
         &self,
@@ -93,6 +115,8 @@ impl Projection {
                 Ok(None) | Err(StoreError::AggregateNotFound) => break,
                 Err(StoreError::Trimmed { min_available }) => {
                     if st.version + 1 < min_available {
+                        self.pg_cursor_still_below(pg, account, min_available)
+                            .await?;
                         broken = Some(Broken::Trimmed { min_available });
                     }
                     break;
