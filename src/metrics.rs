@@ -98,6 +98,7 @@ pub struct Metrics {
     pub index_entries: IntGauge,
     pub evictions: IntCounterVec,
     pub poisoned_accounts: IntCounter,
+    pub store_regressions: IntCounterVec,
     // Start-up (step labels are the fixed step names: `serverClock`, `seed:<demo name>`)
     pub startup_steps_pending: IntGauge,
     pub startup_step_attempts: IntCounterVec,
@@ -279,6 +280,12 @@ impl Metrics {
                 r,
                 "tally_projection_poisoned_accounts_total",
                 "Folds that stopped on an event they could not decode, or on a trimmed stream.",
+            ),
+            store_regressions: counter_vec(
+                r,
+                "tally_store_regressions_total",
+                "Times the store showed fewer versions than this replica had folded (a store restored or replaced under a running replica), by where it was seen (conflict, anchor); the folds concerned are dropped and read again.",
+                &["seen_by"],
             ),
             startup_steps_pending: gauge(
                 r,

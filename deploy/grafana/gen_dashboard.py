@@ -249,6 +249,8 @@ def build():
          "idle is housekeeping; capacity means the cap is too small for this replica's share of accounts.")
     L.ts("Poisoned folds", [t(f"sum by (instance) (increase(tally_projection_poisoned_accounts_total{sel()}[{RI}]))", "{{instance}}")], "short",
          "Any value above 0 needs a look: see the TallyPoisonedAccount alert.")
+    L.ts("Store went backwards", [t(f"sum by (instance, seen_by) (increase(tally_store_regressions_total{sel()}[{RI}]))", "{{instance}} {{seen_by}}")], "short",
+         "The store showed fewer versions than a replica had folded (restored or replaced): see the TallyStoreWentBackwards alert.")
 
     L.row("Start-up and devices")
     L.ts("Start-up steps pending", [t(f"max by (instance) (tally_startup_steps_pending{sel()})", "{{instance}}")], "short",

@@ -9,7 +9,7 @@
 
 //!
 //! Files: `state` (one account's state and the fold), `anchor` (the estimate of the server's
-//! now that ages index entries), `sweep` (bounded memory: expiry, idle and capacity
+//! now that ages index entries), `regress` (a store that went backwards), `sweep` (bounded memory: expiry, idle and capacity
 //! eviction), `index` (the recent-writes index), `clock` (the local monotonic clock),
 //! `port` (what the write loop and the reader call, over either backend), `postgres` (the
 //! Postgres backend: cursor and index shared by the fleet in one database).
@@ -25,12 +25,13 @@ mod existed;
 pub mod index;
 mod port;
 pub mod postgres;
+mod regress;
 mod scan;
 mod state;
 mod sweep;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
@@ -151,6 +152,8 @@ pub struct Projection {
     evict_signal: tokio::sync::Notify,
     /// Accounts evicted while they held events: a first touch reads them first.
     existed: existed::Existed,
+    /// The highest version a server-clock probe of this replica landed at (`regress.rs`).
+    anchor_version: AtomicU64,
     /// Where cursor and index live. Under Postgres the memory fold's map holds the warm
     /// copies of rows (`postgres/warm.rs`).
     backend: Backend,
@@ -186,6 +189,7 @@ impl Projection {
             index_entries: AtomicI64::new(0),
             evict_signal: tokio::sync::Notify::new(),
             existed: existed::Existed::default(),
+            anchor_version: AtomicU64::new(0),
             backend: Backend::Memory,
         }
     }

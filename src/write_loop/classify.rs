@@ -16,7 +16,14 @@ pub(super) enum Step {
     Landed { versions: Vec<u64> },
     /// 2003: rejected, nothing appended, so our sequences were never used. Release them;
     /// the next attempt catches up, re-decides and derives fresh ones.
-    Rejected { arm: &'static str, failure: String },
+    ///
+    /// `store_behind`: the conflict's current version, when it is below the version the write
+    /// expected (the store shows fewer versions than were folded: `projection/regress.rs`).
+    Rejected {
+        arm: &'static str,
+        failure: String,
+        store_behind: Option<Behind>,
+    },
     /// May have landed, or an earlier attempt is not durable yet: hold the sequences; the
     /// next attempt's catch-up refreshes the version and checks the index. `sent_unknown`:
     /// this very write may have applied (so a landing found later is this run's own).
@@ -36,13 +43,21 @@ pub(super) enum Step {
     },
 }
 
+/// A conflict's versions, when the store stood below what the write expected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Behind {
+    pub expected: u64,
+    pub current: u64,
+}
+
 /// Classifies a write's result.
 pub(super) fn classify(result: Result<Vec<u64>, StoreError>) -> Step {
     match result {
         Ok(versions) => Step::Landed { versions },
-        Err(StoreError::Conflict { .. }) => Step::Rejected {
+        Err(StoreError::Conflict { expected, current }) => Step::Rejected {
             arm: arm::CONFLICT,
             failure: "version conflict".into(),
+            store_behind: (current < expected).then_some(Behind { expected, current }),
         },
         Err(StoreError::OutcomeUnknown { reason }) => Step::Hold {
             arm: arm::OUTCOME_UNKNOWN,

@@ -114,14 +114,19 @@ fn json_u64(message: &str, field: &str) -> Option<u64> {
 /// a 2002's sequences stay unknown (`None`; a device's landed run would otherwise look like
 /// it straddles a mark of 0), and a 1000 without a usable minimum (versions start at 1) is
 /// left unclassified, retryable and never final (a trimmed account would otherwise look
-/// untrimmed). The 2003 fields only describe the conflict, so a missing one reads as 0.
+/// untrimmed). A 2003 without its current version reads as standing at the expected one:
+/// a current version below the expected one says the store went backwards, and drops the
+/// fold (`projection/regress.rs`), which a message that left the number out must not claim.
 fn map_server_code(op: Op, code: u32, message: String) -> StoreError {
     let field = |name: &str| json_u64(&message, name);
     match code {
-        codes::WRITE_OPTIMISTIC_CONCURRENCY_VIOLATION => StoreError::Conflict {
-            expected: field("expected_version").unwrap_or(0),
-            current: field("current_aggregate_version").unwrap_or(0),
-        },
+        codes::WRITE_OPTIMISTIC_CONCURRENCY_VIOLATION => {
+            let expected = field("expected_version").unwrap_or(0);
+            StoreError::Conflict {
+                expected,
+                current: field("current_aggregate_version").unwrap_or(expected),
+            }
+        }
         codes::WRITE_CLIENT_IDEMPOTENCY_VIOLATION => StoreError::IdempotencyViolation {
             last_seq: field("last_client_seq"),
             attempted_seq: field("attempted_client_seq"),

@@ -387,6 +387,26 @@ fn missing_fields_read_as_zero_not_a_panic() {
     );
 }
 
+/// A conflict that names its expected version but not the current one never claims the
+/// store stands below it (that drops the fold: `projection/regress.rs`).
+#[test]
+fn a_conflict_without_its_current_version_reads_as_at_the_expected_one() {
+    let e = server(
+        WriteError::OptimisticConcurrencyViolation {
+            expected_version: Some(7),
+            current_aggregate_version: None,
+        },
+        r#"{"expected_version":7}"#,
+    );
+    assert_eq!(
+        map_error(Op::Write, e),
+        StoreError::Conflict {
+            expected: 7,
+            current: 7
+        }
+    );
+}
+
 #[test]
 fn other_server_errors_keep_code_and_message() {
     let cases: Vec<(ClientError, u32)> = vec![

@@ -46,9 +46,16 @@ impl Run<'_> {
                 self.record_success(batch, &versions).await;
                 false
             }
-            Step::Rejected { arm, failure } => {
+            Step::Rejected {
+                arm,
+                failure,
+                store_behind,
+            } => {
                 self.arm(arm);
                 self.last_failure = failure;
+                if let Some(behind) = store_behind {
+                    self.fold_again_where_the_store_is_behind(behind);
+                }
                 // This write did not land, but an earlier one under a held sequence may have:
                 // that sequence stays held until a 2002 and the point read settle it.
                 self.release_seqs_of_answered();

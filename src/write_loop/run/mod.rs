@@ -533,6 +533,23 @@ impl<'a> Run<'a> {
     /// carried with an unknown outcome (`seq_unanswered`): that write may have landed, and
     /// only its own sequence proves it whatever the index holds (2002, then the point read).
     /// The index keeps a landing for its window only, and a run can outlast it.
+    /// A conflict put an account of this write below the version it was written at: the
+    /// store went backwards (`projection/regress.rs`). Its fold is dropped, so the next
+    /// attempt's catch-up folds it again from version 1 and decides against what the store
+    /// holds. The leg is the one written at the conflict's expected version.
+    fn fold_again_where_the_store_is_behind(&mut self, behind: super::classify::Behind) {
+        for t in &mut self.accounts {
+            if t.snap.version == behind.expected
+                && self
+                    .svc
+                    .projection
+                    .store_went_behind(t.account, behind.current)
+            {
+                t.view = None;
+            }
+        }
+    }
+
     fn release_seqs_of_answered(&mut self) {
         for m in &mut self.members {
             if !m.seq_unanswered {

@@ -1,0 +1,97 @@
+//! A store that went backwards: it shows fewer versions than this replica has folded. A
+//! store that keeps what it acknowledged never does; one restored from a backup or replaced
+//! by an empty one under running replicas does, and then a fold ahead of it is worse than
+//! stale: once other writers take the stream back up to the fold's version, a write at that
+//! version passes the guard against a balance the store does not have (found black-box:
+//! a withdrawal answered 200 that took the store's balance below zero).
+//!
+//! What is seen, and where: a version conflict whose current version is below the one the
+//! write expected (per account, at once), and the server-clock aggregate answering a probe
+//! with a lower version than an earlier probe (the whole store, within one re-anchor
+//! interval). Either way the folds concerned are dropped to empty, exactly as if evicted:
+//! the next request folds the account again from version 1, as a fresh replica would. A
+//! false alarm (a conflict that leaves out its current version) costs one such read.
+//!
+//! The Postgres projection's shared rows are not moved backwards here (one replica's
+//! observation does not rewrite the fleet's cursor): there the account keeps conflicting,
+//! and answers a retryable error, until an operator deletes its rows (README, "Postgres
+//! projection").
+
+use std::sync::atomic::Ordering;
+
+use super::{AccountState, Projection};
+use crate::account::AccountId;
+
+/// Where a regression was seen (the metric's label).
+pub mod seen_by {
+    pub const CONFLICT: &str = "conflict";
+    pub const ANCHOR: &str = "anchor";
+}
+
+impl Projection {
+    /// A conflict said `account` stands at `current` in the store: if the fold is past it,
+    /// drop the fold (the next catch-up reads from version 1). Returns whether it did.
+    pub fn store_went_behind(&self, account: AccountId, current: u64) -> bool {
+        let Some(slot) = self.accounts.get(&account).map(|s| s.clone()) else {
+            return false;
+        };
+        let mut st = slot.state.lock();
+        if st.version <= current {
+            return false;
+        }
+        tracing::error!(
+            %account,
+            folded = st.version,
+            store = current,
+            "the store shows fewer versions of this account than were folded (restored or replaced?); folding it again from version 1"
+        );
+        self.drop_fold(account, &mut st);
+        self.metrics
+            .store_regressions
+            .with_label_values(&[seen_by::CONFLICT])
+            .inc();
+        true
+    }
+
+    /// The server-clock probe landed at `version`: lower than an earlier probe's, the whole
+    /// store went backwards, and every fold is dropped.
+    pub(super) fn note_anchor_version(&self, version: u64) {
+        if version == 0 {
+            return; // no version reported: nothing to compare
+        }
+        let before = self.anchor_version.fetch_max(version, Ordering::AcqRel);
+        if version >= before {
+            return;
+        }
+        // Start again from this store's count, so one regression is acted on once.
+        self.anchor_version.store(version, Ordering::Release);
+        tracing::error!(
+            probe_version = version,
+            earlier = before,
+            "the store went backwards (restored or replaced?); dropping every fold"
+        );
+        // Collected first: no account lock is taken while the map's shards are held.
+        let slots: Vec<_> = self
+            .accounts
+            .iter()
+            .map(|e| (*e.key(), e.value().clone()))
+            .collect();
+        for (account, slot) in slots {
+            self.drop_fold(account, &mut slot.state.lock());
+        }
+        self.metrics
+            .store_regressions
+            .with_label_values(&[seen_by::ANCHOR])
+            .inc();
+    }
+
+    /// As an eviction does: the index entries go with the fold, and an account that held
+    /// events is read before it is written (never a blind create).
+    fn drop_fold(&self, account: AccountId, st: &mut AccountState) {
+        self.add_index_entries(-(st.recent.len() as i64));
+        if st.version > 0 {
+            self.existed.remember(account);
+        }
+        *st = AccountState::default();
+    }
+}
