@@ -742,18 +742,22 @@ async fn a_token_minted_by_tally_token_is_accepted() {
     )
     .await;
     assert_error(&r, 403, "INSUFFICIENT_SCOPE");
-    // An unknown scope is refused at minting, with exit 2.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
-        .args([
-            "token",
-            "--secret-file",
-            &secret,
-            "--scope",
-            "accounts:everything",
-        ])
-        .output()
-        .expect("tally token runs");
-    assert_eq!(out.status.code(), Some(2));
+    // An unknown scope, or a `sub` no replica accepts, is refused at minting, with exit 2
+    // and nothing on stdout.
+    let long_sub = "s".repeat(256);
+    for refused in [
+        ["--scope", "accounts:everything"],
+        ["--sub", ""],
+        ["--sub", long_sub.as_str()],
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+            .args(["token", "--secret-file", &secret])
+            .args(refused)
+            .output()
+            .expect("tally token runs");
+        assert_eq!(out.status.code(), Some(2), "{refused:?}");
+        assert!(out.stdout.is_empty(), "{refused:?}: printed a token");
+    }
     t.shutdown().await;
 }
 

@@ -52,6 +52,21 @@ impl Server {
         self.task.await.expect("server task");
     }
 
+    /// Sends `request` and reads until the server closes the connection.
+    async fn exchange(&self, request: &str) -> String {
+        let mut stream = TcpStream::connect(self.addr).await.expect("connect");
+        stream.write_all(request.as_bytes()).await.expect("sent");
+        let mut answer = Vec::new();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            stream.read_to_end(&mut answer),
+        )
+        .await
+        .expect("the connection is closed after the answer")
+        .expect("read");
+        String::from_utf8_lossy(&answer).into_owned()
+    }
+
     /// Sends `GET /healthz` with one `X-Padding` header of `padding` bytes and returns the
     /// status line of the answer. The request is written by its own task while this one
     /// reads: a server that refuses the head stops reading, so the rest of a long request
@@ -135,23 +150,14 @@ async fn a_request_with_both_framings_is_read_by_its_chunks_and_its_connection_c
     .enumerate()
     {
         let account = uuid::Uuid::new_v4();
-        let mut stream = TcpStream::connect(server.addr).await.expect("connect");
         // The deposit, then a request a Content-Length reader would find inside its body.
-        let request = format!(
-            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
-             Content-Type: application/json\r\nIdempotency-Key: both-{n}\r\n{framing}\r\n\
-             {chunked}GET /healthz HTTP/1.1\r\nHost: tally\r\n\r\n"
-        );
-        stream.write_all(request.as_bytes()).await.expect("sent");
-        let mut answer = Vec::new();
-        tokio::time::timeout(
-            std::time::Duration::from_secs(10),
-            stream.read_to_end(&mut answer),
-        )
-        .await
-        .expect("the connection is closed after the answer")
-        .expect("read");
-        let text = String::from_utf8_lossy(&answer);
+        let text = server
+            .exchange(&format!(
+                "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+                 Content-Type: application/json\r\nIdempotency-Key: both-{n}\r\n{framing}\r\n\
+                 {chunked}GET /healthz HTTP/1.1\r\nHost: tally\r\n\r\n"
+            ))
+            .await;
         assert!(text.starts_with("HTTP/1.1 200 OK"), "{framing}: {text}");
         assert!(text.contains(r#""balanceCents":5"#), "{framing}: {text}");
         assert_eq!(
@@ -160,5 +166,48 @@ async fn a_request_with_both_framings_is_read_by_its_chunks_and_its_connection_c
             "{framing}: one answer, nothing read past the chunks: {text}"
         );
     }
+    server.shutdown().await;
+}
+
+/// Rule: a transfer coding other than `chunked` (which hyper lets through ahead of it, and
+/// does not decode) is refused like a content coding, 415, and writes nothing: the body would
+/// be read as JSON bytes it is not.
+#[tokio::test]
+async fn a_transfer_coding_other_than_chunked_is_refused_and_writes_nothing() {
+    let server = Server::start(&[]).await;
+    let body = r#"{"amountCents":5}"#;
+    let chunked = format!("{:x}\r\n{body}\r\n0\r\n\r\n", body.len());
+    let account = uuid::Uuid::new_v4();
+    for codings in [
+        "Transfer-Encoding: gzip, chunked\r\n",
+        "Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n",
+    ] {
+        let text = server
+            .exchange(&format!(
+                "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+                 Content-Type: application/json\r\nConnection: close\r\n{codings}\r\n{chunked}"
+            ))
+            .await;
+        assert!(
+            text.starts_with("HTTP/1.1 415 Unsupported Media Type"),
+            "{codings}: {text}"
+        );
+        assert!(text.contains("UNSUPPORTED_MEDIA_TYPE"), "{text}");
+    }
+    let balance = server
+        .exchange(&format!(
+            "GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: tally\r\nConnection: close\r\n\r\n"
+        ))
+        .await;
+    assert!(balance.contains(r#""balanceCents":0"#), "{balance}");
+    // `chunked` alone, in any case, is the body as sent.
+    let plain = server
+        .exchange(&format!(
+            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+             Content-Type: application/json\r\nConnection: close\r\n\
+             Transfer-Encoding: Chunked\r\n\r\n{chunked}"
+        ))
+        .await;
+    assert!(plain.contains(r#""balanceCents":5"#), "{plain}");
     server.shutdown().await;
 }

@@ -290,6 +290,62 @@ fn every_error_code_is_documented_and_no_other() {
     }
 }
 
+/// The codes a shared response lists.
+fn response_codes(r: &Value) -> BTreeSet<String> {
+    r["content"]["application/json"]["schema"]["allOf"][1]["properties"]["error"]["enum"]
+        .as_array()
+        .map(|codes| {
+            codes
+                .iter()
+                .map(|c| c.as_str().unwrap().to_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Rule: every code the Error schema names is listed by a shared response, so some
+/// operation's own answer allows it (a code only in the global enum fails a client that
+/// checks an answer against its operation's response).
+#[test]
+fn every_error_code_is_in_a_shared_response() {
+    let s = spec();
+    let listed: BTreeSet<String> = s["components"]["responses"]
+        .as_object()
+        .unwrap()
+        .values()
+        .flat_map(response_codes)
+        .collect();
+    for code in s["components"]["schemas"]["Error"]["properties"]["error"]["enum"]
+        .as_array()
+        .unwrap()
+    {
+        let code = code.as_str().unwrap();
+        // An event stream's `event: error` code, never an HTTP answer (the route says so).
+        if code == "STORE_UNAVAILABLE" {
+            continue;
+        }
+        assert!(listed.contains(code), "{code} is in no shared response");
+    }
+}
+
+/// Rule: the account event stream's 400 allows the resume codes it answers
+/// (`src/http/watch.rs`), besides those of any route with an id and a query.
+#[test]
+fn the_event_streams_bad_request_lists_its_resume_codes() {
+    let s = spec();
+    let op = &s["paths"]["/api/accounts/{id}/events"]["get"];
+    let codes = response_codes(deref(&s, &op["responses"]["400"]));
+    for code in [
+        "BAD_LAST_EVENT_ID",
+        "RESUME_BEYOND_TIP",
+        "RESUME_TOO_FAR_BACK",
+        "BAD_QUERY",
+        "INVALID_ID",
+    ] {
+        assert!(codes.contains(code), "{code} not in the events route's 400");
+    }
+}
+
 #[test]
 fn every_api_operation_documents_auth_and_rate_limit_answers() {
     let s = spec();

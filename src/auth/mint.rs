@@ -61,6 +61,10 @@ impl TokenArgs {
         if self.ttl_secs == 0 || self.ttl_secs > MAX_TTL_SECS {
             return Err(format!("--ttl-secs must be 1..={MAX_TTL_SECS}"));
         }
+        // What the server accepts: never print a token every replica refuses.
+        if self.sub.is_empty() || self.sub.len() > super::MAX_SUB_BYTES {
+            return Err(format!("--sub must be 1 to {} bytes", super::MAX_SUB_BYTES));
+        }
         let scopes: Vec<&str> = if self.scopes.is_empty() {
             vec![Scope::AccountsRead.as_str(), Scope::AccountsWrite.as_str()]
         } else {

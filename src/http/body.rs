@@ -6,7 +6,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use hyper::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
+use hyper::header::{
+    CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, HeaderValue, TRANSFER_ENCODING,
+};
 use hyper::{Request, Response, StatusCode};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -97,6 +99,19 @@ pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T,
     if encoded {
         return Err(ApiError::UnsupportedMediaType(
             "content codings are not accepted: send the JSON body as is",
+        ));
+    }
+    // The same for a transfer coding hyper lets through ahead of `chunked` (`gzip, chunked`):
+    // it decodes only the chunks, and would hand over the compressed bytes.
+    let transfer_coded = req
+        .headers()
+        .get_all(TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .any(|coding| !coding.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+    if transfer_coded {
+        return Err(ApiError::UnsupportedMediaType(
+            "transfer codings other than chunked are not accepted: send the JSON body as is",
         ));
     }
     let declared = req

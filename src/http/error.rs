@@ -141,7 +141,8 @@ impl ApiError {
     /// The response. A 500 carries an error id, logged here with the cause.
     pub fn into_response(self) -> Resp {
         let status = self.status();
-        let mut body = json!({ "error": self.code(), "message": self.to_string() });
+        let mut body =
+            json!({ "error": self.code(), "message": bounded_message(self.to_string()) });
         if let ApiError::InsufficientFunds { balance } = &self {
             body["balanceCents"] = json!(balance);
         }
@@ -323,10 +324,43 @@ impl From<WriteError> for ApiError {
     }
 }
 
+/// The longest message an error answer carries, in bytes. A message quotes what it refuses
+/// (a path segment, a JSON field name), and an answer is no place to echo a request back
+/// whole: beyond this it is cut at a character boundary and marked.
+pub const MAX_ERROR_MESSAGE_BYTES: usize = 512;
+
+fn bounded_message(mut message: String) -> String {
+    if message.len() > MAX_ERROR_MESSAGE_BYTES {
+        let mut cut = MAX_ERROR_MESSAGE_BYTES;
+        while !message.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        message.truncate(cut);
+        message.push('…');
+    }
+    message
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::account::AccountId;
+
+    /// Rule: an error answer never echoes a request back whole: its message is cut at
+    /// [`MAX_ERROR_MESSAGE_BYTES`], on a character boundary.
+    #[test]
+    fn an_error_message_is_bounded_at_a_character_boundary() {
+        let long = format!("{:?} is not a valid account id", "é".repeat(40_000));
+        let cut = bounded_message(long.clone());
+        assert!(
+            cut.len() <= MAX_ERROR_MESSAGE_BYTES + '…'.len_utf8(),
+            "{}",
+            cut.len()
+        );
+        assert!(cut.ends_with('…'));
+        assert!(long.starts_with(cut.trim_end_matches('…')));
+        assert_eq!(bounded_message("short".into()), "short");
+    }
 
     #[test]
     fn every_write_error_maps_to_one_status() {

@@ -206,6 +206,27 @@ mod tests {
         );
     }
 
+    /// Rule: with a caller, a key is taken byte for byte (a UUID key's other spellings are
+    /// other keys), and the mapping never changes between releases: a retry that crosses a
+    /// rolling upgrade must name the same event on the old replica and the new one. The
+    /// vector below was computed once; a change that moves it writes such retries twice.
+    #[test]
+    fn with_a_caller_a_key_maps_byte_for_byte_and_the_mapping_never_changes() {
+        let lower = "7d3c2a10-1111-4222-8333-944455556666";
+        let id = |key: &str| IdempotencyKey::parse(key, Some("alice")).unwrap().event_id;
+        assert_eq!(id(lower), Uuid::parse_str(GOLDEN_ALICE_LOWER).unwrap());
+        for other in [
+            "7D3C2A10-1111-4222-8333-944455556666",
+            "{7d3c2a10-1111-4222-8333-944455556666}",
+            "urn:uuid:7d3c2a10-1111-4222-8333-944455556666",
+        ] {
+            assert_ne!(id(other), id(lower), "{other}");
+        }
+    }
+
+    /// `event_id("7d3c2a10-1111-4222-8333-944455556666", caller "alice")`.
+    const GOLDEN_ALICE_LOWER: &str = "1639823a-a2e0-5620-83ec-f83e16f139d0";
+
     #[test]
     fn a_minted_key_sent_back_names_the_same_event() {
         let minted = IdempotencyKey::from_headers(&HeaderMap::new(), Some("alice")).unwrap();

@@ -179,6 +179,8 @@ impl Route {
             [""] => Route::Console,
             ["api", "watch", "stream"] => Route::WatchStream,
             ["api", "devices", device, "sync"] => {
+                // The method before the id, as for accounts: a wrong method is 405 either way.
+                Route::DeviceSync(Uuid::nil()).check_method(method)?;
                 Route::DeviceSync(device.parse().map_err(|_| {
                     ApiError::bad_request(
                         "INVALID_DEVICE_ID",
@@ -197,22 +199,23 @@ impl Route {
                     _ => return Err(not_found(path)),
                 };
                 // Resolve the method before the id, so a wrong method is 405 either way.
-                let probe = make(AccountId(Uuid::nil()));
-                if !probe.accepts(method) {
-                    return Err(ApiError::MethodNotAllowed {
-                        allow: probe.method_name(),
-                    });
-                }
+                make(AccountId(Uuid::nil())).check_method(method)?;
                 return Ok(make(id(acct)?));
             }
             _ => return Err(not_found(path)),
         };
-        if !route.accepts(method) {
+        route.check_method(method)?;
+        Ok(route)
+    }
+
+    /// 405, naming the methods this route takes, unless it takes `method`.
+    fn check_method(&self, method: &Method) -> Result<(), ApiError> {
+        if !self.accepts(method) {
             return Err(ApiError::MethodNotAllowed {
-                allow: route.method_name(),
+                allow: self.method_name(),
             });
         }
-        Ok(route)
+        Ok(())
     }
 
     fn method_name(&self) -> &'static str {
@@ -309,6 +312,30 @@ mod tests {
             Err(ApiError::NotFound { .. })
         ));
         assert_eq!(Route::resolve(&Method::GET, "/healthz"), Ok(Route::Healthz));
+    }
+
+    /// Rule: a wrong method is 405 whatever the id in the path, on every route with an id.
+    #[test]
+    fn a_wrong_method_is_405_before_a_bad_id_is_400() {
+        for (method, path, allow) in [
+            (Method::GET, "/api/accounts/nope/deposit", "POST"),
+            (Method::POST, "/api/accounts/nope/balance", "GET, HEAD"),
+            (Method::GET, "/api/devices/nope/sync", "POST"),
+            (Method::DELETE, "/api/devices/nope/sync", "POST"),
+        ] {
+            assert_eq!(
+                Route::resolve(&method, path),
+                Err(ApiError::MethodNotAllowed { allow }),
+                "{method} {path}"
+            );
+        }
+        assert!(matches!(
+            Route::resolve(&Method::POST, "/api/devices/nope/sync"),
+            Err(ApiError::BadRequest {
+                code: "INVALID_DEVICE_ID",
+                ..
+            })
+        ));
     }
 
     #[test]
