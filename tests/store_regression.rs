@@ -84,11 +84,18 @@ fn regressions(t: &TestApp, seen_by: &str) -> u64 {
         .get()
 }
 
-/// An old replica whose fold of `account` holds 5 deposits of 1,000 (version 5), on a store
-/// that is then replaced by an empty one; and a fresh replica on the new store.
+/// An old replica (with `flags`) whose fold of `account` holds 5 deposits of 1,000 (version
+/// 5), on a store that is then replaced by an empty one; and a fresh replica on the new store.
 async fn old_fold_then_empty_store(account: &str) -> (TestApp, TestApp, SharedLog) {
+    old_replica_then_empty_store(account, &[]).await
+}
+
+async fn old_replica_then_empty_store(
+    account: &str,
+    flags: &[&str],
+) -> (TestApp, TestApp, SharedLog) {
     let store = Replaceable::new();
-    let old = spawn(test_config(&[]), Some(store.clone()), None).await;
+    let old = spawn(test_config(flags), Some(store.clone()), None).await;
     old.app.started().await;
     for _ in 0..5 {
         old.deposit(account, 1_000, None).await;
@@ -157,4 +164,35 @@ async fn a_probe_below_an_earlier_one_drops_every_fold() {
     // Once: the next probes count up from the new store's version.
     old.app.projection.sync_server_clock().await.expect("probe");
     assert_eq!(regressions(&old, "anchor"), 1);
+}
+
+/// Rule (Postgres): the shared rows are not moved backwards by one replica; once its probe
+/// sees the store went backwards, the replica serves no row (retryable 503s) rather than
+/// write on a row whose version the store has reached again with other contents.
+#[tokio::test]
+async fn on_postgres_a_probe_below_an_earlier_one_stops_serving_rows() {
+    let Some(url) = common::pg::fresh_url().await else {
+        return;
+    };
+    let account = new_account();
+    let flags = common::pg::flags(&url);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let (old, fresh, _) = old_replica_then_empty_store(&account, &flags).await;
+    for _ in 0..5 {
+        answer(&fresh.deposit(&account, 1, None).await);
+    }
+    old.app.projection.sync_server_clock().await.expect("probe");
+    assert_eq!(regressions(&old, "anchor"), 1);
+    // Refused retryably (the write loop's load keeps failing: a 409 after its attempts).
+    let deposit = old.deposit(&account, 7, None).await;
+    assert_eq!(deposit.status, StatusCode::CONFLICT, "{}", deposit.text);
+    assert!(deposit.header("retry-after").is_some(), "{deposit:?}");
+    let read = old.get(&format!("/api/accounts/{account}/balance")).await;
+    assert_eq!(
+        read.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        read.text
+    );
+    assert_eq!(fresh.balance(&account).await, (5, 5), "nothing written");
 }

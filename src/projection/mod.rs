@@ -31,7 +31,7 @@ mod state;
 mod sweep;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
@@ -154,6 +154,9 @@ pub struct Projection {
     existed: existed::Existed,
     /// The highest version a server-clock probe of this replica landed at (`regress.rs`).
     anchor_version: AtomicU64,
+    /// Postgres only: the store went backwards under the shared rows (`regress.rs`); no row
+    /// is served again until an operator has reconciled them and restarted the replica.
+    rows_ahead_of_store: AtomicBool,
     /// Where cursor and index live. Under Postgres the memory fold's map holds the warm
     /// copies of rows (`postgres/warm.rs`).
     backend: Backend,
@@ -190,6 +193,7 @@ impl Projection {
             evict_signal: tokio::sync::Notify::new(),
             existed: existed::Existed::default(),
             anchor_version: AtomicU64::new(0),
+            rows_ahead_of_store: AtomicBool::new(false),
             backend: Backend::Memory,
         }
     }

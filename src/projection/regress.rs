@@ -13,14 +13,17 @@
 //! false alarm (a conflict that leaves out its current version) costs one such read.
 //!
 //! The Postgres projection's shared rows are not moved backwards here (one replica's
-//! observation does not rewrite the fleet's cursor): there the account keeps conflicting,
-//! and answers a retryable error, until an operator deletes its rows (README, "Postgres
-//! projection").
+//! observation does not rewrite the fleet's cursor). An account seen by a conflict keeps
+//! conflicting (retryable, never a 2xx) until an operator deletes its rows; a regression
+//! seen by the probe stops the replica serving any row (retryable 503s), because a row
+//! whose version the store reaches again would pass the version guard on a balance the
+//! store does not have. README, "A store that went backwards", says what the operator does.
 
 use std::sync::atomic::Ordering;
 
 use super::{AccountState, Projection};
 use crate::account::AccountId;
+use crate::store::StoreError;
 
 /// Where a regression was seen (the metric's label).
 pub mod seen_by {
@@ -79,6 +82,9 @@ impl Projection {
         for (account, slot) in slots {
             self.drop_fold(account, &mut slot.state.lock());
         }
+        if self.uses_database() {
+            self.rows_ahead_of_store.store(true, Ordering::Release);
+        }
         self.metrics
             .store_regressions
             .with_label_values(&[seen_by::ANCHOR])
@@ -93,5 +99,14 @@ impl Projection {
             self.existed.remember(account);
         }
         *st = AccountState::default();
+    }
+
+    /// Postgres: why no row may be served, once the store went backwards under them.
+    pub(crate) fn rows_refused(&self) -> Option<StoreError> {
+        self.rows_ahead_of_store
+            .load(Ordering::Acquire)
+            .then(|| StoreError::NotApplied {
+                reason: "the store went backwards under the shared rows (restored or replaced?): an operator must reconcile them and restart this replica".into(),
+            })
     }
 }

@@ -47,6 +47,9 @@ impl Projection {
         lookups: &[u128],
         since: Option<u64>,
     ) -> Result<PgRow, ProjectionError> {
+        if let Some(refused) = self.rows_refused() {
+            return Err(ProjectionError::Store(refused));
+        }
         let row = pg
             .load(account, lookups, self.server_tip_ms(), since)
             .await
