@@ -98,6 +98,8 @@ impl Identity {
     pub const REFERENCE_SERVICE_CLIENT: &'static str = "ReferenceApiService";
     /// The aggregate type of the server-clock probe: never an account type.
     pub const SERVER_CLOCK_TYPE: &'static str = "TallyServerClock";
+    /// The aggregate type of the store's epoch (`projection/regress.rs`).
+    pub const STORE_EPOCH_TYPE: &'static str = "TallyStoreEpoch";
 
     pub fn client(&self) -> ClientId {
         self.client_id.as_u128()
@@ -117,6 +119,16 @@ impl Identity {
         AggregateKey {
             org_id: self.org_id.as_u128(),
             aggregate_type_id: named_id(Self::SERVER_CLOCK_TYPE).as_u128(),
+            aggregate_id: self.client(),
+        }
+    }
+
+    /// Where the service names the store it writes to: one create-only event carrying a
+    /// random id, written by the first replica that finds none (`projection/regress.rs`).
+    pub fn store_epoch_key(&self) -> AggregateKey {
+        AggregateKey {
+            org_id: self.org_id.as_u128(),
+            aggregate_type_id: named_id(Self::STORE_EPOCH_TYPE).as_u128(),
             aggregate_id: self.client(),
         }
     }

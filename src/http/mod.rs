@@ -44,6 +44,11 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
 /// A backstop on any one request, beyond the write loop's own deadline.
 const REQUEST_DEADLINE_MARGIN: Duration = Duration::from_secs(5);
+// A device run's read-back answers within the backstop whatever the write deadline, so a
+// slow store gives the documented `SYNC_UNVERIFIED`, not the backstop's generic 503.
+const _: () = assert!(
+    crate::device::server::READ_BACK_BUDGET.as_millis() < REQUEST_DEADLINE_MARGIN.as_millis()
+);
 
 /// Serves `app` on `listener` until `shutdown` resolves, then stops accepting, lets in-flight
 /// requests finish within the configured grace period, and returns. At most

@@ -72,7 +72,7 @@ impl Projection {
             .first()
             .copied()
             .unwrap_or(0);
-        self.note_anchor_version(version);
+        self.probe_version.store(version, Ordering::Release);
         let details = self.log.details(key).await?;
         // Measured after the read: the offset is a lower bound, by about the probe's round
         // trip, so entries may outlive their window by that much but are never cut short.

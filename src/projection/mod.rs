@@ -152,8 +152,12 @@ pub struct Projection {
     evict_signal: tokio::sync::Notify,
     /// Accounts evicted while they held events: a first touch reads them first.
     existed: existed::Existed,
-    /// The highest version a server-clock probe of this replica landed at (`regress.rs`).
+    /// The version the last server-clock probe landed at, and the highest one the store
+    /// checks have seen (`regress.rs`).
+    probe_version: AtomicU64,
     anchor_version: AtomicU64,
+    /// The store's epoch as this replica last saw it (`regress.rs`).
+    store_epoch: Mutex<Option<u128>>,
     /// Postgres only: the store went backwards under the shared rows (`regress.rs`); no row
     /// is served again until an operator has reconciled them and restarted the replica.
     rows_ahead_of_store: AtomicBool,
@@ -192,7 +196,9 @@ impl Projection {
             index_entries: AtomicI64::new(0),
             evict_signal: tokio::sync::Notify::new(),
             existed: existed::Existed::default(),
+            probe_version: AtomicU64::new(0),
             anchor_version: AtomicU64::new(0),
+            store_epoch: Mutex::new(None),
             rows_ahead_of_store: AtomicBool::new(false),
             backend: Backend::Memory,
         }

@@ -6,9 +6,11 @@
 //! a withdrawal answered 200 that took the store's balance below zero).
 //!
 //! What is seen, and where: a version conflict whose current version is below the one the
-//! write expected (per account, at once), and the server-clock aggregate answering a probe
-//! with a lower version than an earlier probe (the whole store, within one re-anchor
-//! interval). Either way the folds concerned are dropped to empty, exactly as if evicted:
+//! write expected (per account, at once); and, at every server-clock anchor (the whole
+//! store, within one re-anchor interval), the store's epoch changing (a create-only event
+//! with a random id that the first replica to find none writes: a store replaced by an empty
+//! one has none, or another) or the clock aggregate answering a probe with a lower version
+//! than an earlier probe (a store restored from an older copy of itself). Either way the folds concerned are dropped to empty, exactly as if evicted:
 //! the next request folds the account again from version 1, as a fresh replica would. A
 //! false alarm (a conflict that leaves out its current version) costs one such read.
 //!
@@ -21,9 +23,14 @@
 
 use std::sync::atomic::Ordering;
 
+use bytes::Bytes;
+
 use super::{AccountState, Projection};
 use crate::account::AccountId;
-use crate::store::StoreError;
+use crate::store::{AggregateWrite, Event, EventType, ReadFilter, StoreError};
+
+/// The event type of the store's epoch (in its own aggregate, never in an account).
+const STORE_EPOCH_EVENT: EventType = EventType { major: 1, minor: 0 };
 
 /// Where a regression was seen (the metric's label).
 pub mod seen_by {
@@ -56,23 +63,89 @@ impl Projection {
         true
     }
 
-    /// The server-clock probe landed at `version`: lower than an earlier probe's, the whole
-    /// store went backwards, and every fold is dropped.
-    pub(super) fn note_anchor_version(&self, version: u64) {
+    /// Whether the store went back since the last check (the last server-clock probe's
+    /// version, and the store's epoch), and if so every fold is dropped, once. Run after
+    /// each re-anchor, never on the start-up path: the epoch costs a round trip or two that
+    /// readiness does not wait for. The first check, a re-anchor interval after start, sets
+    /// what the later ones compare with; until then a replica's folds are young, and a
+    /// conflict below a fold's version still catches a store gone back under it.
+    pub async fn check_store(&self) {
+        let restored = self.note_anchor_version(self.probe_version.load(Ordering::Acquire));
+        let replaced = self.check_store_epoch().await;
+        if restored || replaced {
+            self.whole_store_went_back();
+        }
+    }
+
+    /// Whether the probe landed lower than an earlier one: the store went backwards.
+    fn note_anchor_version(&self, version: u64) -> bool {
         if version == 0 {
-            return; // no version reported: nothing to compare
+            return false; // no version reported: nothing to compare
         }
         let before = self.anchor_version.fetch_max(version, Ordering::AcqRel);
         if version >= before {
-            return;
+            return false;
         }
         // Start again from this store's count, so one regression is acted on once.
         self.anchor_version.store(version, Ordering::Release);
         tracing::error!(
             probe_version = version,
             earlier = before,
-            "the store went backwards (restored or replaced?); dropping every fold"
+            "the clock probe landed below an earlier one: the store went backwards (restored?)"
         );
+        true
+    }
+
+    /// Checks the store's epoch: writes a new one if the store has none (create-only, so
+    /// only one ever lands), else reads the one it has. A different epoch than the last one
+    /// seen, or none where one was seen, is a replaced store. An answer that proves neither
+    /// (a lost reply, a read that does not show the epoch yet) is left for the next anchor.
+    async fn check_store_epoch(&self) -> bool {
+        let key = self.identity.store_epoch_key();
+        let mine = uuid::Uuid::new_v4().as_u128();
+        let create = AggregateWrite {
+            key,
+            events: vec![Event {
+                client_seq: 0,
+                event_id: Some(mine),
+                event_type: STORE_EPOCH_EVENT,
+                payload: Bytes::new(),
+                timestamp_ms: 0,
+            }],
+            expected_version: Some(0),
+            allow_create: true,
+            enforce_client_idempotency: false,
+        };
+        let epoch = match self.log.write(self.identity.client(), vec![create]).await {
+            Ok(_) => mine,
+            Err(StoreError::Conflict { .. }) => {
+                let first = ReadFilter {
+                    to_version: Some(1),
+                    ..ReadFilter::from_version(1)
+                };
+                match self.log.read(key, &first).await {
+                    Ok(page) => match page.batches.first().and_then(|b| b.events.first()) {
+                        Some(Event {
+                            event_id: Some(id), ..
+                        }) => *id,
+                        _ => return false,
+                    },
+                    Err(_) => return false,
+                }
+            }
+            Err(_) => return false,
+        };
+        let before = self.store_epoch.lock().replace(epoch);
+        let replaced = before.is_some_and(|b| b != epoch);
+        if replaced {
+            tracing::error!("the store's epoch changed: the store was replaced");
+        }
+        replaced
+    }
+
+    /// Every fold dropped (and, on Postgres, no row served again).
+    fn whole_store_went_back(&self) {
+        tracing::error!("the store went backwards under this replica; dropping every fold");
         // Collected first: no account lock is taken while the map's shards are held.
         let slots: Vec<_> = self
             .accounts

@@ -262,7 +262,9 @@ impl Runner {
 
     /// Re-anchors every [`SERVER_CLOCK_RESYNC`], for the replica's lifetime. A failed anchor
     /// keeps the old one (reads still raise it) and is retried with the start-up backoff;
-    /// readiness is not touched, and no request waits on it.
+    /// readiness is not touched, and no request waits on it. After each anchor, the checks
+    /// that the store did not go backwards (`projection/regress.rs`); the first one sets
+    /// what the later ones compare with.
     async fn keep_server_clock_anchored(&self, salt: u64) {
         loop {
             tokio::time::sleep(SERVER_CLOCK_RESYNC).await;
@@ -270,7 +272,10 @@ impl Runner {
             loop {
                 attempt += 1;
                 match self.anchor().await {
-                    Ok(_) => break,
+                    Ok(_) => {
+                        self.projection.check_store().await;
+                        break;
+                    }
                     Err(e) => {
                         tracing::warn!(attempt, error = %e, "could not re-anchor the server clock; keeping the last anchor and retrying");
                         tokio::time::sleep(retry_delay(attempt, salt)).await;

@@ -44,6 +44,11 @@ pub(super) fn port_order(
         if let Some(expected) = leg.expected
             && expected != current
         {
+            // A details read below the guard is not the server's word that the aggregate
+            // went back (a lagging replica, or a create the server hides, shows less): the
+            // conflict then claims no current version below the expected one, which would
+            // drop the fold (`projection/regress.rs`).
+            let current = current.max(expected);
             return StoreError::Conflict { expected, current };
         }
     }
