@@ -7,6 +7,7 @@
 mod common;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use async_trait::async_trait;
 use common::{TestApp, new_account, spawn, test_config};
@@ -17,16 +18,24 @@ use tally::store::{
     AggregateDetails, AggregateKey, AggregateWrite, ClientId, EventLog, ReadFilter, ReadPage,
     SharedLog, StoreResult,
 };
+use tokio::sync::Notify;
 
-/// A store whose contents can be replaced under the replica using it.
+/// A store whose contents can be replaced under the replica using it; once armed, its next
+/// read, done, waits for `go` before it answers (signalling `reached` first).
 struct Replaceable {
     inner: RwLock<SharedLog>,
+    armed: AtomicBool,
+    reached: Notify,
+    go: Notify,
 }
 
 impl Replaceable {
     fn new() -> Arc<Self> {
         Arc::new(Self {
             inner: RwLock::new(Arc::new(MemoryLog::new())),
+            armed: AtomicBool::new(false),
+            reached: Notify::new(),
+            go: Notify::new(),
         })
     }
 
@@ -48,7 +57,12 @@ impl EventLog for Replaceable {
         self.current().write(client, writes).await
     }
     async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage> {
-        self.current().read(key, filter).await
+        let page = self.current().read(key, filter).await;
+        if self.armed.swap(false, Ordering::SeqCst) {
+            self.reached.notify_one();
+            self.go.notified().await;
+        }
+        page
     }
     async fn details(&self, key: AggregateKey) -> StoreResult<AggregateDetails> {
         self.current().details(key).await
@@ -247,4 +261,85 @@ async fn on_postgres_a_probe_below_an_earlier_one_stops_serving_rows() {
         read.text
     );
     assert_eq!(fresh.balance(&account).await, (5, 5), "nothing written");
+}
+
+/// Rule: a catch-up that read for a fold dropped in place meanwhile folds nothing into the
+/// new one (its page starts past version 1 and would look like a gap, poisoning the account
+/// for good: found in review); it answers a retry, and the next request folds the new store.
+#[tokio::test]
+async fn a_catch_up_in_flight_across_a_dropped_fold_is_a_retry_not_a_poisoned_account() {
+    if memory_only() {
+        return;
+    }
+    let account = new_account();
+    let store = Replaceable::new();
+    let old = spawn(test_config(&[]), Some(store.clone()), None).await;
+    old.app.started().await;
+    for _ in 0..2 {
+        old.deposit(&account, 1_000, None).await;
+    }
+    anchor(&old).await;
+    // A sibling moves the old stream on, so the old replica's next read has news.
+    let sibling = spawn(test_config(&[]), Some(store.current()), None).await;
+    sibling.app.started().await;
+    answer(&sibling.deposit(&account, 1_000, None).await);
+    store.armed.store(true, Ordering::SeqCst);
+    let in_flight = {
+        let old = Arc::new(old);
+        let (o, a) = (old.clone(), account.clone());
+        (
+            old,
+            tokio::spawn(async move { o.get(&format!("/api/accounts/{a}/balance")).await }),
+        )
+    };
+    let (old, read) = in_flight;
+    store.reached.notified().await;
+    // Replaced, written back up by a fresh replica, and seen at the old one's next anchor.
+    let fresh = spawn(test_config(&[]), Some(store.replace_with_empty()), None).await;
+    fresh.app.started().await;
+    for _ in 0..4 {
+        answer(&fresh.deposit(&account, 1, None).await);
+    }
+    anchor(&old).await;
+    assert_eq!(regressions(&old, "anchor"), 1);
+    store.go.notify_one();
+    let r = read.await.expect("task");
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text);
+    assert_eq!(
+        old.balance(&account).await,
+        (4, 4),
+        "the new store, folded whole"
+    );
+}
+
+/// Rule (Postgres): a conflict below the shared row's version stops the replica serving rows
+/// too: once other writers take the store back up to the row's version, a write at it would
+/// otherwise pass the guard on the row's balance (found in review).
+#[tokio::test]
+async fn on_postgres_a_conflict_below_the_row_stops_serving_rows() {
+    let Some(url) = common::pg::fresh_url().await else {
+        return;
+    };
+    let account = new_account();
+    let flags = common::pg::flags(&url);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let (old, fresh, _) = old_replica_then_empty_store(&account, &flags).await;
+    for _ in 0..2 {
+        answer(&fresh.deposit(&account, 1, None).await);
+    }
+    let first = old.deposit(&account, 7, None).await;
+    assert!(!first.status.is_success(), "{}", first.text);
+    assert_eq!(regressions(&old, "conflict"), 1);
+    // The store back at the row's version: still no 2xx on the old row.
+    for _ in 0..3 {
+        answer(&fresh.deposit(&account, 1, None).await);
+    }
+    let second = old.deposit(&account, 7, None).await;
+    assert!(!second.status.is_success(), "{}", second.text);
+    assert!(second.header("retry-after").is_some(), "{second:?}");
+    assert_eq!(
+        fresh.balance(&account).await,
+        (5, 5),
+        "nothing written by the old replica"
+    );
 }

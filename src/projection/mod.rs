@@ -298,6 +298,9 @@ impl Projection {
     /// The resident account's slot and state when its fold can answer without a store read:
     /// caught up at least once since it was loaded, and not broken.
     pub fn warm_snapshot(&self, account: AccountId) -> Option<(Arc<AccountSlot>, Snapshot)> {
+        if self.rows_refused().is_some() {
+            return None; // Postgres, after the store went backwards: only `pg_load` answers
+        }
         let slot = self.resident_slot(account)?;
         let st = slot.state.lock();
         let snap = (st.warm && st.broken.is_none()).then(|| st.snapshot());
@@ -323,10 +326,19 @@ impl Projection {
             self.backend_name()
         );
         let slot = self.slot(account);
-        let from = {
+        let (from, generation) = {
             let st = slot.state.lock();
             check_broken(account, &st)?;
-            st.version + 1
+            (st.version + 1, st.generation)
+        };
+        // The fold dropped in place meanwhile (`regress.rs`): what was read belongs to the
+        // old one, and folding it would look like a gap. Retry from the new one.
+        let same_fold = |st: &AccountState| {
+            if st.generation == generation {
+                Ok(())
+            } else {
+                Err(ProjectionError::Store(Self::dropped_during_catch_up()))
+            }
         };
         let started = Instant::now();
         let mut stream = BatchStream::new(
@@ -341,6 +353,7 @@ impl Projection {
                 Ok(None) | Err(StoreError::AggregateNotFound) => break,
                 Err(StoreError::Trimmed { min_available }) => {
                     let mut st = slot.state.lock();
+                    same_fold(&st)?;
                     if st.version + 1 < min_available {
                         self.metrics.poisoned_accounts.inc();
                         st.broken = Some(Box::new(Broken::Trimmed { min_available }));
@@ -364,6 +377,7 @@ impl Projection {
             first_page = false;
             let ctx = self.fold_context();
             let mut st = slot.state.lock();
+            same_fold(&st)?;
             let before = st.recent.len();
             let result = st.fold(&page, &ctx);
             self.add_index_entries(st.recent.len() as i64 - before as i64);
@@ -381,6 +395,7 @@ impl Projection {
             .observe(started.elapsed().as_secs_f64());
         let now = self.now_ms();
         let mut st = slot.state.lock();
+        same_fold(&st)?;
         st.warm = true;
         st.last_touch_ms = now;
         let expired = st.recent.evict_expired(now);

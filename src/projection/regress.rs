@@ -15,11 +15,10 @@
 //! false alarm (a conflict that leaves out its current version) costs one such read.
 //!
 //! The Postgres projection's shared rows are not moved backwards here (one replica's
-//! observation does not rewrite the fleet's cursor). An account seen by a conflict keeps
-//! conflicting (retryable, never a 2xx) until an operator deletes its rows; a regression
-//! seen by the probe stops the replica serving any row (retryable 503s), because a row
-//! whose version the store reaches again would pass the version guard on a balance the
-//! store does not have. README, "A store that went backwards", says what the operator does.
+//! observation does not rewrite the fleet's cursor): once a replica sees the store went
+//! backwards, either way, it serves no row (retryable errors), because a row whose version
+//! the store reaches again would pass the version guard on a balance the store does not
+//! have. README, "A store that went backwards", says what the operator does.
 
 use std::sync::atomic::Ordering;
 
@@ -55,6 +54,12 @@ impl Projection {
             store = current,
             "the store shows fewer versions of this account than were folded (restored or replaced?); folding it again from version 1"
         );
+        // On Postgres the shared row stays ahead of the store: once other writers take the
+        // stream back up to it, a write at its version would pass the guard. The store's own
+        // 2003 is its word, so the replica stops serving rows, as after the probe.
+        if self.uses_database() {
+            self.rows_ahead_of_store.store(true, Ordering::Release);
+        }
         self.drop_fold(account, &mut st);
         self.metrics
             .store_regressions
@@ -130,10 +135,18 @@ impl Projection {
                         }) => *id,
                         _ => return false,
                     },
-                    Err(_) => return false,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not read the store's epoch; the next anchor tries again");
+                        return false;
+                    }
                 }
             }
-            Err(_) => return false,
+            Err(e) => {
+                // Left for the next anchor; said, so a store that refuses the epoch's
+                // aggregate (and leaves this check inert) is seen.
+                tracing::warn!(error = %e, "could not check the store's epoch; the next anchor tries again");
+                return false;
+            }
         };
         let before = self.store_epoch.lock().replace(epoch);
         let replaced = before.is_some_and(|b| b != epoch);
@@ -152,11 +165,13 @@ impl Projection {
             .iter()
             .map(|e| (*e.key(), e.value().clone()))
             .collect();
-        for (account, slot) in slots {
-            self.drop_fold(account, &mut slot.state.lock());
-        }
+        // On Postgres, refuse rows first: a load that passed before the drop must not build
+        // a warm copy again after it (`pg_warm_up` asks too).
         if self.uses_database() {
             self.rows_ahead_of_store.store(true, Ordering::Release);
+        }
+        for (account, slot) in slots {
+            self.drop_fold(account, &mut slot.state.lock());
         }
         self.metrics
             .store_regressions
@@ -171,7 +186,11 @@ impl Projection {
         if st.version > 0 {
             self.existed.remember(account);
         }
-        *st = AccountState::default();
+        let generation = st.generation + 1;
+        *st = AccountState {
+            generation,
+            ..AccountState::default()
+        };
     }
 
     /// Postgres: why no row may be served, once the store went backwards under them.
@@ -181,5 +200,14 @@ impl Projection {
             .then(|| StoreError::NotApplied {
                 reason: "the store went backwards under the shared rows (restored or replaced?): an operator must reconcile them and restart this replica".into(),
             })
+    }
+
+    /// A catch-up that read for an earlier generation of the fold: retryable.
+    pub(super) fn dropped_during_catch_up() -> StoreError {
+        StoreError::NotApplied {
+            reason:
+                "the fold was dropped during this catch-up (the store went backwards); try again"
+                    .into(),
+        }
     }
 }

@@ -54,6 +54,9 @@ pub struct AccountState {
     /// Postgres projection only: no warm copy of this account is built before this local
     /// time, because the last one had too many rows (see `postgres/warm.rs`).
     pub cold_until_ms: u64,
+    /// How many times this fold was dropped in place because the store went backwards
+    /// (`regress.rs`): a catch-up folds what it read only into the generation it read for.
+    pub generation: u64,
 }
 
 impl AccountState {

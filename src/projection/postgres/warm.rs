@@ -79,6 +79,10 @@ impl Projection {
     /// that keeps it complete; otherwise leaves it as it was, or drops it.
     pub(crate) fn pg_warm_up(&self, account: AccountId, update: WarmUpdate<'_>) {
         let Some(since) = update.since else { return };
+        // Rows loaded before the store was seen going backwards build no copy after it.
+        if self.rows_refused().is_some() {
+            return;
+        }
         let Some(delta) = update.delta else {
             // Too many rows to hold: no copy, and no full load again for a window.
             let slot = self.slot(account);
@@ -126,7 +130,7 @@ impl Projection {
             return;
         };
         let mut st = slot.state.lock();
-        if !st.warm {
+        if !st.warm || self.rows_refused().is_some() {
             return;
         }
         self.apply_own_write(&mut st, write, expires_at_ms);

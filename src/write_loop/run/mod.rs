@@ -529,10 +529,6 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// Releases the sequences of a write that was rejected, except those an earlier write
-    /// carried with an unknown outcome (`seq_unanswered`): that write may have landed, and
-    /// only its own sequence proves it whatever the index holds (2002, then the point read).
-    /// The index keeps a landing for its window only, and a run can outlast it.
     /// A conflict put an account of this write below the version it was written at: the
     /// store went backwards (`projection/regress.rs`). Its fold is dropped, so the next
     /// attempt's catch-up folds it again from version 1 and decides against what the store
@@ -550,6 +546,10 @@ impl<'a> Run<'a> {
         }
     }
 
+    /// Releases the sequences of a write that was rejected, except those an earlier write
+    /// carried with an unknown outcome (`seq_unanswered`): that write may have landed, and
+    /// only its own sequence proves it whatever the index holds (2002, then the point read).
+    /// The index keeps a landing for its window only, and a run can outlast it.
     fn release_seqs_of_answered(&mut self) {
         for m in &mut self.members {
             if !m.seq_unanswered {
