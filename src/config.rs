@@ -339,6 +339,9 @@ pub enum ProjectionKind {
 
 /// The most connections one replica's Postgres pool may hold (issue 14).
 pub const MAX_POSTGRES_POOL_SIZE: usize = 1024;
+/// The longest `--postgres-statement-timeout-ms` accepted (ten minutes; Postgres itself
+/// refuses a `statement_timeout` past 2^31 - 1 ms, and the replica would never get ready).
+pub const MAX_POSTGRES_STATEMENT_TIMEOUT_MS: u64 = 600_000;
 
 /// A configuration that cannot run.
 #[derive(Debug, thiserror::Error)]
@@ -371,6 +374,10 @@ impl Config {
                 "--worker-threads must be 1..={MAX_WORKER_THREADS}"
             )));
         }
+        // Each flag in its range first: the relations multiply them.
+        if let Some(problem) = self.watch.problem() {
+            return Err(ConfigError(problem));
+        }
         self.check_time_relations()?;
         if !HEADER_BYTES_RANGE.contains(&self.max_header_bytes) {
             return Err(ConfigError(format!(
@@ -381,10 +388,6 @@ impl Config {
         }
         // Issue 17: a token must be checkable before the replica serves.
         Authenticator::new(&self.auth()).map_err(ConfigError)?;
-        // Watch stream (issue 16).
-        if let Some(problem) = self.watch.problem() {
-            return Err(ConfigError(problem));
-        }
         if self.store == StoreKind::Celeriant {
             self.celeriant
                 .validate()
@@ -530,10 +533,12 @@ impl Config {
                 "--postgres-pool-size must be 1..={MAX_POSTGRES_POOL_SIZE}"
             )));
         }
-        if self.postgres_statement_timeout_ms == 0 {
-            return Err(ConfigError(
-                "--postgres-statement-timeout-ms must be positive".into(),
-            ));
+        if self.postgres_statement_timeout_ms == 0
+            || self.postgres_statement_timeout_ms > MAX_POSTGRES_STATEMENT_TIMEOUT_MS
+        {
+            return Err(ConfigError(format!(
+                "--postgres-statement-timeout-ms must be 1..={MAX_POSTGRES_STATEMENT_TIMEOUT_MS}"
+            )));
         }
         Ok(())
     }
@@ -734,6 +739,7 @@ mod tests {
             ("--write-max-attempts", past(MAX_WRITE_ATTEMPTS)),
             ("--idle-timeout-secs", past(MAX_IDLE_TIMEOUT_SECS)),
             ("--shutdown-grace-secs", past(MAX_SHUTDOWN_GRACE_SECS)),
+            ("--watch-keepalive-secs", u64::MAX.to_string()),
         ] {
             let c = Config::parse_from(["tally", flag, &value, "--idempotency-window", "86400"]);
             let e = c.validate().expect_err("out of range");
@@ -829,6 +835,15 @@ mod tests {
                 "x",
                 "--postgres-statement-timeout-ms",
                 "0",
+            ],
+            vec![
+                "tally",
+                "--projection",
+                "postgres",
+                "--postgres-url",
+                "x",
+                "--postgres-statement-timeout-ms",
+                "2147483648",
             ],
             vec!["tally", "--idempotency-scan-window", "86401"],
         ] {

@@ -343,3 +343,35 @@ async fn on_postgres_a_conflict_below_the_row_stops_serving_rows() {
         "nothing written by the old replica"
     );
 }
+
+/// Rule (Postgres): the rows remember the store they were folded from, so a replica started
+/// after the store was replaced under them (which never saw the old store) serves none of
+/// them either (found black-box: such a replica answered 200 on the old rows, and a
+/// withdrawal took the store's balance below zero).
+#[tokio::test]
+async fn on_postgres_a_replica_started_on_a_replaced_store_serves_no_row() {
+    let Some(url) = common::pg::fresh_url().await else {
+        return;
+    };
+    let account = new_account();
+    let flags = common::pg::flags(&url);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let (old, fresh, new_store) = old_replica_then_empty_store(&account, &flags).await;
+    for _ in 0..6 {
+        answer(&fresh.deposit(&account, 1, None).await);
+    }
+    let late = spawn(test_config(&flags), Some(new_store), None).await;
+    late.app.started().await;
+    assert_eq!(regressions(&late, "anchor"), 1);
+    let withdraw = late.withdraw(&account, 3_000, None).await;
+    assert!(!withdraw.status.is_success(), "{}", withdraw.text);
+    let read = late.get(&format!("/api/accounts/{account}/balance")).await;
+    assert_eq!(
+        read.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        read.text
+    );
+    assert_eq!(fresh.balance(&account).await, (6, 6), "nothing written");
+    drop(old);
+}

@@ -149,9 +149,25 @@ impl Projection {
             }
         };
         let before = self.store_epoch.lock().replace(epoch);
-        let replaced = before.is_some_and(|b| b != epoch);
+        let mut replaced = before.is_some_and(|b| b != epoch);
         if replaced {
             tracing::error!("the store's epoch changed: the store was replaced");
+        }
+        // Postgres: the rows remember the store they were folded from, so a replica started
+        // after the store was replaced (that never saw the old epoch) knows it too.
+        if let super::Backend::Postgres(pg) = &self.backend {
+            match pg.bind_store_epoch(epoch).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::error!(
+                        "the shared rows were folded from another store than this one (replaced?)"
+                    );
+                    replaced = true;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not check the rows' store epoch; the next anchor tries again");
+                }
+            }
         }
         replaced
     }

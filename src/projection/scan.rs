@@ -1,30 +1,38 @@
 //! Scan on miss (issue 14), opt-in: the guide's last resort for a retry older than the
-//! recent-writes window. When the index misses a request, the account's own recent batches
-//! are read (scoped to this service's client id, and to batches committed after the newest
-//! server time this replica has seen minus the scan window: never the local clock) and the
-//! request's event id looked for. A request found this way answers like any replay.
+//! recent-writes window. When the index misses a request, the account's newest versions up
+//! to the state it was given are read, window by window from the top, and the request's event
+//! id looked for among this service's batches committed after the newest server time this
+//! replica has seen minus the scan window (never the local clock). A request found this way
+//! answers like any replay.
 //!
-//! Cost: one store read per account of every request the index misses (every new request),
-//! and one more read on a hit, to rebuild the balance right after the found event. Bounded
-//! in versions, not in batches found: the server-time and client filters drop batches
-//! without making the read cheaper (on Celeriant every 512-version window is a read and a
-//! details call, kept or not), so the scan starts [`SCAN_MAX_VERSIONS`] below the state it
-//! is given, never at version 1, and reads at most [`SCAN_MAX_PAGES`] pages.
+//! Every window is read unfiltered and proven whole ([`WholeRange`]): a filtered read cannot
+//! tell a batch it dropped from one a replica behind the tip never showed, and a miss drawn
+//! from such a read wrote the request again (found black-box under `read-lag` faults).
+//! Nothing above the state is read: a write decided on a miss expects the state's version,
+//! so anything above it bounces that write, and the next attempt scans the newer state.
+//!
+//! Cost: one read per [`SCAN_PAGE_VERSIONS`] versions committed within the scan window, from
+//! the top, for every request the index misses (every new request); one more on a hit, to
+//! rebuild the balance right after the found event. Bounded: the scan never starts more than
+//! [`SCAN_MAX_VERSIONS`] below the state, and reads at most [`SCAN_MAX_PAGES`] windows.
 
 use std::cmp::Ordering;
 
 use super::{Projection, Snapshot};
 use crate::account::{AccountEvent, AccountId, fold};
-use crate::store::{Batch, BatchStream, ReadFilter, StoreError, WholeRange};
+use crate::store::{Batch, BatchStream, ClientId, ReadFilter, StoreError, WholeRange};
 
 /// How far below the state it is given a scan starts, in versions: a retry is looked for
 /// among the account's newest versions, and one further back is a miss (as past the
 /// window). On Celeriant, 20 windows of 512 versions.
 pub const SCAN_MAX_VERSIONS: u64 = 10_240;
 
-/// The most pages one scan reads before it gives up (counted as `bounded`, answered as a
-/// miss): [`SCAN_MAX_VERSIONS`] in Celeriant's windows, and four more for what landed above
-/// the state (a fold this replica trusted without reading).
+/// The versions one scan read asks for: Celeriant's read window.
+pub const SCAN_PAGE_VERSIONS: u64 = 512;
+
+/// The most reads one scan makes before it gives up (counted as `bounded`, answered as a
+/// miss): [`SCAN_MAX_VERSIONS`] in [`SCAN_PAGE_VERSIONS`] windows, and four more for
+/// windows a trim or a short page splits.
 pub const SCAN_MAX_PAGES: usize = 24;
 
 /// A request found by a scan on one account.
@@ -52,63 +60,97 @@ impl Projection {
             return Ok(None);
         };
         let window_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
-        let filter = ReadFilter {
-            from_version: (snap.version + 1).saturating_sub(SCAN_MAX_VERSIONS).max(1),
-            include_client_id: Some(self.identity.client()),
-            min_server_timestamp_ms: Some(self.server_tip_ms().saturating_sub(window_ms)),
-            ..ReadFilter::default()
-        };
+        let oldest_ms = self.server_tip_ms().saturating_sub(window_ms);
+        let floor = (snap.version + 1).saturating_sub(SCAN_MAX_VERSIONS).max(1);
         let key = self.identity.key(account);
-        let mut stream = BatchStream::new(self.log.as_ref(), key, filter.clone());
-        let mut found: Option<(u64, usize, AccountEvent)> = None;
-        let (mut pages, mut trimmed) = (0usize, false);
-        while found.is_none() {
-            if pages == SCAN_MAX_PAGES && stream.has_more() {
+        let mut top = snap.version;
+        let mut pages = 0usize;
+        let found = loop {
+            // Read down to version 1: a miss. Stopped by the version or the read bound while
+            // every batch read was still inside the window: bounded (answered as a miss).
+            if top < floor && floor == 1 {
+                break None;
+            }
+            if top < floor || pages == SCAN_MAX_PAGES {
                 self.metrics
                     .idem_scans
                     .with_label_values(&["bounded"])
                     .inc();
                 return Ok(None);
             }
-            let page = match stream.next_page().await {
-                Ok(Some(page)) => page,
-                Ok(None) | Err(StoreError::AggregateNotFound) => break,
-                // Started below a trim: what is left above it, once. A request in a batch
-                // trimmed away cannot be found, as one older than the window cannot.
-                Err(StoreError::Trimmed { min_available }) if !trimmed => {
-                    trimmed = true;
-                    let from_version = min_available.max(filter.from_version);
-                    let rest = ReadFilter {
-                        from_version,
-                        ..filter.clone()
-                    };
-                    stream = BatchStream::new(self.log.as_ref(), key, rest);
-                    continue;
-                }
-                Err(e) => return Err(e),
-            };
             pages += 1;
-            match find_event(&page, event_id) {
-                Found::Yes(hit) => found = Some(hit),
-                Found::No => {}
+            let low = top.saturating_sub(SCAN_PAGE_VERSIONS - 1).max(floor);
+            let Some(batches) = self.read_whole(key, low, top).await? else {
+                break None; // trimmed away: nothing older can be found either
+            };
+            match find_event(&batches, event_id, self.identity.client(), oldest_ms) {
+                Found::Yes(hit) => break Some(hit),
                 // Undecodable: the fold reports the account as poisoned; no answer here.
                 Found::Undecodable => return Ok(None),
+                Found::No => {}
             }
-        }
+            // Commit times rise with versions: below a batch older than the window, every
+            // batch is older too.
+            if batches
+                .first()
+                .is_none_or(|b| b.server_timestamp_ms < oldest_ms)
+            {
+                break None;
+            }
+            top = low - 1;
+        };
         let Some((version, at, event)) = found else {
             self.metrics.idem_scans.with_label_values(&["miss"]).inc();
             return Ok(None);
         };
         self.metrics.idem_scans.with_label_values(&["hit"]).inc();
-        // Also when the found batch is newer than the state (a first touch's state is the
-        // empty account at version 0): a later catch-up cannot answer it, since the index
-        // no longer holds a request this old (that is why it was scanned for).
         let balance = self.balance_after(account, version, at, snap).await?;
         Ok(Some(ScanHit {
             version,
             event,
             balance,
         }))
+    }
+
+    /// Every batch of versions `from..=to`, proven whole ([`WholeRange`]): a scan that drew
+    /// a miss from a read served behind the tip would write a request again. `None` when
+    /// the range was trimmed away entirely; a range trimmed in part is read from the trim.
+    async fn read_whole(
+        &self,
+        key: crate::store::AggregateKey,
+        from: u64,
+        to: u64,
+    ) -> Result<Option<Vec<Batch>>, StoreError> {
+        let mut from = from;
+        loop {
+            let filter = ReadFilter {
+                to_version: Some(to),
+                ..ReadFilter::from_version(from)
+            };
+            let mut stream = BatchStream::new(self.log.as_ref(), key, filter);
+            let mut whole = WholeRange::new(from, to);
+            let mut batches = Vec::new();
+            let read: Result<(), StoreError> = async {
+                while let Some(page) = stream.next_page().await? {
+                    for b in &page {
+                        whole.saw(b.version)?;
+                    }
+                    batches.extend(page);
+                }
+                whole.finish()
+            }
+            .await;
+            match read {
+                Ok(()) => return Ok(Some(batches)),
+                Err(StoreError::Trimmed { min_available }) if min_available > from => {
+                    if min_available > to {
+                        return Ok(None);
+                    }
+                    from = min_available;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// The balance right after event `at` of batch `version`, from the state's: every event
@@ -180,9 +222,11 @@ enum Found {
     Undecodable,
 }
 
-/// Looks for the event carrying `event_id` in `page`.
-fn find_event(page: &[Batch], event_id: u128) -> Found {
-    for batch in page {
+/// Looks for the event carrying `event_id` among `batches` this service wrote (client
+/// `client`) at or after `oldest_ms`, newest first.
+fn find_event(batches: &[Batch], event_id: u128, client: ClientId, oldest_ms: u64) -> Found {
+    let ours = |b: &&Batch| b.client_id == client && b.server_timestamp_ms >= oldest_ms;
+    for batch in batches.iter().rev().filter(ours) {
         if let Some(at) = batch
             .events
             .iter()

@@ -65,7 +65,10 @@ const MIGRATION_TIMEOUT: Duration = Duration::from_secs(60);
 const MIGRATION_LOCK: i64 = 0x7461_6c6c_795f_3134; // "tally_14"
 
 /// Embedded migrations, applied in order, each once (recorded in `tally_schema_migrations`).
-const MIGRATIONS: &[(i32, &str)] = &[(1, include_str!("../../../migrations/0001_projection.sql"))];
+const MIGRATIONS: &[(i32, &str)] = &[
+    (1, include_str!("../../../migrations/0001_projection.sql")),
+    (2, include_str!("../../../migrations/0002_store_epoch.sql")),
+];
 
 /// How to reach the database.
 #[derive(Clone, Debug)]
@@ -217,6 +220,27 @@ impl PgProjection {
             MIGRATION_TIMEOUT.saturating_add(self.answer_limit),
             self.migrate_now(),
         )
+        .await
+    }
+
+    /// Records `epoch` as the store these rows are folded from, unless one is recorded
+    /// already; returns whether the recorded one is `epoch` (`regress.rs`).
+    pub async fn bind_store_epoch(&self, epoch: u128) -> Result<bool, PgError> {
+        within(self.answer_limit, async {
+            let client = self.pool.get().await?;
+            let epoch = Uuid::from_u128(epoch);
+            client
+                .execute(
+                    "INSERT INTO tally_store_epoch (epoch) VALUES ($1) ON CONFLICT (only_row) DO NOTHING",
+                    &[&epoch],
+                )
+                .await?;
+            let recorded: Uuid = client
+                .query_one("SELECT epoch FROM tally_store_epoch", &[])
+                .await?
+                .get(0);
+            Ok(recorded == epoch)
+        })
         .await
     }
 
