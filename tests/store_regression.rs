@@ -110,6 +110,18 @@ async fn old_fold_then_empty_store(account: &str) -> (TestApp, TestApp, SharedLo
     old_replica_then_empty_store(account, &[]).await
 }
 
+/// [`old_replica_then_empty_store`] with the old replica on the Postgres projection (a
+/// fresh database), and its flags; `None` without a test Postgres.
+async fn on_postgres_old_replica_then_empty_store(
+    account: &str,
+) -> Option<(TestApp, TestApp, SharedLog, Vec<String>)> {
+    let url = common::pg::fresh_url().await?;
+    let flags = common::pg::flags(&url);
+    let refs: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let (old, fresh, store) = old_replica_then_empty_store(account, &refs).await;
+    Some((old, fresh, store, flags))
+}
+
 async fn old_replica_then_empty_store(
     account: &str,
     flags: &[&str],
@@ -237,13 +249,10 @@ async fn a_replaced_store_is_caught_by_its_epoch_at_the_next_probe() {
 /// write on a row whose version the store has reached again with other contents.
 #[tokio::test]
 async fn on_postgres_a_probe_below_an_earlier_one_stops_serving_rows() {
-    let Some(url) = common::pg::fresh_url().await else {
+    let account = new_account();
+    let Some((old, fresh, _, _)) = on_postgres_old_replica_then_empty_store(&account).await else {
         return;
     };
-    let account = new_account();
-    let flags = common::pg::flags(&url);
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let (old, fresh, _) = old_replica_then_empty_store(&account, &flags).await;
     for _ in 0..5 {
         answer(&fresh.deposit(&account, 1, None).await);
     }
@@ -317,13 +326,10 @@ async fn a_catch_up_in_flight_across_a_dropped_fold_is_a_retry_not_a_poisoned_ac
 /// otherwise pass the guard on the row's balance (found in review).
 #[tokio::test]
 async fn on_postgres_a_conflict_below_the_row_stops_serving_rows() {
-    let Some(url) = common::pg::fresh_url().await else {
+    let account = new_account();
+    let Some((old, fresh, _, _)) = on_postgres_old_replica_then_empty_store(&account).await else {
         return;
     };
-    let account = new_account();
-    let flags = common::pg::flags(&url);
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let (old, fresh, _) = old_replica_then_empty_store(&account, &flags).await;
     for _ in 0..2 {
         answer(&fresh.deposit(&account, 1, None).await);
     }
@@ -350,13 +356,13 @@ async fn on_postgres_a_conflict_below_the_row_stops_serving_rows() {
 /// withdrawal took the store's balance below zero).
 #[tokio::test]
 async fn on_postgres_a_replica_started_on_a_replaced_store_serves_no_row() {
-    let Some(url) = common::pg::fresh_url().await else {
+    let account = new_account();
+    let Some((old, fresh, new_store, flags)) =
+        on_postgres_old_replica_then_empty_store(&account).await
+    else {
         return;
     };
-    let account = new_account();
-    let flags = common::pg::flags(&url);
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let (old, fresh, new_store) = old_replica_then_empty_store(&account, &flags).await;
     for _ in 0..6 {
         answer(&fresh.deposit(&account, 1, None).await);
     }
