@@ -57,9 +57,7 @@ impl Projection {
         // On Postgres the shared row stays ahead of the store: once other writers take the
         // stream back up to it, a write at its version would pass the guard. The store's own
         // 2003 is its word, so the replica stops serving rows, as after the probe.
-        if self.uses_database() {
-            self.rows_ahead_of_store.store(true, Ordering::Release);
-        }
+        self.refuse_rows();
         self.drop_fold(account, &mut st);
         self.metrics
             .store_regressions
@@ -106,47 +104,8 @@ impl Projection {
     /// seen, or none where one was seen, is a replaced store. An answer that proves neither
     /// (a lost reply, a read that does not show the epoch yet) is left for the next anchor.
     async fn check_store_epoch(&self) -> bool {
-        let key = self.identity.store_epoch_key();
-        let mine = uuid::Uuid::new_v4().as_u128();
-        let create = AggregateWrite {
-            key,
-            events: vec![Event {
-                client_seq: 0,
-                event_id: Some(mine),
-                event_type: STORE_EPOCH_EVENT,
-                payload: Bytes::new(),
-                timestamp_ms: 0,
-            }],
-            expected_version: Some(0),
-            allow_create: true,
-            enforce_client_idempotency: false,
-        };
-        let epoch = match self.log.write(self.identity.client(), vec![create]).await {
-            Ok(_) => mine,
-            Err(StoreError::Conflict { .. }) => {
-                let first = ReadFilter {
-                    to_version: Some(1),
-                    ..ReadFilter::from_version(1)
-                };
-                match self.log.read(key, &first).await {
-                    Ok(page) => match page.batches.first().and_then(|b| b.events.first()) {
-                        Some(Event {
-                            event_id: Some(id), ..
-                        }) => *id,
-                        _ => return false,
-                    },
-                    Err(e) => {
-                        tracing::warn!(error = %e, "could not read the store's epoch; the next anchor tries again");
-                        return false;
-                    }
-                }
-            }
-            Err(e) => {
-                // Left for the next anchor; said, so a store that refuses the epoch's
-                // aggregate (and leaves this check inert) is seen.
-                tracing::warn!(error = %e, "could not check the store's epoch; the next anchor tries again");
-                return false;
-            }
+        let Some(epoch) = self.store_epoch().await else {
+            return false;
         };
         let before = self.store_epoch.lock().replace(epoch);
         let mut replaced = before.is_some_and(|b| b != epoch);
@@ -172,6 +131,53 @@ impl Projection {
         replaced
     }
 
+    /// The store's epoch: ours if the store had none (the create-only write landed), else
+    /// the one it holds; `None` when an answer proves neither (said in the log).
+    async fn store_epoch(&self) -> Option<u128> {
+        let key = self.identity.store_epoch_key();
+        let mine = uuid::Uuid::new_v4().as_u128();
+        let create = AggregateWrite {
+            key,
+            events: vec![Event {
+                client_seq: 0,
+                event_id: Some(mine),
+                event_type: STORE_EPOCH_EVENT,
+                payload: Bytes::new(),
+                timestamp_ms: 0,
+            }],
+            expected_version: Some(0),
+            allow_create: true,
+            enforce_client_idempotency: false,
+        };
+        match self.log.write(self.identity.client(), vec![create]).await {
+            Ok(_) => Some(mine),
+            Err(StoreError::Conflict { .. }) => {
+                let first = ReadFilter {
+                    to_version: Some(1),
+                    ..ReadFilter::from_version(1)
+                };
+                match self.log.read(key, &first).await {
+                    Ok(page) => match page.batches.first().and_then(|b| b.events.first()) {
+                        Some(Event {
+                            event_id: Some(id), ..
+                        }) => Some(*id),
+                        _ => None,
+                    },
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not read the store's epoch; the next anchor tries again");
+                        None
+                    }
+                }
+            }
+            Err(e) => {
+                // Left for the next anchor; said, so a store that refuses the epoch's
+                // aggregate (and leaves this check inert) is seen.
+                tracing::warn!(error = %e, "could not check the store's epoch; the next anchor tries again");
+                None
+            }
+        }
+    }
+
     /// Every fold dropped (and, on Postgres, no row served again).
     fn whole_store_went_back(&self) {
         tracing::error!("the store went backwards under this replica; dropping every fold");
@@ -183,9 +189,7 @@ impl Projection {
             .collect();
         // On Postgres, refuse rows first: a load that passed before the drop must not build
         // a warm copy again after it (`pg_warm_up` asks too).
-        if self.uses_database() {
-            self.rows_ahead_of_store.store(true, Ordering::Release);
-        }
+        self.refuse_rows();
         for (account, slot) in slots {
             self.drop_fold(account, &mut slot.state.lock());
         }
@@ -195,18 +199,21 @@ impl Projection {
             .inc();
     }
 
-    /// As an eviction does: the index entries go with the fold, and an account that held
-    /// events is read before it is written (never a blind create).
+    /// As an eviction drops it ([`Projection::forget_fold`]), but in place, one generation on.
     fn drop_fold(&self, account: AccountId, st: &mut AccountState) {
-        self.add_index_entries(-(st.recent.len() as i64));
-        if st.version > 0 {
-            self.existed.remember(account);
-        }
+        self.forget_fold(account, st);
         let generation = st.generation + 1;
         *st = AccountState {
             generation,
             ..AccountState::default()
         };
+    }
+
+    /// Postgres: no row is served again (the memory fold has none to refuse).
+    fn refuse_rows(&self) {
+        if self.uses_database() {
+            self.rows_ahead_of_store.store(true, Ordering::Release);
+        }
     }
 
     /// Postgres: why no row may be served, once the store went backwards under them.

@@ -5,7 +5,7 @@
 //! replica has seen minus the scan window (never the local clock). A request found this way
 //! answers like any replay.
 //!
-//! Every window is read unfiltered and proven whole ([`WholeRange`]): a filtered read cannot
+//! Every window is read unfiltered and proven whole (`store::read_whole`): a filtered read cannot
 //! tell a batch it dropped from one a replica behind the tip never showed, and a miss drawn
 //! from such a read wrote the request again (found black-box under `read-lag` faults).
 //! Nothing above the state is read: a write decided on a miss expects the state's version,
@@ -16,11 +16,9 @@
 //! rebuild the balance right after the found event. Bounded: the scan never starts more than
 //! [`SCAN_MAX_VERSIONS`] below the state, and reads at most [`SCAN_MAX_PAGES`] windows.
 
-use std::cmp::Ordering;
-
 use super::{Projection, Snapshot};
 use crate::account::{AccountEvent, AccountId, fold};
-use crate::store::{Batch, BatchStream, ClientId, ReadFilter, StoreError, WholeRange};
+use crate::store::{AggregateKey, Batch, ClientId, StoreError, read_whole};
 
 /// How far below the state it is given a scan starts, in versions: a retry is looked for
 /// among the account's newest versions, and one further back is a miss (as past the
@@ -112,36 +110,20 @@ impl Projection {
         }))
     }
 
-    /// Every batch of versions `from..=to`, proven whole ([`WholeRange`]): a scan that drew
-    /// a miss from a read served behind the tip would write a request again. `None` when
-    /// the range was trimmed away entirely; a range trimmed in part is read from the trim.
+    /// Every batch of versions `from..=to`, proven whole (`store::read_whole`): a scan that
+    /// drew a miss from a read served behind the tip would write a request again. `None`
+    /// when the range was trimmed away entirely; a range trimmed in part is read from the
+    /// trim.
     async fn read_whole(
         &self,
-        key: crate::store::AggregateKey,
+        key: AggregateKey,
         from: u64,
         to: u64,
     ) -> Result<Option<Vec<Batch>>, StoreError> {
         let mut from = from;
         loop {
-            let filter = ReadFilter {
-                to_version: Some(to),
-                ..ReadFilter::from_version(from)
-            };
-            let mut stream = BatchStream::new(self.log.as_ref(), key, filter);
-            let mut whole = WholeRange::new(from, to);
-            let mut batches = Vec::new();
-            let read: Result<(), StoreError> = async {
-                while let Some(page) = stream.next_page().await? {
-                    for b in &page {
-                        whole.saw(b.version)?;
-                    }
-                    batches.extend(page);
-                }
-                whole.finish()
-            }
-            .await;
-            match read {
-                Ok(()) => return Ok(Some(batches)),
+            match read_whole(self.log.as_ref(), key, from, to).await {
+                Ok(batches) => return Ok(Some(batches)),
                 Err(StoreError::Trimmed { min_available }) if min_available > from => {
                     if min_available > to {
                         return Ok(None);
@@ -154,8 +136,8 @@ impl Projection {
     }
 
     /// The balance right after event `at` of batch `version`, from the state's: every event
-    /// between them taken back out (found below the state) or added (found above it), any
-    /// writer's, since all of them moved the balance.
+    /// after it up to the state taken back out, any writer's, since all of them moved the
+    /// balance. A scan finds nothing above the state it was given.
     async fn balance_after(
         &self,
         account: AccountId,
@@ -163,53 +145,35 @@ impl Projection {
         at: usize,
         snap: Snapshot,
     ) -> Result<i64, StoreError> {
-        let above = version > snap.version;
-        let (from, to) = if above {
-            (snap.version + 1, version)
-        } else {
-            (version, snap.version)
-        };
-        let filter = ReadFilter {
-            to_version: Some(to),
-            ..ReadFilter::from_version(from)
-        };
-        let mut stream = BatchStream::new(self.log.as_ref(), self.identity.key(account), filter);
+        assert!(
+            version <= snap.version,
+            "a scan found version {version} above the state it read to ({})",
+            snap.version
+        );
         // Every version between them, or the rebuilt balance is not the one answered then.
-        let mut whole = WholeRange::new(from, to);
+        let key = self.identity.key(account);
+        let batches = read_whole(self.log.as_ref(), key, version, snap.version).await?;
         let mut balance = snap.balance;
-        while let Some(page) = stream.next_page().await? {
-            for batch in &page {
-                whole.saw(batch.version)?;
-                // Above: the events up to and including the found one. Below: those after it.
-                let events = match (above, batch.version.cmp(&version)) {
-                    (true, Ordering::Less) => &batch.events[..],
-                    (true, Ordering::Equal) => &batch.events[..(at + 1).min(batch.events.len())],
-                    (false, Ordering::Equal) => batch.events.get(at + 1..).unwrap_or(&[]),
-                    (false, Ordering::Greater) if batch.version <= snap.version => {
-                        &batch.events[..]
-                    }
-                    _ => continue,
+        for batch in &batches {
+            let events = if batch.version == version {
+                batch.events.get(at + 1..).unwrap_or(&[])
+            } else {
+                &batch.events[..]
+            };
+            for e in events {
+                let unfoldable = |why: String| StoreError::Other {
+                    code: 0,
+                    message: format!("event at version {}: {why}", batch.version),
                 };
-                for e in events {
-                    let unfoldable = |why: String| StoreError::Other {
-                        code: 0,
-                        message: format!("event at version {}: {why}", batch.version),
-                    };
-                    let event = AccountEvent::decode(e.event_type, &e.payload)
-                        .map_err(|err| unfoldable(format!("undecodable: {err}")))?;
-                    // The event's signed effect, by the fold's own rule.
-                    let delta =
-                        fold::apply(0, &event).map_err(|err| unfoldable(err.to_string()))?;
-                    let next = if above {
-                        balance.checked_add(delta)
-                    } else {
-                        balance.checked_sub(delta)
-                    };
-                    balance = next.ok_or_else(|| unfoldable("the balance overflows".into()))?;
-                }
+                let event = AccountEvent::decode(e.event_type, &e.payload)
+                    .map_err(|err| unfoldable(format!("undecodable: {err}")))?;
+                // The event's signed effect, by the fold's own rule.
+                let delta = fold::apply(0, &event).map_err(|err| unfoldable(err.to_string()))?;
+                balance = balance
+                    .checked_sub(delta)
+                    .ok_or_else(|| unfoldable("the balance overflows".into()))?;
             }
         }
-        whole.finish()?;
         Ok(balance)
     }
 }

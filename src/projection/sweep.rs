@@ -92,13 +92,19 @@ impl Projection {
             .accounts
             .remove_if(&account, |_, slot| Arc::strong_count(slot) == 1);
         if let Some((_, slot)) = &removed {
-            let st = slot.state.lock();
-            self.add_index_entries(-(st.recent.len() as i64));
-            if st.version > 0 {
-                self.existed.remember(account);
-            }
+            self.forget_fold(account, &slot.state.lock());
         }
         removed.is_some()
+    }
+
+    /// What dropping a fold from memory leaves behind, for an eviction and for a fold the
+    /// store went back under (`regress.rs`): its index entries no longer count, and an
+    /// account that held events is read before it is written (never a blind create).
+    pub(super) fn forget_fold(&self, account: AccountId, st: &super::AccountState) {
+        self.add_index_entries(-(st.recent.len() as i64));
+        if st.version > 0 {
+            self.existed.remember(account);
+        }
     }
 
     /// Runs [`Projection::sweep`] every `interval`, and at once when the cap is exceeded,

@@ -408,3 +408,28 @@ impl WholeRange {
         }
     }
 }
+
+/// Every batch of versions `from..=to` of `key`, page by page, proven whole ([`WholeRange`]);
+/// any error as the store gave it (a trim among them).
+pub async fn read_whole(
+    log: &dyn EventLog,
+    key: AggregateKey,
+    from: u64,
+    to: u64,
+) -> StoreResult<Vec<Batch>> {
+    let filter = ReadFilter {
+        to_version: Some(to),
+        ..ReadFilter::from_version(from)
+    };
+    let mut stream = BatchStream::new(log, key, filter);
+    let mut whole = WholeRange::new(from, to);
+    let mut batches = Vec::new();
+    while let Some(page) = stream.next_page().await? {
+        for b in &page {
+            whole.saw(b.version)?;
+        }
+        batches.extend(page);
+    }
+    whole.finish()?;
+    Ok(batches)
+}
