@@ -166,8 +166,9 @@ pub struct Config {
     pub write_stall_secs: u64,
 
     /// How long a request over `--max-concurrent-requests` waits for a slot (first come,
-    /// first served) before it is refused with 503 and its connection closed, in ms; 0
-    /// refuses at once.
+    /// first served) before it is refused with 503, in ms; 0 refuses at once. At the
+    /// `--max-connections` cap the refusal also closes its connection, so a client waiting
+    /// to be accepted takes its place.
     #[arg(long, env = "TALLY_MAX_QUEUE_WAIT_MS", default_value_t = DEFAULT_MAX_QUEUE_WAIT_MS)]
     pub max_queue_wait_ms: u64,
 
@@ -198,7 +199,9 @@ pub struct Config {
     #[arg(long, env = "TALLY_WRITE_DEADLINE_MS", default_value_t = DEFAULT_DEADLINE.as_millis() as u64)]
     pub write_deadline_ms: u64,
 
-    /// Store writes one request may make before it answers a retryable 409.
+    /// Turns of the write loop one request may take (each ends in a store write, or earlier
+    /// when a catch-up, scan or decision sends it round again) before it answers a
+    /// retryable 409.
     #[arg(long, env = "TALLY_WRITE_MAX_ATTEMPTS", default_value_t = DEFAULT_MAX_ATTEMPTS)]
     pub write_max_attempts: u32,
 
@@ -221,7 +224,8 @@ pub struct Config {
     #[arg(long, env = "TALLY_MAX_LIVE_WRITES", default_value_t = DEFAULT_MAX_LIVE_WRITES)]
     pub max_live_writes: usize,
 
-    /// Most writes waiting in one account's queue; beyond it, 503 at once.
+    /// Most writes waiting in one account's queue; beyond it a write waits for a place in
+    /// arrival order, and answers a retryable 503 if its deadline passes first.
     #[arg(long, env = "TALLY_MAX_QUEUED_WRITES_PER_ACCOUNT", default_value_t = DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT)]
     pub max_queued_writes_per_account: usize,
 
@@ -283,7 +287,8 @@ pub struct Config {
     #[arg(long, env = "TALLY_RATE_LIMIT_PER_CALLER", default_value_t = DEFAULT_RATE_PER_CALLER)]
     pub rate_limit_per_caller: u32,
 
-    /// The burst each caller may make at once (at least the per-second rate).
+    /// The burst each caller may make at once; a value below the per-second rate is raised
+    /// to it.
     #[arg(long, env = "TALLY_RATE_LIMIT_BURST", default_value_t = DEFAULT_BURST_PER_CALLER)]
     pub rate_limit_burst: u32,
 

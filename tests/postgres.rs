@@ -508,6 +508,7 @@ async fn the_shared_cursor_never_moves_backwards() {
         balance,
         version,
         max_client_seq: version,
+        generation: 0,
     };
     pg.persist(account, snap(50, 5), None, &[], 0)
         .await
@@ -520,6 +521,7 @@ async fn the_shared_cursor_never_moves_backwards() {
     let event = AccountEvent::Deposited { amount: 1 };
     let stale = RecordedWrite {
         expected_version: 2,
+        generation: 0,
         new_version: 3,
         balance_after: 31,
         max_client_seq: 3,
@@ -568,12 +570,14 @@ async fn a_late_record_never_takes_an_index_row_back_to_an_older_landing() {
         balance: 100,
         version: 10,
         max_client_seq: 10,
+        generation: 0,
     };
     pg.persist(account, snap, None, &[(key, newer)], 0)
         .await
         .expect("persist");
     let late = RecordedWrite {
         expected_version: 2,
+        generation: 0,
         new_version: 3,
         balance_after: 31,
         max_client_seq: 3,
@@ -635,6 +639,7 @@ async fn queued_records_share_a_statement_and_never_repeat_an_account() {
                 let events = [(id, balance, AccountEvent::Deposited { amount: 5 })];
                 let write = RecordedWrite {
                     expected_version: expected,
+                    generation: 0,
                     new_version: expected + 1,
                     balance_after: balance,
                     max_client_seq: expected + 1,
@@ -703,6 +708,7 @@ async fn a_load_returns_every_live_row_above_since_or_none_past_the_cap() {
         balance: version as i64,
         version,
         max_client_seq: version,
+        generation: 0,
     };
     // Ten live rows and two expired ones (at tip 1_000).
     let mut ten = rows(1, 10, 5_000);

@@ -21,10 +21,13 @@ use tally::store::{
 use tokio::sync::Notify;
 
 /// A store whose contents can be replaced under the replica using it; once armed, its next
-/// read, done, waits for `go` before it answers (signalling `reached` first).
+/// read, done, waits for `go` before it answers (signalling `reached` first). A write to the
+/// aggregate in `write_armed` waits for `go` (after `reached`) before it is sent at all, so
+/// it lands on whatever store is current then.
 struct Replaceable {
     inner: RwLock<SharedLog>,
     armed: AtomicBool,
+    write_armed: parking_lot::Mutex<Option<u128>>,
     reached: Notify,
     go: Notify,
 }
@@ -34,6 +37,7 @@ impl Replaceable {
         Arc::new(Self {
             inner: RwLock::new(Arc::new(MemoryLog::new())),
             armed: AtomicBool::new(false),
+            write_armed: parking_lot::Mutex::new(None),
             reached: Notify::new(),
             go: Notify::new(),
         })
@@ -54,6 +58,18 @@ impl Replaceable {
 #[async_trait]
 impl EventLog for Replaceable {
     async fn write(&self, client: ClientId, writes: Vec<AggregateWrite>) -> StoreResult<Vec<u64>> {
+        let held = {
+            let mut armed = self.write_armed.lock();
+            let hit = writes.iter().any(|w| Some(w.key.aggregate_id) == *armed);
+            if hit {
+                *armed = None;
+            }
+            hit
+        };
+        if held {
+            self.reached.notify_one();
+            self.go.notified().await;
+        }
         self.current().write(client, writes).await
     }
     async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage> {
@@ -244,6 +260,38 @@ async fn a_replaced_store_is_caught_by_its_epoch_at_the_next_probe() {
     assert_eq!(regressions(&fresh, "anchor"), 0);
 }
 
+/// Rule: the store checks take their baseline as soon as the start-up anchor is done, not a
+/// re-anchor interval later, so a store replaced in a replica's first minute is caught at
+/// its first re-anchor (before, that re-anchor took the new store's epoch as its baseline
+/// and the old fold went on deciding writes).
+#[tokio::test]
+async fn a_store_replaced_before_the_first_re_anchor_is_caught_at_it() {
+    if memory_only() {
+        return;
+    }
+    let account = new_account();
+    let store = Replaceable::new();
+    let old = spawn(test_config(&[]), Some(store.clone()), None).await;
+    old.app.started().await;
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        old.app.projection.store_checked(1),
+    )
+    .await
+    .expect("the start-up anchor's store check runs at once, not a re-anchor later");
+    for _ in 0..5 {
+        old.deposit(&account, 1_000, None).await;
+    }
+    let fresh = spawn(test_config(&[]), Some(store.replace_with_empty()), None).await;
+    fresh.app.started().await;
+    for _ in 0..5 {
+        answer(&fresh.deposit(&account, 1, None).await);
+    }
+    anchor(&old).await;
+    assert_eq!(regressions(&old, "anchor"), 1);
+    assert_eq!(answer(&old.deposit(&account, 7, None).await), (12, 6));
+}
+
 /// Rule (Postgres): the shared rows are not moved backwards by one replica; once its probe
 /// sees the store went backwards, the replica serves no row (retryable 503s) rather than
 /// write on a row whose version the store has reached again with other contents.
@@ -321,6 +369,60 @@ async fn a_catch_up_in_flight_across_a_dropped_fold_is_a_retry_not_a_poisoned_ac
     );
 }
 
+/// Rule: a write decided on a fold that was dropped while it was out (the store went back
+/// under it) moves no cursor when it lands: the fold read again from the new store may stand
+/// at the version the write expected, but the write's balance was computed on the old store
+/// (found in review: the old replica's fold then said 500 where the store held 100, and
+/// every later write there was decided on money the store did not have).
+#[tokio::test]
+async fn a_write_decided_before_the_fold_was_dropped_moves_no_cursor_when_it_lands() {
+    if memory_only() {
+        return;
+    }
+    let account = new_account();
+    let store = Replaceable::new();
+    let old = Arc::new(spawn(test_config(&[]), Some(store.clone()), None).await);
+    old.app.started().await;
+    for _ in 0..2 {
+        old.deposit(&account, 1_000, None).await;
+    }
+    anchor(&old).await;
+    let uuid = uuid::Uuid::parse_str(&account)
+        .expect("account id")
+        .as_u128();
+    *store.write_armed.lock() = Some(uuid);
+    let withdrawal = {
+        let (o, a) = (old.clone(), account.clone());
+        tokio::spawn(async move { o.withdraw(&a, 1_500, None).await })
+    };
+    store.reached.notified().await;
+    let fresh = spawn(test_config(&[]), Some(store.replace_with_empty()), None).await;
+    fresh.app.started().await;
+    answer(&fresh.deposit(&account, 1_000, None).await);
+    answer(&fresh.deposit(&account, 600, None).await);
+    anchor(&old).await;
+    assert_eq!(regressions(&old, "anchor"), 1);
+    assert_eq!(
+        old.balance(&account).await,
+        (1_600, 2),
+        "the new store, folded"
+    );
+    store.go.notify_one();
+    // The documented hole: the write was decided on the old store's balance, and landed.
+    let w = withdrawal.await.expect("task");
+    assert_eq!(w.status, StatusCode::OK, "{}", w.text);
+    assert_eq!(
+        fresh.balance(&account).await,
+        (100, 3),
+        "what the store holds"
+    );
+    assert_eq!(
+        old.balance(&account).await,
+        (100, 3),
+        "the old replica folds the landing from the store, not from its own answer"
+    );
+}
+
 /// Rule (Postgres): a conflict below the shared row's version stops the replica serving rows
 /// too: once other writers take the store back up to the row's version, a write at it would
 /// otherwise pass the guard on the row's balance (found in review).
@@ -368,6 +470,9 @@ async fn on_postgres_a_replica_started_on_a_replaced_store_serves_no_row() {
     }
     let late = spawn(test_config(&flags), Some(new_store), None).await;
     late.app.started().await;
+    assert_eq!(regressions(&late, "anchor"), 1);
+    // Every later check sees the rows' other epoch again: acted on, and counted, once.
+    anchor(&late).await;
     assert_eq!(regressions(&late, "anchor"), 1);
     let withdraw = late.withdraw(&account, 3_000, None).await;
     assert!(!withdraw.status.is_success(), "{}", withdraw.text);

@@ -540,7 +540,46 @@ pub struct Bulk<'a> {
     index: &'a mut RecentIndex,
 }
 
+/// Where a [`Bulk`] stood: [`Bulk::rollback`] takes back what was appended after it.
+#[derive(Clone, Copy, Debug)]
+pub struct BulkMark {
+    records: usize,
+    parties: usize,
+}
+
 impl Bulk<'_> {
+    /// Where the bulk stands now.
+    #[inline]
+    pub fn mark(&self) -> BulkMark {
+        self.index.inner.as_deref().map_or(
+            BulkMark {
+                records: 0,
+                parties: 0,
+            },
+            |inner| BulkMark {
+                records: inner.records.len(),
+                parties: inner.parties.len(),
+            },
+        )
+    }
+
+    /// Takes back every record appended since `mark`: none of them is indexed yet.
+    pub fn rollback(&mut self, mark: BulkMark) {
+        let Some(inner) = self.index.inner.as_mut() else {
+            return;
+        };
+        let appended = inner.records.len() - mark.records;
+        assert!(
+            appended <= inner.pending_tags.len(),
+            "only records a bulk appended and has not indexed are taken back"
+        );
+        inner.records.truncate(mark.records);
+        inner
+            .pending_tags
+            .truncate(inner.pending_tags.len() - appended);
+        inner.parties.truncate(mark.parties);
+    }
+
     /// Records `write` under `event_id`, after every record appended before it.
     #[inline]
     pub fn push(&mut self, event_id: u128, write: RecentWrite) {

@@ -46,7 +46,7 @@ pub use index::{RecentIndex, RecentWrite};
 pub use port::{AccountView, Loaded};
 pub use postgres::{PgProjection, PostgresSettings};
 pub use scan::{SCAN_MAX_PAGES, SCAN_MAX_VERSIONS, ScanHit};
-pub use state::{AccountState, Broken, FoldContext, Snapshot};
+pub use state::{AccountState, Broken, FoldContext, MAX_OWN_CLIENT_SEQ, Snapshot};
 pub use sweep::SweepStats;
 
 /// How long a write's response stays answerable from the index, unless configured.
@@ -158,6 +158,8 @@ pub struct Projection {
     anchor_version: AtomicU64,
     /// The store's epoch as this replica last saw it (`regress.rs`).
     store_epoch: Mutex<Option<u128>>,
+    /// How many store checks have finished (`regress.rs`), for whoever waits on one.
+    store_checks: tokio::sync::watch::Sender<u64>,
     /// Postgres only: the store went backwards under the shared rows (`regress.rs`); no row
     /// is served again until an operator has reconciled them and restarted the replica.
     rows_ahead_of_store: AtomicBool,
@@ -199,6 +201,7 @@ impl Projection {
             probe_version: AtomicU64::new(0),
             anchor_version: AtomicU64::new(0),
             store_epoch: Mutex::new(None),
+            store_checks: tokio::sync::watch::Sender::new(0),
             rows_ahead_of_store: AtomicBool::new(false),
             backend: Backend::Memory,
         }
@@ -446,7 +449,14 @@ impl Projection {
             };
             st.recent.insert(event_id, w);
         }
-        if st.version == write.expected_version && st.broken.is_none() {
+        // A fold dropped since the write was decided (the store went backwards under it,
+        // `regress.rs`) may stand at the expected version again, read from the new store:
+        // the write's balance was computed on the old one, so only its index entries (the
+        // answer the client got) are kept, and the next catch-up folds the write itself.
+        if st.version == write.expected_version
+            && st.generation == write.generation
+            && st.broken.is_none()
+        {
             st.version = write.new_version;
             st.balance = write.balance_after;
             st.max_client_seq = st.max_client_seq.max(write.max_client_seq);
@@ -506,6 +516,8 @@ impl Projection {
 /// A successful write to one account, as the write loop hands it to the projection.
 pub struct RecordedWrite<'a> {
     pub expected_version: u64,
+    /// The generation of the fold the write was decided on ([`Snapshot::generation`]).
+    pub generation: u64,
     pub new_version: u64,
     /// The balance after the whole batch.
     pub balance_after: i64,
@@ -596,6 +608,7 @@ mod catch_up_tests {
             &slot,
             &RecordedWrite {
                 expected_version: 0,
+                generation: 0,
                 new_version: 1,
                 balance_after: 2,
                 max_client_seq: 2,
@@ -607,6 +620,7 @@ mod catch_up_tests {
             &slot,
             &RecordedWrite {
                 expected_version: 1,
+                generation: 0,
                 new_version: 2,
                 balance_after: 3,
                 max_client_seq: 3,

@@ -67,17 +67,30 @@ impl Projection {
     }
 
     /// Whether the store went back since the last check (the last server-clock probe's
-    /// version, and the store's epoch), and if so every fold is dropped, once. Run after
-    /// each re-anchor, never on the start-up path: the epoch costs a round trip or two that
-    /// readiness does not wait for. The first check, a re-anchor interval after start, sets
-    /// what the later ones compare with; until then a replica's folds are young, and a
-    /// conflict below a fold's version still catches a store gone back under it.
+    /// version, and the store's epoch), and if so every fold is dropped, once. Run once the
+    /// start-up anchor is done and after each re-anchor, never on the start-up path: the
+    /// epoch costs a round trip or two that readiness does not wait for (the replica's
+    /// listening waits for the first, within start-up's first-attempts bound). The first check
+    /// sets what the later ones compare with (a first check that learns no epoch leaves
+    /// that to the next anchor; meanwhile a conflict below a fold's version still catches
+    /// a store gone back under it).
     pub async fn check_store(&self) {
         let restored = self.note_anchor_version(self.probe_version.load(Ordering::Acquire));
         let replaced = self.check_store_epoch().await;
-        if restored || replaced {
+        // On Postgres a replica refusing its rows has acted already, and the rows' epoch
+        // stays the other store's until an operator reconciles them: counted once.
+        if (restored || replaced) && self.rows_refused().is_none() {
             self.whole_store_went_back();
         }
+        self.store_checks.send_modify(|n| *n += 1);
+    }
+
+    /// Waits until `n` store checks have finished (a replica's first runs as soon as its
+    /// start-up anchor is done).
+    pub async fn store_checked(&self, n: u64) {
+        let mut checks = self.store_checks.subscribe();
+        // The sender lives as long as `self`, so the wait cannot fail.
+        let _ = checks.wait_for(|done| *done >= n).await;
     }
 
     /// Whether the probe landed lower than an earlier one: the store went backwards.

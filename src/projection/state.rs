@@ -18,12 +18,22 @@ pub enum Broken {
     Trimmed { min_available: u64 },
 }
 
+/// The highest client sequence of ours a fold takes. Our sequences count our writes from 1,
+/// so no replica comes near it (2^62 writes is one a nanosecond for 146 years); a stream
+/// past it was written by something else under our client id, and deriving the next
+/// sequence (`+ 1`, and more for a batch) could overflow. Such an account is poisoned.
+pub const MAX_OWN_CLIENT_SEQ: u64 = 1 << 62;
+
 /// A consistent view of one account at one version.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Snapshot {
     pub balance: i64,
     pub version: u64,
     pub max_client_seq: u64,
+    /// The fold generation it was taken from (`regress.rs`; 0 for a Postgres row): a write
+    /// decided on it moves the cursor of that fold only, never of one dropped and read
+    /// again meanwhile.
+    pub generation: u64,
 }
 
 /// What the fold needs besides the batches.
@@ -65,6 +75,7 @@ impl AccountState {
             balance: self.balance,
             version: self.version,
             max_client_seq: self.max_client_seq,
+            generation: self.generation,
         }
     }
 
@@ -119,17 +130,32 @@ impl AccountState {
             let own = batch.client_id == ctx.client_id;
             let mut balance = self.balance;
             let mut max_seq = self.max_client_seq;
+            // A batch folds whole or not at all: none of its index entries is kept unless
+            // every event applied, or they would answer for events the state never took.
+            let mark = index.mark();
+            let mut unfoldable = None;
             for e in batch.events.iter() {
-                let event = AccountEvent::decode(e.event_type, &e.payload).map_err(|err| {
-                    Broken::Poisoned {
-                        version: batch.version,
-                        reason: err.to_string(),
+                let event = match AccountEvent::decode(e.event_type, &e.payload) {
+                    Ok(event) => event,
+                    Err(err) => {
+                        unfoldable = Some(err.to_string());
+                        break;
                     }
-                })?;
-                balance = fold::apply(balance, &event).map_err(|err| Broken::Poisoned {
-                    version: batch.version,
-                    reason: err.to_string(),
-                })?;
+                };
+                balance = match fold::apply(balance, &event) {
+                    Ok(balance) => balance,
+                    Err(err) => {
+                        unfoldable = Some(err.to_string());
+                        break;
+                    }
+                };
+                if own && e.client_seq > MAX_OWN_CLIENT_SEQ {
+                    unfoldable = Some(format!(
+                        "client sequence {} of ours is past {MAX_OWN_CLIENT_SEQ}: no next one can be derived",
+                        e.client_seq
+                    ));
+                    break;
+                }
                 if own && e.client_seq > max_seq {
                     max_seq = e.client_seq;
                 }
@@ -145,6 +171,13 @@ impl AccountState {
                         },
                     );
                 }
+            }
+            if let Some(reason) = unfoldable {
+                index.rollback(mark);
+                return Err(Broken::Poisoned {
+                    version: batch.version,
+                    reason,
+                });
             }
             self.balance = balance;
             self.max_client_seq = max_seq;

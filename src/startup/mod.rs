@@ -55,6 +55,9 @@ struct Progress {
     pending: Vec<String>,
     /// Steps that have not finished their first attempt yet.
     untried: usize,
+    /// The store checks' first run (`projection/regress.rs`) is still to come after a
+    /// first server-clock attempt that succeeded; `begin` waits for it within its bound.
+    first_check_due: bool,
 }
 
 /// The start-up steps of one replica: their progress, and the tasks running them (aborted
@@ -65,7 +68,8 @@ pub struct Startup {
 }
 
 impl Startup {
-    /// Starts every step in its own task and returns once each has been tried once, so a
+    /// Starts every step in its own task and returns once each has been tried once (and,
+    /// when the clock's first try succeeded, the store checks have their baseline), so a
     /// healthy store starts ready; steps that failed go on retrying in the background.
     pub async fn begin(projection: Arc<Projection>, metrics: Arc<Metrics>, seed: bool) -> Self {
         let mut steps = vec![Step::ServerClock];
@@ -81,6 +85,7 @@ impl Startup {
         let (tx, progress) = watch::channel(Progress {
             untried: names.len(),
             pending: names,
+            first_check_due: true,
         });
         metrics.startup_steps_pending.set(steps.len() as i64);
         let tx = Arc::new(tx);
@@ -102,7 +107,9 @@ impl Startup {
         // timeout, that a first attempt is still waiting on the store.
         let _ = tokio::time::timeout(
             FIRST_ATTEMPTS_WAIT,
-            startup.progress.wait_for(|p| p.untried == 0),
+            startup
+                .progress
+                .wait_for(|p| p.untried == 0 && !p.first_check_due),
         )
         .await;
         match startup.waiting().as_slice() {
@@ -198,9 +205,15 @@ impl Runner {
                 tracing::warn!(step = %self.name, attempt, error = %e, "start-up step not done yet; retrying it");
             }
             let mut pending = 0;
+            let server_clock = matches!(step, Step::ServerClock);
             self.progress.send_modify(|p| {
                 if first {
                     p.untried -= 1;
+                    // Failed, the clock's step leaves the first check to its later success,
+                    // which `begin` does not wait for.
+                    if server_clock && !done {
+                        p.first_check_due = false;
+                    }
                 }
                 if done {
                     p.pending.retain(|s| *s != self.name);
@@ -269,10 +282,14 @@ impl Runner {
 
     /// Re-anchors every [`SERVER_CLOCK_RESYNC`], for the replica's lifetime. A failed anchor
     /// keeps the old one (reads still raise it) and is retried with the start-up backoff;
-    /// readiness is not touched, and no request waits on it. After each anchor, the checks
-    /// that the store did not go backwards (`projection/regress.rs`); the first one sets
-    /// what the later ones compare with.
+    /// readiness is not touched, and no request waits on it. After the start-up anchor and
+    /// each re-anchor, the checks that the store did not go backwards
+    /// (`projection/regress.rs`). The first runs at once, not a re-anchor later: its
+    /// baseline is then the store this replica started on, so a store replaced in the
+    /// replica's first minute is caught at its first re-anchor too.
     async fn keep_server_clock_anchored(&self, salt: u64) {
+        self.projection.check_store().await;
+        self.progress.send_modify(|p| p.first_check_due = false);
         loop {
             tokio::time::sleep(SERVER_CLOCK_RESYNC).await;
             let mut attempt: u32 = 0;

@@ -145,6 +145,7 @@ pub(super) fn loaded(rows: &[Row]) -> Result<PgRow, String> {
             balance: col(first, 0)?,
             version: to_u64(version, "version")?,
             max_client_seq: to_u64(col(first, 2)?, "max_client_seq")?,
+            generation: 0,
         };
         let reason: Option<String> = col(first, 4)?;
         let broken = match reason {

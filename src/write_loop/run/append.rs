@@ -159,6 +159,7 @@ impl Run<'_> {
                     view,
                     RecordedWrite {
                         expected_version: t.snap.version,
+                        generation: t.snap.generation,
                         new_version: versions[*ai],
                         balance_after: *balance_after,
                         max_client_seq: *max_seq,

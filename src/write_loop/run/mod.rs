@@ -145,11 +145,7 @@ impl<'a> Run<'a> {
                             accounts.push(Touched {
                                 account: leg.account,
                                 view: None,
-                                snap: Snapshot {
-                                    balance: 0,
-                                    version: 0,
-                                    max_client_seq: 0,
-                                },
+                                snap: Snapshot::default(),
                             });
                             accounts.len() - 1
                         }
@@ -247,6 +243,13 @@ impl<'a> Run<'a> {
             };
             let batch = self.admit_new(batch);
             if batch.is_empty() {
+                continue;
+            }
+            // Nothing is sent past the deadline: a catch-up or scan that outlasted it ends
+            // the run at the top of the loop (a retryable give-up). Sent later, the write
+            // could land after its client was told to retry, and a retry decided elsewhere
+            // in between (a final 422, say) would be contradicted.
+            if Instant::now() >= deadline {
                 continue;
             }
             // 4. Sequences: held ones stay; otherwise derived from the fold just read.
@@ -483,6 +486,13 @@ impl<'a> Run<'a> {
     /// ever sent without a sequence or with one another member of the run holds. Each
     /// account's events in write order get consecutive sequences.
     fn assign_seqs(&mut self, batch: &[usize]) {
+        // The fold poisons an account past it, so the additions below cannot overflow.
+        assert!(
+            self.accounts
+                .iter()
+                .all(|t| t.snap.max_client_seq <= crate::projection::MAX_OWN_CLIENT_SEQ),
+            "a fold's highest sequence of ours is bounded"
+        );
         let mut next: Vec<u64> = self
             .accounts
             .iter()
