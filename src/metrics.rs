@@ -99,6 +99,7 @@ pub struct Metrics {
     pub evictions: IntCounterVec,
     pub poisoned_accounts: IntCounter,
     pub store_regressions: IntCounterVec,
+    pub rows_refused: IntGauge,
     // Start-up (step labels are the fixed step names: `serverClock`, `seed:<demo name>`)
     pub startup_steps_pending: IntGauge,
     pub startup_step_attempts: IntCounterVec,
@@ -286,6 +287,11 @@ impl Metrics {
                 "tally_store_regressions_total",
                 "Times the store showed fewer versions than this replica had folded (a store restored or replaced under a running replica), by where it was seen (conflict, anchor); the folds concerned are dropped and read again.",
                 &["seen_by"],
+            ),
+            rows_refused: gauge(
+                r,
+                "tally_projection_rows_refused",
+                "1 while this replica serves no Postgres row because the store went backwards under them (until an operator reconciles the rows and restarts it), else 0.",
             ),
             startup_steps_pending: gauge(
                 r,

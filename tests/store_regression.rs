@@ -201,6 +201,11 @@ async fn a_probe_below_an_earlier_one_drops_every_fold() {
     }
     anchor(&old).await;
     assert_eq!(regressions(&old, "anchor"), 1);
+    assert_eq!(
+        old.app.metrics.rows_refused.get(),
+        0,
+        "memory: no rows to refuse"
+    );
     assert_eq!(answer(&old.deposit(&account, 7, None).await), (12, 6));
     let overdraw = old.withdraw(&account, 3_000, None).await;
     assert_eq!(
@@ -304,8 +309,14 @@ async fn on_postgres_a_probe_below_an_earlier_one_stops_serving_rows() {
     for _ in 0..5 {
         answer(&fresh.deposit(&account, 1, None).await);
     }
+    assert_eq!(old.app.metrics.rows_refused.get(), 0);
     anchor(&old).await;
     assert_eq!(regressions(&old, "anchor"), 1);
+    assert_eq!(
+        old.app.metrics.rows_refused.get(),
+        1,
+        "the operator's signal"
+    );
     // Refused retryably (the write loop's load keeps failing: a 409 after its attempts).
     let deposit = old.deposit(&account, 7, None).await;
     assert_eq!(deposit.status, StatusCode::CONFLICT, "{}", deposit.text);

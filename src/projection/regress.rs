@@ -226,6 +226,7 @@ impl Projection {
     fn refuse_rows(&self) {
         if self.uses_database() {
             self.rows_ahead_of_store.store(true, Ordering::Release);
+            self.metrics.rows_refused.set(1);
         }
     }
 
