@@ -11,6 +11,7 @@ use crate::account::{Identity, named_id};
 use crate::auth::rate::{DEFAULT_BURST_PER_CALLER, DEFAULT_RATE_PER_CALLER};
 use crate::auth::{
     AuthConfig, AuthMode, Authenticator, DEFAULT_AUDIENCE, DEFAULT_ISSUER, DEFAULT_LEEWAY_SECS,
+    MAX_RATE_PER_CALLER,
 };
 use crate::projection::{
     DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_INDEX_ENTRIES, DEFAULT_MAX_RESIDENT_ACCOUNTS,
@@ -445,7 +446,7 @@ impl Config {
                 return Err(ConfigError(format!("{flag} must be 1..={max}")));
             }
         }
-        let times: [(&str, u64, u64, u64); 6] = [
+        let times: [(&str, u64, u64, u64); 8] = [
             (
                 "--write-deadline-ms",
                 self.write_deadline_ms,
@@ -481,6 +482,19 @@ impl Config {
                 self.shutdown_grace_secs,
                 0,
                 MAX_SHUTDOWN_GRACE_SECS,
+            ),
+            // Checked whatever `--auth`: a value no replica could use is a typo either way.
+            (
+                "--rate-limit-per-caller",
+                self.rate_limit_per_caller.into(),
+                0,
+                MAX_RATE_PER_CALLER.into(),
+            ),
+            (
+                "--rate-limit-burst",
+                self.rate_limit_burst.into(),
+                0,
+                MAX_RATE_PER_CALLER.into(),
             ),
         ];
         for (flag, value, min, max) in times {
@@ -745,6 +759,8 @@ mod tests {
             ("--idle-timeout-secs", past(MAX_IDLE_TIMEOUT_SECS)),
             ("--shutdown-grace-secs", past(MAX_SHUTDOWN_GRACE_SECS)),
             ("--watch-keepalive-secs", u64::MAX.to_string()),
+            ("--rate-limit-per-caller", past(MAX_RATE_PER_CALLER.into())),
+            ("--rate-limit-burst", u32::MAX.to_string()),
         ] {
             let c = Config::parse_from(["tally", flag, &value, "--idempotency-window", "86400"]);
             let e = c.validate().expect_err("out of range");
@@ -758,6 +774,10 @@ mod tests {
             &MAX_BATCH_EVENTS.to_string(),
             "--write-max-attempts",
             &MAX_WRITE_ATTEMPTS.to_string(),
+            "--rate-limit-per-caller",
+            &MAX_RATE_PER_CALLER.to_string(),
+            "--rate-limit-burst",
+            &MAX_RATE_PER_CALLER.to_string(),
         ]);
         at_the_bounds.validate().unwrap();
     }

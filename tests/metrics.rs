@@ -99,3 +99,69 @@ async fn counters_move_by_exactly_what_the_scripted_sequence_did() {
     // No account id ever appears in a label.
     assert!(!t.contains(&acct), "an account id leaked into /metrics");
 }
+
+/// Rule: every series an alert counts with `increase(...)` exists on a fresh replica, at 0.
+/// A labelled counter has no series until its first increment, and `increase` over a series
+/// that goes from absent to 1 is 0: the alert on the store going backwards never paged for
+/// a first regression (found black-box). (Rate-over-rate alerts need a sustained condition,
+/// which outlives a series' first scrape.) Checks each selector inside `increase(` in the
+/// committed rules (`=` and `=~` matchers) against `Metrics::new()`'s exposition.
+#[test]
+fn every_series_an_alert_counts_exists_from_start() {
+    let rules = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/prometheus/tally-alerts.yaml"
+    ))
+    .expect("alert rules");
+    let text = tally::metrics::Metrics::new().render();
+    let series: Vec<(&str, &str)> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            l.split_once(' ')
+                .map(|(s, _)| s.split_once('{').unwrap_or((s, "")))
+        })
+        .collect();
+    let mut checked = 0;
+    for counted in rules.split("increase(").skip(1) {
+        let end = counted.find('[').expect("a range after the selector");
+        let selector = &counted[..end];
+        let (name, matchers) = match selector.split_once('{') {
+            Some((name, m)) => (name, m.trim_end_matches('}')),
+            None => (selector, ""),
+        };
+        let wanted = matchers_of(matchers);
+        let found = series.iter().any(|(series_name, labels)| {
+            *series_name == name
+                && wanted.iter().all(|(label, values)| {
+                    values
+                        .iter()
+                        .any(|v| labels.contains(&format!("{label}=\"{v}\"")))
+                })
+        });
+        assert!(
+            found,
+            "no series {selector} on a fresh replica: its alert cannot see a first change\n{text}"
+        );
+        checked += 1;
+    }
+    assert!(checked >= 4, "the rules were read ({checked} selectors)");
+}
+
+/// The `=` and `=~` matchers of a selector body: (label, accepted values).
+fn matchers_of(matchers: &str) -> Vec<(&str, Vec<&str>)> {
+    matchers
+        .split(',')
+        .filter_map(|m| {
+            let m = m.trim();
+            if m.is_empty() || m.contains("!~") || m.contains("!=") {
+                return None;
+            }
+            if let Some((label, value)) = m.split_once("=~") {
+                return Some((label.trim(), value.trim_matches('"').split('|').collect()));
+            }
+            let (label, value) = m.split_once('=')?;
+            Some((label.trim(), vec![value.trim_matches('"')]))
+        })
+        .collect()
+}

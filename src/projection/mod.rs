@@ -437,6 +437,14 @@ impl Projection {
         write: &RecordedWrite<'_>,
         expires_at_ms: u64,
     ) {
+        // A fold dropped since the write was decided (the store went backwards under it,
+        // `regress.rs`) may stand at the expected version again, read from the new store,
+        // and the write may have landed on either store: nothing of it is recorded here. If
+        // it landed on the store there is now, a retry's conflict and catch-up fold it from
+        // there, index entry included.
+        if st.generation != write.generation {
+            return;
+        }
         let before = st.recent.len();
         for &(event_id, balance, event) in write.events {
             // The run that wrote it answers from its own success, never from this entry.
@@ -449,14 +457,7 @@ impl Projection {
             };
             st.recent.insert(event_id, w);
         }
-        // A fold dropped since the write was decided (the store went backwards under it,
-        // `regress.rs`) may stand at the expected version again, read from the new store:
-        // the write's balance was computed on the old one, so only its index entries (the
-        // answer the client got) are kept, and the next catch-up folds the write itself.
-        if st.version == write.expected_version
-            && st.generation == write.generation
-            && st.broken.is_none()
-        {
+        if st.version == write.expected_version && st.broken.is_none() {
             st.version = write.new_version;
             st.balance = write.balance_after;
             st.max_client_seq = st.max_client_seq.max(write.max_client_seq);

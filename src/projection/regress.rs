@@ -26,16 +26,11 @@ use bytes::Bytes;
 
 use super::{AccountState, Projection};
 use crate::account::AccountId;
+use crate::metrics::seen_by;
 use crate::store::{AggregateWrite, Event, EventType, ReadFilter, StoreError};
 
 /// The event type of the store's epoch (in its own aggregate, never in an account).
 const STORE_EPOCH_EVENT: EventType = EventType { major: 1, minor: 0 };
-
-/// Where a regression was seen (the metric's label).
-pub mod seen_by {
-    pub const CONFLICT: &str = "conflict";
-    pub const ANCHOR: &str = "anchor";
-}
 
 impl Projection {
     /// A conflict said `account` stands at `current` in the store: if the fold is past it,
@@ -77,9 +72,7 @@ impl Projection {
     pub async fn check_store(&self) {
         let restored = self.note_anchor_version(self.probe_version.load(Ordering::Acquire));
         let replaced = self.check_store_epoch().await;
-        // On Postgres a replica refusing its rows has acted already, and the rows' epoch
-        // stays the other store's until an operator reconciles them: counted once.
-        if (restored || replaced) && self.rows_refused().is_none() {
+        if restored || replaced {
             self.whole_store_went_back();
         }
         self.store_checks.send_modify(|n| *n += 1);
@@ -193,6 +186,14 @@ impl Projection {
 
     /// Every fold dropped (and, on Postgres, no row served again).
     fn whole_store_went_back(&self) {
+        // On Postgres, rows are refused before anything is dropped: a load that passed
+        // before the drop must not build a warm copy again after it (`pg_warm_up` asks
+        // too). A replica refusing them already has acted, and the rows' epoch stays the
+        // other store's until an operator reconciles them, so every later check sees it
+        // again: acted on and counted once, however many checks race.
+        if self.uses_database() && !self.refuse_rows() {
+            return;
+        }
         tracing::error!("the store went backwards under this replica; dropping every fold");
         // Collected first: no account lock is taken while the map's shards are held.
         let slots: Vec<_> = self
@@ -200,9 +201,6 @@ impl Projection {
             .iter()
             .map(|e| (*e.key(), e.value().clone()))
             .collect();
-        // On Postgres, refuse rows first: a load that passed before the drop must not build
-        // a warm copy again after it (`pg_warm_up` asks too).
-        self.refuse_rows();
         for (account, slot) in slots {
             self.drop_fold(account, &mut slot.state.lock());
         }
@@ -223,11 +221,14 @@ impl Projection {
     }
 
     /// Postgres: no row is served again (the memory fold has none to refuse).
-    fn refuse_rows(&self) {
-        if self.uses_database() {
-            self.rows_ahead_of_store.store(true, Ordering::Release);
-            self.metrics.rows_refused.set(1);
+    /// Postgres: no row is served from now on. Returns whether this call is the one that
+    /// stopped them (always false on the memory projection).
+    fn refuse_rows(&self) -> bool {
+        if !self.uses_database() {
+            return false;
         }
+        self.metrics.rows_refused.set(1);
+        !self.rows_ahead_of_store.swap(true, Ordering::AcqRel)
     }
 
     /// Postgres: why no row may be served, once the store went backwards under them.

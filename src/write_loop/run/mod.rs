@@ -20,7 +20,7 @@ use super::{Answer, WriteError, WriteRequest};
 use crate::account::rules::Legs;
 use crate::account::{AccountId, Operation};
 use crate::metrics::arm;
-use crate::projection::{AccountView, Loaded, ProjectionError, Snapshot};
+use crate::projection::{AccountView, Loaded, MAX_OWN_CLIENT_SEQ, ProjectionError, Snapshot};
 use crate::store::StoreError;
 
 /// Where one request of a run stands.
@@ -250,9 +250,14 @@ impl<'a> Run<'a> {
             // could land after its client was told to retry, and a retry decided elsewhere
             // in between (a final 422, say) would be contradicted.
             if Instant::now() >= deadline {
+                self.last_failure = "the deadline passed before the write was sent".into();
                 continue;
             }
             // 4. Sequences: held ones stay; otherwise derived from the fold just read.
+            if let Err(err) = self.check_seq_room() {
+                self.answer_unanswered(err);
+                break;
+            }
             self.assign_seqs(&batch);
             // 5. Append and classify.
             skip_backoff = self.write(&batch).await;
@@ -486,13 +491,6 @@ impl<'a> Run<'a> {
     /// ever sent without a sequence or with one another member of the run holds. Each
     /// account's events in write order get consecutive sequences.
     fn assign_seqs(&mut self, batch: &[usize]) {
-        // The fold poisons an account past it, so the additions below cannot overflow.
-        assert!(
-            self.accounts
-                .iter()
-                .all(|t| t.snap.max_client_seq <= crate::projection::MAX_OWN_CLIENT_SEQ),
-            "a fold's highest sequence of ours is bounded"
-        );
         let mut next: Vec<u64> = self
             .accounts
             .iter()
@@ -529,6 +527,29 @@ impl<'a> Run<'a> {
             }),
             "every event of a write carries a sequence"
         );
+    }
+
+    /// Refuses an account whose highest sequence of ours is past [`MAX_OWN_CLIENT_SEQ`]
+    /// (something else wrote under our client id; the fold poisons such a stream, but a
+    /// Postgres row or our own write above a sequence at the bound can still carry one): the
+    /// sequences [`Run::assign_seqs`] derives, a few thousand above it at most, then never
+    /// overflow.
+    fn check_seq_room(&self) -> Result<(), WriteError> {
+        match self
+            .accounts
+            .iter()
+            .find(|t| t.snap.max_client_seq > MAX_OWN_CLIENT_SEQ)
+        {
+            None => Ok(()),
+            Some(t) => Err(WriteError::Account(ProjectionError::Poisoned {
+                account: t.account,
+                version: t.snap.version,
+                reason: format!(
+                    "client sequence {} of ours is past {MAX_OWN_CLIENT_SEQ}: no next one can be derived",
+                    t.snap.max_client_seq
+                ),
+            })),
+        }
     }
 
     /// Releases every sequence the run holds: a write with them was rejected, proven a
