@@ -15,6 +15,7 @@ use crate::device::server::DeviceSync;
 use crate::metrics::Metrics;
 use crate::projection::{Clock, MonotonicClock, PgProjection, Projection};
 use crate::reader::AccountReader;
+use crate::stall::StallWatch;
 use crate::startup::Startup;
 use crate::store::celeriant::CeleriantLog;
 use crate::store::faults::FaultyLog;
@@ -58,6 +59,8 @@ pub struct App {
     pub watch: Arc<Hub>,
     /// The store's liveness for `/readyz`, one ping shared by the probes of a second.
     pub store_ping: SharedPing,
+    /// Whether the replica stood still recently: keyed writes read then are refused.
+    pub stall: Arc<StallWatch>,
     pub(crate) limiter: Arc<Semaphore>,
     shutting_down: AtomicBool,
     /// The start-up steps (server clock, demo accounts): until every one is done, API
@@ -158,6 +161,7 @@ impl AppBuilder {
         );
         Ok(Arc::new(App {
             store_ping: SharedPing::default(),
+            stall: StallWatch::start(metrics.clone()),
             limiter: Arc::new(Semaphore::new(config.max_concurrent_requests)),
             config,
             identity,

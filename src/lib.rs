@@ -7,7 +7,7 @@
 //! [`startup`] (the server-clock anchor and demo seeds) and [`device`] (offline devices'
 //! outbox, sync loop and the service-side core); on top, [`http`] (the hyper front end) and
 //! [`app`] (wiring), with [`config`] and [`metrics`] beside them. `docs/architecture.md`
-//! walks one write through them.
+//! walks one write through them. [`stall`] watches for a replica that stood still.
 
 pub mod account;
 pub mod app;
@@ -18,6 +18,7 @@ pub mod http;
 pub mod metrics;
 pub mod projection;
 pub mod reader;
+pub mod stall;
 pub mod startup;
 pub mod store;
 pub mod watch;

@@ -112,6 +112,7 @@ pub struct Metrics {
     pub device_sync_events: IntCounter,
     pub write_live: IntGauge,
     pub write_answer_timeouts: IntCounter,
+    pub process_stalls: IntCounter,
     // Idempotency
     pub idem_replays: IntCounter,
     pub idem_key_reuse: IntCounter,
@@ -264,6 +265,11 @@ impl Metrics {
                 r,
                 "tally_write_live",
                 "Requests alive on the write side (running, queued or coalesced).",
+            ),
+            process_stalls: counter(
+                r,
+                "tally_process_stalls_total",
+                "Times this replica stood still (stopped or frozen) past the stall threshold; keyed writes are refused retryably for a few seconds after each (src/stall.rs).",
             ),
             write_answer_timeouts: counter(
                 r,

@@ -251,6 +251,8 @@ def build():
          "Any value above 0 needs a look: see the TallyPoisonedAccount alert.")
     L.ts("Store went backwards", [t(f"sum by (instance, seen_by) (increase(tally_store_regressions_total{sel()}[{RI}]))", "{{instance}} {{seen_by}}")], "short",
          "The store showed fewer versions than a replica had folded (restored or replaced): see the TallyStoreWentBackwards alert.")
+    L.ts("Replica stood still", [t(f"sum by (instance) (increase(tally_process_stalls_total{sel()}[{RI}]))", "{{instance}}")], "short",
+         "The process was stopped or frozen past the stall threshold; keyed writes were refused retryably for a few seconds after (TallyProcessStalled).")
     L.ts("Postgres rows refused", [t(f"max by (instance) (tally_projection_rows_refused{sel()})", "{{instance}}")], "short",
          "1 while a Postgres replica serves no row because the store went backwards under them (TallyRowsRefused): an operator reconciles the rows and restarts it.")
 

@@ -130,6 +130,13 @@ where
         .map_err(|_| super::took_too_long())??;
     let op = build(body)?;
     super::auth::authorize_operation(app, caller.as_ref(), &op)?;
+    // Read just after the replica stood still, the request may have waited unread through
+    // the stall, longer than a write may live (`stall.rs`): nothing is decided on it.
+    if let Some(stalled_ms) = app.stall.fenced() {
+        return Err(ApiError::Unavailable(format!(
+            "this replica stood still for {stalled_ms} ms (stopped or frozen), so this write may have waited unread; nothing was written: retry it"
+        )));
+    }
     if key.minted {
         app.metrics.idem_keys_minted.inc();
     }

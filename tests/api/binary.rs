@@ -404,6 +404,74 @@ async fn binary_drains_an_in_flight_request_on_sigterm_and_exits_0() {
     assert!(draining < served && served < stopped, "{:#?}", server.log);
 }
 
+/// Rule: a replica that stood still (SIGSTOP) refuses, retryably and without writing, the
+/// write that waited unread in its socket meanwhile (found black-box: a replica paused past
+/// the idempotency window wrote such a request again after its retry had landed elsewhere).
+/// The pause is the fault under test, not a wait for a signal: the process must stand still
+/// past the stall threshold.
+#[tokio::test]
+async fn binary_refuses_a_write_that_waited_unread_while_it_was_stopped() {
+    let server = Server::start(
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+            "--seed-demo-accounts",
+            "false",
+        ],
+        &[],
+    );
+    let client = reqwest::Client::new();
+    let account = new_account();
+    let deposit = |key: &'static str| {
+        let (client, url) = (
+            client.clone(),
+            server.url(&format!("/api/accounts/{account}/deposit")),
+        );
+        async move {
+            common::read(
+                client
+                    .post(url)
+                    .header("idempotency-key", key)
+                    .json(&json!({ "amountCents": 100 }))
+                    .send()
+                    .await
+                    .expect("answered"),
+            )
+            .await
+        }
+    };
+    assert_eq!(deposit("before-stop").await.status, StatusCode::OK);
+    let signal = |sig: &str| {
+        let status = Command::new("kill")
+            .args([sig, &server.child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success());
+    };
+    signal("-STOP");
+    let waiting = tokio::spawn(deposit("sent-while-stopped"));
+    tokio::time::sleep(tally::stall::THRESHOLD + Duration::from_secs(1)).await;
+    signal("-CONT");
+    let r = waiting.await.expect("request task");
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text);
+    assert_eq!(r.header("retry-after"), Some("1"));
+    let balance = common::read(
+        client
+            .get(server.url(&format!("/api/accounts/{account}/balance")))
+            .send()
+            .await
+            .expect("answered"),
+    )
+    .await;
+    assert_eq!(
+        balance.body,
+        json!({ "balanceCents": 100, "aggregateVersion": 1 }),
+        "nothing written"
+    );
+}
+
 /// Rule: a store that holds every call at boot does not keep the replica from listening:
 /// it answers `/healthz`, and `/readyz` says what it waits for, while its start-up steps'
 /// first attempts are still held (found black-box: it listened only after they returned).

@@ -1,6 +1,7 @@
 //! When the store fails: a write that cannot complete is a retryable 409 whose retry with the
 //! same key writes once, and a poisoned stream is a 500 with an error id that nothing is
-//! written to.
+//! written to. When the replica itself stood still: keyed writes read just after are a
+//! retryable 503 that writes nothing.
 
 use std::sync::Arc;
 
@@ -235,4 +236,36 @@ async fn an_account_whose_events_the_store_hides_is_a_retryable_503_never_a_zero
     );
     writer.shutdown().await;
     reader.shutdown().await;
+}
+
+/// Rule: just after the replica stood still (stopped or frozen past `stall::THRESHOLD`),
+/// a keyed write is a retryable 503 that decides and writes nothing, since it may have
+/// waited unread through the stall for longer than a write may live; reads are served.
+#[tokio::test]
+async fn a_keyed_write_read_just_after_a_stall_is_a_retryable_503_and_writes_nothing() {
+    let t = spawn(test_config(&[]), None, None).await;
+    let account = new_account();
+    assert_eq!(t.deposit(&account, 100, Some("before")).await.status, 200);
+    t.app.stall.observe(std::time::Duration::from_secs(95));
+    let r = t.deposit(&account, 50, Some("after-stall")).await;
+    assert_error(&r, 503, "SERVICE_UNAVAILABLE");
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert!(
+        r.body["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("95000 ms"),
+        "{}",
+        r.text
+    );
+    let r = t
+        .transfer(&account, &new_account(), 10, Some("after-stall-2"))
+        .await;
+    assert_error(&r, 503, "SERVICE_UNAVAILABLE");
+    assert_eq!(t.balance(&account).await, (100, 1), "nothing written");
+    assert_eq!(
+        t.app.metrics.process_stalls.get(),
+        1,
+        "the stall is counted once"
+    );
 }

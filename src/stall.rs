@@ -1,0 +1,143 @@
+//! A replica that was not running: stopped (SIGSTOP), a frozen container or VM, a host that
+//! stalled. While it stood still, requests kept arriving in its sockets, unread; once it
+//! runs again it reads them as if they had just been sent. A write's life (its deadline,
+//! which the idempotency window must outlast) starts when the request is read, so a write
+//! that waited unread longer than the window minus that life can land after a retry of it
+//! landed elsewhere and fell out of the index: written twice (found black-box with a
+//! replica paused for 95 s and the default 90 s window). And a write that waited unread a
+//! few seconds can land after its client, retrying elsewhere, was told a final 422.
+//!
+//! So a thread of its own (not a runtime task: a busy runtime runs late, a stopped process
+//! does not run at all) ticks every [`TICK`]; a tick later than [`THRESHOLD`] by the
+//! monotonic or the wall clock (a paused VM may stop the first) means the process stood
+//! still. For [`FENCE`] after that, keyed writes are answered with a retryable 503 before
+//! anything is decided: whatever waited unread through the stall is read in that time, and
+//! its client's retry is decided afresh (or replayed, if a retry already landed).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::metrics::Metrics;
+
+/// How often the watch thread looks at the clocks.
+pub const TICK: Duration = Duration::from_millis(100);
+/// A tick this much late means the process stood still. Far above any scheduling delay of a
+/// runnable thread on a loaded host, far below the margin between a write's life and the
+/// idempotency window (80 s by default).
+pub const THRESHOLD: Duration = Duration::from_secs(2);
+/// How long keyed writes are refused after a stall: long enough for every request that
+/// waited unread through it to be read (each connection's waits at the gate are bounded by
+/// `--max-queue-wait-ms`).
+pub const FENCE: Duration = Duration::from_secs(5);
+
+/// Whether the replica stood still recently.
+pub struct StallWatch {
+    origin: Instant,
+    /// Milliseconds since `origin` until which keyed writes are refused (0: never fenced).
+    fenced_until_ms: AtomicU64,
+    /// How long the last stall lasted, in ms, for the refusal's message.
+    last_stall_ms: AtomicU64,
+    metrics: Arc<Metrics>,
+}
+
+impl StallWatch {
+    /// A watch with its thread running until the returned value is dropped.
+    pub fn start(metrics: Arc<Metrics>) -> Arc<Self> {
+        let watch = Arc::new(Self::new(metrics));
+        let weak = Arc::downgrade(&watch);
+        let spawned = std::thread::Builder::new()
+            .name("tally-stall-watch".into())
+            .spawn(move || watch_clocks(weak));
+        if let Err(e) = spawned {
+            // Not fatal: the replica runs unwatched, as before this existed; said loudly.
+            tracing::error!(error = %e, "could not start the stall watch thread");
+        }
+        watch
+    }
+
+    fn new(metrics: Arc<Metrics>) -> Self {
+        Self {
+            origin: Instant::now(),
+            fenced_until_ms: AtomicU64::new(0),
+            last_stall_ms: AtomicU64::new(0),
+            metrics,
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// One tick's lateness (the larger of the two clocks'): past [`THRESHOLD`], a stall.
+    pub fn observe(&self, late: Duration) {
+        if late < THRESHOLD {
+            return;
+        }
+        let stalled_ms = u64::try_from(late.as_millis()).unwrap_or(u64::MAX);
+        let until = self.now_ms().saturating_add(FENCE.as_millis() as u64);
+        self.last_stall_ms.store(stalled_ms, Ordering::Relaxed);
+        self.fenced_until_ms.fetch_max(until, Ordering::AcqRel);
+        self.metrics.process_stalls.inc();
+        tracing::warn!(
+            stalled_ms,
+            fence_ms = FENCE.as_millis() as u64,
+            "this replica stood still (stopped or frozen); refusing keyed writes retryably while what waited unread is read"
+        );
+    }
+
+    /// `Some(how long the stall was, in ms)` while keyed writes are refused after one.
+    pub fn fenced(&self) -> Option<u64> {
+        (self.now_ms() < self.fenced_until_ms.load(Ordering::Acquire))
+            .then(|| self.last_stall_ms.load(Ordering::Relaxed))
+    }
+}
+
+/// The watch thread: ticks until the watch is dropped.
+fn watch_clocks(watch: Weak<StallWatch>) {
+    let (mut mono, mut wall) = (Instant::now(), SystemTime::now());
+    loop {
+        std::thread::sleep(TICK);
+        let Some(watch) = watch.upgrade() else {
+            return;
+        };
+        let (mono_now, wall_now) = (Instant::now(), SystemTime::now());
+        let mono_late = mono_now.duration_since(mono).saturating_sub(TICK);
+        // A wall clock stepped backwards says nothing; one stepped forwards by NTP looks
+        // like a stall, which costs a few seconds of retryable refusals, never a wrong answer.
+        let wall_late = wall_now
+            .duration_since(wall)
+            .unwrap_or_default()
+            .saturating_sub(TICK);
+        watch.observe(mono_late.max(wall_late));
+        (mono, wall) = (mono_now, wall_now);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_late_tick_fences_keyed_writes_and_a_punctual_one_does_not() {
+        let watch = StallWatch::new(Arc::new(Metrics::new()));
+        watch.observe(THRESHOLD - Duration::from_millis(1));
+        assert_eq!(watch.fenced(), None);
+        assert_eq!(watch.metrics.process_stalls.get(), 0);
+        watch.observe(Duration::from_secs(95));
+        assert_eq!(watch.fenced(), Some(95_000));
+        assert_eq!(watch.metrics.process_stalls.get(), 1);
+    }
+
+    #[test]
+    fn the_fence_ends_after_its_time() {
+        let watch = StallWatch::new(Arc::new(Metrics::new()));
+        watch.observe(THRESHOLD);
+        assert!(watch.fenced().is_some());
+        // As if FENCE had passed since: the fence is a point on the watch's own clock.
+        watch
+            .fenced_until_ms
+            .store(watch.now_ms(), Ordering::Release);
+        assert_eq!(watch.fenced(), None);
+    }
+}
