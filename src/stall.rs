@@ -12,9 +12,11 @@
 //! monotonic or the wall clock (a paused VM may stop the first) means the process stood
 //! still. For [`FENCE`] after that, keyed writes are answered with a retryable 503 before
 //! anything is decided: whatever waited unread through the stall is read in that time, and
-//! its client's retry is decided afresh (or replayed, if a retry already landed).
+//! its client's retry is decided afresh (or replayed, if a retry already landed). A write
+//! does not wait for the thread to notice: on resuming, the runtime may read a waiting
+//! request before the thread runs, so a last tick older than [`THRESHOLD`] is a stall too.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -34,6 +36,10 @@ pub const FENCE: Duration = Duration::from_secs(5);
 /// Whether the replica stood still recently.
 pub struct StallWatch {
     origin: Instant,
+    /// Whether the watch thread runs (only then does a stale tick mean anything).
+    watching: AtomicBool,
+    /// Milliseconds since `origin` at the thread's last tick.
+    last_tick_ms: AtomicU64,
     /// Milliseconds since `origin` until which keyed writes are refused (0: never fenced).
     fenced_until_ms: AtomicU64,
     /// How long the last stall lasted, in ms, for the refusal's message.
@@ -49,6 +55,7 @@ impl StallWatch {
         let spawned = std::thread::Builder::new()
             .name("tally-stall-watch".into())
             .spawn(move || watch_clocks(weak));
+        watch.watching.store(spawned.is_ok(), Ordering::Release);
         if let Err(e) = spawned {
             // Not fatal: the replica runs unwatched, as before this existed; said loudly.
             tracing::error!(error = %e, "could not start the stall watch thread");
@@ -59,6 +66,8 @@ impl StallWatch {
     fn new(metrics: Arc<Metrics>) -> Self {
         Self {
             origin: Instant::now(),
+            watching: AtomicBool::new(false),
+            last_tick_ms: AtomicU64::new(0),
             fenced_until_ms: AtomicU64::new(0),
             last_stall_ms: AtomicU64::new(0),
             metrics,
@@ -72,12 +81,15 @@ impl StallWatch {
     /// One tick's lateness (the larger of the two clocks'): past [`THRESHOLD`], a stall.
     pub fn observe(&self, late: Duration) {
         if late < THRESHOLD {
+            self.last_tick_ms.store(self.now_ms(), Ordering::Release);
             return;
         }
         let stalled_ms = u64::try_from(late.as_millis()).unwrap_or(u64::MAX);
         let until = self.now_ms().saturating_add(FENCE.as_millis() as u64);
         self.last_stall_ms.store(stalled_ms, Ordering::Relaxed);
         self.fenced_until_ms.fetch_max(until, Ordering::AcqRel);
+        // The fence before the fresh tick: a write between the two must not find neither.
+        self.last_tick_ms.store(self.now_ms(), Ordering::Release);
         self.metrics.process_stalls.inc();
         tracing::warn!(
             stalled_ms,
@@ -86,9 +98,18 @@ impl StallWatch {
         );
     }
 
-    /// `Some(how long the stall was, in ms)` while keyed writes are refused after one.
+    /// `Some(how long the stall was, in ms)` while keyed writes are refused after one, or
+    /// while the thread has not ticked for longer than [`THRESHOLD`] (it has not run since
+    /// the process resumed).
     pub fn fenced(&self) -> Option<u64> {
-        (self.now_ms() < self.fenced_until_ms.load(Ordering::Acquire))
+        let now = self.now_ms();
+        if self.watching.load(Ordering::Acquire) {
+            let silent = now.saturating_sub(self.last_tick_ms.load(Ordering::Acquire));
+            if silent >= THRESHOLD.as_millis() as u64 {
+                return Some(silent);
+            }
+        }
+        (now < self.fenced_until_ms.load(Ordering::Acquire))
             .then(|| self.last_stall_ms.load(Ordering::Relaxed))
     }
 }
@@ -127,6 +148,29 @@ mod tests {
         watch.observe(Duration::from_secs(95));
         assert_eq!(watch.fenced(), Some(95_000));
         assert_eq!(watch.metrics.process_stalls.get(), 1);
+    }
+
+    #[test]
+    fn a_watch_thread_silent_past_the_threshold_fences_before_it_notices() {
+        let mut watch = StallWatch::new(Arc::new(Metrics::new()));
+        // A watch started a while ago, so a tick THRESHOLD ago is on its clock.
+        watch.origin = Instant::now()
+            .checked_sub(THRESHOLD * 5)
+            .expect("the host has been up a while");
+        watch.watching.store(true, Ordering::Release);
+        watch.observe(Duration::ZERO);
+        assert_eq!(watch.fenced(), None);
+        // As if the last tick was THRESHOLD ago: the process resumed, the thread not yet.
+        let stale = watch.now_ms().saturating_sub(THRESHOLD.as_millis() as u64);
+        watch.last_tick_ms.store(stale, Ordering::Release);
+        assert!(
+            watch
+                .fenced()
+                .is_some_and(|ms| ms >= THRESHOLD.as_millis() as u64)
+        );
+        // Unwatched (the thread never started), a stale tick means nothing.
+        watch.watching.store(false, Ordering::Release);
+        assert_eq!(watch.fenced(), None);
     }
 
     #[test]
