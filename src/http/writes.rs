@@ -101,6 +101,23 @@ pub async fn transfer(app: &Arc<App>, req: Request<Incoming>) -> Result<Resp, Ap
     .await
 }
 
+/// The `Idempotency-Window` of an answer: the window in seconds, except on a retryable
+/// answer (409, 503), which may come long after what this attempt wrote landed (up to its
+/// deadline and the backstop's margin): there it is what is left of the window counted from
+/// when the attempt began, rounded down, so a retry within it is safe (found black-box: a
+/// retry 89.7 s after a 409 that said 90 wrote again).
+fn window_header(status: StatusCode, window_secs: u64, elapsed: std::time::Duration) -> u64 {
+    let retryable = matches!(
+        status,
+        StatusCode::CONFLICT | StatusCode::SERVICE_UNAVAILABLE
+    );
+    if !retryable {
+        return window_secs;
+    }
+    let elapsed_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
+    window_secs.saturating_mul(1000).saturating_sub(elapsed_ms) / 1000
+}
+
 impl From<&LegResult> for BalanceBody {
     fn from(l: &LegResult) -> Self {
         Self {
@@ -119,6 +136,9 @@ where
     B: DeserializeOwned,
     F: FnOnce(B) -> Result<Operation, ApiError>,
 {
+    // Before anything of this attempt can land: what it writes is remembered from its
+    // landing, so at least from here.
+    let started = std::time::Instant::now();
     // Issue 17: with authentication on, keys belong to their caller, and a body account
     // (the source of `/api/transfers`) is checked before anything is written.
     let caller = req.extensions().get::<Caller>().cloned();
@@ -166,14 +186,16 @@ where
         Ok(outcome) => outcome_response(&outcome),
         Err(e) => ApiError::from(e).into_response(),
     };
+    let window = window_header(
+        resp.status(),
+        app.config.idempotency_window,
+        started.elapsed(),
+    );
     let h = resp.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&key.echo) {
         h.insert(idempotency::HEADER, v);
     }
-    h.insert(
-        idempotency::WINDOW_HEADER,
-        HeaderValue::from(app.config.idempotency_window),
-    );
+    h.insert(idempotency::WINDOW_HEADER, HeaderValue::from(window));
     Ok(resp)
 }
 
@@ -199,4 +221,27 @@ fn outcome_response(outcome: &WriteOutcome) -> Resp {
         );
     }
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_retryable_answer_states_what_is_left_of_the_window_and_others_the_window() {
+        let late = Duration::from_millis(10_300);
+        assert_eq!(window_header(StatusCode::CONFLICT, 90, late), 79);
+        assert_eq!(window_header(StatusCode::SERVICE_UNAVAILABLE, 90, late), 79);
+        assert_eq!(window_header(StatusCode::CONFLICT, 90, Duration::ZERO), 90);
+        assert_eq!(
+            window_header(StatusCode::CONFLICT, 5, Duration::from_secs(9)),
+            0
+        );
+        assert_eq!(window_header(StatusCode::OK, 90, late), 90);
+        assert_eq!(
+            window_header(StatusCode::UNPROCESSABLE_ENTITY, 90, late),
+            90
+        );
+    }
 }
