@@ -85,6 +85,8 @@ pub mod arm {
 pub mod seen_by {
     pub const CONFLICT: &str = "conflict";
     pub const ANCHOR: &str = "anchor";
+    /// A Postgres replica's first load of a row the store does not reach.
+    pub const LOAD: &str = "load";
 }
 
 /// The write operations (`Operation::name`), for the series that exist from start.
@@ -184,7 +186,7 @@ impl Metrics {
                 self.write_outcomes.with_label_values(&[op, a]);
             }
         }
-        for s in [seen_by::CONFLICT, seen_by::ANCHOR] {
+        for s in [seen_by::CONFLICT, seen_by::ANCHOR, seen_by::LOAD] {
             self.store_regressions.with_label_values(&[s]);
         }
         for reason in EVICTION_REASONS {
@@ -350,7 +352,7 @@ impl Metrics {
             store_regressions: counter_vec(
                 r,
                 "tally_store_regressions_total",
-                "Times the store showed fewer versions than this replica had folded (a store restored or replaced under a running replica), by where it was seen (conflict, anchor); the folds concerned are dropped and read again.",
+                "Times the store showed fewer versions than this replica had folded (a store restored or replaced under a running replica), by where it was seen (conflict, anchor, load: a Postgres first load of a row the store does not reach); the folds concerned are dropped and read again, or the rows not served.",
                 &["seen_by"],
             ),
             rows_refused: gauge(
