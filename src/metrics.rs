@@ -85,8 +85,6 @@ pub mod arm {
 pub mod seen_by {
     pub const CONFLICT: &str = "conflict";
     pub const ANCHOR: &str = "anchor";
-    /// A Postgres replica's first load of a row the store does not reach.
-    pub const LOAD: &str = "load";
 }
 
 /// The write operations (`Operation::name`), for the series that exist from start.
@@ -186,7 +184,7 @@ impl Metrics {
                 self.write_outcomes.with_label_values(&[op, a]);
             }
         }
-        for s in [seen_by::CONFLICT, seen_by::ANCHOR, seen_by::LOAD] {
+        for s in [seen_by::CONFLICT, seen_by::ANCHOR] {
             self.store_regressions.with_label_values(&[s]);
         }
         for reason in EVICTION_REASONS {
@@ -352,7 +350,7 @@ impl Metrics {
             store_regressions: counter_vec(
                 r,
                 "tally_store_regressions_total",
-                "Times the store showed fewer versions than this replica had folded (a store restored or replaced under a running replica), by where it was seen (conflict, anchor, load: a Postgres first load of a row the store does not reach); the folds concerned are dropped and read again, or the rows not served.",
+                "Times the store showed fewer versions than this replica had folded (a store restored or replaced under a running replica), by where it was seen (conflict, anchor); the folds concerned are dropped and read again.",
                 &["seen_by"],
             ),
             rows_refused: gauge(

@@ -59,12 +59,6 @@ impl Projection {
                 let row = self.pg_load(pg, account, lookups, since).await?;
                 Ok(match row.state {
                     Some((snap, None)) => {
-                        // A first load (no copy, not marked too big to hold one) is not
-                        // served before the store is known to reach it: its index rows would
-                        // replay writes a restored store lacks.
-                        if since == Some(0) && snap.version > 0 {
-                            self.pg_check_store_reaches(account, snap.version).await?;
-                        }
                         self.pg_warm_up(
                             account,
                             WarmUpdate {

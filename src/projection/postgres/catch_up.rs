@@ -83,43 +83,6 @@ impl Projection {
         Ok(())
     }
 
-    /// Whether the store holds the shared row's version at all, on a first load whose read
-    /// showed nothing past the row. A store restored from a copy older than the rows (same
-    /// epoch, probes not yet behind) holds less: served, the row would answer reads,
-    /// replays and final 422s on a balance the store does not have (found black-box). Per
-    /// account and retryable: a details read may lag, so a false alarm costs a retry, never
-    /// the replica's rows; a real one keeps the account answering 503 until an operator
-    /// reconciles its row (README, "A store that went backwards").
-    pub(crate) async fn pg_check_store_reaches(
-        &self,
-        account: AccountId,
-        row_version: u64,
-    ) -> Result<(), ProjectionError> {
-        let store_version = match self.log.details(self.identity.key(account)).await {
-            Ok(d) => d.max_version,
-            Err(StoreError::AggregateNotFound) => 0,
-            Err(e) => return Err(ProjectionError::Store(e)),
-        };
-        if store_version >= row_version {
-            return Ok(());
-        }
-        tracing::error!(
-            %account,
-            row_version,
-            store_version,
-            "the store holds fewer versions of this account than the shared row (restored from an older copy?); not serving the row"
-        );
-        self.metrics
-            .store_regressions
-            .with_label_values(&[crate::metrics::seen_by::LOAD])
-            .inc();
-        Err(ProjectionError::Store(StoreError::NotApplied {
-            reason: format!(
-                "the store holds {store_version} versions of this account and the shared row {row_version}: an operator must reconcile the row"
-            ),
-        }))
-    }
-
     /// Catches the account up from the shared row and persists what it folded.
     pub(crate) async fn pg_catch_up(
         &self,
@@ -129,9 +92,6 @@ impl Projection {
     ) -> Result<PgCaughtUp, ProjectionError> {
         let mut statements = 1;
         let since = self.pg_since(account);
-        // A first load: no copy of the row, and not one marked too big to hold one (that
-        // was loaded, and checked, before).
-        let first_load = since == Some(0);
         let loaded = self.pg_load(pg, account, lookups, since).await?;
         let mut st = AccountState::default();
         if let Some((snap, broken)) = loaded.state {
@@ -196,9 +156,6 @@ impl Projection {
         self.metrics
             .catchup_duration
             .observe(started.elapsed().as_secs_f64());
-        if first_load && start > 0 && st.version == start && broken.is_none() {
-            self.pg_check_store_reaches(account, start).await?;
-        }
         let snap = st.snapshot();
         let replayed = st.recent.live_entries();
         if st.version > start || broken.is_some() {
