@@ -161,7 +161,7 @@ impl AppBuilder {
         );
         Ok(Arc::new(App {
             store_ping: SharedPing::default(),
-            stall: StallWatch::start(metrics.clone()),
+            stall: StallWatch::start(metrics.clone(), config.max_queue_wait()),
             limiter: Arc::new(Semaphore::new(config.max_concurrent_requests)),
             config,
             identity,

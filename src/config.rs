@@ -505,16 +505,22 @@ impl Config {
         Ok(())
     }
 
+    /// The longest a write can live: its deadline, and the last store request it may still
+    /// have out when the deadline passes.
+    pub fn write_life(&self) -> Duration {
+        let request_timeout = match self.store {
+            StoreKind::Celeriant => self.celeriant.request_timeout_ms,
+            StoreKind::Memory => 0,
+        };
+        Duration::from_millis(self.write_deadline_ms.saturating_add(request_timeout))
+    }
+
     /// Settings that are each in range but do not fit together.
     fn check_time_relations(&self) -> Result<(), ConfigError> {
         // A write's whole life (its deadline, and the last store request it may still have
         // out when the deadline passes) fits in the window: what it wrote is in the
         // recent-writes index for as long as the write itself can look for it there.
-        let request_timeout = match self.store {
-            StoreKind::Celeriant => self.celeriant.request_timeout_ms,
-            StoreKind::Memory => 0,
-        };
-        let life_ms = self.write_deadline_ms.saturating_add(request_timeout);
+        let life_ms = u64::try_from(self.write_life().as_millis()).unwrap_or(u64::MAX);
         if life_ms >= self.idempotency_window.saturating_mul(1000) {
             return Err(ConfigError(format!(
                 "--idempotency-window ({} s) must be longer than --write-deadline-ms plus the store's request timeout ({life_ms} ms)",

@@ -23,6 +23,8 @@ pub mod refused {
     pub const LIVE_WRITES: &str = "live_writes";
     pub const ACCOUNT_QUEUE: &str = "account_queue";
     pub const QUEUED_PAST_DEADLINE: &str = "queued_past_deadline";
+    /// Read just after the replica stood still (`stall.rs`).
+    pub const STALL: &str = "stall";
 }
 
 /// `outcome` of `tally_auth_requests_total` (issue 17).
@@ -186,6 +188,14 @@ impl Metrics {
         }
         for s in [seen_by::CONFLICT, seen_by::ANCHOR] {
             self.store_regressions.with_label_values(&[s]);
+        }
+        for reason in [
+            refused::LIVE_WRITES,
+            refused::ACCOUNT_QUEUE,
+            refused::QUEUED_PAST_DEADLINE,
+            refused::STALL,
+        ] {
+            self.write_refused.with_label_values(&[reason]);
         }
         for reason in EVICTION_REASONS {
             self.evictions.with_label_values(&[reason]);

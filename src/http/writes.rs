@@ -101,21 +101,24 @@ pub async fn transfer(app: &Arc<App>, req: Request<Incoming>) -> Result<Resp, Ap
     .await
 }
 
-/// The `Idempotency-Window` of an answer: the window in seconds, except on a retryable
-/// answer (409, 503), which may come long after what this attempt wrote landed (up to its
-/// deadline and the backstop's margin): there it is what is left of the window counted from
-/// when the attempt began, rounded down, so a retry within it is safe (found black-box: a
-/// retry 89.7 s after a 409 that said 90 wrote again).
-fn window_header(status: StatusCode, window_secs: u64, elapsed: std::time::Duration) -> u64 {
-    let retryable = matches!(
-        status,
-        StatusCode::CONFLICT | StatusCode::SERVICE_UNAVAILABLE
-    );
-    if !retryable {
+/// The `Idempotency-Window` of an answer: the window in seconds on a 2xx or a rule's 422.
+/// Any other answer may be told to retry long after what was written under the key landed
+/// (found black-box: a retry 89.7 s after a 409 that said 90 wrote again): there it is what
+/// is left of the window, rounded down, counted from the earliest that landing can have
+/// been. That is this attempt's start, less a write's whole `life` when the answer was
+/// another attempt's (a coalesced duplicate joins a leader already running, for at most
+/// that long), so a retry within it is always safe.
+fn window_header(
+    status: StatusCode,
+    window_secs: u64,
+    elapsed: std::time::Duration,
+    life: std::time::Duration,
+) -> u64 {
+    if status.is_success() || status == StatusCode::UNPROCESSABLE_ENTITY {
         return window_secs;
     }
-    let elapsed_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
-    window_secs.saturating_mul(1000).saturating_sub(elapsed_ms) / 1000
+    let since_ms = u64::try_from((elapsed + life).as_millis()).unwrap_or(u64::MAX);
+    window_secs.saturating_mul(1000).saturating_sub(since_ms) / 1000
 }
 
 impl From<&LegResult> for BalanceBody {
@@ -153,6 +156,10 @@ where
     // Read just after the replica stood still, the request may have waited unread through
     // the stall, longer than a write may live (`stall.rs`): nothing is decided on it.
     if let Some(stalled_ms) = app.stall.fenced() {
+        app.metrics
+            .write_refused
+            .with_label_values(&[crate::metrics::refused::STALL])
+            .inc();
         return Err(ApiError::Unavailable(format!(
             "this replica stood still for {stalled_ms} ms (stopped or frozen), so this write may have waited unread; nothing was written: retry it"
         )));
@@ -190,6 +197,7 @@ where
         resp.status(),
         app.config.idempotency_window,
         started.elapsed(),
+        app.config.write_life(),
     );
     let h = resp.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&key.echo) {
@@ -230,18 +238,16 @@ mod tests {
 
     #[test]
     fn a_retryable_answer_states_what_is_left_of_the_window_and_others_the_window() {
-        let late = Duration::from_millis(10_300);
-        assert_eq!(window_header(StatusCode::CONFLICT, 90, late), 79);
-        assert_eq!(window_header(StatusCode::SERVICE_UNAVAILABLE, 90, late), 79);
-        assert_eq!(window_header(StatusCode::CONFLICT, 90, Duration::ZERO), 90);
-        assert_eq!(
-            window_header(StatusCode::CONFLICT, 5, Duration::from_secs(9)),
-            0
-        );
-        assert_eq!(window_header(StatusCode::OK, 90, late), 90);
-        assert_eq!(
-            window_header(StatusCode::UNPROCESSABLE_ENTITY, 90, late),
-            90
-        );
+        let (late, life) = (Duration::from_millis(10_300), Duration::from_secs(5));
+        let w = |status| window_header(status, 90, late, life);
+        assert_eq!(w(StatusCode::CONFLICT), 74);
+        assert_eq!(w(StatusCode::SERVICE_UNAVAILABLE), 74);
+        assert_eq!(w(StatusCode::INTERNAL_SERVER_ERROR), 74);
+        assert_eq!(w(StatusCode::OK), 90);
+        assert_eq!(w(StatusCode::UNPROCESSABLE_ENTITY), 90);
+        let quick = window_header(StatusCode::CONFLICT, 90, Duration::ZERO, life);
+        assert_eq!(quick, 85);
+        let none_left = window_header(StatusCode::CONFLICT, 5, late, life);
+        assert_eq!(none_left, 0);
     }
 }

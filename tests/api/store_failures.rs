@@ -35,12 +35,13 @@ async fn a_write_that_cannot_complete_is_a_retryable_409_and_writes_nothing() {
     assert_error(&r, 409, "CONFLICT");
     assert_eq!(r.header("retry-after"), Some("1"));
     assert_eq!(r.header("idempotency-key"), Some("refused-1"));
-    // What is left of the 90 s window, counted from when this attempt began.
+    // What is left of the 90 s window, counted from the earliest the write can have landed
+    // (this attempt's start, less a write's life of 5 s).
     let left: u64 = r
         .header("idempotency-window")
         .and_then(|w| w.parse().ok())
         .expect("a window header");
-    assert!((80..=90).contains(&left), "{left}");
+    assert!((75..=85).contains(&left), "{left}");
     assert!(!r.replayed());
     let r = t.transfer(&account, &new_account(), 1, None).await;
     // Nothing to move: the rule refuses before any write is tried.
@@ -251,7 +252,7 @@ async fn a_keyed_write_read_just_after_a_stall_is_a_retryable_503_and_writes_not
     let t = spawn(test_config(&[]), None, None).await;
     let account = new_account();
     assert_eq!(t.deposit(&account, 100, Some("before")).await.status, 200);
-    t.app.stall.observe(std::time::Duration::from_secs(95));
+    t.app.stall.observe_now(std::time::Duration::from_secs(95));
     let r = t.deposit(&account, 50, Some("after-stall")).await;
     assert_error(&r, 503, "SERVICE_UNAVAILABLE");
     assert_eq!(r.header("retry-after"), Some("1"));
@@ -273,4 +274,11 @@ async fn a_keyed_write_read_just_after_a_stall_is_a_retryable_503_and_writes_not
         1,
         "the stall is counted once"
     );
+    let refused = t
+        .app
+        .metrics
+        .write_refused
+        .with_label_values(&["stall"])
+        .get();
+    assert_eq!(refused, 2, "each refusal counted");
 }
