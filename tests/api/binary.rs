@@ -137,6 +137,20 @@ impl Server {
         server
     }
 
+    /// On a free port, logging JSON, without the demo accounts, with `extra` flags.
+    fn start_unseeded(extra: &[&str]) -> Server {
+        let mut args = vec![
+            "--listen",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+            "--seed-demo-accounts",
+            "false",
+        ];
+        args.extend_from_slice(extra);
+        Server::start(&args, &[])
+    }
+
     /// Waits (bounded) for the log line with this message; returns it.
     fn wait_for(&mut self, message: &str) -> Value {
         let deadline = Instant::now() + PROCESS_BOUND;
@@ -336,19 +350,8 @@ async fn binary_starts_like_make_run_serves_the_demo_accounts_and_stops_on_sigte
 #[tokio::test]
 async fn binary_drains_an_in_flight_request_on_sigterm_and_exits_0() {
     // Every store write is held for 1.5 s: a deterministic slow request.
-    let mut server = Server::start(
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-            "--seed-demo-accounts",
-            "false",
-            "--faults",
-            "inflight=1,inflight-hold-ms=1500,seed=1",
-        ],
-        &[],
-    );
+    let mut server =
+        Server::start_unseeded(&["--faults", "inflight=1,inflight-hold-ms=1500,seed=1"]);
     let client = reqwest::Client::new();
     let account = new_account();
     let slow = {
@@ -356,18 +359,7 @@ async fn binary_drains_an_in_flight_request_on_sigterm_and_exits_0() {
             client.clone(),
             server.url(&format!("/api/accounts/{account}/deposit")),
         );
-        tokio::spawn(async move {
-            common::read(
-                client
-                    .post(url)
-                    .header("idempotency-key", "drain-1")
-                    .json(&json!({ "amountCents": 700 }))
-                    .send()
-                    .await
-                    .expect("the in-flight request is answered"),
-            )
-            .await
-        })
+        tokio::spawn(async move { common::keyed_deposit(&client, &url, "drain-1", 700).await })
     };
     // Wait (bounded) until the deposit is being served: the scrape counts itself, so two.
     let deadline = Instant::now() + PROCESS_BOUND;
@@ -411,17 +403,7 @@ async fn binary_drains_an_in_flight_request_on_sigterm_and_exits_0() {
 /// past the stall threshold.
 #[tokio::test]
 async fn binary_refuses_a_write_that_waited_unread_while_it_was_stopped() {
-    let server = Server::start(
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-            "--seed-demo-accounts",
-            "false",
-        ],
-        &[],
-    );
+    let server = Server::start_unseeded(&[]);
     let client = reqwest::Client::new();
     let account = new_account();
     let deposit = |key: &'static str| {
@@ -429,18 +411,7 @@ async fn binary_refuses_a_write_that_waited_unread_while_it_was_stopped() {
             client.clone(),
             server.url(&format!("/api/accounts/{account}/deposit")),
         );
-        async move {
-            common::read(
-                client
-                    .post(url)
-                    .header("idempotency-key", key)
-                    .json(&json!({ "amountCents": 100 }))
-                    .send()
-                    .await
-                    .expect("answered"),
-            )
-            .await
-        }
+        async move { common::keyed_deposit(&client, &url, key, 100).await }
     };
     assert_eq!(deposit("before-stop").await.status, StatusCode::OK);
     let signal = |sig: &str| {

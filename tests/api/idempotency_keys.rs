@@ -566,18 +566,7 @@ async fn a_concurrent_request_reusing_an_in_flight_key_with_another_amount_is_re
             t.url(&deposit_path(&account)),
             key.clone(),
         );
-        tokio::spawn(async move {
-            common::read(
-                client
-                    .post(url)
-                    .header("idempotency-key", key)
-                    .json(&json!({ "amountCents": 100 }))
-                    .send()
-                    .await
-                    .expect("sent"),
-            )
-            .await
-        })
+        tokio::spawn(async move { common::keyed_deposit(&client, &url, &key, 100).await })
     };
     assert!(hold.held().await);
     let second = {

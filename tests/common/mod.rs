@@ -337,6 +337,21 @@ impl TestApp {
 }
 
 /// Reads a response whole.
+/// POSTs a deposit of `cents` under Idempotency-Key `key` to `url` (any server, the real
+/// binary too), read whole.
+pub async fn keyed_deposit(client: &reqwest::Client, url: &str, key: &str, cents: i64) -> Reply {
+    read(
+        client
+            .post(url)
+            .header("idempotency-key", key)
+            .json(&serde_json::json!({ "amountCents": cents }))
+            .send()
+            .await
+            .expect("the deposit is answered"),
+    )
+    .await
+}
+
 pub async fn read(resp: reqwest::Response) -> Reply {
     let status = resp.status();
     let headers = resp.headers().clone();
