@@ -94,6 +94,16 @@ impl AppBuilder {
         let config = self.config;
         config.validate()?;
         let identity = config.identity();
+        // Allowed (a write's life fits the window, which `validate` checks), but a retry
+        // after a 409 has no time it is known safe in: its answers say `Idempotency-Window: 0`.
+        let retry_room = config.write_life() * 2 + crate::stall::THRESHOLD;
+        if Duration::from_secs(config.idempotency_window) <= retry_room {
+            tracing::warn!(
+                window_secs = config.idempotency_window,
+                needed_ms = retry_room.as_millis() as u64,
+                "the idempotency window is no longer than two write lives plus the stall threshold: a retry after a 409 is never known to be safe"
+            );
+        }
         let metrics = Arc::new(Metrics::new());
         // Issue 17: the key files are read before anything is served.
         let auth = Arc::new(Authenticator::new(&config.auth()).map_err(ConfigError)?);

@@ -443,6 +443,30 @@ async fn binary_refuses_a_write_that_waited_unread_while_it_was_stopped() {
     );
 }
 
+/// Rule: a window too short for any retry after a 409 to be known safe (no longer than two
+/// write lives plus the stall threshold) is allowed, and said at start (found black-box: a
+/// 3 s window with a 1.9 s deadline wrote late requests again; its 409s say 0).
+#[tokio::test]
+async fn binary_warns_at_start_of_a_window_that_leaves_a_retry_no_safe_time() {
+    let mut server =
+        Server::start_unseeded(&["--idempotency-window", "11", "--write-deadline-ms", "4500"]);
+    let warning = server.wait_for(
+        "the idempotency window is no longer than two write lives plus the stall threshold: a retry after a 409 is never known to be safe",
+    );
+    assert_eq!(warning["fields"]["window_secs"], 11, "{warning}");
+    drop(server);
+    let mut roomy =
+        Server::start_unseeded(&["--idempotency-window", "13", "--write-deadline-ms", "4500"]);
+    roomy.wait_for("start-up done");
+    assert!(
+        roomy
+            .position("the idempotency window is no longer than two write lives plus the stall threshold: a retry after a 409 is never known to be safe")
+            .is_none(),
+        "{:#?}",
+        roomy.log
+    );
+}
+
 /// Rule: a store that holds every call at boot does not keep the replica from listening:
 /// it answers `/healthz`, and `/readyz` says what it waits for, while its start-up steps'
 /// first attempts are still held (found black-box: it listened only after they returned).
