@@ -73,7 +73,7 @@ async fn run(config: Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let listener = match tally::http::bind(listen) {
+    let listener = match tokio::net::TcpListener::bind(listen).await {
         Ok(l) => l,
         Err(e) => {
             tracing::error!(error = %e, %listen, "cannot listen");
@@ -82,7 +82,7 @@ async fn run(config: Config) -> ExitCode {
     };
     // Issue 17: /metrics (and the probes) on an admin address of their own, when asked.
     if let Some(admin) = app.config.admin_listen {
-        match tally::http::bind(admin) {
+        match tokio::net::TcpListener::bind(admin).await {
             Ok(l) => {
                 let addr = l.local_addr().map_or(admin, |a| a);
                 tracing::info!(%addr, "admin listening (/metrics, /healthz, /readyz)");

@@ -40,11 +40,6 @@ use watch::HttpBody;
 
 /// How long a client may take to send a request's headers.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// Connections the kernel completes and holds for the server to accept: where clients wait
-/// while it stops accepting at `--max-connections` (capped by the kernel at
-/// `net.core.somaxconn`). Tokio's own `bind` asks for 128 here (found black-box: the 129th
-/// waiting client's handshake was dropped, and it retried it a second, then three later).
-pub const LISTEN_BACKLOG: u32 = 4096;
 /// Pause after a failed accept (for example out of file descriptors) before trying again.
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
 /// A backstop on any one request, beyond the write loop's own deadline.
@@ -124,19 +119,6 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
         _ = graceful.shutdown() => tracing::info!("all connections closed"),
         _ = tokio::time::sleep(grace) => tracing::warn!("grace period over; closing remaining connections"),
     }
-}
-
-/// A listener on `addr` with [`LISTEN_BACKLOG`].
-pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
-    let socket = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
-    // As tokio's own `bind`: a restarted replica can listen again at once.
-    socket.set_reuseaddr(true)?;
-    socket.bind(addr)?;
-    socket.listen(LISTEN_BACKLOG)
 }
 
 /// A header sent more than once where the API reads one.
