@@ -95,13 +95,14 @@ impl AppBuilder {
         config.validate()?;
         let identity = config.identity();
         // Allowed (a write's life fits the window, which `validate` checks), but a retry
-        // after a 409 has no time it is known safe in: its answers say `Idempotency-Window: 0`.
-        let retry_room = config.write_life() * 2 + crate::stall::THRESHOLD;
-        if Duration::from_secs(config.idempotency_window) <= retry_room {
+        // after a 409, 503 or 500 from the write side has no time it is known safe in: those
+        // answers say `Idempotency-Window: 0` (`http/writes.rs`).
+        let retry_room = config.write_life() + config.retry_lookup_room() + Duration::from_secs(1);
+        if Duration::from_secs(config.idempotency_window) < retry_room {
             tracing::warn!(
                 window_secs = config.idempotency_window,
                 needed_ms = retry_room.as_millis() as u64,
-                "the idempotency window is no longer than two write lives plus the stall threshold: a retry after a 409 is never known to be safe"
+                "the idempotency window leaves a retry no time it is known safe in: a non-final write answer says Idempotency-Window: 0"
             );
         }
         let metrics = Arc::new(Metrics::new());

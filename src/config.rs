@@ -515,6 +515,14 @@ impl Config {
         Duration::from_millis(self.write_deadline_ms.saturating_add(request_timeout))
     }
 
+    /// How long after a retry is sent it may still look for an earlier landing: its waits
+    /// before it is read (at the gate, for an in-flight slot, again after a slow body, each
+    /// at most `--max-queue-wait-ms`), a stall too short to be fenced, then a write's life
+    /// (its last look is a catch-up before its deadline, and a store call may be out).
+    pub fn retry_lookup_room(&self) -> Duration {
+        self.max_queue_wait() * 3 + crate::stall::THRESHOLD + self.write_life()
+    }
+
     /// Settings that are each in range but do not fit together.
     fn check_time_relations(&self) -> Result<(), ConfigError> {
         // A write's whole life (its deadline, and the last store request it may still have

@@ -104,23 +104,23 @@ pub async fn transfer(app: &Arc<App>, req: Request<Incoming>) -> Result<Resp, Ap
 /// The `Idempotency-Window` of an answer: the window in seconds on a 2xx or a rule's 422.
 /// Any other answer may be told to retry long after what was written under the key landed
 /// (found black-box: a retry 89.7 s after a 409 that said 90 wrote again): there it is how
-/// long from now a retry can be sent and still find that landing, rounded down. The landing
-/// can be as early as this attempt's start less a write's whole `life` (a coalesced
-/// duplicate joins a leader already running, for at most that long), and the retry looks
-/// for it as late as a `life` after it is sent (its own catch-up; found black-box: a retry
-/// sent inside the stated time found the entry expired under read lag). So two lives come
-/// off what is left of the window.
+/// long from now a retry can be sent and still find that landing, rounded down. `since` is
+/// how long ago the landing can have been: this attempt's time, plus a write's life before
+/// it, since a coalesced duplicate gets the answer of a leader already running. `lookup`
+/// is how long after it is sent a retry may still look for it
+/// ([`crate::config::Config::retry_lookup_room`]; found black-box: a retry sent inside the
+/// stated time looked only after its own catch-up, and found the entry expired).
 fn window_header(
     status: StatusCode,
     window_secs: u64,
-    elapsed: std::time::Duration,
-    life: std::time::Duration,
+    since: std::time::Duration,
+    lookup: std::time::Duration,
 ) -> u64 {
     if status.is_success() || status == StatusCode::UNPROCESSABLE_ENTITY {
         return window_secs;
     }
-    let since_ms = u64::try_from((elapsed + life * 2).as_millis()).unwrap_or(u64::MAX);
-    window_secs.saturating_mul(1000).saturating_sub(since_ms) / 1000
+    let gone_ms = u64::try_from((since + lookup).as_millis()).unwrap_or(u64::MAX);
+    window_secs.saturating_mul(1000).saturating_sub(gone_ms) / 1000
 }
 
 impl From<&LegResult> for BalanceBody {
@@ -198,8 +198,8 @@ where
     let window = window_header(
         resp.status(),
         app.config.idempotency_window,
-        started.elapsed(),
-        app.config.write_life(),
+        started.elapsed() + app.config.write_life(),
+        app.config.retry_lookup_room(),
     );
     let h = resp.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&key.echo) {
@@ -240,16 +240,14 @@ mod tests {
 
     #[test]
     fn a_retryable_answer_states_what_is_left_of_the_window_and_others_the_window() {
-        let (late, life) = (Duration::from_millis(10_300), Duration::from_secs(5));
-        let w = |status| window_header(status, 90, late, life);
-        assert_eq!(w(StatusCode::CONFLICT), 69);
-        assert_eq!(w(StatusCode::SERVICE_UNAVAILABLE), 69);
-        assert_eq!(w(StatusCode::INTERNAL_SERVER_ERROR), 69);
+        let (since, lookup) = (Duration::from_millis(15_300), Duration::from_millis(7_750));
+        let w = |status| window_header(status, 90, since, lookup);
+        assert_eq!(w(StatusCode::CONFLICT), 66);
+        assert_eq!(w(StatusCode::SERVICE_UNAVAILABLE), 66);
+        assert_eq!(w(StatusCode::INTERNAL_SERVER_ERROR), 66);
         assert_eq!(w(StatusCode::OK), 90);
         assert_eq!(w(StatusCode::UNPROCESSABLE_ENTITY), 90);
-        let quick = window_header(StatusCode::CONFLICT, 90, Duration::ZERO, life);
-        assert_eq!(quick, 80);
-        let none_left = window_header(StatusCode::CONFLICT, 5, late, life);
+        let none_left = window_header(StatusCode::CONFLICT, 20, since, lookup);
         assert_eq!(none_left, 0);
     }
 }

@@ -336,7 +336,6 @@ impl TestApp {
     }
 }
 
-/// Reads a response whole.
 /// POSTs a deposit of `cents` under Idempotency-Key `key` to `url` (any server, the real
 /// binary too), read whole.
 pub async fn keyed_deposit(client: &reqwest::Client, url: &str, key: &str, cents: i64) -> Reply {
@@ -352,6 +351,7 @@ pub async fn keyed_deposit(client: &reqwest::Client, url: &str, key: &str, cents
     .await
 }
 
+/// Reads a response whole.
 pub async fn read(resp: reqwest::Response) -> Reply {
     let status = resp.status();
     let headers = resp.headers().clone();
