@@ -854,36 +854,24 @@ mod tests {
             crate::projection::postgres::DEFAULT_POOL_SIZE
         );
         assert!(Config::defaults().postgres().is_none(), "memory by default");
+        // On Postgres with a URL, one more flag and its value.
+        let pg = |flag, value| {
+            vec![
+                "tally",
+                "--projection",
+                "postgres",
+                "--postgres-url",
+                "x",
+                flag,
+                value,
+            ]
+        };
         for bad in [
             vec!["tally", "--projection", "postgres"],
             vec!["tally", "--projection", "postgres", "--postgres-url", ""],
-            vec![
-                "tally",
-                "--projection",
-                "postgres",
-                "--postgres-url",
-                "x",
-                "--postgres-pool-size",
-                "0",
-            ],
-            vec![
-                "tally",
-                "--projection",
-                "postgres",
-                "--postgres-url",
-                "x",
-                "--postgres-statement-timeout-ms",
-                "0",
-            ],
-            vec![
-                "tally",
-                "--projection",
-                "postgres",
-                "--postgres-url",
-                "x",
-                "--postgres-statement-timeout-ms",
-                "2147483648",
-            ],
+            pg("--postgres-pool-size", "0"),
+            pg("--postgres-statement-timeout-ms", "0"),
+            pg("--postgres-statement-timeout-ms", "2147483648"),
             vec!["tally", "--idempotency-scan-window", "86401"],
         ] {
             assert!(Config::parse_from(&bad).validate().is_err(), "{bad:?}");
