@@ -7,7 +7,8 @@
 //! [`startup`] (the server-clock anchor and demo seeds) and [`device`] (offline devices'
 //! outbox, sync loop and the service-side core); on top, [`http`] (the hyper front end) and
 //! [`app`] (wiring), with [`config`] and [`metrics`] beside them. `docs/architecture.md`
-//! walks one write through them. [`stall`] watches for a replica that stood still.
+//! walks one write through them. [`stall`] watches for a replica that stood still; [`log_limit`] keeps a
+//! failure every request meets to one log line per second.
 
 pub mod account;
 pub mod app;
@@ -15,6 +16,7 @@ pub mod auth;
 pub mod config;
 pub mod device;
 pub mod http;
+pub mod log_limit;
 pub mod metrics;
 pub mod projection;
 pub mod reader;

@@ -211,3 +211,37 @@ async fn a_transfer_coding_other_than_chunked_is_refused_and_writes_nothing() {
     assert!(plain.contains(r#""balanceCents":5"#), "{plain}");
     server.shutdown().await;
 }
+
+/// Rule: `chunked` applied twice is framing no sender may use (RFC 9112, 6.1): refused, 400,
+/// and nothing written, whether named in one field or two (hyper undoes it once and would
+/// hand the rest over as the body).
+#[tokio::test]
+async fn chunked_named_twice_is_refused_and_writes_nothing() {
+    let server = Server::start(&[]).await;
+    let body = r#"{"amountCents":5}"#;
+    let chunked = format!("{:x}\r\n{body}\r\n0\r\n\r\n", body.len());
+    let account = uuid::Uuid::new_v4();
+    for codings in [
+        "Transfer-Encoding: chunked, chunked\r\n",
+        "Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n",
+    ] {
+        let text = server
+            .exchange(&format!(
+                "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+                 Content-Type: application/json\r\nConnection: close\r\n{codings}\r\n{chunked}"
+            ))
+            .await;
+        assert!(
+            text.starts_with("HTTP/1.1 400 Bad Request"),
+            "{codings}: {text}"
+        );
+        assert!(text.contains("at most once"), "{text}");
+    }
+    let balance = server
+        .exchange(&format!(
+            "GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: tally\r\nConnection: close\r\n\r\n"
+        ))
+        .await;
+    assert!(balance.contains(r#""balanceCents":0"#), "{balance}");
+    server.shutdown().await;
+}

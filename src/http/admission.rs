@@ -21,13 +21,12 @@
 //! goodput when clients re-send at once: a refusal costs a third to a half of a served
 //! request's CPU (the loopback round trip dominates it), so refused clients spin and crowd
 //! out admitted ones. Shed requests are logged one by one at debug only, with a warning at
-//! most once per [`SHED_REPORT_INTERVAL`]: the access-log line alone is a quarter of a
-//! refusal's cost.
+//! most once per [`crate::log_limit::REPORT_INTERVAL`]: the access-log line alone is a
+//! quarter of a refusal's cost.
 
 use std::future::Future;
 use std::pin::pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -38,14 +37,13 @@ use super::InFlightGauge;
 use super::error::ApiError;
 use super::gate::Gate;
 use crate::app::App;
+use crate::log_limit::LogLimit;
 use crate::metrics::Metrics;
 
 /// How long a request's body may take to arrive before its in-flight slot is given back for
 /// the wait: longer than a second segment or an `Expect: 100-continue` round trip takes on
 /// a network, far shorter than a client trickling its body holds it.
 pub const SLOW_BODY_GRACE: Duration = Duration::from_millis(20);
-/// The most often shedding is reported in the log.
-pub const SHED_REPORT_INTERVAL: Duration = Duration::from_secs(1);
 
 /// The edge's own state, shared by the accept loop and every request.
 pub struct Edge {
@@ -54,12 +52,8 @@ pub struct Edge {
     /// One permit per open connection.
     connections: Arc<Semaphore>,
     metrics: Arc<Metrics>,
-    /// When the edge started: the origin of `last_report_ms`.
-    started: Instant,
-    /// When shedding was last reported, in ms since `started`.
-    last_report_ms: AtomicU64,
-    /// Requests shed since then.
-    shed_since_report: AtomicU64,
+    /// Shedding is reported at most once per interval.
+    shed_log: LogLimit,
 }
 
 /// One open connection's slot; gives it back (and updates the gauge) when dropped.
@@ -90,9 +84,7 @@ impl Edge {
             ),
             connections: Arc::new(Semaphore::new(app.config.max_connections)),
             metrics: app.metrics.clone(),
-            started: Instant::now(),
-            last_report_ms: AtomicU64::new(0),
-            shed_since_report: AtomicU64::new(0),
+            shed_log: LogLimit::new(crate::log_limit::REPORT_INTERVAL),
         }
     }
 
@@ -146,26 +138,13 @@ impl Edge {
         })
     }
 
-    /// Counts one shed request and, at most once per [`SHED_REPORT_INTERVAL`], warns with
-    /// the number shed since the last warning.
+    /// Counts one shed request and, at most once per interval, warns with the number shed
+    /// since the last warning.
     fn note_shed(&self) {
-        self.shed_since_report.fetch_add(1, Ordering::Relaxed);
-        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        let last = self.last_report_ms.load(Ordering::Relaxed);
-        let interval = SHED_REPORT_INTERVAL.as_millis() as u64;
-        if now.saturating_sub(last) < interval && last != 0 {
-            return;
-        }
-        // One request wins the report for this interval.
-        if self
-            .last_report_ms
-            .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
-            .is_ok()
-        {
-            let shed = self.shed_since_report.swap(0, Ordering::Relaxed);
+        if let Some(report) = self.shed_log.occurred() {
             tracing::warn!(
-                shed,
-                since_ms = now.saturating_sub(last),
+                shed = report.count,
+                since_ms = report.since_ms,
                 "shedding load: requests waited --max-queue-wait-ms for an in-flight slot and were refused"
             );
         }

@@ -103,15 +103,24 @@ pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T,
     }
     // The same for a transfer coding hyper lets through ahead of `chunked` (`gzip, chunked`):
     // it decodes only the chunks, and would hand over the compressed bytes.
-    let transfer_coded = req
-        .headers()
-        .get_all(TRANSFER_ENCODING)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
-        .any(|coding| !coding.trim_ascii().eq_ignore_ascii_case(b"chunked"));
-    if transfer_coded {
+    let codings = || {
+        req.headers()
+            .get_all(TRANSFER_ENCODING)
+            .iter()
+            .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+            .map(|coding| coding.trim_ascii())
+    };
+    if codings().any(|coding| !coding.eq_ignore_ascii_case(b"chunked")) {
         return Err(ApiError::UnsupportedMediaType(
             "transfer codings other than chunked are not accepted: send the JSON body as is",
+        ));
+    }
+    // Chunked twice is framing no sender may use (RFC 9112, 6.1); hyper undoes it once and
+    // would hand over chunk framing as the body.
+    if codings().count() > 1 {
+        return Err(ApiError::bad_request(
+            "BAD_REQUEST",
+            "chunked is applied at most once: send one Transfer-Encoding: chunked",
         ));
     }
     let declared = req

@@ -3,13 +3,14 @@
 //! The cursor lock is held while the channel reads new batches and fans them out, and while
 //! a subscriber joins, so a joiner sees exactly the frames after the version it is told.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::Duration;
 
 use parking_lot::Mutex;
 
 use super::{AccountFrame, END_FEED_GAP, END_UNREADABLE, Entry, Hub, Slot, WatchError, fan_out};
 use crate::account::{AccountEvent, AccountId, fold};
+use crate::log_limit::{LogLimit, REPORT_INTERVAL};
 use crate::projection::{Projection, ProjectionError};
 use crate::reader::{HistoryEntry, Writer};
 use crate::store::{Batch, BatchStream, ClientId, ReadFilter, StoreError};
@@ -107,7 +108,13 @@ impl Channel {
                         return;
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, "watch read failed; the next notification or resync retries");
+                        // Through a store outage every watched account's every notification
+                        // and resync fails here: one line a second, counting them.
+                        static LOG: LazyLock<LogLimit> =
+                            LazyLock::new(|| LogLimit::new(REPORT_INTERVAL));
+                        if let Some(report) = LOG.occurred() {
+                            tracing::warn!(error = %e, failed = report.count, since_ms = report.since_ms, "watch read failed; the next notification or resync retries");
+                        }
                         return;
                     }
                 };

@@ -3,11 +3,13 @@
 //! does, and persist the fold (index rows inside the window, and the cursor) in one
 //! statement.
 
+use std::sync::LazyLock;
 use std::time::Instant;
 
 use super::warm::WarmUpdate;
 use super::{PgError, PgProjection, PgRow};
 use crate::account::AccountId;
+use crate::log_limit::{LogLimit, REPORT_INTERVAL};
 use crate::projection::state::{AccountState, Broken, FoldContext, Snapshot};
 use crate::projection::{Projection, ProjectionError, RecentWrite, broken_error};
 use crate::store::{BatchStream, ReadFilter, StoreError};
@@ -21,9 +23,14 @@ pub struct PgCaughtUp {
 }
 
 /// A database failure, as the layers above see it: retryable, nothing applied. The detail
-/// (an SQLSTATE and the server's message, never the URL) is logged here, once.
+/// (an SQLSTATE and the server's message, never the URL) is logged here, at most once a
+/// second with how many failed since: while the database is down every write's every
+/// attempt fails (`tally_projection_db_statements_total{outcome="error"}` counts each).
 pub(crate) fn db_error(e: PgError) -> ProjectionError {
-    tracing::warn!(error = %e, "projection database statement failed");
+    static LOG: LazyLock<LogLimit> = LazyLock::new(|| LogLimit::new(REPORT_INTERVAL));
+    if let Some(report) = LOG.occurred() {
+        tracing::warn!(error = %e, failed = report.count, since_ms = report.since_ms, "projection database statement failed");
+    }
     ProjectionError::Database
 }
 
