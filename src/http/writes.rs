@@ -105,8 +105,10 @@ pub async fn transfer(app: &Arc<App>, req: Request<Incoming>) -> Result<Resp, Ap
 /// Any other answer may be told to retry long after what was written under the key landed
 /// (found black-box: a retry 89.7 s after a 409 that said 90 wrote again): there it is how
 /// long from now a retry can be sent and still find that landing, rounded down. `since` is
-/// how long ago the landing can have been: this attempt's time, plus a write's life before
-/// it, since a coalesced duplicate gets the answer of a leader already running. `lookup`
+/// how long ago the landing can have been: since this attempt arrived, or, for a duplicate
+/// coalesced onto one already running, since that one did (exact, found in review: a fixed
+/// write's life for it took that life off every answer, and could fall short when its
+/// catch-up ran on past its deadline); a write's life more when no answer came. `lookup`
 /// is how long after it is sent a retry may still look for it
 /// ([`crate::config::Config::retry_lookup_room`]; found black-box: a retry sent inside the
 /// stated time looked only after its own catch-up, and found the entry expired).
@@ -175,20 +177,30 @@ where
         event_id: key.event_id.as_u128(),
     };
     let span = tracing::Span::current();
-    let task = tokio::spawn(async move { writes.execute(request).await }.instrument(span));
+    let task = tokio::spawn(async move { writes.execute_timed(request).await }.instrument(span));
+    // Without the answer, the attempt it would have come from is not known either: it may
+    // be one already running when this one arrived, at most a write's life earlier.
+    let unknown_since = || started.elapsed() + app.config.write_life();
     // The loop stops trying at its deadline, but a store call under way then runs to its own
     // timeout: past this backstop the answer is "not known yet", with the key, and the task
     // goes on to record the outcome for the retry.
-    let answer = match tokio::time::timeout(super::request_deadline(app), task).await {
-        Ok(Ok(answer)) => answer,
-        Ok(Err(e)) => Err(WriteError::Invariant {
-            what: format!("the write task failed: {e}"),
-        }),
+    let (answer, since) = match tokio::time::timeout(super::request_deadline(app), task).await {
+        Ok(Ok((answer, began))) => (answer, started.elapsed().max(began.elapsed())),
+        Ok(Err(e)) => (
+            Err(WriteError::Invariant {
+                what: format!("the write task failed: {e}"),
+            }),
+            unknown_since(),
+        ),
         Err(_) => {
             app.metrics.write_answer_timeouts.inc();
-            Err(WriteError::Unverifiable {
-                reason: "no answer within the request's deadline; the write may still land".into(),
-            })
+            (
+                Err(WriteError::Unverifiable {
+                    reason: "no answer within the request's deadline; the write may still land"
+                        .into(),
+                }),
+                unknown_since(),
+            )
         }
     };
     let mut resp = match answer {
@@ -198,7 +210,7 @@ where
     let window = window_header(
         resp.status(),
         app.config.idempotency_window,
-        started.elapsed() + app.config.write_life(),
+        since,
         app.config.retry_lookup_room(),
     );
     let h = resp.headers_mut();

@@ -38,6 +38,8 @@ const MAX_BACKOFF: Duration = Duration::from_millis(200);
 /// The first request of a key being written on this replica; duplicates wait for its answer.
 struct Leader {
     op: Operation,
+    /// When the first request arrived: nothing it wrote landed earlier.
+    arrived: Instant,
     answer: watch::Receiver<Option<Answer>>,
 }
 
@@ -110,15 +112,24 @@ impl WriteService {
     /// same event id on the same account on this replica wait for the first and share its
     /// answer.
     pub async fn execute(&self, req: WriteRequest) -> Answer {
+        self.execute_timed(req).await.0
+    }
+
+    /// [`Self::execute`], and when the attempt whose answer this is arrived: this request's
+    /// arrival, or, for a duplicate that shared the answer of one already running, that
+    /// one's. Nothing either wrote landed before it: an answer that leaves the outcome open
+    /// tells its client how long a retry stays safe from there (`http/writes.rs`).
+    pub async fn execute_timed(&self, req: WriteRequest) -> (Answer, Instant) {
         let arrived = Instant::now();
         // Held until this request leaves the write side, however its future ends.
         let Ok(_permit) = self.live.try_acquire() else {
             // A retry of a write that landed costs no store call: answer it from memory
             // rather than refuse it, so a full replica still gives retries their answer.
             if let Some(answer) = self.replay_from_memory(&req) {
-                return answer;
+                return (answer, arrived);
             }
-            return Err(self.refuse(refused::LIVE_WRITES, "too many writes in flight"));
+            let refused = self.refuse(refused::LIVE_WRITES, "too many writes in flight");
+            return (Err(refused), arrived);
         };
         let _live = LiveGauge::enter(&self.metrics().write_live);
         self.execute_admitted(req, arrived).await
@@ -171,7 +182,7 @@ impl WriteService {
         }
     }
 
-    async fn execute_admitted(&self, req: WriteRequest, arrived: Instant) -> Answer {
+    async fn execute_admitted(&self, req: WriteRequest, arrived: Instant) -> (Answer, Instant) {
         let key: CoalesceKey = (req.event_id, req.op.legs().as_slice()[0].account);
         // Each round waits for a first request to end, so the rounds are as many as the
         // requests racing under this key at most; a loop, not a recursion, so no number of
@@ -184,6 +195,7 @@ impl WriteService {
                 .or_insert_with(|| {
                     Arc::new(Leader {
                         op: req.op,
+                        arrived,
                         answer: leader_rx,
                     })
                 })
@@ -196,10 +208,10 @@ impl WriteService {
                 };
                 let answer = self.execute_uncoalesced(req, arrived).await;
                 let _ = tx.send(Some(answer.clone()));
-                return answer;
+                return (answer, arrived);
             }
             if let Some(answer) = self.follow(&entry, &req).await {
-                return answer;
+                return (answer, entry.arrived.min(arrived));
             }
             // Decided on its own: the first request's entry may outlive its answer for a
             // moment (its guard drops after it sends), and must not be waited on again.
@@ -469,6 +481,7 @@ mod tests {
             (9, account),
             Arc::new(Leader {
                 op: first,
+                arrived: Instant::now(),
                 answer: answered,
             }),
         );
@@ -486,5 +499,63 @@ mod tests {
         assert_eq!(answer.legs[0].balance, 30);
         assert!(!answer.replayed);
         assert!(svc.leaders.is_empty(), "the stale entry was taken out");
+    }
+
+    /// Rule: a duplicate that shares the answer of an attempt already running reports that
+    /// attempt's arrival, not its own: what the first wrote may have landed from then on,
+    /// and an answer that leaves the outcome open counts its window from there.
+    #[tokio::test(start_paused = true)]
+    async fn a_coalesced_duplicate_reports_when_the_attempt_it_shared_arrived() {
+        let svc = Arc::new(service());
+        let account = AccountId(uuid::Uuid::from_u128(8));
+        let op = Operation::Deposit {
+            account,
+            amount: amount(30),
+        };
+        let (answer, running) = watch::channel(None);
+        let first_arrived = Instant::now();
+        svc.leaders.insert(
+            (11, account),
+            Arc::new(Leader {
+                op,
+                arrived: first_arrived,
+                answer: running,
+            }),
+        );
+        tokio::time::advance(Duration::from_secs(3)).await;
+        let follower = tokio::spawn({
+            let svc = svc.clone();
+            async move { svc.execute_timed(WriteRequest { op, event_id: 11 }).await }
+        });
+        // The duplicate is waiting on the first; the first's outcome stays open.
+        tokio::task::yield_now().await;
+        answer
+            .send(Some(Err(WriteError::Unverifiable {
+                reason: "no answer".into(),
+            })))
+            .expect("the duplicate is waiting");
+        let (shared, began) = follower.await.expect("the duplicate's task");
+        assert!(
+            matches!(shared, Err(WriteError::Unverifiable { .. })),
+            "{shared:?}"
+        );
+        assert_eq!(
+            began, first_arrived,
+            "the first's arrival, 3 s before its own"
+        );
+        // On its own, a request reports its own arrival.
+        let own_arrival = Instant::now();
+        let other = Operation::Deposit {
+            account,
+            amount: amount(5),
+        };
+        let (landed, began) = svc
+            .execute_timed(WriteRequest {
+                op: other,
+                event_id: 12,
+            })
+            .await;
+        assert!(landed.is_ok(), "{landed:?}");
+        assert_eq!(began, own_arrival);
     }
 }

@@ -35,14 +35,17 @@ async fn a_write_that_cannot_complete_is_a_retryable_409_and_writes_nothing() {
     assert_error(&r, 409, "CONFLICT");
     assert_eq!(r.header("retry-after"), Some("1"));
     assert_eq!(r.header("idempotency-key"), Some("refused-1"));
-    // What is left of the 90 s window for a retry sent now: less this attempt's time, a
-    // write's life of 5 s before it (a leader it joined), and the 7.75 s a retry may take
-    // to look (waits, an unfenced stall, its own life).
+    // What is left of the 90 s window for a retry sent now: less this attempt's time (it
+    // joined no running attempt) and the 7.75 s a retry may take to look (waits, an
+    // unfenced stall, its own life).
     let left: u64 = r
         .header("idempotency-window")
         .and_then(|w| w.parse().ok())
         .expect("a window header");
-    assert!((67..=77).contains(&left), "{left}");
+    // 90 - 7.75 = 82 less this attempt's time: above 77, which taking a running attempt's
+    // whole life off as well would give (`write_loop::service`'s coalescing test pins that
+    // a shared answer counts from the first attempt).
+    assert!((78..=82).contains(&left), "{left}");
     assert!(!r.replayed());
     let r = t.transfer(&account, &new_account(), 1, None).await;
     // Nothing to move: the rule refuses before any write is tried.
