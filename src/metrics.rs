@@ -163,6 +163,7 @@ pub struct Metrics {
     pub fault_injection_enabled: IntGauge,
     // The Postgres projection (issue 14)
     pub projection_record_failures: IntCounter,
+    pub projection_record_guard_misses: IntCounter,
     pub projection_db_statements: IntCounterVec,
     pub projection_db_round_trips_per_write: Histogram,
     pub projection_db_rows_replayed: IntCounter,
@@ -503,6 +504,11 @@ impl Metrics {
                 r,
                 "tally_projection_record_failures_total",
                 "Writes that landed in the store but whose record statement failed (answered anyway; the next catch-up replays them).",
+            ),
+            projection_record_guard_misses: counter(
+                r,
+                "tally_projection_record_guard_misses_total",
+                "Account rows a write's record left alone because the row was not at the version the write expected (another replica got ahead, or the database lost a commit); the replica's copy of the account is dropped.",
             ),
             projection_db_statements: counter_vec(
                 r,

@@ -184,17 +184,31 @@ impl Projection {
                 for (account, _, write) in writes {
                     self.pg_record_warm(*account, write, expires);
                 }
-                if let Err(e) = pg.record(&rows, expires).await {
-                    self.metrics.projection_record_failures.inc();
-                    tracing::warn!(error = %e, accounts = rows.len(),
-                        "the write landed but recording it in the projection failed; the next catch-up replays it");
-                    // The database is now behind this replica's copy. Kept, the copy would
-                    // send every later write down the fast path, whose records are guarded on
-                    // a cursor the database never reached: the shared row would stay stale
-                    // for as long as only this replica wrote. Without it, the next write
-                    // loads the row and catches up, which persists what was missed.
-                    for (account, _, _) in writes {
-                        self.pg_forget_warm(*account);
+                // Where the database is now behind this replica's copy, the copy goes. Kept,
+                // it would send every later write down the fast path, whose records are
+                // guarded on a cursor the database never reached: the shared row would stay
+                // stale for as long as only this replica wrote. Without it, the next write
+                // loads the row and catches up, which persists what was missed.
+                match pg.record(&rows, expires).await {
+                    Ok(skipped) => {
+                        // The row was not at the version this write expected: another
+                        // replica's catch-up passed it (harmless: the copy costs one load),
+                        // or the database lost a commit the copy had counted on (found in
+                        // review: asynchronous commit, a crash or a failover).
+                        self.metrics
+                            .projection_record_guard_misses
+                            .inc_by(skipped.len() as u64);
+                        for account in skipped {
+                            self.pg_forget_warm(account);
+                        }
+                    }
+                    Err(e) => {
+                        self.metrics.projection_record_failures.inc();
+                        tracing::warn!(error = %e, accounts = rows.len(),
+                            "the write landed but recording it in the projection failed; the next catch-up replays it");
+                        for (account, _, _) in writes {
+                            self.pg_forget_warm(*account);
+                        }
                     }
                 }
                 1

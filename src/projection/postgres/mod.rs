@@ -353,8 +353,12 @@ impl PgProjection {
     /// (shared with other writes' records under load: `records.rs`): each account's index
     /// rows upserted (a row's `expires_at_ms` only ever raised), and its cursor bumped only
     /// where it still stands at the version the write expected (a row is created only by a
-    /// write that expected version 0).
-    pub async fn record(&self, rows: &[RecordRow<'_>], expires_at_ms: u64) -> Result<(), PgError> {
+    /// write that expected version 0). Returns the accounts whose row the guard skipped.
+    pub async fn record(
+        &self,
+        rows: &[RecordRow<'_>],
+        expires_at_ms: u64,
+    ) -> Result<Vec<AccountId>, PgError> {
         self.records.record(Record::of(rows, expires_at_ms)).await
     }
 
@@ -471,8 +475,14 @@ fn counted<T>(metrics: &Metrics, statement: &str, r: Result<T, PgError>) -> Resu
     r
 }
 
-/// Sends one record statement: every account row and index row of `record`.
-async fn execute_record(pool: &Pool, metrics: &Metrics, record: Record) -> Result<(), PgError> {
+/// Sends one record statement: every account row and index row of `record`. Returns the
+/// accounts whose row it moved; a row its guard skipped was not at the version the write
+/// expected (another replica's catch-up got there first, or the database lost a commit).
+async fn execute_record(
+    pool: &Pool,
+    metrics: &Metrics,
+    record: Record,
+) -> Result<Vec<Uuid>, PgError> {
     let c = record.columns();
     let client = pool.get().await?;
     let stmt = client
@@ -489,17 +499,18 @@ async fn execute_record(pool: &Pool, metrics: &Metrics, record: Record) -> Resul
                 SET balance_cents = EXCLUDED.balance_cents,
                     version = EXCLUDED.version,
                     max_client_seq = GREATEST(a.max_client_seq, EXCLUDED.max_client_seq)
-              WHERE a.version = EXCLUDED.version - 1 AND a.broken_reason IS NULL",
+              WHERE a.version = EXCLUDED.version - 1 AND a.broken_reason IS NULL
+             RETURNING a.account_id",
             upsert = rows::INDEX_UPSERT,
         ))
         .await?;
-    let n = client
-        .execute(
+    let moved = client
+        .query(
             &stmt,
             &c.index
                 .params_then(&[&c.ids, &c.balances, &c.versions, &c.seqs, &c.expected]),
         )
         .await
         .map_err(PgError::from);
-    counted(metrics, "record", n).map(|_| ())
+    counted(metrics, "record", moved).map(|rows| rows.iter().map(|r| r.get(0)).collect())
 }

@@ -131,7 +131,7 @@ pub(super) struct Columns {
 /// A record waiting for its statement, and where its outcome goes.
 struct Pending {
     record: Record,
-    done: oneshot::Sender<Result<(), PgError>>,
+    done: oneshot::Sender<Result<Arc<Vec<Uuid>>, PgError>>,
 }
 
 /// The queue records go through (see the module docs).
@@ -153,8 +153,10 @@ impl RecordQueue {
     }
 
     /// Sends `record` in the next statement with room for it, and waits for that
-    /// statement's outcome, for at most the wait limit.
-    pub async fn record(&self, record: Record) -> Result<(), PgError> {
+    /// statement's outcome, for at most the wait limit: the record's accounts whose row the
+    /// statement's guard skipped.
+    pub async fn record(&self, record: Record) -> Result<Vec<AccountId>, PgError> {
+        let accounts: Vec<Uuid> = record.accounts.iter().map(|a| a.id).collect();
         let queued = async {
             let (done, outcome) = oneshot::channel();
             self.tx
@@ -165,14 +167,19 @@ impl RecordQueue {
                 .await
                 .map_err(|_| PgError("the record statement was dropped".into()))?
         };
-        tokio::time::timeout(self.wait_limit, queued)
+        let moved = tokio::time::timeout(self.wait_limit, queued)
             .await
             .unwrap_or_else(|_| {
                 Err(PgError(format!(
                     "the record did not finish within {} ms",
                     self.wait_limit.as_millis()
                 )))
-            })
+            })?;
+        Ok(accounts
+            .into_iter()
+            .filter(|id| !moved.contains(id))
+            .map(AccountId)
+            .collect())
     }
 }
 
@@ -213,7 +220,9 @@ async fn dispatch(mut rx: mpsc::Receiver<Pending>, pool: Pool, metrics: Arc<Metr
         }
         let (pool, metrics) = (pool.clone(), metrics.clone());
         tokio::spawn(async move {
-            let outcome = super::execute_record(&pool, &metrics, merged).await;
+            let outcome = super::execute_record(&pool, &metrics, merged)
+                .await
+                .map(Arc::new);
             for done in dones {
                 let _ = done.send(outcome.clone());
             }
