@@ -508,11 +508,16 @@ impl Config {
     /// The longest a write can live: its deadline, and the last store request it may still
     /// have out when the deadline passes.
     pub fn write_life(&self) -> Duration {
-        let request_timeout = match self.store {
-            StoreKind::Celeriant => self.celeriant.request_timeout_ms,
-            StoreKind::Memory => 0,
-        };
-        Duration::from_millis(self.write_deadline_ms.saturating_add(request_timeout))
+        Duration::from_millis(self.write_deadline_ms) + self.store_request_timeout()
+    }
+
+    /// The longest one store request may take (0 on the embedded store, which answers in
+    /// process).
+    pub fn store_request_timeout(&self) -> Duration {
+        match self.store {
+            StoreKind::Celeriant => Duration::from_millis(self.celeriant.request_timeout_ms),
+            StoreKind::Memory => Duration::ZERO,
+        }
     }
 
     /// How long after a retry is sent it may still look for an earlier landing: its waits

@@ -759,8 +759,8 @@ async fn resumes_racing_live_writes_never_skip_or_repeat_a_version() {
 }
 
 /// A store whose watch opens but never reports anything: a feed gone silent without an
-/// error (a half-open connection).
-struct SilentWatch(Arc<MemoryLog>);
+/// error (a half-open connection). Its reads fail while `failing` is set.
+struct SilentWatch(Arc<MemoryLog>, Arc<std::sync::atomic::AtomicBool>);
 
 struct SilentFeed;
 
@@ -785,6 +785,11 @@ impl tally::store::EventLog for SilentWatch {
         key: tally::store::AggregateKey,
         filter: &tally::store::ReadFilter,
     ) -> tally::store::StoreResult<tally::store::ReadPage> {
+        if self.1.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(tally::store::StoreError::NotApplied {
+                reason: "scripted outage".into(),
+            });
+        }
         self.0.read_now(key, filter)
     }
     async fn details(
@@ -812,7 +817,7 @@ impl tally::store::EventLog for SilentWatch {
 async fn a_feed_gone_silent_still_delivers_through_the_periodic_resync() {
     let mem = Arc::new(MemoryLog::new());
     let app = tally::app::App::builder(test_config(&[]))
-        .store(Arc::new(SilentWatch(mem.clone())) as SharedLog)
+        .store(Arc::new(SilentWatch(mem.clone(), Default::default())) as SharedLog)
         .build()
         .await
         .unwrap();
@@ -909,4 +914,53 @@ async fn a_stream_ends_with_an_expired_event_when_its_token_expires() {
         "not before the token expired"
     );
     t.shutdown().await;
+}
+
+/// Rule: an account whose live reads keep failing (the replica cannot see it at all) ends
+/// its streams with `event: error` once they have failed for `READ_FAILURE_LIMIT` (10 s),
+/// rather than sending keep-alives that look like an idle account for as long as the outage
+/// lasts (found in review). Its clients resume with `Last-Event-ID`.
+#[tokio::test(start_paused = true)]
+async fn an_account_whose_reads_keep_failing_ends_its_streams_with_a_store_error() {
+    let mem = Arc::new(MemoryLog::new());
+    let failing = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let app = tally::app::App::builder(test_config(&[]))
+        .store(Arc::new(SilentWatch(mem.clone(), failing.clone())) as SharedLog)
+        .build()
+        .await
+        .unwrap();
+    app.started().await;
+    let id = AccountId(new_account().parse().unwrap());
+    let mut sub = app.watch.subscribe_account(id, Resume::Live).await.unwrap();
+    assert!(matches!(
+        sub.items.recv().await,
+        Some(Item::Snapshot { version: 0, .. })
+    ));
+    failing.store(true, std::sync::atomic::Ordering::SeqCst);
+    // Only the periodic resync reads (the feed is silent): its first failure is retried at
+    // the next, which ends the streams.
+    let started = tokio::time::Instant::now();
+    let end = loop {
+        match sub.items.recv().await {
+            Some(Item::KeepAlive) => {
+                assert!(
+                    started.elapsed() < Duration::from_secs(300),
+                    "still open after {:?} of failed reads",
+                    started.elapsed()
+                );
+            }
+            Some(Item::End(reason)) => break reason,
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    match end {
+        EndReason::StoreError(message) => assert!(message.contains("Last-Event-ID"), "{message}"),
+        other => panic!("ended as {other:?}"),
+    }
+    assert!(
+        started.elapsed() <= Duration::from_secs(61),
+        "{:?}",
+        started.elapsed()
+    );
+    app.watch.shutdown();
 }

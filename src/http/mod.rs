@@ -44,11 +44,8 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
 /// A backstop on any one request, beyond the write loop's own deadline.
 const REQUEST_DEADLINE_MARGIN: Duration = Duration::from_secs(5);
-// A device run's read-back answers within the backstop whatever the write deadline, so a
-// slow store gives the documented `SYNC_UNVERIFIED`, not the backstop's generic 503.
-const _: () = assert!(
-    crate::device::server::READ_BACK_BUDGET.as_millis() < REQUEST_DEADLINE_MARGIN.as_millis()
-);
+/// A device sync's backstop past its store write and read-back (see [`route_deadline`]).
+const DEVICE_SYNC_MARGIN: Duration = Duration::from_secs(1);
 
 /// Serves `app` on `listener` until `shutdown` resolves, then stops accepting, lets in-flight
 /// requests finish within the configured grace period, and returns. At most
@@ -210,7 +207,9 @@ async fn handle(
         if route.is_keyed_write() {
             return serve_route(&app, route, req).await;
         }
-        match tokio::time::timeout(request_deadline(&app), serve_route(&app, route, req)).await {
+        match tokio::time::timeout(route_deadline(&app, &route), serve_route(&app, route, req))
+            .await
+        {
             Ok(result) => result,
             Err(_) => Err(took_too_long()),
         }
@@ -259,6 +258,25 @@ fn request_deadline(app: &App) -> Duration {
     app.config.write().deadline + REQUEST_DEADLINE_MARGIN
 }
 
+/// A route's backstop. A device sync's store write runs to the store's own request timeout
+/// (it has no write deadline of its own), then a resent run's read-back takes up to
+/// `READ_BACK_BUDGET`: its backstop covers both, so a slow store answers the documented
+/// `SYNC_UNVERIFIED`, never the backstop's generic 503 (found in review: with a short
+/// `--write-deadline-ms` the backstop came first).
+fn route_deadline(app: &App, route: &Route) -> Duration {
+    match route {
+        Route::DeviceSync(_) => {
+            device_sync_deadline(request_deadline(app), app.config.store_request_timeout())
+        }
+        _ => request_deadline(app),
+    }
+}
+
+fn device_sync_deadline(request_deadline: Duration, store_request_timeout: Duration) -> Duration {
+    let needs = store_request_timeout + crate::device::server::READ_BACK_BUDGET;
+    request_deadline.max(needs + DEVICE_SYNC_MARGIN)
+}
+
 /// The backstop's answer: nothing is known to have been done, so retry.
 fn took_too_long() -> ApiError {
     ApiError::Unavailable("the request took too long; retry it".into())
@@ -289,5 +307,27 @@ fn status_class(s: StatusCode) -> &'static str {
         300..=399 => "3xx",
         400..=499 => "4xx",
         _ => "5xx",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::server::READ_BACK_BUDGET;
+
+    /// Rule: a device sync's backstop outlasts its store write (the store's whole request
+    /// timeout) and a resent run's read-back, however short `--write-deadline-ms` is, so a
+    /// slow store answers `SYNC_UNVERIFIED`, not the backstop's generic 503.
+    #[test]
+    fn a_device_syncs_backstop_outlasts_its_store_write_and_read_back() {
+        let store_timeout = Duration::from_secs(5);
+        let short = device_sync_deadline(
+            Duration::from_secs(1) + REQUEST_DEADLINE_MARGIN,
+            store_timeout,
+        );
+        assert!(short > store_timeout + READ_BACK_BUDGET, "{short:?}");
+        // A longer request deadline is kept.
+        let long = Duration::from_secs(60);
+        assert_eq!(device_sync_deadline(long, store_timeout), long);
     }
 }

@@ -56,8 +56,15 @@ pub async fn account_events(
     req: &Request<Incoming>,
 ) -> Result<Response<HttpBody>, ApiError> {
     let resume = resume_point(req)?;
+    // A stream that falls behind before it sent anything still says where to resume: where
+    // it was asked to (found in review: it said `null`, and a client that followed it
+    // reconnected from now, past what it had not been sent).
+    let resumed_after = match resume {
+        Resume::From(from) => Some(from.saturating_sub(1)),
+        Resume::Live => None,
+    };
     let sub = app.watch.subscribe_account(account, resume).await?;
-    Ok(stream_response(app, sub.items, req))
+    Ok(stream_response(app, sub.items, req, resumed_after))
 }
 
 /// `GET /api/watch/stream`
@@ -69,7 +76,7 @@ pub async fn all(app: &Arc<App>, req: &Request<Incoming>) -> Result<Response<Htt
         ));
     }
     let sub = app.watch.subscribe_all().await?;
-    Ok(stream_response(app, sub.items, req))
+    Ok(stream_response(app, sub.items, req, None))
 }
 
 /// Where to start: after `Last-Event-ID` (what a browser sends when it reconnects, so it
@@ -155,11 +162,12 @@ fn token_time_left(req: &Request<Incoming>) -> Option<Duration> {
 
 /// A stream's response; it ends with `event: expired` after `token_left`, when the token
 /// it was opened with stops being accepted: access lasts as long as the token, not as long
-/// as the connection.
+/// as the connection. `resumed_after` is the version a resumed stream starts after.
 fn stream_response(
     app: &App,
     items: mpsc::Receiver<Item>,
     req: &Request<Incoming>,
+    resumed_after: Option<u64>,
 ) -> Response<HttpBody> {
     // Rule 6 of the gate: the stream gives its slot back and its reads take none.
     let streaming = req
@@ -171,7 +179,7 @@ fn stream_response(
         preamble: true,
         expires: token_time_left(req).map(|left| Box::pin(tokio::time::sleep(left))),
         key: KeyWatch::of(app, req),
-        last_id: None,
+        last_id: resumed_after,
         told_end: false,
         expired: false,
         _streaming: streaming,

@@ -5,10 +5,14 @@
 
 use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::Duration;
+use tokio::time::Instant;
 
 use parking_lot::Mutex;
 
-use super::{AccountFrame, END_FEED_GAP, END_UNREADABLE, Entry, Hub, Slot, WatchError, fan_out};
+use super::{
+    AccountFrame, END_FEED_GAP, END_STORE_ERROR, END_UNREADABLE, Entry, Hub, Slot, WatchError,
+    fan_out,
+};
 use crate::account::{AccountEvent, AccountId, fold};
 use crate::log_limit::{LogLimit, REPORT_INTERVAL};
 use crate::projection::{Projection, ProjectionError};
@@ -19,6 +23,11 @@ use crate::store::{Batch, BatchStream, ClientId, ReadFilter, StoreError};
 /// replica of the store) before the channel waits for the next notification or resync.
 const ADVANCE_ATTEMPTS: u32 = 5;
 const ADVANCE_BACKOFF: Duration = Duration::from_millis(20);
+/// How long an account's reads may keep failing before its streams end with
+/// `event: error` (clients resume with `Last-Event-ID`). A blip is retried at the next
+/// notification or resync; past this, a stream that only sent keep-alives would look idle
+/// to a client while the replica cannot see the account at all (found in review).
+pub(super) const READ_FAILURE_LIMIT: Duration = Duration::from_secs(10);
 
 /// Where an account's stream stands: its newest delivered version and the balance after it
 /// (`None` when the stream cannot be folded).
@@ -33,6 +42,8 @@ pub(super) struct Channel {
     subs: Mutex<Vec<Slot<Arc<AccountFrame>>>>,
     /// `None` until the first subscriber reads where the account stands.
     cursor: tokio::sync::Mutex<Option<Cursor>>,
+    /// When the account's reads started failing, while they still do.
+    failing_since: Mutex<Option<Instant>>,
 }
 
 impl Channel {
@@ -41,6 +52,7 @@ impl Channel {
             account,
             subs: Mutex::new(Vec::new()),
             cursor: tokio::sync::Mutex::new(None),
+            failing_since: Mutex::new(None),
         }
     }
 
@@ -95,10 +107,13 @@ impl Channel {
                 key,
                 ReadFilter::from_version(cursor.version + 1),
             );
-            loop {
+            'pages: loop {
                 let page = match stream.next_page().await {
                     Ok(Some(page)) => page,
-                    Ok(None) | Err(StoreError::AggregateNotFound) => break,
+                    Ok(None) | Err(StoreError::AggregateNotFound) => {
+                        *self.failing_since.lock() = None;
+                        break;
+                    }
                     Err(StoreError::Trimmed { .. }) => {
                         // Trimmed past what this stream delivered: its subscribers cannot
                         // follow without a gap. They reconnect, and their resume says so.
@@ -115,12 +130,23 @@ impl Channel {
                         if let Some(report) = LOG.occurred() {
                             tracing::warn!(error = %e, failed = report.count, since_ms = report.since_ms, "watch read failed; the next notification or resync retries");
                         }
+                        if self.failing_for(Instant::now()) >= READ_FAILURE_LIMIT {
+                            self.end_all(END_STORE_ERROR);
+                            *self.failing_since.lock() = None;
+                            *guard = None;
+                        }
                         return;
                     }
                 };
+                *self.failing_since.lock() = None;
                 for batch in &page {
                     if batch.version <= cursor.version {
                         continue;
+                    }
+                    if batch.version != cursor.version + 1 {
+                        // A page that skipped a version (a lagging or partial read) would
+                        // shift every balance after it: read again from the one missing.
+                        break 'pages;
                     }
                     let mut balance = cursor.balance;
                     let frame = match frame_of(self.account, batch, ours, &mut balance) {
@@ -146,6 +172,13 @@ impl Channel {
             }
         }
         tracing::warn!(account = %self.account, "a notified version is not readable yet; the next notification or resync delivers it");
+    }
+}
+
+impl Channel {
+    /// How long the account's reads have been failing, counting one that failed at `now`.
+    fn failing_for(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(*self.failing_since.lock().get_or_insert(now))
     }
 }
 

@@ -179,6 +179,7 @@ const END_LAGGED: u8 = 1;
 const END_SHUTDOWN: u8 = 2;
 const END_FEED_GAP: u8 = 3;
 const END_UNREADABLE: u8 = 4;
+const END_STORE_ERROR: u8 = 5;
 
 /// The hub's side of one subscriber: where its frames go and how the hub ended it.
 struct Slot<T> {
@@ -578,6 +579,10 @@ fn end_reason(end: &AtomicU8, last_version: Option<u64>) -> EndReason {
             version: last_version.map_or(1, |v| v + 1),
             reason: "an event of the account cannot be decoded".into(),
         },
+        END_STORE_ERROR => EndReason::StoreError(format!(
+            "the store could not be read for this account for {} s; reconnect with Last-Event-ID to resume",
+            channel::READ_FAILURE_LIMIT.as_secs()
+        )),
         // A sender dropped without a reason only happens at shutdown.
         _ => EndReason::Shutdown,
     }
