@@ -245,3 +245,42 @@ async fn chunked_named_twice_is_refused_and_writes_nothing() {
     assert!(balance.contains(r#""balanceCents":0"#), "{balance}");
     server.shutdown().await;
 }
+
+/// Rule: an HTTP/1.1 request without a `Host` header, or any request with two, is 400 and
+/// writes nothing (RFC 9112, 3.2; found black-box: both were served). HTTP/1.0 may leave
+/// it out.
+#[tokio::test]
+async fn a_request_without_one_host_is_refused_and_writes_nothing() {
+    let server = Server::start(&[]).await;
+    let body = r#"{"amountCents":5}"#;
+    let account = uuid::Uuid::new_v4();
+    for (version, hosts) in [
+        ("HTTP/1.1", ""),
+        ("HTTP/1.1", "Host: a\r\nHost: b\r\n"),
+        ("HTTP/1.0", "Host: a\r\nHost: b\r\n"),
+    ] {
+        let text = server
+            .exchange(&format!(
+                "POST /api/accounts/{account}/deposit {version}\r\n{hosts}\
+                 Content-Type: application/json\r\nConnection: close\r\n\
+                 Content-Length: {}\r\n\r\n{body}",
+                body.len()
+            ))
+            .await;
+        assert!(
+            text.contains(" 400 Bad Request"),
+            "{version} {hosts:?}: {text}"
+        );
+        assert!(text.contains("Host header"), "{text}");
+    }
+    let balance = server
+        .exchange(&format!(
+            "GET /api/accounts/{account}/balance HTTP/1.0\r\n\r\n"
+        ))
+        .await;
+    assert!(
+        balance.contains(r#""balanceCents":0"#),
+        "HTTP/1.0 without Host is served: {balance}"
+    );
+    server.shutdown().await;
+}

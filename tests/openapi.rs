@@ -69,7 +69,10 @@ fn one_of_each() -> Vec<ApiError> {
         ApiError::bad_request("INVALID_ID", "x"),
         ApiError::PayloadTooLarge { limit: 1 },
         ApiError::NotFound { path: "/x".into() },
-        ApiError::MethodNotAllowed { allow: "GET" },
+        ApiError::MethodNotAllowed {
+            allow: "GET",
+            route: "/healthz",
+        },
         ApiError::UnsupportedMediaType(""),
         ApiError::Validation("x".into()),
         ApiError::InsufficientFunds { balance: 0 },

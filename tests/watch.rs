@@ -261,16 +261,20 @@ async fn bad_resume_points_are_refused_with_json_errors() {
     let t = spawn(test_config(&[]), None, None).await;
     let account = new_account();
     deposit_ok(&t, &account, 100).await;
-    let r = common::read(
-        t.client
-            .get(t.url(&events_path(&account)))
-            .header("Last-Event-ID", "abc")
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await;
-    common::assert_error(&r, 400, "BAD_LAST_EVENT_ID");
+    // Not a number, or longer than the published pattern's 19 digits (found black-box:
+    // 2^64-1 was taken as a resume point).
+    for id in ["abc", "18446744073709551615", "00000000000000000001"] {
+        let r = common::read(
+            t.client
+                .get(t.url(&events_path(&account)))
+                .header("Last-Event-ID", id)
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        common::assert_error(&r, 400, "BAD_LAST_EVENT_ID");
+    }
     // One header, like every other one Tally reads: two are refused, not resolved.
     let r = common::read(
         t.client

@@ -49,6 +49,8 @@ pub const DEFAULT_ISSUER: &str = "tally-dev";
 pub const DEFAULT_AUDIENCE: &str = "tally";
 /// The realm named in `WWW-Authenticate`.
 pub const REALM: &str = "tally";
+/// Why a token without a usable `exp`, `iss`, `aud` or `sub` is refused.
+const MISSING_OR_MALFORMED_CLAIM: &str = "a required claim is missing or malformed";
 
 /// Whether requests must prove who they are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -309,7 +311,9 @@ impl Authenticator {
                 ErrorKind::InvalidIssuer => "wrong issuer",
                 ErrorKind::InvalidSignature => "bad signature",
                 ErrorKind::InvalidAlgorithm => "algorithm not allowed",
-                ErrorKind::MissingRequiredClaim(_) => "a required claim is missing",
+                // The validator reads a claim it cannot parse (an `exp` past u64, or
+                // negative) as absent (found black-box: the message said only missing).
+                ErrorKind::MissingRequiredClaim(_) => MISSING_OR_MALFORMED_CLAIM,
                 _ => "malformed token",
             })
         })?;
@@ -318,7 +322,7 @@ impl Authenticator {
         let exp = data
             .claims
             .exp
-            .ok_or(AuthError::Invalid("a required claim is missing"))?;
+            .ok_or(AuthError::Invalid(MISSING_OR_MALFORMED_CLAIM))?;
         let expires_at = (exp as u64).saturating_add(self.leeway);
         Ok(caller_from(data.claims)?
             .expiring_at(expires_at)

@@ -109,8 +109,15 @@ fn every_bad_token_is_refused_with_its_reason() {
         with(&|c| {
             c.as_object_mut().unwrap().remove("exp");
         }),
-        invalid("a required claim is missing")
+        invalid(MISSING_OR_MALFORMED_CLAIM)
     );
+    for exp in [json!(-1), json!(u64::MAX as f64 * 2.0)] {
+        assert_eq!(
+            with(&|c| c["exp"] = exp.clone()),
+            invalid(MISSING_OR_MALFORMED_CLAIM),
+            "exp {exp}"
+        );
+    }
     assert_eq!(auth.verify(None), Err(AuthError::Missing));
     assert_eq!(
         auth.verify(Some(b"Basic dXNlcjpwdw==")),

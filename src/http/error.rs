@@ -26,8 +26,12 @@ pub enum ApiError {
     PayloadTooLarge { limit: usize },
     #[error("no route for {path}")]
     NotFound { path: String },
+    /// `route` is the path's template, for the request's metrics and log line.
     #[error("method not allowed; allowed: {allow}")]
-    MethodNotAllowed { allow: &'static str },
+    MethodNotAllowed {
+        allow: &'static str,
+        route: &'static str,
+    },
     /// The body's media type or content coding is not one the API reads.
     #[error("{0}")]
     UnsupportedMediaType(&'static str),
@@ -154,7 +158,7 @@ impl ApiError {
         let mut resp = json_response(status, &body);
         let headers = resp.headers_mut();
         match &self {
-            ApiError::MethodNotAllowed { allow } => {
+            ApiError::MethodNotAllowed { allow, .. } => {
                 headers.insert(ALLOW, HeaderValue::from_static(allow));
             }
             ApiError::Conflict(_) | ApiError::Unavailable(_) | ApiError::RetryLater { .. } => {
@@ -486,7 +490,11 @@ mod tests {
     fn retryable_errors_say_when_to_retry() {
         let r = ApiError::Conflict("x".into()).into_response();
         assert_eq!(r.headers()[RETRY_AFTER], "1");
-        let r = ApiError::MethodNotAllowed { allow: "GET" }.into_response();
+        let r = ApiError::MethodNotAllowed {
+            allow: "GET",
+            route: "/healthz",
+        }
+        .into_response();
         assert_eq!(r.headers()[ALLOW], "GET");
     }
 

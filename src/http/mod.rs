@@ -136,6 +136,20 @@ pub(crate) fn at_most_one<K: hyper::header::AsHeaderName>(
     }
 }
 
+/// RFC 9112, 3.2: an HTTP/1.1 request names its host, and no request names two; a server
+/// must answer either with 400 (found black-box: both were served).
+fn check_host(req: &Request<Incoming>) -> Result<(), ApiError> {
+    let host = at_most_one(req.headers(), hyper::header::HOST)
+        .map_err(|_| ApiError::bad_request("BAD_REQUEST", "send one Host header, not several"))?;
+    if host.is_none() && req.version() == hyper::Version::HTTP_11 {
+        return Err(ApiError::bad_request(
+            "BAD_REQUEST",
+            "an HTTP/1.1 request must carry a Host header",
+        ));
+    }
+    Ok(())
+}
+
 /// What a request to a replica that has not finished starting is told, before the steps
 /// it waits for.
 pub(crate) const STARTING: &str = "starting: not serving until its start-up steps are done";
@@ -162,7 +176,12 @@ async fn handle(
     let started = Instant::now();
     let method = router::method_label(req.method());
     let routed = Route::resolve(req.method(), req.uri().path());
-    let template = routed.as_ref().map_or("unmatched", Route::template);
+    // A known path with a wrong method (405) is counted under its route.
+    let template = match &routed {
+        Ok(route) => route.template(),
+        Err(ApiError::MethodNotAllowed { route, .. }) => route,
+        Err(_) => "unmatched",
+    };
     let span = tracing::info_span!(
         "request",
         method,
@@ -174,6 +193,7 @@ async fn handle(
     let m = &app.metrics;
     let in_flight = InFlightGauge::enter(&m.http_in_flight);
     let resp = async {
+        check_host(&req)?;
         let route = routed?;
         // Issue 17: with --admin-listen, /metrics is served there only.
         if route == Route::Metrics && app.config.admin_listen.is_some() {

@@ -46,6 +46,10 @@ pub type HttpBody = Either<Full<Bytes>, SseBody>;
 /// Items put into one chunk when several are ready at once.
 const MAX_ITEMS_PER_CHUNK: usize = 64;
 
+/// The most digits a `Last-Event-ID` has (`docs/openapi.json`'s pattern): every version a
+/// stream sends fits, with room.
+const MAX_EVENT_ID_DIGITS: usize = 19;
+
 /// How long a browser waits before reconnecting a dropped stream, sent first, in ms.
 const RETRY_MS: u64 = 1000;
 
@@ -95,7 +99,10 @@ fn resume_point(req: &Request<Incoming>) -> Result<Resume, ApiError> {
             .to_str()
             .ok()
             .map(str::trim)
-            .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+            // The published pattern: 1 to 19 digits. A longer number names no version a
+            // stream sent (found black-box: 2^64-1 was read as a resume point, +1 saturating).
+            .filter(|s| (1..=MAX_EVENT_ID_DIGITS).contains(&s.len()))
+            .filter(|s| s.bytes().all(|b| b.is_ascii_digit()))
             .and_then(|s| s.parse::<u64>().ok())
             .ok_or_else(|| {
                 ApiError::bad_request(
