@@ -968,3 +968,137 @@ async fn an_account_whose_reads_keep_failing_ends_its_streams_with_a_store_error
     );
     app.watch.shutdown();
 }
+
+/// A store whose reads of one account, once blocked, wait until released: an account whose
+/// reads lag without end.
+struct BlockedReads {
+    mem: Arc<MemoryLog>,
+    blocked: parking_lot::Mutex<Option<u128>>,
+    release: tokio::sync::Notify,
+}
+
+#[async_trait::async_trait]
+impl tally::store::EventLog for BlockedReads {
+    async fn write(
+        &self,
+        client_id: tally::store::ClientId,
+        writes: Vec<AggregateWrite>,
+    ) -> tally::store::StoreResult<Vec<u64>> {
+        self.mem.write_now(client_id, writes)
+    }
+    async fn read(
+        &self,
+        key: tally::store::AggregateKey,
+        filter: &tally::store::ReadFilter,
+    ) -> tally::store::StoreResult<tally::store::ReadPage> {
+        if *self.blocked.lock() == Some(key.aggregate_id) {
+            self.release.notified().await;
+        }
+        self.mem.read_now(key, filter)
+    }
+    async fn details(
+        &self,
+        key: tally::store::AggregateKey,
+    ) -> tally::store::StoreResult<tally::store::AggregateDetails> {
+        self.mem.details_now(key)
+    }
+    async fn trim_start(
+        &self,
+        key: tally::store::AggregateKey,
+        keep_from_version: u64,
+    ) -> tally::store::StoreResult<()> {
+        self.mem.trim_start_now(key, keep_from_version)
+    }
+    async fn watch(
+        &self,
+        filter: tally::store::WatchFilter,
+    ) -> tally::store::StoreResult<Box<dyn tally::store::WatchFeed>> {
+        tally::store::EventLog::watch(self.mem.as_ref(), filter).await
+    }
+}
+
+/// Rule: the feed hands a commit over without waiting on its account's read, so an account
+/// whose reads hang holds up no other account's stream (found in review: the feed read each
+/// notified account in turn, and one lagging account stalled them all while the feed's
+/// buffer grew).
+#[tokio::test]
+async fn an_account_whose_reads_hang_holds_up_no_other_accounts_stream() {
+    let store = Arc::new(BlockedReads {
+        mem: Arc::new(MemoryLog::new()),
+        blocked: parking_lot::Mutex::new(None),
+        release: tokio::sync::Notify::new(),
+    });
+    let app = tally::app::App::builder(test_config(&[]))
+        .store(store.clone() as SharedLog)
+        .build()
+        .await
+        .unwrap();
+    app.started().await;
+    let (slow, other) = (
+        AccountId(new_account().parse().unwrap()),
+        AccountId(new_account().parse().unwrap()),
+    );
+    let mut slow_sub = app
+        .watch
+        .subscribe_account(slow, Resume::Live)
+        .await
+        .unwrap();
+    let mut other_sub = app
+        .watch
+        .subscribe_account(other, Resume::Live)
+        .await
+        .unwrap();
+    for sub in [&mut slow_sub, &mut other_sub] {
+        assert!(matches!(
+            sub.items.recv().await,
+            Some(Item::Snapshot { version: 0, .. })
+        ));
+    }
+    *store.blocked.lock() = Some(slow.0.as_u128());
+    let client = app.identity.client();
+    store
+        .mem
+        .write_now(
+            client,
+            vec![one_deposit(app.identity.key(slow), 1, None, 5)],
+        )
+        .unwrap();
+    store
+        .mem
+        .write_now(
+            client,
+            vec![one_deposit(app.identity.key(other), 2, None, 7)],
+        )
+        .unwrap();
+    // Well inside the 30 s resync, which would otherwise deliver it.
+    let frame = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match other_sub.items.recv().await {
+                Some(Item::Events(f)) => break f,
+                Some(Item::KeepAlive) => continue,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    })
+    .await
+    .expect("the other account's event, while the slow one's read hangs");
+    assert_eq!(
+        (frame.version, frame.entries[0].balance_cents),
+        (1, Some(7))
+    );
+    // Released, the slow account's stream gets its event too.
+    *store.blocked.lock() = None;
+    store.release.notify_waiters();
+    let frame = loop {
+        match slow_sub.items.recv().await {
+            Some(Item::Events(f)) => break f,
+            Some(Item::KeepAlive) => continue,
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert_eq!(
+        (frame.version, frame.entries[0].balance_cents),
+        (1, Some(5))
+    );
+    app.watch.shutdown();
+}

@@ -3,6 +3,7 @@
 //! The cursor lock is held while the channel reads new batches and fans them out, and while
 //! a subscriber joins, so a joiner sees exactly the frames after the version it is told.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -44,6 +45,10 @@ pub(super) struct Channel {
     cursor: tokio::sync::Mutex<Option<Cursor>>,
     /// When the account's reads started failing, while they still do.
     failing_since: Mutex<Option<Instant>>,
+    /// The newest version a notification named.
+    notified: AtomicU64,
+    /// Whether a task is reading up to `notified`: at most one per channel.
+    draining: AtomicBool,
 }
 
 impl Channel {
@@ -53,6 +58,8 @@ impl Channel {
             subs: Mutex::new(Vec::new()),
             cursor: tokio::sync::Mutex::new(None),
             failing_since: Mutex::new(None),
+            notified: AtomicU64::new(0),
+            draining: AtomicBool::new(false),
         }
     }
 
@@ -85,6 +92,35 @@ impl Channel {
 
     pub fn end_all(&self, end: u8) {
         super::end_all(&mut self.subs.lock(), end);
+    }
+
+    /// A notification that the account reached `version`: read up to it on a task of the
+    /// channel's own (one at a time; notifications that come meanwhile raise its target),
+    /// so the feed never waits on a read.
+    pub fn notify(self: &Arc<Self>, hub: &Arc<Hub>, version: u64) {
+        self.notified.fetch_max(version, Ordering::SeqCst);
+        if self.draining.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let (channel, hub) = (self.clone(), hub.clone());
+        tokio::spawn(async move {
+            loop {
+                let to = channel.notified.load(Ordering::SeqCst);
+                {
+                    let Ok(_read) = hub.reads.acquire().await else {
+                        return;
+                    };
+                    channel.advance(&hub, Some(to)).await;
+                }
+                channel.draining.store(false, Ordering::SeqCst);
+                // A notification that came during the read saw `draining` set and left its
+                // version here; unless another task has taken it since, read again.
+                let more = channel.notified.load(Ordering::SeqCst) > to;
+                if !more || channel.draining.swap(true, Ordering::SeqCst) {
+                    return;
+                }
+            }
+        });
     }
 
     /// Reads and fans out every batch after the cursor, up to `to` (the notified version)

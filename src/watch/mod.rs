@@ -233,7 +233,14 @@ pub struct Hub {
     /// Set once the feed is open (`Ok`) or known impossible (`Err`).
     feed_ready: tokio::sync::watch::Sender<Option<Result<(), String>>>,
     shutdown: tokio::sync::watch::Sender<bool>,
+    /// Notified accounts read at once (`channel::Channel::notify`).
+    reads: Arc<tokio::sync::Semaphore>,
 }
+
+/// Store reads the hub runs at once for notified accounts: the feed hands each commit over
+/// without waiting on a read, so one account whose reads lag holds up no other, and what
+/// the feed buffers stays small (found in review: it read each account in turn).
+pub const MAX_NOTIFIED_READS: usize = 32;
 
 /// A subscription: the items to send, in order, ending with [`Item::End`] or when the
 /// replica stops. Dropping it (the client went away) ends the stream and frees its slot.
@@ -274,6 +281,7 @@ impl Hub {
             pump: Mutex::new(None),
             feed_ready: tokio::sync::watch::channel(None).0,
             shutdown: tokio::sync::watch::channel(false).0,
+            reads: Arc::new(tokio::sync::Semaphore::new(MAX_NOTIFIED_READS)),
         })
     }
 

@@ -54,7 +54,7 @@ pub(super) async fn run(hub: Arc<Hub>) {
         hub.feed_ready.send_replace(Some(Ok(())));
         loop {
             match feed.next().await {
-                Ok(WatchItem::Commit(c)) => commit(&hub, c).await,
+                Ok(WatchItem::Commit(c)) => commit(&hub, c),
                 Ok(WatchItem::Gap) => gap(&hub).await,
                 Err(e) => {
                     tracing::warn!(error = %e, "the store's watch broke; reopening");
@@ -65,7 +65,7 @@ pub(super) async fn run(hub: Arc<Hub>) {
     }
 }
 
-async fn commit(hub: &Hub, c: Commit) {
+fn commit(hub: &Arc<Hub>, c: Commit) {
     let account = AccountId(Uuid::from_u128(c.key.aggregate_id));
     {
         let mut global = hub.global.lock();
@@ -79,7 +79,7 @@ async fn commit(hub: &Hub, c: Commit) {
         }
     }
     if let Some(channel) = hub.channel(account) {
-        channel.advance(hub, Some(c.version)).await;
+        channel.notify(hub, c.version);
     }
 }
 
