@@ -2,7 +2,9 @@
 //! under overload, every statement while the shared database is down) is logged at most once
 //! per interval, with how many occurrences the line stands for. A line per occurrence would
 //! cost more than the failure (the access-log line alone is a quarter of a shed request's
-//! cost) and bury the first cause in the log; the metrics count every one.
+//! cost) and bury the first cause in the log. The occurrences between two lines are counted
+//! by the second, whenever it comes: the tail of a burst that never recurs is not logged,
+//! so every user also counts each occurrence in a metric, which is the exact record.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};

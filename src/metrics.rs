@@ -160,6 +160,7 @@ pub struct Metrics {
     pub watch_dropped: IntCounterVec,
     pub watch_refused: IntCounterVec,
     pub watch_feed_gaps: IntCounter,
+    pub watch_read_failures: IntCounter,
     pub fault_injection_enabled: IntGauge,
     // The Postgres projection (issue 14)
     pub projection_record_failures: IntCounter,
@@ -494,6 +495,11 @@ impl Metrics {
                 "tally_watch_feed_gaps_total",
                 "Times the store's watch feed fell behind or reconnected, so the replica resynced by reading.",
             ),
+            watch_read_failures: counter(
+                r,
+                "tally_watch_read_failures_total",
+                "Reads of a watched account that failed or showed a missing version; an account whose reads fail for 10 s ends its streams.",
+            ),
             fault_injection_enabled: gauge(
                 r,
                 "tally_fault_injection_enabled",
@@ -508,7 +514,7 @@ impl Metrics {
             projection_record_guard_misses: counter(
                 r,
                 "tally_projection_record_guard_misses_total",
-                "Account rows a write's record left alone because the row was not at the version the write expected (another replica got ahead, or the database lost a commit); the replica's copy of the account is dropped.",
+                "Account rows a write's record left alone because the row was not at the version the write expected (another replica or statement got there first, which is harmless, or the database lost a commit); the replica's copy of the account is dropped.",
             ),
             projection_db_statements: counter_vec(
                 r,

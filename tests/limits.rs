@@ -265,5 +265,11 @@ async fn a_request_without_one_host_is_refused_and_writes_nothing() {
         balance.contains(r#""balanceCents":0"#),
         "HTTP/1.0 without Host is served: {balance}"
     );
+    // Probes are answered whatever their Host: a health checker that sends none must not
+    // take every replica out of its balancer.
+    let probe = server
+        .exchange("GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
+        .await;
+    assert!(probe.starts_with("HTTP/1.1 200"), "{probe}");
     server.shutdown().await;
 }

@@ -969,12 +969,25 @@ async fn an_account_whose_reads_keep_failing_ends_its_streams_with_a_store_error
     app.watch.shutdown();
 }
 
-/// A store whose reads of one account, once blocked, wait until released: an account whose
-/// reads lag without end.
+/// A store whose reads of one account, once blocked, wait until released (an account whose
+/// reads lag without end), and whose reads leave out one version, once named (a store that
+/// shows a hole).
 struct BlockedReads {
     mem: Arc<MemoryLog>,
     blocked: parking_lot::Mutex<Option<u128>>,
     release: tokio::sync::Notify,
+    hides_version: parking_lot::Mutex<Option<u64>>,
+}
+
+impl BlockedReads {
+    fn new() -> Arc<Self> {
+        Arc::new(BlockedReads {
+            mem: Arc::new(MemoryLog::new()),
+            blocked: parking_lot::Mutex::new(None),
+            release: tokio::sync::Notify::new(),
+            hides_version: parking_lot::Mutex::new(None),
+        })
+    }
 }
 
 #[async_trait::async_trait]
@@ -994,7 +1007,11 @@ impl tally::store::EventLog for BlockedReads {
         if *self.blocked.lock() == Some(key.aggregate_id) {
             self.release.notified().await;
         }
-        self.mem.read_now(key, filter)
+        let mut page = self.mem.read_now(key, filter)?;
+        if let Some(hidden) = *self.hides_version.lock() {
+            page.batches.retain(|b| b.version != hidden);
+        }
+        Ok(page)
     }
     async fn details(
         &self,
@@ -1023,11 +1040,7 @@ impl tally::store::EventLog for BlockedReads {
 /// buffer grew).
 #[tokio::test]
 async fn an_account_whose_reads_hang_holds_up_no_other_accounts_stream() {
-    let store = Arc::new(BlockedReads {
-        mem: Arc::new(MemoryLog::new()),
-        blocked: parking_lot::Mutex::new(None),
-        release: tokio::sync::Notify::new(),
-    });
+    let store = BlockedReads::new();
     let app = tally::app::App::builder(test_config(&[]))
         .store(store.clone() as SharedLog)
         .build()
@@ -1100,5 +1113,53 @@ async fn an_account_whose_reads_hang_holds_up_no_other_accounts_stream() {
         (frame.version, frame.entries[0].balance_cents),
         (1, Some(5))
     );
+    app.watch.shutdown();
+}
+
+/// Rule: a read that shows a version missing delivers nothing past the hole (every balance
+/// after it would be off), and a hole that never fills counts as reads failing: 10 s of it
+/// end the account's streams with a store error, never a stream gone quiet for good.
+#[tokio::test(start_paused = true)]
+async fn a_hole_in_an_accounts_reads_is_never_skipped_and_ends_its_streams_if_it_stays() {
+    let store = BlockedReads::new();
+    let app = tally::app::App::builder(test_config(&[]))
+        .store(store.clone() as SharedLog)
+        .build()
+        .await
+        .unwrap();
+    app.started().await;
+    let id = AccountId(new_account().parse().unwrap());
+    let mut sub = app.watch.subscribe_account(id, Resume::Live).await.unwrap();
+    assert!(matches!(
+        sub.items.recv().await,
+        Some(Item::Snapshot { version: 0, .. })
+    ));
+    *store.hides_version.lock() = Some(2);
+    let client = app.identity.client();
+    for seq in 1..=3 {
+        store
+            .mem
+            .write_now(
+                client,
+                vec![one_deposit(app.identity.key(id), seq, None, 1)],
+            )
+            .unwrap();
+    }
+    let started = tokio::time::Instant::now();
+    let mut delivered = Vec::new();
+    let end = loop {
+        match sub.items.recv().await {
+            Some(Item::Events(f)) => delivered.push(f.version),
+            Some(Item::KeepAlive) => assert!(
+                started.elapsed() < Duration::from_secs(300),
+                "still open after {:?} of a hole",
+                started.elapsed()
+            ),
+            Some(Item::End(reason)) => break reason,
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert_eq!(delivered, vec![1], "nothing past the missing version 2");
+    assert!(matches!(end, EndReason::StoreError(_)), "{end:?}");
     app.watch.shutdown();
 }

@@ -281,8 +281,10 @@ def build():
          "lagged: a client fell behind --watch-buffer; shutdown; feed_gap: the store's watch lost notifications; store_error; unreadable.")
     L.ts("Watch subscriptions refused", [t(f"sum by (instance, limit) ({rate('tally_watch_refused_total')})", "{{instance}} {{limit}}")], "ops",
          "503s at --watch-max-subscribers (replica) or --watch-max-per-account (account).")
-    L.ts("Watch feed gaps", [t(f"sum by (instance) (increase(tally_watch_feed_gaps_total{sel()}[{RI}]))", "{{instance}}")], "short",
-         "The store's watch fell behind or reconnected; the replica re-read every watched account.")
+    L.ts("Watch feed gaps and read failures",
+         [t(f"sum by (instance) (increase(tally_watch_feed_gaps_total{sel()}[{RI}]))", "gaps {{instance}}"),
+          t(f"sum by (instance) (increase(tally_watch_read_failures_total{sel()}[{RI}]))", "read failures {{instance}}")], "short",
+         "Gaps: the store's watch fell behind or reconnected, and the replica re-read every watched account. Read failures: a watched account's read failed or skipped a version (10 s of them end its streams).")
     L.stat("Fault injection on", f"max(tally_fault_injection_enabled{sel()})", "short",
            "1 when any replica runs with --faults (a demo or test setting; never in production).", red_above=1)
     # The Postgres projection (issue 14). Flat at zero on the memory projection.

@@ -580,9 +580,9 @@ pub const READ_BACK_WINDOW: u64 = 512;
 /// never a guess.
 pub const MAX_RUN_READ_PAGES: usize = 256;
 
-/// The longest one read-back of a device run may take: inside the request's own bound
-/// (the write deadline plus 5 s), so a slow store's answer is the documented retryable
-/// `SYNC_UNVERIFIED`, not the backstop's generic 503.
+/// The longest one read-back of a device run may take. A device sync's backstop covers its
+/// store write and this (`http::route_deadline`), so a slow store's answer is the
+/// documented retryable `SYNC_UNVERIFIED`, not the backstop's generic 503.
 pub const READ_BACK_BUDGET: std::time::Duration = std::time::Duration::from_secs(4);
 
 /// What a read of one device's batches on one account shows of a run.

@@ -193,7 +193,11 @@ async fn handle(
     let m = &app.metrics;
     let in_flight = InFlightGauge::enter(&m.http_in_flight);
     let resp = async {
-        check_host(&req)?;
+        // Probes are answered whatever their Host: a health checker written without one
+        // (an old HAProxy `httpchk` line) would otherwise mark every replica down at once.
+        if !matches!(routed, Ok(Route::Healthz | Route::Readyz)) {
+            check_host(&req)?;
+        }
         let route = routed?;
         // Issue 17: with --admin-listen, /metrics is served there only.
         if route == Route::Metrics && app.config.admin_listen.is_some() {

@@ -3,6 +3,7 @@
 //! loop.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use hyper::body::Incoming;
 use hyper::header::HeaderValue;
@@ -20,7 +21,7 @@ use super::idempotency::{self, IdempotencyKey};
 use crate::account::{AccountId, AmountCents, Operation};
 use crate::app::App;
 use crate::auth::Caller;
-use crate::write_loop::{LegResult, WriteError, WriteOutcome, WriteRequest};
+use crate::write_loop::{AnsweringAttempt, LegResult, WriteError, WriteOutcome, WriteRequest};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -106,9 +107,9 @@ pub async fn transfer(app: &Arc<App>, req: Request<Incoming>) -> Result<Resp, Ap
 /// (found black-box: a retry 89.7 s after a 409 that said 90 wrote again): there it is how
 /// long from now a retry can be sent and still find that landing, rounded down. `since` is
 /// how long ago the landing can have been: since this attempt arrived, or, for a duplicate
-/// coalesced onto one already running, since that one did (exact, found in review: a fixed
-/// write's life for it took that life off every answer, and could fall short when its
-/// catch-up ran on past its deadline); a write's life more when no answer came. `lookup`
+/// coalesced onto one already running, since that one did, whether or not it answered in
+/// time ([`AnsweringAttempt`]; found in review: a fixed write's life for it took that life
+/// off every answer, and fell short of a first attempt that ran on past it). `lookup`
 /// is how long after it is sent a retry may still look for it
 /// ([`crate::config::Config::retry_lookup_room`]; found black-box: a retry sent inside the
 /// stated time looked only after its own catch-up, and found the entry expired).
@@ -177,32 +178,32 @@ where
         event_id: key.event_id.as_u128(),
     };
     let span = tracing::Span::current();
-    let task = tokio::spawn(async move { writes.execute_timed(request).await }.instrument(span));
-    // Without the answer, the attempt it would have come from is not known either: it may
-    // be one already running when this one arrived, at most a write's life earlier.
-    let unknown_since = || started.elapsed() + app.config.write_life();
+    let attempt = Arc::new(AnsweringAttempt::default());
+    let task = tokio::spawn({
+        let attempt = attempt.clone();
+        async move { writes.execute_tracked(request, &attempt).await }.instrument(span)
+    });
     // The loop stops trying at its deadline, but a store call under way then runs to its own
     // timeout: past this backstop the answer is "not known yet", with the key, and the task
     // goes on to record the outcome for the retry.
-    let (answer, since) = match tokio::time::timeout(super::request_deadline(app), task).await {
-        Ok(Ok((answer, began))) => (answer, started.elapsed().max(began.elapsed())),
-        Ok(Err(e)) => (
-            Err(WriteError::Invariant {
-                what: format!("the write task failed: {e}"),
-            }),
-            unknown_since(),
-        ),
+    let answer = match tokio::time::timeout(super::request_deadline(app), task).await {
+        Ok(Ok(answer)) => answer,
+        Ok(Err(e)) => Err(WriteError::Invariant {
+            what: format!("the write task failed: {e}"),
+        }),
         Err(_) => {
             app.metrics.write_answer_timeouts.inc();
-            (
-                Err(WriteError::Unverifiable {
-                    reason: "no answer within the request's deadline; the write may still land"
-                        .into(),
-                }),
-                unknown_since(),
-            )
+            Err(WriteError::Unverifiable {
+                reason: "no answer within the request's deadline; the write may still land".into(),
+            })
         }
     };
+    // How long ago what this answer speaks for can have landed: since this request began,
+    // or since the attempt it waits on arrived, known even when that one has not answered.
+    let since = attempt
+        .arrived()
+        .map_or(Duration::ZERO, |a| a.elapsed())
+        .max(started.elapsed());
     let mut resp = match answer {
         Ok(outcome) => outcome_response(&outcome),
         Err(e) => ApiError::from(e).into_response(),
@@ -248,7 +249,6 @@ fn outcome_response(outcome: &WriteOutcome) -> Resp {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
 
     #[test]
     fn a_retryable_answer_states_what_is_left_of_the_window_and_others_the_window() {

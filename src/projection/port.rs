@@ -2,12 +2,13 @@
 //! backends. Each call names the event ids it wants looked up, so the Postgres backend can
 //! answer them in the same statement that reads the account row.
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use super::postgres::{RecordRow, WarmUpdate};
 use super::state::Snapshot;
 use super::{AccountSlot, Backend, Projection, ProjectionError, RecentWrite, RecordedWrite};
 use crate::account::AccountId;
+use crate::log_limit::{LogLimit, REPORT_INTERVAL};
 
 /// What a load handed back to answer index lookups from.
 pub enum AccountView {
@@ -204,8 +205,14 @@ impl Projection {
                     }
                     Err(e) => {
                         self.metrics.projection_record_failures.inc();
-                        tracing::warn!(error = %e, accounts = rows.len(),
-                            "the write landed but recording it in the projection failed; the next catch-up replays it");
+                        // While the database is down every write lands here: one line a
+                        // second (the metric counts each).
+                        static LOG: LazyLock<LogLimit> =
+                            LazyLock::new(|| LogLimit::new(REPORT_INTERVAL));
+                        if let Some(report) = LOG.occurred() {
+                            tracing::warn!(error = %e, accounts = rows.len(), failed = report.count, since_ms = report.since_ms,
+                                "the write landed but recording it in the projection failed; the next catch-up replays it");
+                        }
                         for (account, _, _) in writes {
                             self.pg_forget_warm(*account);
                         }

@@ -25,9 +25,10 @@ use crate::store::{Batch, BatchStream, ClientId, ReadFilter, StoreError};
 const ADVANCE_ATTEMPTS: u32 = 5;
 const ADVANCE_BACKOFF: Duration = Duration::from_millis(20);
 /// How long an account's reads may keep failing before its streams end with
-/// `event: error` (clients resume with `Last-Event-ID`). A blip is retried at the next
-/// notification or resync; past this, a stream that only sent keep-alives would look idle
-/// to a client while the replica cannot see the account at all (found in review).
+/// `event: error` (clients resume with `Last-Event-ID`), as seen at the next read that
+/// fails (a notification's, or the periodic resync's for an idle account). A blip is
+/// retried then; past this, a stream that only sent keep-alives would look idle to a client
+/// while the replica cannot see the account at all (found in review).
 pub(super) const READ_FAILURE_LIMIT: Duration = Duration::from_secs(10);
 
 /// Where an account's stream stands: its newest delivered version and the balance after it
@@ -47,8 +48,10 @@ pub(super) struct Channel {
     failing_since: Mutex<Option<Instant>>,
     /// The newest version a notification named.
     notified: AtomicU64,
-    /// Whether a task is reading up to `notified`: at most one per channel.
-    draining: AtomicBool,
+    /// Whether a read to the tip was asked for.
+    tip_wanted: AtomicBool,
+    /// Whether the channel's reader task runs: at most one per channel.
+    reading: AtomicBool,
 }
 
 impl Channel {
@@ -59,7 +62,8 @@ impl Channel {
             cursor: tokio::sync::Mutex::new(None),
             failing_since: Mutex::new(None),
             notified: AtomicU64::new(0),
-            draining: AtomicBool::new(false),
+            tip_wanted: AtomicBool::new(false),
+            reading: AtomicBool::new(false),
         }
     }
 
@@ -94,29 +98,48 @@ impl Channel {
         super::end_all(&mut self.subs.lock(), end);
     }
 
-    /// A notification that the account reached `version`: read up to it on a task of the
-    /// channel's own (one at a time; notifications that come meanwhile raise its target),
-    /// so the feed never waits on a read.
+    /// A notification that the account reached `version`: read up to it on the channel's
+    /// reader task (see [`Self::read_on`]).
     pub fn notify(self: &Arc<Self>, hub: &Arc<Hub>, version: u64) {
         self.notified.fetch_max(version, Ordering::SeqCst);
-        if self.draining.swap(true, Ordering::SeqCst) {
+        self.read_on(hub);
+    }
+
+    /// Read to the tip, whatever was notified (a feed gap, or the periodic resync).
+    pub fn resync(self: &Arc<Self>, hub: &Arc<Hub>) {
+        self.tip_wanted.store(true, Ordering::SeqCst);
+        self.read_on(hub);
+    }
+
+    /// Reads what was asked for on a task of the channel's own, at most one at a time
+    /// (what is asked meanwhile is read by the same task, next), so neither the feed nor the
+    /// resync waits on a read, and an account whose reads lag holds up no other. At most
+    /// [`super::MAX_NOTIFIED_READS`] channels read at once.
+    fn read_on(self: &Arc<Self>, hub: &Arc<Hub>) {
+        if self.reading.swap(true, Ordering::SeqCst) {
             return;
         }
         let (channel, hub) = (self.clone(), hub.clone());
         tokio::spawn(async move {
+            // Clears `reading` if the task ends any other way than below (a panic, or the
+            // hub shutting down), so the next request starts a reader again.
+            let mut owner = ReaderFlag {
+                flag: &channel.reading,
+                held: true,
+            };
             loop {
+                let Ok(_read) = hub.reads.acquire().await else {
+                    return;
+                };
+                let tip = channel.tip_wanted.swap(false, Ordering::SeqCst);
                 let to = channel.notified.load(Ordering::SeqCst);
-                {
-                    let Ok(_read) = hub.reads.acquire().await else {
-                        return;
-                    };
-                    channel.advance(&hub, Some(to)).await;
-                }
-                channel.draining.store(false, Ordering::SeqCst);
-                // A notification that came during the read saw `draining` set and left its
-                // version here; unless another task has taken it since, read again.
-                let more = channel.notified.load(Ordering::SeqCst) > to;
-                if !more || channel.draining.swap(true, Ordering::SeqCst) {
+                channel.advance(&hub, (!tip).then_some(to)).await;
+                owner.release();
+                // A request made during the read saw `reading` set and left its target
+                // here; unless another task has taken it since, read again.
+                let more = channel.tip_wanted.load(Ordering::SeqCst)
+                    || channel.notified.load(Ordering::SeqCst) > to;
+                if !more || !owner.take() {
                     return;
                 }
             }
@@ -143,13 +166,11 @@ impl Channel {
                 key,
                 ReadFilter::from_version(cursor.version + 1),
             );
+            let mut hole = false;
             'pages: loop {
                 let page = match stream.next_page().await {
                     Ok(Some(page)) => page,
-                    Ok(None) | Err(StoreError::AggregateNotFound) => {
-                        *self.failing_since.lock() = None;
-                        break;
-                    }
+                    Ok(None) | Err(StoreError::AggregateNotFound) => break,
                     Err(StoreError::Trimmed { .. }) => {
                         // Trimmed past what this stream delivered: its subscribers cannot
                         // follow without a gap. They reconnect, and their resume says so.
@@ -166,15 +187,13 @@ impl Channel {
                         if let Some(report) = LOG.occurred() {
                             tracing::warn!(error = %e, failed = report.count, since_ms = report.since_ms, "watch read failed; the next notification or resync retries");
                         }
-                        if self.failing_for(Instant::now()) >= READ_FAILURE_LIMIT {
-                            self.end_all(END_STORE_ERROR);
-                            *self.failing_since.lock() = None;
+                        hub.metrics.watch_read_failures.inc();
+                        if self.failed_too_long() {
                             *guard = None;
                         }
                         return;
                     }
                 };
-                *self.failing_since.lock() = None;
                 for batch in &page {
                     if batch.version <= cursor.version {
                         continue;
@@ -182,6 +201,7 @@ impl Channel {
                     if batch.version != cursor.version + 1 {
                         // A page that skipped a version (a lagging or partial read) would
                         // shift every balance after it: read again from the one missing.
+                        hole = true;
                         break 'pages;
                     }
                     let mut balance = cursor.balance;
@@ -200,6 +220,16 @@ impl Channel {
                     };
                 }
             }
+            if hole {
+                // A hole that never fills is a store that cannot be read, like a failure.
+                hub.metrics.watch_read_failures.inc();
+                if self.failed_too_long() {
+                    *guard = None;
+                    return;
+                }
+            } else {
+                *self.failing_since.lock() = None;
+            }
             if to.is_none_or(|v| cursor.version >= v) {
                 return;
             }
@@ -209,12 +239,48 @@ impl Channel {
         }
         tracing::warn!(account = %self.account, "a notified version is not readable yet; the next notification or resync delivers it");
     }
+
+    /// Notes a read that failed (or showed a hole); once the account's reads have failed
+    /// for [`READ_FAILURE_LIMIT`], ends its streams with a store error and says so (the
+    /// caller then drops the cursor, so the next joiner starts afresh).
+    fn failed_too_long(&self) -> bool {
+        let now = Instant::now();
+        let mut since = self.failing_since.lock();
+        let first = *since.get_or_insert(now);
+        if now.saturating_duration_since(first) < READ_FAILURE_LIMIT {
+            return false;
+        }
+        *since = None;
+        drop(since);
+        self.end_all(END_STORE_ERROR);
+        true
+    }
 }
 
-impl Channel {
-    /// How long the account's reads have been failing, counting one that failed at `now`.
-    fn failing_for(&self, now: Instant) -> Duration {
-        now.saturating_duration_since(*self.failing_since.lock().get_or_insert(now))
+/// Who holds a channel's `reading` flag; see [`Channel::read_on`].
+struct ReaderFlag<'a> {
+    flag: &'a AtomicBool,
+    held: bool,
+}
+
+impl ReaderFlag<'_> {
+    fn release(&mut self) {
+        self.flag.store(false, Ordering::SeqCst);
+        self.held = false;
+    }
+
+    /// Takes the flag again; `false` when another reader holds it.
+    fn take(&mut self) -> bool {
+        self.held = !self.flag.swap(true, Ordering::SeqCst);
+        self.held
+    }
+}
+
+impl Drop for ReaderFlag<'_> {
+    fn drop(&mut self) {
+        if self.held {
+            self.flag.store(false, Ordering::SeqCst);
+        }
     }
 }
 
@@ -293,4 +359,36 @@ pub(super) fn delta_of(batch: &Batch) -> Option<i64> {
         delta = fold::apply(delta, &event).ok()?;
     }
     Some(delta)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rule: a reader task that ends without giving its flag back (a panic, the hub shutting
+    /// down) clears it, so the channel's next notification starts a reader again; one that
+    /// gave it back never clears a flag another reader took since.
+    #[test]
+    fn a_reader_that_ends_abruptly_gives_its_flag_back_and_never_anothers() {
+        let flag = AtomicBool::new(true);
+        drop(ReaderFlag {
+            flag: &flag,
+            held: true,
+        });
+        assert!(!flag.load(Ordering::SeqCst), "cleared by the ending reader");
+
+        flag.store(true, Ordering::SeqCst);
+        let mut owner = ReaderFlag {
+            flag: &flag,
+            held: true,
+        };
+        owner.release();
+        assert!(!flag.load(Ordering::SeqCst));
+        // Another reader starts before this one asks again: it does not get the flag back,
+        // and ending leaves the other's flag set.
+        flag.store(true, Ordering::SeqCst);
+        assert!(!owner.take());
+        drop(owner);
+        assert!(flag.load(Ordering::SeqCst), "the other reader's flag stays");
+    }
 }

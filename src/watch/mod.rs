@@ -435,6 +435,8 @@ impl Hub {
             c.end_all(END_SHUTDOWN);
         }
         end_all(&mut self.global.lock(), END_SHUTDOWN);
+        // Readers waiting for a turn end rather than read for streams that are gone.
+        self.reads.close();
         for task in self.pump.lock().take().into_iter().flatten() {
             task.abort();
         }

@@ -48,14 +48,14 @@ pub(super) async fn run(hub: Arc<Hub>) {
         backoff = REOPEN_BACKOFF;
         if opened_before {
             // Commits while no feed was open were not seen.
-            gap(&hub).await;
+            gap(&hub);
         }
         opened_before = true;
         hub.feed_ready.send_replace(Some(Ok(())));
         loop {
             match feed.next().await {
                 Ok(WatchItem::Commit(c)) => commit(&hub, c),
-                Ok(WatchItem::Gap) => gap(&hub).await,
+                Ok(WatchItem::Gap) => gap(&hub),
                 Err(e) => {
                     tracing::warn!(error = %e, "the store's watch broke; reopening");
                     break;
@@ -83,11 +83,11 @@ fn commit(hub: &Arc<Hub>, c: Commit) {
     }
 }
 
-async fn gap(hub: &Hub) {
+fn gap(hub: &Arc<Hub>) {
     hub.metrics.watch_feed_gaps.inc();
     end_all(&mut hub.global.lock(), END_FEED_GAP);
     for channel in hub.channels() {
-        channel.advance(hub, None).await;
+        channel.resync(hub);
     }
 }
 
@@ -96,7 +96,7 @@ pub(super) async fn resync_periodically(hub: Arc<Hub>) {
     loop {
         tokio::time::sleep(RESYNC_INTERVAL).await;
         for channel in hub.channels() {
-            channel.advance(&hub, None).await;
+            channel.resync(&hub);
         }
     }
 }

@@ -43,7 +43,7 @@ use crate::account::{AccountId, Operation, RuleError};
 use crate::projection::ProjectionError;
 use crate::store::StoreError;
 
-pub use service::WriteService;
+pub use service::{AnsweringAttempt, WriteService};
 
 /// Store writes one request may make before it gives up with a retryable error.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 12;

@@ -43,6 +43,26 @@ struct Leader {
     answer: watch::Receiver<Option<Answer>>,
 }
 
+/// When the attempt a request's answer comes from arrived: the request's own arrival, or,
+/// once it waits on a duplicate already running on this replica, that one's (the earliest,
+/// over rounds). Nothing that attempt wrote landed before it, however long it runs: an
+/// answer that leaves the outcome open counts its client's safe retry time from there
+/// (`http/writes.rs`).
+#[derive(Debug, Default)]
+pub struct AnsweringAttempt(parking_lot::Mutex<Option<Instant>>);
+
+impl AnsweringAttempt {
+    fn note(&self, arrived: Instant) {
+        let mut earliest = self.0.lock();
+        *earliest = Some(earliest.map_or(arrived, |e| e.min(arrived)));
+    }
+
+    /// `None` until the request reached the write side.
+    pub fn arrived(&self) -> Option<Instant> {
+        *self.0.lock()
+    }
+}
+
 /// A request's coalescing key: its event id on its first account (the index's scope).
 type CoalesceKey = (u128, AccountId);
 
@@ -112,27 +132,27 @@ impl WriteService {
     /// same event id on the same account on this replica wait for the first and share its
     /// answer.
     pub async fn execute(&self, req: WriteRequest) -> Answer {
-        self.execute_timed(req).await.0
+        self.execute_tracked(req, &AnsweringAttempt::default())
+            .await
     }
 
-    /// [`Self::execute`], and when the attempt whose answer this is arrived: this request's
-    /// arrival, or, for a duplicate that shared the answer of one already running, that
-    /// one's. Nothing either wrote landed before it: an answer that leaves the outcome open
-    /// tells its client how long a retry stays safe from there (`http/writes.rs`).
-    pub async fn execute_timed(&self, req: WriteRequest) -> (Answer, Instant) {
+    /// [`Self::execute`], noting in `attempt`, as it goes, when the attempt its answer will
+    /// come from arrived (readable while it runs: an answer cut off by the caller's own
+    /// deadline still knows it).
+    pub async fn execute_tracked(&self, req: WriteRequest, attempt: &AnsweringAttempt) -> Answer {
         let arrived = Instant::now();
+        attempt.note(arrived);
         // Held until this request leaves the write side, however its future ends.
         let Ok(_permit) = self.live.try_acquire() else {
             // A retry of a write that landed costs no store call: answer it from memory
             // rather than refuse it, so a full replica still gives retries their answer.
             if let Some(answer) = self.replay_from_memory(&req) {
-                return (answer, arrived);
+                return answer;
             }
-            let refused = self.refuse(refused::LIVE_WRITES, "too many writes in flight");
-            return (Err(refused), arrived);
+            return Err(self.refuse(refused::LIVE_WRITES, "too many writes in flight"));
         };
         let _live = LiveGauge::enter(&self.metrics().write_live);
-        self.execute_admitted(req, arrived).await
+        self.execute_admitted(req, arrived, attempt).await
     }
 
     /// The answer the recent-writes index already holds for this request, looked up in
@@ -182,7 +202,12 @@ impl WriteService {
         }
     }
 
-    async fn execute_admitted(&self, req: WriteRequest, arrived: Instant) -> (Answer, Instant) {
+    async fn execute_admitted(
+        &self,
+        req: WriteRequest,
+        arrived: Instant,
+        attempt: &AnsweringAttempt,
+    ) -> Answer {
         let key: CoalesceKey = (req.event_id, req.op.legs().as_slice()[0].account);
         // Each round waits for a first request to end, so the rounds are as many as the
         // requests racing under this key at most; a loop, not a recursion, so no number of
@@ -208,10 +233,12 @@ impl WriteService {
                 };
                 let answer = self.execute_uncoalesced(req, arrived).await;
                 let _ = tx.send(Some(answer.clone()));
-                return (answer, arrived);
+                return answer;
             }
+            // Before waiting: the first may run on past any deadline of ours.
+            attempt.note(entry.arrived);
             if let Some(answer) = self.follow(&entry, &req).await {
-                return (answer, entry.arrived.min(arrived));
+                return answer;
             }
             // Decided on its own: the first request's entry may outlive its answer for a
             // moment (its guard drops after it sends), and must not be waited on again.
@@ -501,11 +528,12 @@ mod tests {
         assert!(svc.leaders.is_empty(), "the stale entry was taken out");
     }
 
-    /// Rule: a duplicate that shares the answer of an attempt already running reports that
-    /// attempt's arrival, not its own: what the first wrote may have landed from then on,
-    /// and an answer that leaves the outcome open counts its window from there.
+    /// Rule: a duplicate that waits on an attempt already running notes that attempt's
+    /// arrival, not its own, as soon as it starts waiting (its caller may have to answer
+    /// before the first does): what the first wrote may have landed from then on, and an
+    /// answer that leaves the outcome open counts its window from there.
     #[tokio::test(start_paused = true)]
-    async fn a_coalesced_duplicate_reports_when_the_attempt_it_shared_arrived() {
+    async fn a_coalesced_duplicate_notes_when_the_attempt_it_waits_on_arrived() {
         let svc = Arc::new(service());
         let account = AccountId(uuid::Uuid::from_u128(8));
         let op = Operation::Deposit {
@@ -523,39 +551,45 @@ mod tests {
             }),
         );
         tokio::time::advance(Duration::from_secs(3)).await;
+        let attempt = Arc::new(AnsweringAttempt::default());
         let follower = tokio::spawn({
-            let svc = svc.clone();
-            async move { svc.execute_timed(WriteRequest { op, event_id: 11 }).await }
+            let (svc, attempt) = (svc.clone(), attempt.clone());
+            async move {
+                svc.execute_tracked(WriteRequest { op, event_id: 11 }, &attempt)
+                    .await
+            }
         });
-        // The duplicate is waiting on the first; the first's outcome stays open.
         tokio::task::yield_now().await;
+        // Still waiting, with nothing answered: already the first's arrival, 3 s earlier.
+        assert_eq!(attempt.arrived(), Some(first_arrived));
         answer
             .send(Some(Err(WriteError::Unverifiable {
                 reason: "no answer".into(),
             })))
             .expect("the duplicate is waiting");
-        let (shared, began) = follower.await.expect("the duplicate's task");
+        let shared = follower.await.expect("the duplicate's task");
         assert!(
             matches!(shared, Err(WriteError::Unverifiable { .. })),
             "{shared:?}"
         );
-        assert_eq!(
-            began, first_arrived,
-            "the first's arrival, 3 s before its own"
-        );
-        // On its own, a request reports its own arrival.
+        assert_eq!(attempt.arrived(), Some(first_arrived));
+        // On its own, a request notes its own arrival.
         let own_arrival = Instant::now();
+        let own = AnsweringAttempt::default();
         let other = Operation::Deposit {
             account,
             amount: amount(5),
         };
-        let (landed, began) = svc
-            .execute_timed(WriteRequest {
-                op: other,
-                event_id: 12,
-            })
+        let landed = svc
+            .execute_tracked(
+                WriteRequest {
+                    op: other,
+                    event_id: 12,
+                },
+                &own,
+            )
             .await;
         assert!(landed.is_ok(), "{landed:?}");
-        assert_eq!(began, own_arrival);
+        assert_eq!(own.arrived(), Some(own_arrival));
     }
 }

@@ -12,9 +12,12 @@
 //! Nothing about a record's meaning changes: each account row keeps its own guard (bumped
 //! only from the version its write expected), each index row its own upsert, and the
 //! statement's rows are in account order so concurrent statements lock accounts in one
-//! order. Two records of one account never share a statement (its writes are serialised
-//! by the write loop's lane, and a record that would repeat an account waits for the next
-//! statement), because an upsert cannot touch one row twice. A failed statement fails
+//! order. Two records of one account never share a statement (a record that would repeat
+//! an account waits for the next statement), because an upsert cannot touch one row twice.
+//! Two records of one account can still be in flight in two statements at once (a transfer
+//! racing a deposit's lane, or a record that outlived its wait): if the later version's
+//! statement takes the row first, its guard skips it and the writer drops its copy (a
+//! guard miss, counted, healed by the next write's catch-up). A failed statement fails
 //! every record in it, each then handled as any failed record: answered anyway, counted,
 //! replayed by the next catch-up.
 
