@@ -60,15 +60,19 @@ pub async fn account_events(
     req: &Request<Incoming>,
 ) -> Result<Response<HttpBody>, ApiError> {
     let resume = resume_point(req)?;
-    // A stream that falls behind before it sent anything still says where to resume: where
-    // it was asked to (found in review: it said `null`, and a client that followed it
-    // reconnected from now, past what it had not been sent).
-    let resumed_after = match resume {
+    let sub = app.watch.subscribe_account(account, resume).await?;
+    Ok(stream_response(app, sub.items, req, resumed_after(resume)))
+}
+
+/// The last version a resumed stream's client holds. A stream that falls behind before it
+/// sent anything still says where to resume: where it was asked to (found in review: it
+/// said `null`, and a client that followed it reconnected from now, past what it had not
+/// been sent).
+fn resumed_after(resume: Resume) -> Option<u64> {
+    match resume {
         Resume::From(from) => Some(from.saturating_sub(1)),
         Resume::Live => None,
-    };
-    let sub = app.watch.subscribe_account(account, resume).await?;
-    Ok(stream_response(app, sub.items, req, resumed_after))
+    }
 }
 
 /// `GET /api/watch/stream`
@@ -425,12 +429,16 @@ mod tests {
 
     /// A stream's body over `items`, with no token, key or gate.
     fn body(items: mpsc::Receiver<Item>) -> SseBody {
+        resumed_body(items, None)
+    }
+
+    fn resumed_body(items: mpsc::Receiver<Item>, last_id: Option<u64>) -> SseBody {
         SseBody {
             items,
             preamble: true,
             expires: None,
             key: None,
-            last_id: None,
+            last_id,
             told_end: false,
             expired: false,
             _streaming: None,
@@ -472,5 +480,25 @@ mod tests {
         let out = text(body(rx)).await;
         assert!(out.ends_with("event: shutdown\ndata: {\"message\":\"the replica is shutting down; reconnect to resume\"}\n\n"), "{out}");
         assert!(!out.contains("lagged"), "{out}");
+    }
+
+    /// Rule: a resumed stream that ends as lagged before it sent anything names the resume
+    /// point its client asked for, never `null` (a client following `null` would reconnect
+    /// from now, past what it was never sent).
+    #[tokio::test]
+    async fn a_resumed_stream_that_lags_before_sending_anything_names_its_resume_point() {
+        assert_eq!(resumed_after(Resume::From(42)), Some(41));
+        assert_eq!(resumed_after(Resume::From(1)), Some(0));
+        assert_eq!(resumed_after(Resume::Live), None);
+        let (tx, rx) = mpsc::channel(8);
+        drop(tx);
+        let out = text(resumed_body(rx, resumed_after(Resume::From(42)))).await;
+        assert!(
+            out.contains(
+                r#"event: lagged
+data: {"lastEventId":41,"#
+            ),
+            "{out}"
+        );
     }
 }
