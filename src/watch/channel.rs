@@ -24,12 +24,13 @@ use crate::store::{Batch, BatchStream, ClientId, ReadFilter, StoreError};
 /// replica of the store) before the channel waits for the next notification or resync.
 const ADVANCE_ATTEMPTS: u32 = 5;
 const ADVANCE_BACKOFF: Duration = Duration::from_millis(20);
-/// How long an account's reads may keep failing before its streams end with
-/// `event: error` (clients resume with `Last-Event-ID`), as seen at the next read that
-/// fails (a notification's, or the periodic resync's for an idle account). A blip is
-/// retried then; past this, a stream that only sent keep-alives would look idle to a client
-/// while the replica cannot see the account at all (found in review).
+/// How long an account's reads may keep failing (retried every [`FAILED_READ_RETRY`])
+/// before its streams end with `event: error` (clients resume with `Last-Event-ID`): a
+/// stream that only sent keep-alives would look idle to a client while the replica cannot
+/// see the account at all (found in review).
 pub(super) const READ_FAILURE_LIMIT: Duration = Duration::from_secs(10);
+/// How soon a channel's reader reads again after a read failed.
+pub(super) const FAILED_READ_RETRY: Duration = Duration::from_secs(1);
 
 /// Where an account's stream stands: its newest delivered version and the balance after it
 /// (`None` when the stream cannot be folded).
@@ -79,6 +80,8 @@ impl Channel {
             None => {
                 let at = start(&hub.projection, self.account).await?;
                 *cursor = Some(at);
+                // Failures before the cursor was dropped were the old streams'.
+                *self.failing_since.lock() = None;
                 at
             }
         };
@@ -114,7 +117,10 @@ impl Channel {
     /// Reads what was asked for on a task of the channel's own, at most one at a time
     /// (what is asked meanwhile is read by the same task, next), so neither the feed nor the
     /// resync waits on a read, and an account whose reads lag holds up no other. At most
-    /// [`super::MAX_NOTIFIED_READS`] channels read at once.
+    /// [`super::MAX_NOTIFIED_READS`] channels read at once. A read that failed is tried
+    /// again every [`FAILED_READ_RETRY`] while the channel has subscribers, so what it
+    /// missed arrives soon after the store recovers, and an account that stays unreadable
+    /// ends its streams after [`READ_FAILURE_LIMIT`] of it.
     fn read_on(self: &Arc<Self>, hub: &Arc<Hub>) {
         if self.reading.swap(true, Ordering::SeqCst) {
             return;
@@ -128,12 +134,20 @@ impl Channel {
                 held: true,
             };
             loop {
-                let Ok(_read) = hub.reads.acquire().await else {
-                    return;
+                let (outcome, to) = {
+                    let Ok(_read) = hub.reads.acquire().await else {
+                        return;
+                    };
+                    let tip = channel.tip_wanted.swap(false, Ordering::SeqCst);
+                    let to = channel.notified.load(Ordering::SeqCst);
+                    (channel.advance(&hub, to, tip).await, to)
                 };
-                let tip = channel.tip_wanted.swap(false, Ordering::SeqCst);
-                let to = channel.notified.load(Ordering::SeqCst);
-                channel.advance(&hub, (!tip).then_some(to)).await;
+                if outcome == Advanced::Failed && channel.has_subscribers() {
+                    // Still this channel's reader: nothing is lost by asking again here.
+                    tokio::time::sleep(FAILED_READ_RETRY).await;
+                    channel.tip_wanted.store(true, Ordering::SeqCst);
+                    continue;
+                }
                 owner.release();
                 // A request made during the read saw `reading` set and left its target
                 // here; unless another task has taken it since, read again.
@@ -146,21 +160,30 @@ impl Channel {
         });
     }
 
-    /// Reads and fans out every batch after the cursor, up to `to` (the notified version)
-    /// or, without one, to the tip.
-    pub async fn advance(&self, hub: &Hub, to: Option<u64>) {
+    fn has_subscribers(&self) -> bool {
+        !self.subs.lock().is_empty()
+    }
+
+    /// Reads and fans out every batch after the cursor: to the tip once when `tip` is
+    /// asked, and until it reaches `to` (the newest notified version), retrying a read that
+    /// does not show it yet (a lagging replica of the store) a few times. Only the channel's
+    /// reader calls it (`read_on`), so one read runs per channel.
+    async fn advance(&self, hub: &Hub, to: u64, tip: bool) -> Advanced {
         let mut guard = self.cursor.lock().await;
         // Not started: the first joiner reads the tip itself.
         let Some(cursor) = guard.as_mut() else {
-            return;
+            return Advanced::Done;
         };
         let log = hub.projection.log();
         let key = hub.projection.identity().key(self.account);
         let ours = hub.projection.identity().client();
+        let mut tip = tip;
+        let mut holed = false;
         for attempt in 1..=ADVANCE_ATTEMPTS {
-            if to.is_some_and(|v| v <= cursor.version) {
-                return;
+            if !tip && to <= cursor.version {
+                return Advanced::Done;
             }
+            tip = false;
             let mut stream = BatchStream::new(
                 log.as_ref(),
                 key,
@@ -177,7 +200,7 @@ impl Channel {
                         tracing::warn!(account = %self.account, "watched account trimmed past its stream; ending its streams");
                         self.end_all(END_FEED_GAP);
                         *guard = None;
-                        return;
+                        return Advanced::Done;
                     }
                     Err(e) => {
                         // Through a store outage every watched account's every notification
@@ -190,8 +213,9 @@ impl Channel {
                         hub.metrics.watch_read_failures.inc();
                         if self.failed_too_long() {
                             *guard = None;
+                            return Advanced::Done;
                         }
-                        return;
+                        return Advanced::Failed;
                     }
                 };
                 for batch in &page {
@@ -210,7 +234,7 @@ impl Channel {
                         Err(reason) => {
                             tracing::warn!(account = %self.account, version = batch.version, %reason, "watched account is unreadable; ending its streams");
                             self.end_all(END_UNREADABLE);
-                            return;
+                            return Advanced::Done;
                         }
                     };
                     fan_out(&mut self.subs.lock(), &frame, &hub.metrics);
@@ -220,24 +244,31 @@ impl Channel {
                     };
                 }
             }
-            if hole {
-                // A hole that never fills is a store that cannot be read, like a failure.
-                hub.metrics.watch_read_failures.inc();
-                if self.failed_too_long() {
-                    *guard = None;
-                    return;
-                }
-            } else {
+            holed = hole;
+            if !hole {
                 *self.failing_since.lock() = None;
-            }
-            if to.is_none_or(|v| cursor.version >= v) {
-                return;
+                if cursor.version >= to {
+                    return Advanced::Done;
+                }
             }
             if attempt < ADVANCE_ATTEMPTS {
                 tokio::time::sleep(ADVANCE_BACKOFF).await;
             }
         }
-        tracing::warn!(account = %self.account, "a notified version is not readable yet; the next notification or resync delivers it");
+        if holed {
+            // A hole that never fills is a store that cannot be read, like a failure.
+            hub.metrics.watch_read_failures.inc();
+            if self.failed_too_long() {
+                *guard = None;
+                return Advanced::Done;
+            }
+            return Advanced::Failed;
+        }
+        static LOG: LazyLock<LogLimit> = LazyLock::new(|| LogLimit::new(REPORT_INTERVAL));
+        if let Some(report) = LOG.occurred() {
+            tracing::warn!(account = %self.account, times = report.count, "a notified version is not readable yet; the next notification or resync delivers it");
+        }
+        Advanced::Done
     }
 
     /// Notes a read that failed (or showed a hole); once the account's reads have failed
@@ -255,6 +286,15 @@ impl Channel {
         self.end_all(END_STORE_ERROR);
         true
     }
+}
+
+/// What a reader's read came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Advanced {
+    /// Read what could be read, or ended the streams: nothing to retry.
+    Done,
+    /// The store could not be read (or showed a hole): try again shortly.
+    Failed,
 }
 
 /// Who holds a channel's `reading` flag; see [`Channel::read_on`].
@@ -369,7 +409,7 @@ mod tests {
     /// down) clears it, so the channel's next notification starts a reader again; one that
     /// gave it back never clears a flag another reader took since.
     #[test]
-    fn a_reader_that_ends_abruptly_gives_its_flag_back_and_never_anothers() {
+    fn a_reader_that_ends_abruptly_gives_its_flag_back_and_never_another_readers() {
         let flag = AtomicBool::new(true);
         drop(ReaderFlag {
             flag: &flag,

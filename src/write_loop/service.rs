@@ -68,6 +68,10 @@ type CoalesceKey = (u128, AccountId);
 
 type LeaderMap = DashMap<CoalesceKey, Arc<Leader>, foldhash::fast::RandomState>;
 
+fn coalesce_key(req: &WriteRequest) -> CoalesceKey {
+    (req.event_id, req.op.legs().as_slice()[0].account)
+}
+
 /// Removes a leader's entry however its future ends, so followers never wait on a leader
 /// that is gone.
 struct LeaderGuard<'a> {
@@ -149,6 +153,10 @@ impl WriteService {
             if let Some(answer) = self.replay_from_memory(&req) {
                 return answer;
             }
+            // The refusal speaks for a duplicate already running here too, if there is one.
+            if let Some(running) = self.leaders.get(&coalesce_key(&req)) {
+                attempt.note(running.arrived);
+            }
             return Err(self.refuse(refused::LIVE_WRITES, "too many writes in flight"));
         };
         let _live = LiveGauge::enter(&self.metrics().write_live);
@@ -208,7 +216,7 @@ impl WriteService {
         arrived: Instant,
         attempt: &AnsweringAttempt,
     ) -> Answer {
-        let key: CoalesceKey = (req.event_id, req.op.legs().as_slice()[0].account);
+        let key = coalesce_key(&req);
         // Each round waits for a first request to end, so the rounds are as many as the
         // requests racing under this key at most; a loop, not a recursion, so no number of
         // them can grow the stack.
@@ -591,5 +599,42 @@ mod tests {
             .await;
         assert!(landed.is_ok(), "{landed:?}");
         assert_eq!(own.arrived(), Some(own_arrival));
+    }
+
+    /// Rule: a request refused at the live-writes limit while a duplicate of it runs on this
+    /// replica speaks for that duplicate too: its answer's window counts from the running
+    /// one's arrival (found in review: it counted from its own).
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_duplicate_notes_the_running_attempts_arrival() {
+        let svc = service();
+        let account = AccountId(uuid::Uuid::from_u128(9));
+        let op = Operation::Deposit {
+            account,
+            amount: amount(30),
+        };
+        let (_answer, running) = watch::channel(None);
+        let first_arrived = Instant::now();
+        svc.leaders.insert(
+            (13, account),
+            Arc::new(Leader {
+                op,
+                arrived: first_arrived,
+                answer: running,
+            }),
+        );
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let _full = svc
+            .live
+            .try_acquire_many(svc.live.available_permits() as u32)
+            .expect("every live-write permit");
+        let attempt = AnsweringAttempt::default();
+        let refused = svc
+            .execute_tracked(WriteRequest { op, event_id: 13 }, &attempt)
+            .await;
+        assert!(
+            matches!(refused, Err(WriteError::Overloaded { .. })),
+            "{refused:?}"
+        );
+        assert_eq!(attempt.arrived(), Some(first_arrived));
     }
 }
