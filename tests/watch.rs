@@ -762,6 +762,36 @@ async fn resumes_racing_live_writes_never_skip_or_repeat_a_version() {
     t.shutdown().await;
 }
 
+/// The next frame of events on `sub`, past keep-alives.
+async fn next_events(sub: &mut Subscription) -> Arc<tally::watch::AccountFrame> {
+    loop {
+        match sub.items.recv().await {
+            Some(Item::Events(f)) => return f,
+            Some(Item::KeepAlive) => continue,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+/// A replica over `store`, started, and a live stream on a new account, past its snapshot.
+async fn watching_a_new_account(
+    store: SharedLog,
+) -> (Arc<tally::app::App>, AccountId, Subscription) {
+    let app = tally::app::App::builder(test_config(&[]))
+        .store(store)
+        .build()
+        .await
+        .unwrap();
+    app.started().await;
+    let id = AccountId(new_account().parse().unwrap());
+    let mut sub = app.watch.subscribe_account(id, Resume::Live).await.unwrap();
+    assert!(matches!(
+        sub.items.recv().await,
+        Some(Item::Snapshot { version: 0, .. })
+    ));
+    (app, id, sub)
+}
+
 /// A store whose watch opens but never reports anything: a feed gone silent without an
 /// error (a half-open connection). Its reads fail while `failing` is set.
 struct SilentWatch(Arc<MemoryLog>, Arc<std::sync::atomic::AtomicBool>);
@@ -820,19 +850,9 @@ impl tally::store::EventLog for SilentWatch {
 #[tokio::test(start_paused = true)]
 async fn a_feed_gone_silent_still_delivers_through_the_periodic_resync() {
     let mem = Arc::new(MemoryLog::new());
-    let app = tally::app::App::builder(test_config(&[]))
-        .store(Arc::new(SilentWatch(mem.clone(), Default::default())) as SharedLog)
-        .build()
-        .await
-        .unwrap();
-    app.started().await;
-    let account = new_account();
-    let id = AccountId(account.parse().unwrap());
-    let mut sub = app.watch.subscribe_account(id, Resume::Live).await.unwrap();
-    assert!(matches!(
-        sub.items.recv().await,
-        Some(Item::Snapshot { version: 0, .. })
-    ));
+    let (app, id, mut sub) =
+        watching_a_new_account(Arc::new(SilentWatch(mem.clone(), Default::default())) as SharedLog)
+            .await;
     let amount = 7;
     let w = one_deposit(app.identity.key(id), 1, None, amount);
     mem.write_now(app.identity.client(), vec![w]).unwrap();
@@ -928,18 +948,9 @@ async fn a_stream_ends_with_an_expired_event_when_its_token_expires() {
 async fn an_account_whose_reads_keep_failing_ends_its_streams_with_a_store_error() {
     let mem = Arc::new(MemoryLog::new());
     let failing = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let app = tally::app::App::builder(test_config(&[]))
-        .store(Arc::new(SilentWatch(mem.clone(), failing.clone())) as SharedLog)
-        .build()
-        .await
-        .unwrap();
-    app.started().await;
-    let id = AccountId(new_account().parse().unwrap());
-    let mut sub = app.watch.subscribe_account(id, Resume::Live).await.unwrap();
-    assert!(matches!(
-        sub.items.recv().await,
-        Some(Item::Snapshot { version: 0, .. })
-    ));
+    let (app, _, mut sub) =
+        watching_a_new_account(Arc::new(SilentWatch(mem.clone(), failing.clone())) as SharedLog)
+            .await;
     failing.store(true, std::sync::atomic::Ordering::SeqCst);
     // Only the periodic resync reads (the feed is silent): its failure is retried every
     // second, and 10 s of them end the streams.
@@ -975,18 +986,9 @@ async fn an_account_whose_reads_keep_failing_ends_its_streams_with_a_store_error
 async fn what_a_failed_read_missed_arrives_a_second_after_the_store_recovers() {
     let mem = Arc::new(MemoryLog::new());
     let failing = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let app = tally::app::App::builder(test_config(&[]))
-        .store(Arc::new(SilentWatch(mem.clone(), failing.clone())) as SharedLog)
-        .build()
-        .await
-        .unwrap();
-    app.started().await;
-    let id = AccountId(new_account().parse().unwrap());
-    let mut sub = app.watch.subscribe_account(id, Resume::Live).await.unwrap();
-    assert!(matches!(
-        sub.items.recv().await,
-        Some(Item::Snapshot { version: 0, .. })
-    ));
+    let (app, id, mut sub) =
+        watching_a_new_account(Arc::new(SilentWatch(mem.clone(), failing.clone())) as SharedLog)
+            .await;
     let started = tokio::time::Instant::now();
     failing.store(true, std::sync::atomic::Ordering::SeqCst);
     mem.write_now(
@@ -997,13 +999,7 @@ async fn what_a_failed_read_missed_arrives_a_second_after_the_store_recovers() {
     // The resync's read at 30 s fails; the store is back half a second later.
     tokio::time::sleep(Duration::from_millis(30_500)).await;
     failing.store(false, std::sync::atomic::Ordering::SeqCst);
-    let frame = loop {
-        match sub.items.recv().await {
-            Some(Item::Events(f)) => break f,
-            Some(Item::KeepAlive) => continue,
-            other => panic!("unexpected {other:?}"),
-        }
-    };
+    let frame = next_events(&mut sub).await;
     assert_eq!(
         (frame.version, frame.entries[0].balance_cents),
         (1, Some(3))
@@ -1159,13 +1155,7 @@ async fn an_account_whose_reads_hang_holds_up_no_other_accounts_stream() {
     // Released, the slow account's stream gets its event too.
     *store.blocked.lock() = None;
     store.release.notify_waiters();
-    let frame = loop {
-        match slow_sub.items.recv().await {
-            Some(Item::Events(f)) => break f,
-            Some(Item::KeepAlive) => continue,
-            other => panic!("unexpected {other:?}"),
-        }
-    };
+    let frame = next_events(&mut slow_sub).await;
     assert_eq!(
         (frame.version, frame.entries[0].balance_cents),
         (1, Some(5))
@@ -1179,18 +1169,7 @@ async fn an_account_whose_reads_hang_holds_up_no_other_accounts_stream() {
 #[tokio::test(start_paused = true)]
 async fn a_hole_in_an_accounts_reads_is_never_skipped_and_ends_its_streams_if_it_stays() {
     let store = BlockedReads::new();
-    let app = tally::app::App::builder(test_config(&[]))
-        .store(store.clone() as SharedLog)
-        .build()
-        .await
-        .unwrap();
-    app.started().await;
-    let id = AccountId(new_account().parse().unwrap());
-    let mut sub = app.watch.subscribe_account(id, Resume::Live).await.unwrap();
-    assert!(matches!(
-        sub.items.recv().await,
-        Some(Item::Snapshot { version: 0, .. })
-    ));
+    let (app, id, mut sub) = watching_a_new_account(store.clone() as SharedLog).await;
     *store.hides_version.lock() = Some(2);
     let client = app.identity.client();
     for seq in 1..=3 {

@@ -536,6 +536,25 @@ mod tests {
         assert!(svc.leaders.is_empty(), "the stale entry was taken out");
     }
 
+    /// A first request under `event_id` running on `svc` now, unanswered: where its answer
+    /// goes, and when it arrived.
+    fn running_first(
+        svc: &WriteService,
+        event_id: u128,
+        op: Operation,
+    ) -> (watch::Sender<Option<Answer>>, Instant) {
+        let (answer, running) = watch::channel(None);
+        let arrived = Instant::now();
+        let first = Leader {
+            op,
+            arrived,
+            answer: running,
+        };
+        let account = op.legs().as_slice()[0].account;
+        svc.leaders.insert((event_id, account), Arc::new(first));
+        (answer, arrived)
+    }
+
     /// Rule: a duplicate that waits on an attempt already running notes that attempt's
     /// arrival, not its own, as soon as it starts waiting (its caller may have to answer
     /// before the first does): what the first wrote may have landed from then on, and an
@@ -548,16 +567,7 @@ mod tests {
             account,
             amount: amount(30),
         };
-        let (answer, running) = watch::channel(None);
-        let first_arrived = Instant::now();
-        svc.leaders.insert(
-            (11, account),
-            Arc::new(Leader {
-                op,
-                arrived: first_arrived,
-                answer: running,
-            }),
-        );
+        let (answer, first_arrived) = running_first(&svc, 11, op);
         tokio::time::advance(Duration::from_secs(3)).await;
         let attempt = Arc::new(AnsweringAttempt::default());
         let follower = tokio::spawn({
@@ -612,16 +622,7 @@ mod tests {
             account,
             amount: amount(30),
         };
-        let (_answer, running) = watch::channel(None);
-        let first_arrived = Instant::now();
-        svc.leaders.insert(
-            (13, account),
-            Arc::new(Leader {
-                op,
-                arrived: first_arrived,
-                answer: running,
-            }),
-        );
+        let (_answer, first_arrived) = running_first(&svc, 13, op);
         tokio::time::advance(Duration::from_secs(2)).await;
         let _full = svc
             .live
