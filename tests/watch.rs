@@ -1022,6 +1022,8 @@ struct BlockedReads {
     release: tokio::sync::Notify,
     hides_version: parking_lot::Mutex<Option<u64>>,
     lags: parking_lot::Mutex<Option<(u64, usize)>>,
+    /// Whether its watch, once opened, stays silent (as [`SilentWatch`]'s).
+    silent_feed: std::sync::atomic::AtomicBool,
 }
 
 impl BlockedReads {
@@ -1032,6 +1034,7 @@ impl BlockedReads {
             release: tokio::sync::Notify::new(),
             hides_version: parking_lot::Mutex::new(None),
             lags: parking_lot::Mutex::new(None),
+            silent_feed: std::sync::atomic::AtomicBool::new(false),
         })
     }
 }
@@ -1083,6 +1086,9 @@ impl tally::store::EventLog for BlockedReads {
         &self,
         filter: tally::store::WatchFilter,
     ) -> tally::store::StoreResult<Box<dyn tally::store::WatchFeed>> {
+        if self.silent_feed.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(Box::new(SilentFeed));
+        }
         tally::store::EventLog::watch(self.mem.as_ref(), filter).await
     }
 }
@@ -1165,10 +1171,21 @@ async fn an_account_whose_reads_hang_holds_up_no_other_accounts_stream() {
 
 /// Rule: a read that shows a version missing delivers nothing past the hole (every balance
 /// after it would be off), and a hole that never fills counts as reads failing: 10 s of it
-/// end the account's streams with a store error, never a stream gone quiet for good.
+/// end the account's streams with a store error, never a stream gone quiet for good; also
+/// when only a resync's read to the tip finds it (a silent feed: found in review, the retry
+/// after the hole read nothing and counted nothing).
 #[tokio::test(start_paused = true)]
 async fn a_hole_in_an_accounts_reads_is_never_skipped_and_ends_its_streams_if_it_stays() {
+    for silent_feed in [false, true] {
+        a_hole_that_stays(silent_feed).await;
+    }
+}
+
+async fn a_hole_that_stays(silent_feed: bool) {
     let store = BlockedReads::new();
+    store
+        .silent_feed
+        .store(silent_feed, std::sync::atomic::Ordering::SeqCst);
     let (app, id, mut sub) = watching_a_new_account(store.clone() as SharedLog).await;
     *store.hides_version.lock() = Some(2);
     let client = app.identity.client();
@@ -1197,6 +1214,14 @@ async fn a_hole_in_an_accounts_reads_is_never_skipped_and_ends_its_streams_if_it
     };
     assert_eq!(delivered, vec![1], "nothing past the missing version 2");
     assert!(matches!(end, EndReason::StoreError(_)), "{end:?}");
+    // Retried every second: 10 s of the hole after it was first seen (at once, or at the
+    // resync 30 s in when the feed is silent).
+    assert!(
+        started.elapsed() <= Duration::from_secs(42),
+        "silent feed: {silent_feed}; ended after {:?}",
+        started.elapsed()
+    );
+    assert!(app.metrics.watch_read_failures.get() >= 10);
     app.watch.shutdown();
 }
 

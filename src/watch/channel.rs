@@ -117,10 +117,11 @@ impl Channel {
     /// Reads what was asked for on a task of the channel's own, at most one at a time
     /// (what is asked meanwhile is read by the same task, next), so neither the feed nor the
     /// resync waits on a read, and an account whose reads lag holds up no other. At most
-    /// [`super::MAX_NOTIFIED_READS`] channels read at once. A read that failed is tried
-    /// again every [`FAILED_READ_RETRY`] while the channel has subscribers, so what it
-    /// missed arrives soon after the store recovers, and an account that stays unreadable
-    /// ends its streams after [`READ_FAILURE_LIMIT`] of it.
+    /// [`super::MAX_NOTIFIED_READS`] channels read at once. A read that failed (or does not
+    /// show a notified version yet) is tried again every [`FAILED_READ_RETRY`] while the
+    /// channel has subscribers, so what it missed arrives soon after the store recovers,
+    /// and an account that stays unreadable ends its streams after [`READ_FAILURE_LIMIT`]
+    /// of failures.
     fn read_on(self: &Arc<Self>, hub: &Arc<Hub>) {
         if self.reading.swap(true, Ordering::SeqCst) {
             return;
@@ -142,7 +143,7 @@ impl Channel {
                     let to = channel.notified.load(Ordering::SeqCst);
                     (channel.advance(&hub, to, tip).await, to)
                 };
-                if outcome == Advanced::Failed && channel.has_subscribers() {
+                if outcome != Advanced::Done && channel.has_subscribers() {
                     // Still this channel's reader: nothing is lost by asking again here.
                     tokio::time::sleep(FAILED_READ_RETRY).await;
                     channel.tip_wanted.store(true, Ordering::SeqCst);
@@ -183,7 +184,6 @@ impl Channel {
             if !tip && to <= cursor.version {
                 return Advanced::Done;
             }
-            tip = false;
             let mut stream = BatchStream::new(
                 log.as_ref(),
                 key,
@@ -208,7 +208,7 @@ impl Channel {
                         static LOG: LazyLock<LogLimit> =
                             LazyLock::new(|| LogLimit::new(REPORT_INTERVAL));
                         if let Some(report) = LOG.occurred() {
-                            tracing::warn!(error = %e, failed = report.count, since_ms = report.since_ms, "watch read failed; the next notification or resync retries");
+                            tracing::warn!(error = %e, failed = report.count, since_ms = report.since_ms, "watch read failed; read again in a second");
                         }
                         hub.metrics.watch_read_failures.inc();
                         if self.failed_too_long() {
@@ -246,6 +246,8 @@ impl Channel {
             }
             holed = hole;
             if !hole {
+                // Read whole to the tip: only `to` may still be missing.
+                tip = false;
                 *self.failing_since.lock() = None;
                 if cursor.version >= to {
                     return Advanced::Done;
@@ -266,9 +268,9 @@ impl Channel {
         }
         static LOG: LazyLock<LogLimit> = LazyLock::new(|| LogLimit::new(REPORT_INTERVAL));
         if let Some(report) = LOG.occurred() {
-            tracing::warn!(account = %self.account, times = report.count, "a notified version is not readable yet; the next notification or resync delivers it");
+            tracing::warn!(account = %self.account, times = report.count, "a notified version is not readable yet; read again in a second");
         }
-        Advanced::Done
+        Advanced::Behind
     }
 
     /// Notes a read that failed (or showed a hole); once the account's reads have failed
@@ -295,6 +297,9 @@ enum Advanced {
     Done,
     /// The store could not be read (or showed a hole): try again shortly.
     Failed,
+    /// The read was whole but does not show the notified version yet (a lagging replica
+    /// of the store): try again shortly, not counted as a failure.
+    Behind,
 }
 
 /// Who holds a channel's `reading` flag; see [`Channel::read_on`].
