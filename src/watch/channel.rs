@@ -29,7 +29,8 @@ const ADVANCE_BACKOFF: Duration = Duration::from_millis(20);
 /// stream that only sent keep-alives would look idle to a client while the replica cannot
 /// see the account at all (found in review).
 pub(super) const READ_FAILURE_LIMIT: Duration = Duration::from_secs(10);
-/// How soon a channel's reader reads again after a read failed.
+/// How soon a channel's reader reads again after a read failed, at most (see
+/// [`retry_pause`]).
 pub(super) const FAILED_READ_RETRY: Duration = Duration::from_secs(1);
 
 /// Where an account's stream stands: its newest delivered version and the balance after it
@@ -134,6 +135,7 @@ impl Channel {
                 flag: &channel.reading,
                 held: true,
             };
+            let mut retries: u64 = 0;
             loop {
                 let (outcome, to) = {
                     let Ok(_read) = hub.reads.acquire().await else {
@@ -145,7 +147,8 @@ impl Channel {
                 };
                 if outcome != Advanced::Done && channel.has_subscribers() {
                     // Still this channel's reader: nothing is lost by asking again here.
-                    tokio::time::sleep(FAILED_READ_RETRY).await;
+                    retries += 1;
+                    tokio::time::sleep(retry_pause(channel.account, retries)).await;
                     channel.tip_wanted.store(true, Ordering::SeqCst);
                     continue;
                 }
@@ -302,6 +305,17 @@ enum Advanced {
     Behind,
 }
 
+/// How long a reader waits before reading again after a failed read: between half of
+/// [`FAILED_READ_RETRY`] and all of it, spread by account and retry, so the readers of
+/// many accounts failing together do not all come back at the same instant (found in
+/// review). Deterministic: the same account and retry always wait the same.
+fn retry_pause(account: AccountId, retry: u64) -> Duration {
+    let spread = (account.0.as_u128() as u64) ^ retry.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let half = FAILED_READ_RETRY / 2;
+    let half_ms = u64::try_from(half.as_millis()).unwrap_or(u64::MAX).max(1);
+    half + Duration::from_millis(spread % half_ms)
+}
+
 /// Who holds a channel's `reading` flag; see [`Channel::read_on`].
 struct ReaderFlag<'a> {
     flag: &'a AtomicBool,
@@ -435,5 +449,24 @@ mod tests {
         assert!(!owner.take());
         drop(owner);
         assert!(flag.load(Ordering::SeqCst), "the other reader's flag stays");
+    }
+
+    /// Rule: a failed read's pause before the next lies in the upper half of
+    /// `FAILED_READ_RETRY`, and differs between accounts and retries.
+    #[test]
+    fn retry_pauses_are_spread_within_the_upper_half_of_the_retry_interval() {
+        let mut seen = std::collections::HashSet::new();
+        for n in 0..64u128 {
+            let account = AccountId(uuid::Uuid::from_u128(n * 7_919));
+            for retry in 1..4 {
+                let pause = retry_pause(account, retry);
+                assert!(
+                    pause >= FAILED_READ_RETRY / 2 && pause < FAILED_READ_RETRY,
+                    "{pause:?}"
+                );
+                seen.insert(pause);
+            }
+        }
+        assert!(seen.len() > 32, "spread: {} distinct pauses", seen.len());
     }
 }
