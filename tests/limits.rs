@@ -226,6 +226,11 @@ async fn a_transfer_coding_other_than_chunked_once_is_refused_and_writes_nothing
         .exchange(&deposit("Transfer-Encoding: Chunked\r\n"))
         .await;
     assert!(plain.contains(r#""balanceCents":5"#), "{plain}");
+    // An empty list element is no coding (RFC 9110, 5.6.1; found black-box: it was a 415).
+    let listed = server
+        .exchange(&deposit("Transfer-Encoding: , chunked\r\n"))
+        .await;
+    assert!(listed.contains(r#""balanceCents":10"#), "{listed}");
     server.shutdown().await;
 }
 
@@ -240,6 +245,7 @@ async fn a_request_without_one_host_is_refused_and_writes_nothing() {
     for (version, hosts) in [
         ("HTTP/1.1", ""),
         ("HTTP/1.1", "Host: a\r\nHost: b\r\n"),
+        ("HTTP/1.1", "Host: a, b\r\n"),
         ("HTTP/1.0", "Host: a\r\nHost: b\r\n"),
     ] {
         let text = server

@@ -109,6 +109,8 @@ pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T,
             .iter()
             .flat_map(|v| v.as_bytes().split(|&b| b == b','))
             .map(|coding| coding.trim_ascii())
+            // Empty list elements are not codings (RFC 9110, 5.6.1).
+            .filter(|coding| !coding.is_empty())
     };
     if codings().any(|coding| !coding.eq_ignore_ascii_case(b"chunked")) {
         return Err(ApiError::UnsupportedMediaType(

@@ -141,6 +141,13 @@ pub(crate) fn at_most_one<K: hyper::header::AsHeaderName>(
 fn check_host(req: &Request<Incoming>) -> Result<(), ApiError> {
     let host = at_most_one(req.headers(), hyper::header::HOST)
         .map_err(|_| ApiError::bad_request("BAD_REQUEST", "send one Host header, not several"))?;
+    // A proxy that joined two Host fields into one list sent two hosts.
+    if host.is_some_and(|h| h.as_bytes().contains(&b',')) {
+        return Err(ApiError::bad_request(
+            "BAD_REQUEST",
+            "send one Host header, not several",
+        ));
+    }
     if host.is_none() && req.version() == hyper::Version::HTTP_11 {
         return Err(ApiError::bad_request(
             "BAD_REQUEST",

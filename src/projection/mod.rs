@@ -43,7 +43,7 @@ use crate::store::{BatchStream, ReadFilter, SharedLog, StoreError};
 pub use anchor::SERVER_CLOCK_RESYNC;
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use index::{RecentIndex, RecentWrite};
-pub use port::{AccountView, Loaded};
+pub use port::{AccountView, Loaded, Recorded};
 pub use postgres::{PgProjection, PostgresSettings};
 pub use scan::{SCAN_MAX_PAGES, SCAN_MAX_VERSIONS, ScanHit};
 pub use state::{AccountState, Broken, FoldContext, MAX_OWN_CLIENT_SEQ, Snapshot};

@@ -26,6 +26,18 @@ pub struct Loaded {
     pub db_statements: u32,
 }
 
+/// What recording a write did.
+#[derive(Debug, Default)]
+pub struct Recorded {
+    /// Database statements sent (0 or 1).
+    pub statements: u32,
+    /// Accounts whose shared row the record's guard found behind the write (Postgres): the
+    /// writer catches them up before answering (`write_loop::run::append`), so an account
+    /// written once after the database lost a commit does not keep a stale row until its
+    /// next write.
+    pub rows_behind: Vec<AccountId>,
+}
+
 impl Projection {
     /// Whether this projection talks to a database (its round trips are worth counting).
     pub fn uses_database(&self) -> bool {
@@ -158,8 +170,12 @@ impl Projection {
     /// Never fails: the store holds the write, so its answer goes back regardless. A failed
     /// record is logged and counted (`tally_projection_record_failures_total`); the next
     /// catch-up replays the event and indexes it, so a retry on any replica still finds it.
-    /// Returns the database statements sent (0 or 1).
-    pub async fn record(&self, writes: &[(AccountId, &AccountView, RecordedWrite<'_>)]) -> u32 {
+    /// Returns the database statements sent (0 or 1), and the accounts whose shared row
+    /// the record found behind (see [`Recorded`]).
+    pub async fn record(
+        &self,
+        writes: &[(AccountId, &AccountView, RecordedWrite<'_>)],
+    ) -> Recorded {
         match &self.backend {
             Backend::Memory => {
                 for (_, view, write) in writes {
@@ -167,7 +183,7 @@ impl Projection {
                         self.record_write(slot, write);
                     }
                 }
-                0
+                Recorded::default()
             }
             Backend::Postgres(pg) => {
                 let rows: Vec<RecordRow<'_>> = writes
@@ -190,6 +206,7 @@ impl Projection {
                 // guarded on a cursor the database never reached: the shared row would stay
                 // stale for as long as only this replica wrote. Without it, the next write
                 // loads the row and catches up, which persists what was missed.
+                let mut rows_behind = Vec::new();
                 match pg.record(&rows, expires).await {
                     Ok(skipped) => {
                         // The row was not at the version this write expected: another
@@ -199,9 +216,10 @@ impl Projection {
                         self.metrics
                             .projection_record_guard_misses
                             .inc_by(skipped.len() as u64);
-                        for account in skipped {
+                        for &account in &skipped {
                             self.pg_forget_warm(account);
                         }
+                        rows_behind = skipped;
                     }
                     Err(e) => {
                         self.metrics.projection_record_failures.inc();
@@ -218,7 +236,10 @@ impl Projection {
                         }
                     }
                 }
-                1
+                Recorded {
+                    statements: 1,
+                    rows_behind,
+                }
             }
         }
     }

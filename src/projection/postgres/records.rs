@@ -17,7 +17,7 @@
 //! Two records of one account can still be in flight in two statements at once (a transfer
 //! racing a deposit's lane, or a record that outlived its wait): if the later version's
 //! statement takes the row first, its guard skips it and the writer drops its copy (a
-//! guard miss, counted, healed by the next write's catch-up). A failed statement fails
+//! guard miss, counted, and caught up by the writer before it answers). A failed statement fails
 //! every record in it, each then handled as any failed record: answered anyway, counted,
 //! replayed by the next catch-up.
 
