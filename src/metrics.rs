@@ -164,7 +164,7 @@ pub struct Metrics {
     pub fault_injection_enabled: IntGauge,
     // The Postgres projection (issue 14)
     pub projection_record_failures: IntCounter,
-    pub projection_record_guard_misses: IntCounter,
+    pub projection_rows_behind: IntCounter,
     pub projection_db_statements: IntCounterVec,
     pub projection_db_round_trips_per_write: Histogram,
     pub projection_db_rows_replayed: IntCounter,
@@ -511,10 +511,10 @@ impl Metrics {
                 "tally_projection_record_failures_total",
                 "Writes that landed in the store but whose record statement failed (answered anyway; the next catch-up replays them).",
             ),
-            projection_record_guard_misses: counter(
+            projection_rows_behind: counter(
                 r,
-                "tally_projection_record_guard_misses_total",
-                "Account rows a write's record left alone because the row was not at the version the write expected (another replica or statement got there first, which is harmless, or the database lost a commit); the replica's copy of the account is dropped.",
+                "tally_projection_rows_behind_total",
+                "Account rows a write's record found below the version the write expected (the database lost a commit, or two statements of one account raced); the writer caught each up before answering.",
             ),
             projection_db_statements: counter_vec(
                 r,

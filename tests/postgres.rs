@@ -305,14 +305,14 @@ async fn a_failed_record_still_answers_and_the_next_catch_up_replays_it() {
     assert_eq!(row(&db, &account).await, Some((145, 3)));
 }
 
-/// Rule: a record whose guard finds the row not at the version its write expected (here the
+/// Rule: a record that finds the row below the version its write expected (here the
 /// database lost the commit of the record before it, as asynchronous commit allows after a
 /// crash) moves nothing itself; the writer catches the row up before answering and drops
-/// its copy, so its next write loads the row. Kept, the copy sent every later write down
-/// the fast path, whose records were all guarded on a version the row never reached (found
-/// in review).
+/// its copy. Kept, the copy sent every later write down the fast path, whose records were
+/// all guarded on a version the row never reached (found in review), and an account not
+/// written again kept a stale row (found black-box).
 #[tokio::test]
-async fn a_record_its_guard_skips_is_caught_up_by_its_writer_and_drops_the_copy() {
+async fn a_row_a_record_finds_behind_is_caught_up_by_its_writer() {
     let Some(url) = pg::fresh_url().await else {
         return;
     };
@@ -342,24 +342,24 @@ async fn a_record_its_guard_skips_is_caught_up_by_its_writer_and_drops_the_copy(
     )
     .await
     .expect("drop its index row");
-    let guard_misses = || a.app.metrics.projection_record_guard_misses.get();
+    let rows_behind = || a.app.metrics.projection_rows_behind.get();
     assert_eq!(
         created(&a.deposit(&account, 5, Some(&key())).await),
         (145, 3)
     );
-    assert_eq!(guard_misses(), 1, "the row was not at version 2");
+    assert_eq!(rows_behind(), 1, "the row was below version 2");
     assert_eq!(record_failures(&a), 0, "the statement itself succeeded");
     // The writer caught the row up before answering, with the lost index row (found
     // black-box: it stayed behind until the account's next write).
     assert_eq!(row(&db, &account).await, Some((145, 3)));
     assert!(index_row(&db, &account, &lost).await.is_some());
-    // And its next write loads the row rather than ride the dropped copy.
+    // The next write lands on the caught-up row.
     assert_eq!(
         created(&a.deposit(&account, 7, Some(&key())).await),
         (152, 4)
     );
     assert_eq!(row(&db, &account).await, Some((152, 4)));
-    assert_eq!(guard_misses(), 1);
+    assert_eq!(rows_behind(), 1);
 }
 
 /// A store that, once armed, holds every successful write's answer forever: the replica
@@ -640,15 +640,21 @@ async fn a_late_record_never_takes_an_index_row_back_to_an_older_landing() {
         max_client_seq: 3,
         events: &[(key, 31, event)],
     };
-    pg.record(
-        &[tally::projection::postgres::RecordRow {
-            account,
-            write: &late,
-        }],
-        9_000,
-    )
-    .await
-    .expect("record");
+    let behind = pg
+        .record(
+            &[tally::projection::postgres::RecordRow {
+                account,
+                write: &late,
+            }],
+            9_000,
+        )
+        .await
+        .expect("record");
+    assert_eq!(
+        behind,
+        vec![],
+        "a row already past the write is not behind it"
+    );
     let loaded = pg.load(account, &[key], 0, None).await.expect("load");
     let hits: Vec<(u64, i64)> = loaded
         .hits
@@ -656,6 +662,26 @@ async fn a_late_record_never_takes_an_index_row_back_to_an_older_landing() {
         .map(|(_, w)| (w.version, w.balance))
         .collect();
     assert_eq!(hits, vec![(10, 100)], "the newer landing's row stays");
+    // A record from above the row (the row lost a commit the writer counted on) reports it.
+    let above = RecordedWrite {
+        expected_version: 12,
+        generation: 0,
+        new_version: 13,
+        balance_after: 130,
+        max_client_seq: 13,
+        events: &[(key + 1, 130, event)],
+    };
+    let behind = pg
+        .record(
+            &[tally::projection::postgres::RecordRow {
+                account,
+                write: &above,
+            }],
+            9_000,
+        )
+        .await
+        .expect("record");
+    assert_eq!(behind, vec![account], "the row stands below version 12");
 }
 
 /// Rule: records queued together share one statement (the database's per-statement cost

@@ -296,10 +296,10 @@ def build():
          [t(mean("tally_projection_db_round_trips_per_write"), "mean"),
           t(quantile(0.99, "tally_projection_db_round_trips_per_write", []), "p99")], "short",
          "Projection statements per write-loop run: 2 on the fast path (the row read with its lookup, the record).")
-    L.ts("Record failures and guard misses",
+    L.ts("Record failures and rows behind",
          [t(f"sum by (instance) (increase(tally_projection_record_failures_total{sel()}[{RI}]))", "failed {{instance}}"),
-          t(f"sum by (instance) (increase(tally_projection_record_guard_misses_total{sel()}[{RI}]))", "guard missed {{instance}}")], "short",
-         "Writes that landed but whose record statement failed (answered anyway, replayed by the next catch-up), and account rows a record left alone because the row was not at the version its write expected (another replica got ahead, or the database lost a commit).")
+          t(f"sum by (instance) (increase(tally_projection_rows_behind_total{sel()}[{RI}]))", "behind {{instance}}")], "short",
+         "Writes that landed but whose record statement failed (answered anyway, replayed by the next catch-up), and account rows a record found below the version its write expected (the database lost a commit, or two statements of one account raced), each caught up by its writer.")
     L.ts("Scans on miss by result", [t(f"sum by (result) ({rate('tally_idempotency_scans_total')})", "{{result}}")], "ops",
          "--idempotency-scan-window (both projections): hit, miss, bounded, error. Zero when off.")
     L.ts("Index rows replayed and swept",

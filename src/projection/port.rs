@@ -31,10 +31,10 @@ pub struct Loaded {
 pub struct Recorded {
     /// Database statements sent (0 or 1).
     pub statements: u32,
-    /// Accounts whose shared row the record's guard found behind the write (Postgres): the
-    /// writer catches them up before answering (`write_loop::run::append`), so an account
-    /// written once after the database lost a commit does not keep a stale row until its
-    /// next write.
+    /// Accounts whose shared row the record found below the version its write expected
+    /// (Postgres): the writer catches them up before answering (`write_loop::run::append`),
+    /// so an account written once after the database lost a commit does not keep a stale
+    /// row.
     pub rows_behind: Vec<AccountId>,
 }
 
@@ -208,18 +208,18 @@ impl Projection {
                 // loads the row and catches up, which persists what was missed.
                 let mut rows_behind = Vec::new();
                 match pg.record(&rows, expires).await {
-                    Ok(skipped) => {
-                        // The row was not at the version this write expected: another
-                        // replica's catch-up passed it (harmless: the copy costs one load),
-                        // or the database lost a commit the copy had counted on (found in
-                        // review: asynchronous commit, a crash or a failover).
+                    Ok(behind) => {
+                        // The row stood below the version this write expected: the database
+                        // lost a commit the copy had counted on (found in review: asynchronous
+                        // commit, a crash or a failover), or two statements raced. The copy
+                        // goes, and the caller catches the row up.
                         self.metrics
-                            .projection_record_guard_misses
-                            .inc_by(skipped.len() as u64);
-                        for &account in &skipped {
+                            .projection_rows_behind
+                            .inc_by(behind.len() as u64);
+                        for &account in &behind {
                             self.pg_forget_warm(account);
                         }
-                        rows_behind = skipped;
+                        rows_behind = behind;
                     }
                     Err(e) => {
                         self.metrics.projection_record_failures.inc();

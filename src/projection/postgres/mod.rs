@@ -353,7 +353,8 @@ impl PgProjection {
     /// (shared with other writes' records under load: `records.rs`): each account's index
     /// rows upserted (a row's `expires_at_ms` only ever raised), and its cursor bumped only
     /// where it still stands at the version the write expected (a row is created only by a
-    /// write that expected version 0). Returns the accounts whose row the guard skipped.
+    /// write that expected version 0). Returns the accounts whose row stood below the
+    /// version the write expected (see `execute_record`).
     pub async fn record(
         &self,
         rows: &[RecordRow<'_>],
@@ -476,8 +477,12 @@ fn counted<T>(metrics: &Metrics, statement: &str, r: Result<T, PgError>) -> Resu
 }
 
 /// Sends one record statement: every account row and index row of `record`. Returns the
-/// accounts whose row it moved; a row its guard skipped was not at the version the write
-/// expected (another replica's catch-up got there first, or the database lost a commit).
+/// accounts whose row its guard skipped because the row stood *below* the version the
+/// write expected: the database lost a commit this replica counted on (asynchronous
+/// commit, a crash or a failover). A row skipped because it is already at or past the write
+/// (another replica's catch-up, or another statement of the account, got there first) is
+/// harmless and not returned. The final SELECT sees the rows as they were before the
+/// statement (a data-modifying CTE's changes are not visible to its own statement).
 async fn execute_record(
     pool: &Pool,
     metrics: &Metrics,
@@ -487,7 +492,8 @@ async fn execute_record(
     let client = pool.get().await?;
     let stmt = client
         .prepare_cached(&format!(
-            "WITH idx AS ({upsert})
+            "WITH idx AS ({upsert}),
+             moved AS (
              INSERT INTO tally_accounts AS a (account_id, balance_cents, version, max_client_seq)
              SELECT u.id, u.balance, u.version, u.seq
              FROM unnest($9::uuid[], $10::int8[], $11::int8[], $12::int8[], $13::int8[])
@@ -500,11 +506,17 @@ async fn execute_record(
                     version = EXCLUDED.version,
                     max_client_seq = GREATEST(a.max_client_seq, EXCLUDED.max_client_seq)
               WHERE a.version = EXCLUDED.version - 1 AND a.broken_reason IS NULL
-             RETURNING a.account_id",
+             RETURNING a.account_id)
+             SELECT u.id
+             FROM unnest($9::uuid[], $13::int8[]) AS u(id, expected)
+             LEFT JOIN tally_accounts x ON x.account_id = u.id
+             WHERE u.id NOT IN (SELECT account_id FROM moved)
+               AND x.broken_reason IS NULL
+               AND COALESCE(x.version, 0) < u.expected",
             upsert = rows::INDEX_UPSERT,
         ))
         .await?;
-    let moved = client
+    let behind = client
         .query(
             &stmt,
             &c.index
@@ -512,5 +524,8 @@ async fn execute_record(
         )
         .await
         .map_err(PgError::from);
-    counted(metrics, "record", moved).map(|rows| rows.iter().map(|r| r.get(0)).collect())
+    let rows = counted(metrics, "record", behind)?;
+    rows.iter()
+        .map(|r| r.try_get(0).map_err(PgError::from))
+        .collect()
 }

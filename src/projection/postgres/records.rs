@@ -16,8 +16,9 @@
 //! an account waits for the next statement), because an upsert cannot touch one row twice.
 //! Two records of one account can still be in flight in two statements at once (a transfer
 //! racing a deposit's lane, or a record that outlived its wait): if the later version's
-//! statement takes the row first, its guard skips it and the writer drops its copy (a
-//! guard miss, counted, and caught up by the writer before it answers). A failed statement fails
+//! statement takes the row first, its guard skips it, and the earlier one's catch-up or the
+//! next write moves it. Only a row found below the version its write expected (a lost
+//! commit) is reported, and the writer catches it up before it answers. A failed statement fails
 //! every record in it, each then handled as any failed record: answered anyway, counted,
 //! replayed by the next catch-up.
 
@@ -157,7 +158,7 @@ impl RecordQueue {
 
     /// Sends `record` in the next statement with room for it, and waits for that
     /// statement's outcome, for at most the wait limit: the record's accounts whose row the
-    /// statement's guard skipped.
+    /// statement found below the version their write expected.
     pub async fn record(&self, record: Record) -> Result<Vec<AccountId>, PgError> {
         let accounts: Vec<Uuid> = record.accounts.iter().map(|a| a.id).collect();
         let queued = async {
@@ -170,7 +171,7 @@ impl RecordQueue {
                 .await
                 .map_err(|_| PgError("the record statement was dropped".into()))?
         };
-        let moved = tokio::time::timeout(self.wait_limit, queued)
+        let behind = tokio::time::timeout(self.wait_limit, queued)
             .await
             .unwrap_or_else(|_| {
                 Err(PgError(format!(
@@ -180,7 +181,7 @@ impl RecordQueue {
             })?;
         Ok(accounts
             .into_iter()
-            .filter(|id| !moved.contains(id))
+            .filter(|id| behind.contains(id))
             .map(AccountId)
             .collect())
     }

@@ -176,6 +176,7 @@ impl Run<'_> {
         // current at once rather than at the account's next write (found black-box). A
         // failure here is left to the next catch-up; the write landed either way.
         for account in recorded.rows_behind {
+            self.round_trips += 1;
             if let Ok(caught_up) = projection.refresh(account, &[]).await {
                 self.db_round_trips += caught_up.db_statements;
             }
