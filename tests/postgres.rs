@@ -181,6 +181,17 @@ async fn funded_pair(url: &str) -> (Arc<MemoryLog>, TestApp, TestApp, String) {
     (mem, a, b, account)
 }
 
+/// One replica on a fresh schema over an embedded store, a connection to the database, and
+/// an account funded with 100 through it.
+async fn funded_one(url: &str) -> (Arc<MemoryLog>, TestApp, tokio_postgres::Client, String) {
+    let mem = Arc::new(MemoryLog::new());
+    let a = replica(url, mem.clone(), &[]).await;
+    let db = pg::connect(url).await;
+    let account = new_account();
+    created(&a.deposit(&account, 100, Some(&key())).await);
+    (mem, a, db, account)
+}
+
 /// The retry was answered as a replay of `first`.
 fn assert_replay_of(retry: &common::Reply, first: (i64, u64)) {
     assert!(retry.replayed(), "{}", retry.text);
@@ -316,11 +327,7 @@ async fn a_row_a_record_finds_behind_is_caught_up_by_its_writer() {
     let Some(url) = pg::fresh_url().await else {
         return;
     };
-    let mem = Arc::new(MemoryLog::new());
-    let a = replica(&url, mem.clone(), &[]).await;
-    let db = pg::connect(&url).await;
-    let account = new_account();
-    created(&a.deposit(&account, 100, Some(&key())).await);
+    let (_mem, a, db, account) = funded_one(&url).await;
     let lost = key();
     assert_eq!(
         created(&a.deposit(&account, 40, Some(&lost)).await),
@@ -1087,11 +1094,7 @@ async fn an_account_row_this_code_never_wrote_is_refused_never_read_as_new() {
     let Some(url) = pg::fresh_url().await else {
         return;
     };
-    let mem = Arc::new(MemoryLog::new());
-    let a = replica(&url, mem.clone(), &[]).await;
-    let db = pg::connect(&url).await;
-    let account = new_account();
-    created(&a.deposit(&account, 100, Some(&key())).await);
+    let (mem, _writer, db, account) = funded_one(&url).await;
     for corrupt in [
         "UPDATE tally_accounts SET version = -3",
         "UPDATE tally_accounts SET version = 1, broken_reason = 'trimmed', trimmed_min_available = NULL",

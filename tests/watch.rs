@@ -1233,19 +1233,8 @@ async fn a_hole_that_stays(silent_feed: bool) {
 async fn a_notified_version_a_lagging_read_misses_is_read_again_even_merged_with_a_resync() {
     for with_resync in [false, true] {
         let store = BlockedReads::new();
-        let app = tally::app::App::builder(test_config(&[]))
-            .store(store.clone() as SharedLog)
-            .build()
-            .await
-            .unwrap();
-        app.started().await;
-        let id = AccountId(new_account().parse().unwrap());
+        let (app, id, mut sub) = watching_a_new_account(store.clone() as SharedLog).await;
         let key = app.identity.key(id);
-        let mut sub = app.watch.subscribe_account(id, Resume::Live).await.unwrap();
-        assert!(matches!(
-            sub.items.recv().await,
-            Some(Item::Snapshot { version: 0, .. })
-        ));
         // The reader is held on its read of version 1 while version 2 is notified (and,
         // the second time, while the 30 s resync asks for the tip).
         *store.blocked.lock() = Some(id.0.as_u128());
