@@ -6,6 +6,7 @@
 //! by the second, whenever it comes: the tail of a burst that never recurs is not logged,
 //! so every user also counts each occurrence in a metric, which is the exact record.
 
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -16,8 +17,8 @@ pub const REPORT_INTERVAL: Duration = Duration::from_secs(1);
 #[derive(Debug)]
 pub struct LogLimit {
     interval: Duration,
-    /// The origin of `last_ms`.
-    started: Instant,
+    /// The origin of `last_ms`: the first occurrence (so a limiter can be a `static`).
+    started: OnceLock<Instant>,
     /// When a line was last written, in ms since `started`; `u64::MAX` before the first.
     last_ms: AtomicU64,
     /// Occurrences since that line.
@@ -34,10 +35,10 @@ pub struct Report {
 }
 
 impl LogLimit {
-    pub fn new(interval: Duration) -> Self {
+    pub const fn new(interval: Duration) -> Self {
         Self {
             interval,
-            started: Instant::now(),
+            started: OnceLock::new(),
             last_ms: AtomicU64::new(u64::MAX),
             since_last: AtomicU64::new(0),
         }
@@ -47,7 +48,8 @@ impl LogLimit {
     /// logged (the first ever is), `None` for the others.
     pub fn occurred(&self) -> Option<Report> {
         self.since_last.fetch_add(1, Ordering::Relaxed);
-        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+        let started = self.started.get_or_init(Instant::now);
+        let now = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
         let last = self.last_ms.load(Ordering::Relaxed);
         let interval = u64::try_from(self.interval.as_millis()).unwrap_or(u64::MAX);
         let first = last == u64::MAX;

@@ -139,14 +139,11 @@ pub(crate) fn at_most_one<K: hyper::header::AsHeaderName>(
 /// RFC 9112, 3.2: an HTTP/1.1 request names its host, and no request names two; a server
 /// must answer either with 400 (found black-box: both were served).
 fn check_host(req: &Request<Incoming>) -> Result<(), ApiError> {
-    let host = at_most_one(req.headers(), hyper::header::HOST)
-        .map_err(|_| ApiError::bad_request("BAD_REQUEST", "send one Host header, not several"))?;
+    let several = || ApiError::bad_request("BAD_REQUEST", "send one Host header, not several");
+    let host = at_most_one(req.headers(), hyper::header::HOST).map_err(|_| several())?;
     // A proxy that joined two Host fields into one list sent two hosts.
     if host.is_some_and(|h| h.as_bytes().contains(&b',')) {
-        return Err(ApiError::bad_request(
-            "BAD_REQUEST",
-            "send one Host header, not several",
-        ));
+        return Err(several());
     }
     if host.is_none() && req.version() == hyper::Version::HTTP_11 {
         return Err(ApiError::bad_request(

@@ -2,7 +2,7 @@
 //! backends. Each call names the event ids it wants looked up, so the Postgres backend can
 //! answer them in the same statement that reads the account row.
 
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 
 use super::postgres::{RecordRow, WarmUpdate};
 use super::state::Snapshot;
@@ -225,8 +225,7 @@ impl Projection {
                         self.metrics.projection_record_failures.inc();
                         // While the database is down every write lands here: one line a
                         // second (the metric counts each).
-                        static LOG: LazyLock<LogLimit> =
-                            LazyLock::new(|| LogLimit::new(REPORT_INTERVAL));
+                        static LOG: LogLimit = LogLimit::new(REPORT_INTERVAL);
                         if let Some(report) = LOG.occurred() {
                             tracing::warn!(error = %e, accounts = rows.len(), failed = report.count, since_ms = report.since_ms,
                                 "the write landed but recording it in the projection failed; the next catch-up replays it");

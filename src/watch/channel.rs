@@ -4,7 +4,7 @@
 //! a subscriber joins, so a joiner sees exactly the frames after the version it is told.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -208,8 +208,7 @@ impl Channel {
                     Err(e) => {
                         // Through a store outage every watched account's every notification
                         // and resync fails here: one line a second, counting them.
-                        static LOG: LazyLock<LogLimit> =
-                            LazyLock::new(|| LogLimit::new(REPORT_INTERVAL));
+                        static LOG: LogLimit = LogLimit::new(REPORT_INTERVAL);
                         if let Some(report) = LOG.occurred() {
                             tracing::warn!(error = %e, failed = report.count, since_ms = report.since_ms, "watch read failed; read again in a second");
                         }
@@ -269,7 +268,7 @@ impl Channel {
             }
             return Advanced::Failed;
         }
-        static LOG: LazyLock<LogLimit> = LazyLock::new(|| LogLimit::new(REPORT_INTERVAL));
+        static LOG: LogLimit = LogLimit::new(REPORT_INTERVAL);
         if let Some(report) = LOG.occurred() {
             tracing::warn!(account = %self.account, times = report.count, "a notified version is not readable yet; read again in a second");
         }

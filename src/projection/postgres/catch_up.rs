@@ -3,7 +3,6 @@
 //! does, and persist the fold (index rows inside the window, and the cursor) in one
 //! statement.
 
-use std::sync::LazyLock;
 use std::time::Instant;
 
 use super::warm::WarmUpdate;
@@ -27,7 +26,7 @@ pub struct PgCaughtUp {
 /// second with how many failed since: while the database is down every write's every
 /// attempt fails (`tally_projection_db_statements_total{outcome="error"}` counts each).
 pub(crate) fn db_error(e: PgError) -> ProjectionError {
-    static LOG: LazyLock<LogLimit> = LazyLock::new(|| LogLimit::new(REPORT_INTERVAL));
+    static LOG: LogLimit = LogLimit::new(REPORT_INTERVAL);
     if let Some(report) = LOG.occurred() {
         tracing::warn!(error = %e, failed = report.count, since_ms = report.since_ms, "projection database statement failed");
     }
