@@ -66,18 +66,7 @@ async fn a_request_over_the_limit_waits_for_a_slot() {
             t.client.clone(),
             t.url(&format!("/api/accounts/{account}/deposit")),
         );
-        tokio::spawn(async move {
-            common::read(
-                client
-                    .post(url)
-                    .header("Idempotency-Key", key)
-                    .json(&serde_json::json!({ "amountCents": cents }))
-                    .send()
-                    .await
-                    .expect("sent"),
-            )
-            .await
-        })
+        tokio::spawn(async move { common::keyed_deposit(&client, &url, key, cents).await })
     };
     let held = deposit(1, "held");
     assert!(hold.held().await);
@@ -187,16 +176,7 @@ async fn a_burst_on_one_account_waits_at_the_edge_instead_of_being_refused() {
             t.url(&format!("/api/accounts/{account}/deposit")),
         );
         requests.spawn(async move {
-            common::read(
-                client
-                    .post(url)
-                    .header("Idempotency-Key", format!("burst-{i}"))
-                    .json(&serde_json::json!({ "amountCents": 1 }))
-                    .send()
-                    .await
-                    .expect("sent"),
-            )
-            .await
+            common::keyed_deposit(&client, &url, &format!("burst-{i}"), 1).await
         });
     }
     assert!(hold.held().await);
