@@ -7,7 +7,8 @@ time, and is stopped at the end whatever happens.
   nginx: requests for one account reach one replica whatever the route; accounts spread;
          POST /api/transfers spreads; Idempotency-Key reaches the replica; a POST that
          reached a replica which then dropped it is NOT re-sent (502, seen once), while a
-         GET is; a POST to a replica that refuses connections moves to another one.
+         GET is; a POST to a replica that refuses connections moves to another one; nginx's
+         own refusals (400, 413, 414, 431, 501, 505) answer the API's JSON error shape.
   fleet: refuses to start without CELERIANT_ADDRESS (exit 2); TALLY_STORE=memory warns;
          starts N replicas + nginx; SIGTERM stops everything and exits 0; the time limit
          stops it by itself.
@@ -95,6 +96,44 @@ def request(port, method, path, headers=None, body=None):
         return resp.status, upstream, payload
     finally:
         conn.close()
+
+
+def raw_exchange(port, data, seconds=5):
+    """Send bytes as they are (requests http.client would refuse to write), read to close:
+    (status, parsed JSON body or None)."""
+    with socket.create_connection((HOST, port), timeout=seconds) as s:
+        s.sendall(data)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except OSError:
+            pass
+    head, _, body = out.partition(b"\r\n\r\n")
+    try:
+        status = int(head.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        return None, None
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, None
+
+
+def refusal_checks(lb_port):
+    """Requests nginx refuses itself, before any replica sees them, answer in the API's JSON
+    error shape (internal URIs in tally.conf), not nginx's HTML pages."""
+    cases = [
+        (b"GET /api/accounts HTTP/1.1\r\n\r\n", 400, "BAD_REQUEST"),  # HTTP/1.1 without Host
+        (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: t\r\n\r\n", 414, "URI_TOO_LONG"),
+        (b"GET / HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n", 431, "HEADERS_TOO_LARGE"),
+        (b"POST /api/transfers HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 501, "NOT_IMPLEMENTED"),
+        (b"GET /api/accounts HTTP/2.0\r\nHost: t\r\n\r\n", 505, "HTTP_VERSION_NOT_SUPPORTED"),
+    ]
+    for data, want_status, want_error in cases:
+        status, payload = raw_exchange(lb_port, data)
+        got = (payload or {}).get("error")
+        check(status == want_status and got == want_error, f"nginx's own {want_status} is the API's JSON error shape ({status} {got})")
 
 
 def replica_of(payload):
@@ -220,6 +259,7 @@ def nginx_tests(nginx, work):
         check(wait_for(lambda: port_open(lb_port), 10), "nginx listens on the rendered loopback address")
 
         routing_checks(lb_port, replica_ports)
+        refusal_checks(lb_port)
         retry_checks(lb_port, replica_ports, logs)
 
         # Let the drop tests' failures age out of fail_timeout (5 s), so the failover check
