@@ -3,8 +3,10 @@
 #   shell     shellcheck on every script
 #   k8s       schema validation of every manifest (kubernetes-validate, offline schemas for
 #             Kubernetes 1.30 and 1.37, strict: unknown fields fail), then structure and
-#             cross-reference checks (probes, drain budget, one client id, selectors, ...)
-#   nginx     nginx -t on the committed config and on rendered fleet configs, then
+#             cross-reference checks (probes on the admin port, drain budget, one client id,
+#             selectors, the watch streams' Ingress timeouts, ...)
+#   nginx     nginx -t on the committed config and on rendered fleet configs, its timeouts
+#             against Tally's (upstream keep-alive, watch streams), then
 #             behaviour tests on loopback with stub replicas: hashing by account id, no
 #             re-sent POSTs, failover, and fleet.sh start/stop
 #   grafana   the dashboard is valid JSON, matches its generator, and queries only
@@ -126,6 +128,10 @@ check_nginx() {
     # its defaults (so the template and the script agree on ports and parameters).
     "$nginx" -t -q -p "$WORK/" -e stderr -c "$REPO_DIR/deploy/nginx/tally.conf" || return 1
     say "nginx -t: deploy/nginx/tally.conf"
+    # Its timeouts against Tally's: upstream keep-alive below the replicas' idle close, the
+    # watch streams unbuffered and open past their keep-alive interval.
+    ensure_pyyaml || return 1
+    "$PY" deploy/tools/check_deploy.py nginx deploy/nginx/tally.conf || return 1
     deploy/fleet.sh render "$WORK/default.conf" || return 1
     cmp -s "$WORK/default.conf" deploy/nginx/tally.conf || {
         warn "deploy/fleet.sh render with default settings differs from deploy/nginx/tally.conf"

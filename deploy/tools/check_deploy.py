@@ -3,8 +3,13 @@
 exits 1 if any finding is an error.
 
   k8s DIR               structure and cross-references of the manifests (duplicate keys,
-                        required fields, probes, drain budget, one client id, selectors,
-                        kustomization coverage, placeholder-only secrets)
+                        required fields, probes on the admin port, drain budget, one client
+                        id, selectors, kustomization coverage, placeholder-only secrets,
+                        the watch streams' Ingress timeouts, the controller's upstream
+                        keep-alive below Tally's idle close)
+  nginx FILE            the nginx config against Tally's timeouts: upstream keepalive_timeout
+                        below Tally's idle close, the watch streams' location unbuffered
+                        with a read timeout of at least twice the keep-alive interval
   metrics               dashboard JSON and alert rules against src/metrics.rs: metric names,
                         histogram suffixes, label names, `arm`/`reason` values, coverage, and
                         the resident-account cap repeated in configmap, alerts and dashboard
@@ -27,9 +32,20 @@ DASHBOARD = os.path.join(DEPLOY, "grafana", "tally-dashboard.json")
 ALERTS = os.path.join(DEPLOY, "prometheus", "tally-alerts.yaml")
 K8S = os.path.join(DEPLOY, "k8s")
 NGINX_CONF = os.path.join(DEPLOY, "nginx", "tally.conf")
+HTTP_MOD_RS = os.path.join(REPO, "src", "http", "mod.rs")
+WATCH_CONFIG_RS = os.path.join(REPO, "src", "watch", "config.rs")
 
 UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 DRAIN_DEADLINE_S = 10  # Tally's default drain deadline after SIGTERM
+# The watch streams' read timeout at a proxy: at least this, and at least twice the
+# keep-alive interval (a stream is silent between keep-alives).
+SSE_READ_TIMEOUT_FLOOR_S = 60
+# Sample URIs routed through the proxies' configs: the watch streams, and API routes that
+# must not be taken for them.
+SAMPLE_ID = "0b5c7f0e-2d8a-4a8e-9d5e-3c7f1a2b4c6d"
+SSE_URIS = (f"/api/accounts/{SAMPLE_ID}/events", "/api/watch/stream")
+API_URIS = (f"/api/accounts/{SAMPLE_ID}/balance", f"/api/accounts/{SAMPLE_ID}/deposit",
+            f"/api/accounts/{SAMPLE_ID}/transfers", "/api/transfers", "/api/accounts")
 
 errors = []
 
@@ -80,6 +96,37 @@ def dig(obj, *path, default=None):
         else:
             return default
     return obj
+
+
+# --- facts from Tally's source --------------------------------------------------------------
+
+def source_const(path, pattern, what):
+    where = os.path.relpath(path, REPO)
+    try:
+        with open(path) as f:
+            m = re.search(pattern, f.read())
+    except OSError as e:
+        err(where, f"cannot read it for {what}: {e}")
+        return None
+    if not m:
+        err(where, f"cannot find {what}; update deploy/tools/check_deploy.py")
+        return None
+    return int(m.group(1))
+
+
+def tally_idle_close_s():
+    """Seconds after which Tally closes a keep-alive connection that sent no full head."""
+    return source_const(HTTP_MOD_RS, r"const HEADER_READ_TIMEOUT: Duration = Duration::from_secs\((\d+)\);",
+                        "HEADER_READ_TIMEOUT (Tally's idle keep-alive close)")
+
+
+def watch_keepalive_s():
+    return source_const(WATCH_CONFIG_RS, r"pub const DEFAULT_KEEPALIVE_SECS: u64 = (\d+);",
+                        "DEFAULT_KEEPALIVE_SECS (--watch-keepalive-secs)")
+
+
+def sse_read_timeout_min(keepalive_s):
+    return max(SSE_READ_TIMEOUT_FLOOR_S, 2 * keepalive_s)
 
 
 # --- k8s ----------------------------------------------------------------------------------
@@ -231,20 +278,42 @@ def check_k8s(directory):
     if not psel or any(pod_labels.get(k) != v for k, v in psel.items()):
         err(pfile, "selector must match the Deployment's pod labels")
 
-    # Ingress + the controller map that defines its hash variable
-    ifile, ing = get("Ingress", "tally")
-    hash_by = dig(ing, "metadata", "annotations", "nginx.ingress.kubernetes.io/upstream-hash-by")
-    if hash_by != "$tally_account":
-        err(ifile, "upstream-hash-by must be $tally_account")
-    next_up = dig(ing, "metadata", "annotations", "nginx.ingress.kubernetes.io/proxy-next-upstream", default="")
-    if "non_idempotent" in next_up:
-        err(ifile, "proxy-next-upstream must not include non_idempotent (POSTs would be re-sent)")
-    for rule in dig(ing, "spec", "rules", default=[]):
-        for path in dig(rule, "http", "paths", default=[]):
-            backend = dig(path, "backend", "service", default={})
-            if backend.get("name") != "tally" or dig(backend, "port", "name") not in svc_ports:
-                err(ifile, "backend must be Service tally on a named Service port")
-    _, hash_map = get("ConfigMap", "ingress-nginx-controller")
+    # The admin address: probes and scrapes on a listener outside --max-connections
+    admin_port = check_admin_port(dfile, dep, c, ports, cfile, data)
+    for p in svc_ports.values():
+        tp = p.get("targetPort")
+        if admin_port is not None and (tp == admin_port or ports.get(tp) == admin_port):
+            err(sfile, f"Service port {p.get('name')!r} publishes the admin port {admin_port}: probes and /metrics stay per pod")
+
+    # Ingresses (the API's and the watch streams') + the controller ConfigMap
+    ingresses = {name: entry for (kind, name), entry in docs.items() if kind == "Ingress"}
+    get("Ingress", "tally")
+    for name, (ifile, ing) in sorted(ingresses.items()):
+        ann = dig(ing, "metadata", "annotations", default={}) or {}
+        if ann.get("nginx.ingress.kubernetes.io/upstream-hash-by") != "$tally_account":
+            err(ifile, f"Ingress {name}: upstream-hash-by must be $tally_account (the Ingresses of one "
+                       "Service port share one upstream, which takes its hash from whichever ingress-nginx reads first)")
+        if "non_idempotent" in ann.get("nginx.ingress.kubernetes.io/proxy-next-upstream", ""):
+            err(ifile, f"Ingress {name}: proxy-next-upstream must not include non_idempotent (POSTs would be re-sent)")
+        for rule in dig(ing, "spec", "rules", default=[]):
+            for path in dig(rule, "http", "paths", default=[]):
+                backend = dig(path, "backend", "service", default={})
+                if backend.get("name") != "tally" or dig(backend, "port", "name") not in svc_ports:
+                    err(ifile, f"Ingress {name}: backend must be Service tally on a named Service port")
+    idle = tally_idle_close_s()
+    keepalive = watch_keepalive_s()
+    if str(data.get("TALLY_WATCH_KEEPALIVE_SECS", "")).isdigit():
+        keepalive = int(data["TALLY_WATCH_KEEPALIVE_SECS"])
+    if keepalive is not None:
+        check_ingress_routes(ingresses, sse_read_timeout_min(keepalive), keepalive)
+    mfile, hash_map = get("ConfigMap", "ingress-nginx-controller")
+    ukt = str(dig(hash_map, "data", "upstream-keepalive-timeout", default=""))
+    if idle is not None:
+        if not ukt.isdigit() or int(ukt) >= idle:
+            err(mfile, f"upstream-keepalive-timeout is {ukt or 'unset (ingress-nginx: 60)'}; it must be whole "
+                       f"seconds below Tally's {idle} s idle close (HEADER_READ_TIMEOUT), e.g. \"5\"")
+        else:
+            print(f"  {mfile}: upstream-keepalive-timeout {ukt} s < Tally's {idle} s idle close")
     snippet = dig(hash_map, "data", "http-snippet", default="")
     ingress_map = map_regex(snippet)
     if not ingress_map:
@@ -268,6 +337,128 @@ def check_k8s(directory):
             err("kustomization.yaml", f"must not apply the example {fname}")
 
 
+def check_admin_port(dfile, dep, c, ports, cfile, data):
+    """TALLY_ADMIN_LISTEN is set, and the container port, every probe and the scrape
+    annotation use it. Returns the admin port, or None."""
+    admin = str(data.get("TALLY_ADMIN_LISTEN", ""))
+    m = re.fullmatch(r"(\[[0-9A-Fa-f:.]*\]|[^:\[\]]+):(\d{1,5})", admin)
+    before = len(errors)
+    port = int(m.group(2)) if m else None
+    if not admin:
+        err(cfile, "TALLY_ADMIN_LISTEN must be set: at --max-connections the API address accepts "
+                   "nothing, probes included, so probes and scrapes need the admin address")
+    elif not m:
+        err(cfile, f"TALLY_ADMIN_LISTEN {admin!r} is not HOST:PORT")
+    else:
+        if m.group(1) not in ("0.0.0.0", "[::]"):
+            err(cfile, "TALLY_ADMIN_LISTEN must listen on all interfaces (0.0.0.0 or [::]): the kubelet probes the pod IP")
+        if str(data.get("TALLY_LISTEN", "")).rsplit(":", 1)[-1] == str(port):
+            err(cfile, "TALLY_ADMIN_LISTEN must use a port of its own, not TALLY_LISTEN's")
+    names = [n for n, p in ports.items() if p == port] if port is not None else []
+    if port is not None and (not names or not all(names)):
+        err(dfile, f"the container must declare containerPort {port} (TALLY_ADMIN_LISTEN), named")
+    # The probes and the scrape: on the admin port, and never on the API port even when the
+    # admin address is missing.
+    api_port = str(data.get("TALLY_LISTEN", "")).rsplit(":", 1)[-1]
+    probes = [p for p in ("livenessProbe", "readinessProbe", "startupProbe") if p in c]
+    for probe in probes:
+        target = dig(c, probe, "httpGet", "port")
+        resolved = ports.get(target) if isinstance(target, str) else target
+        if (port is not None and resolved != port) or str(resolved) == api_port:
+            err(dfile, f"{probe} uses port {target!r}, not the admin port ({port or 'TALLY_ADMIN_LISTEN unset'}): "
+                       "at --max-connections the API port accepts nothing, probes included")
+    ann = dig(dep, "spec", "template", "metadata", "annotations", default={}) or {}
+    scrape_port = str(ann.get("prometheus.io/port"))
+    if str(ann.get("prometheus.io/scrape", "")).lower() == "true" and (
+            (port is not None and scrape_port != str(port)) or scrape_port == api_port):
+        err(dfile, f"prometheus.io/port is {ann.get('prometheus.io/port')!r}, not the admin port "
+                   f"({port or 'TALLY_ADMIN_LISTEN unset'}): the API port sits behind --max-connections, and with "
+                   "an admin address it answers /metrics 404")
+    if port is None:
+        return None
+    if len(errors) == before:
+        users = probes + (["prometheus.io/port"] if "prometheus.io/port" in ann else [])
+        print(f"  admin address {admin}: containerPort {names[0]!r}; {', '.join(users)} use it")
+    return port
+
+
+def ingress_route(ingresses, host, uri):
+    """The (Ingress name, path) ingress-nginx routes host+uri to, or None. It merges every
+    Ingress of a host into one server. If any of them sets use-regex (or rewrite-target),
+    every path of the host becomes `location ~* "^PATH"` and the longer paths come first;
+    otherwise an Exact path wins, then the longest matching prefix."""
+    entries, regex = [], False
+    for name, (_, ing) in sorted(ingresses.items()):
+        ann = dig(ing, "metadata", "annotations", default={}) or {}
+        for rule in dig(ing, "spec", "rules", default=[]):
+            if rule.get("host") != host:
+                continue
+            if ann.get("nginx.ingress.kubernetes.io/use-regex") == "true" or ann.get("nginx.ingress.kubernetes.io/rewrite-target"):
+                regex = True
+            for p in dig(rule, "http", "paths", default=[]):
+                entries.append((name, p.get("path", "/"), p.get("pathType", "ImplementationSpecific")))
+    if regex:
+        entries.sort(key=lambda e: e[1], reverse=True)  # ingress-nginx's order: path, then length
+        entries.sort(key=lambda e: len(e[1]), reverse=True)
+        for name, path, _ in entries:
+            try:
+                if re.match(path, uri, re.I):
+                    return name, path
+            except re.error:
+                continue
+        return None
+    best = None
+    for name, path, kind in entries:
+        if kind == "Exact":
+            if uri == path:
+                return name, path
+            continue
+        base = path.rstrip("/") if kind == "Prefix" else path
+        if kind == "Prefix":
+            hit = uri == base or uri.startswith(base + "/")
+        else:  # ImplementationSpecific without regex: an nginx prefix location
+            hit = uri.startswith(path)
+        if hit and (best is None or len(path) > len(best[1])):
+            best = (name, path)
+    return best
+
+
+def check_ingress_routes(ingresses, need, keepalive):
+    """The watch streams reach an Ingress that keeps them open and unbuffered; the API routes
+    do not land on it."""
+    hosts = sorted({r.get("host") for _, ing in ingresses.values() for r in dig(ing, "spec", "rules", default=[])},
+                   key=str)
+    for host in hosts:
+        stream_routes = set()
+        for uri in SSE_URIS:
+            hit = ingress_route(ingresses, host, uri)
+            if hit is None:
+                err("ingress.yaml", f"no Ingress routes {host}{uri}")
+                continue
+            fname, ing = ingresses[hit[0]]
+            ann = dig(ing, "metadata", "annotations", default={}) or {}
+            rt = str(ann.get("nginx.ingress.kubernetes.io/proxy-read-timeout", ""))
+            buf = ann.get("nginx.ingress.kubernetes.io/proxy-buffering")
+            before = len(errors)
+            if not rt.isdigit() or int(rt) < need:
+                err(fname, f"{host}{uri} goes to Ingress {hit[0]} (path {hit[1]}) whose proxy-read-timeout is "
+                           f"{rt or 'unset'}: a watch stream is silent for {keepalive} s between keep-alives, "
+                           f"so it needs at least {need} (twice that, 60 at least)")
+            if buf != "off":
+                err(fname, f"{host}{uri} goes to Ingress {hit[0]} whose proxy-buffering is {buf or 'unset'}: "
+                           "it must be \"off\" so each event passes at once")
+            if len(errors) == before:
+                stream_routes.add(hit)
+                print(f"  {host}{uri} -> Ingress {hit[0]} (path {hit[1]}): proxy-read-timeout {rt} >= {need}, "
+                      "proxy-buffering off")
+        for uri in API_URIS:
+            hit = ingress_route(ingresses, host, uri)
+            if hit is None:
+                err("ingress.yaml", f"no Ingress routes {host}{uri}")
+            elif hit in stream_routes:
+                err(ingresses[hit[0]][0], f"{host}{uri} is taken by the watch-stream path {hit[1]} (Ingress {hit[0]})")
+
+
 def map_regex(text):
     """The body of `map $uri $tally_account { ... }`, whitespace-normalised."""
     m = re.search(r"map\s+\$uri\s+\$tally_account\s*\{(.*?)\}\s*$", text, re.S | re.M)
@@ -275,6 +466,183 @@ def map_regex(text):
         return None
     body = re.sub(r"#[^\n]*", "", m.group(1))
     return " ".join(body.split())
+
+
+# --- nginx --------------------------------------------------------------------------------
+
+def nginx_parse(text):
+    """An nginx config as [(directive, [args], children or None)]."""
+    tokens, i, n = [], 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch.isspace():
+            i += 1
+        elif ch == "#":
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif ch in "{};":
+            tokens.append(ch)
+            i += 1
+        elif ch in "\"'":
+            j, buf = i + 1, []
+            while j < n and text[j] != ch:
+                if text[j] == "\\" and j + 1 < n:
+                    buf.append(text[j + 1] if text[j + 1] in "\"'\\" else text[j:j + 2])
+                    j += 2
+                else:
+                    buf.append(text[j])
+                    j += 1
+            if j >= n:
+                raise ValueError("unterminated quoted string")
+            tokens.append(("word", "".join(buf)))
+            i = j + 1
+        else:
+            j = i
+            while j < n and not text[j].isspace() and text[j] not in "{};":
+                j += 1
+            tokens.append(("word", text[i:j]))
+            i = j
+
+    def block(pos, depth):
+        out, words = [], []
+        while pos < len(tokens):
+            t = tokens[pos]
+            if t in (";", "{"):
+                if not words:
+                    raise ValueError(f"unexpected {t!r}")
+                if t == ";":
+                    out.append((words[0], words[1:], None))
+                    pos += 1
+                else:
+                    kids, pos = block(pos + 1, depth + 1)
+                    out.append((words[0], words[1:], kids))
+                words = []
+            elif t == "}":
+                if depth == 0 or words:
+                    raise ValueError("unbalanced '}'")
+                return out, pos + 1
+            else:
+                words.append(t[1])
+                pos += 1
+        if depth or words:
+            raise ValueError("unexpected end of file")
+        return out, pos
+
+    return block(0, 0)[0]
+
+
+def nginx_directive(block, name):
+    """The arguments of the last `name` directive directly in block, or None."""
+    found = None
+    for d, args, kids in block:
+        if d == name and kids is None:
+            found = args
+    return found
+
+
+def nginx_effective(name, default, *blocks):
+    """A directive's value as nginx inherits it: the innermost block that sets it wins."""
+    for b in blocks:
+        args = nginx_directive(b, name)
+        if args:
+            return args[0]
+    return default
+
+
+def nginx_seconds(value):
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "M": 2592000, "y": 31536000}
+    parts = re.findall(r"(\d+)(ms|s|m|h|d|w|M|y)?", value)
+    if not parts or "".join(a + b for a, b in parts) != value:
+        return None
+    return sum(int(a) * units[b or "s"] for a, b in parts)
+
+
+def nginx_location(server, uri):
+    """The top-level location of server that nginx picks for uri: (args, children) or None."""
+    prefix, regexes = None, []
+    for d, args, kids in server:
+        if d != "location" or kids is None or not args or args[0].startswith("@"):
+            continue
+        if args[0] == "=" and len(args) == 2:
+            if uri == args[1]:
+                return args, kids
+        elif args[0] in ("~", "~*") and len(args) == 2:
+            regexes.append((args, kids, re.I if args[0] == "~*" else 0))
+        else:
+            path = args[-1]
+            if uri.startswith(path) and (prefix is None or len(path) > len(prefix[0][-1])):
+                prefix = (args, kids)
+    if prefix and prefix[0][0] == "^~":
+        return prefix
+    for args, kids, flags in regexes:
+        if re.search(args[1], uri, flags):
+            return args, kids
+    return prefix
+
+
+def check_nginx(path):
+    where = os.path.relpath(path, REPO) if os.path.abspath(path).startswith(REPO + os.sep) else path
+    idle, keepalive = tally_idle_close_s(), watch_keepalive_s()
+    if idle is None or keepalive is None:
+        return
+    try:
+        with open(path) as f:
+            conf = nginx_parse(f.read())
+    except (OSError, ValueError) as e:
+        err(where, f"cannot parse: {e}")
+        return
+    http = next((kids for d, _, kids in conf if d == "http" and kids is not None), None)
+    if http is None:
+        err(where, "no http block")
+        return
+
+    # Upstream keep-alive: nginx must close an idle connection before the replica does.
+    upstreams = [(args[0], kids) for d, args, kids in http if d == "upstream" and kids is not None and args]
+    if not upstreams:
+        err(where, "no upstream block")
+    for name, ups in upstreams:
+        if nginx_directive(ups, "keepalive") is None:
+            continue  # no connection reuse, so no idle connection either
+        raw = nginx_effective("keepalive_timeout", "60s (the default)", ups)
+        secs = nginx_seconds(raw.split()[0])
+        if secs is None or secs >= idle:
+            err(where, f"upstream {name}: keepalive_timeout {raw} must be below Tally's {idle} s idle close "
+                       "(HEADER_READ_TIMEOUT in src/http/mod.rs), so nginx, not the replica, closes an idle "
+                       "connection (a replica closing one as nginx sends a POST on it is a 502)")
+        else:
+            print(f"  {where}: upstream {name}: keepalive_timeout {raw} < Tally's {idle} s idle close")
+
+    # The watch streams: unbuffered, and open through the silence between keep-alives.
+    need = sse_read_timeout_min(keepalive)
+    servers = [kids for d, _, kids in http if d == "server" and kids is not None]
+    if not servers:
+        err(where, "no server block")
+    for server in servers:
+        stream_locations = set()
+        for uri in SSE_URIS:
+            loc = nginx_location(server, uri)
+            if loc is None:
+                err(where, f"no location serves {uri}")
+                continue
+            label = "location " + " ".join(loc[0])
+            rt = nginx_effective("proxy_read_timeout", "60s", loc[1], server, http)
+            buf = nginx_effective("proxy_buffering", "on", loc[1], server, http)
+            secs = nginx_seconds(rt)
+            before = len(errors)
+            if secs is None or secs < need:
+                err(where, f"{uri} goes to `{label}` with proxy_read_timeout {rt}: a watch stream is silent for "
+                           f"{keepalive} s between keep-alives (--watch-keepalive-secs), so it needs at least "
+                           f"{need}s (twice that, 60 s at least)")
+            if buf != "off":
+                err(where, f"{uri} goes to `{label}` with proxy_buffering {buf}: it must be off so each event "
+                           "passes at once")
+            if len(errors) == before:
+                stream_locations.add(label)
+                print(f"  {where}: {uri} -> `{label}`: proxy_read_timeout {rt} >= {need}s, proxy_buffering off")
+        for uri in API_URIS:
+            loc = nginx_location(server, uri)
+            if loc is not None and "location " + " ".join(loc[0]) in stream_locations:
+                err(where, f"{uri} is taken by the watch-stream location `location {' '.join(loc[0])}`")
 
 
 # --- metrics --------------------------------------------------------------------------------
@@ -467,6 +835,9 @@ def main(argv):
     if cmd == "k8s":
         check_k8s(args[0] if args else K8S)
         return finish("k8s structure")
+    if cmd == "nginx":
+        check_nginx(args[0] if args else NGINX_CONF)
+        return finish("nginx timeouts")
     if cmd == "metrics":
         check_metrics()
         return finish("metrics")
