@@ -261,6 +261,45 @@ async fn held_write_makes_an_overlapping_duplicate_inflight_then_idempotency_vio
     );
 }
 
+/// Rule (the store's check order): the version guard comes before idempotency, so a write
+/// whose sequence is in flight but whose guard fails is a 2003, not a 2013, as on the real
+/// server; one whose guard holds is the 2013.
+#[tokio::test]
+async fn an_inflight_duplicate_whose_version_guard_fails_is_a_conflict() {
+    let (_inner, log) = faulty(FaultConfig::default());
+    let k = key(1);
+    let mut hold = log.hold_next_write();
+    let held = tokio::spawn({
+        let log = Arc::clone(&log);
+        async move { log.write(CLIENT, vec![write(k, &[5])]).await }
+    });
+    assert!(hold.held().await);
+    let guarded = |expected| AggregateWrite {
+        expected_version: Some(expected),
+        ..write(k, &[5])
+    };
+    assert_eq!(
+        log.write(CLIENT, vec![guarded(0)]).await,
+        Err(StoreError::InflightDuplicate),
+        "the guard holds: 2013"
+    );
+    assert_eq!(
+        log.write(CLIENT + 1, vec![write(k, &[1])]).await,
+        Ok(vec![1])
+    );
+    assert_eq!(
+        log.write(CLIENT, vec![guarded(0)]).await,
+        Err(StoreError::Conflict {
+            expected: 0,
+            current: 1
+        }),
+        "the guard fails first: 2003"
+    );
+    hold.release();
+    held.await.expect("task").expect("the held write lands");
+    assert_eq!(log.counts().inflight_duplicate, 1);
+}
+
 #[tokio::test]
 async fn unenforced_write_is_never_an_inflight_duplicate_and_the_held_write_gets_the_store_verdict()
 {

@@ -405,15 +405,46 @@ impl<L: EventLog + ?Sized> FaultyLog<L> {
             })
     }
 
-    /// The server side: the in-flight check, the optional hold, then the inner log.
+    /// The first leg of `writes` whose version guard fails on the inner log, as the 2003 it
+    /// would answer; `None` when every guard holds or one cannot be checked.
+    async fn guard_conflict(&self, writes: &[AggregateWrite]) -> Option<StoreError> {
+        for w in writes {
+            let Some(expected) = w.expected_version else {
+                continue;
+            };
+            let current = match self.inner.details(w.key).await {
+                Ok(d) => d.max_version,
+                Err(StoreError::AggregateNotFound) => 0,
+                Err(_) => return None,
+            };
+            if current != expected {
+                return Some(StoreError::Conflict { expected, current });
+            }
+        }
+        None
+    }
+
+    /// The server side: the guard and in-flight checks, the optional hold, then the inner
+    /// log.
     async fn serve(
         &self,
         client_id: ClientId,
         writes: Vec<AggregateWrite>,
         hold: Option<Hold>,
     ) -> StoreResult<Vec<u64>> {
+        if Self::overlaps_inflight(&self.inflight.lock(), client_id, &writes) {
+            // The server checks the version guard before idempotency: a write whose guard
+            // fails is a 2003 even while its sequence is in flight (found in audit: the
+            // injector answered 2013 first, a kinder order than the real store's).
+            if let Some(conflict) = self.guard_conflict(&writes).await {
+                return Err(conflict);
+            }
+            bump(&self.counters.inflight_duplicate);
+            return Err(StoreError::InflightDuplicate);
+        }
         let guard = {
             let mut table = self.inflight.lock();
+            // A held write registered since the check above: refused as one would be.
             if Self::overlaps_inflight(&table, client_id, &writes) {
                 bump(&self.counters.inflight_duplicate);
                 return Err(StoreError::InflightDuplicate);
