@@ -105,6 +105,16 @@ impl AppBuilder {
                 "the idempotency window leaves a retry no time it is known safe in: a non-final write answer says Idempotency-Window: 0"
             );
         }
+        // Allowed (small caps in tests and demos), but each watch stream holds a connection
+        // for as long as it lasts: at the connection cap watchers alone would leave no room
+        // for requests on the API address (found in audit).
+        if config.watch.max_subscribers >= config.max_connections {
+            tracing::warn!(
+                watch_max_subscribers = config.watch.max_subscribers,
+                max_connections = config.max_connections,
+                "--watch-max-subscribers is not below --max-connections: watch streams alone can hold every API connection"
+            );
+        }
         let metrics = Arc::new(Metrics::new());
         // Issue 17: the key files are read before anything is served.
         let auth = Arc::new(Authenticator::new(&config.auth()).map_err(ConfigError)?);

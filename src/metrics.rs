@@ -457,7 +457,7 @@ impl Metrics {
             http_gate_waits_expired: counter(
                 r,
                 "tally_http_gate_waits_expired_total",
-                "Requests read without a gate slot after waiting --max-queue-wait-ms for one; the in-flight limit then queues or sheds them.",
+                "Requests read without a gate slot after waiting --max-queue-wait-ms for one (or arriving too late in their connection's idle time to wait that long); the in-flight limit then queues or sheds them.",
             ),
             auth_outcomes: counter_vec(
                 r,

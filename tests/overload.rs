@@ -692,3 +692,117 @@ async fn a_request_whose_gate_wait_runs_out_is_read_and_shed() {
     );
     t.shutdown().await;
 }
+
+/// Rule 2 of the gate, its other bound: hyper's head-read timer (10 s) runs from when a
+/// connection went idle, not from when its next request arrived. A request arriving later
+/// in that idle time than a full gate wait allows is read at once without a slot (and
+/// answered by the in-flight limit behind the gate), never cut off unanswered when the
+/// timer fires mid-wait (found in audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_late_in_its_connections_idle_time_is_answered_not_cut_off() {
+    let t = spawn(
+        test_config(&[
+            "--min-active-requests",
+            "1",
+            "--max-active-requests",
+            "1",
+            "--max-concurrent-requests",
+            "1",
+            // Capped at half the head-read timeout: 5 s.
+            "--max-queue-wait-ms",
+            "10000",
+            "--faults",
+            "seed=1",
+        ]),
+        None,
+        None,
+    )
+    .await;
+    let account = new_account();
+    let mut late = TcpStream::connect(t.addr).await.expect("connect");
+    assert!(
+        raw_get(&mut late, "/api/accounts")
+            .await
+            .starts_with("HTTP/1.1 200")
+    );
+    let went_idle = tokio::time::Instant::now();
+    let (hold, holder) = hold_a_deposit(&t, &account).await;
+    // The scenario itself, not a wait for a signal: 6 s of idleness leave the head-read
+    // timer 4 s, less than the 5 s the gate would keep this request waiting.
+    tokio::time::sleep_until(went_idle + Duration::from_secs(6)).await;
+    let expired = t.app.metrics.http_gate_waits_expired.get();
+    let path = format!("/api/accounts/{account}/balance");
+    let head = format!("GET {path} HTTP/1.1\r\nHost: tally\r\n\r\n");
+    late.write_all(head.as_bytes()).await.expect("sent");
+    let answer = tokio::time::timeout(BOUND, read_response(&mut late))
+        .await
+        .expect("answered within the bound");
+    // Served or shed by what stands behind the gate: either way an answer.
+    assert!(
+        answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.1 503"),
+        "{answer}"
+    );
+    assert_eq!(
+        t.app.metrics.http_gate_waits_expired.get(),
+        expired + 1,
+        "read without a slot, counted as a wait that could not run"
+    );
+    // Held past its write's life, its answer is a retryable refusal: not what this pins.
+    hold.release();
+    drop(holder);
+    t.shutdown().await;
+}
+
+/// Rule: the admin listener's connections obey `--write-stall-secs` too: a client that
+/// pipelines scrapes and reads none of the answers is closed at the limit instead of
+/// holding one of the few admin connections for ever (found in audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_connection_whose_client_reads_nothing_is_closed_at_the_write_stall_limit() {
+    let t = spawn(
+        test_config(&["--write-stall-secs", "3", "--watch-keepalive-secs", "1"]),
+        None,
+        None,
+    )
+    .await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let admin = listener.local_addr().expect("addr");
+    let server = tokio::spawn(tally::http::serve_admin(
+        t.app.clone(),
+        listener,
+        std::future::pending(),
+    ));
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .set_recv_buffer_size(4096)
+        .expect("small receive buffer");
+    let mut deaf = socket.connect(admin).await.expect("connect");
+    let scrape = "GET /metrics HTTP/1.1\r\nHost: tally\r\n\r\n".repeat(2_000);
+    // The server stops reading once its answers fill the socket, so this write may block:
+    // it is left running and dropped at the end.
+    let (mut reader, mut writer) = deaf.split();
+    let send = writer.write_all(scrape.as_bytes());
+    let stalls = t.app.metrics.clone();
+    tokio::select! {
+        _ = send => {}
+        _ = wait_for(|| stalls.http_write_stalls.get() == 1, "the stalled admin connection closed") => {}
+    }
+    wait_for(
+        || stalls.http_write_stalls.get() == 1,
+        "the stalled admin connection closed",
+    )
+    .await;
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(BOUND, reader.read_to_end(&mut got)).await;
+    assert!(
+        read.is_ok(),
+        "the admin connection is still open after its stall"
+    );
+    let answered = String::from_utf8_lossy(&got)
+        .matches("HTTP/1.1 200")
+        .count();
+    assert!(answered < 2_000, "every scrape was answered");
+    server.abort();
+    t.shutdown().await;
+}

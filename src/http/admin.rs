@@ -6,14 +6,14 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
 
-use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
+use super::ACCEPT_ERROR_PAUSE;
 use super::error::ApiError;
 use super::router::{self, Route};
-use super::{ACCEPT_ERROR_PAUSE, HEADER_READ_TIMEOUT};
+use super::write_stall::{StallLimited, WriteStall};
 use crate::app::App;
 
 /// The most admin connections open at once: scrapers and probes, a handful.
@@ -22,11 +22,7 @@ pub const MAX_ADMIN_CONNECTIONS: usize = 64;
 /// Serves the admin routes on `listener` until `shutdown` resolves.
 pub async fn serve_admin(app: Arc<App>, listener: TcpListener, shutdown: impl Future<Output = ()>) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_ADMIN_CONNECTIONS));
-    let mut builder = http1::Builder::new();
-    builder
-        .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT)
-        .max_header_size(app.config.max_header_bytes);
+    let builder = super::http1_builder(&app.config);
     tokio::pin!(shutdown);
     loop {
         let slot = tokio::select! {
@@ -47,6 +43,13 @@ pub async fn serve_admin(app: Arc<App>, listener: TcpListener, shutdown: impl Fu
             },
             _ = &mut shutdown => break,
         };
+        // A client that pipelines probes and reads no answers would otherwise hold one of
+        // the few admin connections for as long as it likes (found in audit).
+        let stall = WriteStall::new(
+            app.config.write_stall(),
+            app.metrics.http_write_stalls.clone(),
+        );
+        let io = TokioIo::new(StallLimited::new(stream, stall));
         let app = app.clone();
         let svc = service_fn(move |req| {
             let app = app.clone();
@@ -63,7 +66,7 @@ pub async fn serve_admin(app: Arc<App>, listener: TcpListener, shutdown: impl Fu
                 Ok::<_, Infallible>(resp.unwrap_or_else(ApiError::into_response))
             }
         });
-        let conn = builder.serve_connection(TokioIo::new(stream), svc);
+        let conn = builder.serve_connection(io, svc);
         tokio::spawn(async move {
             let _slot = slot;
             if let Err(e) = conn.await {

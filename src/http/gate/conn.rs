@@ -11,6 +11,10 @@
 //!    50 ms tick of the gate, which checks the queue's oldest. Then its request
 //!    is read without a slot and meets the in-flight limit behind the gate, which queues it
 //!    briefly or sheds it with 503 and `Retry-After`: a client is told, never left hanging.
+//!    hyper's head-read timer runs from when the connection went idle, not from when the
+//!    request arrived, so a request that arrives too late in its connection's idle time to
+//!    wait the full time is read at once without a slot, as if its wait had run out (found
+//!    in audit: one arriving after 9.7 s of idleness was cut off unanswered).
 //! 3. A probe or scrape (`GET /healthz`, `/readyz`, `/metrics`) never waits: it is seen in
 //!    the socket without being read, and let through. A replica at its limit still answers
 //!    its load balancer and its monitoring. Nor does a connection its client closed.
@@ -44,13 +48,13 @@ use std::io;
 use std::pin::{Pin, pin};
 use std::sync::{Arc, Weak};
 use std::task::{Context, Poll, Wake, Waker, ready};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::time::Sleep;
 
+use super::super::write_stall::WriteStall;
 use super::{Gate, Slot};
 
 /// Request lines that never wait at the gate (rule 3), as their first bytes on the wire.
@@ -81,6 +85,9 @@ struct State {
     streaming: bool,
     /// The socket wrapper is gone: nothing is handed to this connection any more.
     closed: bool,
+    /// When the connection began waiting for its next request, and hyper's head-read timer
+    /// with it (rule 2); `None` while a request is being served.
+    idle_since: Option<Instant>,
     /// The connection task's waker, woken when it may read.
     waker: Option<Waker>,
 }
@@ -88,6 +95,15 @@ struct State {
 impl State {
     fn may_read(&self) -> bool {
         self.serving || self.streaming || self.slot.is_some() || self.pass
+    }
+
+    /// Whether a request read now could wait `wait` (and a tick of the gate, which lets
+    /// waits that ran out through) before hyper's head-read timer, running since the
+    /// connection went idle, closes the connection (rule 2).
+    fn may_wait(&self, wait: Duration) -> bool {
+        self.idle_since.is_none_or(|idle| {
+            idle.elapsed() + wait + super::limit::TICK * 2 < super::super::HEADER_READ_TIMEOUT
+        })
     }
 
     fn keep_waker(&mut self, waker: &Waker) {
@@ -137,6 +153,8 @@ impl Drop for Serving {
         let mut s = self.conn.state.lock();
         s.serving = false;
         s.pass = false;
+        // hyper starts its head-read timer once the answer is written: no earlier than now.
+        s.idle_since = Some(Instant::now());
     }
 }
 
@@ -148,7 +166,9 @@ pub struct Streaming {
 
 impl Drop for Streaming {
     fn drop(&mut self) {
-        self.conn.state.lock().streaming = false;
+        let mut s = self.conn.state.lock();
+        s.streaming = false;
+        s.idle_since = Some(Instant::now());
     }
 }
 
@@ -164,7 +184,10 @@ impl ConnSlot {
         Arc::new(ConnSlot {
             gate,
             stream,
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State {
+                idle_since: Some(Instant::now()),
+                ..State::default()
+            }),
         })
     }
 
@@ -193,7 +216,7 @@ impl ConnSlot {
 
     /// A slot if one is free, or else the back of the gate's queue (rule 2 bounds the wait).
     fn wait(self: &Arc<Self>, s: &mut State) -> Decision {
-        if self.gate.max_wait.is_zero() {
+        if self.gate.max_wait.is_zero() || !s.may_wait(self.gate.max_wait) {
             self.wait_ran_out(s);
             return Decision::Read;
         }
@@ -322,7 +345,10 @@ impl ConnSlot {
     /// before its future is first polled: hyper's check that the client is still there
     /// comes in between, and must not give the slot back.
     pub fn serve(self: &Arc<Self>) -> Serving {
-        self.state.lock().serving = true;
+        let mut s = self.state.lock();
+        s.serving = true;
+        s.idle_since = None;
+        drop(s);
         Serving { conn: self.clone() }
     }
 
@@ -433,9 +459,7 @@ pub struct GatedIo {
     /// [`OnReadable`] for this connection, made once.
     readable: Waker,
     /// How long a write may wait for the client to take any of it (`--write-stall-secs`).
-    stall_limit: Duration,
-    /// Running while a write waits on a full socket; its end closes the connection.
-    stalled: Option<Pin<Box<Sleep>>>,
+    stall: WriteStall,
 }
 
 impl GatedIo {
@@ -444,12 +468,12 @@ impl GatedIo {
         let stream = Arc::new(stream);
         let conn = ConnSlot::with_stream(gate, Arc::downgrade(&stream));
         let readable = Waker::from(Arc::new(OnReadable(Arc::downgrade(&conn))));
+        let stall = WriteStall::new(stall_limit, conn.gate.metrics.http_write_stalls.clone());
         let io = GatedIo {
             stream,
             conn: conn.clone(),
             readable,
-            stall_limit,
-            stalled: None,
+            stall,
         };
         (io, conn)
     }
@@ -459,22 +483,11 @@ impl GatedIo {
     /// client that reads nothing holds neither a slot nor a connection for ever.
     fn poll_write_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         if let Poll::Ready(ready) = self.stream.poll_write_ready(cx) {
-            self.stalled = None;
+            self.stall.cleared();
             return Poll::Ready(ready);
         }
         self.conn.write_blocked();
-        let limit = self.stall_limit;
-        let stalled = self
-            .stalled
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
-        if stalled.as_mut().poll(cx).is_ready() {
-            self.conn.gate.metrics.http_write_stalls.inc();
-            return Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the client took none of the answer within the write stall limit",
-            )));
-        }
-        Poll::Pending
+        self.stall.full(cx).map(Err)
     }
 
     /// Ready once this connection holds a slot or may read without one.
