@@ -237,6 +237,42 @@ async fn a_transfer_coding_other_than_chunked_once_is_refused_and_writes_nothing
 /// Rule: an HTTP/1.1 request without a `Host` header, or any request with two, is 400 and
 /// writes nothing (RFC 9112, 3.2; found black-box: both were served). HTTP/1.0 may leave
 /// it out.
+/// Rule (RFC 9112, 9.6): a client that closes its sending side after its request still
+/// gets the answer; found black-box: hyper took the end of input for an abort, answered
+/// nothing, and a deposit sometimes landed unanswered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_client_then_half_closes_is_answered() {
+    let server = Server::start(&[]).await;
+    let account = uuid::Uuid::new_v4();
+    let body = r#"{"amountCents":5}"#;
+    for i in 0..20 {
+        let mut stream = TcpStream::connect(server.addr).await.expect("connect");
+        let request = format!(
+            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+             Content-Type: application/json\r\nIdempotency-Key: half-{i}\r\n\
+             Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).await.expect("sent");
+        stream.shutdown().await.expect("half-closed");
+        let mut answer = Vec::new();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            stream.read_to_end(&mut answer),
+        )
+        .await
+        .expect("closed after the answer")
+        .expect("read");
+        let text = String::from_utf8_lossy(&answer);
+        assert!(text.starts_with("HTTP/1.1 200"), "deposit {i}: {text:?}");
+        assert!(
+            text.contains(&format!(r#""balanceCents":{}"#, 5 * (i + 1))),
+            "{text}"
+        );
+    }
+    server.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_request_without_one_host_is_refused_and_writes_nothing() {
     let server = Server::start(&[]).await;
@@ -247,6 +283,10 @@ async fn a_request_without_one_host_is_refused_and_writes_nothing() {
         ("HTTP/1.1", "Host: a\r\nHost: b\r\n"),
         ("HTTP/1.1", "Host: a, b\r\n"),
         ("HTTP/1.0", "Host: a\r\nHost: b\r\n"),
+        ("HTTP/1.1", "Host: a b/c@d\r\n"),
+        ("HTTP/1.1", "Host:\r\n"),
+        ("HTTP/1.1", "Host: a/b\r\n"),
+        ("HTTP/1.0", "Host: user@a\r\n"),
     ] {
         let text = server
             .exchange(&format!(
@@ -261,6 +301,14 @@ async fn a_request_without_one_host_is_refused_and_writes_nothing() {
             "{version} {hosts:?}: {text}"
         );
         assert!(text.contains("Host header"), "{text}");
+    }
+    for host in ["tally:8080", "[::1]:80", "10.0.0.1"] {
+        let text = server
+            .exchange(&format!(
+                "GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+            ))
+            .await;
+        assert!(text.starts_with("HTTP/1.1 200"), "Host: {host}: {text}");
     }
     let balance = server
         .exchange(&format!(

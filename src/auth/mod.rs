@@ -206,8 +206,14 @@ struct Claims {
     exp: Option<f64>,
     #[serde(default)]
     scope: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "listed")]
     accounts: Option<Vec<Uuid>>,
+}
+
+/// `accounts`, when present, is a list: `null` is refused like any other malformed value,
+/// never read as "no restriction" (found black-box: it granted every account).
+fn listed<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Vec<Uuid>>, D::Error> {
+    Vec::<Uuid>::deserialize(d).map(Some)
 }
 
 /// Checks tokens and paces callers; with [`AuthMode::None`], lets everything through.

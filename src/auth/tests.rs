@@ -87,6 +87,10 @@ fn every_bad_token_is_refused_with_its_reason() {
         auth.verify(Some(&bearer(&hs(&c))))
     };
     let invalid = |r| Err(AuthError::Invalid(r));
+    // A restriction that is present but null restricts like a malformed one: refused.
+    let malformed_accounts = with(&|c| c["accounts"] = json!(0));
+    assert!(malformed_accounts.is_err());
+    assert_eq!(with(&|c| c["accounts"] = json!(null)), malformed_accounts);
     assert_eq!(
         with(&|c| c["exp"] = json!(now() - 60)),
         invalid("token expired")

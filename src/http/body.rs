@@ -207,6 +207,9 @@ pub fn decode_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         // shape can fail before the parser reaches a syntax error further on, and a struct
         // read from an array too long for it reports "trailing characters" (found black-box:
         // `[5,6]` was a 400) although the array is well-formed.
+        // JSON text is UTF-8 (RFC 8259, 8.1); skipping a value does not check its strings
+        // (found black-box: an invalid byte in a key was a 422).
+        Err(e) if std::str::from_utf8(bytes).is_err() => Err(malformed(e)),
         Err(e) => match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
             Ok(_) if !is_object(bytes) => Err(not_an_object()),
             Ok(_) => Err(ApiError::Validation(e.to_string())),

@@ -56,6 +56,11 @@ fn http1_builder(config: &crate::config::Config) -> http1::Builder {
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT)
+        // A client may close its sending side once its request is sent and wait for the
+        // answer (RFC 9112, 9.6); without this hyper took the end of input for an abort and
+        // closed the connection unanswered, even while the request's write went on and
+        // landed (found black-box).
+        .half_close(true)
         // hyper answers a head longer than this 431 and closes the connection (without it,
         // only its ~400 KB read-buffer limit applies). More than 100 headers is a 431 too,
         // hyper's default.
@@ -157,6 +162,19 @@ fn check_host(req: &Request<Incoming>) -> Result<(), ApiError> {
     // A proxy that joined two Host fields into one list sent two hosts.
     if host.is_some_and(|h| h.as_bytes().contains(&b',')) {
         return Err(several());
+    }
+    // The field is `uri-host [":" port]` (RFC 9110, 7.2; an http URI's host is never empty):
+    // no user, no path, no spaces (found black-box: `Host: a b/c@d` was served).
+    let malformed = |h: &hyper::header::HeaderValue| {
+        h.is_empty()
+            || h.as_bytes().contains(&b'@')
+            || hyper::http::uri::Authority::try_from(h.as_bytes()).is_err()
+    };
+    if host.is_some_and(malformed) {
+        return Err(ApiError::bad_request(
+            "BAD_REQUEST",
+            "the Host header is not a host with an optional port",
+        ));
     }
     if host.is_none() && req.version() == hyper::Version::HTTP_11 {
         return Err(ApiError::bad_request(

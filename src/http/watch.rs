@@ -193,7 +193,7 @@ fn stream_response(
         last_id: resumed_after,
         told_end: false,
         expired: false,
-        _streaming: streaming,
+        streaming,
     }));
     *resp.status_mut() = StatusCode::OK;
     let h = resp.headers_mut();
@@ -222,8 +222,9 @@ pub struct SseBody {
     told_end: bool,
     /// The `expired` event was sent: the body ends.
     expired: bool,
-    /// Keeps the connection's reads off the gate while the stream lasts.
-    _streaming: Option<Streaming>,
+    /// Keeps the connection's reads off the gate while the stream lasts, and tells when its
+    /// client hung up.
+    streaming: Option<Streaming>,
 }
 
 /// A stream's token key, checked again whenever the key set changed: a JWKS reload that
@@ -264,6 +265,14 @@ impl Body for SseBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         if self.expired {
+            return Poll::Ready(None);
+        }
+        // A client that hung up ends its stream (and its subscription) at once.
+        if self
+            .streaming
+            .as_ref()
+            .is_some_and(|s| s.poll_client_gone(cx))
+        {
             return Poll::Ready(None);
         }
         let mut chunk = BytesMut::new();
@@ -441,7 +450,7 @@ mod tests {
             last_id,
             told_end: false,
             expired: false,
-            _streaming: None,
+            streaming: None,
         }
     }
 

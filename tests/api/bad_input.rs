@@ -22,6 +22,9 @@ async fn malformed_json_is_400_and_changes_nothing() {
         b"",
         br#"{"amountCents":1}x"#,
         br#"{"amountCents":1,}"#,
+        // Not UTF-8, so not JSON text (RFC 8259, 8.1), wherever the bad byte sits.
+        b"{\"amount\xffCents\":1}",
+        b"{\"amountCents\":1,\"note\":\"\xc3\"}",
     ] {
         for path in [
             deposit_path(&account),
@@ -120,7 +123,7 @@ async fn a_query_on_a_write_is_400_and_changes_nothing() {
         ("/api/transfers".to_string(), &both),
     ];
     for (path, body) in writes {
-        for query in ["dryRun=true", "amountCents=999", "x"] {
+        for query in ["dryRun=true", "amountCents=999", "x", "&x&", "="] {
             let r = t.post(&format!("{path}?{query}"), body, None).await;
             assert_error(&r, 400, "BAD_QUERY");
         }
@@ -131,11 +134,13 @@ async fn a_query_on_a_write_is_400_and_changes_nothing() {
         "a write with a query changed something"
     );
     assert_error(&t.get("/api/accounts?limit=abc").await, 400, "BAD_QUERY");
-    // An empty query is no query.
-    let r = t
-        .post(&format!("{}?", deposit_path(&account)), &one, None)
-        .await;
-    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    // An empty query is no query, and so is one of separators alone, as on a read.
+    for query in ["", "&", "&&"] {
+        let r = t
+            .post(&format!("{}?{query}", deposit_path(&account)), &one, None)
+            .await;
+        assert_eq!(r.status, StatusCode::OK, "?{query}: {}", r.text);
+    }
     assert_eq!(t.get("/api/accounts?").await.status, StatusCode::OK);
     t.shutdown().await;
 }

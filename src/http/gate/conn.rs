@@ -164,6 +164,26 @@ pub struct Streaming {
     conn: Arc<ConnSlot>,
 }
 
+impl Streaming {
+    /// Whether the stream's client has gone (its end of input or an error on the socket),
+    /// registering `cx` to be woken when that may have changed. hyper reads nothing while
+    /// a response is being sent (it serves half-closed clients, RFC 9112 9.6), so a stream
+    /// looks for its client's hang-up itself. Bytes the client sent meanwhile are left for
+    /// hyper, and the stream then learns of a hang-up only when a write fails.
+    pub fn poll_client_gone(&self, cx: &mut Context<'_>) -> bool {
+        let Some(stream) = self.conn.stream.upgrade() else {
+            return true;
+        };
+        let mut byte = [0u8; 1];
+        let mut buf = ReadBuf::new(&mut byte);
+        match stream.poll_peek(cx, &mut buf) {
+            Poll::Pending => false,
+            Poll::Ready(Ok(0) | Err(_)) => true,
+            Poll::Ready(Ok(_)) => false,
+        }
+    }
+}
+
 impl Drop for Streaming {
     fn drop(&mut self) {
         let mut s = self.conn.state.lock();
