@@ -45,6 +45,24 @@ fn faulty(config: FaultConfig) -> (Arc<MemoryLog>, Arc<FaultyLog<MemoryLog>>) {
     (inner, log)
 }
 
+/// `w` sent by CLIENT and held by the injector (not applied) until the handle releases it;
+/// the task ends with the write's outcome.
+async fn held_write(
+    log: &Arc<FaultyLog<MemoryLog>>,
+    w: AggregateWrite,
+) -> (
+    tally::store::faults::HoldHandle,
+    tokio::task::JoinHandle<tally::store::StoreResult<Vec<u64>>>,
+) {
+    let mut hold = log.hold_next_write();
+    let held = tokio::spawn({
+        let log = Arc::clone(log);
+        async move { log.write(CLIENT, vec![w]).await }
+    });
+    assert!(hold.held().await, "the write is held");
+    (hold, held)
+}
+
 fn only(counts: FaultCounts, expected: FaultCounts) {
     assert_eq!(counts, expected);
 }
@@ -216,12 +234,7 @@ async fn queued_faults_apply_in_order_one_per_write() {
 async fn held_write_makes_an_overlapping_duplicate_inflight_then_idempotency_violation() {
     let (inner, log) = faulty(FaultConfig::default());
     let (k, other) = (key(1), key(2));
-    let mut hold = log.hold_next_write();
-    let held = tokio::spawn({
-        let log = Arc::clone(&log);
-        async move { log.write(CLIENT, vec![write(k, &[5, 6])]).await }
-    });
-    assert!(hold.held().await, "the write is held");
+    let (hold, held) = held_write(&log, write(k, &[5, 6])).await;
     assert_eq!(inner.batch_count(k), 0, "not applied while held");
 
     // Any overlap with 5..=6 from the same client on the same aggregate is a 2013.
@@ -268,12 +281,7 @@ async fn held_write_makes_an_overlapping_duplicate_inflight_then_idempotency_vio
 async fn an_inflight_duplicate_whose_version_guard_fails_is_a_conflict() {
     let (_inner, log) = faulty(FaultConfig::default());
     let k = key(1);
-    let mut hold = log.hold_next_write();
-    let held = tokio::spawn({
-        let log = Arc::clone(&log);
-        async move { log.write(CLIENT, vec![write(k, &[5])]).await }
-    });
-    assert!(hold.held().await);
+    let (hold, held) = held_write(&log, write(k, &[5])).await;
     let guarded = |expected| AggregateWrite {
         expected_version: Some(expected),
         ..write(k, &[5])
@@ -305,12 +313,7 @@ async fn unenforced_write_is_never_an_inflight_duplicate_and_the_held_write_gets
 {
     let (inner, log) = faulty(FaultConfig::default());
     let k = key(1);
-    let mut hold = log.hold_next_write();
-    let held = tokio::spawn({
-        let log = Arc::clone(&log);
-        async move { log.write(CLIENT, vec![write(k, &[5])]).await }
-    });
-    assert!(hold.held().await);
+    let (hold, held) = held_write(&log, write(k, &[5])).await;
     let mut unenforced = write(k, &[5]);
     unenforced.enforce_client_idempotency = false;
     assert_eq!(log.write(CLIENT, vec![unenforced]).await, Ok(vec![1]));
@@ -331,12 +334,7 @@ async fn unenforced_write_is_never_an_inflight_duplicate_and_the_held_write_gets
 async fn held_write_whose_caller_gives_up_is_never_applied() {
     let (inner, log) = faulty(FaultConfig::default());
     let k = key(1);
-    let mut hold = log.hold_next_write();
-    let held = tokio::spawn({
-        let log = Arc::clone(&log);
-        async move { log.write(CLIENT, vec![write(k, &[5])]).await }
-    });
-    assert!(hold.held().await);
+    let (hold, held) = held_write(&log, write(k, &[5])).await;
     held.abort();
     assert!(held.await.is_err_and(|e| e.is_cancelled()));
     hold.release();

@@ -440,11 +440,7 @@ async fn deaf_client(t: &TestApp) -> TcpStream {
     for _ in 0..1_000 {
         assert_eq!(t.deposit(&account, 1, None).await.status, StatusCode::OK);
     }
-    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-    socket
-        .set_recv_buffer_size(4096)
-        .expect("small receive buffer");
-    let mut deaf = socket.connect(t.addr).await.expect("connect");
+    let mut deaf = small_window_connection(t.addr).await;
     let get =
         format!("GET /api/accounts/{account}/history?limit=1000 HTTP/1.1\r\nHost: tally\r\n\r\n");
     let taken = t.app.metrics.http_gate_taken.get();
@@ -484,29 +480,49 @@ async fn a_client_that_never_reads_its_answers_holds_no_gate_slot() {
     t.shutdown().await;
 }
 
-/// Rule: a connection whose client takes none of an answer for `--write-stall-secs` is
-/// closed, so clients that stop reading cannot hold connections (and `--max-connections`)
-/// for ever.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_connection_whose_client_reads_nothing_is_closed_at_the_write_stall_limit() {
-    // The shortest stall limit accepted: longer than a watch stream's own (2 x 1 s).
-    let t = spawn(
+/// A replica with the shortest write stall limit accepted: longer than a watch stream's
+/// own (2 x 1 s).
+async fn short_stall_replica() -> TestApp {
+    spawn(
         test_config(&["--write-stall-secs", "3", "--watch-keepalive-secs", "1"]),
         None,
         None,
     )
-    .await;
+    .await
+}
+
+/// A connection to `addr` with a small receive buffer, which the server's answers fill soon.
+async fn small_window_connection(addr: std::net::SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .set_recv_buffer_size(4096)
+        .expect("small receive buffer");
+    socket.connect(addr).await.expect("connect")
+}
+
+/// Waits for the server to count a write stall, then reads what the client had not taken:
+/// part of the answers, and then the end of the connection.
+async fn read_after_stall(t: &TestApp, reader: &mut (impl AsyncReadExt + Unpin)) -> Vec<u8> {
     let m = t.app.metrics.clone();
-    let mut deaf = deaf_client(&t).await;
     wait_for(
         || m.http_write_stalls.get() == 1,
         "the stalled connection closed",
     )
     .await;
-    // The client, reading at last, finds part of the answers and then the end.
     let mut got = Vec::new();
-    let read = tokio::time::timeout(BOUND, deaf.read_to_end(&mut got)).await;
+    let read = tokio::time::timeout(BOUND, reader.read_to_end(&mut got)).await;
     assert!(read.is_ok(), "the connection is still open after its stall");
+    got
+}
+
+/// Rule: a connection whose client takes none of an answer for `--write-stall-secs` is
+/// closed, so clients that stop reading cannot hold connections (and `--max-connections`)
+/// for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_whose_client_reads_nothing_is_closed_at_the_write_stall_limit() {
+    let t = short_stall_replica().await;
+    let mut deaf = deaf_client(&t).await;
+    let got = read_after_stall(&t, &mut deaf).await;
     assert!(
         got.len() < 60 * 100_000,
         "all the answers arrived: {} bytes",
@@ -758,12 +774,7 @@ async fn a_request_late_in_its_connections_idle_time_is_answered_not_cut_off() {
 /// holding one of the few admin connections for ever (found in audit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admin_connection_whose_client_reads_nothing_is_closed_at_the_write_stall_limit() {
-    let t = spawn(
-        test_config(&["--write-stall-secs", "3", "--watch-keepalive-secs", "1"]),
-        None,
-        None,
-    )
-    .await;
+    let t = short_stall_replica().await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -773,32 +784,13 @@ async fn an_admin_connection_whose_client_reads_nothing_is_closed_at_the_write_s
         listener,
         std::future::pending(),
     ));
-    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-    socket
-        .set_recv_buffer_size(4096)
-        .expect("small receive buffer");
-    let mut deaf = socket.connect(admin).await.expect("connect");
+    let mut deaf = small_window_connection(admin).await;
     let scrape = "GET /metrics HTTP/1.1\r\nHost: tally\r\n\r\n".repeat(2_000);
-    // The server stops reading once its answers fill the socket, so this write may block:
-    // it is left running and dropped at the end.
     let (mut reader, mut writer) = deaf.split();
-    let send = writer.write_all(scrape.as_bytes());
-    let stalls = t.app.metrics.clone();
-    tokio::select! {
-        _ = send => {}
-        _ = wait_for(|| stalls.http_write_stalls.get() == 1, "the stalled admin connection closed") => {}
-    }
-    wait_for(
-        || stalls.http_write_stalls.get() == 1,
-        "the stalled admin connection closed",
-    )
-    .await;
-    let mut got = Vec::new();
-    let read = tokio::time::timeout(BOUND, reader.read_to_end(&mut got)).await;
-    assert!(
-        read.is_ok(),
-        "the admin connection is still open after its stall"
-    );
+    // Ends when the server has read everything, or fails when it closes the stalled
+    // connection with requests still unread.
+    let _ = writer.write_all(scrape.as_bytes()).await;
+    let got = read_after_stall(&t, &mut reader).await;
     let answered = String::from_utf8_lossy(&got)
         .matches("HTTP/1.1 200")
         .count();
