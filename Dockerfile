@@ -31,6 +31,8 @@ FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=builder /tally /usr/local/bin/tally
 # Inside a container Tally listens on every interface; the binary's default is loopback.
 ENV TALLY_LISTEN=0.0.0.0:8080
-EXPOSE 8080
+# The API; and the admin address (probes, /metrics) when TALLY_ADMIN_LISTEN sets it, as
+# deploy/k8s does (0.0.0.0:9091).
+EXPOSE 8080 9091
 USER 65532:65532
 ENTRYPOINT ["/usr/local/bin/tally"]
