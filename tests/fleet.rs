@@ -73,6 +73,7 @@ fleet_scenarios! {
     #[tokio::test] an_old_request_is_still_answered_after_folding_a_siblings_write,
     #[tokio::test] a_lost_ack_is_resolved_by_catch_up_and_replayed_by_the_other_replica,
     #[tokio::test] lost_ack_then_retry_on_another_replica_returns_the_landed_write,
+    #[tokio::test] with_one_attempt_a_bounce_off_a_siblings_write_leaves_the_copy_caught_up,
     #[tokio::test] a_retry_whose_own_write_was_lost_still_replays_the_siblings_landing,
     #[tokio::test] a_sibling_that_took_the_held_sequence_is_detected_and_the_request_lands_once,
     #[tokio::test] an_in_flight_duplicate_waits_for_the_first_attempt_and_replays_it,
@@ -735,6 +736,43 @@ async fn lost_ack_then_retry_on_another_replica_returns_the_landed_write(base: S
     let retry = f.apps[1].deposit(&acct, 100, Some(&k)).await;
     assert_balance(&retry, &k, 100, 1, true);
     f.assert_stream(1, &acct, &[("Deposited", 100, &k)]).await;
+}
+
+/// With one attempt allowed, a write from replica 0's warm copy bounces off replica 1's
+/// write and gives up with a retryable 409, but leaves the copy caught up: its retry
+/// lands. Found black-box: every later write to the account bounced the same way, whatever
+/// its key, until something read the account.
+async fn with_one_attempt_a_bounce_off_a_siblings_write_leaves_the_copy_caught_up(base: SharedLog) {
+    let f = Fleet::faulty(base, 2, &["--write-max-attempts", "1"]).await;
+    let (acct, k0) = f.funded_and_warm_on_both().await;
+    let k1 = idem_key();
+    assert_balance(
+        &f.apps[1].deposit(&acct, 10, Some(&k1)).await,
+        &k1,
+        110,
+        2,
+        false,
+    );
+    let k = idem_key();
+    let bounced = f.apps[0].deposit(&acct, 5, Some(&k)).await;
+    assert_retryable(&bounced, &k, "did not complete after 1 attempts");
+    assert_balance(
+        &f.apps[0].deposit(&acct, 5, Some(&k)).await,
+        &k,
+        115,
+        3,
+        false,
+    );
+    f.assert_stream(
+        0,
+        &acct,
+        &[
+            ("Deposited", 100, &k0),
+            ("Deposited", 10, &k1),
+            ("Deposited", 5, &k),
+        ],
+    )
+    .await;
 }
 
 /// A retry that finds its key landed by another replica is a replay even when its own write

@@ -124,6 +124,9 @@ pub(super) struct Run<'a> {
     first_touch: bool,
     /// A run takes at most one first touch.
     first_touch_spent: bool,
+    /// An attempt of this run read its state from the store (a catch-up), not only from the
+    /// replica's copy.
+    read_the_store: bool,
 }
 
 impl<'a> Run<'a> {
@@ -178,6 +181,7 @@ impl<'a> Run<'a> {
             tips: None,
             first_touch: false,
             first_touch_spent: false,
+            read_the_store: false,
         }
     }
 
@@ -203,6 +207,7 @@ impl<'a> Run<'a> {
         let mut skip_backoff = false;
         while self.unanswered().next().is_some() {
             if self.attempt >= cfg.max_attempts || Instant::now() >= deadline {
+                self.refresh_unread_copies(deadline).await;
                 self.arm(arm::GAVE_UP);
                 let err = WriteError::GaveUp {
                     attempts: self.attempt,
@@ -224,7 +229,10 @@ impl<'a> Run<'a> {
                 .load_state(cfg.one_round_trip && self.attempt == 1)
                 .await
             {
-                Ok(caught_up) => caught_up,
+                Ok(caught_up) => {
+                    self.read_the_store |= caught_up;
+                    caught_up
+                }
                 Err(LoadFailure::Retry) => continue,
                 Err(LoadFailure::Fail(err)) => {
                     self.answer_unanswered(err);
@@ -371,6 +379,19 @@ impl<'a> Run<'a> {
             }
             e => LoadFailure::Fail(WriteError::Account(e)),
         }
+    }
+
+    /// A run giving up without having read the store leaves the replica's copies as stale
+    /// as it found them, and every later write to them would spend its attempts the same
+    /// way (found black-box: with `--write-max-attempts 1`, one write by another replica or
+    /// one lost ack made every later write to the account a 409 until something read it).
+    /// One catch-up, within the deadline, brings the copies to the store; its outcome does
+    /// not change this run's answer.
+    async fn refresh_unread_copies(&mut self, deadline: Instant) {
+        if self.read_the_store || self.attempt == 0 || Instant::now() >= deadline {
+            return;
+        }
+        let _ = tokio::time::timeout_at(deadline, self.load_state(false)).await;
     }
 
     /// Whether the caught-up state reaches each account's tip, so a rule rejection decided on
