@@ -235,7 +235,7 @@ impl Metrics {
             http_shed: counter(
                 r,
                 "tally_http_requests_shed_total",
-                "Requests refused with 503 because the concurrency limit was reached.",
+                "Requests refused with 503 because the concurrency limit was reached (or dropped unanswered when their client left while they waited for it).",
             ),
             write_attempts: histogram_vec(
                 r,

@@ -798,3 +798,27 @@ async fn an_admin_connection_whose_client_reads_nothing_is_closed_at_the_write_s
     server.abort();
     t.shutdown().await;
 }
+
+/// Rule: a request waiting for an in-flight slot whose client has gone leaves the queue at
+/// once, unanswered (nothing was done for it). The server reads nothing mid-request (a
+/// client that half-closes after its request is answered), so the wait watches its socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_client_leaves_while_it_waits_for_admission_leaves_the_queue() {
+    let t = one_in_flight_slot(&["--faults", "seed=1"]).await;
+    let account = new_account();
+    let (hold, mut holder) = hold_a_deposit(&t, &account).await;
+    let m = t.app.metrics.clone();
+    let mut waiting = TcpStream::connect(t.addr).await.expect("connect");
+    let head = format!("GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: tally\r\n\r\n");
+    waiting.write_all(head.as_bytes()).await.expect("sent");
+    wait_for(|| m.http_queued.get() == 1, "the request queued").await;
+    drop(waiting);
+    wait_for(
+        || m.http_queued.get() == 0 && m.http_shed.get() == 1,
+        "the request left the queue",
+    )
+    .await;
+    hold.release();
+    assert_served(&mut holder, "the held deposit").await;
+    t.shutdown().await;
+}

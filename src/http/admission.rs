@@ -35,7 +35,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::InFlightGauge;
 use super::error::ApiError;
-use super::gate::Gate;
+use super::gate::{ConnSlot, Gate};
 use crate::app::App;
 use crate::log_limit::LogLimit;
 use crate::metrics::Metrics;
@@ -112,7 +112,11 @@ impl Edge {
 
     /// An in-flight slot for one API request, waiting for it as configured. A refusal is
     /// counted in `tally_http_requests_shed_total` and reported (see [`Edge::note_shed`]).
-    pub async fn admit(&self, app: &App) -> Result<OwnedSemaphorePermit, ApiError> {
+    pub async fn admit(
+        &self,
+        app: &App,
+        conn: Option<&Arc<ConnSlot>>,
+    ) -> Result<OwnedSemaphorePermit, ApiError> {
         if let Ok(permit) = app.limiter.clone().try_acquire_owned() {
             return Ok(permit);
         }
@@ -121,8 +125,18 @@ impl Edge {
             let _queued = InFlightGauge::enter(&self.metrics.http_queued);
             let since = Instant::now();
             // The semaphore queues waiters in arrival order; a request whose client goes away
-            // drops this future and leaves the queue.
-            let waited = tokio::time::timeout(max_wait, app.limiter.clone().acquire_owned()).await;
+            // leaves the queue (nothing has been done for it yet).
+            let wait = tokio::time::timeout(max_wait, app.limiter.clone().acquire_owned());
+            let waited = match conn {
+                Some(conn) => tokio::select! {
+                    waited = wait => waited,
+                    _ = conn.client_gone() => {
+                        self.metrics.http_shed.inc();
+                        return Err(ApiError::Shed { close_connection: true });
+                    }
+                },
+                None => wait.await,
+            };
             self.metrics
                 .http_queue_wait
                 .observe(since.elapsed().as_secs_f64());
@@ -162,8 +176,12 @@ pub struct InFlight {
 
 impl InFlight {
     /// Admits one API request (see [`Edge::admit`]).
-    pub async fn admit(edge: &Arc<Edge>, app: &Arc<App>) -> Result<Arc<Self>, ApiError> {
-        let permit = edge.admit(app).await?;
+    pub async fn admit(
+        edge: &Arc<Edge>,
+        app: &Arc<App>,
+        conn: Option<&Arc<ConnSlot>>,
+    ) -> Result<Arc<Self>, ApiError> {
+        let permit = edge.admit(app, conn).await?;
         Ok(Arc::new(InFlight {
             edge: edge.clone(),
             app: app.clone(),
@@ -187,7 +205,7 @@ impl InFlight {
         let had = self.permit.lock().take().is_some();
         let done = body.await;
         if had && done.is_ok() {
-            let permit = self.edge.admit(&self.app).await?;
+            let permit = self.edge.admit(&self.app, None).await?;
             *self.permit.lock() = Some(permit);
         }
         Ok(done)

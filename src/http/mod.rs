@@ -68,6 +68,7 @@ fn http1_builder(config: &crate::config::Config) -> http1::Builder {
         // The read buffer's cap: without it hyper grows a connection's buffer to ~400 KB
         // while its client keeps pipelined requests waiting, and never shrinks it (found in
         // audit: 4,096 such connections, 1.6 GB). A head must fit, and hyper's own floor.
+        // hyper applies the same cap to what it buffers of pipelined answers before writing.
         .max_buf_size(config.max_header_bytes.max(MIN_READ_BUFFER_BYTES));
     builder
 }
@@ -255,7 +256,8 @@ async fn handle(
         // Held here until the answer; the body read gives the slot back while its client
         // is slow (`body::read_json`).
         let _in_flight = if route.is_api() {
-            let in_flight = admission::InFlight::admit(edge, &app).await?;
+            let conn = req.extensions().get::<Arc<gate::ConnSlot>>().cloned();
+            let in_flight = admission::InFlight::admit(edge, &app, conn.as_ref()).await?;
             req.extensions_mut().insert(in_flight.clone());
             Some(in_flight)
         } else {
@@ -342,8 +344,8 @@ fn took_too_long() -> ApiError {
 }
 
 /// Counts a request on a gauge (in flight, queued for a slot, or waiting at the gate) until it
-/// is dropped: hyper drops a request's future when its client disconnects, and such a request
-/// must not stay counted. (Not the write loop's in-flight write, which followers of one key wait on.)
+/// is dropped, however it ends: an error, a panic, the backstop, or its client gone while it
+/// waited for admission. (Not the write loop's in-flight write, which followers of one key wait on.)
 struct InFlightGauge<'a>(&'a prometheus::IntGauge);
 
 impl<'a> InFlightGauge<'a> {

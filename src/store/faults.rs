@@ -414,6 +414,10 @@ impl<L: EventLog + ?Sized> FaultyLog<L> {
             };
             let current = match self.inner.details(w.key).await {
                 Ok(d) => d.max_version,
+                // Existence comes first: a missing aggregate the write may not create.
+                Err(StoreError::AggregateNotFound) if !w.allow_create => {
+                    return Some(StoreError::AggregateNotFound);
+                }
                 Err(StoreError::AggregateNotFound) => 0,
                 Err(_) => return None,
             };

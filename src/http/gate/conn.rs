@@ -25,9 +25,9 @@
 //!    for that wait and takes one again after, so a slow body holds no slot either.
 //! 6. An event stream holds no slot while it lasts: its slot goes back when the stream
 //!    starts, and its connection's reads take none until the stream's body is gone. hyper
-//!    keeps reading a streaming connection to notice a hang-up, and keeps whatever bytes its
-//!    client sends meanwhile without reading again, so a slot taken by such a read would
-//!    never come back; and a stream waits on notifications, not on the CPU slots share out.
+//!    reads nothing while a response is being sent (it serves clients that half-close), so
+//!    the stream watches its socket for its client's hang-up itself ([`Streaming`]); and a
+//!    stream waits on notifications, not on the CPU slots share out.
 //! 7. A response whose write waits for its client to read (the socket's send buffer is
 //!    full) gives the slot back once its handler is done: a client that pipelines requests
 //!    and never reads the answers would otherwise hold it for as long as it likes, as a
@@ -61,6 +61,9 @@ use super::{Gate, Slot};
 const UNGATED: [&[u8]; 3] = [b"GET /healthz", b"GET /readyz", b"GET /metrics"];
 /// Bytes peeked to recognise them: the longest prefix above.
 const PEEK_BYTES: usize = 12;
+/// What a request let through at the end of its gate wait needs before hyper's head-read
+/// timer fires: a late tick of the gate, its task's wake-up, the head's parse (rule 2).
+const HEAD_TIMER_MARGIN: Duration = Duration::from_secs(1);
 
 /// A connection's side of the gate, shared by its socket wrapper, its readiness callback,
 /// the handler of its current request and (weakly) the gate's queue.
@@ -102,7 +105,7 @@ impl State {
     /// connection went idle, closes the connection (rule 2).
     fn may_wait(&self, wait: Duration) -> bool {
         self.idle_since.is_none_or(|idle| {
-            idle.elapsed() + wait + super::limit::TICK * 2 < super::super::HEADER_READ_TIMEOUT
+            idle.elapsed() + wait + HEAD_TIMER_MARGIN < super::super::HEADER_READ_TIMEOUT
         })
     }
 
@@ -171,16 +174,7 @@ impl Streaming {
     /// looks for its client's hang-up itself. Bytes the client sent meanwhile are left for
     /// hyper, and the stream then learns of a hang-up only when a write fails.
     pub fn poll_client_gone(&self, cx: &mut Context<'_>) -> bool {
-        let Some(stream) = self.conn.stream.upgrade() else {
-            return true;
-        };
-        let mut byte = [0u8; 1];
-        let mut buf = ReadBuf::new(&mut byte);
-        match stream.poll_peek(cx, &mut buf) {
-            Poll::Pending => false,
-            Poll::Ready(Ok(0) | Err(_)) => true,
-            Poll::Ready(Ok(_)) => false,
-        }
+        self.conn.poll_client_gone(cx).is_ready()
     }
 }
 
@@ -271,6 +265,30 @@ impl ConnSlot {
             }
         })
         .await
+    }
+
+    /// Ready once the client has closed its end with nothing unread before the close, or
+    /// the socket failed, registering `cx` to be woken when that may have changed. Pending
+    /// (and not woken by the socket again) while bytes wait: those are hyper's to read.
+    fn poll_client_gone(&self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(stream) = self.stream.upgrade() else {
+            return Poll::Ready(());
+        };
+        let mut byte = [0u8; 1];
+        let mut buf = ReadBuf::new(&mut byte);
+        match stream.poll_peek(cx, &mut buf) {
+            Poll::Ready(Ok(0) | Err(_)) => Poll::Ready(()),
+            Poll::Pending | Poll::Ready(Ok(_)) => Poll::Pending,
+        }
+    }
+
+    /// Resolves when this connection's client has gone (see [`ConnSlot::poll_client_gone`]):
+    /// for a request still waiting for admission, whose client cannot be answered any more.
+    /// hyper does not notice mid-request (it serves half-closed clients), so a wait that
+    /// nothing has been done for yet watches for it here. A client that half-closed after
+    /// its request looks the same, and is not answered if its request has to wait.
+    pub async fn client_gone(&self) {
+        poll_fn(|cx| self.poll_client_gone(cx)).await
     }
 
     /// The gate hands this queued connection a slot.

@@ -52,6 +52,7 @@ impl Run<'_> {
                 store_behind,
             } => {
                 self.arm(arm);
+                self.bounced |= arm == arm::CONFLICT;
                 self.last_failure = failure;
                 if let Some(behind) = store_behind {
                     self.fold_again_where_the_store_is_behind(behind);

@@ -127,6 +127,9 @@ pub(super) struct Run<'a> {
     /// An attempt of this run read its state from the store (a catch-up), not only from the
     /// replica's copy.
     read_the_store: bool,
+    /// A write of this run bounced off the version guard (2003): the store answered, and
+    /// the state it was decided on is behind.
+    bounced: bool,
 }
 
 impl<'a> Run<'a> {
@@ -182,6 +185,7 @@ impl<'a> Run<'a> {
             first_touch: false,
             first_touch_spent: false,
             read_the_store: false,
+            bounced: false,
         }
     }
 
@@ -381,14 +385,16 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// A run giving up without having read the store leaves the replica's copies as stale
-    /// as it found them, and every later write to them would spend its attempts the same
-    /// way (found black-box: with `--write-max-attempts 1`, one write by another replica or
-    /// one lost ack made every later write to the account a 409 until something read it).
-    /// One catch-up, within the deadline, brings the copies to the store; its outcome does
-    /// not change this run's answer.
+    /// A run giving up after a bounce on the version guard without having read the store
+    /// leaves the replica's copies as stale as it found them, and every later write to them
+    /// would spend its attempts the same way (found black-box: with `--write-max-attempts
+    /// 1`, one write by another replica or one lost ack made every later write to the
+    /// account a 409 until something read it). One catch-up, within the deadline, brings
+    /// the copies to the store; its outcome does not change this run's answer. Only after a
+    /// bounce: the store answered just now, and the copy is known to be behind (a run that
+    /// could not reach the store would only add a read to an outage).
     async fn refresh_unread_copies(&mut self, deadline: Instant) {
-        if self.read_the_store || self.attempt == 0 || Instant::now() >= deadline {
+        if !self.bounced || self.read_the_store || Instant::now() >= deadline {
             return;
         }
         let _ = tokio::time::timeout_at(deadline, self.load_state(false)).await;
