@@ -669,12 +669,11 @@ async fn a_probe_or_scrape_never_waits_at_the_gate() {
     t.shutdown().await;
 }
 
-/// Rule: a request waits for a gate slot at most `--max-queue-wait-ms`; then it is read
-/// without one and meets the in-flight limit, which sheds it with 503 and Retry-After
-/// instead of leaving its client hanging.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_whose_gate_wait_runs_out_is_read_and_shed() {
-    let t = spawn(
+/// A replica with one gate slot and one in-flight slot, waits of `queue_wait_ms`, and the
+/// fault injector (for [`hold_a_deposit`]).
+async fn one_slot_in_all(queue_wait_ms: u64) -> TestApp {
+    let wait = queue_wait_ms.to_string();
+    spawn(
         test_config(&[
             "--min-active-requests",
             "1",
@@ -683,14 +682,22 @@ async fn a_request_whose_gate_wait_runs_out_is_read_and_shed() {
             "--max-concurrent-requests",
             "1",
             "--max-queue-wait-ms",
-            "50",
+            &wait,
             "--faults",
             "seed=1",
         ]),
         None,
         None,
     )
-    .await;
+    .await
+}
+
+/// Rule: a request waits for a gate slot at most `--max-queue-wait-ms`; then it is read
+/// without one and meets the in-flight limit, which sheds it with 503 and Retry-After
+/// instead of leaving its client hanging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_gate_wait_runs_out_is_read_and_shed() {
+    let t = one_slot_in_all(50).await;
     let account = new_account();
     let (hold, mut holder) = hold_a_deposit(&t, &account).await;
     let r = t.deposit(&account, 2, Some("late-1")).await;
@@ -716,24 +723,8 @@ async fn a_request_whose_gate_wait_runs_out_is_read_and_shed() {
 /// timer fires mid-wait (found in audit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_late_in_its_connections_idle_time_is_answered_not_cut_off() {
-    let t = spawn(
-        test_config(&[
-            "--min-active-requests",
-            "1",
-            "--max-active-requests",
-            "1",
-            "--max-concurrent-requests",
-            "1",
-            // Capped at half the head-read timeout: 5 s.
-            "--max-queue-wait-ms",
-            "10000",
-            "--faults",
-            "seed=1",
-        ]),
-        None,
-        None,
-    )
-    .await;
+    // Capped at half the head-read timeout: 5 s.
+    let t = one_slot_in_all(10_000).await;
     let account = new_account();
     let mut late = TcpStream::connect(t.addr).await.expect("connect");
     assert!(
