@@ -18,6 +18,9 @@ use tokio::net::TcpStream;
 
 /// How long a test waits for something that must happen before it fails instead of hanging.
 const BOUND: Duration = Duration::from_secs(30);
+/// The pause between two checks of a signal the server gives (a metric, a gauge): a test
+/// polling for seconds (a write stall) leaves the two cores to the servers under test.
+const POLL: Duration = Duration::from_millis(2);
 /// How long a request that must not be answered is watched. A negative can only be checked
 /// for a while; this is far longer than a loopback answer takes.
 const NO_ANSWER_WATCH: Duration = Duration::from_millis(300);
@@ -33,7 +36,7 @@ async fn wait_for_metric(t: &TestApp, name: &str, value: f64) {
             if metric_sum(&t.get("/metrics").await.text, name) == value {
                 return;
             }
-            tokio::task::yield_now().await;
+            tokio::time::sleep(POLL).await;
         }
     })
     .await
@@ -392,7 +395,7 @@ async fn another_client_is_served_at_once(t: &TestApp) {
 async fn wait_for_gauge(gauge: &prometheus::IntGauge, value: i64) {
     tokio::time::timeout(BOUND, async {
         while gauge.get() != value {
-            tokio::task::yield_now().await;
+            tokio::time::sleep(POLL).await;
         }
     })
     .await
@@ -459,7 +462,7 @@ async fn deaf_client(t: &TestApp) -> TcpStream {
 async fn wait_for(mut done: impl FnMut() -> bool, what: &str) {
     tokio::time::timeout(BOUND, async {
         while !done() {
-            tokio::task::yield_now().await;
+            tokio::time::sleep(POLL).await;
         }
     })
     .await
@@ -577,7 +580,7 @@ async fn a_slow_head_holds_no_gate_slot() {
     // The server took a slot to read those bytes, and gave it back to wait for the rest.
     tokio::time::timeout(BOUND, async {
         while m.http_gate_taken.get() == taken || m.http_gate_active.get() != 0 {
-            tokio::task::yield_now().await;
+            tokio::time::sleep(POLL).await;
         }
     })
     .await
