@@ -166,12 +166,7 @@ fn check_host(req: &Request<Incoming>) -> Result<(), ApiError> {
     }
     // The field is `uri-host [":" port]` (RFC 9110, 7.2; an http URI's host is never empty):
     // no user, no path, no spaces (found black-box: `Host: a b/c@d` was served).
-    let malformed = |h: &hyper::header::HeaderValue| {
-        h.is_empty()
-            || h.as_bytes().contains(&b'@')
-            || hyper::http::uri::Authority::try_from(h.as_bytes()).is_err()
-    };
-    if host.is_some_and(malformed) {
+    if host.is_some_and(|h| !is_host_and_port(h.as_bytes())) {
         return Err(ApiError::bad_request(
             "BAD_REQUEST",
             "the Host header is not a host with an optional port",
@@ -184,6 +179,33 @@ fn check_host(req: &Request<Incoming>) -> Result<(), ApiError> {
         ));
     }
     Ok(())
+}
+
+/// Whether `value` is `uri-host [":" port]` (RFC 9110, 7.2): an authority without a user, a
+/// host that is not empty, and a port, if any, of 1 to 5 digits within 0..=65535 (found
+/// black-box: `:80`, `host:abc` and `[::1]x` were served).
+fn is_host_and_port(value: &[u8]) -> bool {
+    if value.contains(&b'@') || hyper::http::uri::Authority::try_from(value).is_err() {
+        return false;
+    }
+    let split = match value.first() {
+        // An IP literal: the port, if any, follows its closing bracket.
+        Some(b'[') => value.iter().position(|&b| b == b']').map(|end| end + 1),
+        _ => Some(value.iter().position(|&b| b == b':').unwrap_or(value.len())),
+    };
+    let Some(split) = split else {
+        return false;
+    };
+    let (host, rest) = value.split_at(split);
+    let port_ok = match rest {
+        [] => true,
+        [b':', digits @ ..] => {
+            (1..=5).contains(&digits.len())
+                && std::str::from_utf8(digits).is_ok_and(|d| d.parse::<u16>().is_ok())
+        }
+        _ => false,
+    };
+    !host.is_empty() && port_ok
 }
 
 /// What a request to a replica that has not finished starting is told, before the steps
@@ -374,6 +396,41 @@ fn status_class(s: StatusCode) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_host_is_a_host_and_an_optional_port() {
+        for good in [
+            "tally",
+            "tally:8080",
+            "10.0.0.1",
+            "10.0.0.1:80",
+            "[::1]",
+            "[::1]:80",
+            "[fe80::1%25eth0]:80",
+            "Example.COM.",
+            "xn--bcher-kva.example:65535",
+        ] {
+            assert!(is_host_and_port(good.as_bytes()), "{good}");
+        }
+        for bad in [
+            "",
+            ":80",
+            "host:",
+            "host:abc",
+            "host:65536",
+            "host:123456",
+            "[::1]x",
+            "[::1",
+            "::1",
+            "host:80:80",
+            "u@host",
+            "a b",
+            "a/b",
+            "host?",
+        ] {
+            assert!(!is_host_and_port(bad.as_bytes()), "{bad}");
+        }
+    }
     use crate::device::server::READ_BACK_BUDGET;
 
     /// Rule: a device sync's backstop outlasts its store write (the store's whole request
