@@ -423,6 +423,23 @@ def ingress_route(ingresses, host, uri):
     return best
 
 
+def stream_route_ok(where, route, settings, timeout, seconds, buffering, need, keepalive):
+    """One watch-stream route's proxy settings (named `settings`: read timeout, buffering):
+    open through the silence between keep-alives, and unbuffered. Each failure is reported;
+    True when both hold."""
+    ok = True
+    if seconds is None or seconds < need:
+        err(where, f"{route} with {settings[0]} {timeout or 'unset'}: a watch stream is silent for "
+                   f"{keepalive} s between keep-alives (--watch-keepalive-secs), so it needs at least "
+                   f"{need} s (twice that, 60 s at least)")
+        ok = False
+    if buffering != "off":
+        err(where, f"{route} with {settings[1]} {buffering or 'unset'}: it must be off so each event "
+                   "passes at once")
+        ok = False
+    return ok
+
+
 def check_ingress_routes(ingresses, need, keepalive):
     """The watch streams reach an Ingress that keeps them open and unbuffered; the API routes
     do not land on it."""
@@ -439,15 +456,9 @@ def check_ingress_routes(ingresses, need, keepalive):
             ann = dig(ing, "metadata", "annotations", default={}) or {}
             rt = str(ann.get("nginx.ingress.kubernetes.io/proxy-read-timeout", ""))
             buf = ann.get("nginx.ingress.kubernetes.io/proxy-buffering")
-            before = len(errors)
-            if not rt.isdigit() or int(rt) < need:
-                err(fname, f"{host}{uri} goes to Ingress {hit[0]} (path {hit[1]}) whose proxy-read-timeout is "
-                           f"{rt or 'unset'}: a watch stream is silent for {keepalive} s between keep-alives, "
-                           f"so it needs at least {need} (twice that, 60 at least)")
-            if buf != "off":
-                err(fname, f"{host}{uri} goes to Ingress {hit[0]} whose proxy-buffering is {buf or 'unset'}: "
-                           "it must be \"off\" so each event passes at once")
-            if len(errors) == before:
+            route = f"{host}{uri} goes to Ingress {hit[0]} (path {hit[1]})"
+            if stream_route_ok(fname, route, ("proxy-read-timeout", "proxy-buffering"), rt,
+                               int(rt) if rt.isdigit() else None, buf, need, keepalive):
                 stream_routes.add(hit)
                 print(f"  {host}{uri} -> Ingress {hit[0]} (path {hit[1]}): proxy-read-timeout {rt} >= {need}, "
                       "proxy-buffering off")
@@ -627,16 +638,8 @@ def check_nginx(path):
             label = "location " + " ".join(loc[0])
             rt = nginx_effective("proxy_read_timeout", "60s", loc[1], server, http)
             buf = nginx_effective("proxy_buffering", "on", loc[1], server, http)
-            secs = nginx_seconds(rt)
-            before = len(errors)
-            if secs is None or secs < need:
-                err(where, f"{uri} goes to `{label}` with proxy_read_timeout {rt}: a watch stream is silent for "
-                           f"{keepalive} s between keep-alives (--watch-keepalive-secs), so it needs at least "
-                           f"{need}s (twice that, 60 s at least)")
-            if buf != "off":
-                err(where, f"{uri} goes to `{label}` with proxy_buffering {buf}: it must be off so each event "
-                           "passes at once")
-            if len(errors) == before:
+            if stream_route_ok(where, f"{uri} goes to `{label}`", ("proxy_read_timeout", "proxy_buffering"), rt,
+                               nginx_seconds(rt), buf, need, keepalive):
                 stream_locations.add(label)
                 print(f"  {where}: {uri} -> `{label}`: proxy_read_timeout {rt} >= {need}s, proxy_buffering off")
         for uri in API_URIS:
