@@ -4,7 +4,7 @@ export CARGO_TERM_COLOR ?= never
 # A full run builds once: incremental caches would only add gigabytes to target/ (CI's disk).
 export CARGO_INCREMENTAL ?= 0
 
-.PHONY: run test lint unit unit-suites check-deploy bench soak fleet load clean contract lint-docker image browser auth-suites
+.PHONY: run test lint unit unit-suites check-deploy bench bench-store soak fleet load clean contract lint-docker image browser auth-suites
 
 ## Serve the API on 127.0.0.1:8080 with the embedded store.
 run:
@@ -17,8 +17,16 @@ lint:
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets --locked -- -D warnings
 
+# The real parts the suites run against, started afresh around them and stopped however they
+# end: a throwaway Postgres cluster (scripts/with-postgres.sh) and throwaway Celeriant servers
+# with the replaced service beside them (scripts/with-celeriant.sh: the binaries in
+# ../shared/celeriant/ or CELERIANT_BIN; a running server named by CELERIANT_ADDRESS instead).
+# Under CI=true a part that cannot be had fails the run: no suite passes by skipping.
+WITH_CELERIANT := bash scripts/with-celeriant.sh
+WITH_REAL_PARTS := bash scripts/with-postgres.sh $(WITH_CELERIANT)
+
 unit:
-	TALLY_REQUIRE_BROWSER=1 bash scripts/with-postgres.sh $(MAKE) --no-print-directory unit-suites
+	TALLY_REQUIRE_BROWSER=1 $(WITH_REAL_PARTS) $(MAKE) --no-print-directory unit-suites
 
 # The Postgres projection (issue 14): every suite runs inside one throwaway Postgres cluster
 # (scripts/with-postgres.sh: installs Debian's postgresql when missing, exports
@@ -46,6 +54,12 @@ check-deploy:
 ## Criterion benches (store, fold, index, write loop).
 bench:
 	$(CARGO) bench --locked
+
+## The store's own single-write rate (celeriant-bench) against Tally's spread deposits, each on
+## a fresh real server, in one sitting; prints Tally's rate as a ratio of the store's.
+bench-store:
+	$(CARGO) build --release --locked --bin tally --bin tally-load
+	bash scripts/bench-store.sh
 
 ## The deterministic simulation over thousands of seeds.
 soak:
@@ -91,7 +105,7 @@ contract: $(TOOLS_VENV)/.installed
 ## client sending a token (tests/common: TALLY_TEST_AUTH). The simulation's Postgres fleets
 ## call no HTTP route (auth changes nothing there) and need the test cluster: skipped here.
 auth-suites:
-	TALLY_TEST_AUTH=jwt $(CARGO) test --locked --test fleet --test simulation -- --skip on_the_postgres_projection
+	TALLY_TEST_AUTH=jwt $(WITH_CELERIANT) $(CARGO) test --locked --test fleet --test simulation -- --skip on_the_postgres_projection
 
 ## hadolint on the Dockerfile.
 lint-docker: $(TOOLS_VENV)/.installed

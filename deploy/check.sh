@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Validates everything under deploy/ without a cluster, kubectl or Prometheus server:
-#   shell     shellcheck on every script
+#   shell     shellcheck on every script (deploy/, scripts/, .ci/run)
 #   k8s       schema validation of every manifest (kubernetes-validate, offline schemas for
 #             Kubernetes 1.30 and 1.37, strict: unknown fields fail), then structure and
 #             cross-reference checks (probes on the admin port, drain budget, one client id,
@@ -59,7 +59,7 @@ check_shell() {
         return 1
     }
     VERSIONS+=("shellcheck $("$sc" --version | awk '/^version:/ { print $2 }')")
-    "$sc" -x deploy/*.sh deploy/lib/*.sh || return 1
+    "$sc" -x deploy/*.sh deploy/lib/*.sh scripts/*.sh .ci/run || return 1
     say "shellcheck: clean"
 }
 

@@ -8,6 +8,11 @@
 //! `--require-client-identity` (without it the server lets a client that never identifies
 //! through with full access), named by `CELERIANT_AUTH_ADDRESS`, with a read-write key in
 //! `CELERIANT_AUTH_RW_KEY` and a read-only one in `CELERIANT_AUTH_RO_KEY`.
+//! `scripts/with-celeriant.sh` (so `make test`) starts all three; a test whose server is not
+//! named skips outside CI and fails under `CI=true`.
+
+#[path = "common/required.rs"]
+mod required;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -128,15 +133,12 @@ mod lost_reply {
     }
 }
 
-/// The live server's address, or `None` (and a note) when the tests should skip.
+/// A live server's address (or key), or `None` when the tests should skip: outside CI only.
 fn live_address(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(address) => Some(address),
-        Err(_) => {
-            eprintln!("skipped: {var} not set");
-            None
-        }
-    }
+    required::var(
+        var,
+        "run through scripts/with-celeriant.sh (make test does), which starts every server these tests name",
+    )
 }
 
 mod live {

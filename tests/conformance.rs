@@ -7,14 +7,17 @@
 //!
 //! ```ignore
 //! conformance_suite!(memory, || async { Arc::new(MemoryLog::new()) as SharedLog });
-//! conformance_suite!(celeriant, env = "CELERIANT_ADDRESS", |address: String| async move {
+//! conformance_suite!(celeriant, gate = required::celeriant_address, |address: String| async move {
 //!     Arc::new(CeleriantLog::connect(&address).await.unwrap()) as SharedLog
 //! });
 //! ```
 //!
-//! The second form prints `skipped: CELERIANT_ADDRESS not set` and passes when the variable is
-//! unset. Tests that need MemoryLog internals (a manual clock, a small page size) live in
+//! The second form runs when its gate names a backend; when it does not, the gate has said the
+//! test skipped (or failed it, under `CI=true`: `common/required.rs`). Tests that need MemoryLog internals (a manual clock, a small page size) live in
 //! [`memory_only`].
+
+#[path = "common/required.rs"]
+mod required;
 
 use std::sync::Arc;
 
@@ -25,17 +28,14 @@ use tally::store::{EventLog, SharedLog};
 /// Generates one `#[tokio::test]` per conformance rule, in a module named `$suite`.
 ///
 /// `conformance_suite!(name, factory)`: `factory()` returns a future of a [`SharedLog`].
-/// `conformance_suite!(name, env = "VAR", factory)`: runs only when `VAR` is set;
-/// `factory(value_of_var)` returns a future of a [`SharedLog`].
+/// `conformance_suite!(name, gate = gate_fn, factory)`: runs only when `gate_fn()` names a
+/// backend; `factory(name)` returns a future of a [`SharedLog`].
 macro_rules! conformance_suite {
-    ($suite:ident, env = $var:literal, $factory:expr) => {
+    ($suite:ident, gate = $gate:expr, $factory:expr) => {
         conformance_suite!(@rules $suite, {
-            match std::env::var($var) {
-                Ok(value) => Some(($factory)(value).await),
-                Err(_) => {
-                    eprintln!("skipped: {} not set", $var);
-                    None
-                }
+            match ($gate)() {
+                Some(value) => Some(($factory)(value).await),
+                None => None,
             }
         });
     };
@@ -108,23 +108,16 @@ macro_rules! conformance_suite {
 
 conformance_suite!(memory, || async { Arc::new(MemoryLog::new()) as SharedLog });
 
-// Exercises the env-gated form the Celeriant suite uses: skipped unless the variable is set.
-conformance_suite!(
-    memory_env_gated,
-    env = "TALLY_CONFORMANCE_MEMORY",
-    |_value: String| async { Arc::new(MemoryLog::new()) as SharedLog }
-);
-
 // A FaultyLog with no faults configured must be a transparent decorator.
 conformance_suite!(faulty_without_faults, || async {
     let inner: SharedLog = Arc::new(MemoryLog::new());
     Arc::new(FaultyLog::new(inner, FaultConfig::default())) as SharedLog
 });
 
-// The real server, when CELERIANT_ADDRESS names one.
+// The real server CELERIANT_ADDRESS names.
 conformance_suite!(
     celeriant,
-    env = "CELERIANT_ADDRESS",
+    gate = required::celeriant_address,
     |address: String| async move {
         let cfg = tally::store::celeriant::CeleriantConfig {
             address,

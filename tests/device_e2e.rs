@@ -2,8 +2,8 @@
 //! the `tally-device` binary recording offline and syncing against it.
 //!
 //! Each scenario runs twice: module `memory` on the embedded store, and module `celeriant` on
-//! the real server `CELERIANT_ADDRESS` names (each test prints `skipped: CELERIANT_ADDRESS not
-//! set` and passes when it is unset). Celeriant gets the same fault spec: the injector wraps
+//! the real server `CELERIANT_ADDRESS` names (unset, each test says it skipped, or fails under
+//! `CI=true`: `common::required`). Celeriant gets the same fault spec: the injector wraps
 //! the store, so a lost ack there is a write that really landed in the durable log, and the
 //! device's resend must then be recognised by the server's real client idempotency. That
 //! store is durable and shared across runs, and seeds no demo accounts by default, so there
@@ -87,17 +87,10 @@ enum Backend {
     Celeriant(String),
 }
 
-/// The server `CELERIANT_ADDRESS` names, or `None` (and a line saying the test was skipped)
-/// when it is unset.
+/// The server `CELERIANT_ADDRESS` names, or `None` when it is unset (the test says it skipped;
+/// under `CI=true` it fails instead).
 fn celeriant() -> Option<Backend> {
-    const VAR: &str = "CELERIANT_ADDRESS";
-    match std::env::var(VAR) {
-        Ok(address) => Some(Backend::Celeriant(address)),
-        Err(_) => {
-            eprintln!("skipped: {VAR} not set");
-            None
-        }
-    }
+    common::required::celeriant_address().map(Backend::Celeriant)
 }
 
 /// Generates one test per scenario for each backend, named after the scenario.

@@ -8,8 +8,8 @@
 //!
 //! Each scenario is an async function of the base store, written once and run by
 //! [`fleet_scenarios!`] twice: in `memory`, over a fresh MemoryLog, always; and in
-//! `celeriant`, over a real Celeriant server when `CELERIANT_ADDRESS` names one (otherwise
-//! each test prints `skipped: CELERIANT_ADDRESS not set` and passes). The fleet inspects the
+//! `celeriant`, over the real Celeriant server `CELERIANT_ADDRESS` names (unset, each test
+//! says it skipped, or fails under `CI=true`: `common::required`). The fleet inspects the
 //! store only through the `EventLog` port, and every scenario mints fresh account ids and
 //! idempotency keys, so runs never collide on a shared, durable server. No scenario needs a
 //! MemoryLog-only feature (such as a manual server clock), so all of them run on both.
@@ -33,8 +33,8 @@ use tally::store::{
 use tokio::sync::watch;
 
 /// Generates one `#[tokio::test]` per scenario for each backend: module `memory` over a fresh
-/// MemoryLog, and module `celeriant` over the server `CELERIANT_ADDRESS` names, skipped (with
-/// a line saying so) when it is unset. Each entry is the test attribute, then the scenario.
+/// MemoryLog, and module `celeriant` over the server `CELERIANT_ADDRESS` names (see
+/// [`celeriant_log`] for when it is unset). Each entry is the test attribute, then the scenario.
 macro_rules! fleet_scenarios {
     ($(#[$attr:meta] $scenario:ident),* $(,)?) => {
         mod memory {
@@ -86,14 +86,10 @@ fn memory_log() -> SharedLog {
     Arc::new(MemoryLog::new())
 }
 
-/// The real server `CELERIANT_ADDRESS` names, or `None` (and a line saying the test was
-/// skipped) when it is unset.
+/// The real server `CELERIANT_ADDRESS` names, or `None` when it is unset (the test says it
+/// skipped; under `CI=true` it fails instead).
 fn celeriant_log() -> Option<SharedLog> {
-    const VAR: &str = "CELERIANT_ADDRESS";
-    let Ok(address) = std::env::var(VAR) else {
-        eprintln!("skipped: {VAR} not set");
-        return None;
-    };
+    let address = common::required::celeriant_address()?;
     let cfg = tally::store::celeriant::CeleriantConfig {
         address,
         ..Default::default()

@@ -17,6 +17,7 @@
 pub mod hooked_log;
 pub mod pg;
 pub mod raw_http;
+pub mod required;
 pub mod sse;
 pub mod windowed_log;
 

@@ -14,17 +14,10 @@ pub const PROJECTION_VAR: &str = "TALLY_TEST_PROJECTION";
 
 /// The test cluster's URL; `None` (the test skips) when unset outside CI.
 pub fn base_url() -> Option<String> {
-    match std::env::var(URL_VAR) {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ => {
-            assert!(
-                std::env::var("CI").map_or(true, |v| v != "true"),
-                "CI=true but {URL_VAR} is unset: run the tests through scripts/with-postgres.sh (make test does)"
-            );
-            eprintln!("skipped: {URL_VAR} not set (run through scripts/with-postgres.sh)");
-            None
-        }
-    }
+    super::required::var(
+        URL_VAR,
+        "run the tests through scripts/with-postgres.sh (make test does)",
+    )
 }
 
 /// A URL to a schema of its own in the test cluster (created empty), so tests running in
