@@ -28,7 +28,7 @@ pub fn in_ci() -> bool {
 pub fn skip_or_fail(what: &str, how: &str, require: bool) {
     assert!(
         !(require || in_ci()),
-        "{what} is missing and this run must not skip it: {how}"
+        "{what}, and this run must not skip: {how}"
     );
     eprintln!("skipped: {what} ({how})");
 }
