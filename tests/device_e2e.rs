@@ -21,10 +21,11 @@
 
 mod common;
 
+use common::test_dir::TestDir;
+
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -331,28 +332,6 @@ impl Drop for Replica {
 // --- The device ------------------------------------------------------------------------------
 
 /// A temporary directory for one device's outbox, removed unless the test failed.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "tally-device-e2e-{name}-{}-{}",
-            std::process::id(),
-            Uuid::new_v4().simple()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
-
 /// One recorded event: the operation and the event id the device gave it.
 #[derive(Clone, Debug)]
 struct Recorded {
@@ -363,14 +342,14 @@ struct Recorded {
 
 /// The `tally-device` binary over one outbox, and what it has recorded per account.
 struct Device {
-    dir: TempDir,
+    dir: TestDir,
     id: DeviceId,
     recorded: BTreeMap<Uuid, Vec<Recorded>>,
 }
 
 impl Device {
     async fn init(name: &str) -> Device {
-        let dir = TempDir::new(name);
+        let dir = TestDir::new(&format!("device-e2e-{name}"));
         let mut device = Device {
             dir,
             id: DeviceId(Uuid::nil()),
@@ -389,7 +368,7 @@ impl Device {
     async fn run(&self, args: &[&str]) -> Output {
         tokio::process::Command::new(DEVICE)
             .arg("--outbox")
-            .arg(self.dir.0.join("outbox.sqlite"))
+            .arg(self.dir.join("outbox.sqlite"))
             .args(args)
             .env_remove("TALLY_DEVICE_OUTBOX")
             .env_remove("TALLY_DEVICE_SERVER")
@@ -766,8 +745,8 @@ async fn an_offline_overdraft_lands_and_online_withdrawals_are_then_refused(back
 /// (nothing is resent, nothing lands) and keeps its queue; with its own, the queue drains.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_auth_on_a_device_syncs_only_with_a_token_for_its_own_id() {
-    let dir = TempDir::new("auth");
-    let secret = dir.0.join("secret");
+    let dir = TestDir::new("device-e2e-auth");
+    let secret = dir.join("secret");
     std::fs::write(&secret, "a throwaway secret for one test, over 32 bytes").unwrap();
     let secret = secret.to_str().expect("a UTF-8 path");
     let replica = Replica::start_with(
@@ -788,7 +767,7 @@ async fn with_auth_on_a_device_syncs_only_with_a_token_for_its_own_id() {
             .output()
             .expect("tally token runs");
         assert!(out.status.success(), "tally token: {}", text(&out));
-        let path = dir.0.join(format!("token-{sub}"));
+        let path = dir.join(&format!("token-{sub}"));
         std::fs::write(&path, &out.stdout).unwrap();
         path.to_str().expect("a UTF-8 path").to_owned()
     };

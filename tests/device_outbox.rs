@@ -1,36 +1,26 @@
 //! The device outbox: identity kept once, sequences assigned with the event in one
 //! transaction and never renumbered, run boundaries persisted until marked synced.
 
+#[path = "common/test_dir.rs"]
+mod test_dir;
+
 use std::path::PathBuf;
 
 use tally::account::{AccountId, AmountCents, Operation};
 use tally::device::crash::{Crashed, Hooks, NoHooks, Step};
 use tally::device::outbox::{Kind, Outbox, OutboxError};
+use test_dir::TestDir;
 
-/// A directory removed when the test ends (kept on failure, for a look).
-struct TempDir(PathBuf);
+/// A test's directory, and the outbox file in it.
+struct TempDir(TestDir);
 
 impl TempDir {
     fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "tally-device-outbox-{name}-{}-{}",
-            std::process::id(),
-            uuid::Uuid::new_v4().simple()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
+        TempDir(TestDir::new(&format!("device-outbox-{name}")))
     }
 
     fn file(&self) -> PathBuf {
         self.0.join("outbox.sqlite")
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
     }
 }
 

@@ -13,8 +13,10 @@
 //! `DEVICE_SIM_SEED=N` replays one seed; `DEVICE_SIM_SEEDS=N` runs seeds 0..N (default
 //! [`DEFAULT_SEEDS`]). A failure prints its seed.
 
+#[path = "common/test_dir.rs"]
+mod test_dir;
+
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,6 +32,7 @@ use tally::device::transport::InProcessTransport;
 use tally::store::faults::{FaultConfig, FaultCounts, FaultyLog};
 use tally::store::memory::MemoryLog;
 use tally::store::{ReadFilter, SharedLog};
+use test_dir::TestDir;
 
 const DEFAULT_SEEDS: u64 = 32;
 const STEPS: usize = 120;
@@ -42,36 +45,6 @@ const LONG_OFFLINE: Duration = Duration::from_secs(2 * 3600);
 
 /// (sequence, kind, cents): an event as the simulation knows it was recorded.
 type Recorded = (u64, Kind, i64);
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(seed: u64) -> Self {
-        // tmpfs when there is one: a simulated crash drops state in process, so the fsyncs
-        // of every commit would only cost time here.
-        let shm = std::path::Path::new("/dev/shm");
-        let base = if shm.is_dir() {
-            shm.to_path_buf()
-        } else {
-            std::env::temp_dir()
-        };
-        let dir = base.join(format!(
-            "tally-device-sim-{seed}-{}-{}",
-            std::process::id(),
-            uuid::Uuid::new_v4().simple()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
 
 /// Prints the seed if the simulation panics.
 struct SeedGuard(u64);
@@ -240,8 +213,10 @@ fn check(memory: &MemoryLog, outbox: &Outbox, expected: &Expected, complete: boo
 
 async fn simulate(seed: u64, coverage: &mut Coverage) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let dir = TempDir::new(seed);
-    let path = dir.0.join("outbox.sqlite");
+    // In memory where the machine allows: a simulated crash drops state in process, so the
+    // fsyncs of every commit would only cost time here.
+    let dir = TestDir::in_memory(&format!("device-sim-{seed}"));
+    let path = dir.join("outbox.sqlite");
     let memory = Arc::new(MemoryLog::new());
     let faulty = Arc::new(FaultyLog::new(
         memory.clone(),

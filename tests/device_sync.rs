@@ -1,6 +1,9 @@
 //! The device sync loop over the in-process transport: bounded attempts, refusals, lost acks,
 //! in-flight duplicates, and runs that never grow.
 
+#[path = "common/test_dir.rs"]
+mod test_dir;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,30 +17,18 @@ use tally::device::transport::InProcessTransport;
 use tally::store::faults::{Fault, FaultConfig, FaultyLog};
 use tally::store::memory::MemoryLog;
 use tally::store::{ReadFilter, SharedLog};
+use test_dir::TestDir;
 
-struct TempDir(PathBuf);
+/// A test's directory, and the outbox file in it.
+struct TempDir(TestDir);
 
 impl TempDir {
     fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "tally-device-sync-{name}-{}-{}",
-            std::process::id(),
-            uuid::Uuid::new_v4().simple()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
+        TempDir(TestDir::new(&format!("device-sync-{name}")))
     }
 
     fn file(&self) -> PathBuf {
         self.0.join("outbox.sqlite")
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
     }
 }
 

@@ -19,6 +19,7 @@ pub mod pg;
 pub mod raw_http;
 pub mod required;
 pub mod sse;
+pub mod test_dir;
 pub mod windowed_log;
 
 use std::net::SocketAddr;
