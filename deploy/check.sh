@@ -59,7 +59,7 @@ check_shell() {
         return 1
     }
     VERSIONS+=("shellcheck $("$sc" --version | awk '/^version:/ { print $2 }')")
-    "$sc" -x deploy/*.sh deploy/lib/*.sh scripts/*.sh .ci/run || return 1
+    "$sc" -x deploy/*.sh deploy/lib/*.sh scripts/*.sh scripts/lib/*.sh .ci/run || return 1
     say "shellcheck: clean"
 }
 

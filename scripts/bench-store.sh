@@ -11,11 +11,14 @@
 #
 # Both runs share this machine's cores with the server, as Tally does in production beside
 # nothing else; the figure is only comparable with one taken in the same sitting.
-# Knobs: BENCH_SECONDS (10), BENCH_TASKS (64), BENCH_CONNECTIONS (64), BENCH_ACCOUNTS (1000),
+# Knobs: BENCH_SECONDS (10; much shorter runs are dominated by celeriant-bench's warm-up, whose
+# first requests wait about 0.7 s), BENCH_TASKS (64), BENCH_CONNECTIONS (64), BENCH_ACCOUNTS (1000),
 # CELERIANT_BIN / CELERIANT_BENCH_BIN (default ../shared/celeriant/), TALLY_RELEASE_DIR.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source-path=SCRIPTDIR source=lib/parts.sh
+source "$root/scripts/lib/parts.sh"
 server=$(realpath -m "${CELERIANT_BIN:-$root/../shared/celeriant/celeriant}")
 bench=${CELERIANT_BENCH_BIN:-$(dirname "$server")/celeriant-bench}
 release=${TALLY_RELEASE_DIR:-${CARGO_TARGET_DIR:-$root/target}/release}
@@ -23,57 +26,24 @@ seconds=${BENCH_SECONDS:-10}
 tasks=${BENCH_TASKS:-64}
 connections=${BENCH_CONNECTIONS:-64}
 accounts=${BENCH_ACCOUNTS:-1000}
-# How long a server or Tally may take to start answering.
-readonly READY_TIMEOUT_SECS=30
 
 for bin in "$server" "$bench" "$release/tally" "$release/tally-load"; do
     [ -x "$bin" ] || { echo "bench-store: $bin is missing (make bench-store builds Tally; CELERIANT_BIN names the server)" >&2; exit 1; }
 done
 
 work=$(mktemp -d /tmp/tally-bench-store.XXXXXX)
-pids=()
 # shellcheck disable=SC2317 # called by the EXIT trap
 cleanup() {
-    local pid
-    for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
-    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+    stop_spawned KILL
     rm -rf "$work"
 }
 trap cleanup EXIT
 
-free_port() {
-    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-
-# wait_tcp PORT PID LOG: until PORT accepts a connection, or fail with LOG.
-wait_tcp() {
-    local deadline=$((SECONDS + READY_TIMEOUT_SECS))
-    until (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; do
-        if ! kill -0 "$2" 2>/dev/null || [ "$SECONDS" -ge "$deadline" ]; then
-            echo "bench-store: nothing answered on 127.0.0.1:$1; log:" >&2
-            cat "$3" >&2
-            exit 1
-        fi
-        sleep 0.1
-    done
-}
-
 # fresh_server NAME: a new server in its own data directory; leaves its port in $port.
 fresh_server() {
-    port=$(free_port)
-    mkdir -p "$work/$1"
-    CELERIANT_METRICS_ENABLED=false "$server" --standalone --data-root "$work/$1" \
-        --routing-rule aggregate_type_id --listen-address 127.0.0.1 \
-        --client-port "$port" --replication-port "$(free_port)" >"$work/$1.log" 2>&1 &
-    pids+=($!)
-    wait_tcp "$port" "$!" "$work/$1.log"
-}
-
-stop_all() {
-    local pid
-    for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-    pids=()
+    celeriant_start "$server" "$work/$1" "$work/$1.log" --routing-rule aggregate_type_id
+    port=$STARTED_PORT
+    wait_tcp "bench-store: the $1 server" "$port" "$STARTED_PID" "$work/$1.log"
 }
 
 echo "bench-store: $(nproc) cores, ${seconds}s each; server $server" >&2
@@ -82,7 +52,7 @@ fresh_server store
 "$bench" --address1 "127.0.0.1:$port" --address2 "127.0.0.1:$port" --plaintext \
     --tasks "$tasks" --connections "$tasks" --duration "$seconds" --workload --occ \
     >"$work/celeriant-bench.out" 2>&1 || { cat "$work/celeriant-bench.out" >&2; exit 1; }
-stop_all
+stop_spawned TERM
 store_rate=$(python3 - "$work/celeriant-bench.out" <<'PY'
 import re, sys
 text = open(sys.argv[1]).read()
@@ -100,14 +70,14 @@ store_port=$port
 api_port=$(free_port)
 "$release/tally" --store celeriant --celeriant-address "127.0.0.1:$store_port" \
     --listen "127.0.0.1:$api_port" >"$work/tally.log" 2>&1 &
-pids+=($!)
 tally_pid=$!
-wait_tcp "$api_port" "$tally_pid" "$work/tally.log"
+spawned "$tally_pid"
+wait_tcp "bench-store: tally" "$api_port" "$tally_pid" "$work/tally.log"
 "$release/tally-load" --target "http://127.0.0.1:$api_port" --scenario spread \
     --accounts "$accounts" --connections "$connections" --duration "$seconds" --seed 7 \
     --server-pid "$tally_pid" --json >"$work/tally-load.json" 2>"$work/tally-load.err" ||
     { cat "$work/tally-load.err" "$work/tally-load.json" >&2; exit 1; }
-stop_all
+stop_spawned TERM
 
 python3 - "$work/tally-load.json" "$store_rate" "$tasks" "$connections" "$work/celeriant-bench.out" <<'PY'
 import json, sys

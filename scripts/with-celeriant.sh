@@ -22,13 +22,13 @@
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-server=${CELERIANT_BIN:-$root/../shared/celeriant/celeriant}
-# How long a server may take to accept its first connection (it answers in about a second).
-readonly READY_TIMEOUT_SECS=30
+# shellcheck source-path=SCRIPTDIR source=lib/parts.sh
+source "$root/scripts/lib/parts.sh"
+server=$(realpath -m "${CELERIANT_BIN:-$root/../shared/celeriant/celeriant}")
+reference=${CELERIANT_REFERENCE_BIN:-$(dirname "$server")/celeriant-reference}
 
 if [ -n "${CELERIANT_ADDRESS:-}" ]; then
     echo "with-celeriant: using the server at CELERIANT_ADDRESS=$CELERIANT_ADDRESS" >&2
-    reference=${CELERIANT_REFERENCE_BIN:-$(dirname "$server")/celeriant-reference}
     if [ -x "$reference" ]; then export CELERIANT_REFERENCE_BIN=$reference; fi
     exec "$@"
 fi
@@ -42,58 +42,14 @@ if [ ! -x "$server" ]; then
     echo "with-celeriant: no Celeriant server binary at $server: the real-server suites will skip ($how)" >&2
     exec "$@"
 fi
-server=$(cd "$(dirname "$server")" && pwd)/$(basename "$server")
-reference=${CELERIANT_REFERENCE_BIN:-$(dirname "$server")/celeriant-reference}
-
-free_port() {
-    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
 
 work=$(mktemp -d /tmp/tally-celeriant.XXXXXX)
-pids=()
 # shellcheck disable=SC2317 # called by the EXIT trap
 cleanup() {
-    local pid
-    for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
-    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+    stop_spawned KILL
     rm -rf "$work"
 }
 trap cleanup EXIT
-child=""
-# shellcheck disable=SC2317 # called by the INT/TERM traps
-stop_child() {
-    if [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null || true; fi
-}
-trap 'stop_child; exit 130' INT
-trap 'stop_child; exit 143' TERM HUP
-
-# start NAME ARGS...: a server on a free client port, left in $started_port and
-# $started_pid (not printed: a command substitution's subshell would lose the pid).
-start() {
-    local name=$1 replication
-    shift
-    started_port=$(free_port)
-    replication=$(free_port)
-    mkdir -p "$work/$name"
-    CELERIANT_METRICS_ENABLED=false "$server" --standalone --data-root "$work/$name" \
-        --listen-address 127.0.0.1 --client-port "$started_port" --replication-port "$replication" \
-        "$@" >"$work/$name.log" 2>&1 &
-    started_pid=$!
-    pids+=("$started_pid")
-}
-
-# ready NAME PORT PID: waits until the server accepts a connection, or fails with its log.
-ready() {
-    local name=$1 port=$2 pid=$3 deadline=$((SECONDS + READY_TIMEOUT_SECS))
-    until (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do
-        if ! kill -0 "$pid" 2>/dev/null || [ "$SECONDS" -ge "$deadline" ]; then
-            echo "with-celeriant: the $name server did not start on 127.0.0.1:$port; its log:" >&2
-            cat "$work/$name.log" >&2
-            exit 1
-        fi
-        sleep 0.1
-    done
-}
 
 # api_keys NAME: fresh keys for server NAME; prints "RW_KEY RO_KEY" (base64, as clients send
 # them) and writes the hashes the server checks into its data root.
@@ -110,26 +66,30 @@ print(base64.b64encode(keys["primary_rw"]).decode(), base64.b64encode(keys["prim
 PY
 }
 
+# start NAME ARGS...: one server named NAME; ready_all waits for every one started.
+names=() ports=() pids=()
+start() {
+    local name=$1
+    shift
+    celeriant_start "$server" "$work/$name" "$work/$name.log" "$@"
+    names+=("$name") ports+=("$STARTED_PORT") pids+=("$STARTED_PID")
+}
+ready_all() {
+    local i
+    for i in "${!names[@]}"; do
+        wait_tcp "with-celeriant: the ${names[$i]} server" "${ports[$i]}" "${pids[$i]}" "$work/${names[$i]}.log"
+    done
+}
+
 start main --routing-rule aggregate_type_id
-main_port=$started_port main_pid=$started_pid
 start sharded --routing-rule aggregate_id --num-shards 2
-sharded_port=$started_port sharded_pid=$started_pid
 read -r rw_key ro_key < <(api_keys auth)
 start auth --routing-rule aggregate_type_id --require-client-identity --insecure-allow-plaintext-auth
-auth_port=$started_port auth_pid=$started_pid
-ready main "$main_port" "$main_pid"
-ready sharded "$sharded_port" "$sharded_pid"
-ready auth "$auth_port" "$auth_pid"
+ready_all
 
-export CELERIANT_ADDRESS=127.0.0.1:$main_port
-export CELERIANT_SHARDED_ADDRESS=127.0.0.1:$sharded_port
-export CELERIANT_AUTH_ADDRESS=127.0.0.1:$auth_port CELERIANT_AUTH_RW_KEY=$rw_key CELERIANT_AUTH_RO_KEY=$ro_key
+export CELERIANT_ADDRESS=127.0.0.1:${ports[0]}
+export CELERIANT_SHARDED_ADDRESS=127.0.0.1:${ports[1]}
+export CELERIANT_AUTH_ADDRESS=127.0.0.1:${ports[2]} CELERIANT_AUTH_RW_KEY=$rw_key CELERIANT_AUTH_RO_KEY=$ro_key
 if [ -x "$reference" ]; then export CELERIANT_REFERENCE_BIN=$reference; fi
 echo "with-celeriant: servers from $server at $CELERIANT_ADDRESS (one shard for accounts), $CELERIANT_SHARDED_ADDRESS (two shards) and $CELERIANT_AUTH_ADDRESS (API keys)" >&2
-set +e
-"$@" &
-child=$!
-wait "$child"
-status=$?
-set -e
-exit "$status"
+run_command "$@"
