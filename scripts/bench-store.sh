@@ -9,8 +9,8 @@
 #      measured phase, exactly-once verified after it): Tally's deposits per second;
 #   3. the ratio of the two.
 #
-# Both runs share this machine's cores with the server, as Tally does in production beside
-# nothing else; the figure is only comparable with one taken in the same sitting.
+# Both runs share this machine's cores with the server (and Tally's run with the load generator
+# too); a figure compares only with one taken in the same sitting.
 # Knobs: BENCH_SECONDS (10; much shorter runs are dominated by celeriant-bench's warm-up, whose
 # first requests wait about 0.7 s), BENCH_TASKS (64), BENCH_CONNECTIONS (64), BENCH_ACCOUNTS (1000),
 # CELERIANT_BIN / CELERIANT_BENCH_BIN (default ../shared/celeriant/), TALLY_RELEASE_DIR.
