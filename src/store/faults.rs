@@ -405,27 +405,32 @@ impl<L: EventLog + ?Sized> FaultyLog<L> {
             })
     }
 
-    /// The first leg of `writes` whose version guard fails on the inner log, as the 2003 it
-    /// would answer; `None` when every guard holds or one cannot be checked.
-    async fn guard_conflict(&self, writes: &[AggregateWrite]) -> Option<StoreError> {
+    /// What the inner log would answer before it reached the in-flight sequence: a missing
+    /// aggregate the write may not create (on any leg, guarded or not), else the first leg in
+    /// request order whose version guard fails, as the 2003 it would answer; `None` when
+    /// both checks pass or one cannot be made. The port's order, which Celeriant's adapter
+    /// restores for a server that checks one leg at a time (`check_order`).
+    async fn earlier_check_fails(&self, writes: &[AggregateWrite]) -> Option<StoreError> {
+        let mut current = Vec::with_capacity(writes.len());
         for w in writes {
-            let Some(expected) = w.expected_version else {
+            if w.allow_create && w.expected_version.is_none() {
+                // Neither check can fail on this leg.
+                current.push(None);
                 continue;
-            };
-            let current = match self.inner.details(w.key).await {
-                Ok(d) => d.max_version,
-                // Existence comes first: a missing aggregate the write may not create.
+            }
+            match self.inner.details(w.key).await {
+                Ok(d) => current.push(Some(d.max_version)),
                 Err(StoreError::AggregateNotFound) if !w.allow_create => {
                     return Some(StoreError::AggregateNotFound);
                 }
-                Err(StoreError::AggregateNotFound) => 0,
+                Err(StoreError::AggregateNotFound) => current.push(Some(0)),
                 Err(_) => return None,
-            };
-            if current != expected {
-                return Some(StoreError::Conflict { expected, current });
             }
         }
-        None
+        writes.iter().zip(current).find_map(|(w, current)| {
+            let (expected, current) = (w.expected_version?, current?);
+            (current != expected).then_some(StoreError::Conflict { expected, current })
+        })
     }
 
     /// The server side: the guard and in-flight checks, the optional hold, then the inner
@@ -437,11 +442,11 @@ impl<L: EventLog + ?Sized> FaultyLog<L> {
         hold: Option<Hold>,
     ) -> StoreResult<Vec<u64>> {
         if Self::overlaps_inflight(&self.inflight.lock(), client_id, &writes) {
-            // The server checks the version guard before idempotency: a write whose guard
-            // fails is a 2003 even while its sequence is in flight (found in audit: the
-            // injector answered 2013 first, a kinder order than the real store's).
-            if let Some(conflict) = self.guard_conflict(&writes).await {
-                return Err(conflict);
+            // Existence and the version guard come before idempotency: a write that fails
+            // either is answered so even while its sequence is in flight (the injector once
+            // answered 2013 first, a kinder order than the real store's).
+            if let Some(earlier) = self.earlier_check_fails(&writes).await {
+                return Err(earlier);
             }
             bump(&self.counters.inflight_duplicate);
             return Err(StoreError::InflightDuplicate);

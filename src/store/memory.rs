@@ -214,38 +214,7 @@ impl MemoryLog {
         }
         let mut guards: Vec<MutexGuard<'_, Aggregate>> = slots.iter().map(|s| s.lock()).collect();
 
-        // Existence, under the locks (a slot may be a placeholder).
-        for (g, &i) in guards.iter().zip(&order) {
-            if !writes[i].allow_create && !g.exists() {
-                return Err(StoreError::AggregateNotFound);
-            }
-        }
-        // The version guard, on every aggregate.
-        for (g, &i) in guards.iter().zip(&order) {
-            if let Some(expected) = writes[i].expected_version
-                && expected != g.version
-            {
-                return Err(StoreError::Conflict {
-                    expected,
-                    current: g.version,
-                });
-            }
-        }
-        // Client idempotency, on every aggregate that enforces it.
-        for (g, &i) in guards.iter().zip(&order) {
-            let w = &writes[i];
-            if !w.enforce_client_idempotency {
-                continue;
-            }
-            if let (Some(&mark), Some(lowest)) = (g.marks.get(&client_id), w.lowest_client_seq())
-                && lowest <= mark
-            {
-                return Err(StoreError::IdempotencyViolation {
-                    last_seq: Some(mark),
-                    attempted_seq: Some(lowest),
-                });
-            }
-        }
+        check(client_id, &writes, &order, &guards)?;
 
         // Every check passed: append to all.
         let now = self.clock.now_ms();
@@ -354,6 +323,55 @@ impl MemoryLog {
         agg.min_available = agg.min_available.max(keep_from_version);
         Ok(())
     }
+}
+
+/// The checks of a write whose slots are locked (`guards[k]` is the aggregate of
+/// `writes[order[k]]`), in Celeriant's order: existence, the version guard on every aggregate,
+/// then client idempotency on every aggregate that enforces it, each judged by its own lowest
+/// sequence against its own mark. The last two visit the aggregates in request order, so a
+/// write failing on several names the first of them, as Celeriant's adapter does
+/// (`check_order`); the server itself names whichever its hash order meets first.
+fn check(
+    client_id: ClientId,
+    writes: &[AggregateWrite],
+    order: &[usize],
+    guards: &[MutexGuard<'_, Aggregate>],
+) -> StoreResult<()> {
+    // A slot may be a placeholder left by a create that failed its checks.
+    if order
+        .iter()
+        .zip(guards)
+        .any(|(&i, g)| !writes[i].allow_create && !g.exists())
+    {
+        return Err(StoreError::AggregateNotFound);
+    }
+    let mut guard_of = vec![0; writes.len()];
+    for (at, &i) in order.iter().enumerate() {
+        guard_of[i] = at;
+    }
+    for (w, &at) in writes.iter().zip(&guard_of) {
+        let current = guards[at].version;
+        if let Some(expected) = w.expected_version
+            && expected != current
+        {
+            return Err(StoreError::Conflict { expected, current });
+        }
+    }
+    for (w, &at) in writes.iter().zip(&guard_of) {
+        if !w.enforce_client_idempotency {
+            continue;
+        }
+        if let (Some(&mark), Some(lowest)) =
+            (guards[at].marks.get(&client_id), w.lowest_client_seq())
+            && lowest <= mark
+        {
+            return Err(StoreError::IdempotencyViolation {
+                last_seq: Some(mark),
+                attempted_seq: Some(lowest),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Request-level checks that come before any aggregate is looked at.
