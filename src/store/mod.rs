@@ -7,10 +7,14 @@
 //! The semantics every implementation must honour (and that `tests/conformance.rs` pins):
 //! - a write is checked in this order, for the whole request: aggregate existence
 //!   (`allow_create`), the version guard on every aggregate, then client idempotency on every
-//!   aggregate that enforces it (rejected when the write's lowest `client_seq` for that
-//!   aggregate is at or below the (aggregate, client id) high-water mark). Only then is
+//!   aggregate that enforces it (rejected when that aggregate's own lowest `client_seq` in
+//!   the write is at or below its (aggregate, client id) high-water mark: each member of a
+//!   multi-aggregate write is judged by its own sequences, not the request's). Only then is
 //!   anything appended, to all aggregates or to none;
-//! - the high-water mark moves on every write, enforced or not, and survives `trim_start`;
+//! - a rejection names one member's numbers, never the member: a conflict reports the first
+//!   stale member in request order, an idempotency violation one violating member's pair;
+//! - the high-water mark moves on every write that lands, enforced or not, to each member's
+//!   own highest sequence (a rejected write moves no mark), and survives `trim_start`;
 //! - one write to one aggregate appends one batch, which is one version;
 //! - reads below the trim point fail with [`StoreError::Trimmed`]; a read past the tip is
 //!   empty; filters apply to whole batches;
