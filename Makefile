@@ -6,9 +6,12 @@ export CARGO_INCREMENTAL ?= 0
 
 .PHONY: run test lint unit unit-suites check-deploy bench soak fleet load clean contract lint-docker image browser auth-suites
 
-## Serve the API on 127.0.0.1:8080 with the embedded store.
+## Serve the API on 127.0.0.1:8080 with the embedded store. Flags go in ARGS, e.g.
+## make run ARGS='--faults lost-ack=0.2,seed=7 --listen 127.0.0.1:8090'
+## (or as variables: TALLY_FAULTS=lost-ack=0.2,seed=7 make run; `tally --help` names each).
+ARGS ?=
 run:
-	$(CARGO) run --release --bin tally
+	$(CARGO) run --release --bin tally -- $(ARGS)
 
 ## Everything CI checks: formatting, lints, every test, the deploy/ validation.
 test: lint browser unit check-deploy contract lint-docker auth-suites

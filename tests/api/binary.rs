@@ -547,6 +547,36 @@ async fn binary_listens_not_ready_while_celeriant_accepts_but_never_answers() {
     assert_live_and_starting(&server).await;
 }
 
+/// Rule: an address already taken stops the binary with a message that names the flag and
+/// the variable that choose another (a first `make run` often finds 8080 taken).
+#[test]
+fn binary_names_the_flag_and_variable_when_its_address_is_taken() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let addr = taken.local_addr().unwrap().to_string();
+    for (flag, env) in [
+        ("--listen", "TALLY_LISTEN"),
+        ("--admin-listen", "TALLY_ADMIN_LISTEN"),
+    ] {
+        let mut args = vec!["--seed-demo-accounts", "false", flag, addr.as_str()];
+        if flag != "--listen" {
+            args.extend(["--listen", "127.0.0.1:0"]);
+        }
+        let out = tally_command(&args, &[]).output().expect("tally runs");
+        let log = String::from_utf8_lossy(&out.stdout);
+        assert!(!out.status.success(), "{flag}: {log}");
+        let line = log
+            .lines()
+            .find(|l| l.contains("cannot listen"))
+            .unwrap_or_else(|| panic!("{flag}: no 'cannot listen' line in {log}"));
+        assert!(
+            line.contains(&addr)
+                && line.contains(&format!("{flag} HOST:PORT"))
+                && line.contains(env),
+            "{flag}: {line}"
+        );
+    }
+}
+
 #[test]
 fn binary_refuses_an_invalid_configuration_with_exit_2() {
     for args in [
