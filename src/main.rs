@@ -103,7 +103,8 @@ async fn run(config: Config) -> ExitCode {
     let addr = listener.local_addr().map_or(listen, |a| a);
     tracing::info!(
         %addr,
-        store = ?app.config.store,
+        store = %app.config.store_description(),
+        projection = %app.config.projection_description(),
         window_secs = app.config.idempotency_window,
         client_id = %app.identity.client_id,
         auth = ?app.config.auth,

@@ -292,7 +292,12 @@ async fn binary_starts_like_make_run_serves_the_demo_accounts_and_stops_on_sigte
     );
     let listening = server.wait_for("tally listening");
     assert_eq!(listening["fields"]["window_secs"], 90);
-    assert_eq!(listening["fields"]["store"], "Memory");
+    // Which store and projection serve, in words a first run can act on.
+    assert_eq!(
+        listening["fields"]["store"],
+        "memory (embedded in this process, shared with no other)"
+    );
+    assert_eq!(listening["fields"]["projection"], "memory");
     let client = reqwest::Client::new();
     let r = common::read(client.get(server.url("/healthz")).send().await.unwrap()).await;
     assert_eq!(r.status, StatusCode::OK);
