@@ -14,7 +14,7 @@ run:
 	$(CARGO) run --release --bin tally -- $(ARGS)
 
 ## Everything CI checks: formatting, lints, every test, the deploy/ validation.
-test: lint browser unit check-deploy contract lint-docker auth-suites
+test: lint browser unit check-deploy contract lint-docker auth-suites doc-commands
 
 lint:
 	$(CARGO) fmt --check
@@ -106,3 +106,11 @@ image:
 	if [ -z "$$engine" ]; then echo "make image: neither docker nor podman is installed" >&2; exit 1; fi; \
 	echo "$$engine build -t $(IMAGE):$(VERSION) ."; \
 	"$$engine" build -t $(IMAGE):$(VERSION) .
+
+## Every command block of README.md, docs/ and deploy/README.md marked `runnable`, run as
+## written, each against a throwaway replica (and Celeriant server where it needs one):
+## scripts/check_docs.py, a few seconds once the test build is there.
+.PHONY: doc-commands
+doc-commands:
+	$(CARGO) test --locked --no-run
+	python3 scripts/check_docs.py --tally-bin $(abspath $(TALLY_TARGET_DIR))/debug/tally
