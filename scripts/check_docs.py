@@ -253,7 +253,8 @@ def run_block(block, env, celeriant_bin, isolated):
             argv = ["unshare", "-rnpf", "--mount-proc", "bash", "-c",
                     f"python3 -c {shlex.quote(LOOPBACK_UP)} && exec bash {shlex.quote(script)}"]
         else:
-            busy = [p for p in (8080, CELERIANT_PORT) if not port_free(p)]
+            ports = [8080] + ([CELERIANT_PORT, CELERIANT_PORT + 1] if "celeriant" in block.words else [])
+            busy = [p for p in ports if not port_free(p)]
             if busy:
                 return [f"port(s) {busy} in use, and the docs' commands use them (no namespaces here to isolate them)"]
             argv = ["bash", script]
