@@ -6,12 +6,15 @@ export CARGO_INCREMENTAL ?= 0
 
 .PHONY: run test lint unit unit-suites check-deploy bench bench-store soak fleet load clean contract lint-docker image browser auth-suites
 
-## Serve the API on 127.0.0.1:8080 with the embedded store.
+## Serve the API on 127.0.0.1:8080 with the embedded store. Flags go in ARGS, e.g.
+## make run ARGS='--faults lost-ack=0.2,seed=7 --listen 127.0.0.1:8090'
+## (or as variables: TALLY_FAULTS=lost-ack=0.2,seed=7 make run; `tally --help` names each).
+ARGS ?=
 run:
-	$(CARGO) run --release --bin tally
+	$(CARGO) run --release --bin tally -- $(ARGS)
 
 ## Everything CI checks: formatting, lints, every test, the deploy/ validation.
-test: lint browser unit check-deploy contract lint-docker auth-suites
+test: lint browser unit check-deploy contract lint-docker auth-suites doc-commands
 
 lint:
 	$(CARGO) fmt --check
@@ -117,3 +120,11 @@ image:
 	if [ -z "$$engine" ]; then echo "make image: neither docker nor podman is installed" >&2; exit 1; fi; \
 	echo "$$engine build -t $(IMAGE):$(VERSION) ."; \
 	"$$engine" build -t $(IMAGE):$(VERSION) .
+
+## Every command block of README.md, docs/ and deploy/README.md marked `runnable`, run as
+## written, each against a throwaway replica (and Celeriant server where it needs one):
+## scripts/check_docs.py, a few seconds once the test build is there.
+.PHONY: doc-commands
+doc-commands:
+	$(CARGO) test --locked --no-run
+	python3 scripts/check_docs.py --tally-bin $(abspath $(TALLY_TARGET_DIR))/debug/tally

@@ -8,12 +8,15 @@
 #   CELERIANT_ADDRESS    the store every replica shares (required, unless TALLY_STORE=memory)
 #   TALLY_BIN            the tally binary (default target/release/tally)
 #   TALLY_STORE          celeriant (default) or memory (each replica then has its OWN store)
-#   TALLY_CLIENT_ID      one id for the whole fleet (default: a fixed development id)
+#   TALLY_CLIENT_ID      one id for the whole fleet (default: unset, so every replica takes
+#                        tally's own default, the id a replica started by hand takes too)
 #   FLEET_SIZE           replicas, 1..16 (default 3)
 #   FLEET_BASE_PORT      first replica port (default 8081; replica i listens on base+i)
 #   FLEET_LISTEN         where nginx listens, loopback only (default 127.0.0.1:8080)
 #   FLEET_MAX_SECONDS    stop by itself after this long, 0 = only on Ctrl-C (default 3600)
 #   FLEET_KEEP_LOGS      1 = keep the work dir (logs, nginx config) after a clean stop
+#   FLEET_MAX_RESTARTS   times each replica that exits is started again, 0..100 (default 5);
+#                        past it the replica stays down and the others go on serving
 #   TALLY_PROJECTION     memory (default) or postgres: every replica on one shared database,
 #                        DATABASE_URL (or the TALLY_TEST_POSTGRES_URL that
 #                        scripts/with-postgres.sh exports), e.g. a throwaway one:
@@ -30,9 +33,15 @@ FLEET_BASE_PORT=${FLEET_BASE_PORT:-8081}
 FLEET_LISTEN=${FLEET_LISTEN:-127.0.0.1:8080}
 FLEET_MAX_SECONDS=${FLEET_MAX_SECONDS:-3600}
 FLEET_KEEP_LOGS=${FLEET_KEEP_LOGS:-0}
+FLEET_MAX_RESTARTS=${FLEET_MAX_RESTARTS:-5}
 # Replicas drain within 10 s after SIGTERM; give them a little more before SIGKILL.
 SHUTDOWN_SECONDS=15
 STARTUP_SECONDS=30
+# A replica that exits is started again after this many seconds, doubled for each restart it
+# already had, at most RESTART_DELAY_MAX_SECONDS: a replica that cannot start (a bad flag,
+# a store that refuses it) does not spin.
+RESTART_DELAY_SECONDS=1
+RESTART_DELAY_MAX_SECONDS=16
 
 usage() {
     sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
@@ -52,6 +61,9 @@ check_settings() {
         die 2 "FLEET_LISTEN port $lb_port collides with the replica ports $FLEET_BASE_PORT..$((FLEET_BASE_PORT + FLEET_SIZE - 1))"
     fi
     [[ $FLEET_MAX_SECONDS =~ ^[0-9]+$ ]] || die 2 "FLEET_MAX_SECONDS must be a whole number of seconds"
+    if ! [[ $FLEET_MAX_RESTARTS =~ ^[0-9]+$ ]] || ((FLEET_MAX_RESTARTS > 100)); then
+        die 2 "FLEET_MAX_RESTARTS must be 0..100, got '$FLEET_MAX_RESTARTS'"
+    fi
 }
 
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then
@@ -104,7 +116,14 @@ export TALLY_PROJECTION
 
 # One writer identity for the whole fleet, stable across runs: the replicas are one service.
 # A fresh id per run (or per replica) would restart Celeriant's duplicate-sequence history.
-export TALLY_CLIENT_ID=${TALLY_CLIENT_ID:-8e026b68-4774-4ac4-87f6-d945c2fd96f4}
+# Unless TALLY_CLIENT_ID names one, it is tally's own default (defined in one place, in
+# src/account), so a replica started by hand on the same store is the same writer, not a
+# second one whose deposits the fleet shows as a foreign client's.
+if [[ -n ${TALLY_CLIENT_ID:-} ]]; then
+    export TALLY_CLIENT_ID
+else
+    unset TALLY_CLIENT_ID
+fi
 
 TALLY_BIN=${TALLY_BIN:-target/release/tally}
 if [[ $TALLY_BIN != /* && ! -e $TALLY_BIN && -e "$REPO_DIR/$TALLY_BIN" ]]; then
@@ -128,6 +147,11 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/tally-fleet.XXXXXX")
 # temp dirs nginx creates here.
 chmod 755 "$WORK"
 REPLICA_PIDS=()
+# Per replica: up, starting (restarted, not answering /healthz yet), waiting (to be
+# restarted at its RESTART_AT), or gone (out of restarts).
+REPLICA_STATES=()
+RESTARTS=()
+RESTART_AT=()
 NGINX_PID=""
 STOP=0
 FAILED=0
@@ -187,11 +211,19 @@ store_args=(--store "$TALLY_STORE")
 if [[ $TALLY_STORE == celeriant ]]; then
     store_args+=(--celeriant-address "$CELERIANT_ADDRESS")
 fi
+# start_replica I: starts replica I on its port, appending to its log.
+start_replica() {
+    local i=$1 port=$((FLEET_BASE_PORT + $1))
+    spawn "$TALLY_BIN" --listen "127.0.0.1:$port" "${store_args[@]}" >>"$WORK/replica-$port.log" 2>&1
+    REPLICA_PIDS[i]=$!
+}
 for ((i = 0; i < FLEET_SIZE; i++)); do
     port=$((FLEET_BASE_PORT + i))
-    spawn "$TALLY_BIN" --listen "127.0.0.1:$port" "${store_args[@]}" >"$WORK/replica-$port.log" 2>&1
-    REPLICA_PIDS+=("$!")
-    say "replica $i: pid $! on 127.0.0.1:$port (log $WORK/replica-$port.log)"
+    start_replica "$i"
+    REPLICA_STATES[i]=up
+    RESTARTS[i]=0
+    RESTART_AT[i]=0
+    say "replica $i: pid ${REPLICA_PIDS[i]} on 127.0.0.1:$port (log $WORK/replica-$port.log)"
 done
 
 # Wait until every replica is alive (/healthz); report readiness (/readyz) without waiting
@@ -236,15 +268,104 @@ until port_open "${lb_host//[\[\]]/}" "$lb_port"; do
     sleep 0.1
 done
 
+# The client id the replicas use, as the first one logged it (`tally listening`).
+client_id=$(grep -oE 'client_id[=":]+[0-9a-f-]{36}' "$WORK/replica-$FLEET_BASE_PORT.log" 2>/dev/null |
+    head -n 1 | grep -oE '[0-9a-f-]{36}$' || true)
+if [[ $TALLY_STORE == celeriant ]]; then
+    store_shown="celeriant at $CELERIANT_ADDRESS"
+else
+    store_shown="memory (one per replica, not shared)"
+fi
+client_shown=${client_id:-"the binary's default"}
+[[ -z ${TALLY_CLIENT_ID:-} ]] || client_shown+=" (from TALLY_CLIENT_ID)"
+projection_shown=$TALLY_PROJECTION
+if [[ $TALLY_PROJECTION == postgres ]]; then
+    # Where the database is, never its user or password.
+    projection_shown="postgres at $(sed -E 's#^[a-z]+://([^@/]*@)?##; s#[?].*##' <<<"$DATABASE_URL")"
+fi
 cat <<EOF
 
-Tally fleet up: $FLEET_SIZE replicas, store=$TALLY_STORE${CELERIANT_ADDRESS:+ at $CELERIANT_ADDRESS}, client id $TALLY_CLIENT_ID
+Tally fleet up: $FLEET_SIZE replicas, store=$store_shown, projection=$projection_shown
+  client id          $client_shown
   send requests to   http://$FLEET_LISTEN/api/accounts
                      (the X-Tally-Upstream response header names the replica that answered)
   metrics, per replica: $(for ((i = 0; i < FLEET_SIZE; i++)); do printf 'http://127.0.0.1:%s/metrics ' $((FLEET_BASE_PORT + i)); done)
   logs               $WORK
+  a replica that exits is restarted, at most $FLEET_MAX_RESTARTS times (FLEET_MAX_RESTARTS);
+  nginx sends its requests to the others meanwhile
 Ctrl-C stops everything$( ((FLEET_MAX_SECONDS > 0)) && printf ' (or it stops by itself after %ss)' "$FLEET_MAX_SECONDS").
 EOF
+
+# How a process ended, from the status `wait` gave.
+exit_shown() {
+    if (($1 > 128)); then
+        printf 'was killed by SIG%s' "$(kill -l $(($1 - 128)) 2>/dev/null || echo $(($1 - 128)))"
+    else
+        printf 'exited with status %s' "$1"
+    fi
+}
+
+# replica_exited I STATUS: the replica is restarted after a pause, or, out of restarts,
+# left down (the fleet stops only when no replica is left).
+replica_exited() {
+    local i=$1 status=$2 port=$((FLEET_BASE_PORT + $1)) how delay left=0 j
+    how=$(exit_shown "$status")
+    if ((RESTARTS[i] >= FLEET_MAX_RESTARTS)); then
+        REPLICA_STATES[i]=gone
+        FAILED=1
+        warn "replica $i on port $port (pid ${REPLICA_PIDS[i]}) $how; it was restarted $FLEET_MAX_RESTARTS times (FLEET_MAX_RESTARTS), so it stays down; see $WORK/replica-$port.log"
+        for ((j = 0; j < FLEET_SIZE; j++)); do
+            [[ ${REPLICA_STATES[j]} == gone ]] || left=$((left + 1))
+        done
+        if ((left == 0)); then
+            warn "no replica left"
+            STOP=1
+        else
+            say "$left of $FLEET_SIZE replicas still serve behind nginx on $FLEET_LISTEN"
+        fi
+        return
+    fi
+    delay=$((RESTART_DELAY_SECONDS << RESTARTS[i]))
+    ((delay <= RESTART_DELAY_MAX_SECONDS)) || delay=$RESTART_DELAY_MAX_SECONDS
+    RESTARTS[i]=$((RESTARTS[i] + 1))
+    REPLICA_STATES[i]=waiting
+    RESTART_AT[i]=$((SECONDS + delay))
+    warn "replica $i on port $port (pid ${REPLICA_PIDS[i]}) $how; the others keep serving behind nginx; restarting it in ${delay}s (restart ${RESTARTS[i]} of $FLEET_MAX_RESTARTS); see $WORK/replica-$port.log"
+    if [[ $TALLY_STORE == memory ]]; then
+        warn "TALLY_STORE=memory: replica $i's store was in its process, so it comes back empty"
+    fi
+}
+
+# One look at every replica: reap the ones that exited, restart the ones due, and report
+# each restarted one once it answers.
+watch_replicas() {
+    local i pid port status
+    for ((i = 0; i < FLEET_SIZE; i++)); do
+        pid=${REPLICA_PIDS[i]}
+        port=$((FLEET_BASE_PORT + i))
+        case ${REPLICA_STATES[i]} in
+        up | starting)
+            if ! alive "$pid"; then
+                status=0
+                wait "$pid" 2>/dev/null || status=$?
+                replica_exited "$i" "$status"
+            elif [[ ${REPLICA_STATES[i]} == starting && $(http_status 127.0.0.1 "$port" /healthz) == 200 ]]; then
+                REPLICA_STATES[i]=up
+                say "replica $i on 127.0.0.1:$port is back: pid $pid (restart ${RESTARTS[i]} of $FLEET_MAX_RESTARTS)"
+            fi
+            ;;
+        waiting)
+            if ((SECONDS >= RESTART_AT[i])); then
+                printf -- '--- restart %s of %s\n' "${RESTARTS[i]}" "$FLEET_MAX_RESTARTS" >>"$WORK/replica-$port.log"
+                start_replica "$i"
+                REPLICA_STATES[i]=starting
+                say "replica $i: pid ${REPLICA_PIDS[i]} on 127.0.0.1:$port (restarted, log $WORK/replica-$port.log)"
+            fi
+            ;;
+        gone) ;;
+        esac
+    done
+}
 
 # --- run until told to stop, a process dies, or the time limit -----------------------------
 started=$SECONDS
@@ -254,19 +375,15 @@ while ((!STOP)); do
         FAILED=1
         break
     fi
-    for ((i = 0; i < FLEET_SIZE; i++)); do
-        if ! alive "${REPLICA_PIDS[i]}"; then
-            warn "replica on port $((FLEET_BASE_PORT + i)) exited; see $WORK/replica-$((FLEET_BASE_PORT + i)).log"
-            FAILED=1
-            STOP=1
-        fi
-    done
+    watch_replicas
+    ((STOP)) && break
     if ((FLEET_MAX_SECONDS > 0 && SECONDS - started >= FLEET_MAX_SECONDS)); then
         say "FLEET_MAX_SECONDS=$FLEET_MAX_SECONDS reached"
         break
     fi
     sleep 1 &
-    wait $! || true
+    # (quietly: bash would report a replica killed by a signal, which watch_replicas says)
+    wait $! 2>/dev/null || true
 done
 cleanup
 exit "$FAILED"

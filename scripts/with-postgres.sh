@@ -39,16 +39,22 @@ free_port() {
 
 dir=$(mktemp -d /tmp/tally-pg.XXXXXX)
 port=$(free_port)
-as_owner=()
+owner=()
 if [ "$(id -u)" -eq 0 ]; then
     id postgres >/dev/null 2>&1 || useradd --system --no-create-home postgres
     chown postgres "$dir"
-    as_owner=(runuser -u postgres --)
+    owner=(runuser -u postgres --)
 fi
+# Runs a command as the cluster's owner, from the cluster's directory: the owner may not be
+# able to enter the caller's (a checkout under /root), and runuser keeps it, so the tools
+# would say "could not change directory ... Permission denied".
+as_owner() {
+    (cd "$dir" && "${owner[@]}" "$@")
+}
 
 # shellcheck disable=SC2317 # called by the EXIT trap
 cleanup() {
-    "${as_owner[@]}" "$bin/pg_ctl" -D "$dir/data" -m immediate stop >/dev/null 2>&1 || true
+    as_owner "$bin/pg_ctl" -D "$dir/data" -m immediate stop >/dev/null 2>&1 || true
     rm -rf "$dir"
 }
 trap cleanup EXIT
@@ -63,7 +69,7 @@ stop_child() {
 trap 'stop_child; exit 130' INT
 trap 'stop_child; exit 143' TERM HUP
 
-"${as_owner[@]}" "$bin/initdb" -D "$dir/data" -U postgres --auth=trust --no-sync >"$dir/initdb.log" 2>&1 ||
+as_owner "$bin/initdb" -D "$dir/data" -U postgres --auth=trust --no-sync >"$dir/initdb.log" 2>&1 ||
     { cat "$dir/initdb.log" >&2; exit 1; }
 # A test cluster: durability off (it is thrown away), enough connections for parallel tests.
 # TALLY_PG_DURABLE=1 keeps Postgres's durable defaults (fsync, synchronous commit): for
@@ -72,7 +78,7 @@ durability="-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
 if [ "${TALLY_PG_DURABLE:-0}" = 1 ]; then
     durability=""
 fi
-"${as_owner[@]}" "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
+as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
     -o "-p $port -k $dir -c listen_addresses=127.0.0.1 $durability -c max_connections=400" \
     start >/dev/null || { cat "$dir/server.log" >&2; exit 1; }
 

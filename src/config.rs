@@ -592,6 +592,29 @@ impl Config {
         })
     }
 
+    /// The store, as a person starting a replica needs to see it: which backend and where
+    /// (the embedded one is this process's own, shared with no other replica).
+    pub fn store_description(&self) -> String {
+        match self.store {
+            StoreKind::Memory => "memory (embedded in this process, shared with no other)".into(),
+            StoreKind::Celeriant => format!("celeriant at {}", self.celeriant.address),
+        }
+    }
+
+    /// The projection, likewise: `memory`, or `postgres` with the database's place (never its
+    /// credentials).
+    pub fn projection_description(&self) -> String {
+        match self.projection_kind {
+            ProjectionKind::Memory => "memory".into(),
+            ProjectionKind::Postgres => format!(
+                "postgres at {}",
+                crate::projection::postgres::database_place(
+                    self.postgres_url.as_deref().unwrap_or_default()
+                )
+            ),
+        }
+    }
+
     pub fn identity(&self) -> Identity {
         let d = Identity::default();
         Identity {

@@ -76,7 +76,8 @@ async fn run(config: Config) -> ExitCode {
     let listener = match tokio::net::TcpListener::bind(listen).await {
         Ok(l) => l,
         Err(e) => {
-            tracing::error!(error = %e, %listen, "cannot listen");
+            let hint = listen_hint(&e, "--listen", "TALLY_LISTEN");
+            tracing::error!(error = %e, %listen, "cannot listen on {listen}: {hint}");
             return ExitCode::FAILURE;
         }
     };
@@ -93,7 +94,8 @@ async fn run(config: Config) -> ExitCode {
                 ));
             }
             Err(e) => {
-                tracing::error!(error = %e, %admin, "cannot listen on the admin address");
+                let hint = listen_hint(&e, "--admin-listen", "TALLY_ADMIN_LISTEN");
+                tracing::error!(error = %e, %admin, "cannot listen on the admin address {admin}: {hint}");
                 return ExitCode::FAILURE;
             }
         }
@@ -101,7 +103,8 @@ async fn run(config: Config) -> ExitCode {
     let addr = listener.local_addr().map_or(listen, |a| a);
     tracing::info!(
         %addr,
-        store = ?app.config.store,
+        store = %app.config.store_description(),
+        projection = %app.config.projection_description(),
         window_secs = app.config.idempotency_window,
         client_id = %app.identity.client_id,
         auth = ?app.config.auth,
@@ -110,6 +113,20 @@ async fn run(config: Config) -> ExitCode {
     tally::http::serve(app, listener, shutdown_signal()).await;
     tracing::info!("stopped");
     ExitCode::SUCCESS
+}
+
+/// What to do when an address cannot be bound: the flag and the variable that move it (a
+/// first run often finds 8080 taken by something else).
+fn listen_hint(e: &std::io::Error, flag: &str, env: &str) -> String {
+    let why = match e.kind() {
+        std::io::ErrorKind::AddrInUse => "another process is listening there",
+        std::io::ErrorKind::PermissionDenied => "this user may not bind that port",
+        _ => "the address cannot be bound here",
+    };
+    format!(
+        "{why}; choose another with {flag} HOST:PORT or the {env} variable \
+         (with make: make run ARGS='{flag} 127.0.0.1:8090')"
+    )
 }
 
 /// Resolves on SIGINT or SIGTERM.

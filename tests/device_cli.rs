@@ -405,7 +405,15 @@ async fn a_sync_with_the_server_down_stops_with_the_queue_intact() {
         )
         .await;
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("gave up after 2 attempts"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("gave up after 2 attempts"), "{stderr}");
+    // It names where it sent the run, and why that failed.
+    let tried = format!("POST http://{closed}/api/devices/");
+    assert!(stderr.contains(&tried), "names {tried}: {stderr}");
+    assert!(
+        stderr.to_ascii_lowercase().contains("connection refused"),
+        "{stderr}"
+    );
     let status = d.status().await;
     assert_eq!(status["inFlight"], 1);
     assert_eq!(status["accounts"][0]["runAttempts"], 2);

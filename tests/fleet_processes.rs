@@ -16,14 +16,9 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read};
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::fleet_script::{Fleet, FleetStore};
 use common::{Reply, leg, new_account};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -31,15 +26,10 @@ use uuid::Uuid;
 
 /// Replicas in the fleet.
 const FLEET_SIZE: u16 = 3;
-/// How long fleet.sh may take to report the fleet up (its own bound per replica is 30 s).
-const STARTUP_BOUND: Duration = Duration::from_secs(45);
 /// How long every replica and nginx may take to answer /readyz 200 once the fleet is up.
 const READY_BOUND: Duration = Duration::from_secs(20);
 /// Pause between readiness probes.
 const READY_PROBE_INTERVAL: Duration = Duration::from_millis(100);
-/// How long fleet.sh may take to stop everything after SIGTERM (it drains for up to 15 s,
-/// then kills what is left).
-const STOP_BOUND: Duration = Duration::from_secs(30);
 /// fleet.sh stops by itself after this long, should this test die without stopping it.
 const FLEET_MAX_SECONDS: &str = "150";
 /// Any one HTTP exchange.
@@ -48,302 +38,10 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(20);
 const HISTORY_PAGE: u64 = 3;
 /// Most history pages read for one stream before the read counts as runaway.
 const MAX_HISTORY_PAGES: usize = 1000;
-/// Attempts at finding free ports that fleet.sh then accepts.
-const PORT_ATTEMPTS: usize = 5;
 /// The whole tally-load run, setup and verification included.
 const LOAD_BOUND: Duration = Duration::from_secs(40);
-/// Lines of each log shown when a test fails.
-const LOG_TAIL_LINES: usize = 12;
 /// The idempotency window every write answer names (the server's default).
 const WINDOW: &str = "90";
-
-// --- The fleet -------------------------------------------------------------------------------
-
-/// A running `deploy/fleet.sh`: its replicas and nginx. Dropping it stops them all.
-struct Fleet {
-    pid: u32,
-    exited: Receiver<std::io::Result<ExitStatus>>,
-    status: Option<ExitStatus>,
-    lines: Receiver<String>,
-    stdout: Vec<String>,
-    stderr: Arc<Mutex<String>>,
-    lb: String,
-    replicas: Vec<String>,
-    replica_pids: Vec<u32>,
-    work_dir: Option<PathBuf>,
-}
-
-/// How a start attempt ended.
-enum Start {
-    Up(Fleet),
-    /// fleet.sh refused a port that was free a moment earlier; try others.
-    PortTaken,
-}
-
-impl Fleet {
-    /// Starts a fleet on free loopback ports, retrying when another process takes one first.
-    fn start(celeriant: &str) -> Fleet {
-        for _ in 0..PORT_ATTEMPTS {
-            let (base, lb) = free_ports();
-            match Fleet::try_start(celeriant, base, lb) {
-                Start::Up(fleet) => return fleet,
-                Start::PortTaken => continue,
-            }
-        }
-        panic!("fleet.sh found its ports taken {PORT_ATTEMPTS} times");
-    }
-
-    fn try_start(celeriant: &str, base: u16, lb: u16) -> Start {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let mut cmd = Command::new("bash");
-        cmd.arg(root.join("deploy/fleet.sh")).current_dir(root);
-        for (name, _) in std::env::vars() {
-            if name.starts_with("TALLY_") || name.starts_with("FLEET_") || name == "RUST_LOG" {
-                cmd.env_remove(name);
-            }
-        }
-        cmd.env("CELERIANT_ADDRESS", celeriant)
-            .env("TALLY_BIN", env!("CARGO_BIN_EXE_tally"))
-            .env("TALLY_STORE", "celeriant")
-            .env("FLEET_SIZE", FLEET_SIZE.to_string())
-            .env("FLEET_BASE_PORT", base.to_string())
-            .env("FLEET_LISTEN", format!("127.0.0.1:{lb}"))
-            .env("FLEET_MAX_SECONDS", FLEET_MAX_SECONDS)
-            .env("FLEET_KEEP_LOGS", "0")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child: Child = cmd.spawn().expect("bash runs deploy/fleet.sh");
-        let pid = child.id();
-        let stdout = child.stdout.take().expect("stdout");
-        let mut stderr_pipe = child.stderr.take().expect("stderr");
-
-        let (line_tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if line_tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let stderr = Arc::new(Mutex::new(String::new()));
-        let sink = Arc::clone(&stderr);
-        std::thread::spawn(move || {
-            let mut buf = [0u8; 4096];
-            while let Ok(n) = stderr_pipe.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                sink.lock()
-                    .unwrap()
-                    .push_str(&String::from_utf8_lossy(&buf[..n]));
-            }
-        });
-        // One thread owns the child and reaps it; the test keeps only its pid.
-        let (exit_tx, exited) = mpsc::channel();
-        std::thread::spawn(move || {
-            let _ = exit_tx.send(child.wait());
-        });
-
-        let mut fleet = Fleet {
-            pid,
-            exited,
-            status: None,
-            lines,
-            stdout: Vec::new(),
-            stderr,
-            lb: format!("http://127.0.0.1:{lb}"),
-            replicas: (0..FLEET_SIZE)
-                .map(|i| format!("http://127.0.0.1:{}", base + i))
-                .collect(),
-            replica_pids: Vec::new(),
-            work_dir: None,
-        };
-        let deadline = Instant::now() + STARTUP_BOUND;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match fleet.lines.recv_timeout(left) {
-                Ok(line) => {
-                    fleet.note(&line);
-                    // The banner's last line: by then it has named the work dir.
-                    if line.starts_with("Ctrl-C stops everything") {
-                        break;
-                    }
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    let status = fleet.wait_exit(STOP_BOUND);
-                    let err = fleet.stderr.lock().unwrap().clone();
-                    if status.and_then(|s| s.code()) == Some(2) && err.contains("already in use") {
-                        return Start::PortTaken;
-                    }
-                    panic!(
-                        "fleet.sh exited before the fleet was up ({status:?})\nstdout:\n{}\nstderr:\n{err}",
-                        fleet.stdout.join("\n")
-                    );
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    panic!(
-                        "fleet.sh did not report the fleet up within {STARTUP_BOUND:?}\nstdout:\n{}",
-                        fleet.stdout.join("\n")
-                    );
-                }
-            }
-        }
-        assert!(
-            fleet
-                .stdout
-                .iter()
-                .any(|l| l.starts_with("Tally fleet up:")),
-            "fleet.sh reports the fleet up: {:?}",
-            fleet.stdout
-        );
-        assert_eq!(
-            fleet.replica_pids.len(),
-            usize::from(FLEET_SIZE),
-            "fleet.sh names one pid per replica: {:?}",
-            fleet.stdout
-        );
-        Start::Up(fleet)
-    }
-
-    /// Keeps a stdout line and picks out the replica pids and the work dir.
-    fn note(&mut self, line: &str) {
-        self.stdout.push(line.to_owned());
-        let trimmed = line.trim_start();
-        if let Some(rest) = trimmed.strip_prefix("replica ")
-            && let Some((_, after)) = rest.split_once(": pid ")
-            && let Some(pid) = after.split(' ').next().and_then(|p| p.parse().ok())
-        {
-            self.replica_pids.push(pid);
-        }
-        if let Some(dir) = trimmed.strip_prefix("logs ") {
-            self.work_dir = Some(PathBuf::from(dir.trim()));
-        }
-    }
-
-    /// Whether fleet.sh (and so every replica and nginx it watches) is still running.
-    fn running(&mut self) -> bool {
-        if self.status.is_some() {
-            return false;
-        }
-        match self.exited.try_recv() {
-            Ok(status) => {
-                self.status = status.ok();
-                false
-            }
-            Err(mpsc::TryRecvError::Empty) => true,
-            Err(mpsc::TryRecvError::Disconnected) => false,
-        }
-    }
-
-    /// Waits up to `bound` for fleet.sh to exit; its status, or `None` if it is still running.
-    fn wait_exit(&mut self, bound: Duration) -> Option<ExitStatus> {
-        if self.status.is_none()
-            && let Ok(status) = self.exited.recv_timeout(bound)
-        {
-            self.status = status.ok();
-        }
-        self.status
-    }
-
-    /// SIGTERM to fleet.sh, which stops nginx and drains the replicas; waits for it. Kills
-    /// fleet.sh, its replicas and nginx by pid only if it does not stop within the bound.
-    fn stop(&mut self) -> Option<ExitStatus> {
-        if self.running() {
-            signal("TERM", self.pid);
-        }
-        if let Some(status) = self.wait_exit(STOP_BOUND) {
-            return Some(status);
-        }
-        eprintln!("fleet.sh did not stop within {STOP_BOUND:?}; killing it and its processes");
-        signal("KILL", self.pid);
-        let nginx = self
-            .work_dir
-            .as_ref()
-            .and_then(|d| std::fs::read_to_string(d.join("nginx.pid")).ok())
-            .and_then(|p| p.trim().parse().ok());
-        for pid in self.replica_pids.iter().copied().chain(nginx) {
-            signal("KILL", pid);
-        }
-        self.wait_exit(STOP_BOUND)
-    }
-
-    /// The last lines of every replica's log, for a failure report.
-    fn log_tails(&self) -> String {
-        let Some(dir) = &self.work_dir else {
-            return String::from("(fleet.sh named no work dir)");
-        };
-        let mut out = String::new();
-        let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
-            .unwrap_or_default();
-        names.sort();
-        for path in names {
-            if path.extension().is_some_and(|e| e == "log") {
-                let text = strip_ansi(&std::fs::read_to_string(&path).unwrap_or_default());
-                let lines: Vec<&str> = text.lines().collect();
-                let tail = &lines[lines.len().saturating_sub(LOG_TAIL_LINES)..];
-                out.push_str(&format!("--- {}\n{}\n", path.display(), tail.join("\n")));
-            }
-        }
-        out
-    }
-}
-
-impl Drop for Fleet {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!(
-                "fleet.sh stdout:\n{}\nfleet.sh stderr:\n{}\n{}",
-                self.stdout.join("\n"),
-                self.stderr.lock().unwrap_or_else(|e| e.into_inner()),
-                self.log_tails()
-            );
-        }
-        self.stop();
-    }
-}
-
-/// Drops terminal colour sequences (`ESC [ ... letter`) from a log.
-fn strip_ansi(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    while let Some(ch) = chars.next() {
-        if ch == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(ch);
-        }
-    }
-    out
-}
-
-/// Sends a signal to one process we started, by its id.
-fn signal(name: &str, pid: u32) {
-    let _ = Command::new("kill")
-        .args([format!("-{name}"), pid.to_string()])
-        .stderr(Stdio::null())
-        .status();
-}
-
-/// A base port with `FLEET_SIZE` free ports from it, and a free port for nginx above them,
-/// all below the ephemeral range so that outgoing connections do not take them meanwhile.
-fn free_ports() -> (u16, u16) {
-    let free = |port: u16| TcpListener::bind(("127.0.0.1", port)).is_ok();
-    for _ in 0..200 {
-        let base = 20_000 + (rand::random::<u16>() % 12_000);
-        let lb = base + FLEET_SIZE;
-        if (base..=lb).all(free) {
-            return (base, lb);
-        }
-    }
-    panic!("no free run of loopback ports found");
-}
 
 // --- HTTP against a base URL -----------------------------------------------------------------
 
@@ -1046,9 +744,15 @@ impl Session {
         let started = Instant::now();
         let address = celeriant.clone();
         // Starting blocks on fleet.sh's output; keep it off the runtime's workers.
-        let fleet = tokio::task::spawn_blocking(move || Fleet::start(&address))
-            .await
-            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+        let fleet = tokio::task::spawn_blocking(move || {
+            Fleet::start(
+                &FleetStore::Celeriant(address),
+                FLEET_SIZE,
+                &[("FLEET_MAX_SECONDS", FLEET_MAX_SECONDS)],
+            )
+        })
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
         let client = reqwest::Client::builder()
             .timeout(REQUEST_TIMEOUT)
             .no_proxy()
@@ -1078,19 +782,22 @@ impl Session {
         Some(session)
     }
 
-    /// Checks that the fleet survived (fleet.sh stops as soon as any of its processes
-    /// exits), then stops it and checks it stopped cleanly: every replica drained within
-    /// fleet.sh's bound and nothing had to be killed.
+    /// Checks that the fleet survived with no replica lost on the way (fleet.sh restarts a
+    /// replica that exits, and says so on stderr), then stops it and checks it stopped
+    /// cleanly: every replica drained within fleet.sh's bound and nothing had to be killed.
     fn finish(mut self) {
         assert!(self.fleet.running(), "fleet.sh stopped during the test");
         let status = self.fleet.stop();
-        // Copied out first: a panic while the guard is held would poison the lock that the
-        // fleet's Drop reads for its report.
-        let stderr = self.fleet.stderr.lock().unwrap().clone();
+        let stderr = self.fleet.stderr();
+        assert!(
+            !stderr.contains("restarting it"),
+            "no replica exited during the test:\n{stderr}"
+        );
         assert_eq!(
             status.and_then(|s| s.code()),
             Some(0),
-            "fleet.sh stops cleanly on SIGTERM; stderr:\n{stderr}"
+            "fleet.sh stops cleanly on SIGTERM; stderr:\n{}",
+            self.fleet.stderr()
         );
         eprintln!("fleet stopped; {:?} in all", self.started.elapsed());
     }

@@ -1216,3 +1216,111 @@ async fn a_database_that_stops_answering_is_given_up_on_and_named() {
     relay.freeze(false);
     assert_eq!(t.balance(&account).await.0, 100);
 }
+
+/// Rule: on a fresh database the rows' store epoch is checked once the migrations have made
+/// its table, never before (a first run saw `relation "tally_store_epoch" does not exist`
+/// warned at every start), and the `tally listening` line names the projection and where
+/// its database is, without credentials. The real binary, as a user starts it.
+#[tokio::test]
+async fn a_fresh_database_is_migrated_before_the_rows_store_epoch_is_checked() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tally"));
+    for (name, _) in std::env::vars() {
+        if name.starts_with("TALLY_") || name == "RUST_LOG" || name == "DATABASE_URL" {
+            cmd.env_remove(name);
+        }
+    }
+    let mut args = vec!["--listen", "127.0.0.1:0", "--log-format", "json"];
+    args.extend(["--seed-demo-accounts", "false"]);
+    let pg_flags = pg::flags(&url);
+    args.extend(pg_flags.iter().map(String::as_str));
+    let mut child = cmd
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("tally starts");
+    let stdout = child.stdout.take().expect("stdout");
+    // Read on a thread of its own: the test's runtime stays free, and the read ends when
+    // the child is killed.
+    let reader = std::thread::spawn(move || {
+        let mut lines = Vec::new();
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let listening = line.contains("tally listening");
+            lines.push(line);
+            if listening {
+                break;
+            }
+        }
+        lines
+    });
+    let lines = tokio::task::spawn_blocking(move || reader.join().expect("reader"))
+        .await
+        .expect("joined");
+    let _ = child.kill();
+    let _ = child.wait();
+    let log: Vec<serde_json::Value> = lines
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|_| panic!("a JSON line: {l}")))
+        .collect();
+    let listening = log
+        .iter()
+        .find(|v| v["fields"]["message"] == "tally listening")
+        .unwrap_or_else(|| panic!("no listening line: {lines:#?}"));
+    // By `listening`, start-up's first attempts (migrations, the first store checks) ran.
+    for v in &log {
+        let warned = v["level"] == "WARN" || v["level"] == "ERROR";
+        assert!(
+            !(warned && v.to_string().contains("epoch")),
+            "a store-epoch warning on a fresh database: {v}"
+        );
+    }
+    let projection = listening["fields"]["projection"].as_str().unwrap_or("");
+    assert!(
+        projection.starts_with("postgres at 127.0.0.1:") && !projection.contains('@'),
+        "{listening}"
+    );
+    // And the rows were bound to the store once their table existed.
+    let db = pg::connect(&url).await;
+    let bound = db
+        .query_one("SELECT count(*) FROM tally_store_epoch", &[])
+        .await
+        .expect("the table exists")
+        .get::<_, i64>(0);
+    assert_eq!(bound, 1, "the rows' store epoch is recorded");
+}
+
+/// Rule: `scripts/with-postgres.sh` runs from any directory without a word from Postgres's
+/// tools: as root the cluster's owner is `postgres`, who cannot enter a directory such as
+/// /root, and initdb and pg_ctl complained of it on every run.
+#[tokio::test]
+async fn with_postgres_is_quiet_from_a_directory_the_clusters_owner_cannot_enter() {
+    // Inside the script already (so Postgres is installed), a second, nested cluster.
+    if pg::base_url().is_none() {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let private = std::env::temp_dir().join(format!("tally-private-{}", Uuid::new_v4()));
+    std::fs::create_dir(&private).expect("a temp dir");
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/with-postgres.sh");
+    let out = tokio::process::Command::new("bash")
+        .arg(&script)
+        .args(["sh", "-c", r#"test -n "$TALLY_TEST_POSTGRES_URL""#])
+        .current_dir(&private)
+        .output()
+        .await
+        .expect("bash runs the script");
+    let _ = std::fs::remove_dir_all(&private);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let noise: Vec<&str> = stderr
+        .lines()
+        .filter(|l| !l.starts_with("with-postgres: "))
+        .collect();
+    assert!(noise.is_empty(), "unexpected output: {noise:#?}");
+}

@@ -435,6 +435,24 @@ async fn the_console_shows_live_balances_replays_and_other_replicas_writes_in_a_
         &format!("{balance}.dataset.cents === '1250' && {balance}.dataset.version === '2'"),
     )
     .await;
+    // Shown in the unit the form takes, and saying so: cents, never 12.50 beside a form
+    // that took 250 for 2.50.
+    assert_eq!(
+        br.js("return document.querySelector('label[for=w-amount]').textContent")
+            .await,
+        "Amount (cents)"
+    );
+    assert_eq!(
+        br.js(&format!("return {balance}.textContent")).await,
+        "1,250 cents"
+    );
+    br.until(
+        "the deposit in the history, in cents",
+        &format!(
+            "[...{card}.querySelectorAll('.history li')].some(li => li.textContent.includes('Deposited +250 cents → 1,250 cents'))"
+        ),
+    )
+    .await;
 
     // The same key again: answered from the first request, marked as a replay, not written.
     br.click("#resend").await;

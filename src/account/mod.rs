@@ -56,6 +56,48 @@ impl FromStr for AccountId {
     }
 }
 
+/// How an amount that is not one is refused, in the API's words (the field's name and the
+/// bound a caller can send), whatever was sent: a number out of range, a string, a fraction.
+pub fn amount_refusal(got: impl fmt::Display) -> String {
+    format!("amountCents must be an integer from 1 to {MAX_AMOUNT_CENTS}, got {got}")
+}
+
+/// Reads an `amountCents` field of a JSON body: any integer (the range is
+/// [`AmountCents::new`]'s to check), and anything else refused with [`amount_refusal`]. The
+/// derived reading of an `i64` would answer in Rust's words (`expected i64`), which name
+/// neither the field nor the bound.
+pub fn deserialize_amount_cents<'de, D>(d: D) -> Result<i64, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    use serde::Deserialize;
+    use serde::de::Error;
+    let value = serde_json::Value::deserialize(d)?;
+    match value.as_i64() {
+        Some(cents) => Ok(cents),
+        // Past i64 but still an integer: out of range like any other too-large amount.
+        None => Err(D::Error::custom(amount_refusal(json_shown(&value)))),
+    }
+}
+
+/// A JSON value as a refusal quotes it: a scalar as sent (a long string cut short), an
+/// array or object by its kind only.
+fn json_shown(value: &serde_json::Value) -> String {
+    /// The most characters of a string quoted back.
+    const SHOWN_CHARS: usize = 32;
+    use serde_json::Value;
+    match value {
+        Value::String(s) if s.chars().count() > SHOWN_CHARS => {
+            let head: String = s.chars().take(SHOWN_CHARS).collect();
+            format!("a string starting {}...", Value::String(head))
+        }
+        Value::String(_) => format!("the string {value}"),
+        Value::Array(_) => "an array".into(),
+        Value::Object(_) => "an object".into(),
+        Value::Null | Value::Bool(_) | Value::Number(_) => value.to_string(),
+    }
+}
+
 /// A positive amount of cents, at most [`MAX_AMOUNT_CENTS`]. Parsed at the edge; the rest of
 /// Tally never sees an invalid amount.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
@@ -63,15 +105,8 @@ pub struct AmountCents(i64);
 
 impl AmountCents {
     pub fn new(cents: i64) -> Result<Self, RuleError> {
-        if cents <= 0 {
-            return Err(RuleError::Validation(format!(
-                "amountCents must be positive, got {cents}"
-            )));
-        }
-        if cents > MAX_AMOUNT_CENTS {
-            return Err(RuleError::Validation(format!(
-                "amountCents must be at most {MAX_AMOUNT_CENTS}, got {cents}"
-            )));
+        if cents <= 0 || cents > MAX_AMOUNT_CENTS {
+            return Err(RuleError::Validation(amount_refusal(cents)));
         }
         Ok(Self(cents))
     }
@@ -157,6 +192,40 @@ mod tests {
             AmountCents::new(MAX_AMOUNT_CENTS).unwrap().get(),
             MAX_AMOUNT_CENTS
         );
+        assert_eq!(
+            AmountCents::new(0).unwrap_err().to_string(),
+            "amountCents must be an integer from 1 to 2147483647, got 0"
+        );
+    }
+
+    /// Rule: an amount that is not an integer is refused in the API's words (the field and
+    /// its bound), never in Rust's (`expected i64`).
+    #[test]
+    fn an_amount_of_the_wrong_type_is_refused_in_the_apis_words() {
+        #[derive(serde::Deserialize, Debug)]
+        struct Body {
+            #[serde(deserialize_with = "deserialize_amount_cents")]
+            #[allow(dead_code)]
+            amount: i64,
+        }
+        let refusal = |json: &str| serde_json::from_str::<Body>(json).unwrap_err().to_string();
+        let rule = "amountCents must be an integer from 1 to 2147483647, got";
+        for (body, got) in [
+            (r#"{"amount":"100"}"#, r#"the string "100""#),
+            (r#"{"amount":1.5}"#, "1.5"),
+            (r#"{"amount":null}"#, "null"),
+            (r#"{"amount":[1]}"#, "an array"),
+            (r#"{"amount":18446744073709551615}"#, "18446744073709551615"),
+        ] {
+            let message = refusal(body);
+            assert!(
+                message.starts_with(&format!("{rule} {got}")),
+                "{body}: {message}"
+            );
+        }
+        let long = format!(r#"{{"amount":"{}"}}"#, "9".repeat(100));
+        assert!(refusal(&long).contains(r#"a string starting "999"#));
+        assert!(!refusal(&long).contains(&"9".repeat(33)));
     }
 
     #[test]

@@ -93,6 +93,7 @@ pub struct SyncEvent {
     pub client_seq: u64,
     #[serde(rename = "type")]
     pub kind: String,
+    #[serde(deserialize_with = "crate::account::deserialize_amount_cents")]
     pub amount_cents: i64,
     /// The device's UUID for this event. The store keeps a name derived from it and the
     /// device id, so it can never alias an API caller's idempotency key.

@@ -91,6 +91,9 @@ impl HttpTransport {
     }
 
     async fn exchange(&self, uri: Uri, body: Bytes) -> Result<(StatusCode, Bytes), String> {
+        // Every failure names where it was sent: "connection refused" alone does not say
+        // which --server was wrong.
+        let target = uri.to_string();
         let request = Request::builder()
             .method(Method::POST)
             .uri(uri)
@@ -106,19 +109,37 @@ impl HttpTransport {
                 .client
                 .request(request)
                 .await
-                .map_err(|e| format!("request failed: {e}"))?;
+                .map_err(|e| format!("POST {target} failed: {}", with_causes(&e)))?;
             let status = response.status();
             let body = Limited::new(response.into_body(), MAX_RESPONSE_BYTES)
                 .collect()
                 .await
-                .map_err(|e| format!("answer lost: {e}"))?
+                .map_err(|e| format!("POST {target}: answer lost: {}", with_causes(&*e)))?
                 .to_bytes();
             Ok((status, body))
         };
         tokio::time::timeout(self.timeout, work)
             .await
-            .unwrap_or_else(|_| Err(format!("no answer within {} ms", self.timeout.as_millis())))
+            .unwrap_or_else(|_| {
+                Err(format!(
+                    "POST {target}: no answer within {} ms",
+                    self.timeout.as_millis()
+                ))
+            })
     }
+}
+
+/// An error and its causes, outermost first: hyper's client says only `client error
+/// (Connect)`, and the cause says what happened (`Connection refused`).
+fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
 }
 
 #[async_trait]

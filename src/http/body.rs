@@ -212,10 +212,41 @@ pub fn decode_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         Err(e) if std::str::from_utf8(bytes).is_err() => Err(malformed(e)),
         Err(e) => match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
             Ok(_) if !is_object(bytes) => Err(not_an_object()),
-            Ok(_) => Err(ApiError::Validation(e.to_string())),
+            Ok(_) => Err(ApiError::Validation(in_json_words(&e.to_string()))),
             Err(syntax) => Err(malformed(syntax)),
         },
     }
+}
+
+/// serde's message with the Rust type it expected said in JSON's words: a caller sends JSON
+/// and has no `u64` (a field with an API rule of its own, such as `amountCents`, says that
+/// rule instead; `account::deserialize_amount_cents`).
+fn in_json_words(message: &str) -> String {
+    const RUST_TYPES: [(&str, &str); 12] = [
+        ("i8", "an integer"),
+        ("i16", "an integer"),
+        ("i32", "an integer"),
+        ("i64", "an integer"),
+        ("isize", "an integer"),
+        ("u8", "an integer from 0"),
+        ("u16", "an integer from 0"),
+        ("u32", "an integer from 0"),
+        ("u64", "an integer from 0"),
+        ("usize", "an integer from 0"),
+        ("f32", "a number"),
+        ("f64", "a number"),
+    ];
+    let mut out = message.to_owned();
+    for (rust, json) in RUST_TYPES {
+        // serde writes "expected u64" at the end of its sentence, before the position.
+        for end in [" at ", ""] {
+            let from = format!("expected {rust}{end}");
+            if out.contains(&from) && (!end.is_empty() || out.ends_with(&from)) {
+                out = out.replace(&from, &format!("expected {json}{end}"));
+            }
+        }
+    }
+    out
 }
 
 /// Whether the first non-whitespace byte opens a JSON object.
@@ -258,5 +289,29 @@ mod tests {
         assert_eq!(status(br#"{"amountCents":7}x"#), 400);
         assert_eq!(status(br#"{}x"#), 400);
         assert!(decode_json::<Amount>(br#"{"amountCents":7}"#).is_ok());
+    }
+
+    /// Rule: a wrong type is refused in JSON's words, never Rust's.
+    #[test]
+    fn a_wrong_type_is_refused_without_rust_type_names() {
+        #[derive(serde::Deserialize, Debug)]
+        #[serde(rename_all = "camelCase")]
+        struct Counts {
+            #[allow(dead_code)]
+            seq: u64,
+            #[allow(dead_code)]
+            delta: i64,
+        }
+        let message = |b: &[u8]| decode_json::<Counts>(b).unwrap_err().to_string();
+        let seq = message(br#"{"seq":-1,"delta":1}"#);
+        assert!(
+            seq.contains("expected an integer from 0 at line 1"),
+            "{seq}"
+        );
+        let delta = message(br#"{"seq":1,"delta":"x"}"#);
+        assert!(delta.contains("expected an integer at line 1"), "{delta}");
+        for m in [seq, delta] {
+            assert!(!m.contains("u64") && !m.contains("i64"), "{m}");
+        }
     }
 }

@@ -26,6 +26,7 @@ use crate::write_loop::{AnsweringAttempt, LegResult, WriteError, WriteOutcome, W
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct AmountBody {
+    #[serde(deserialize_with = "crate::account::deserialize_amount_cents")]
     amount_cents: i64,
 }
 
@@ -33,6 +34,7 @@ struct AmountBody {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct AccountTransferBody {
     to_account_id: Uuid,
+    #[serde(deserialize_with = "crate::account::deserialize_amount_cents")]
     amount_cents: i64,
 }
 
@@ -41,6 +43,7 @@ struct AccountTransferBody {
 struct TransferBody {
     from_account_id: Uuid,
     to_account_id: Uuid,
+    #[serde(deserialize_with = "crate::account::deserialize_amount_cents")]
     amount_cents: i64,
 }
 

@@ -120,7 +120,11 @@ impl Projection {
         }
         // Postgres: the rows remember the store they were folded from, so a replica started
         // after the store was replaced (that never saw the old epoch) knows it too.
-        if let super::Backend::Postgres(pg) = &self.backend {
+        // Before this replica's migrations the table may not exist yet (a fresh database):
+        // the migration step runs this check again once they are done.
+        if let super::Backend::Postgres(pg) = &self.backend
+            && pg.is_migrated()
+        {
             match pg.bind_store_epoch(epoch).await {
                 Ok(true) => {}
                 Ok(false) => {

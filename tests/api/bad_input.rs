@@ -447,6 +447,72 @@ async fn invalid_amounts_and_body_shapes_are_422_validation_errors_and_change_no
     t.shutdown().await;
 }
 
+/// An amount that is not an integer in range is refused in the API's words: the field, the
+/// bound a caller may send, and what was sent; never a Rust type (`expected i64`).
+#[tokio::test]
+async fn a_bad_amount_is_refused_in_the_apis_words_on_every_write_route() {
+    let t = spawn_default().await;
+    let (account, other) = (funded(&t, 1_000).await, funded(&t, 1_000).await);
+    let rule = "amountCents must be an integer from 1 to 2147483647, got ";
+    let raw_amounts: [&str; 9] = [
+        r#""100""#,
+        "1.5",
+        "100.0",
+        "1e2",
+        "null",
+        "[1]",
+        "0",
+        "2147483648",
+        "99999999999999999999",
+    ];
+    for amount in raw_amounts {
+        for (path, body) in [
+            (
+                deposit_path(&account),
+                format!(r#"{{"amountCents":{amount}}}"#),
+            ),
+            (
+                withdraw_path(&account),
+                format!(r#"{{"amountCents":{amount}}}"#),
+            ),
+            (
+                "/api/transfers".to_string(),
+                format!(
+                    r#"{{"fromAccountId":"{account}","toAccountId":"{other}","amountCents":{amount}}}"#
+                ),
+            ),
+            (
+                account_transfer_path(&account),
+                format!(r#"{{"toAccountId":"{other}","amountCents":{amount}}}"#),
+            ),
+        ] {
+            let r = post_raw(&t, &path, body.as_bytes(), None).await;
+            assert_error(&r, 422, "VALIDATION_ERROR");
+            let message = r.body["message"].as_str().unwrap_or_default();
+            assert!(message.starts_with(rule), "{path} {body}: {message}");
+            for rust in ["i64", "u64", "i32", "f64"] {
+                assert!(!message.contains(rust), "{path} {body}: {message}");
+            }
+        }
+    }
+    let r = post_raw(
+        &t,
+        &deposit_path(&account),
+        br#"{"amountCents":"100"}"#,
+        None,
+    )
+    .await;
+    assert!(
+        r.body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(r#"got the string "100""#)),
+        "{}",
+        r.text
+    );
+    assert_eq!(t.balance(&account).await.0, 1_000, "nothing was written");
+    t.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_transfer_to_the_same_account_is_422_and_changes_nothing() {
     let t = spawn_default().await;

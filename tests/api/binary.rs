@@ -292,7 +292,12 @@ async fn binary_starts_like_make_run_serves_the_demo_accounts_and_stops_on_sigte
     );
     let listening = server.wait_for("tally listening");
     assert_eq!(listening["fields"]["window_secs"], 90);
-    assert_eq!(listening["fields"]["store"], "Memory");
+    // Which store and projection serve, in words a first run can act on.
+    assert_eq!(
+        listening["fields"]["store"],
+        "memory (embedded in this process, shared with no other)"
+    );
+    assert_eq!(listening["fields"]["projection"], "memory");
     let client = reqwest::Client::new();
     let r = common::read(client.get(server.url("/healthz")).send().await.unwrap()).await;
     assert_eq!(r.status, StatusCode::OK);
@@ -545,6 +550,36 @@ async fn binary_listens_not_ready_while_celeriant_accepts_but_never_answers() {
         &[],
     );
     assert_live_and_starting(&server).await;
+}
+
+/// Rule: an address already taken stops the binary with a message that names the flag and
+/// the variable that choose another (a first `make run` often finds 8080 taken).
+#[test]
+fn binary_names_the_flag_and_variable_when_its_address_is_taken() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let addr = taken.local_addr().unwrap().to_string();
+    for (flag, env) in [
+        ("--listen", "TALLY_LISTEN"),
+        ("--admin-listen", "TALLY_ADMIN_LISTEN"),
+    ] {
+        let mut args = vec!["--seed-demo-accounts", "false", flag, addr.as_str()];
+        if flag != "--listen" {
+            args.extend(["--listen", "127.0.0.1:0"]);
+        }
+        let out = tally_command(&args, &[]).output().expect("tally runs");
+        let log = String::from_utf8_lossy(&out.stdout);
+        assert!(!out.status.success(), "{flag}: {log}");
+        let line = log
+            .lines()
+            .find(|l| l.contains("cannot listen"))
+            .unwrap_or_else(|| panic!("{flag}: no 'cannot listen' line in {log}"));
+        assert!(
+            line.contains(&addr)
+                && line.contains(&format!("{flag} HOST:PORT"))
+                && line.contains(env),
+            "{flag}: {line}"
+        );
+    }
 }
 
 #[test]

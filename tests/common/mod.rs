@@ -8,12 +8,14 @@
 //!   bytes over one TCP connection);
 //! - [`hooked_log`]: one store decorator that hooks, scripts and records a replica's store
 //!   calls, for the suites that steer the store from inside;
+//! - [`fleet_script`]: `deploy/fleet.sh` as a child process, read line by line;
 //! - [`windowed_log`]: a store decorator that pages reads in Celeriant's version windows and
 //!   counts them, for the suites that bound a read's cost.
 //!
 //! Every suite compiles this module whole and uses part of it, hence `dead_code` is allowed.
 #![allow(dead_code)]
 
+pub mod fleet_script;
 pub mod hooked_log;
 pub mod pg;
 pub mod raw_http;

@@ -30,6 +30,7 @@ pub use records::{MAX_RECORD_ACCOUNTS, RECORD_QUEUE_CAPACITY, RECORD_STATEMENTS_
 pub(crate) use warm::WarmUpdate;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
@@ -101,6 +102,35 @@ impl From<deadpool_postgres::PoolError> for PgError {
     }
 }
 
+/// Where a database URL points, `host:port/dbname`, without its user or password: what a
+/// log line may say of it. A URL that does not parse is named so (it is refused at start).
+pub fn database_place(url: &str) -> String {
+    use tokio_postgres::config::Host;
+    let Ok(config) = url.parse::<tokio_postgres::Config>() else {
+        return "(an unparsable --postgres-url)".into();
+    };
+    let hosts: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .enumerate()
+        .map(|(i, host)| {
+            let host = match host {
+                Host::Tcp(name) => name.clone(),
+                Host::Unix(path) => path.display().to_string(),
+            };
+            let port = config.get_ports().get(i).or(config.get_ports().first());
+            port.map_or(host.clone(), |p| format!("{host}:{p}"))
+        })
+        .collect();
+    format!(
+        "{}/{}",
+        hosts.join(","),
+        config
+            .get_dbname()
+            .unwrap_or("(the user's default database)")
+    )
+}
+
 /// `statement`, given up (as a failed statement) once `limit` has passed without an answer:
 /// the server-side `statement_timeout` only bounds a database that answers.
 async fn within<T>(
@@ -145,6 +175,9 @@ pub struct PgProjection {
     answer_limit: Duration,
     /// Where the write path's records queue for a statement (`records.rs`).
     records: RecordQueue,
+    /// Whether this replica's migrations have run: until then the tables may not exist, and
+    /// a statement on them fails for that reason alone (`regress.rs` waits for it).
+    migrated: AtomicBool,
 }
 
 impl PgProjection {
@@ -203,6 +236,7 @@ impl PgProjection {
             metrics,
             answer_limit: wait_limit,
             records,
+            migrated: AtomicBool::new(false),
         })
     }
 
@@ -220,7 +254,14 @@ impl PgProjection {
             MIGRATION_TIMEOUT.saturating_add(self.answer_limit),
             self.migrate_now(),
         )
-        .await
+        .await?;
+        self.migrated.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Whether [`PgProjection::migrate`] has succeeded on this replica.
+    pub fn is_migrated(&self) -> bool {
+        self.migrated.load(Ordering::Acquire)
     }
 
     /// Records `epoch` as the store these rows are folded from, unless one is recorded
@@ -528,4 +569,25 @@ async fn execute_record(
     rows.iter()
         .map(|r| r.try_get(0).map_err(PgError::from))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::database_place;
+
+    /// Rule: what a log line says of the database names its place, never its credentials.
+    #[test]
+    fn a_database_is_named_by_its_place_without_credentials() {
+        assert_eq!(
+            database_place("postgres://tally:s3cret@db.internal:6543/ledger?sslmode=disable"),
+            "db.internal:6543/ledger"
+        );
+        assert_eq!(
+            database_place(
+                "host=127.0.0.1 port=5432 user=postgres password=s3cret dbname=postgres"
+            ),
+            "127.0.0.1:5432/postgres"
+        );
+        assert!(!database_place("postgres://u:s3cret@h/d").contains("s3cret"));
+    }
 }
