@@ -37,7 +37,7 @@ const METHODS: [&str; 8] = [
 #[test]
 fn every_route_is_in_the_spec_and_every_spec_operation_is_a_route() {
     let s = spec();
-    assert_eq!(s["openapi"], "3.1.0");
+    assert_eq!(s["openapi"], "3.2.0");
     let paths = s["paths"].as_object().expect("paths");
     for route in Route::ALL {
         let method = route.method_str().to_lowercase();
