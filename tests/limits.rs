@@ -99,6 +99,366 @@ impl Server {
     }
 }
 
+/// A whole answer read off a raw connection: its status line, header lines (names in lower
+/// case) and body, and whether the server closed the connection after it.
+struct Answer {
+    status: String,
+    headers: Vec<(String, String)>,
+    body: String,
+    closed: bool,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The answer's JSON body.
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("{}: not JSON ({e}): {:?}", self.status, self.body))
+    }
+}
+
+/// Splits the first answer off `bytes`, framed by its `content-length`.
+fn first_answer(bytes: &[u8]) -> Option<(Answer, usize)> {
+    let text = String::from_utf8_lossy(bytes);
+    let head_end = text.find("\r\n\r\n")?;
+    let mut lines = text[..head_end].split("\r\n");
+    let status = lines.next()?.to_string();
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let length: usize = headers
+        .iter()
+        .find(|(n, _)| n == "content-length")
+        .map_or(0, |(_, v)| v.parse().expect("numeric content-length"));
+    let end = head_end + 4 + length;
+    let body = String::from_utf8_lossy(bytes.get(head_end + 4..end)?).into_owned();
+    let answer = Answer {
+        status,
+        headers,
+        body,
+        closed: false,
+    };
+    Some((answer, end))
+}
+
+impl Server {
+    /// Sends `requests` on one connection (written by their own task: a server that refuses
+    /// a head stops reading it, and the rest may never be taken), at once or each after the
+    /// answer to the one before, and reads every answer until the server closes the
+    /// connection. A reset after the answers counts as the close: what counts is what came
+    /// back first.
+    async fn answers(&self, requests: Vec<Vec<u8>>, one_at_a_time: bool) -> Vec<Answer> {
+        let stream = TcpStream::connect(self.addr).await.expect("connect");
+        let (mut rx, mut tx) = stream.into_split();
+        let (answered, mut next) = tokio::sync::mpsc::unbounded_channel::<()>();
+        let writer = tokio::spawn(async move {
+            for request in requests {
+                if tx.write_all(&request).await.is_err() {
+                    break;
+                }
+                if one_at_a_time && next.recv().await.is_none() {
+                    break;
+                }
+            }
+            tx
+        });
+        let (mut got, mut answers) = (Vec::new(), Vec::new());
+        let mut buf = vec![0u8; 64 * 1024];
+        let closed = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            loop {
+                match rx.read(&mut buf).await {
+                    Ok(0) | Err(_) => return true,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                }
+                while let Some((answer, used)) = first_answer(&got) {
+                    answers.push(answer);
+                    got.drain(..used);
+                    let _ = answered.send(());
+                }
+            }
+        })
+        .await
+        .unwrap_or(false);
+        drop(answered);
+        drop(writer.await.expect("writer task"));
+        assert!(got.is_empty(), "bytes after the answers: {got:?}");
+        if let Some(last) = answers.last_mut() {
+            last.closed = closed;
+        }
+        answers
+    }
+
+    /// The one answer to `request`.
+    async fn answer(&self, request: Vec<u8>) -> Answer {
+        let mut answers = self.answers(vec![request], false).await;
+        assert_eq!(answers.len(), 1, "one answer");
+        answers.remove(0)
+    }
+
+    async fn balance(&self, account: uuid::Uuid) -> i64 {
+        let answer = self
+            .answer(
+                format!(
+                    "GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: tally\r\n\
+                     Connection: close\r\n\r\n"
+                )
+                .into_bytes(),
+            )
+            .await;
+        assert!(
+            answer.status.starts_with("HTTP/1.1 200"),
+            "{}",
+            answer.status
+        );
+        answer.json()["balanceCents"].as_i64().expect("a balance")
+    }
+}
+
+/// A deposit of 5 cents to `account`, with `extra` header lines and `target_padding` added
+/// to its target (`&` separators, a query naming no parameter, which the route takes).
+fn deposit(account: uuid::Uuid, target_padding: usize, extra: &str) -> Vec<u8> {
+    let body = r#"{"amountCents":5}"#;
+    format!(
+        "POST /api/accounts/{account}/deposit?{} HTTP/1.1\r\nHost: tally\r\n\
+         Content-Type: application/json\r\nIdempotency-Key: {}\r\n{extra}\
+         Content-Length: {}\r\n\r\n{body}",
+        "&".repeat(target_padding),
+        uuid::Uuid::new_v4(),
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// A balance read of `account`, padded like [`deposit`].
+fn balance_read(account: uuid::Uuid, target_padding: usize, extra: &str) -> Vec<u8> {
+    format!(
+        "GET /api/accounts/{account}/balance?{} HTTP/1.1\r\nHost: tally\r\n{extra}\r\n",
+        "&".repeat(target_padding)
+    )
+    .into_bytes()
+}
+
+/// Asserts `answer` is the API's JSON refusal `status`/`code`, closing its connection.
+fn assert_refused(answer: &Answer, status: &str, code: &str, what: &str) {
+    assert_eq!(answer.status, format!("HTTP/1.1 {status}"), "{what}");
+    assert_eq!(
+        answer.header("content-type"),
+        Some("application/json"),
+        "{what}"
+    );
+    assert_eq!(answer.json()["error"], code, "{what}: {}", answer.body);
+    assert!(answer.json()["message"].is_string(), "{what}");
+    assert_eq!(answer.header("connection"), Some("close"), "{what}");
+    assert!(
+        answer.closed,
+        "{what}: the connection is closed after the answer"
+    );
+}
+
+/// Rule (RFC 9110, 15.5.15): a request line that alone passes the head limit is answered
+/// 414 `URI_TOO_LONG` in the API's JSON error shape (not hyper's empty 431), on a route
+/// that writes as on one that reads, and on a path no route serves; nothing is written and
+/// the connection is closed after the answer.
+#[tokio::test]
+async fn a_request_line_over_the_head_limit_is_414_in_json_and_writes_nothing() {
+    let server = Server::start(&[]).await;
+    let account = uuid::Uuid::new_v4();
+    let long_path = format!(
+        "GET /{} HTTP/1.1\r\nHost: tally\r\n\r\n",
+        "a".repeat(20_000)
+    );
+    for (what, request) in [
+        ("a deposit", deposit(account, 20_000, "")),
+        ("a balance read", balance_read(account, 20_000, "")),
+        ("a 20,000-character path", long_path.into_bytes()),
+        // Just over: the request line alone is the limit's length.
+        (
+            "a deposit just over",
+            deposit(account, DEFAULT_MAX_HEADER_BYTES, ""),
+        ),
+    ] {
+        let answer = server.answer(request).await;
+        assert_refused(&answer, "414 URI Too Long", "URI_TOO_LONG", what);
+    }
+    assert_eq!(server.balance(account).await, 0, "nothing was written");
+    // Under the limit, the same deposit is served.
+    let answer = server
+        .answer(deposit(account, 1_000, "Connection: close\r\n"))
+        .await;
+    assert!(answer.status.starts_with("HTTP/1.1 200"), "{}", answer.body);
+    server.shutdown().await;
+}
+
+/// Rule: header fields that take a head past the limit (or more than 100 of them) are
+/// answered 431 `HEADERS_TOO_LARGE` in the API's JSON error shape, on a route that writes
+/// as on one that reads; nothing is written and the connection is closed after the answer.
+#[tokio::test]
+async fn header_fields_over_the_head_limit_are_431_in_json_and_write_nothing() {
+    let server = Server::start(&[]).await;
+    let account = uuid::Uuid::new_v4();
+    let padding = format!("X-Padding: {}\r\n", "a".repeat(20_000));
+    let many: String = (0..101).map(|i| format!("X-Field-{i}: x\r\n")).collect();
+    for (what, request) in [
+        ("a deposit", deposit(account, 0, &padding)),
+        ("a balance read", balance_read(account, 0, &padding)),
+        ("a deposit with 101 fields", deposit(account, 0, &many)),
+        (
+            "a balance read with 101 fields",
+            balance_read(account, 0, &many),
+        ),
+        // A request line of most of the limit, its fields taking it over.
+        (
+            "a long line, then fields",
+            deposit(account, 16_000, &"X-A: b\r\n".repeat(100)),
+        ),
+    ] {
+        let answer = server.answer(request).await;
+        assert_refused(
+            &answer,
+            "431 Request Header Fields Too Large",
+            "HEADERS_TOO_LARGE",
+            what,
+        );
+    }
+    assert_eq!(server.balance(account).await, 0, "nothing was written");
+    server.shutdown().await;
+}
+
+/// Rule: `--max-header-bytes` sets where 414 and 431 begin, below hyper's smallest read
+/// buffer too (a head that arrives whole and is over the limit).
+#[tokio::test]
+async fn the_414_and_431_follow_the_head_limit_flag() {
+    let server = Server::start(&["--max-header-bytes", "2048"]).await;
+    let account = uuid::Uuid::new_v4();
+    let answer = server.answer(deposit(account, 3_000, "")).await;
+    assert_refused(&answer, "414 URI Too Long", "URI_TOO_LONG", "line");
+    let padding = format!("X-Padding: {}\r\n", "a".repeat(3_000));
+    let answer = server.answer(balance_read(account, 0, &padding)).await;
+    let what = "fields";
+    assert_refused(
+        &answer,
+        "431 Request Header Fields Too Large",
+        "HEADERS_TOO_LARGE",
+        what,
+    );
+    assert_eq!(server.balance(account).await, 0, "nothing was written");
+    server.shutdown().await;
+}
+
+/// Rule: the admin address (`--admin-listen`) answers an over-long head in the same JSON
+/// shape.
+#[tokio::test]
+async fn the_admin_address_refuses_an_over_long_head_in_json() {
+    let config = Config::parse_from(["tally", "--listen", "127.0.0.1:0"]);
+    let app: Arc<App> = App::builder(config).build().await.expect("app builds");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(tally::http::serve_admin(app, listener, async {
+        let _ = stopped.await;
+    }));
+    let admin = Server { addr, stop, task };
+    let long_line = format!(
+        "GET /metrics?{} HTTP/1.1\r\nHost: t\r\n\r\n",
+        "&".repeat(20_000)
+    );
+    let answer = admin.answer(long_line.into_bytes()).await;
+    assert_refused(&answer, "414 URI Too Long", "URI_TOO_LONG", "admin, line");
+    let padding = format!("X-Padding: {}\r\n", "a".repeat(20_000));
+    let fields = format!("GET /metrics HTTP/1.1\r\nHost: t\r\n{padding}\r\n");
+    let answer = admin.answer(fields.into_bytes()).await;
+    let what = "admin, fields";
+    assert_refused(
+        &answer,
+        "431 Request Header Fields Too Large",
+        "HEADERS_TOO_LARGE",
+        what,
+    );
+    admin.shutdown().await;
+}
+
+/// Rule: on a connection that already carried requests, bodies framed by length and by
+/// chunks among them, a head over the limit is still told apart by its request line: the
+/// requests before it are answered first, in order, and it gets its own JSON refusal. A
+/// body with long lines and blank lines in it is never taken for a head.
+#[tokio::test]
+async fn a_head_over_the_limit_after_requests_on_its_connection_is_refused_in_turn() {
+    let server = Server::start(&[]).await;
+    let account = uuid::Uuid::new_v4();
+    // 20,000 bytes of JSON whitespace with blank lines in it, then a long line.
+    let mut body = String::from(r#"{"amountCents":5}"#);
+    body.push_str("\r\n\r\n\n\n");
+    body.push_str(&" ".repeat(20_000));
+    let by_length = || {
+        format!(
+            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+             Content-Type: application/json\r\nIdempotency-Key: {}\r\n\
+             content-length: {}\r\n\r\n{body}",
+            uuid::Uuid::new_v4(),
+            body.len()
+        )
+    };
+    let chunks: String = body
+        .as_bytes()
+        .chunks(7_000)
+        .map(|c| format!("{:X};ext=1\r\n{}\r\n", c.len(), String::from_utf8_lossy(c)))
+        .collect();
+    let by_chunks = || {
+        format!(
+            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+             Content-Type: application/json\r\nIdempotency-Key: {}\r\n\
+             Transfer-Encoding: chunked\r\n\r\n{chunks}0\r\nX-Trailer: t\r\n\r\n",
+            uuid::Uuid::new_v4(),
+        )
+    };
+    let padding = format!("X-Padding: {}\r\n", "a".repeat(20_000));
+    for (last, status, code) in [
+        (
+            deposit(account, 20_000, ""),
+            "414 URI Too Long",
+            "URI_TOO_LONG",
+        ),
+        (
+            balance_read(account, 0, &padding),
+            "431 Request Header Fields Too Large",
+            "HEADERS_TOO_LARGE",
+        ),
+    ] {
+        // Sent at once (pipelined), and one at a time on a kept-alive connection.
+        for one_at_a_time in [false, true] {
+            let requests = vec![
+                by_length().into_bytes(),
+                by_chunks().into_bytes(),
+                last.clone(),
+            ];
+            let answers = server.answers(requests, one_at_a_time).await;
+            let what = format!("{code}, one at a time: {one_at_a_time}");
+            assert_eq!(answers.len(), 3, "{what}: every request answered");
+            for answer in &answers[..2] {
+                assert!(
+                    answer.status.starts_with("HTTP/1.1 200"),
+                    "{what}: {}",
+                    answer.body
+                );
+            }
+            assert_refused(&answers[2], status, code, &what);
+        }
+    }
+    assert_eq!(
+        server.balance(account).await,
+        4 * 2 * 5,
+        "the deposits before, and only they"
+    );
+    server.shutdown().await;
+}
+
 /// Rule: a request head over the named limit is answered 431, however far under hyper's own
 /// buffer limit it is; a normal request on the same server is still served.
 #[tokio::test]

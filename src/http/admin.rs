@@ -12,6 +12,7 @@ use tokio::net::TcpListener;
 
 use super::ACCEPT_ERROR_PAUSE;
 use super::error::ApiError;
+use super::head::HeadGuard;
 use super::router::{self, Route};
 use super::write_stall::{StallLimited, WriteStall};
 use crate::app::App;
@@ -49,7 +50,8 @@ pub async fn serve_admin(app: Arc<App>, listener: TcpListener, shutdown: impl Fu
             app.config.write_stall(),
             app.metrics.http_write_stalls.clone(),
         );
-        let io = TokioIo::new(StallLimited::new(stream, stall));
+        let io = StallLimited::new(stream, stall);
+        let io = TokioIo::new(HeadGuard::new(io, app.config.max_header_bytes));
         let app = app.clone();
         let svc = service_fn(move |req| {
             let app = app.clone();

@@ -24,6 +24,15 @@ pub enum ApiError {
     BadRequest { code: &'static str, message: String },
     #[error("request body exceeds {limit} bytes")]
     PayloadTooLarge { limit: usize },
+    /// 414: a request line over the head limit (`--max-header-bytes`). Answered in place of
+    /// hyper's own refusal, before there is a request to route (`super::head`); no handler
+    /// returns it.
+    #[error("{0}")]
+    UriTooLong(String),
+    /// 431: header fields over the head limit, or more than hyper's 100 of them; answered
+    /// like [`ApiError::UriTooLong`].
+    #[error("{0}")]
+    HeadersTooLarge(String),
     #[error("no route for {path}")]
     NotFound { path: String },
     /// `route` is the path's template, for the request's metrics and log line.
@@ -102,6 +111,8 @@ impl ApiError {
         match self {
             ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::UriTooLong(_) => StatusCode::URI_TOO_LONG,
+            ApiError::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -131,6 +142,8 @@ impl ApiError {
             | ApiError::RetryLater { code, .. } => code,
             ApiError::RateLimited { .. } => "RATE_LIMITED",
             ApiError::PayloadTooLarge { .. } => "PAYLOAD_TOO_LARGE",
+            ApiError::UriTooLong(_) => "URI_TOO_LONG",
+            ApiError::HeadersTooLarge(_) => "HEADERS_TOO_LARGE",
             ApiError::NotFound { .. } => "NOT_FOUND",
             ApiError::MethodNotAllowed { .. } => "METHOD_NOT_ALLOWED",
             ApiError::UnsupportedMediaType(_) => "UNSUPPORTED_MEDIA_TYPE",

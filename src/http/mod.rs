@@ -10,6 +10,7 @@ mod console;
 mod devices;
 pub mod error;
 pub mod gate;
+pub mod head;
 pub mod idempotency;
 pub mod openapi;
 mod ops;
@@ -61,9 +62,9 @@ fn http1_builder(config: &crate::config::Config) -> http1::Builder {
         // closed the connection unanswered, even while the request's write went on and
         // landed (found black-box).
         .half_close(true)
-        // hyper answers a head longer than this 431 and closes the connection (without it,
-        // only its ~400 KB read-buffer limit applies). More than 100 headers is a 431 too,
-        // hyper's default.
+        // hyper refuses a head longer than this and closes the connection (without it, only
+        // its ~400 KB read-buffer limit applies); more than 100 headers too, hyper's default.
+        // Its empty 431 is answered in the API's shape by `head::HeadGuard`.
         .max_header_size(config.max_header_bytes)
         // The read buffer's cap: without it hyper grows a connection's buffer to ~400 KB
         // while its client keeps pipelined requests waiting, and never shrinks it (found in
@@ -101,7 +102,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
                 let (app, edge) = (app.clone(), edge.clone());
                 let (io, gated) =
                     gate::GatedIo::new(stream, edge.gate.clone(), app.config.write_stall());
-                let io = TokioIo::new(io);
+                let io = TokioIo::new(head::HeadGuard::new(io, app.config.max_header_bytes));
                 let svc = service_fn(move |mut req: Request<Incoming>| {
                     let (app, edge, gated) = (app.clone(), edge.clone(), gated.clone());
                     let serving = gated.serve();

@@ -431,13 +431,17 @@ fn end(reason: &EndReason) -> (&'static str, serde_json::Value) {
 }
 
 #[cfg(test)]
+#[path = "watch_spec.rs"]
+mod spec;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use http_body_util::BodyExt;
     use uuid::Uuid;
 
     /// A stream's body over `items`, with no token, key or gate.
-    fn body(items: mpsc::Receiver<Item>) -> SseBody {
+    pub(super) fn body(items: mpsc::Receiver<Item>) -> SseBody {
         resumed_body(items, None)
     }
 
@@ -454,7 +458,7 @@ mod tests {
         }
     }
 
-    async fn text(body: SseBody) -> String {
+    pub(super) async fn text(body: SseBody) -> String {
         let bytes = body.collect().await.expect("infallible").to_bytes();
         String::from_utf8(bytes.to_vec()).expect("utf-8")
     }
