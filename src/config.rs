@@ -42,7 +42,8 @@ pub const DEFAULT_MAX_CONCURRENT_REQUESTS: usize = DEFAULT_MAX_QUEUED_WRITES_PER
 /// How long shutdown waits for in-flight requests, unless configured.
 pub const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 10;
 /// The most bytes of one request's head (request line and headers) read, unless
-/// configured; a longer head is answered 431 and its connection closed. Tally's own
+/// configured; a longer head is answered 414 (its request line alone passes the limit) or 431,
+/// in the API's JSON error shape, and its connection closed. Tally's own
 /// headers (an Idempotency-Key, a content type) take well under 1 KiB, proxies add a few
 /// hundred bytes; 16 KiB leaves room for tracing and auth headers without letting every
 /// connection pin hyper's ~400 KB read buffer.
@@ -240,7 +241,8 @@ pub struct Config {
     #[arg(long, env = "TALLY_MAX_INDEX_ENTRIES", default_value_t = DEFAULT_MAX_INDEX_ENTRIES)]
     pub max_index_entries: usize,
 
-    /// Most bytes of a request's line and headers; a longer head is answered 431.
+    /// Most bytes of a request's line and headers; a longer head is answered 414 (the request
+    /// line alone passes it) or 431.
     #[arg(long, env = "TALLY_MAX_HEADER_BYTES", default_value_t = DEFAULT_MAX_HEADER_BYTES)]
     pub max_header_bytes: usize,
 

@@ -166,7 +166,7 @@ fn init_tracing(format: LogFormat) {
 
 // mimalloc instead of glibc's malloc: under load from many connections on two cores, glibc's
 // arena locks and chunk consolidation showed in profiles (`__lll_lock_wait_private`,
-// `malloc_consolidate`), frees crossing worker threads; BENCHMARKS.md ("Overload, session
-// 6") has the before and after.
+// `malloc_consolidate`), frees crossing worker threads; docs/benchmarks-history.md
+// ("Overload") has the before and after.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

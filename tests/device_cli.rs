@@ -8,7 +8,9 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+#[path = "common/test_dir.rs"]
+mod test_dir;
+
 use std::process::{Output, Stdio};
 use std::sync::Arc;
 
@@ -27,6 +29,7 @@ use tally::device::protocol::SyncRequest;
 use tally::device::server::{DeviceSync, DeviceSyncError};
 use tally::store::memory::MemoryLog;
 use tally::store::{ReadFilter, SharedLog};
+use test_dir::TestDir;
 use tokio::sync::oneshot;
 
 const BIN: &str = env!("CARGO_BIN_EXE_tally-device");
@@ -34,28 +37,6 @@ const ACCOUNT_A: &str = "00000000-0000-0000-0000-00000000000a";
 const ACCOUNT_B: &str = "00000000-0000-0000-0000-00000000000b";
 /// Largest request body the test server reads.
 const MAX_BODY: usize = 1 << 20;
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "tally-device-cli-{name}-{}-{}",
-            std::process::id(),
-            uuid::Uuid::new_v4().simple()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
 
 /// Holds the next answer back: signals once the run is applied, answers once released.
 struct Pause {
@@ -159,7 +140,7 @@ async fn serve() -> Server {
 
 /// One device: its outbox, the server, and what it has recorded.
 struct Device {
-    dir: TempDir,
+    dir: TestDir,
     server: Server,
     recorded: BTreeMap<&'static str, Vec<(u64, &'static str, i64)>>,
 }
@@ -168,7 +149,7 @@ impl Device {
     fn command(&self, args: &[&str], crash: Option<&str>) -> tokio::process::Command {
         let mut cmd = tokio::process::Command::new(BIN);
         cmd.arg("--outbox")
-            .arg(self.dir.0.join("outbox.sqlite"))
+            .arg(self.dir.join("outbox.sqlite"))
             .args(args)
             .env_remove(CRASH_ENV)
             .env_remove("TALLY_DEVICE_OUTBOX")
@@ -293,7 +274,7 @@ fn crashed(out: &Output) -> bool {
 
 async fn device(name: &str) -> Device {
     let d = Device {
-        dir: TempDir::new(name),
+        dir: TestDir::new(&format!("device-cli-{name}")),
         server: serve().await,
         recorded: BTreeMap::new(),
     };
@@ -440,10 +421,10 @@ async fn the_cli_refuses_transfers_and_bad_input_and_records_nothing() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("transfers are not recorded offline"));
     assert_eq!(d.status().await["pending"], 0);
 
-    let elsewhere = TempDir::new("uninitialised");
+    let elsewhere = TestDir::new("device-cli-uninitialised");
     let out = tokio::process::Command::new(BIN)
         .arg("--outbox")
-        .arg(elsewhere.0.join("none.sqlite"))
+        .arg(elsewhere.join("none.sqlite"))
         .args(["record", "deposit", ACCOUNT_A, "5"])
         .output()
         .await
@@ -451,7 +432,7 @@ async fn the_cli_refuses_transfers_and_bad_input_and_records_nothing() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("tally-device init"));
     assert!(
-        !elsewhere.0.join("none.sqlite").exists(),
+        !elsewhere.join("none.sqlite").exists(),
         "no outbox is created implicitly"
     );
 }

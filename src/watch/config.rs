@@ -4,7 +4,7 @@ use std::time::Duration;
 
 /// Watch streams (both routes together) one replica serves at once, unless configured.
 /// An open stream costs a task, two small channels and a connection (measured in
-/// BENCHMARKS.md, "Watch stream"); the connection cap (`--max-connections`) bounds it too.
+/// BENCHMARKS.md, the watch rows); the connection cap (`--max-connections`) bounds it too.
 pub const DEFAULT_MAX_SUBSCRIBERS: usize = 2048;
 /// Streams on one account at once, unless configured: a hot account cannot take every slot.
 pub const DEFAULT_MAX_PER_ACCOUNT: usize = 256;

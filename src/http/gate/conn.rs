@@ -39,9 +39,9 @@
 //! then wakes the task, once, to read. Under overload nearly every request waits at the
 //! gate; waking its task just to queue it would touch the connection's state (task, hyper's
 //! buffers) twice per request, and at a thousand connections that state is cold. No timer
-//! per wait either: the gate's ticker lets the expired ones through. Measured (BENCHMARKS.md,
-//! "Overload, session 7"): about 6% less server CPU per request at 1,500 connections than
-//! waking the task to wait on a semaphore with a timeout.
+//! per wait either: the gate's ticker lets the expired ones through. Measured
+//! (docs/benchmarks-history.md, "Overload"): about 6% less server CPU per request at 1,500
+//! connections than waking the task to wait on a semaphore with a timeout.
 
 use std::future::{Future, poll_fn};
 use std::io;
