@@ -69,6 +69,7 @@ fn one_of_each() -> Vec<ApiError> {
         ApiError::bad_request("INVALID_ID", "x"),
         ApiError::PayloadTooLarge { limit: 1 },
         ApiError::NotFound { path: "/x".into() },
+        ApiError::AccountNotFound("x".into()),
         ApiError::MethodNotAllowed {
             allow: "GET",
             route: "/healthz",
@@ -126,6 +127,7 @@ fn variant(e: &ApiError) -> usize {
         ApiError::Forbidden { .. } => 15,
         ApiError::RateLimited { .. } => 16,
         ApiError::RetryLater { .. } => 17,
+        ApiError::AccountNotFound(_) => 18,
     }
 }
 
@@ -202,9 +204,11 @@ fn status_of_response(r: &Value) -> u16 {
 fn every_status_the_code_answers_is_documented_and_no_other() {
     let errors = one_of_each();
     let listed: BTreeSet<usize> = errors.iter().map(variant).collect();
-    assert_eq!(listed.len(), 18, "one sample of each ApiError variant");
+    assert_eq!(listed.len(), 19, "one sample of each ApiError variant");
     let mut code: BTreeSet<u16> = errors.iter().map(|e| e.status().as_u16()).collect();
     code.insert(200);
+    // An open's answer (`POST /api/accounts`).
+    code.insert(201);
     assert_eq!(
         spec_statuses(&spec()),
         code,

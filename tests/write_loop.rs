@@ -1042,12 +1042,14 @@ async fn a_transfer_retried_after_a_lost_ack_lands_both_legs_exactly_once() {
                 expected_version: Some(1),
                 seqs: vec![2],
                 event_ids: vec![Some(E1)],
+                allow_create: true,
             },
             LegRecord {
                 key: env.key(to),
                 expected_version: Some(0),
                 seqs: vec![1],
                 event_ids: vec![Some(E1)],
+                allow_create: true,
             },
         ]
     );

@@ -26,6 +26,10 @@ pub enum ApiError {
     PayloadTooLarge { limit: usize },
     #[error("no route for {path}")]
     NotFound { path: String },
+    /// 404 `ACCOUNT_NOT_FOUND`: accounts are explicit and the account named was never
+    /// opened. Nothing was written.
+    #[error("{0}")]
+    AccountNotFound(String),
     /// `route` is the path's template, for the request's metrics and log line.
     #[error("method not allowed; allowed: {allow}")]
     MethodNotAllowed {
@@ -102,7 +106,7 @@ impl ApiError {
         match self {
             ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::NotFound { .. } | ApiError::AccountNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Validation(_)
@@ -132,6 +136,7 @@ impl ApiError {
             ApiError::RateLimited { .. } => "RATE_LIMITED",
             ApiError::PayloadTooLarge { .. } => "PAYLOAD_TOO_LARGE",
             ApiError::NotFound { .. } => "NOT_FOUND",
+            ApiError::AccountNotFound(_) => "ACCOUNT_NOT_FOUND",
             ApiError::MethodNotAllowed { .. } => "METHOD_NOT_ALLOWED",
             ApiError::UnsupportedMediaType(_) => "UNSUPPORTED_MEDIA_TYPE",
             ApiError::Validation(_) => "VALIDATION_ERROR",
@@ -232,7 +237,9 @@ impl From<DeviceSyncError> for ApiError {
     fn from(e: DeviceSyncError) -> Self {
         let code = e.code();
         let message = e.to_string();
-        if e.is_invalid_request() {
+        if let DeviceSyncError::AccountNotFound(_) = e {
+            ApiError::AccountNotFound(message)
+        } else if e.is_invalid_request() {
             ApiError::Unprocessable { code, message }
         } else if e.is_conflict() {
             ApiError::StoreConflict { code, message }
@@ -249,6 +256,13 @@ impl From<RuleError> for ApiError {
         match e {
             RuleError::InsufficientFunds { balance } => ApiError::InsufficientFunds { balance },
             RuleError::Validation(_) | RuleError::Overflow => ApiError::Validation(e.to_string()),
+            RuleError::AccountNotFound { .. } => ApiError::AccountNotFound(e.to_string()),
+            // Final: the open is decided on state that reached the store's tip, and a retry
+            // of the open that landed is replayed before anything is decided.
+            RuleError::AccountExists { .. } => ApiError::StoreConflict {
+                code: "ACCOUNT_EXISTS",
+                message: e.to_string(),
+            },
         }
     }
 }
@@ -292,6 +306,7 @@ impl From<ReadError> for ApiError {
                 message: e.to_string(),
             },
             ReadError::Store(s) => s.into(),
+            ReadError::AccountNotFound { .. } => ApiError::AccountNotFound(e.to_string()),
         }
     }
 }
@@ -384,6 +399,18 @@ mod tests {
             ),
             (WriteError::CrossShard, 500),
             (
+                WriteError::Rule(RuleError::AccountNotFound {
+                    account: AccountId(Uuid::from_u128(1)),
+                }),
+                404,
+            ),
+            (
+                WriteError::Rule(RuleError::AccountExists {
+                    account: AccountId(Uuid::from_u128(1)),
+                }),
+                409,
+            ),
+            (
                 WriteError::Store(StoreError::NotApplied {
                     reason: "down".into(),
                 }),
@@ -445,6 +472,11 @@ mod tests {
                 "ACCOUNT_TRIMMED",
             ),
             (ReadError::Store(StoreError::CrossShard), 500, "CROSS_SHARD"),
+            (
+                ReadError::AccountNotFound { account },
+                404,
+                "ACCOUNT_NOT_FOUND",
+            ),
             (
                 ReadError::Store(StoreError::NotApplied {
                     reason: "down".into(),

@@ -18,7 +18,7 @@ use super::decide::{self, Candidate, NeedsCurrentState, Verdict};
 use super::service::{WriteService, invariant};
 use super::{Answer, WriteError, WriteRequest};
 use crate::account::rules::Legs;
-use crate::account::{AccountId, Operation};
+use crate::account::{AccountId, AccountsMode, Operation, Standing};
 use crate::metrics::arm;
 use crate::projection::{AccountView, Loaded, MAX_OWN_CLIENT_SEQ, ProjectionError, Snapshot};
 use crate::store::StoreError;
@@ -297,15 +297,22 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// Whether the run is one account's deposits only: the one shape a first touch
-    /// ([`Projection::first_touch`]) decides without a balance, so it never refuses on it.
-    fn deposits_only(&self) -> bool {
+    /// Whether the run is one account's deposits (accounts implicit) or an open: the shapes
+    /// a first touch ([`Projection::first_touch`]) decides without a read, since the empty
+    /// state it assumes never refuses them. With explicit accounts a deposit needs the
+    /// account to exist, which an empty state denies: it reads first.
+    fn first_touch_fits(&self) -> bool {
+        let implicit = self.svc.config.accounts == AccountsMode::Implicit;
         self.accounts.len() == 1
             && self
                 .members
                 .iter()
                 .filter(|m| !m.is_done())
-                .all(|m| matches!(m.req.op, Operation::Deposit { .. }))
+                .all(|m| match m.req.op {
+                    Operation::Deposit { .. } => implicit,
+                    Operation::Open { .. } => true,
+                    _ => false,
+                })
     }
 
     /// The event ids of unanswered members with a leg on account `ai`: what its load looks
@@ -336,7 +343,7 @@ impl<'a> Run<'a> {
                         self.db_round_trips += loaded.db_statements;
                         local.push(loaded);
                     }
-                    Ok(None) if !self.first_touch_spent && self.deposits_only() => {
+                    Ok(None) if !self.first_touch_spent && self.first_touch_fits() => {
                         match projection.first_touch(self.accounts[ai].account) {
                             Some(loaded) => {
                                 self.first_touch = true;
@@ -453,8 +460,16 @@ impl<'a> Run<'a> {
                 }
             })
             .collect();
-        let balances: Vec<i64> = self.accounts.iter().map(|t| t.snap.balance).collect();
-        let verdicts = match decide::decide(&balances, &candidates, false) {
+        let standings: Vec<Standing> = self
+            .accounts
+            .iter()
+            .map(|t| Standing {
+                balance: t.snap.balance,
+                exists: t.snap.version > 0,
+            })
+            .collect();
+        let mode = self.svc.config.accounts;
+        let verdicts = match decide::decide(&standings, &candidates, false, mode) {
             Ok(verdicts) => verdicts,
             Err(NeedsCurrentState) => {
                 // Only a catch-up that reached the store's tip is current: not the local
@@ -463,7 +478,7 @@ impl<'a> Run<'a> {
                 if !caught_up || !self.reached_tip().await {
                     return None;
                 }
-                decide::decide(&balances, &candidates, true).ok()?
+                decide::decide(&standings, &candidates, true, mode).ok()?
             }
         };
         let mut batch = Vec::with_capacity(open.len());
