@@ -130,6 +130,9 @@ pub(super) struct Run<'a> {
     /// A write of this run bounced off the version guard (2003): the store answered, and
     /// the state it was decided on is behind.
     bounced: bool,
+    /// A rule refused a request on the replica's copy, which cannot make a refusal final:
+    /// only a read of the store can (and the copy may be behind it).
+    refused_on_copy: bool,
 }
 
 impl<'a> Run<'a> {
@@ -186,6 +189,7 @@ impl<'a> Run<'a> {
             first_touch_spent: false,
             read_the_store: false,
             bounced: false,
+            refused_on_copy: false,
         }
     }
 
@@ -398,10 +402,14 @@ impl<'a> Run<'a> {
     /// 1`, one write by another replica or one lost ack made every later write to the
     /// account a 409 until something read it). One catch-up, within the deadline, brings
     /// the copies to the store; its outcome does not change this run's answer. Only after a
-    /// bounce: the store answered just now, and the copy is known to be behind (a run that
-    /// could not reach the store would only add a read to an outage).
+    /// bounce (the store answered just now, and the copy is known to be behind), or after a
+    /// rule refused on the copy, which no attempt could settle without reading (with
+    /// explicit accounts, a copy that still shows an account another replica has opened
+    /// since refused every write to it); never for a run that could not reach the store,
+    /// which would only add a read to an outage.
     async fn refresh_unread_copies(&mut self, deadline: Instant) {
-        if !self.bounced || self.read_the_store || Instant::now() >= deadline {
+        let behind = self.bounced || self.refused_on_copy;
+        if !behind || self.read_the_store || Instant::now() >= deadline {
             return;
         }
         let _ = tokio::time::timeout_at(deadline, self.load_state(false)).await;
@@ -475,6 +483,7 @@ impl<'a> Run<'a> {
                 // Only a catch-up that reached the store's tip is current: not the local
                 // fold, and not a read a lagging replica left behind (it may hide this very
                 // request, landed by an earlier attempt).
+                self.refused_on_copy |= !caught_up;
                 if !caught_up || !self.reached_tip().await {
                     return None;
                 }
