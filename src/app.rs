@@ -163,8 +163,8 @@ impl AppBuilder {
             }
         });
         let writes = Arc::new(WriteService::new(projection.clone(), config.write()));
-        let reader = AccountReader::new(projection.clone());
-        let devices = DeviceSync::new(log.clone(), identity);
+        let reader = AccountReader::new(projection.clone()).with_accounts(config.accounts);
+        let devices = DeviceSync::new(log.clone(), identity).with_accounts(config.accounts);
         let watch = Hub::new(projection.clone(), metrics.clone(), config.watch.clone());
         // Each step is tried once before this returns (or for `FIRST_ATTEMPTS_WAIT`), so a
         // healthy store starts ready; a store that is down, faulty or slow at boot does not

@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use uuid::Uuid;
 
-use crate::account::{Identity, named_id};
+use crate::account::{AccountsMode, Identity, named_id};
 // Authentication, rate limits and the admin listener (issue 17).
 use crate::auth::rate::{DEFAULT_BURST_PER_CALLER, DEFAULT_RATE_PER_CALLER};
 use crate::auth::{
@@ -334,6 +334,14 @@ pub struct Config {
     /// request. Both projections.
     #[arg(long, env = "TALLY_IDEMPOTENCY_SCAN_WINDOW", default_value_t = 0)]
     pub idempotency_scan_window: u64,
+
+    /// Which ids take writes. `implicit`: every id is an account, created by its first
+    /// write, as in the replaced service (keep it while that service shares the fleet).
+    /// `explicit`: an account must exist (opened with `POST /api/accounts`, or written
+    /// before); a write, transfer leg, device run, balance or history of any other id is a
+    /// 404 `ACCOUNT_NOT_FOUND` and writes nothing.
+    #[arg(long = "accounts", env = "TALLY_ACCOUNTS", value_enum, default_value_t = AccountsMode::Implicit)]
+    pub accounts: AccountsMode,
 }
 
 /// Where the projection lives (issue 14). One setting for cursor and index together: the
@@ -679,6 +687,7 @@ impl Config {
             max_batch_events: self.max_batch_events,
             max_live_writes: self.max_live_writes,
             max_queued_per_account: self.max_queued_writes_per_account,
+            accounts: self.accounts,
         }
     }
 }

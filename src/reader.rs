@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::account::{AccountEvent, AccountId};
+use crate::account::{AccountEvent, AccountId, AccountsMode};
 use crate::projection::{Loaded, Projection, ProjectionError, Snapshot};
 use crate::store::{BatchStream, ReadFilter, StoreError};
 
@@ -132,6 +132,9 @@ pub enum ReadError {
         "the store says the account is at version {version}, but its reads show none of its events yet; retry"
     )]
     StoreHidesEvents { version: u64 },
+    /// Accounts are explicit and the store has no stream for this one: it was never opened.
+    #[error("account {account} was never opened")]
+    AccountNotFound { account: AccountId },
 }
 
 impl From<ProjectionError> for ReadError {
@@ -162,11 +165,22 @@ impl From<ProjectionError> for ReadError {
 /// Answers balance and history reads from this replica's fold and the store.
 pub struct AccountReader {
     projection: Arc<Projection>,
+    accounts: AccountsMode,
 }
 
 impl AccountReader {
+    /// A reader for implicit accounts: an account with no event reads as empty.
     pub fn new(projection: Arc<Projection>) -> Self {
-        Self { projection }
+        Self {
+            projection,
+            accounts: AccountsMode::Implicit,
+        }
+    }
+
+    /// With explicit accounts an account with no event is [`ReadError::AccountNotFound`].
+    pub fn with_accounts(mut self, accounts: AccountsMode) -> Self {
+        self.accounts = accounts;
+        self
     }
 
     /// The account's balance. With `min_version`, at that version or newer: read-your-writes
@@ -229,13 +243,17 @@ impl AccountReader {
 
     /// An account whose reads showed no event at all (`version` 0) is asked about once more,
     /// by the store's details: one that does not exist is answered as such (balance 0 at
-    /// version 0); one the store says exists is a read that hides its events, and retryable.
-    /// Costs a round trip only for accounts that look new.
+    /// version 0, or [`ReadError::AccountNotFound`] with explicit accounts); one the store
+    /// says exists is a read that hides its events, and retryable. Costs a round trip only
+    /// for accounts that look new.
     async fn confirm_empty(&self, account: AccountId, version: u64) -> Result<(), ReadError> {
         if version > 0 {
             return Ok(());
         }
         match self.projection.store_version(account).await? {
+            0 if self.accounts == AccountsMode::Explicit => {
+                Err(ReadError::AccountNotFound { account })
+            }
             0 => Ok(()),
             version => Err(ReadError::StoreHidesEvents { version }),
         }

@@ -63,6 +63,7 @@ macro_rules! conformance_suite {
             multi_aggregate_write_fails_whole_when_one_leg_fails_the_version_guard,
             multi_aggregate_write_fails_whole_when_one_leg_fails_idempotency,
             multi_aggregate_write_fails_whole_when_one_leg_is_missing,
+            a_write_refused_for_a_missing_aggregate_moves_no_mark,
             failed_create_leaves_no_aggregate_behind,
             empty_write_is_rejected_with_code_2000,
             event_type_major_zero_is_rejected_with_code_2001,
@@ -602,6 +603,23 @@ mod rules {
             .await;
         assert_eq!(got, Err(StoreError::AggregateNotFound));
         assert_eq!(versions(&log, a).await, vec![1]);
+    }
+
+    /// A device's run refused because its account does not exist yet (explicit accounts)
+    /// is sent again, the same sequences, once the account is opened: the refusal must
+    /// not have used them.
+    pub async fn a_write_refused_for_a_missing_aggregate_moves_no_mark(log: SharedLog, k: Keys) {
+        let (key, device, service) = (k.key(), k.client(), k.client());
+        let mut run = write(key, &[1, 2], None, true);
+        run.allow_create = false;
+        assert_eq!(
+            log.write(device, vec![run.clone()]).await,
+            Err(StoreError::AggregateNotFound)
+        );
+        log.write(service, vec![write(key, &[1], Some(0), true)])
+            .await
+            .expect("opened by another writer");
+        assert_eq!(log.write(device, vec![run]).await, Ok(vec![2]));
     }
 
     pub async fn failed_create_leaves_no_aggregate_behind(log: SharedLog, k: Keys) {

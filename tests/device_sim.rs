@@ -85,7 +85,9 @@ fn recorded_of(op: &Operation) -> (AccountId, Kind, i64) {
     match *op {
         Operation::Deposit { account, amount } => (account, Kind::Deposit, amount.get()),
         Operation::Withdraw { account, amount } => (account, Kind::Withdraw, amount.get()),
-        Operation::Transfer { .. } => unreachable!("the simulation records no transfers"),
+        Operation::Transfer { .. } | Operation::Open { .. } => {
+            unreachable!("the simulation records deposits and withdrawals only")
+        }
     }
 }
 

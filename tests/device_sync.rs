@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tally::account::{AccountId, AmountCents, Identity, Operation};
+use tally::account::{AccountEvent, AccountId, AccountsMode, AmountCents, Identity, Operation};
 use tally::device::crash::{Crashed, Hooks, NoHooks, Step};
 use tally::device::outbox::Outbox;
 use tally::device::server::DeviceSync;
@@ -16,7 +16,7 @@ use tally::device::sync::{StopReason, SyncLoop, SyncOptions};
 use tally::device::transport::InProcessTransport;
 use tally::store::faults::{Fault, FaultConfig, FaultyLog};
 use tally::store::memory::MemoryLog;
-use tally::store::{ReadFilter, SharedLog};
+use tally::store::{AggregateWrite, Event, ReadFilter, SharedLog};
 use test_dir::TestDir;
 
 /// A test's directory, and the outbox file in it.
@@ -221,4 +221,65 @@ async fn a_resend_that_meets_its_write_in_flight_backs_off_and_resends() {
     );
     assert_eq!(report.runs_already_synced, 1);
     assert_eq!(w.batches(), vec![vec![1, 2]]);
+}
+
+/// Rule: with explicit accounts a run to an account never opened is refused (the service
+/// answers `ACCOUNT_NOT_FOUND`), nothing lands, and the sync stops with the queue intact;
+/// once the account is opened, the same run (the same sequences) lands, once.
+#[tokio::test(start_paused = true)]
+async fn with_explicit_accounts_a_run_to_an_account_never_opened_is_kept_until_it_is_opened() {
+    let mut w = world("explicit", 2);
+    let core = DeviceSync::new(w.faulty.clone() as SharedLog, Identity::default())
+        .with_accounts(AccountsMode::Explicit);
+    let transport = InProcessTransport::new(core, None);
+    let report = SyncLoop::new(&mut w.outbox, &transport, options(2, 3))
+        .run(&mut NoHooks)
+        .await
+        .unwrap();
+    match &report.stopped {
+        Some(StopReason::Refused {
+            code,
+            first_seq: 1,
+            last_seq: 2,
+            ..
+        }) => assert_eq!(code, "ACCOUNT_NOT_FOUND"),
+        other => panic!("expected the run refused, got {other:?}"),
+    }
+    assert!(w.batches().is_empty(), "nothing landed");
+    let status = w.outbox.status().unwrap();
+    assert_eq!(status.synced, 0);
+    assert_eq!(status.pending + status.in_flight, 2, "the queue is intact");
+
+    // The service opens the account: its first event, under the service's client id.
+    let identity = Identity::default();
+    let opened = AccountEvent::Opened;
+    w.memory
+        .write_now(
+            identity.client(),
+            vec![AggregateWrite {
+                key: identity.key(ACCOUNT),
+                events: vec![Event {
+                    client_seq: 1,
+                    event_id: Some(1),
+                    event_type: opened.event_type(),
+                    payload: opened.encode(),
+                    timestamp_ms: 0,
+                }],
+                expected_version: Some(0),
+                allow_create: true,
+                enforce_client_idempotency: true,
+            }],
+        )
+        .expect("opened");
+    let report = SyncLoop::new(&mut w.outbox, &transport, options(2, 3))
+        .run(&mut NoHooks)
+        .await
+        .unwrap();
+    assert_eq!(report.stopped, None);
+    assert_eq!(
+        w.batches(),
+        vec![vec![1], vec![1, 2]],
+        "the open, then the run"
+    );
+    assert_eq!(w.outbox.status().unwrap().synced, 2);
 }

@@ -79,6 +79,10 @@ fleet_scenarios! {
     #[tokio::test] an_in_flight_duplicate_waits_for_the_first_attempt_and_replays_it,
     #[tokio::test] an_unverifiable_violation_answers_409_with_retry_after_and_writes_nothing,
     #[tokio::test] a_transfer_whose_ack_was_lost_lands_once_and_replays_both_legs,
+    #[tokio::test] an_open_whose_answer_was_lost_is_replayed_by_another_replica_with_the_same_account,
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    two_opens_of_one_account_on_two_replicas_open_it_once,
+    #[tokio::test] with_explicit_accounts_a_refusal_on_one_replica_does_not_outlive_an_open_on_another,
 }
 
 /// A fresh in-process store.
@@ -958,4 +962,112 @@ async fn a_transfer_whose_ack_was_lost_lands_once_and_replays_both_legs(base: Sh
     )
     .await;
     f.assert_stream(0, &y, &[("TransferredIn", 200, &kt)]).await;
+}
+
+// --- Opening accounts, explicit accounts (`--accounts explicit`) ---
+
+/// An open's whole answer: 201, the account at version 1, replayed or not, the key. Returns
+/// the account's id.
+fn assert_opened(r: &Reply, key: &str, replayed: bool) -> String {
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text);
+    let id = r.body["accountId"].as_str().expect("accountId").to_owned();
+    assert_eq!(
+        r.body,
+        json!({"accountId": id, "balanceCents": 0, "aggregateVersion": 1}),
+        "{}",
+        r.text
+    );
+    assert_eq!(r.replayed(), replayed, "Idempotent-Replayed of {}", r.text);
+    assert_eq!(r.header("idempotency-key"), Some(key));
+    id
+}
+
+/// An open whose id comes from its key, answered retryably after a lost ack (one attempt):
+/// its caller does not know the account's id, and the retry on the other replica derives
+/// the same id from the key and replays the open. One open lands; the account takes money.
+async fn an_open_whose_answer_was_lost_is_replayed_by_another_replica_with_the_same_account(
+    base: SharedLog,
+) {
+    let f = Fleet::faulty(
+        base,
+        2,
+        &["--accounts", "explicit", "--write-max-attempts", "1"],
+    )
+    .await;
+    let k = idem_key();
+    f.faults().fail_next_write(Fault::LostAck);
+    let first = f.apps[0].post("/api/accounts", &json!({}), Some(&k)).await;
+    assert_retryable(&first, &k, "did not complete after 1 attempts");
+    let retry = f.apps[1].post("/api/accounts", &json!({}), Some(&k)).await;
+    let id = assert_opened(&retry, &k, true);
+    let kd = idem_key();
+    assert_balance(
+        &f.apps[1].deposit(&id, 70, Some(&kd)).await,
+        &kd,
+        70,
+        2,
+        false,
+    );
+    f.assert_stream(1, &id, &[("AccountOpened", 0, &k), ("Deposited", 70, &kd)])
+        .await;
+}
+
+/// Two opens of one account id under two keys, sent to two replicas at once: the version
+/// guard lets one land; the other is 409 `ACCOUNT_EXISTS`, final. One event in the stream.
+async fn two_opens_of_one_account_on_two_replicas_open_it_once(base: SharedLog) {
+    let f = Fleet::plain(base, 2).await;
+    for _ in 0..8 {
+        let acct = new_account();
+        let (k0, k1) = (idem_key(), idem_key());
+        let body = json!({ "accountId": acct });
+        let (r0, r1) = tokio::join!(
+            f.apps[0].post("/api/accounts", &body, Some(&k0)),
+            f.apps[1].post("/api/accounts", &body, Some(&k1)),
+        );
+        let (won, lost, key) = match (r0.status, r1.status) {
+            (StatusCode::CREATED, _) => (&r0, &r1, &k0),
+            (_, StatusCode::CREATED) => (&r1, &r0, &k1),
+            _ => panic!("neither open landed: {} / {}", r0.text, r1.text),
+        };
+        assert_eq!(assert_opened(won, key, false), acct);
+        assert_eq!(lost.status, StatusCode::CONFLICT, "{}", lost.text);
+        assert_eq!(lost.error_code(), "ACCOUNT_EXISTS", "{}", lost.text);
+        assert_eq!(lost.header("retry-after"), None);
+        f.assert_stream(0, &acct, &[("AccountOpened", 0, key)])
+            .await;
+    }
+}
+
+/// Replica 0 refuses a deposit to an account nobody opened (and holds what it read of it);
+/// replica 1 then opens it: replica 0's next deposit there is decided on the store, not on
+/// its own copy, and lands.
+async fn with_explicit_accounts_a_refusal_on_one_replica_does_not_outlive_an_open_on_another(
+    base: SharedLog,
+) {
+    let f = Fleet::build(base, 2, false, &["--accounts", "explicit"]).await;
+    let acct = new_account();
+    let (k0, k1, k2) = (idem_key(), idem_key(), idem_key());
+    let r = f.apps[0].deposit(&acct, 10, Some(&k0)).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND, "{}", r.text);
+    assert_eq!(r.error_code(), "ACCOUNT_NOT_FOUND");
+    assert_eq!(f.batches(&acct).await, 0);
+    let body = json!({ "accountId": acct });
+    assert_opened(
+        &f.apps[1].post("/api/accounts", &body, Some(&k1)).await,
+        &k1,
+        false,
+    );
+    assert_balance(
+        &f.apps[0].deposit(&acct, 10, Some(&k2)).await,
+        &k2,
+        10,
+        2,
+        false,
+    );
+    f.assert_stream(
+        0,
+        &acct,
+        &[("AccountOpened", 0, &k1), ("Deposited", 10, &k2)],
+    )
+    .await;
 }

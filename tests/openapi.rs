@@ -71,6 +71,7 @@ fn one_of_each() -> Vec<ApiError> {
         ApiError::UriTooLong("x".into()),
         ApiError::HeadersTooLarge("x".into()),
         ApiError::NotFound { path: "/x".into() },
+        ApiError::AccountNotFound("x".into()),
         ApiError::MethodNotAllowed {
             allow: "GET",
             route: "/healthz",
@@ -130,6 +131,7 @@ fn variant(e: &ApiError) -> usize {
         ApiError::RetryLater { .. } => 17,
         ApiError::UriTooLong(_) => 18,
         ApiError::HeadersTooLarge(_) => 19,
+        ApiError::AccountNotFound(_) => 20,
     }
 }
 
@@ -209,9 +211,11 @@ fn status_of_response(r: &Value) -> u16 {
 fn every_status_the_code_answers_is_documented_and_no_other() {
     let errors = one_of_each();
     let listed: BTreeSet<usize> = errors.iter().map(variant).collect();
-    assert_eq!(listed.len(), 20, "one sample of each ApiError variant");
+    assert_eq!(listed.len(), 21, "one sample of each ApiError variant");
     let mut code: BTreeSet<u16> = errors.iter().map(|e| e.status().as_u16()).collect();
     code.insert(200);
+    // An open's answer (`POST /api/accounts`).
+    code.insert(201);
     assert_eq!(
         spec_statuses(&spec()),
         code,

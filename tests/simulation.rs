@@ -1048,6 +1048,10 @@ impl Fleet for OverHttp {
                 app.transfer(&from.to_string(), &to.to_string(), amount.get(), Some(&k))
                     .await
             }
+            Operation::Open { account } => {
+                let body = serde_json::json!({ "accountId": account.to_string() });
+                app.post("/api/accounts", &body, Some(&k)).await
+            }
         };
         let leg = |v: &serde_json::Value, account: AccountId| {
             Some((
@@ -1057,15 +1061,15 @@ impl Fleet for OverHttp {
             ))
         };
         let legs: Option<Vec<_>> = match op {
-            Operation::Deposit { account, .. } | Operation::Withdraw { account, .. } => {
-                leg(&r.body, account).map(|l| vec![l])
-            }
+            Operation::Deposit { account, .. }
+            | Operation::Withdraw { account, .. }
+            | Operation::Open { account } => leg(&r.body, account).map(|l| vec![l]),
             Operation::Transfer { from, to, .. } => leg(&r.body["from"], from)
                 .zip(leg(&r.body["to"], to))
                 .map(|(a, b)| vec![a, b]),
         };
         match (r.status, r.error_code()) {
-            (StatusCode::OK, _) => match legs {
+            (StatusCode::OK | StatusCode::CREATED, _) => match legs {
                 Some(legs) => Seen::Ok {
                     legs,
                     replayed: r.replayed(),

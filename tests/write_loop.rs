@@ -23,7 +23,9 @@ use uuid::Uuid;
 use common::hooked_log::{Around, HookedLog, LegRecord, Step, WriteRecord, hook};
 
 use tally::account::events::{DEPOSITED, TRANSFERRED_OUT};
-use tally::account::{AccountEvent, AccountId, AmountCents, Identity, Operation, RuleError, fold};
+use tally::account::{
+    AccountEvent, AccountId, AccountsMode, AmountCents, Identity, Operation, RuleError, fold,
+};
 use tally::metrics::{Metrics, arm};
 use tally::projection::{
     Backend, ManualClock as LocalClock, PgProjection, PostgresSettings, Projection,
@@ -1042,12 +1044,14 @@ async fn a_transfer_retried_after_a_lost_ack_lands_both_legs_exactly_once() {
                 expected_version: Some(1),
                 seqs: vec![2],
                 event_ids: vec![Some(E1)],
+                allow_create: true,
             },
             LegRecord {
                 key: env.key(to),
                 expected_version: Some(0),
                 seqs: vec![1],
                 event_ids: vec![Some(E1)],
+                allow_create: true,
             },
         ]
     );
@@ -2218,6 +2222,177 @@ async fn chaos(seed: u64) {
         "seed {seed}: faults {counts:?}; {oks} ok, {rejected} rejected of {}",
         results.len()
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Explicit accounts: an account must exist before it takes a write
+// ---------------------------------------------------------------------------------------------
+
+fn explicit() -> WriteConfig {
+    WriteConfig {
+        accounts: AccountsMode::Explicit,
+        ..WriteConfig::default()
+    }
+}
+
+fn open(account: AccountId, event_id: u128) -> WriteRequest {
+    WriteRequest {
+        op: Operation::Open { account },
+        event_id,
+    }
+}
+
+fn not_found(account: AccountId) -> Result<WriteOutcome, WriteError> {
+    Err(WriteError::Rule(RuleError::AccountNotFound { account }))
+}
+
+/// Rule: with explicit accounts a write, or a transfer with either leg, on an account never
+/// opened is refused on the store's tip, and nothing is sent; an opened account takes writes.
+#[tokio::test(start_paused = true)]
+async fn with_explicit_accounts_a_write_to_an_account_never_opened_is_refused_and_nothing_is_sent()
+{
+    let env = Env::new();
+    let a = env
+        .replica_with(ProjectionConfig::default(), explicit())
+        .await;
+    let (x, y) = (acct(1), acct(2));
+    assert_eq!(a.run(deposit(x, 100, E0)).await, not_found(x));
+    assert_eq!(a.run(withdraw(x, 100, E1)).await, not_found(x));
+    assert!(
+        env.script.records().is_empty(),
+        "refused before any write was sent"
+    );
+    assert_eq!(env.batches(x), 0);
+
+    assert_eq!(a.run(open(y, E2)).await, Ok(outcome(&[(y, 0, 1)], false)));
+    assert_eq!(
+        a.run(deposit(y, 100, E3)).await,
+        Ok(outcome(&[(y, 100, 2)], false))
+    );
+    assert_eq!(a.run(transfer(y, x, 10, E4)).await, not_found(x));
+    assert_eq!(a.run(transfer(x, y, 10, E_SIB)).await, not_found(x));
+    assert_eq!(
+        shape(&env.script.records()),
+        vec![(0, vec![1], "ok"), (1, vec![2], "ok")],
+        "the open and the deposit; neither transfer was sent"
+    );
+    assert_eq!(env.batches(x), 0);
+    assert_eq!(folded_balance(&env.stream(y)), 100);
+    assert_eq!(a.arm("deposit", arm::REJECTED), 1);
+    assert_eq!(a.arm("transfer", arm::REJECTED), 2);
+}
+
+/// Rule: with explicit accounts only an open may create a stream: every other write goes
+/// with `allow_create` off, so the store itself refuses it on an account that does not
+/// exist, whatever the replica decided on. With implicit accounts every write may create.
+#[tokio::test(start_paused = true)]
+async fn with_explicit_accounts_only_an_open_may_create_an_accounts_stream() {
+    let env = Env::new();
+    let a = env
+        .replica_with(ProjectionConfig::default(), explicit())
+        .await;
+    let b = env.replica().await;
+    let (x, y) = (acct(1), acct(2));
+    a.ok(open(x, E0)).await;
+    a.ok(deposit(x, 5, E1)).await;
+    b.ok(deposit(y, 5, E2)).await;
+    let creates: Vec<bool> = env
+        .script
+        .records()
+        .iter()
+        .map(|r| r.legs[0].allow_create)
+        .collect();
+    assert_eq!(creates, vec![true, false, true]);
+}
+
+/// Rule: the store's "no such account" on a write decided on a state that showed the
+/// account is neither a success nor a final refusal: nothing was appended, so the write is
+/// decided again on fresh state (which here still holds the account, and it lands once).
+#[tokio::test(start_paused = true)]
+async fn a_write_the_store_finds_no_account_for_is_decided_again_on_fresh_state() {
+    let env = Env::new();
+    let a = env
+        .replica_with(ProjectionConfig::default(), explicit())
+        .await;
+    let x = acct(1);
+    a.ok(open(x, E0)).await;
+    env.script.push(Step::Reject(StoreError::AggregateNotFound));
+    assert_eq!(
+        a.run(deposit(x, 50, E1)).await,
+        Ok(outcome(&[(x, 50, 2)], false))
+    );
+    assert_eq!(
+        shape(&env.script.records()),
+        vec![
+            (0, vec![1], "ok"),
+            (1, vec![2], "other"),
+            (1, vec![2], "ok")
+        ]
+    );
+    assert_eq!(a.arm("deposit", arm::STORE_ERROR), 1);
+    env.assert_deposit_landed_once(x, E1, 2, 50, 2, 50);
+}
+
+/// Rule: an open is a write like any other. Its lost ack is settled by the catch-up, a retry
+/// under its key on any replica replays it, and the account is opened once; an open of it
+/// under another key is refused, final, and writes nothing.
+#[tokio::test(start_paused = true)]
+async fn a_retried_open_whose_ack_was_lost_replays_the_same_account_and_opens_it_once() {
+    let env = Env::new();
+    let a = env
+        .replica_with(ProjectionConfig::default(), explicit())
+        .await;
+    let b = env.sibling().await;
+    let x = acct(1);
+    env.faulty.fail_next_write(Fault::LostAck);
+    assert_eq!(a.run(open(x, E0)).await, Ok(outcome(&[(x, 0, 1)], false)));
+    assert_eq!(a.arm("open", arm::OUTCOME_UNKNOWN), 1);
+    assert_eq!(b.run(open(x, E0)).await, Ok(outcome(&[(x, 0, 1)], true)));
+    assert_eq!(a.run(open(x, E0)).await, Ok(outcome(&[(x, 0, 1)], true)));
+    assert_eq!(
+        b.run(open(x, E1)).await,
+        Err(WriteError::Rule(RuleError::AccountExists { account: x }))
+    );
+    assert_eq!(
+        shape(&env.script.records()),
+        vec![(0, vec![1], "unknown")],
+        "one write: the retries were read back"
+    );
+    let s = env.stream(x);
+    assert_eq!(events_with_id(&s, E0), vec![(1, AccountEvent::Opened)]);
+    assert!(events_with_id(&s, E1).is_empty());
+    assert_eq!(env.batches(x), 1);
+}
+
+/// Rule: a run that gives up on a refusal it could not make final on the replica's copy
+/// (with explicit accounts, a copy that shows no account where another replica has opened
+/// one since) leaves the copy caught up, so the next write is decided on the store. With one
+/// attempt, such a copy once refused every later write to the account.
+#[tokio::test(start_paused = true)]
+async fn with_one_attempt_a_refusal_on_the_replicas_copy_leaves_the_copy_caught_up() {
+    let env = Env::new();
+    let one_attempt = WriteConfig {
+        max_attempts: 1,
+        ..explicit()
+    };
+    let a = env
+        .replica_with(ProjectionConfig::default(), one_attempt)
+        .await;
+    let b = env.sibling().await;
+    let x = acct(1);
+    assert_eq!(a.run(deposit(x, 10, E0)).await, not_found(x));
+    b.ok(open(x, E1)).await;
+    // A's copy still shows no account: no final refusal on it, and one attempt is spent.
+    assert!(matches!(
+        a.run(deposit(x, 10, E2)).await,
+        Err(WriteError::GaveUp { attempts: 1, .. })
+    ));
+    assert_eq!(
+        a.run(deposit(x, 10, E3)).await,
+        Ok(outcome(&[(x, 10, 2)], false))
+    );
+    env.assert_deposit_landed_once(x, E3, 2, 10, 2, 10);
+    assert!(events_with_id(&env.stream(x), E2).is_empty());
 }
 
 /// Pins the transfer-leg event layout used above: one event per leg, same id on both.

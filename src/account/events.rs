@@ -2,6 +2,12 @@
 //! event type majors 1 `Deposited`, 2 `Withdrawn`, 3 `TransferredOut`, 4 `TransferredIn`
 //! (minor 0), with JSON payloads in PascalCase: `{"AmountCents":100}`, plus `"ToAccountId"`
 //! or `"FromAccountId"` on the transfer legs.
+//!
+//! Major 5 `AccountOpened` (payload `{}`) is Tally's own: the event `POST /api/accounts`
+//! writes as an account's first (README, "Opening accounts"). It moves no money. The replaced
+//! service folds a type it does not know as a zero amount, so its balances stay right; a
+//! Tally older than this event stops on it (a poisoned account), which is why a fleet is
+//! upgraded whole before anyone opens an account.
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -14,14 +20,17 @@ pub const DEPOSITED: EventType = EventType { major: 1, minor: 0 };
 pub const WITHDRAWN: EventType = EventType { major: 2, minor: 0 };
 pub const TRANSFERRED_OUT: EventType = EventType { major: 3, minor: 0 };
 pub const TRANSFERRED_IN: EventType = EventType { major: 4, minor: 0 };
+pub const ACCOUNT_OPENED: EventType = EventType { major: 5, minor: 0 };
 
-/// One fact about an account. Amounts are cents.
+/// One fact about an account. Amounts are cents. `Opened` is an opened account's first
+/// event, written only at version 0.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum AccountEvent {
     Deposited { amount: i64 },
     Withdrawn { amount: i64 },
     TransferredOut { amount: i64, to: AccountId },
     TransferredIn { amount: i64, from: AccountId },
+    Opened,
 }
 
 /// Why an event could not be decoded. The fold stops on it: nothing is silently skipped.
@@ -38,6 +47,10 @@ pub enum CodecError {
 struct AmountPayload {
     amount_cents: i64,
 }
+
+/// The exact bytes Tally writes for an `AccountOpened`. It carries nothing; any JSON object
+/// is read as it (fields a later version may add are ignored).
+const OPENED_PAYLOAD: &[u8] = b"{}";
 
 #[derive(Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase")]
@@ -60,6 +73,7 @@ impl AccountEvent {
             | AccountEvent::Withdrawn { amount }
             | AccountEvent::TransferredOut { amount, .. }
             | AccountEvent::TransferredIn { amount, .. } => amount,
+            AccountEvent::Opened => 0,
         }
     }
 
@@ -78,6 +92,7 @@ impl AccountEvent {
             AccountEvent::Withdrawn { .. } => "Withdrawn",
             AccountEvent::TransferredOut { .. } => "TransferredOut",
             AccountEvent::TransferredIn { .. } => "TransferredIn",
+            AccountEvent::Opened => "AccountOpened",
         }
     }
 
@@ -87,12 +102,14 @@ impl AccountEvent {
             AccountEvent::Withdrawn { .. } => WITHDRAWN,
             AccountEvent::TransferredOut { .. } => TRANSFERRED_OUT,
             AccountEvent::TransferredIn { .. } => TRANSFERRED_IN,
+            AccountEvent::Opened => ACCOUNT_OPENED,
         }
     }
 
     pub fn encode(&self) -> Bytes {
         let amount_cents = self.amount();
         let json = match *self {
+            AccountEvent::Opened => return Bytes::from_static(OPENED_PAYLOAD),
             AccountEvent::Deposited { .. } | AccountEvent::Withdrawn { .. } => {
                 serde_json::to_vec(&AmountPayload { amount_cents })
             }
@@ -130,6 +147,13 @@ impl AccountEvent {
                     amount: p.amount_cents,
                     from: AccountId(p.from_account_id),
                 })
+            }
+            (5, 0) => {
+                if payload != OPENED_PAYLOAD {
+                    let _: serde_json::Map<String, serde_json::Value> =
+                        parse("AccountOpened", payload)?;
+                }
+                Ok(AccountEvent::Opened)
             }
             (major, minor) => Err(CodecError::UnknownType { major, minor }),
         }
@@ -231,14 +255,39 @@ mod tests {
         }
     }
 
+    /// Rule: an open is written as `{}` and read from any JSON object; it moves no money.
+    #[test]
+    fn an_open_carries_an_empty_object_and_no_amount() {
+        assert_eq!(&AccountEvent::Opened.encode()[..], b"{}");
+        assert_eq!(AccountEvent::Opened.event_type(), ACCOUNT_OPENED);
+        assert_eq!(AccountEvent::Opened.amount(), 0);
+        for ok in [&b"{}"[..], b" { \"Note\": 1 } "] {
+            assert_eq!(
+                AccountEvent::decode(ACCOUNT_OPENED, ok),
+                Ok(AccountEvent::Opened)
+            );
+        }
+        for bad in [&b"[]"[..], b"", b"null", b"{"] {
+            assert!(
+                matches!(
+                    AccountEvent::decode(ACCOUNT_OPENED, bad),
+                    Err(CodecError::Payload { .. })
+                ),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
     proptest! {
         #[test]
-        fn every_event_round_trips(amount in 0i64..=i64::MAX, other in any::<u128>(), kind in 0u8..4) {
+        fn every_event_round_trips(amount in 0i64..=i64::MAX, other in any::<u128>(), kind in 0u8..5) {
             let e = match kind {
                 0 => AccountEvent::Deposited { amount },
                 1 => AccountEvent::Withdrawn { amount },
                 2 => AccountEvent::TransferredOut { amount, to: acct(other) },
-                _ => AccountEvent::TransferredIn { amount, from: acct(other) },
+                3 => AccountEvent::TransferredIn { amount, from: acct(other) },
+                _ => AccountEvent::Opened,
             };
             prop_assert_eq!(AccountEvent::decode(e.event_type(), &e.encode()), Ok(e));
         }

@@ -12,7 +12,7 @@ use uuid::Uuid;
 use crate::store::{AggregateKey, ClientId};
 
 pub use events::{AccountEvent, CodecError};
-pub use rules::{Operation, RuleError};
+pub use rules::{Operation, RuleError, Standing};
 
 /// The namespace every default identity is derived in (UUIDv5 of a name), shared with the
 /// existing account streams so that Tally can take them over.
@@ -25,6 +25,20 @@ pub const MAX_AMOUNT_CENTS: i64 = i32::MAX as i64;
 /// UUIDv5 of `name` in [`IDENTITY_NAMESPACE`].
 pub fn named_id(name: &str) -> Uuid {
     Uuid::new_v5(&IDENTITY_NAMESPACE, name.as_bytes())
+}
+
+/// Which ids take writes (`--accounts`). An account exists once its stream does: it was
+/// opened (`POST /api/accounts`), or written while accounts were implicit (the demo seeds
+/// among them), so turning explicit on keeps every account already in use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum AccountsMode {
+    /// Every id is an account: a write to one never written creates it, as in the replaced
+    /// service, which a migrating fleet may still run beside Tally.
+    #[default]
+    Implicit,
+    /// A write, a transfer leg, a device run, a balance or a history of an account that does
+    /// not exist is refused (404 `ACCOUNT_NOT_FOUND`), and nothing is written.
+    Explicit,
 }
 
 /// An account id: the aggregate id of the account's stream.

@@ -54,6 +54,9 @@ pub mod codes {
     pub const SYNC_NOT_APPLIED: &str = "SYNC_NOT_APPLIED";
     /// Retryable: the run looks landed but could not be read back yet.
     pub const SYNC_UNVERIFIED: &str = "SYNC_UNVERIFIED";
+    /// Accounts are explicit and the run's account was never opened (404): the run is kept
+    /// and lands once the account is opened.
+    pub const ACCOUNT_NOT_FOUND: &str = "ACCOUNT_NOT_FOUND";
     /// Any other store failure.
     pub const STORE_ERROR: &str = "STORE_ERROR";
 }

@@ -3,7 +3,9 @@
 //! store's answer.
 //!
 //! The write is unconditional and guarded only by idempotency: `expected_version: None`,
-//! `enforce_client_idempotency: true`, `allow_create: true`, one batch for the whole run. The
+//! `enforce_client_idempotency: true`, `allow_create: true` (false with explicit accounts: the
+//! store refuses a run to an account never opened, and the device keeps it queued until the
+//! account is opened), one batch for the whole run. The
 //! store judges a multi-event write by its lowest sequence, so a 2002 means "something at or
 //! above the run's first sequence is already committed by this device". That proves the run
 //! landed only if the reported mark reaches the run's last sequence; a mark inside the run can
@@ -26,7 +28,7 @@ use uuid::Uuid;
 use super::protocol::{SyncRequest, SyncResponse, SyncStatus, codes};
 pub use super::run::{DeviceRun, RunEvent};
 use super::{DeviceId, MAX_RUN_EVENTS};
-use crate::account::{AccountId, Identity, named_id};
+use crate::account::{AccountId, AccountsMode, Identity, named_id};
 use crate::store::{
     AggregateKey, AggregateWrite, Batch, BatchStream, Event, ReadFilter, SharedLog, StoreError,
     StoreResult, WholeRange, wall_clock_ms,
@@ -113,6 +115,10 @@ pub enum DeviceSyncError {
     /// Send exactly the same run again (after a backoff).
     #[error("retry the same run ({reason:?}): {detail}")]
     Retry { reason: RetryReason, detail: String },
+    /// Accounts are explicit and the store has no stream for the run's account: it was
+    /// never opened. Nothing was written; the same run lands once the account is opened.
+    #[error("account {0} was never opened; open it, then sync again")]
+    AccountNotFound(AccountId),
     /// Any other store failure.
     #[error("store: {0}")]
     Store(StoreError),
@@ -143,6 +149,7 @@ impl DeviceSyncError {
                 RetryReason::NotApplied => codes::SYNC_NOT_APPLIED,
                 RetryReason::Unverified => codes::SYNC_UNVERIFIED,
             },
+            DeviceSyncError::AccountNotFound(_) => codes::ACCOUNT_NOT_FOUND,
             DeviceSyncError::Store(_) => codes::STORE_ERROR,
         }
     }
@@ -156,6 +163,7 @@ impl DeviceSyncError {
                 | DeviceSyncError::RunNeverLanded { .. }
                 | DeviceSyncError::RunTrimmed { .. }
                 | DeviceSyncError::Retry { .. }
+                | DeviceSyncError::AccountNotFound(_)
                 | DeviceSyncError::Store(_)
         )
     }
@@ -219,16 +227,24 @@ pub struct DeviceSync {
     log: SharedLog,
     identity: Identity,
     max_run_events: usize,
+    accounts: AccountsMode,
 }
 
 impl DeviceSync {
-    /// A core accepting runs of up to [`MAX_RUN_EVENTS`] events.
+    /// A core accepting runs of up to [`MAX_RUN_EVENTS`] events, accounts implicit.
     pub fn new(log: SharedLog, identity: Identity) -> Self {
         Self {
             log,
             identity,
             max_run_events: MAX_RUN_EVENTS,
+            accounts: AccountsMode::Implicit,
         }
+    }
+
+    /// With explicit accounts a run to an account never opened is refused.
+    pub fn with_accounts(mut self, accounts: AccountsMode) -> Self {
+        self.accounts = accounts;
+        self
     }
 
     /// Lowers the run limit (clamped to 1..=[`MAX_RUN_EVENTS`]).
@@ -281,7 +297,7 @@ impl DeviceSync {
             key: self.identity.key(run.account()),
             events: events.clone(),
             expected_version: None,
-            allow_create: true,
+            allow_create: self.accounts == AccountsMode::Implicit,
             enforce_client_idempotency: true,
         };
         let (first_seq, last_seq) = (run.first_seq(), run.last_seq());
@@ -335,6 +351,11 @@ impl DeviceSync {
                 reason: RetryReason::NotApplied,
                 detail: e.to_string(),
             }),
+            // Existence is checked before idempotency: nothing of this device's can be on an
+            // account that does not exist, so nothing of the run landed.
+            Err(StoreError::AggregateNotFound) if self.accounts == AccountsMode::Explicit => {
+                Err(DeviceSyncError::AccountNotFound(run.account()))
+            }
             Err(e) => Err(DeviceSyncError::Store(e)),
         }
     }

@@ -5,11 +5,12 @@
 //!
 //! Which scope a route needs:
 //! - `accounts:read`: the account list, a balance, a history;
-//! - `accounts:write`: deposit, withdraw, both transfer routes;
+//! - `accounts:write`: open, deposit, withdraw, both transfer routes;
 //! - `devices:sync`: a device's sync, and only for the device the token names (`sub` is the
 //!   device id): a device proves it is that device, and cannot write another's run.
 //!
-//! A token that lists `accounts` may touch only those: the account in the path, the source
+//! A token that lists `accounts` may touch only those: the account in the path, the one an
+//! open names (in its body, or derived from its key; checked once the body is read), the source
 //! of a transfer (`/api/transfers` names it in the body: checked in `writes` once the body
 //! is read, still before anything is written) and a device run's account. The destination
 //! of a transfer is not checked: paying into an account is what a transfer is for.
@@ -36,9 +37,11 @@ pub fn required_scope(route: &Route) -> Option<Scope> {
         | Route::History(_)
         | Route::AccountEvents(_)
         | Route::WatchStream => Some(Scope::AccountsRead),
-        Route::Deposit(_) | Route::Withdraw(_) | Route::AccountTransfer(_) | Route::Transfers => {
-            Some(Scope::AccountsWrite)
-        }
+        Route::Deposit(_)
+        | Route::Withdraw(_)
+        | Route::AccountTransfer(_)
+        | Route::Transfers
+        | Route::OpenAccount => Some(Scope::AccountsWrite),
         Route::DeviceSync(_) => Some(Scope::DevicesSync),
     }
 }
@@ -141,7 +144,9 @@ pub fn authorize_operation(
     op: &Operation,
 ) -> Result<(), ApiError> {
     let account = match op {
-        Operation::Deposit { account, .. } | Operation::Withdraw { account, .. } => account,
+        Operation::Deposit { account, .. }
+        | Operation::Withdraw { account, .. }
+        | Operation::Open { account } => account,
         Operation::Transfer { from, .. } => from,
     };
     authorize_account(app, caller, account.0)

@@ -35,6 +35,10 @@ pub enum ApiError {
     HeadersTooLarge(String),
     #[error("no route for {path}")]
     NotFound { path: String },
+    /// 404 `ACCOUNT_NOT_FOUND`: accounts are explicit and the account named was never
+    /// opened. Nothing was written.
+    #[error("{0}")]
+    AccountNotFound(String),
     /// `route` is the path's template, for the request's metrics and log line.
     #[error("method not allowed; allowed: {allow}")]
     MethodNotAllowed {
@@ -113,7 +117,7 @@ impl ApiError {
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UriTooLong(_) => StatusCode::URI_TOO_LONG,
             ApiError::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::NotFound { .. } | ApiError::AccountNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Validation(_)
@@ -145,6 +149,7 @@ impl ApiError {
             ApiError::UriTooLong(_) => "URI_TOO_LONG",
             ApiError::HeadersTooLarge(_) => "HEADERS_TOO_LARGE",
             ApiError::NotFound { .. } => "NOT_FOUND",
+            ApiError::AccountNotFound(_) => "ACCOUNT_NOT_FOUND",
             ApiError::MethodNotAllowed { .. } => "METHOD_NOT_ALLOWED",
             ApiError::UnsupportedMediaType(_) => "UNSUPPORTED_MEDIA_TYPE",
             ApiError::Validation(_) => "VALIDATION_ERROR",
@@ -245,7 +250,9 @@ impl From<DeviceSyncError> for ApiError {
     fn from(e: DeviceSyncError) -> Self {
         let code = e.code();
         let message = e.to_string();
-        if e.is_invalid_request() {
+        if let DeviceSyncError::AccountNotFound(_) = e {
+            ApiError::AccountNotFound(message)
+        } else if e.is_invalid_request() {
             ApiError::Unprocessable { code, message }
         } else if e.is_conflict() {
             ApiError::StoreConflict { code, message }
@@ -262,6 +269,13 @@ impl From<RuleError> for ApiError {
         match e {
             RuleError::InsufficientFunds { balance } => ApiError::InsufficientFunds { balance },
             RuleError::Validation(_) | RuleError::Overflow => ApiError::Validation(e.to_string()),
+            RuleError::AccountNotFound { .. } => ApiError::AccountNotFound(e.to_string()),
+            // Final: the open is decided on state that reached the store's tip, and a retry
+            // of the open that landed is replayed before anything is decided.
+            RuleError::AccountExists { .. } => ApiError::StoreConflict {
+                code: "ACCOUNT_EXISTS",
+                message: e.to_string(),
+            },
         }
     }
 }
@@ -305,6 +319,7 @@ impl From<ReadError> for ApiError {
                 message: e.to_string(),
             },
             ReadError::Store(s) => s.into(),
+            ReadError::AccountNotFound { .. } => ApiError::AccountNotFound(e.to_string()),
         }
     }
 }
@@ -397,6 +412,18 @@ mod tests {
             ),
             (WriteError::CrossShard, 500),
             (
+                WriteError::Rule(RuleError::AccountNotFound {
+                    account: AccountId(Uuid::from_u128(1)),
+                }),
+                404,
+            ),
+            (
+                WriteError::Rule(RuleError::AccountExists {
+                    account: AccountId(Uuid::from_u128(1)),
+                }),
+                409,
+            ),
+            (
                 WriteError::Store(StoreError::NotApplied {
                     reason: "down".into(),
                 }),
@@ -458,6 +485,11 @@ mod tests {
                 "ACCOUNT_TRIMMED",
             ),
             (ReadError::Store(StoreError::CrossShard), 500, "CROSS_SHARD"),
+            (
+                ReadError::AccountNotFound { account },
+                404,
+                "ACCOUNT_NOT_FOUND",
+            ),
             (
                 ReadError::Store(StoreError::NotApplied {
                     reason: "down".into(),

@@ -34,6 +34,8 @@ pub enum Route {
     Console,
     AccountEvents(AccountId),
     WatchStream,
+    /// `POST /api/accounts`: opens an account.
+    OpenAccount,
 }
 
 /// The nil id, for the listing below.
@@ -43,7 +45,7 @@ impl Route {
     /// Every route once (ids nil): what `docs/openapi.json` is checked against. A new route
     /// is added here and in [`Route::listed_at`] (whose exhaustive match fails to compile
     /// until it is), then to the spec.
-    pub const ALL: [Route; 15] = [
+    pub const ALL: [Route; 16] = [
         Route::Healthz,
         Route::Readyz,
         Route::Metrics,
@@ -59,6 +61,7 @@ impl Route {
         Route::Console,
         Route::AccountEvents(NIL),
         Route::WatchStream,
+        Route::OpenAccount,
     ];
 
     /// The route's place in [`Route::ALL`].
@@ -79,6 +82,7 @@ impl Route {
             Route::Console => 12,
             Route::AccountEvents(_) => 13,
             Route::WatchStream => 14,
+            Route::OpenAccount => 15,
         }
     }
 
@@ -96,7 +100,7 @@ impl Route {
             Route::Healthz => "/healthz",
             Route::Readyz => "/readyz",
             Route::Metrics => "/metrics",
-            Route::Accounts => "/api/accounts",
+            Route::Accounts | Route::OpenAccount => "/api/accounts",
             Route::Balance(_) => "/api/accounts/{id}/balance",
             Route::History(_) => "/api/accounts/{id}/history",
             Route::Deposit(_) => "/api/accounts/{id}/deposit",
@@ -117,7 +121,8 @@ impl Route {
             | Route::Withdraw(_)
             | Route::AccountTransfer(_)
             | Route::Transfers
-            | Route::DeviceSync(_) => Method::POST,
+            | Route::DeviceSync(_)
+            | Route::OpenAccount => Method::POST,
             _ => Method::GET,
         }
     }
@@ -140,7 +145,11 @@ impl Route {
     pub fn is_keyed_write(&self) -> bool {
         matches!(
             self,
-            Route::Deposit(_) | Route::Withdraw(_) | Route::AccountTransfer(_) | Route::Transfers
+            Route::Deposit(_)
+                | Route::Withdraw(_)
+                | Route::AccountTransfer(_)
+                | Route::Transfers
+                | Route::OpenAccount
         )
     }
 
@@ -149,6 +158,7 @@ impl Route {
         matches!(
             self,
             Route::Accounts
+                | Route::OpenAccount
                 | Route::Deposit(_)
                 | Route::Withdraw(_)
                 | Route::AccountTransfer(_)
@@ -174,6 +184,8 @@ impl Route {
             ["readyz"] => Route::Readyz,
             ["metrics"] => Route::Metrics,
             ["openapi.json"] => Route::OpenApi,
+            // One path, two routes: the list (GET, HEAD) and the open (POST).
+            ["api", "accounts"] if *method == Method::POST => Route::OpenAccount,
             ["api", "accounts"] => Route::Accounts,
             ["api", "transfers"] => Route::Transfers,
             [""] => Route::Console,
@@ -220,7 +232,9 @@ impl Route {
     }
 
     fn method_name(&self) -> &'static str {
-        if self.method() == Method::POST {
+        if matches!(self, Route::Accounts | Route::OpenAccount) {
+            "GET, HEAD, POST"
+        } else if self.method() == Method::POST {
             "POST"
         } else {
             "GET, HEAD"
@@ -258,6 +272,7 @@ pub async fn dispatch(
         Route::Readyz => ops::readyz(app).await,
         Route::Metrics => Ok(ops::metrics(app)),
         Route::Accounts => Ok(accounts::list(app, req.extensions().get())),
+        Route::OpenAccount => writes::open_account(app, req).await,
         Route::Balance(account) => accounts::balance(app, account, req.uri().query()).await,
         Route::History(account) => accounts::history(app, account, req.uri().query()).await,
         Route::Deposit(account) => writes::deposit(app, account, req).await,
@@ -318,6 +333,21 @@ mod tests {
             Err(ApiError::NotFound { .. })
         ));
         assert_eq!(Route::resolve(&Method::GET, "/healthz"), Ok(Route::Healthz));
+        assert_eq!(
+            Route::resolve(&Method::POST, "/api/accounts"),
+            Ok(Route::OpenAccount)
+        );
+        assert_eq!(
+            Route::resolve(&Method::HEAD, "/api/accounts"),
+            Ok(Route::Accounts)
+        );
+        assert_eq!(
+            Route::resolve(&Method::PUT, "/api/accounts"),
+            Err(ApiError::MethodNotAllowed {
+                allow: "GET, HEAD, POST",
+                route: "/api/accounts"
+            })
+        );
     }
 
     /// Rule: a wrong method is 405 whatever the id in the path, on every route with an id.

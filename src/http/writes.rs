@@ -1,4 +1,4 @@
-//! The write routes: deposit, withdraw and transfers. Each parses the key and the body
+//! The write routes: open, deposit, withdraw and transfers. Each parses the key and the body
 //! (changing nothing on bad input), builds one [`Operation`] and runs it through the write
 //! loop.
 
@@ -25,6 +25,25 @@ use crate::write_loop::{AnsweringAttempt, LegResult, WriteError, WriteOutcome, W
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct OpenBody {
+    #[serde(default)]
+    account_id: Option<Uuid>,
+}
+
+/// The namespace an opened account's id is derived in from the request's event id, when the
+/// body names none: the same key (and caller) names the same account on every replica, so a
+/// retry opens, and is answered for, the account its first attempt opened. Never change it:
+/// a retry across the change would open a second account.
+pub const OPENED_ACCOUNT_NAMESPACE: Uuid =
+    Uuid::from_u128(0x6f70_656e_2d61_4c63_8c6f_756e_7449_6430);
+
+/// The id an open without `accountId` gives its account: UUIDv5 of the event id.
+pub fn derived_account_id(event_id: Uuid) -> AccountId {
+    AccountId(Uuid::new_v5(&OPENED_ACCOUNT_NAMESPACE, event_id.as_bytes()))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct AmountBody {
     #[serde(deserialize_with = "crate::account::deserialize_amount_cents")]
     amount_cents: i64,
@@ -47,13 +66,26 @@ struct TransferBody {
     amount_cents: i64,
 }
 
+/// `POST /api/accounts`: opens the account the body names, or one whose id is derived from
+/// the request's key. `201` with the account; a retry under the same key replays it.
+pub async fn open_account(app: &Arc<App>, req: Request<Incoming>) -> Result<Resp, ApiError> {
+    write(app, req, |b: OpenBody, event_id| {
+        Ok(Operation::Open {
+            account: b
+                .account_id
+                .map_or_else(|| derived_account_id(event_id), AccountId),
+        })
+    })
+    .await
+}
+
 /// `POST /api/accounts/{id}/deposit`
 pub async fn deposit(
     app: &Arc<App>,
     account: AccountId,
     req: Request<Incoming>,
 ) -> Result<Resp, ApiError> {
-    write(app, req, move |b: AmountBody| {
+    write(app, req, move |b: AmountBody, _| {
         Ok(Operation::Deposit {
             account,
             amount: AmountCents::new(b.amount_cents)?,
@@ -68,7 +100,7 @@ pub async fn withdraw(
     account: AccountId,
     req: Request<Incoming>,
 ) -> Result<Resp, ApiError> {
-    write(app, req, move |b: AmountBody| {
+    write(app, req, move |b: AmountBody, _| {
         Ok(Operation::Withdraw {
             account,
             amount: AmountCents::new(b.amount_cents)?,
@@ -83,7 +115,7 @@ pub async fn account_transfer(
     from: AccountId,
     req: Request<Incoming>,
 ) -> Result<Resp, ApiError> {
-    write(app, req, move |b: AccountTransferBody| {
+    write(app, req, move |b: AccountTransferBody, _| {
         Ok(Operation::transfer(
             from,
             AccountId(b.to_account_id),
@@ -95,7 +127,7 @@ pub async fn account_transfer(
 
 /// `POST /api/transfers`
 pub async fn transfer(app: &Arc<App>, req: Request<Incoming>) -> Result<Resp, ApiError> {
-    write(app, req, |b: TransferBody| {
+    write(app, req, |b: TransferBody, _| {
         Ok(Operation::transfer(
             AccountId(b.from_account_id),
             AccountId(b.to_account_id),
@@ -105,7 +137,8 @@ pub async fn transfer(app: &Arc<App>, req: Request<Incoming>) -> Result<Resp, Ap
     .await
 }
 
-/// The `Idempotency-Window` of an answer: the window in seconds on a 2xx or a rule's 422.
+/// The `Idempotency-Window` of an answer: the window in seconds on a 2xx or a rule's refusal
+/// (`rule_refusal`: a 422, or with explicit accounts a 404 or 409 of its own code).
 /// Any other answer may be told to retry long after what was written under the key landed
 /// (found black-box: a retry 89.7 s after a 409 that said 90 wrote again): there it is how
 /// long from now a retry can be sent and still find that landing, rounded down. `since` is
@@ -118,11 +151,12 @@ pub async fn transfer(app: &Arc<App>, req: Request<Incoming>) -> Result<Resp, Ap
 /// stated time looked only after its own catch-up, and found the entry expired).
 fn window_header(
     status: StatusCode,
+    rule_refusal: bool,
     window_secs: u64,
     since: std::time::Duration,
     lookup: std::time::Duration,
 ) -> u64 {
-    if status.is_success() || status == StatusCode::UNPROCESSABLE_ENTITY {
+    if status.is_success() || status == StatusCode::UNPROCESSABLE_ENTITY || rule_refusal {
         return window_secs;
     }
     let gone_ms = u64::try_from((since + lookup).as_millis()).unwrap_or(u64::MAX);
@@ -145,7 +179,7 @@ impl From<&LegResult> for BalanceBody {
 async fn write<B, F>(app: &Arc<App>, req: Request<Incoming>, build: F) -> Result<Resp, ApiError>
 where
     B: DeserializeOwned,
-    F: FnOnce(B) -> Result<Operation, ApiError>,
+    F: FnOnce(B, Uuid) -> Result<Operation, ApiError>,
 {
     // Before anything of this attempt can land: what it writes is remembered from its
     // landing, so at least from here.
@@ -159,7 +193,7 @@ where
     let body: B = tokio::time::timeout(super::request_deadline(app), read_json(req))
         .await
         .map_err(|_| super::took_too_long())??;
-    let op = build(body)?;
+    let op = build(body, key.event_id)?;
     super::auth::authorize_operation(app, caller.as_ref(), &op)?;
     // Read just after the replica stood still, the request may have waited unread through
     // the stall, longer than a write may live (`stall.rs`): nothing is decided on it.
@@ -207,12 +241,14 @@ where
         .arrived()
         .map_or(Duration::ZERO, |a| a.elapsed())
         .max(started.elapsed());
+    let rule_refusal = matches!(answer, Err(WriteError::Rule(_)));
     let mut resp = match answer {
-        Ok(outcome) => outcome_response(&outcome),
+        Ok(outcome) => outcome_response(&outcome, matches!(op, Operation::Open { .. })),
         Err(e) => ApiError::from(e).into_response(),
     };
     let window = window_header(
         resp.status(),
+        rule_refusal,
         app.config.idempotency_window,
         since,
         app.config.retry_lookup_room(),
@@ -225,12 +261,29 @@ where
     Ok(resp)
 }
 
-fn outcome_response(outcome: &WriteOutcome) -> Resp {
+/// A landed write's answer: 200 with the balance (each leg's for a transfer), or for an open
+/// 201 with the account's id and where its balance is read.
+fn outcome_response(outcome: &WriteOutcome, opened: bool) -> Resp {
     let mut resp = match outcome.legs.as_slice() {
         [from, to] => json_response(
             StatusCode::OK,
             &json!({ "from": BalanceBody::from(from), "to": BalanceBody::from(to) }),
         ),
+        [one] if opened => {
+            let mut r = json_response(
+                StatusCode::CREATED,
+                &json!({
+                    "accountId": one.account.to_string(),
+                    "balanceCents": one.balance,
+                    "aggregateVersion": one.version,
+                }),
+            );
+            let location = format!("/api/accounts/{}/balance", one.account);
+            if let Ok(v) = HeaderValue::from_str(&location) {
+                r.headers_mut().insert(hyper::header::LOCATION, v);
+            }
+            r
+        }
         [one] => json_response(StatusCode::OK, &BalanceBody::from(one)),
         _ => {
             return ApiError::Internal {
@@ -256,13 +309,23 @@ mod tests {
     #[test]
     fn a_retryable_answer_states_what_is_left_of_the_window_and_others_the_window() {
         let (since, lookup) = (Duration::from_millis(15_300), Duration::from_millis(7_750));
-        let w = |status| window_header(status, 90, since, lookup);
+        let w = |status| window_header(status, false, 90, since, lookup);
         assert_eq!(w(StatusCode::CONFLICT), 66);
         assert_eq!(w(StatusCode::SERVICE_UNAVAILABLE), 66);
         assert_eq!(w(StatusCode::INTERNAL_SERVER_ERROR), 66);
         assert_eq!(w(StatusCode::OK), 90);
         assert_eq!(w(StatusCode::UNPROCESSABLE_ENTITY), 90);
-        let none_left = window_header(StatusCode::CONFLICT, 20, since, lookup);
+        let none_left = window_header(StatusCode::CONFLICT, false, 20, since, lookup);
         assert_eq!(none_left, 0);
+        // A rule's refusal (an open of an existing account, a write to one never opened)
+        // says how long a write under the key would be remembered, whatever its status.
+        assert_eq!(
+            window_header(StatusCode::CONFLICT, true, 90, since, lookup),
+            90
+        );
+        assert_eq!(
+            window_header(StatusCode::NOT_FOUND, true, 90, since, lookup),
+            90
+        );
     }
 }

@@ -72,7 +72,7 @@ struct Record {
     amount: i64,
     /// The event kind in the low two bits; bit 2 set when the write tag is known, the tag
     /// in bits 3..32; for a transfer, the low 32 bits of its counterparty's sequence in
-    /// `Inner::parties` in the high 32.
+    /// `Inner::parties` in the high 32; for an open ([`OPENED`]), bit 32.
     meta: u64,
 }
 
@@ -83,6 +83,9 @@ const KIND_DEPOSITED: u64 = 0;
 const KIND_WITHDRAWN: u64 = 1;
 const KIND_TRANSFERRED_OUT: u64 = 2;
 const KIND_TRANSFERRED_IN: u64 = 3;
+/// An open: kind [`KIND_DEPOSITED`] with this bit, which only a transfer's counterparty bits
+/// could otherwise hold (a deposit never sets them), and no amount.
+const OPENED: u64 = 1 << 32;
 const TAG_KNOWN: u64 = 1 << 2;
 const TAG_SHIFT: u32 = 3;
 const _: () = assert!(
@@ -204,6 +207,7 @@ impl Inner {
         debug_assert!((self.records.len() as u64) < MAX_RECORDS);
         self.pending_tags.push(self.tag(event_id));
         let (kind, amount, party) = match write.event {
+            AccountEvent::Opened => (KIND_DEPOSITED | OPENED, 0, None),
             AccountEvent::Deposited { amount } => (KIND_DEPOSITED, amount, None),
             AccountEvent::Withdrawn { amount } => (KIND_WITHDRAWN, amount, None),
             AccountEvent::TransferredOut { amount, to } => (KIND_TRANSFERRED_OUT, amount, Some(to)),
@@ -242,6 +246,7 @@ impl Inner {
             AccountId(Uuid::from_bytes(self.parties[at as usize]))
         };
         let event = match record.meta & KIND_MASK {
+            KIND_DEPOSITED if record.meta & OPENED != 0 => AccountEvent::Opened,
             KIND_DEPOSITED => AccountEvent::Deposited { amount },
             KIND_WITHDRAWN => AccountEvent::Withdrawn { amount },
             KIND_TRANSFERRED_OUT => AccountEvent::TransferredOut {
@@ -808,7 +813,7 @@ mod tests {
         }
     }
 
-    /// A record of one of the four kinds, its fields derived from the draws; transfers
+    /// A record of one of the five kinds, its fields derived from the draws; transfers
     /// name a counterparty that differs per record, so a mix-up of parties shows.
     fn drawn(expires: u16, balance: i8, kind: u8, party: u16) -> RecentWrite {
         let amount = i64::from(party) - 300;
@@ -817,14 +822,15 @@ mod tests {
             balance: i64::from(balance),
             version: u64::from(party.0.as_u128() as u16),
             expires_at_ms: u64::from(expires),
-            event: match kind % 4 {
+            event: match kind % 5 {
                 0 => AccountEvent::Deposited { amount },
                 1 => AccountEvent::Withdrawn { amount },
                 2 => AccountEvent::TransferredOut { amount, to: party },
-                _ => AccountEvent::TransferredIn {
+                3 => AccountEvent::TransferredIn {
                     amount,
                     from: party,
                 },
+                _ => AccountEvent::Opened,
             },
             // Known for most records, with tags that use every bit (and their neighbours').
             write_tag: (!kind.is_multiple_of(5))

@@ -74,6 +74,15 @@ pub(super) fn classify(result: Result<Vec<u64>, StoreError>) -> Step {
             failure: format!("not applied: {reason}"),
         },
         Err(StoreError::IdempotencyViolation { .. }) => Step::Contested,
+        // Only a write that may not create is refused so (explicit accounts), and only when
+        // the state it was decided on showed the account: the store says otherwise now (it
+        // went backwards, or a read showed what it no longer has). Nothing was appended;
+        // decide again on a fresh read, which refuses the write if the account is gone.
+        Err(StoreError::AggregateNotFound) => Step::Rejected {
+            arm: arm::STORE_ERROR,
+            failure: "the store holds no stream for an account of this write".into(),
+            store_behind: None,
+        },
         Err(StoreError::CrossShard) => Step::Fail {
             arm: arm::STORE_ERROR,
             error: WriteError::CrossShard,
@@ -156,6 +165,20 @@ mod tests {
             })),
             Step::Contested
         );
+    }
+
+    /// Rule: the store's "no such aggregate" on a write (explicit accounts, on a state that
+    /// showed the account) appended nothing: decided again on fresh state, never a failure
+    /// answered at once.
+    #[test]
+    fn a_write_the_store_finds_no_aggregate_for_is_rejected_and_decided_again() {
+        assert!(matches!(
+            classify(Err(StoreError::AggregateNotFound)),
+            Step::Rejected {
+                store_behind: None,
+                ..
+            }
+        ));
     }
 
     /// Rule: a 2002 is never taken at face value; only our own event id proves a landing,

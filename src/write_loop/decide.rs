@@ -1,8 +1,8 @@
 //! Deciding a run's open requests on one attempt's state: a pure function from the state
 //! and the members to a plan, with the rule that makes a refusal final in one place.
 
-use crate::account::RuleError;
 use crate::account::rules::{Legs, decide_leg};
+use crate::account::{AccountsMode, RuleError, Standing};
 
 /// What [`decide`] needs of one open request.
 pub(super) struct Candidate {
@@ -35,17 +35,18 @@ pub(super) enum Verdict {
 #[derive(Debug, PartialEq, Eq)]
 pub(super) struct NeedsCurrentState;
 
-/// Decides every candidate in order, each on top of the ones before it (`balances` is each
-/// account's balance in the loaded state). A refusal is final only on a state known to be
-/// `current` (one that reached the store's tip: a local fold or a lagging read may hide an
-/// earlier landing of the very request being refused), and only on a balance the account
-/// really had: one decided on top of unlanded batch members is deferred.
+/// Decides every candidate in order, each on top of the ones before it (`accounts` is each
+/// account in the loaded state). A refusal is final only on a state known to be `current`
+/// (one that reached the store's tip: a local fold or a lagging read may hide an earlier
+/// landing of the very request being refused), and only on a state the account really had:
+/// one decided on top of unlanded batch members is deferred.
 pub(super) fn decide(
-    balances: &[i64],
+    accounts: &[Standing],
     candidates: &[Candidate],
     current: bool,
+    mode: AccountsMode,
 ) -> Result<Vec<Verdict>, NeedsCurrentState> {
-    let mut running = balances.to_vec();
+    let mut running = accounts.to_vec();
     // `running` includes requests that have not landed (or not visibly).
     let mut speculative = false;
     let mut verdicts = Vec::with_capacity(candidates.len());
@@ -55,10 +56,10 @@ pub(super) fn decide(
         let mut broke: Option<RuleError> = None;
         for (li, leg) in c.legs.as_slice().iter().enumerate() {
             let ai = c.accounts[li];
-            match decide_leg(next[ai], &leg.event) {
+            match decide_leg(next[ai], leg, mode) {
                 Ok(b) => {
                     next[ai] = b;
-                    after[li] = b;
+                    after[li] = b.balance;
                 }
                 Err(e) => {
                     broke = Some(e);
@@ -93,6 +94,22 @@ mod tests {
 
     use super::*;
     use crate::account::{AccountId, AmountCents, Operation};
+
+    /// Decides on existing accounts with these balances, accounts implicit.
+    fn decide(
+        balances: &[i64],
+        candidates: &[Candidate],
+        current: bool,
+    ) -> Result<Vec<Verdict>, NeedsCurrentState> {
+        let accounts: Vec<Standing> = balances
+            .iter()
+            .map(|&balance| Standing {
+                balance,
+                exists: true,
+            })
+            .collect();
+        super::decide(&accounts, candidates, current, AccountsMode::Implicit)
+    }
 
     fn withdraw(cents: i64) -> Candidate {
         let op = Operation::Withdraw {
@@ -158,5 +175,42 @@ mod tests {
         let mut c = withdraw(55);
         c.may_have_landed = true;
         assert_eq!(decide(&[26], &[c], true), Ok(vec![Verdict::Unverifiable]));
+    }
+
+    /// Rule: a write to an account never opened is refused like any rule's refusal: final
+    /// only on current state, and never for a request an earlier attempt of which may land.
+    #[test]
+    fn a_write_to_an_account_never_opened_is_refused_only_on_current_state() {
+        let missing = [Standing::default()];
+        let explicit = AccountsMode::Explicit;
+        let not_found = RuleError::AccountNotFound {
+            account: AccountId(Uuid::from_u128(1)),
+        };
+        let deposit = || {
+            let op = Operation::Deposit {
+                account: AccountId(Uuid::from_u128(1)),
+                amount: AmountCents::new(5).expect("amount"),
+            };
+            Candidate {
+                legs: op.legs(),
+                accounts: [0, 0],
+                landed: false,
+                may_have_landed: false,
+            }
+        };
+        assert_eq!(
+            super::decide(&missing, &[deposit()], false, explicit),
+            Err(NeedsCurrentState)
+        );
+        assert_eq!(
+            super::decide(&missing, &[deposit()], true, explicit),
+            Ok(vec![Verdict::Refused(not_found)])
+        );
+        let mut held = deposit();
+        held.may_have_landed = true;
+        assert_eq!(
+            super::decide(&missing, &[held], true, explicit),
+            Ok(vec![Verdict::Unverifiable])
+        );
     }
 }

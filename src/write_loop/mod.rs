@@ -39,7 +39,7 @@ pub mod verify;
 
 use std::time::Duration;
 
-use crate::account::{AccountId, Operation, RuleError};
+use crate::account::{AccountId, AccountsMode, Operation, RuleError};
 use crate::projection::ProjectionError;
 use crate::store::StoreError;
 
@@ -75,6 +75,8 @@ pub struct WriteConfig {
     pub max_live_writes: usize,
     /// See [`DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT`].
     pub max_queued_per_account: usize,
+    /// Whether a write needs an account that exists (`--accounts`).
+    pub accounts: AccountsMode,
 }
 
 impl Default for WriteConfig {
@@ -87,6 +89,7 @@ impl Default for WriteConfig {
             max_batch_events: DEFAULT_MAX_BATCH_EVENTS,
             max_live_writes: DEFAULT_MAX_LIVE_WRITES,
             max_queued_per_account: DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT,
+            accounts: AccountsMode::Implicit,
         }
     }
 }

@@ -188,7 +188,8 @@ async fn a_wrong_method_is_405_with_allow() {
             format!("/api/accounts/{account}/history"),
             "GET, HEAD",
         ),
-        (Method::POST, "/api/accounts".to_string(), "GET, HEAD"),
+        // One path, two routes: the list (GET, HEAD) and the open (POST).
+        (Method::PUT, "/api/accounts".to_string(), "GET, HEAD, POST"),
         (Method::POST, "/healthz".to_string(), "GET, HEAD"),
         (Method::POST, "/readyz".to_string(), "GET, HEAD"),
         (Method::POST, "/metrics".to_string(), "GET, HEAD"),

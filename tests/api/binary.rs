@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use crate::common::{self, new_account};
 
 /// Every flag the binary takes, each settable from the environment.
-const FLAGS: [&str; 57] = [
+const FLAGS: [&str; 58] = [
     // Authentication, rate limits and the admin listener (issue 17).
     "auth",
     "auth-secret-file",
@@ -75,6 +75,7 @@ const FLAGS: [&str; 57] = [
     "postgres-pool-size",
     "postgres-statement-timeout-ms",
     "idempotency-scan-window",
+    "accounts",
 ];
 
 /// How long the binary may take to start or stop before a test fails.

@@ -9,6 +9,7 @@
 //! - [`limits`]: the body limit (413), load shedding (503), abandoned requests;
 //! - [`store_failures`]: retryable 409s and the poisoned stream's 500;
 //! - [`idempotency_keys`]: replays, key syntax, minted keys, reuse, concurrent duplicates;
+//! - [`accounts`]: opening accounts, and explicit accounts (`--accounts explicit`);
 //! - [`binary`]: the `tally` process itself.
 //!
 //! The harness, the raw HTTP client and the checks the modules share live in `tests/common/`,
@@ -17,6 +18,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod accounts;
 mod bad_input;
 mod binary;
 mod idempotency_keys;

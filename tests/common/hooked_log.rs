@@ -69,6 +69,8 @@ pub struct LegRecord {
     pub expected_version: Option<u64>,
     pub seqs: Vec<u64>,
     pub event_ids: Vec<Option<u128>>,
+    /// Whether the write may create the aggregate.
+    pub allow_create: bool,
 }
 
 /// A write a replica sent, with what it got back.
@@ -178,6 +180,7 @@ impl<A: Around> EventLog for HookedLog<A> {
                 expected_version: w.expected_version,
                 seqs: w.events.iter().map(|e| e.client_seq).collect(),
                 event_ids: w.events.iter().map(|e| e.event_id).collect(),
+                allow_create: w.allow_create,
             })
             .collect();
         self.around.before_write().await;

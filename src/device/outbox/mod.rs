@@ -65,6 +65,11 @@ pub enum OutboxError {
          online through the Tally API"
     )]
     TransferOffline,
+    /// Opening an account is an online decision (is the id free?) the service makes.
+    #[error(
+        "accounts are not opened offline: open the account through the Tally API (POST /api/accounts)"
+    )]
+    OpenOffline,
     #[error("another sync of this outbox is running")]
     SyncRunning,
     #[error("io: {0}")]
@@ -269,7 +274,8 @@ impl Outbox {
     }
 
     /// Records a deposit or withdrawal: assigns the account's next sequence and stores the
-    /// event with it in one transaction. Transfers are refused ([`OutboxError::TransferOffline`]).
+    /// event with it in one transaction. Transfers and opens are refused
+    /// ([`OutboxError::TransferOffline`], [`OutboxError::OpenOffline`]).
     pub fn record(
         &mut self,
         operation: Operation,
@@ -280,6 +286,7 @@ impl Outbox {
             Operation::Deposit { account, amount } => (account, Kind::Deposit, amount),
             Operation::Withdraw { account, amount } => (account, Kind::Withdraw, amount),
             Operation::Transfer { .. } => return Err(OutboxError::TransferOffline),
+            Operation::Open { .. } => return Err(OutboxError::OpenOffline),
         };
         let event_id = Uuid::new_v4();
         let tx = self

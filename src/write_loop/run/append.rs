@@ -3,6 +3,7 @@
 
 use super::{Member, Phase, Run};
 use crate::account::rules::Leg;
+use crate::account::{AccountEvent, AccountsMode};
 use crate::metrics::arm;
 use crate::projection::RecordedWrite;
 use crate::projection::index::write_tag;
@@ -19,6 +20,7 @@ impl Run<'_> {
         let svc = self.svc;
         let identity = *svc.projection.identity();
         let now_ms = svc.projection.event_time_ms();
+        let implicit = svc.config.accounts == AccountsMode::Implicit;
         let writes: Vec<AggregateWrite> = (0..self.accounts.len())
             .map(|ai| AggregateWrite {
                 key: identity.key(self.accounts[ai].account),
@@ -33,7 +35,13 @@ impl Run<'_> {
                     })
                     .collect(),
                 expected_version: Some(self.accounts[ai].snap.version),
-                allow_create: true,
+                // With explicit accounts only an open creates a stream: the store itself
+                // refuses any other write to an account that does not exist, whatever
+                // state this replica decided on.
+                allow_create: implicit
+                    || self
+                        .legs_on(batch, ai)
+                        .any(|(_, _, _, leg)| leg.event == AccountEvent::Opened),
                 enforce_client_idempotency: true,
             })
             .collect();

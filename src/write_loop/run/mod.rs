@@ -18,7 +18,7 @@ use super::decide::{self, Candidate, NeedsCurrentState, Verdict};
 use super::service::{WriteService, invariant};
 use super::{Answer, WriteError, WriteRequest};
 use crate::account::rules::Legs;
-use crate::account::{AccountId, Operation};
+use crate::account::{AccountId, AccountsMode, Operation, Standing};
 use crate::metrics::arm;
 use crate::projection::{AccountView, Loaded, MAX_OWN_CLIENT_SEQ, ProjectionError, Snapshot};
 use crate::store::StoreError;
@@ -130,6 +130,9 @@ pub(super) struct Run<'a> {
     /// A write of this run bounced off the version guard (2003): the store answered, and
     /// the state it was decided on is behind.
     bounced: bool,
+    /// A rule refused a request on the replica's copy, which cannot make a refusal final:
+    /// only a read of the store can (and the copy may be behind it).
+    refused_on_copy: bool,
 }
 
 impl<'a> Run<'a> {
@@ -186,6 +189,7 @@ impl<'a> Run<'a> {
             first_touch_spent: false,
             read_the_store: false,
             bounced: false,
+            refused_on_copy: false,
         }
     }
 
@@ -297,15 +301,22 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// Whether the run is one account's deposits only: the one shape a first touch
-    /// ([`Projection::first_touch`]) decides without a balance, so it never refuses on it.
-    fn deposits_only(&self) -> bool {
+    /// Whether the run is one account's deposits (accounts implicit) or an open: the shapes
+    /// a first touch ([`Projection::first_touch`]) decides without a read, since the empty
+    /// state it assumes never refuses them. With explicit accounts a deposit needs the
+    /// account to exist, which an empty state denies: it reads first.
+    fn first_touch_fits(&self) -> bool {
+        let implicit = self.svc.config.accounts == AccountsMode::Implicit;
         self.accounts.len() == 1
             && self
                 .members
                 .iter()
                 .filter(|m| !m.is_done())
-                .all(|m| matches!(m.req.op, Operation::Deposit { .. }))
+                .all(|m| match m.req.op {
+                    Operation::Deposit { .. } => implicit,
+                    Operation::Open { .. } => true,
+                    _ => false,
+                })
     }
 
     /// The event ids of unanswered members with a leg on account `ai`: what its load looks
@@ -336,7 +347,7 @@ impl<'a> Run<'a> {
                         self.db_round_trips += loaded.db_statements;
                         local.push(loaded);
                     }
-                    Ok(None) if !self.first_touch_spent && self.deposits_only() => {
+                    Ok(None) if !self.first_touch_spent && self.first_touch_fits() => {
                         match projection.first_touch(self.accounts[ai].account) {
                             Some(loaded) => {
                                 self.first_touch = true;
@@ -391,10 +402,14 @@ impl<'a> Run<'a> {
     /// 1`, one write by another replica or one lost ack made every later write to the
     /// account a 409 until something read it). One catch-up, within the deadline, brings
     /// the copies to the store; its outcome does not change this run's answer. Only after a
-    /// bounce: the store answered just now, and the copy is known to be behind (a run that
-    /// could not reach the store would only add a read to an outage).
+    /// bounce (the store answered just now, and the copy is known to be behind), or after a
+    /// rule refused on the copy, which no attempt could settle without reading (with
+    /// explicit accounts, a copy that still shows an account another replica has opened
+    /// since refused every write to it); never for a run that could not reach the store,
+    /// which would only add a read to an outage.
     async fn refresh_unread_copies(&mut self, deadline: Instant) {
-        if !self.bounced || self.read_the_store || Instant::now() >= deadline {
+        let behind = self.bounced || self.refused_on_copy;
+        if !behind || self.read_the_store || Instant::now() >= deadline {
             return;
         }
         let _ = tokio::time::timeout_at(deadline, self.load_state(false)).await;
@@ -453,17 +468,26 @@ impl<'a> Run<'a> {
                 }
             })
             .collect();
-        let balances: Vec<i64> = self.accounts.iter().map(|t| t.snap.balance).collect();
-        let verdicts = match decide::decide(&balances, &candidates, false) {
+        let standings: Vec<Standing> = self
+            .accounts
+            .iter()
+            .map(|t| Standing {
+                balance: t.snap.balance,
+                exists: t.snap.version > 0,
+            })
+            .collect();
+        let mode = self.svc.config.accounts;
+        let verdicts = match decide::decide(&standings, &candidates, false, mode) {
             Ok(verdicts) => verdicts,
             Err(NeedsCurrentState) => {
                 // Only a catch-up that reached the store's tip is current: not the local
                 // fold, and not a read a lagging replica left behind (it may hide this very
                 // request, landed by an earlier attempt).
+                self.refused_on_copy |= !caught_up;
                 if !caught_up || !self.reached_tip().await {
                     return None;
                 }
-                decide::decide(&balances, &candidates, true).ok()?
+                decide::decide(&standings, &candidates, true, mode).ok()?
             }
         };
         let mut batch = Vec::with_capacity(open.len());
