@@ -37,7 +37,7 @@ unit:
 # Postgres fleets use it, and the API, fleet and write-loop suites run a second time on the
 # Postgres projection.
 unit-suites:
-	$(CARGO) test --locked
+	$(CARGO) test --locked --no-fail-fast
 	TALLY_TEST_PROJECTION=postgres $(CARGO) test --locked --test api --test fleet --test write_loop
 
 # Console and watch stream (issue 16): the console's browser test drives headless Debian

