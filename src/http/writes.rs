@@ -26,8 +26,14 @@ use crate::write_loop::{AnsweringAttempt, LegResult, WriteError, WriteOutcome, W
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct OpenBody {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "named_uuid")]
     account_id: Option<Uuid>,
+}
+
+/// `accountId` may be left out (the id is then derived from the key), but a `null` is no
+/// UUID: taking it as "left out" would open an account the caller did not name.
+fn named_uuid<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Uuid>, D::Error> {
+    <Uuid as Deserialize>::deserialize(d).map(Some)
 }
 
 /// The namespace an opened account's id is derived in from the request's event id, when the

@@ -247,13 +247,18 @@ async fn accounts_written_before_explicit_accounts_and_the_demo_accounts_stay_op
 }
 
 /// `POST /api/accounts` is a write: its body is checked like any write's (an unknown field,
-/// an id that is not a UUID), and nothing is written for a refused one; other methods than
+/// an id that is not a UUID, or null), and nothing is written for a refused one; other methods than
 /// GET, HEAD and POST are 405 naming all three.
 #[tokio::test]
 async fn a_bad_open_is_refused_and_writes_nothing() {
     let t = explicit().await;
     let bad = json!({ "accountId": "nope" });
     let r = t.post("/api/accounts", &bad, Some("b-1")).await;
+    assert_error(&r, 422, "VALIDATION_ERROR");
+    // A null names no account; it is not taken as "derive one from the key".
+    let r = t
+        .post("/api/accounts", &json!({ "accountId": null }), Some("b-1"))
+        .await;
     assert_error(&r, 422, "VALIDATION_ERROR");
     let named = new_account();
     let r = t
