@@ -127,7 +127,7 @@ pub enum ReadError {
     Database,
     /// Retryable: the store's reads show none of the account's events, but the store says
     /// the account is at `version`. Never a balance of 0 at version 0 for an account that
-    /// exists (a server found to hide a new aggregate's head from reads; README, "Stores").
+    /// exists (a server found to hide a new aggregate's head from reads; docs/stores.md).
     #[error(
         "the store says the account is at version {version}, but its reads show none of its events yet; retry"
     )]
@@ -225,7 +225,7 @@ impl AccountReader {
     /// store has is this replica's lag, and the catch-ups go on. Decides nothing (the read
     /// stays retryable) when the details call fails, or says the account has no version
     /// yet: a Celeriant server was found to hide a new account's create from its details
-    /// call as well as its reads (README, "Stores"), so "no version" may be a create that
+    /// call as well as its reads (docs/stores.md), so "no version" may be a create that
     /// landed, and a final 400 for the version its writer was given would be wrong.
     async fn check_reachable(&self, account: AccountId, min_version: u64) -> Result<(), ReadError> {
         let current = match self.projection.store_version(account).await {

@@ -1312,7 +1312,7 @@ mod watch_rules {
 
 /// Multi-aggregate writes (several accounts' writes combined into one request): what such a
 /// write answers when one or more members fail, as the real server answers it (probed on
-/// Celeriant e7c6df9; README "Stores" has the findings the port does not expose). Each rule
+/// Celeriant e7c6df9; docs/stores.md has the findings the port does not expose). Each rule
 /// tries a transfer's two members and larger combined writes, with the failing member at
 /// every position, since the server visits members in hash order.
 mod multi_rules {
@@ -1378,7 +1378,7 @@ mod multi_rules {
     /// Whether `got` refuses a write for a sequence already used: a 2002 carrying one of
     /// `pairs` as (committed mark, attempted lowest sequence), or the real server's 2013,
     /// which it answers instead while the batch holding the sequence is acknowledged but not
-    /// yet durable (README "Stores"). Either refuses the write whole.
+    /// yet durable (docs/stores.md). Either refuses the write whole.
     fn refused_as_duplicate(got: &StoreResult<Vec<u64>>, pairs: &[(u64, u64)]) -> bool {
         match got {
             Err(StoreError::IdempotencyViolation {

@@ -358,7 +358,7 @@ async fn a_key_sent_to_both_services_at_once_lands_once() {
 /// A conformance rule of the replaced service, found by probing its binary: it honours a key
 /// only when the key parses as a UUID; any other key is taken as no key (a fresh random event
 /// id), so its retry writes again. Tally maps such a key to UUIDv5 of the key, so in a mixed
-/// fleet only UUID keys are safe to retry across the two (README, "Running a fleet").
+/// fleet only UUID keys are safe to retry across the two (docs/operations.md, "Running a fleet").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_replaced_service_takes_a_key_that_is_not_a_uuid_as_no_key() {
     let Some(m) = Mixed::start().await else {

@@ -89,7 +89,7 @@ impl EventLog for Replaceable {
 }
 
 /// The memory fold's rule alone: on Postgres the shared rows are not moved backwards (the
-/// README says what an operator does there), so the suite's Postgres pass skips these.
+/// docs/stores.md says what an operator does there), so the suite's Postgres pass skips these.
 fn memory_only() -> bool {
     let on_postgres = common::pg::suite_on_postgres();
     if on_postgres {

@@ -309,7 +309,7 @@ async fn bad_resume_points_are_refused_with_json_errors() {
         common::assert_error(&r, 400, code);
     }
     // An account the store shows no version of decides nothing (a create may be hidden
-    // from the store's details: README, "Stores"): retryable, never a final 400.
+    // from the store's details: docs/stores.md): retryable, never a final 400.
     let r = t
         .get(&format!("{}?fromVersion=5", events_path(&new_account())))
         .await;

@@ -7,8 +7,8 @@
 //! sends the same key again and sees the replay mark, changes the amount under that key and
 //! sees the 422, writes through replica B and sees that write appear, checks the page made
 //! no request to anywhere but A (a recording proxy catches anything else), checks labels
-//! and phone width, and saves a screenshot (the README's docs/console.png when
-//! `TALLY_UPDATE_SCREENSHOT=1`).
+//! and phone width, and saves a screenshot (docs/console.png, which
+//! docs/console-and-watch.md shows, when `TALLY_UPDATE_SCREENSHOT=1`).
 //!
 //! Skipped (and passing) when `chromedriver` is not installed, unless
 //! `TALLY_REQUIRE_BROWSER=1` (set by `make test`, which installs it).
@@ -35,11 +35,11 @@ const NO_RETRY_WATCH: Duration = Duration::from_millis(2_500);
 const DRIVER_START_BOUND: Duration = Duration::from_secs(20);
 /// The WebDriver key of an element reference.
 const ELEMENT_KEY: &str = "element-6066-11e4-a52e-4f735466cecf";
-/// Where the README's screenshot lives: rewritten only when `TALLY_UPDATE_SCREENSHOT=1`, so
+/// Where the docs' screenshot lives: rewritten only when `TALLY_UPDATE_SCREENSHOT=1`, so
 /// an ordinary test run leaves the checkout clean (ports and ids differ from run to run).
 const SCREENSHOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/console.png");
 
-/// Where this run's screenshot goes: the README's when asked, else the temp directory.
+/// Where this run's screenshot goes: the docs' when asked, else the temp directory.
 fn screenshot_path() -> std::path::PathBuf {
     if std::env::var("TALLY_UPDATE_SCREENSHOT").as_deref() == Ok("1") {
         SCREENSHOT.into()

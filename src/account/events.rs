@@ -4,7 +4,7 @@
 //! or `"FromAccountId"` on the transfer legs.
 //!
 //! Major 5 `AccountOpened` (payload `{}`) is Tally's own: the event `POST /api/accounts`
-//! writes as an account's first (README, "Opening accounts"). It moves no money. The replaced
+//! writes as an account's first (docs/api.md, "Opening accounts"). It moves no money. The replaced
 //! service folds a type it does not know as a zero amount, so its balances stay right; a
 //! Tally older than this event stops on it (a poisoned account), which is why a fleet is
 //! upgraded whole before anyone opens an account.

@@ -17,7 +17,7 @@
 //! Two backends, chosen together as one setting ([`Backend`]): the memory fold above, where
 //! each replica folds the stream itself, and Postgres, where cursor and index are rows of one
 //! shared database. There is no way to mix them (a shared cursor with a per-replica index
-//! would double-write; see the README's "Postgres projection").
+//! would double-write; see docs/postgres.md).
 
 mod anchor;
 pub mod clock;
@@ -241,7 +241,7 @@ impl Projection {
     /// The account's newest version as the store itself gives it (its details call), 0 for
     /// an account it does not have. One round trip; what a version beyond it means is the
     /// caller's (a Celeriant server was found to hide a new account from this call too:
-    /// README, "Stores").
+    /// docs/stores.md, "A create the server hides").
     pub async fn store_version(&self, account: AccountId) -> Result<u64, StoreError> {
         match self.log.details(self.identity.key(account)).await {
             Ok(d) => Ok(d.max_version),

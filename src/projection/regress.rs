@@ -18,7 +18,7 @@
 //! observation does not rewrite the fleet's cursor): once a replica sees the store went
 //! backwards, either way, it serves no row (retryable errors), because a row whose version
 //! the store reaches again would pass the version guard on a balance the store does not
-//! have. README, "A store that went backwards", says what the operator does.
+//! have. docs/stores.md, "A store that went backwards", says what the operator does.
 
 use std::sync::atomic::Ordering;
 

@@ -363,7 +363,7 @@ impl Hub {
                 .await
                 .map_err(|e| WatchError::Store(e.to_string()))?;
             // No version at all decides nothing: the store may hide a create that landed
-            // (README, "Stores"), and the resume would then be from a version a client saw.
+            // (docs/stores.md), and the resume would then be from a version a client saw.
             if current == 0 {
                 return Err(WatchError::Store(
                     "the store shows no version of this account yet; retry".into(),

@@ -163,7 +163,7 @@ async fn a_poisoned_stream_is_500_with_an_error_id_and_nothing_is_written_to_it(
 
 /// A store whose reads hide every event of the accounts in `hidden`, while its details
 /// still say where they stand: the shape of a server that acknowledged a create and then
-/// kept the new aggregate's head from every read (README, "Stores").
+/// kept the new aggregate's head from every read (docs/stores.md).
 struct HidesReads {
     inner: SharedLog,
     hidden: std::sync::Mutex<Vec<tally::store::AggregateKey>>,

@@ -8,7 +8,7 @@
 //! from it: a retry whose key is not in a complete copy either never landed, or landed
 //! above the copy's version, and then the write, guarded on the copy's version, is bounced
 //! by the store (2003) and the loop catches up. A copy that is current but missing rows
-//! (the half-shared configuration the README warns about) would write the retry again, so
+//! (the half-shared configuration docs/postgres.md warns about) would write the retry again, so
 //! a copy is only ever built from:
 //!
 //! - a load that returned every live row of the account (`since` 0), or every live row
