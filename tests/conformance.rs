@@ -1344,6 +1344,16 @@ mod multi_rules {
     }
 
     /// Each aggregate's version, 0 for one that does not exist.
+    /// Creates each aggregate with one event at the given client sequence, so its
+    /// (aggregate, client) mark stands there.
+    async fn marked(log: &SharedLog, c: ClientId, marks: &[(AggregateKey, u64)]) {
+        for &(key, seq) in marks {
+            log.write(c, vec![write(key, &[seq], None, true)])
+                .await
+                .unwrap_or_else(|e| panic!("mark {seq}: {e:?}"));
+        }
+    }
+
     async fn tips(log: &SharedLog, keys: &[AggregateKey]) -> Vec<u64> {
         let mut out = Vec::with_capacity(keys.len());
         for &key in keys {
@@ -1634,12 +1644,7 @@ mod multi_rules {
         for trial in 0..TRIALS {
             let c = k.client();
             let (ten, twenty) = (k.key(), k.key());
-            log.write(c, vec![write(ten, &[10], None, true)])
-                .await
-                .expect("mark 10");
-            log.write(c, vec![write(twenty, &[20], None, true)])
-                .await
-                .expect("mark 20");
+            marked(&log, c, &[(ten, 10), (twenty, 20)]).await;
             let got = log
                 .write(
                     c,
@@ -1664,12 +1669,7 @@ mod multi_rules {
         k: Keys,
     ) {
         let (high, low, c) = (k.key(), k.key(), k.client());
-        log.write(c, vec![write(high, &[5], None, true)])
-            .await
-            .expect("mark 5");
-        log.write(c, vec![write(low, &[1], None, true)])
-            .await
-            .expect("mark 1");
+        marked(&log, c, &[(high, 5), (low, 1)]).await;
         // The request's lowest sequence (2) is below `high`'s mark (5): it is not what is
         // judged. Each member's own lowest is above its own mark, so the write lands.
         assert_eq!(
@@ -1702,12 +1702,7 @@ mod multi_rules {
         k: Keys,
     ) {
         let (high, low, c) = (k.key(), k.key(), k.client());
-        log.write(c, vec![write(high, &[5], None, true)])
-            .await
-            .expect("mark 5");
-        log.write(c, vec![write(low, &[1], None, true)])
-            .await
-            .expect("mark 1");
+        marked(&log, c, &[(high, 5), (low, 1)]).await;
         assert_eq!(
             log.write(
                 c,
