@@ -9,8 +9,8 @@ pub(super) struct Candidate {
     pub legs: Legs,
     /// Each leg's account, as an index into the run's accounts.
     pub accounts: [usize; 2],
-    /// The stream holds it (the point read found our event): no rule decides it now.
-    pub landed: bool,
+    /// Proven in the stream (the point read found our event): no rule decides it now.
+    pub proven: bool,
     /// An earlier attempt may still land.
     pub may_have_landed: bool,
 }
@@ -20,8 +20,8 @@ pub(super) struct Candidate {
 pub(super) enum Verdict {
     /// Write it; each leg's balance right after it.
     Write { balances: [i64; 2] },
-    /// Proven landed: not written again; a fold that reaches the landing answers it.
-    Landed,
+    /// Already in the stream: not written again; a fold that reaches the landing answers it.
+    AlreadyLanded,
     /// Refused only on top of earlier requests of this batch that have not landed: not final
     /// and not written; decided again on the state after them.
     Deferred,
@@ -71,13 +71,13 @@ pub(super) fn decide(
             None => {
                 running = next;
                 speculative = true;
-                if c.landed {
-                    Verdict::Landed
+                if c.proven {
+                    Verdict::AlreadyLanded
                 } else {
                     Verdict::Write { balances: after }
                 }
             }
-            Some(_) if c.landed => Verdict::Landed,
+            Some(_) if c.proven => Verdict::AlreadyLanded,
             Some(_) if !current => return Err(NeedsCurrentState),
             Some(_) if speculative => Verdict::Deferred,
             Some(_) if c.may_have_landed => Verdict::Unverifiable,
@@ -119,7 +119,7 @@ mod tests {
         Candidate {
             legs: op.legs(),
             accounts: [0, 0],
-            landed: false,
+            proven: false,
             may_have_landed: false,
         }
     }
@@ -194,7 +194,7 @@ mod tests {
             Candidate {
                 legs: op.legs(),
                 accounts: [0, 0],
-                landed: false,
+                proven: false,
                 may_have_landed: false,
             }
         };

@@ -10,84 +10,21 @@
 //!    ([`super::verify`]).
 
 mod append;
+mod member;
 mod readback;
 
 use tokio::time::Instant;
 
+use self::member::{Member, Phase, SeqHold};
 use super::decide::{self, Candidate, NeedsCurrentState, Verdict};
-use super::service::{WriteService, invariant};
-use super::{Answer, WriteError, WriteRequest};
-use crate::account::rules::Legs;
-use crate::account::{AccountId, AccountsMode, Operation, Standing};
-use crate::metrics::arm;
-use crate::projection::{AccountView, Loaded, MAX_OWN_CLIENT_SEQ, ProjectionError, Snapshot};
-use crate::store::StoreError;
-
-/// Where one request of a run stands.
-#[derive(Debug)]
-pub(super) enum Phase {
-    /// Not answered and not proven landed: decided again on each attempt's state.
-    Open,
-    /// The stream holds our event on these legs, at these versions (a point read or an index
-    /// hit on a fold that had not reached it): never written again; answered once a fold
-    /// reaches the landing.
-    Landed { at: [Option<u64>; 2] },
-    /// Answered.
-    Done(Answer),
-}
-
-/// One request inside a run.
-struct Member {
-    req: WriteRequest,
-    legs: Legs,
-    /// Each leg's account, as an index into [`Run::accounts`].
-    accounts: [usize; 2],
-    phase: Phase,
-    /// Each leg's client sequence (Celeriant's key) while the run holds it: from the write
-    /// that carried it until a write with it is rejected (2003), proven a sibling's, or lands.
-    /// `None`: the next write derives fresh ones from the fold.
-    seqs: Option<[u64; 2]>,
-    /// Each leg's lowest version at which its held sequence can stand: one above the fold it
-    /// was derived on (that fold saw every sequence of ours below it). A 2002's point read
-    /// starts here, not at version 1.
-    seq_floor: [u64; 2],
-    /// Each leg's balance after this request, as decided on this attempt's state.
-    balances: [i64; 2],
-    /// Sticky: an attempt may have landed (outcome unknown, 2013, a proven landing), so a
-    /// refusal on later state is not final.
-    may_have_landed: bool,
-    /// Sticky: a write of this run that carried it had an unknown outcome. Only then can a
-    /// landing found in the index be this run's own; otherwise it is another request's
-    /// result, a replay.
-    sent_unknown: bool,
-    /// The sequence held now went out in a write whose outcome is unknown: it may stand in
-    /// the stream, so it is never released on a rejection (only a 2002's point read, or a
-    /// landing, settles it). Cleared when fresh sequences are derived.
-    seq_unanswered: bool,
-    /// The write tags (per leg) of those writes, at most one per attempt: a landing found
-    /// in the index under another tag is another request's, a replay, even so.
-    unknown_tags: Vec<[u32; 2]>,
-}
-
-impl Member {
-    fn is_done(&self) -> bool {
-        matches!(self.phase, Phase::Done(_))
-    }
-
-    fn landed_at(&self) -> [Option<u64>; 2] {
-        match self.phase {
-            Phase::Landed { at } => at,
-            _ => [None; 2],
-        }
-    }
-
-    /// Records that the stream holds this request's event on leg `li` at `version`.
-    fn mark_landed(&mut self, li: usize, version: u64) {
-        let mut at = self.landed_at();
-        at[li] = Some(version);
-        self.phase = Phase::Landed { at };
-    }
-}
+use super::service::{backoff, invariant};
+use super::{Answer, WriteConfig, WriteError, WriteRequest};
+use crate::account::{AccountId, AccountsMode, Identity, Operation, Standing};
+use crate::metrics::{Metrics, arm};
+use crate::projection::{
+    AccountView, Loaded, MAX_OWN_CLIENT_SEQ, Projection, ProjectionError, Snapshot,
+};
+use crate::store::{SharedLog, StoreError};
 
 /// One account touched by a run, with its state for the current attempt.
 struct Touched {
@@ -105,8 +42,71 @@ enum LoadFailure {
     Fail(WriteError),
 }
 
+/// What the next attempt does after a write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Next {
+    /// Backs off first: the usual case (a write that had nothing to say about when to retry).
+    Backoff,
+    /// Starts at once: a proven landing only needs a read-back.
+    AtOnce,
+    /// Starts at once, and this attempt does not count: it was a first touch, which stood in
+    /// for the read it skipped (the store's answer showed the account exists).
+    AtOnceUncounted,
+}
+
+/// Where a run stands with its one first touch (an account taken as empty without a read).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FirstTouch {
+    /// Not taken: an attempt may take it.
+    Unused,
+    /// This attempt's state is a first touch's: a conflict means only that the account
+    /// exists, so the catch-up follows at once, and the attempt does not count (a run with
+    /// one attempt still reads back a landed retry).
+    ThisAttempt,
+    /// Taken on an earlier attempt: a run takes at most one.
+    Spent,
+}
+
+/// What the run knows of the replica's copies of its accounts, for a give-up
+/// ([`Run::refresh_unread_copies`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Copies {
+    /// Not read from the store by this run, and not known to be behind it.
+    Unread,
+    /// Not read from the store by this run, and known or suspected to be behind it: a write
+    /// bounced off the version guard (2003: the store answered, and the state it was decided
+    /// on is behind), or a rule refused a request on the copy, which cannot make a refusal
+    /// final (only a read of the store can, and the copy may be behind it).
+    UnreadBehind,
+    /// An attempt of this run read its state from the store (a catch-up).
+    Read,
+}
+
+impl Copies {
+    /// Notes that the copies are behind the store, unless this run has read it since.
+    fn behind(&mut self) {
+        if *self == Copies::Unread {
+            *self = Copies::UnreadBehind;
+        }
+    }
+}
+
+/// What a run needs of its replica, and no more: the write side's queues, lanes and
+/// coalescing are none of its business.
+#[derive(Clone, Copy)]
+pub(super) struct RunContext<'a> {
+    /// The replica's state of each account: loads, the index, recording a landed write.
+    pub projection: &'a Projection,
+    /// The store, for the writes themselves, tip checks and point reads.
+    pub log: &'a SharedLog,
+    /// The service's client id and how an account maps to its stream.
+    pub identity: Identity,
+    pub metrics: &'a Metrics,
+    pub config: WriteConfig,
+}
+
 pub(super) struct Run<'a> {
-    svc: &'a WriteService,
+    cx: RunContext<'a>,
     op_label: &'static str,
     members: Vec<Member>,
     accounts: Vec<Touched>,
@@ -118,25 +118,12 @@ pub(super) struct Run<'a> {
     /// Each account's tip as the store reported it during this run: any state read later
     /// that reaches it folds everything that landed before this run started.
     tips: Option<Vec<u64>>,
-    /// This attempt's state is a first touch's (taken as empty without a read): a conflict
-    /// means only that the account exists, so the catch-up follows at once, and does not
-    /// count as an attempt (a run with one attempt still reads back a landed retry).
-    first_touch: bool,
-    /// A run takes at most one first touch.
-    first_touch_spent: bool,
-    /// An attempt of this run read its state from the store (a catch-up), not only from the
-    /// replica's copy.
-    read_the_store: bool,
-    /// A write of this run bounced off the version guard (2003): the store answered, and
-    /// the state it was decided on is behind.
-    bounced: bool,
-    /// A rule refused a request on the replica's copy, which cannot make a refusal final:
-    /// only a read of the store can (and the copy may be behind it).
-    refused_on_copy: bool,
+    first_touch: FirstTouch,
+    copies: Copies,
 }
 
 impl<'a> Run<'a> {
-    pub(super) fn new(svc: &'a WriteService, reqs: Vec<WriteRequest>) -> Self {
+    pub(super) fn new(cx: RunContext<'a>, reqs: Vec<WriteRequest>) -> Self {
         let op_label = match reqs.as_slice() {
             [one] => one.op.name(),
             _ => "batch",
@@ -160,23 +147,11 @@ impl<'a> Run<'a> {
                         }
                     };
                 }
-                Member {
-                    req,
-                    legs,
-                    accounts: idx,
-                    phase: Phase::Open,
-                    seqs: None,
-                    seq_floor: [1; 2],
-                    balances: [0; 2],
-                    may_have_landed: false,
-                    sent_unknown: false,
-                    seq_unanswered: false,
-                    unknown_tags: Vec::new(),
-                }
+                Member::new(req, idx)
             })
             .collect();
         Self {
-            svc,
+            cx,
             op_label,
             members,
             accounts,
@@ -185,16 +160,13 @@ impl<'a> Run<'a> {
             db_round_trips: 0,
             last_failure: String::new(),
             tips: None,
-            first_touch: false,
-            first_touch_spent: false,
-            read_the_store: false,
-            bounced: false,
-            refused_on_copy: false,
+            first_touch: FirstTouch::Unused,
+            copies: Copies::Unread,
         }
     }
 
     fn arm(&self, arm: &str) {
-        self.svc.metrics().arm(self.op_label, arm);
+        self.cx.metrics.arm(self.op_label, arm);
     }
 
     /// Members not answered yet (open or landed), by index.
@@ -211,91 +183,109 @@ impl<'a> Run<'a> {
     /// Drives the run until every member is answered, or attempts or time (`deadline`, from
     /// the earliest arrival among the members) run out.
     pub(super) async fn drive(&mut self, deadline: Instant) {
-        let cfg = self.svc.config;
-        let mut skip_backoff = false;
+        let mut next = Next::Backoff;
         while self.unanswered().next().is_some() {
-            if self.attempt >= cfg.max_attempts || Instant::now() >= deadline {
-                self.refresh_unread_copies(deadline).await;
-                self.arm(arm::GAVE_UP);
-                let err = WriteError::GaveUp {
-                    attempts: self.attempt,
-                    last: std::mem::take(&mut self.last_failure),
-                };
-                self.answer_unanswered(err);
+            if self.attempt >= self.cx.config.max_attempts || Instant::now() >= deadline {
+                self.give_up(deadline).await;
                 break;
             }
             self.attempt += 1;
-            if self.attempt > 1 && !skip_backoff {
+            if self.attempt > 1 && next == Next::Backoff {
                 let salt = self.members[0].req.event_id;
-                self.svc.backoff(self.attempt, salt).await;
+                backoff(self.attempt, salt).await;
             }
-            skip_backoff = false;
-            self.first_touch = false;
-
-            // 1. State: the local fold on a warm account's first attempt, else a catch-up.
-            let caught_up = match self
-                .load_state(cfg.one_round_trip && self.attempt == 1)
-                .await
-            {
-                Ok(caught_up) => {
-                    self.read_the_store |= caught_up;
-                    caught_up
-                }
-                Err(LoadFailure::Retry) => continue,
-                Err(LoadFailure::Fail(err)) => {
-                    self.answer_unanswered(err);
-                    break;
-                }
-            };
-            // 2. Did it already land? (On a catch-up, this is the read-back.) Then, when
-            // configured, scan the stream for what the index missed.
-            self.answer_from_index().await;
-            if !self.scan_misses().await {
-                continue;
+            if self.first_touch == FirstTouch::ThisAttempt {
+                self.first_touch = FirstTouch::Spent;
             }
-            // 3. Decide on this state.
-            let Some(batch) = self.decide(caught_up).await else {
-                continue;
-            };
-            let batch = self.admit_new(batch);
-            if batch.is_empty() {
-                continue;
-            }
-            // Nothing is sent past the deadline: a catch-up or scan that outlasted it ends
-            // the run at the top of the loop (a retryable give-up). Sent later, the write
-            // could land after its client was told to retry, and a retry decided elsewhere
-            // in between (a final 422, say) would be contradicted.
-            if Instant::now() >= deadline {
-                self.last_failure = "the deadline passed before the write was sent".into();
-                continue;
-            }
-            // 4. Sequences: held ones stay; otherwise derived from the fold just read.
-            if let Err(err) = self.check_seq_room() {
-                self.answer_unanswered(err);
-                break;
-            }
-            if let Err(err) = self.assign_seqs(&batch) {
-                self.answer_unanswered(err);
-                break;
-            }
-            // 5. Append and classify.
-            skip_backoff = self.write(&batch).await;
-            if skip_backoff && self.first_touch {
-                // The bounce of a first touch: the account exists. Read it now; this attempt
-                // stood in for that read.
+            next = self.attempt_once(deadline).await;
+            if next == Next::AtOnceUncounted {
+                // The attempt stood in for a read; the read follows now and counts instead.
                 self.attempt -= 1;
             }
         }
+        self.observe_run();
+    }
+
+    /// Answers every unanswered member with a give-up, after bringing stale copies up to
+    /// the store if that is due.
+    async fn give_up(&mut self, deadline: Instant) {
+        self.refresh_unread_copies(deadline).await;
+        self.arm(arm::GAVE_UP);
+        let err = WriteError::GaveUp {
+            attempts: self.attempt,
+            last: std::mem::take(&mut self.last_failure),
+        };
+        self.answer_unanswered(err);
+    }
+
+    /// One attempt's five steps. Every early end but a proven landing or a first touch's
+    /// bounce backs off before the next attempt; a failure that cannot be retried answers
+    /// every unanswered member, which ends the run.
+    async fn attempt_once(&mut self, deadline: Instant) -> Next {
+        let cfg = self.cx.config;
+        // 1. State: the local fold on a warm account's first attempt, else a catch-up.
+        let caught_up = match self
+            .load_state(cfg.one_round_trip && self.attempt == 1)
+            .await
+        {
+            Ok(caught_up) => {
+                if caught_up {
+                    self.copies = Copies::Read;
+                }
+                caught_up
+            }
+            Err(LoadFailure::Retry) => return Next::Backoff,
+            Err(LoadFailure::Fail(err)) => {
+                self.answer_unanswered(err);
+                return Next::Backoff;
+            }
+        };
+        // 2. Did it already land? (On a catch-up, this is the read-back.) Then, when
+        // configured, scan the stream for what the index missed.
+        self.answer_from_index().await;
+        if !self.scan_misses().await {
+            return Next::Backoff;
+        }
+        // 3. Decide on this state.
+        let Some(batch) = self.decide(caught_up).await else {
+            return Next::Backoff;
+        };
+        let batch = self.admit_new(batch);
+        if batch.is_empty() {
+            return Next::Backoff;
+        }
+        // Nothing is sent past the deadline: a catch-up or scan that outlasted it ends
+        // the run at the top of the loop (a retryable give-up). Sent later, the write
+        // could land after its client was told to retry, and a retry decided elsewhere
+        // in between (a final 422, say) would be contradicted.
+        if Instant::now() >= deadline {
+            self.last_failure = "the deadline passed before the write was sent".into();
+            return Next::Backoff;
+        }
+        // 4. Sequences: held ones stay; otherwise derived from the fold just read.
+        if let Err(err) = self
+            .check_seq_room()
+            .and_then(|()| self.assign_seqs(&batch))
+        {
+            self.answer_unanswered(err);
+            return Next::Backoff;
+        }
+        // 5. Append and classify.
+        self.write(&batch).await
+    }
+
+    /// Records the run on its request span and in the metrics.
+    fn observe_run(&self) {
         let span = tracing::Span::current();
         span.record("attempts", self.attempt);
         span.record("outcome", self.outcome_label());
-        let m = self.svc.metrics();
+        let m = self.cx.metrics;
         m.write_attempts
             .with_label_values(&[self.op_label])
             .observe(f64::from(self.attempt));
         m.store_round_trips_per_write
             .observe(f64::from(self.round_trips));
-        if self.svc.projection.uses_database() {
+        if self.cx.projection.uses_database() {
             m.projection_db_round_trips_per_write
                 .observe(f64::from(self.db_round_trips));
         }
@@ -306,7 +296,7 @@ impl<'a> Run<'a> {
     /// state it assumes never refuses them. With explicit accounts a deposit needs the
     /// account to exist, which an empty state denies: it reads first.
     fn first_touch_fits(&self) -> bool {
-        let implicit = self.svc.config.accounts == AccountsMode::Implicit;
+        let implicit = self.cx.config.accounts == AccountsMode::Implicit;
         self.accounts.len() == 1
             && self
                 .members
@@ -334,7 +324,7 @@ impl<'a> Run<'a> {
     /// projection's current state without a store read (only when `try_local` and the
     /// projection can vouch for every account).
     async fn load_state(&mut self, try_local: bool) -> Result<bool, LoadFailure> {
-        let projection = &self.svc.projection;
+        let projection = self.cx.projection;
         if try_local {
             let mut local: Vec<Loaded> = Vec::with_capacity(self.accounts.len());
             for ai in 0..self.accounts.len() {
@@ -347,11 +337,12 @@ impl<'a> Run<'a> {
                         self.db_round_trips += loaded.db_statements;
                         local.push(loaded);
                     }
-                    Ok(None) if !self.first_touch_spent && self.first_touch_fits() => {
+                    Ok(None)
+                        if self.first_touch == FirstTouch::Unused && self.first_touch_fits() =>
+                    {
                         match projection.first_touch(self.accounts[ai].account) {
                             Some(loaded) => {
-                                self.first_touch = true;
-                                self.first_touch_spent = true;
+                                self.first_touch = FirstTouch::ThisAttempt;
                                 local.push(loaded);
                             }
                             None => break,
@@ -398,9 +389,9 @@ impl<'a> Run<'a> {
 
     /// A run giving up after a bounce on the version guard without having read the store
     /// leaves the replica's copies as stale as it found them, and every later write to them
-    /// would spend its attempts the same way (found black-box: with `--write-max-attempts
-    /// 1`, one write by another replica or one lost ack made every later write to the
-    /// account a 409 until something read it). One catch-up, within the deadline, brings
+    /// would spend its attempts the same way (with `--write-max-attempts 1`, one write by
+    /// another replica or one lost ack would make every later write to the account a 409
+    /// until something read it). One catch-up, within the deadline, brings
     /// the copies to the store; its outcome does not change this run's answer. Only after a
     /// bounce (the store answered just now, and the copy is known to be behind), or after a
     /// rule refused on the copy, which no attempt could settle without reading (with
@@ -408,8 +399,7 @@ impl<'a> Run<'a> {
     /// since refused every write to it); never for a run that could not reach the store,
     /// which would only add a read to an outage.
     async fn refresh_unread_copies(&mut self, deadline: Instant) {
-        let behind = self.bounced || self.refused_on_copy;
-        if !behind || self.read_the_store || Instant::now() >= deadline {
+        if self.copies != Copies::UnreadBehind || Instant::now() >= deadline {
             return;
         }
         let _ = tokio::time::timeout_at(deadline, self.load_state(false)).await;
@@ -429,12 +419,10 @@ impl<'a> Run<'a> {
         if let Some(tips) = &self.tips {
             return reached(tips, &self.accounts);
         }
-        let projection = &self.svc.projection;
         let mut tips = Vec::with_capacity(self.accounts.len());
         for t in &self.accounts {
             self.round_trips += 1;
-            let key = projection.identity().key(t.account);
-            match projection.log().details(key).await {
+            match self.cx.log.details(self.cx.identity.key(t.account)).await {
                 Ok(d) => tips.push(d.max_version),
                 Err(StoreError::AggregateNotFound) => tips.push(0),
                 Err(e) => {
@@ -463,8 +451,8 @@ impl<'a> Run<'a> {
                 Candidate {
                     legs: m.legs,
                     accounts: m.accounts,
-                    landed: matches!(m.phase, Phase::Landed { .. }),
-                    may_have_landed: m.may_have_landed,
+                    proven: matches!(m.phase, Phase::Proven { .. }),
+                    may_have_landed: m.earlier.may_have_landed(),
                 }
             })
             .collect();
@@ -476,14 +464,16 @@ impl<'a> Run<'a> {
                 exists: t.snap.version > 0,
             })
             .collect();
-        let mode = self.svc.config.accounts;
+        let mode = self.cx.config.accounts;
         let verdicts = match decide::decide(&standings, &candidates, false, mode) {
             Ok(verdicts) => verdicts,
             Err(NeedsCurrentState) => {
                 // Only a catch-up that reached the store's tip is current: not the local
                 // fold, and not a read a lagging replica left behind (it may hide this very
                 // request, landed by an earlier attempt).
-                self.refused_on_copy |= !caught_up;
+                if !caught_up {
+                    self.copies.behind();
+                }
                 if !caught_up || !self.reached_tip().await {
                     return None;
                 }
@@ -498,7 +488,7 @@ impl<'a> Run<'a> {
                     m.balances = balances;
                     batch.push(mi);
                 }
-                Verdict::Landed | Verdict::Deferred => {}
+                Verdict::AlreadyLanded | Verdict::Deferred => {}
                 Verdict::Unverifiable => {
                     m.phase = Phase::Done(Err(WriteError::Unverifiable {
                         reason: "an earlier attempt's outcome is unknown".into(),
@@ -518,11 +508,11 @@ impl<'a> Run<'a> {
     /// full. This runs after the read-back, so a retry of a landed write is still replayed,
     /// and a member that may have landed goes on: it must be settled, not dropped.
     fn admit_new(&mut self, batch: Vec<usize>) -> Vec<usize> {
-        let is_new = |m: &Member| m.seqs.is_none() && !m.may_have_landed;
+        let is_new = |m: &Member| m.hold == SeqHold::Free && !m.earlier.may_have_landed();
         if !batch.iter().any(|&mi| is_new(&self.members[mi])) {
             return batch;
         }
-        let Err(full) = self.svc.projection.check_index_room() else {
+        let Err(full) = self.cx.projection.check_index_room() else {
             return batch;
         };
         let mut kept = Vec::with_capacity(batch.len());
@@ -551,7 +541,7 @@ impl<'a> Run<'a> {
             .map(|t| t.snap.max_client_seq + 1)
             .collect();
         for m in &self.members {
-            if let Some(seqs) = m.seqs {
+            if let Some(seqs) = m.hold.seqs() {
                 let legs = m.legs.as_slice().len();
                 for (&ai, &seq) in m.accounts.iter().zip(&seqs).take(legs) {
                     next[ai] = next[ai].max(seq + 1);
@@ -560,24 +550,24 @@ impl<'a> Run<'a> {
         }
         for &mi in batch {
             let m = &mut self.members[mi];
-            if m.seqs.is_some() {
+            if m.hold != SeqHold::Free {
                 continue;
             }
-            let mut seqs = [0; 2];
-            for (li, seq) in seqs.iter_mut().enumerate().take(m.legs.as_slice().len()) {
+            let (mut seqs, mut floor) = ([0; 2], [1; 2]);
+            for li in 0..m.legs.as_slice().len() {
                 let ai = m.accounts[li];
-                *seq = next[ai];
+                seqs[li] = next[ai];
                 next[ai] += 1;
-                m.seq_floor[li] = self.accounts[ai].snap.version + 1;
+                floor[li] = self.accounts[ai].snap.version + 1;
             }
-            m.seqs = Some(seqs);
-            m.seq_unanswered = false;
+            m.hold = SeqHold::Held { seqs, floor };
         }
         // Sequence 0 is no sequence: on Celeriant it skips the idempotency mark, and the
         // write could land twice.
         let all_carry_one = batch.iter().all(|&mi| {
             let m = &self.members[mi];
-            m.seqs
+            m.hold
+                .seqs()
                 .is_some_and(|s| s[..m.legs.as_slice().len()].iter().all(|&s| s > 0))
         });
         if all_carry_one {
@@ -614,7 +604,7 @@ impl<'a> Run<'a> {
     /// sibling's, or landed. The next write derives fresh ones.
     fn release_seqs(&mut self) {
         for m in &mut self.members {
-            m.seqs = None;
+            m.hold = SeqHold::Free;
         }
     }
 
@@ -626,7 +616,7 @@ impl<'a> Run<'a> {
         for t in &mut self.accounts {
             if t.snap.version == behind.expected
                 && self
-                    .svc
+                    .cx
                     .projection
                     .store_went_behind(t.account, behind.current)
             {
@@ -636,19 +626,14 @@ impl<'a> Run<'a> {
     }
 
     /// Releases the sequences of a write that was rejected, except those an earlier write
-    /// carried with an unknown outcome (`seq_unanswered`): that write may have landed, and
-    /// only its own sequence proves it whatever the index holds (2002, then the point read).
-    /// The index keeps a landing for its window only, and a run can outlast it.
+    /// carried with an unknown outcome ([`SeqHold::Unanswered`]): that write may have
+    /// landed, and only its own sequence proves it (2002, then the point read).
     fn release_seqs_of_answered(&mut self) {
         for m in &mut self.members {
-            if !m.seq_unanswered {
-                m.seqs = None;
+            if let SeqHold::Held { .. } = m.hold {
+                m.hold = SeqHold::Free;
             }
         }
-    }
-
-    fn seq(m: &Member, li: usize) -> u64 {
-        m.seqs.map_or(0, |s| s[li])
     }
 
     /// A one-word summary of the run for the request span.
@@ -671,7 +656,7 @@ impl<'a> Run<'a> {
             .into_iter()
             .map(|m| match m.phase {
                 Phase::Done(answer) => answer,
-                Phase::Open | Phase::Landed { .. } => {
+                Phase::Open | Phase::Proven { .. } => {
                     Err(invariant("the run ended with a request unanswered"))
                 }
             })
