@@ -1,13 +1,12 @@
 //! Step 5 of an attempt: append one write for the batch, and apply what its outcome means
 //! (classified by [`crate::write_loop::classify`]), including the 2002 arm's point read.
 
-use super::member::{Member, Phase, SeqHold};
+use super::member::{Member, Phase};
 use super::{FirstTouch, Next, Run};
 use crate::account::rules::Leg;
 use crate::account::{AccountEvent, AccountsMode};
 use crate::metrics::arm;
 use crate::projection::RecordedWrite;
-use crate::projection::index::write_tag;
 use crate::store::{AggregateWrite, Event};
 use crate::write_loop::classify::{self, Behind, Settlement, Step};
 use crate::write_loop::service::invariant;
@@ -122,14 +121,7 @@ impl Run<'_> {
             let m = &mut self.members[mi];
             m.earlier.note_may_have_landed();
             if sent_unknown {
-                let tags = m
-                    .hold
-                    .seqs()
-                    .map(|[s0, s1]| [write_tag(s0, now_ms), write_tag(s1, now_ms)]);
-                m.earlier.note_sent_unknown(tags);
-                if let SeqHold::Held { seqs, floor } = m.hold {
-                    m.hold = SeqHold::Unanswered { seqs, floor };
-                }
+                m.sent_unknown(now_ms);
             }
         }
     }

@@ -2,6 +2,7 @@
 //! ([`SeqHold`]), and what the run knows of its earlier attempts ([`EarlierAttempts`]).
 
 use crate::account::rules::Legs;
+use crate::projection::index::write_tag;
 use crate::write_loop::{Answer, WriteRequest};
 
 /// Where one request of a run stands.
@@ -144,6 +145,22 @@ impl Member {
         let mut at = self.proven_at();
         at[li] = Some(version);
         self.phase = Phase::Proven { at };
+    }
+
+    /// A write that carried this request, sent at `now_ms`, had an unknown outcome: the
+    /// sequences it carried may stand in the stream, so they stay held until settled, and a
+    /// landing found later under their write tags may be this run's own. The one place a
+    /// sequence becomes [`SeqHold::Unanswered`], so an unanswered sequence always comes with
+    /// [`EarlierAttempts::SentUnknown`].
+    pub fn sent_unknown(&mut self, now_ms: u64) {
+        let tags = self
+            .hold
+            .seqs()
+            .map(|[s0, s1]| [write_tag(s0, now_ms), write_tag(s1, now_ms)]);
+        self.earlier.note_sent_unknown(tags);
+        if let SeqHold::Held { seqs, floor } = self.hold {
+            self.hold = SeqHold::Unanswered { seqs, floor };
+        }
     }
 
     /// Leg `li`'s sequence for a write (0, no sequence, when none is held).
