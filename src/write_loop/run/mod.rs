@@ -2,29 +2,34 @@
 //! account. Each request of the run is a [`Member`] in one [`Phase`]; [`Run::drive`] owns
 //! every branch, one attempt per turn:
 //!
-//! 1. state: the local fold on a warm account's first attempt, else a catch-up;
-//! 2. read-back: answer what the recent-writes index (or a proven landing) shows as done;
+//! 1. state (`load`): the local fold on a warm account's first attempt, else a catch-up;
+//! 2. read-back (`readback`): answer what the recent-writes index (or a proven landing)
+//!    shows as done;
 //! 3. decide ([`super::decide`]) on that state; a refusal only on state known to be current;
-//! 4. sequences: held ones stay, otherwise fresh from the fold just read;
-//! 5. append and classify ([`super::classify`]); a 2002 settles by point read
+//! 4. sequences (`seqs`): held ones stay ([`SeqHold`]), otherwise fresh from the fold just
+//!    read;
+//! 5. append and classify (`append`, [`super::classify`]); a 2002 settles by point read
 //!    ([`super::verify`]).
+//!
+//! What a member is and holds lives in `member`.
 
 mod append;
+mod load;
 mod member;
 mod readback;
+mod seqs;
 
 use tokio::time::Instant;
 
+use self::load::LoadFailure;
 use self::member::{Member, Phase, SeqHold};
 use super::decide::{self, Candidate, NeedsCurrentState, Verdict};
 use super::service::{backoff, invariant};
 use super::{Answer, WriteConfig, WriteError, WriteRequest};
-use crate::account::{AccountId, AccountsMode, Identity, Operation, Standing};
+use crate::account::{AccountId, Identity, Standing};
 use crate::metrics::{Metrics, arm};
-use crate::projection::{
-    AccountView, Loaded, MAX_OWN_CLIENT_SEQ, Projection, ProjectionError, Snapshot,
-};
-use crate::store::{SharedLog, StoreError};
+use crate::projection::{AccountView, Projection, Snapshot};
+use crate::store::SharedLog;
 
 /// One account touched by a run, with its state for the current attempt.
 struct Touched {
@@ -32,14 +37,6 @@ struct Touched {
     /// Where this attempt's index lookups are answered from (set by every load).
     view: Option<AccountView>,
     snap: Snapshot,
-}
-
-/// Why an attempt's state could not be loaded.
-enum LoadFailure {
-    /// Transient (the store): try the attempt again.
-    Retry,
-    /// The account cannot be answered (poisoned, trimmed): answer every open request.
-    Fail(WriteError),
 }
 
 /// What the next attempt does after a write.
@@ -291,154 +288,6 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// Whether the run is one account's deposits (accounts implicit) or an open: the shapes
-    /// a first touch ([`Projection::first_touch`]) decides without a read, since the empty
-    /// state it assumes never refuses them. With explicit accounts a deposit needs the
-    /// account to exist, which an empty state denies: it reads first.
-    fn first_touch_fits(&self) -> bool {
-        let implicit = self.cx.config.accounts == AccountsMode::Implicit;
-        self.accounts.len() == 1
-            && self
-                .members
-                .iter()
-                .filter(|m| !m.is_done())
-                .all(|m| match m.req.op {
-                    Operation::Deposit { .. } => implicit,
-                    Operation::Open { .. } => true,
-                    _ => false,
-                })
-    }
-
-    /// The event ids of unanswered members with a leg on account `ai`: what its load looks
-    /// up in the index (on Postgres, in the statement that reads the account row).
-    fn lookups(&self, ai: usize) -> Vec<u128> {
-        self.members
-            .iter()
-            .filter(|m| !m.is_done())
-            .filter(|m| m.accounts[..m.legs.as_slice().len()].contains(&ai))
-            .map(|m| m.req.event_id)
-            .collect()
-    }
-
-    /// Loads each account's state: `Ok(true)` from a catch-up, `Ok(false)` from the
-    /// projection's current state without a store read (only when `try_local` and the
-    /// projection can vouch for every account).
-    async fn load_state(&mut self, try_local: bool) -> Result<bool, LoadFailure> {
-        let projection = self.cx.projection;
-        if try_local {
-            let mut local: Vec<Loaded> = Vec::with_capacity(self.accounts.len());
-            for ai in 0..self.accounts.len() {
-                let lookups = self.lookups(ai);
-                match projection
-                    .current(self.accounts[ai].account, &lookups)
-                    .await
-                {
-                    Ok(Some(loaded)) => {
-                        self.db_round_trips += loaded.db_statements;
-                        local.push(loaded);
-                    }
-                    Ok(None)
-                        if self.first_touch == FirstTouch::Unused && self.first_touch_fits() =>
-                    {
-                        match projection.first_touch(self.accounts[ai].account) {
-                            Some(loaded) => {
-                                self.first_touch = FirstTouch::ThisAttempt;
-                                local.push(loaded);
-                            }
-                            None => break,
-                        }
-                    }
-                    Ok(None) => break,
-                    Err(e) => return Err(self.load_failure(e)),
-                }
-            }
-            if local.len() == self.accounts.len() {
-                for (t, loaded) in self.accounts.iter_mut().zip(local) {
-                    t.view = Some(loaded.view);
-                    t.snap = loaded.snap;
-                }
-                return Ok(false);
-            }
-        }
-        for i in 0..self.accounts.len() {
-            let lookups = self.lookups(i);
-            self.round_trips += 1;
-            match projection.refresh(self.accounts[i].account, &lookups).await {
-                Ok(loaded) => {
-                    self.db_round_trips += loaded.db_statements;
-                    self.accounts[i].view = Some(loaded.view);
-                    self.accounts[i].snap = loaded.snap;
-                }
-                Err(e) => return Err(self.load_failure(e)),
-            }
-        }
-        Ok(true)
-    }
-
-    /// What a failed load means: a store (or projection database) failure is transient;
-    /// an account that cannot be answered (poisoned, trimmed) answers every open request.
-    fn load_failure(&mut self, e: ProjectionError) -> LoadFailure {
-        match e {
-            e @ (ProjectionError::Store(_) | ProjectionError::Database) => {
-                self.last_failure = format!("catch-up: {e}");
-                LoadFailure::Retry
-            }
-            e => LoadFailure::Fail(WriteError::Account(e)),
-        }
-    }
-
-    /// A run giving up after a bounce on the version guard without having read the store
-    /// leaves the replica's copies as stale as it found them, and every later write to them
-    /// would spend its attempts the same way (with `--write-max-attempts 1`, one write by
-    /// another replica or one lost ack would make every later write to the account a 409
-    /// until something read it). One catch-up, within the deadline, brings
-    /// the copies to the store; its outcome does not change this run's answer. Only after a
-    /// bounce (the store answered just now, and the copy is known to be behind), or after a
-    /// rule refused on the copy, which no attempt could settle without reading (with
-    /// explicit accounts, a copy that still shows an account another replica has opened
-    /// since refused every write to it); never for a run that could not reach the store,
-    /// which would only add a read to an outage.
-    async fn refresh_unread_copies(&mut self, deadline: Instant) {
-        if self.copies != Copies::UnreadBehind || Instant::now() >= deadline {
-            return;
-        }
-        let _ = tokio::time::timeout_at(deadline, self.load_state(false)).await;
-    }
-
-    /// Whether the caught-up state reaches each account's tip, so a rule rejection decided on
-    /// it is final. Compared with tips the store reported earlier in this run if there are
-    /// any; otherwise the tips are asked for now (one round trip per account, on the
-    /// rejection path only) and remembered, and a state behind them is read again.
-    async fn reached_tip(&mut self) -> bool {
-        let reached = |tips: &[u64], accounts: &[Touched]| {
-            accounts
-                .iter()
-                .zip(tips)
-                .all(|(t, &tip)| t.snap.version >= tip)
-        };
-        if let Some(tips) = &self.tips {
-            return reached(tips, &self.accounts);
-        }
-        let mut tips = Vec::with_capacity(self.accounts.len());
-        for t in &self.accounts {
-            self.round_trips += 1;
-            match self.cx.log.details(self.cx.identity.key(t.account)).await {
-                Ok(d) => tips.push(d.max_version),
-                Err(StoreError::AggregateNotFound) => tips.push(0),
-                Err(e) => {
-                    self.last_failure = format!("tip check: {e}");
-                    return false;
-                }
-            }
-        }
-        let done = reached(&tips, &self.accounts);
-        if !done {
-            self.last_failure = "the state read lags behind the store's tip".into();
-        }
-        self.tips = Some(tips);
-        done
-    }
-
     /// Decides every unanswered member on this attempt's state and applies the verdicts.
     /// Returns the members to write, or `None` when a rule said no on a state not known to
     /// be current and it could not be made sure of (try again with a catch-up).
@@ -527,113 +376,6 @@ impl<'a> Run<'a> {
             }
         }
         kept
-    }
-
-    /// Sequences for this write. A member that holds sequences keeps them; every other member
-    /// of the batch (one that joins after a deferral, or any after a release) gets fresh ones
-    /// above both the fold's highest and every sequence the run still holds, so no event is
-    /// ever sent without a sequence or with one another member of the run holds. Each
-    /// account's events in write order get consecutive sequences.
-    fn assign_seqs(&mut self, batch: &[usize]) -> Result<(), WriteError> {
-        let mut next: Vec<u64> = self
-            .accounts
-            .iter()
-            .map(|t| t.snap.max_client_seq + 1)
-            .collect();
-        for m in &self.members {
-            if let Some(seqs) = m.hold.seqs() {
-                let legs = m.legs.as_slice().len();
-                for (&ai, &seq) in m.accounts.iter().zip(&seqs).take(legs) {
-                    next[ai] = next[ai].max(seq + 1);
-                }
-            }
-        }
-        for &mi in batch {
-            let m = &mut self.members[mi];
-            if m.hold != SeqHold::Free {
-                continue;
-            }
-            let (mut seqs, mut floor) = ([0; 2], [1; 2]);
-            for li in 0..m.legs.as_slice().len() {
-                let ai = m.accounts[li];
-                seqs[li] = next[ai];
-                next[ai] += 1;
-                floor[li] = self.accounts[ai].snap.version + 1;
-            }
-            m.hold = SeqHold::Held { seqs, floor };
-        }
-        // Sequence 0 is no sequence: on Celeriant it skips the idempotency mark, and the
-        // write could land twice.
-        let all_carry_one = batch.iter().all(|&mi| {
-            let m = &self.members[mi];
-            m.hold
-                .seqs()
-                .is_some_and(|s| s[..m.legs.as_slice().len()].iter().all(|&s| s > 0))
-        });
-        if all_carry_one {
-            Ok(())
-        } else {
-            Err(invariant("every event of a write carries a sequence"))
-        }
-    }
-
-    /// Refuses an account whose highest sequence of ours is past [`MAX_OWN_CLIENT_SEQ`]
-    /// (something else wrote under our client id; the fold poisons such a stream, but a
-    /// Postgres row or our own write above a sequence at the bound can still carry one): the
-    /// sequences [`Run::assign_seqs`] derives, a few thousand above it at most, then never
-    /// overflow.
-    fn check_seq_room(&self) -> Result<(), WriteError> {
-        match self
-            .accounts
-            .iter()
-            .find(|t| t.snap.max_client_seq > MAX_OWN_CLIENT_SEQ)
-        {
-            None => Ok(()),
-            Some(t) => Err(WriteError::Account(ProjectionError::Poisoned {
-                account: t.account,
-                version: t.snap.version,
-                reason: format!(
-                    "client sequence {} of ours is past {MAX_OWN_CLIENT_SEQ}: no next one can be derived",
-                    t.snap.max_client_seq
-                ),
-            })),
-        }
-    }
-
-    /// Releases every sequence the run holds: a write with them was rejected, proven a
-    /// sibling's, or landed. The next write derives fresh ones.
-    fn release_seqs(&mut self) {
-        for m in &mut self.members {
-            m.hold = SeqHold::Free;
-        }
-    }
-
-    /// A conflict put an account of this write below the version it was written at: the
-    /// store went backwards (`projection/regress.rs`). Its fold is dropped, so the next
-    /// attempt's catch-up folds it again from version 1 and decides against what the store
-    /// holds. The leg is the one written at the conflict's expected version.
-    fn fold_again_where_the_store_is_behind(&mut self, behind: super::classify::Behind) {
-        for t in &mut self.accounts {
-            if t.snap.version == behind.expected
-                && self
-                    .cx
-                    .projection
-                    .store_went_behind(t.account, behind.current)
-            {
-                t.view = None;
-            }
-        }
-    }
-
-    /// Releases the sequences of a write that was rejected, except those an earlier write
-    /// carried with an unknown outcome ([`SeqHold::Unanswered`]): that write may have
-    /// landed, and only its own sequence proves it (2002, then the point read).
-    fn release_seqs_of_answered(&mut self) {
-        for m in &mut self.members {
-            if let SeqHold::Held { .. } = m.hold {
-                m.hold = SeqHold::Free;
-            }
-        }
     }
 
     /// A one-word summary of the run for the request span.
