@@ -23,7 +23,7 @@ use tokio::time::Instant;
 
 use self::load::LoadFailure;
 use self::member::{Member, Phase, SeqHold};
-use super::decide::{self, Candidate, NeedsCurrentState, Verdict};
+use super::decide::{self, Candidate, Landing, NeedsCurrentState, Verdict};
 use super::service::{backoff, invariant};
 use super::{Answer, WriteConfig, WriteError, WriteRequest};
 use crate::account::{AccountId, Identity, Standing};
@@ -300,8 +300,13 @@ impl<'a> Run<'a> {
                 Candidate {
                     legs: m.legs,
                     accounts: m.accounts,
-                    proven: matches!(m.phase, Phase::Proven { .. }),
-                    may_have_landed: m.earlier.may_have_landed(),
+                    landing: if matches!(m.phase, Phase::Proven { .. }) {
+                        Landing::Proven
+                    } else if m.earlier.may_have_landed() {
+                        Landing::Possible
+                    } else {
+                        Landing::Impossible
+                    },
                 }
             })
             .collect();
