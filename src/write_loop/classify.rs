@@ -12,8 +12,8 @@ use crate::store::StoreError;
 /// The next step after one write.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Step {
-    /// Applied: one new version per aggregate, in write order.
-    Landed { versions: Vec<u64> },
+    /// This write applied: one new version per aggregate, in write order.
+    Applied { versions: Vec<u64> },
     /// 2003: rejected, nothing appended, so our sequences were never used. Release them;
     /// the next attempt catches up, re-decides and derives fresh ones.
     ///
@@ -53,7 +53,7 @@ pub(super) struct Behind {
 /// Classifies a write's result.
 pub(super) fn classify(result: Result<Vec<u64>, StoreError>) -> Step {
     match result {
-        Ok(versions) => Step::Landed { versions },
+        Ok(versions) => Step::Applied { versions },
         Err(StoreError::Conflict { expected, current }) => Step::Rejected {
             arm: arm::CONFLICT,
             failure: "version conflict".into(),

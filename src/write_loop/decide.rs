@@ -9,10 +9,19 @@ pub(super) struct Candidate {
     pub legs: Legs,
     /// Each leg's account, as an index into the run's accounts.
     pub accounts: [usize; 2],
-    /// The stream holds it (the point read found our event): no rule decides it now.
-    pub landed: bool,
-    /// An earlier attempt may still land.
-    pub may_have_landed: bool,
+    pub landing: Landing,
+}
+
+/// What is known of a candidate's own landing, which decides what a refusal of it means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Landing {
+    /// No earlier attempt can land: a refusal on current state is final.
+    Impossible,
+    /// An earlier attempt may still land: a refusal is not the truth.
+    Possible,
+    /// Proven in the stream (a point read or the index found our event): no rule decides
+    /// it now.
+    Proven,
 }
 
 /// The decision for one open request.
@@ -20,8 +29,8 @@ pub(super) struct Candidate {
 pub(super) enum Verdict {
     /// Write it; each leg's balance right after it.
     Write { balances: [i64; 2] },
-    /// Proven landed: not written again; a fold that reaches the landing answers it.
-    Landed,
+    /// Already in the stream: not written again; a fold that reaches the landing answers it.
+    AlreadyLanded,
     /// Refused only on top of earlier requests of this batch that have not landed: not final
     /// and not written; decided again on the state after them.
     Deferred,
@@ -71,16 +80,16 @@ pub(super) fn decide(
             None => {
                 running = next;
                 speculative = true;
-                if c.landed {
-                    Verdict::Landed
+                if c.landing == Landing::Proven {
+                    Verdict::AlreadyLanded
                 } else {
                     Verdict::Write { balances: after }
                 }
             }
-            Some(_) if c.landed => Verdict::Landed,
+            Some(_) if c.landing == Landing::Proven => Verdict::AlreadyLanded,
             Some(_) if !current => return Err(NeedsCurrentState),
             Some(_) if speculative => Verdict::Deferred,
-            Some(_) if c.may_have_landed => Verdict::Unverifiable,
+            Some(_) if c.landing == Landing::Possible => Verdict::Unverifiable,
             Some(e) => Verdict::Refused(e),
         };
         verdicts.push(verdict);
@@ -119,8 +128,7 @@ mod tests {
         Candidate {
             legs: op.legs(),
             accounts: [0, 0],
-            landed: false,
-            may_have_landed: false,
+            landing: Landing::Impossible,
         }
     }
 
@@ -173,7 +181,7 @@ mod tests {
     #[test]
     fn a_refusal_of_a_request_that_may_have_landed_is_unverifiable_not_final() {
         let mut c = withdraw(55);
-        c.may_have_landed = true;
+        c.landing = Landing::Possible;
         assert_eq!(decide(&[26], &[c], true), Ok(vec![Verdict::Unverifiable]));
     }
 
@@ -194,8 +202,7 @@ mod tests {
             Candidate {
                 legs: op.legs(),
                 accounts: [0, 0],
-                landed: false,
-                may_have_landed: false,
+                landing: Landing::Impossible,
             }
         };
         assert_eq!(
@@ -207,7 +214,7 @@ mod tests {
             Ok(vec![Verdict::Refused(not_found)])
         );
         let mut held = deposit();
-        held.may_have_landed = true;
+        held.landing = Landing::Possible;
         assert_eq!(
             super::decide(&missing, &[held], true, explicit),
             Ok(vec![Verdict::Unverifiable])

@@ -1,5 +1,7 @@
-//! The write side's per-account lanes: the gate that one writer of this replica holds while
-//! it writes an account, and the queue of single-account requests waiting to go out with it.
+//! The write side's per-account lanes and batching: the gate that one writer of this replica
+//! holds while it writes an account, the queue of single-account requests waiting to go out
+//! with it ([`WriteService::submit_batched`]), and how a writer takes them out as one batch
+//! ([`WriteService::take_batch`]).
 //!
 //! The queue is bounded by a count of free places ([`Lane::room`]): a request takes one before
 //! it joins the queue, and the writer that takes requests out gives theirs back, so a
@@ -19,8 +21,10 @@ use dashmap::DashMap;
 use parking_lot::Mutex;
 use tokio::sync::{Semaphore, oneshot};
 
-use super::{Answer, WriteRequest};
+use super::service::{WriteService, invariant};
+use super::{Answer, WriteError, WriteRequest};
 use crate::account::AccountId;
+use crate::metrics::refused;
 
 /// A single-account request waiting in its account's lane for a writer.
 pub(super) struct QueuedWrite {
@@ -111,6 +115,101 @@ impl Drop for LaneGuard<'_> {
         self.map.remove_if(&self.account, |_, lane| {
             Arc::ptr_eq(lane, &self.lane) && Arc::strong_count(lane) == 2
         });
+    }
+}
+
+impl WriteService {
+    /// Queues a single-account request in its account's lane on this replica. Whoever holds
+    /// the lane's gate writes everything queued, in arrival order, as one batch.
+    pub(super) async fn submit_batched(
+        &self,
+        account: AccountId,
+        req: WriteRequest,
+        arrived: Instant,
+    ) -> Answer {
+        let lane = self.lanes.enter(account);
+        // A full queue drains by a batch per store write, so a place usually frees within a
+        // round trip: wait for one (in arrival order) rather than refuse a request that
+        // would have been written, but never past the request's own deadline.
+        let deadline = arrived + self.config.deadline;
+        match tokio::time::timeout_at(deadline, lane.room.acquire()).await {
+            Ok(Ok(place)) => place.forget(),
+            Ok(Err(_)) => return Err(invariant("a lane's room semaphore was closed")),
+            Err(_) => {
+                return Err(self.refuse(
+                    refused::ACCOUNT_QUEUE,
+                    "the write waited its whole deadline for room in the account's queue",
+                ));
+            }
+        }
+        let (reply, mut rx) = oneshot::channel();
+        lane.queue.lock().push_back(QueuedWrite {
+            req,
+            reply,
+            arrived,
+        });
+        loop {
+            // The writer ahead of us usually answers us in its batch: take that answer as
+            // soon as it comes rather than queue for the gate only to find it.
+            let _gate = tokio::select! {
+                biased;
+                answer = &mut rx => return answer.unwrap_or_else(|_| Err(writer_vanished())),
+                gate = lane.gate.lock() => gate,
+            };
+            if let Ok(answer) = rx.try_recv() {
+                return answer;
+            }
+            let batch = self.take_batch(&lane);
+            if batch.is_empty() {
+                // Our request was taken by a writer that has not answered yet: its answer
+                // comes on `rx` (or the writer's task ended before sending anything of ours).
+                return rx.await.unwrap_or_else(|_| Err(writer_vanished()));
+            }
+            let started = batch.iter().map(|q| q.arrived).min().unwrap_or(arrived);
+            let (reqs, replies): (Vec<_>, Vec<_>) =
+                batch.into_iter().map(|q| (q.req, q.reply)).unzip();
+            let answers = self.run(reqs, started).await;
+            for (reply, answer) in replies.into_iter().zip(answers) {
+                let _ = reply.send(answer);
+            }
+        }
+    }
+
+    /// Takes the next batch from a lane's queue, in arrival order, and gives the places it
+    /// frees back to the lane. A request whose deadline (counted from its arrival) passed
+    /// while it queued was never sent: it is answered retryably here and not written.
+    fn take_batch(&self, lane: &Lane) -> Vec<QueuedWrite> {
+        let now = Instant::now();
+        let max = self.config.max_batch_events.max(1);
+        let mut q = lane.queue.lock();
+        let mut batch = Vec::with_capacity(q.len().min(max));
+        let mut taken = 0;
+        while batch.len() < max {
+            let Some(next) = q.pop_front() else { break };
+            taken += 1;
+            if now.duration_since(next.arrived) >= self.config.deadline {
+                let err = self.refuse(
+                    refused::QUEUED_PAST_DEADLINE,
+                    "the write waited its whole deadline in the account's queue",
+                );
+                let _ = next.reply.send(Err(err));
+            } else {
+                batch.push(next);
+            }
+        }
+        drop(q);
+        lane.room.add_permits(taken);
+        batch
+    }
+}
+
+/// A queued request's writer took it and ended without answering: only possible when that
+/// writer's task was cancelled mid-run (the runtime shutting down), after which the request
+/// may or may not have been sent. Retryable (a retry with the same key settles it), never a
+/// success.
+fn writer_vanished() -> WriteError {
+    WriteError::Unverifiable {
+        reason: "the account's writer ended before answering".into(),
     }
 }
 

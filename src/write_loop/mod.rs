@@ -21,16 +21,19 @@
 //! the very request being rejected.
 //!
 //! Where each part lives:
-//! - [`service`]: the entry point; coalesces duplicates of one key on this replica, and queues
-//!   single-account writes behind their account's lane so they go out as one batch;
+//! - [`service`]: the entry point: admission, then coalescing and batching;
+//! - `coalesce`: duplicates of one key on this replica wait for the first (`Leader`,
+//!   `follow`) and share its answer;
 //! - `run`: one run of the loop over one request or one batch: each member's `Phase`,
-//!   and the `drive` function that owns every branch;
-//! - `lanes`: the write side's per-account lane (the gate one writer holds, and the queue);
+//!   `SeqHold` and `EarlierAttempts`, and the `drive` function that owns every branch;
+//! - `lanes`: the write side's per-account lane (the gate one writer holds, and the queue),
+//!   and batching (`submit_batched`, `take_batch`): a writer takes the queue out as one batch;
 //! - `decide`: the business rules over a run's members, as a pure function;
 //! - `classify`: what a store outcome means for the run, as a pure function;
 //! - [`verify`]: who owns a contested sequence (the 2002 arm's point read).
 
 mod classify;
+mod coalesce;
 mod decide;
 mod lanes;
 mod run;
@@ -176,7 +179,7 @@ mod tests {
     use super::*;
 
     /// Rule: a give-up names what happened; a run whose time ran out before an attempt was
-    /// counted does not claim "after 0 attempts" (found black-box on a late first touch).
+    /// counted (a late first touch) does not claim "after 0 attempts".
     #[test]
     fn a_give_up_message_says_what_ran_out() {
         let late = WriteError::GaveUp {

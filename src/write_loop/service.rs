@@ -5,13 +5,10 @@
 //! - **admission**: a request holds one of [`WriteConfig::max_live_writes`] permits for as
 //!   long as it lives on the write side (the HTTP layer runs it on a detached task, so this,
 //!   not the HTTP limit, bounds what really runs); none left is a 503 at once;
-//! - **coalescing**: a duplicate of a key already being written on this replica, on the same
-//!   account, waits for the first and shares its answer, marked replayed (a different
-//!   operation under the key is a reused key if the first landed, and is decided on its
-//!   own if the first did not, as it would be had it come later). The key of a request is (event id, first
-//!   account), the same scope as the recent-writes index, so an overlapping duplicate and a
-//!   later one are answered by the same rule;
-//! - **batching**: a single-account request queues in its account's lane (at most
+//! - **coalescing** ([`super::coalesce`]): a duplicate of a key already being written on this
+//!   replica, on the same account, waits for the first and shares its answer, marked
+//!   replayed;
+//! - **batching** ([`super::lanes`]): a single-account request queues in its account's lane (at most
 //!   [`WriteConfig::max_queued_per_account`] deep: beyond it a request waits for a place,
 //!   never past its deadline); whoever holds the lane's gate writes everything queued, in
 //!   arrival order, as one batch. A request whose deadline (counted from its arrival) passed
@@ -22,70 +19,20 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use dashmap::DashMap;
-use tokio::sync::{Semaphore, oneshot, watch};
+use tokio::sync::Semaphore;
 
-use super::lanes::{Lane, Lanes, QueuedWrite};
-use super::run::Run;
+pub use super::coalesce::AnsweringAttempt;
+use super::coalesce::{LeaderMap, coalesce_key};
+use super::lanes::Lanes;
+use super::run::{Run, RunContext};
 use super::{Answer, LegResult, WriteConfig, WriteError, WriteOutcome, WriteRequest};
-use crate::account::{AccountId, Operation};
+use crate::account::Operation;
 use crate::metrics::{Metrics, refused};
 use crate::projection::Projection;
 
 /// First backoff between attempts; doubles per attempt up to [`MAX_BACKOFF`].
 const BASE_BACKOFF: Duration = Duration::from_millis(2);
 const MAX_BACKOFF: Duration = Duration::from_millis(200);
-
-/// The first request of a key being written on this replica; duplicates wait for its answer.
-struct Leader {
-    op: Operation,
-    /// When the first request arrived: nothing it wrote landed earlier.
-    arrived: Instant,
-    answer: watch::Receiver<Option<Answer>>,
-}
-
-/// When the attempt a request's answer comes from arrived: the request's own arrival, or,
-/// once it waits on a duplicate already running on this replica, that one's (the earliest,
-/// over rounds). Nothing that attempt wrote landed before it, however long it runs: an
-/// answer that leaves the outcome open counts its client's safe retry time from there
-/// (`http/writes.rs`).
-#[derive(Debug, Default)]
-pub struct AnsweringAttempt(parking_lot::Mutex<Option<Instant>>);
-
-impl AnsweringAttempt {
-    fn note(&self, arrived: Instant) {
-        let mut earliest = self.0.lock();
-        *earliest = Some(earliest.map_or(arrived, |e| e.min(arrived)));
-    }
-
-    /// `None` until the request reached the write side.
-    pub fn arrived(&self) -> Option<Instant> {
-        *self.0.lock()
-    }
-}
-
-/// A request's coalescing key: its event id on its first account (the index's scope).
-type CoalesceKey = (u128, AccountId);
-
-type LeaderMap = DashMap<CoalesceKey, Arc<Leader>, foldhash::fast::RandomState>;
-
-fn coalesce_key(req: &WriteRequest) -> CoalesceKey {
-    (req.event_id, req.op.legs().as_slice()[0].account)
-}
-
-/// Removes a leader's entry however its future ends, so followers never wait on a leader
-/// that is gone.
-struct LeaderGuard<'a> {
-    map: &'a LeaderMap,
-    key: CoalesceKey,
-    entry: Arc<Leader>,
-}
-
-impl Drop for LeaderGuard<'_> {
-    fn drop(&mut self) {
-        self.map
-            .remove_if(&self.key, |_, e| Arc::ptr_eq(e, &self.entry));
-    }
-}
 
 /// Counts a request on the live-writes gauge for as long as it lives on the write side.
 struct LiveGauge<'a>(&'a prometheus::IntGauge);
@@ -107,8 +54,8 @@ impl Drop for LiveGauge<'_> {
 pub struct WriteService {
     pub(super) projection: Arc<Projection>,
     pub(super) config: WriteConfig,
-    leaders: LeaderMap,
-    lanes: Lanes,
+    pub(super) leaders: LeaderMap,
+    pub(super) lanes: Lanes,
     /// One permit per live request; see [`WriteConfig::max_live_writes`].
     live: Semaphore,
 }
@@ -200,7 +147,7 @@ impl WriteService {
         }))
     }
 
-    fn refuse(&self, reason: &'static str, message: &str) -> WriteError {
+    pub(super) fn refuse(&self, reason: &'static str, message: &str) -> WriteError {
         self.metrics()
             .write_refused
             .with_label_values(&[reason])
@@ -210,80 +157,7 @@ impl WriteService {
         }
     }
 
-    async fn execute_admitted(
-        &self,
-        req: WriteRequest,
-        arrived: Instant,
-        attempt: &AnsweringAttempt,
-    ) -> Answer {
-        let key = coalesce_key(&req);
-        // Each round waits for a first request to end, so the rounds are as many as the
-        // requests racing under this key at most; a loop, not a recursion, so no number of
-        // them can grow the stack.
-        loop {
-            let (tx, leader_rx) = watch::channel(None);
-            let entry = self
-                .leaders
-                .entry(key)
-                .or_insert_with(|| {
-                    Arc::new(Leader {
-                        op: req.op,
-                        arrived,
-                        answer: leader_rx,
-                    })
-                })
-                .clone();
-            if entry.answer.same_channel(&tx.subscribe()) {
-                let _guard = LeaderGuard {
-                    map: &self.leaders,
-                    key,
-                    entry,
-                };
-                let answer = self.execute_uncoalesced(req, arrived).await;
-                let _ = tx.send(Some(answer.clone()));
-                return answer;
-            }
-            // Before waiting: the first may run on past any deadline of ours.
-            attempt.note(entry.arrived);
-            if let Some(answer) = self.follow(&entry, &req).await {
-                return answer;
-            }
-            // Decided on its own: the first request's entry may outlive its answer for a
-            // moment (its guard drops after it sends), and must not be waited on again.
-            self.leaders.remove_if(&key, |_, e| Arc::ptr_eq(e, &entry));
-        }
-    }
-
-    /// Waits for the first request under this key and shares its answer; `None` when this
-    /// request must be decided on its own (the first did not land here, or ended unanswered).
-    async fn follow(&self, leader: &Leader, req: &WriteRequest) -> Option<Answer> {
-        self.metrics().idem_coalesced.inc();
-        let mut rx = leader.answer.clone();
-        let answer = match rx.wait_for(Option::is_some).await {
-            Ok(answer) => answer.clone(),
-            // The first request's task ended without an answer: run this one ourselves.
-            Err(_) => None,
-        };
-        match answer {
-            // The key landed with another payload: the same answer the index gives later.
-            Some(Ok(_)) if leader.op != req.op => {
-                self.metrics().idem_key_reuse.inc();
-                Some(Err(WriteError::KeyReused))
-            }
-            Some(Ok(mut outcome)) => {
-                outcome.replayed = true;
-                Some(Ok(outcome))
-            }
-            Some(Err(e)) if leader.op == req.op => Some(Err(e)),
-            // The first request under this key did not land here (a refusal, or an outcome
-            // this replica still has to settle): nothing the key names is known, so this
-            // request is decided on its own, exactly as if it had come after. Reusing the key
-            // is only proven once the first payload is found in the stream.
-            Some(Err(_)) | None => None,
-        }
-    }
-
-    async fn execute_uncoalesced(&self, req: WriteRequest, arrived: Instant) -> Answer {
+    pub(super) async fn execute_uncoalesced(&self, req: WriteRequest, arrived: Instant) -> Answer {
         match req.op {
             Operation::Deposit { account, .. } | Operation::Withdraw { account, .. }
                 if self.config.batching =>
@@ -297,122 +171,36 @@ impl WriteService {
         }
     }
 
-    /// Queues a single-account request in its account's lane on this replica. Whoever holds
-    /// the lane's gate writes everything queued, in arrival order, as one batch.
-    async fn submit_batched(
-        &self,
-        account: AccountId,
-        req: WriteRequest,
-        arrived: Instant,
-    ) -> Answer {
-        let lane = self.lanes.enter(account);
-        // A full queue drains by a batch per store write, so a place usually frees within a
-        // round trip: wait for one (in arrival order) rather than refuse a request that
-        // would have been written, but never past the request's own deadline.
-        let deadline = arrived + self.config.deadline;
-        match tokio::time::timeout_at(deadline, lane.room.acquire()).await {
-            Ok(Ok(place)) => place.forget(),
-            Ok(Err(_)) => return Err(invariant("a lane's room semaphore was closed")),
-            Err(_) => {
-                return Err(self.refuse(
-                    refused::ACCOUNT_QUEUE,
-                    "the write waited its whole deadline for room in the account's queue",
-                ));
-            }
-        }
-        let (reply, mut rx) = oneshot::channel();
-        lane.queue.lock().push_back(QueuedWrite {
-            req,
-            reply,
-            arrived,
-        });
-        loop {
-            // The writer ahead of us usually answers us in its batch: take that answer as
-            // soon as it comes rather than queue for the gate only to find it.
-            let _gate = tokio::select! {
-                biased;
-                answer = &mut rx => return answer.unwrap_or_else(|_| Err(writer_vanished())),
-                gate = lane.gate.lock() => gate,
-            };
-            if let Ok(answer) = rx.try_recv() {
-                return answer;
-            }
-            let batch = self.take_batch(&lane);
-            if batch.is_empty() {
-                // Our request was taken by a writer that has not answered yet: its answer
-                // comes on `rx` (or the writer's task ended before sending anything of ours).
-                return rx.await.unwrap_or_else(|_| Err(writer_vanished()));
-            }
-            let started = batch.iter().map(|q| q.arrived).min().unwrap_or(arrived);
-            let (reqs, replies): (Vec<_>, Vec<_>) =
-                batch.into_iter().map(|q| (q.req, q.reply)).unzip();
-            let answers = self.run(reqs, started).await;
-            for (reply, answer) in replies.into_iter().zip(answers) {
-                let _ = reply.send(answer);
-            }
-        }
-    }
-
-    /// Takes the next batch from a lane's queue, in arrival order, and gives the places it
-    /// frees back to the lane. A request whose deadline (counted from its arrival) passed
-    /// while it queued was never sent: it is answered retryably here and not written.
-    fn take_batch(&self, lane: &Lane) -> Vec<QueuedWrite> {
-        let now = Instant::now();
-        let max = self.config.max_batch_events.max(1);
-        let mut q = lane.queue.lock();
-        let mut batch = Vec::with_capacity(q.len().min(max));
-        let mut taken = 0;
-        while batch.len() < max {
-            let Some(next) = q.pop_front() else { break };
-            taken += 1;
-            if now.duration_since(next.arrived) >= self.config.deadline {
-                let err = self.refuse(
-                    refused::QUEUED_PAST_DEADLINE,
-                    "the write waited its whole deadline in the account's queue",
-                );
-                let _ = next.reply.send(Err(err));
-            } else {
-                batch.push(next);
-            }
-        }
-        drop(q);
-        lane.room.add_permits(taken);
-        batch
-    }
-
     /// The loop itself, over one or more requests written together (one request, or several
     /// single-account requests on one account), within the deadline counted from `started`
     /// (the earliest arrival among them). Returns one answer per request, in order.
-    async fn run(&self, reqs: Vec<WriteRequest>, started: Instant) -> Vec<Answer> {
+    pub(super) async fn run(&self, reqs: Vec<WriteRequest>, started: Instant) -> Vec<Answer> {
         let n = reqs.len();
-        let mut run = Run::new(self, reqs);
+        let cx = RunContext {
+            projection: &self.projection,
+            log: self.projection.log(),
+            identity: *self.projection.identity(),
+            metrics: self.metrics(),
+            config: self.config,
+        };
+        let mut run = Run::new(cx, reqs);
         run.drive(started + self.config.deadline).await;
         let answers = run.finish();
         debug_assert_eq!(answers.len(), n, "one answer per request");
         answers
     }
-
-    /// Sleeps before attempt `attempt` (the second and later), growing per attempt.
-    pub(super) async fn backoff(&self, attempt: u32, salt: u128) {
-        let exp = BASE_BACKOFF.saturating_mul(1u32 << attempt.saturating_sub(2).min(16));
-        let cap = exp.min(MAX_BACKOFF);
-        // Deterministic jitter in [cap/2, cap): spreads siblings apart without a global RNG.
-        let mix = (salt as u64 ^ (salt >> 64) as u64 ^ u64::from(attempt))
-            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let half = cap / 2;
-        let jitter = Duration::from_nanos(mix % (half.as_nanos() as u64).max(1));
-        tokio::time::sleep(half + jitter).await;
-    }
 }
 
-/// A queued request's writer took it and ended without answering: only possible when that
-/// writer's task was cancelled mid-run (the runtime shutting down), after which the request
-/// may or may not have been sent. Retryable (a retry with the same key settles it), never a
-/// success.
-fn writer_vanished() -> WriteError {
-    WriteError::Unverifiable {
-        reason: "the account's writer ended before answering".into(),
-    }
+/// Sleeps before attempt `attempt` (the second and later), growing per attempt.
+pub(super) async fn backoff(attempt: u32, salt: u128) {
+    let exp = BASE_BACKOFF.saturating_mul(1u32 << attempt.saturating_sub(2).min(16));
+    let cap = exp.min(MAX_BACKOFF);
+    // Deterministic jitter in [cap/2, cap): spreads siblings apart without a global RNG.
+    let mix = (salt as u64 ^ (salt >> 64) as u64 ^ u64::from(attempt))
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let half = cap / 2;
+    let jitter = Duration::from_nanos(mix % (half.as_nanos() as u64).max(1));
+    tokio::time::sleep(half + jitter).await;
 }
 
 /// An invariant the loop relies on did not hold: asserted in tests, a 500 (never a 2xx) in
@@ -425,7 +213,11 @@ pub(super) fn invariant(what: &str) -> WriteError {
 
 #[cfg(test)]
 mod tests {
+    use tokio::sync::watch;
+
+    use super::super::coalesce::Leader;
     use super::*;
+    use crate::account::AccountId;
     use crate::account::{AmountCents, Identity};
     use crate::projection::{ManualClock, ProjectionConfig};
     use crate::store::memory::MemoryLog;
@@ -498,9 +290,8 @@ mod tests {
 
     /// Rule: a first request that was refused, answered, and is still listed for a moment
     /// (its entry leaves after it answers) is not followed again: the request waiting on it
-    /// is decided on its own. Before, it followed the same answered entry at once, over and
-    /// over, and recursed until the stack overflowed (found black-box: a race of refused
-    /// withdrawals under one key killed the process).
+    /// is decided on its own: following it again would loop on the same answer without end
+    /// (a race of refused withdrawals under one key).
     #[tokio::test]
     async fn a_refused_first_still_listed_is_not_followed_again() {
         let svc = service();
@@ -613,7 +404,7 @@ mod tests {
 
     /// Rule: a request refused at the live-writes limit while a duplicate of it runs on this
     /// replica speaks for that duplicate too: its answer's window counts from the running
-    /// one's arrival (found in review: it counted from its own).
+    /// one's arrival, not from its own.
     #[tokio::test(start_paused = true)]
     async fn a_refused_duplicate_notes_the_running_attempts_arrival() {
         let svc = service();

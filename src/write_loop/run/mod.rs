@@ -2,92 +2,34 @@
 //! account. Each request of the run is a [`Member`] in one [`Phase`]; [`Run::drive`] owns
 //! every branch, one attempt per turn:
 //!
-//! 1. state: the local fold on a warm account's first attempt, else a catch-up;
-//! 2. read-back: answer what the recent-writes index (or a proven landing) shows as done;
+//! 1. state (`load`): the local fold on a warm account's first attempt, else a catch-up;
+//! 2. read-back (`readback`): answer what the recent-writes index (or a proven landing)
+//!    shows as done;
 //! 3. decide ([`super::decide`]) on that state; a refusal only on state known to be current;
-//! 4. sequences: held ones stay, otherwise fresh from the fold just read;
-//! 5. append and classify ([`super::classify`]); a 2002 settles by point read
+//! 4. sequences (`seqs`): held ones stay ([`SeqHold`]), otherwise fresh from the fold just
+//!    read;
+//! 5. append and classify (`append`, [`super::classify`]); a 2002 settles by point read
 //!    ([`super::verify`]).
+//!
+//! What a member is and holds lives in `member`.
 
 mod append;
+mod load;
+mod member;
 mod readback;
+mod seqs;
 
 use tokio::time::Instant;
 
-use super::decide::{self, Candidate, NeedsCurrentState, Verdict};
-use super::service::{WriteService, invariant};
-use super::{Answer, WriteError, WriteRequest};
-use crate::account::rules::Legs;
-use crate::account::{AccountId, AccountsMode, Operation, Standing};
-use crate::metrics::arm;
-use crate::projection::{AccountView, Loaded, MAX_OWN_CLIENT_SEQ, ProjectionError, Snapshot};
-use crate::store::StoreError;
-
-/// Where one request of a run stands.
-#[derive(Debug)]
-pub(super) enum Phase {
-    /// Not answered and not proven landed: decided again on each attempt's state.
-    Open,
-    /// The stream holds our event on these legs, at these versions (a point read or an index
-    /// hit on a fold that had not reached it): never written again; answered once a fold
-    /// reaches the landing.
-    Landed { at: [Option<u64>; 2] },
-    /// Answered.
-    Done(Answer),
-}
-
-/// One request inside a run.
-struct Member {
-    req: WriteRequest,
-    legs: Legs,
-    /// Each leg's account, as an index into [`Run::accounts`].
-    accounts: [usize; 2],
-    phase: Phase,
-    /// Each leg's client sequence (Celeriant's key) while the run holds it: from the write
-    /// that carried it until a write with it is rejected (2003), proven a sibling's, or lands.
-    /// `None`: the next write derives fresh ones from the fold.
-    seqs: Option<[u64; 2]>,
-    /// Each leg's lowest version at which its held sequence can stand: one above the fold it
-    /// was derived on (that fold saw every sequence of ours below it). A 2002's point read
-    /// starts here, not at version 1.
-    seq_floor: [u64; 2],
-    /// Each leg's balance after this request, as decided on this attempt's state.
-    balances: [i64; 2],
-    /// Sticky: an attempt may have landed (outcome unknown, 2013, a proven landing), so a
-    /// refusal on later state is not final.
-    may_have_landed: bool,
-    /// Sticky: a write of this run that carried it had an unknown outcome. Only then can a
-    /// landing found in the index be this run's own; otherwise it is another request's
-    /// result, a replay.
-    sent_unknown: bool,
-    /// The sequence held now went out in a write whose outcome is unknown: it may stand in
-    /// the stream, so it is never released on a rejection (only a 2002's point read, or a
-    /// landing, settles it). Cleared when fresh sequences are derived.
-    seq_unanswered: bool,
-    /// The write tags (per leg) of those writes, at most one per attempt: a landing found
-    /// in the index under another tag is another request's, a replay, even so.
-    unknown_tags: Vec<[u32; 2]>,
-}
-
-impl Member {
-    fn is_done(&self) -> bool {
-        matches!(self.phase, Phase::Done(_))
-    }
-
-    fn landed_at(&self) -> [Option<u64>; 2] {
-        match self.phase {
-            Phase::Landed { at } => at,
-            _ => [None; 2],
-        }
-    }
-
-    /// Records that the stream holds this request's event on leg `li` at `version`.
-    fn mark_landed(&mut self, li: usize, version: u64) {
-        let mut at = self.landed_at();
-        at[li] = Some(version);
-        self.phase = Phase::Landed { at };
-    }
-}
+use self::load::LoadFailure;
+use self::member::{Member, Phase, SeqHold};
+use super::decide::{self, Candidate, Landing, NeedsCurrentState, Verdict};
+use super::service::{backoff, invariant};
+use super::{Answer, WriteConfig, WriteError, WriteRequest};
+use crate::account::{AccountId, Identity, Standing};
+use crate::metrics::{Metrics, arm};
+use crate::projection::{AccountView, Projection, Snapshot};
+use crate::store::SharedLog;
 
 /// One account touched by a run, with its state for the current attempt.
 struct Touched {
@@ -97,16 +39,71 @@ struct Touched {
     snap: Snapshot,
 }
 
-/// Why an attempt's state could not be loaded.
-enum LoadFailure {
-    /// Transient (the store): try the attempt again.
-    Retry,
-    /// The account cannot be answered (poisoned, trimmed): answer every open request.
-    Fail(WriteError),
+/// What the next attempt does after a write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Next {
+    /// Backs off first: the usual case (a write that had nothing to say about when to retry).
+    Backoff,
+    /// Starts at once: a proven landing only needs a read-back.
+    AtOnce,
+    /// Starts at once, and this attempt does not count: it was a first touch, which stood in
+    /// for the read it skipped (the store's answer showed the account exists).
+    AtOnceUncounted,
+}
+
+/// Where a run stands with its one first touch (an account taken as empty without a read).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FirstTouch {
+    /// Not taken: an attempt may take it.
+    Unused,
+    /// This attempt's state is a first touch's: a conflict means only that the account
+    /// exists, so the catch-up follows at once, and the attempt does not count (a run with
+    /// one attempt still reads back a landed retry).
+    ThisAttempt,
+    /// Taken on an earlier attempt: a run takes at most one.
+    Spent,
+}
+
+/// What the run knows of the replica's copies of its accounts, for a give-up
+/// ([`Run::refresh_unread_copies`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Copies {
+    /// Not read from the store by this run, and not known to be behind it.
+    Unread,
+    /// Not read from the store by this run, and known or suspected to be behind it: a write
+    /// bounced off the version guard (2003: the store answered, and the state it was decided
+    /// on is behind), or a rule refused a request on the copy, which cannot make a refusal
+    /// final (only a read of the store can, and the copy may be behind it).
+    UnreadBehind,
+    /// An attempt of this run read its state from the store (a catch-up).
+    Read,
+}
+
+impl Copies {
+    /// Notes that the copies are behind the store, unless this run has read it since.
+    fn behind(&mut self) {
+        if *self == Copies::Unread {
+            *self = Copies::UnreadBehind;
+        }
+    }
+}
+
+/// What a run needs of its replica, and no more: the write side's queues, lanes and
+/// coalescing are none of its business.
+#[derive(Clone, Copy)]
+pub(super) struct RunContext<'a> {
+    /// The replica's state of each account: loads, the index, recording a landed write.
+    pub projection: &'a Projection,
+    /// The store, for the writes themselves, tip checks and point reads.
+    pub log: &'a SharedLog,
+    /// The service's client id and how an account maps to its stream.
+    pub identity: Identity,
+    pub metrics: &'a Metrics,
+    pub config: WriteConfig,
 }
 
 pub(super) struct Run<'a> {
-    svc: &'a WriteService,
+    cx: RunContext<'a>,
     op_label: &'static str,
     members: Vec<Member>,
     accounts: Vec<Touched>,
@@ -118,25 +115,12 @@ pub(super) struct Run<'a> {
     /// Each account's tip as the store reported it during this run: any state read later
     /// that reaches it folds everything that landed before this run started.
     tips: Option<Vec<u64>>,
-    /// This attempt's state is a first touch's (taken as empty without a read): a conflict
-    /// means only that the account exists, so the catch-up follows at once, and does not
-    /// count as an attempt (a run with one attempt still reads back a landed retry).
-    first_touch: bool,
-    /// A run takes at most one first touch.
-    first_touch_spent: bool,
-    /// An attempt of this run read its state from the store (a catch-up), not only from the
-    /// replica's copy.
-    read_the_store: bool,
-    /// A write of this run bounced off the version guard (2003): the store answered, and
-    /// the state it was decided on is behind.
-    bounced: bool,
-    /// A rule refused a request on the replica's copy, which cannot make a refusal final:
-    /// only a read of the store can (and the copy may be behind it).
-    refused_on_copy: bool,
+    first_touch: FirstTouch,
+    copies: Copies,
 }
 
 impl<'a> Run<'a> {
-    pub(super) fn new(svc: &'a WriteService, reqs: Vec<WriteRequest>) -> Self {
+    pub(super) fn new(cx: RunContext<'a>, reqs: Vec<WriteRequest>) -> Self {
         let op_label = match reqs.as_slice() {
             [one] => one.op.name(),
             _ => "batch",
@@ -160,23 +144,11 @@ impl<'a> Run<'a> {
                         }
                     };
                 }
-                Member {
-                    req,
-                    legs,
-                    accounts: idx,
-                    phase: Phase::Open,
-                    seqs: None,
-                    seq_floor: [1; 2],
-                    balances: [0; 2],
-                    may_have_landed: false,
-                    sent_unknown: false,
-                    seq_unanswered: false,
-                    unknown_tags: Vec::new(),
-                }
+                Member::new(req, idx)
             })
             .collect();
         Self {
-            svc,
+            cx,
             op_label,
             members,
             accounts,
@@ -185,16 +157,13 @@ impl<'a> Run<'a> {
             db_round_trips: 0,
             last_failure: String::new(),
             tips: None,
-            first_touch: false,
-            first_touch_spent: false,
-            read_the_store: false,
-            bounced: false,
-            refused_on_copy: false,
+            first_touch: FirstTouch::Unused,
+            copies: Copies::Unread,
         }
     }
 
     fn arm(&self, arm: &str) {
-        self.svc.metrics().arm(self.op_label, arm);
+        self.cx.metrics.arm(self.op_label, arm);
     }
 
     /// Members not answered yet (open or landed), by index.
@@ -211,244 +180,112 @@ impl<'a> Run<'a> {
     /// Drives the run until every member is answered, or attempts or time (`deadline`, from
     /// the earliest arrival among the members) run out.
     pub(super) async fn drive(&mut self, deadline: Instant) {
-        let cfg = self.svc.config;
-        let mut skip_backoff = false;
+        let mut next = Next::Backoff;
         while self.unanswered().next().is_some() {
-            if self.attempt >= cfg.max_attempts || Instant::now() >= deadline {
-                self.refresh_unread_copies(deadline).await;
-                self.arm(arm::GAVE_UP);
-                let err = WriteError::GaveUp {
-                    attempts: self.attempt,
-                    last: std::mem::take(&mut self.last_failure),
-                };
-                self.answer_unanswered(err);
+            if self.attempt >= self.cx.config.max_attempts || Instant::now() >= deadline {
+                self.give_up(deadline).await;
                 break;
             }
             self.attempt += 1;
-            if self.attempt > 1 && !skip_backoff {
+            if self.attempt > 1 && next == Next::Backoff {
                 let salt = self.members[0].req.event_id;
-                self.svc.backoff(self.attempt, salt).await;
+                backoff(self.attempt, salt).await;
             }
-            skip_backoff = false;
-            self.first_touch = false;
-
-            // 1. State: the local fold on a warm account's first attempt, else a catch-up.
-            let caught_up = match self
-                .load_state(cfg.one_round_trip && self.attempt == 1)
-                .await
-            {
-                Ok(caught_up) => {
-                    self.read_the_store |= caught_up;
-                    caught_up
-                }
-                Err(LoadFailure::Retry) => continue,
-                Err(LoadFailure::Fail(err)) => {
-                    self.answer_unanswered(err);
-                    break;
-                }
-            };
-            // 2. Did it already land? (On a catch-up, this is the read-back.) Then, when
-            // configured, scan the stream for what the index missed.
-            self.answer_from_index().await;
-            if !self.scan_misses().await {
-                continue;
+            if self.first_touch == FirstTouch::ThisAttempt {
+                self.first_touch = FirstTouch::Spent;
             }
-            // 3. Decide on this state.
-            let Some(batch) = self.decide(caught_up).await else {
-                continue;
-            };
-            let batch = self.admit_new(batch);
-            if batch.is_empty() {
-                continue;
-            }
-            // Nothing is sent past the deadline: a catch-up or scan that outlasted it ends
-            // the run at the top of the loop (a retryable give-up). Sent later, the write
-            // could land after its client was told to retry, and a retry decided elsewhere
-            // in between (a final 422, say) would be contradicted.
-            if Instant::now() >= deadline {
-                self.last_failure = "the deadline passed before the write was sent".into();
-                continue;
-            }
-            // 4. Sequences: held ones stay; otherwise derived from the fold just read.
-            if let Err(err) = self.check_seq_room() {
-                self.answer_unanswered(err);
-                break;
-            }
-            if let Err(err) = self.assign_seqs(&batch) {
-                self.answer_unanswered(err);
-                break;
-            }
-            // 5. Append and classify.
-            skip_backoff = self.write(&batch).await;
-            if skip_backoff && self.first_touch {
-                // The bounce of a first touch: the account exists. Read it now; this attempt
-                // stood in for that read.
+            next = self.attempt_once(deadline).await;
+            if next == Next::AtOnceUncounted {
+                // The attempt stood in for a read; the read follows now and counts instead.
                 self.attempt -= 1;
             }
         }
+        self.observe_run();
+    }
+
+    /// Answers every unanswered member with a give-up, after bringing stale copies up to
+    /// the store if that is due.
+    async fn give_up(&mut self, deadline: Instant) {
+        self.refresh_unread_copies(deadline).await;
+        self.arm(arm::GAVE_UP);
+        let err = WriteError::GaveUp {
+            attempts: self.attempt,
+            last: std::mem::take(&mut self.last_failure),
+        };
+        self.answer_unanswered(err);
+    }
+
+    /// One attempt's five steps. Every early end but a proven landing or a first touch's
+    /// bounce backs off before the next attempt; a failure that cannot be retried answers
+    /// every unanswered member, which ends the run.
+    async fn attempt_once(&mut self, deadline: Instant) -> Next {
+        let cfg = self.cx.config;
+        // 1. State: the local fold on a warm account's first attempt, else a catch-up.
+        let caught_up = match self
+            .load_state(cfg.one_round_trip && self.attempt == 1)
+            .await
+        {
+            Ok(caught_up) => {
+                if caught_up {
+                    self.copies = Copies::Read;
+                }
+                caught_up
+            }
+            Err(LoadFailure::Retry) => return Next::Backoff,
+            Err(LoadFailure::Fail(err)) => {
+                self.answer_unanswered(err);
+                return Next::Backoff;
+            }
+        };
+        // 2. Did it already land? (On a catch-up, this is the read-back.) Then, when
+        // configured, scan the stream for what the index missed.
+        self.answer_from_index().await;
+        if !self.scan_misses().await {
+            return Next::Backoff;
+        }
+        // 3. Decide on this state.
+        let Some(batch) = self.decide(caught_up).await else {
+            return Next::Backoff;
+        };
+        let batch = self.admit_new(batch);
+        if batch.is_empty() {
+            return Next::Backoff;
+        }
+        // Nothing is sent past the deadline: a catch-up or scan that outlasted it ends
+        // the run at the top of the loop (a retryable give-up). Sent later, the write
+        // could land after its client was told to retry, and a retry decided elsewhere
+        // in between (a final 422, say) would be contradicted.
+        if Instant::now() >= deadline {
+            self.last_failure = "the deadline passed before the write was sent".into();
+            return Next::Backoff;
+        }
+        // 4. Sequences: held ones stay; otherwise derived from the fold just read.
+        if let Err(err) = self
+            .check_seq_room()
+            .and_then(|()| self.assign_seqs(&batch))
+        {
+            self.answer_unanswered(err);
+            return Next::Backoff;
+        }
+        // 5. Append and classify.
+        self.write(&batch).await
+    }
+
+    /// Records the run on its request span and in the metrics.
+    fn observe_run(&self) {
         let span = tracing::Span::current();
         span.record("attempts", self.attempt);
         span.record("outcome", self.outcome_label());
-        let m = self.svc.metrics();
+        let m = self.cx.metrics;
         m.write_attempts
             .with_label_values(&[self.op_label])
             .observe(f64::from(self.attempt));
         m.store_round_trips_per_write
             .observe(f64::from(self.round_trips));
-        if self.svc.projection.uses_database() {
+        if self.cx.projection.uses_database() {
             m.projection_db_round_trips_per_write
                 .observe(f64::from(self.db_round_trips));
         }
-    }
-
-    /// Whether the run is one account's deposits (accounts implicit) or an open: the shapes
-    /// a first touch ([`Projection::first_touch`]) decides without a read, since the empty
-    /// state it assumes never refuses them. With explicit accounts a deposit needs the
-    /// account to exist, which an empty state denies: it reads first.
-    fn first_touch_fits(&self) -> bool {
-        let implicit = self.svc.config.accounts == AccountsMode::Implicit;
-        self.accounts.len() == 1
-            && self
-                .members
-                .iter()
-                .filter(|m| !m.is_done())
-                .all(|m| match m.req.op {
-                    Operation::Deposit { .. } => implicit,
-                    Operation::Open { .. } => true,
-                    _ => false,
-                })
-    }
-
-    /// The event ids of unanswered members with a leg on account `ai`: what its load looks
-    /// up in the index (on Postgres, in the statement that reads the account row).
-    fn lookups(&self, ai: usize) -> Vec<u128> {
-        self.members
-            .iter()
-            .filter(|m| !m.is_done())
-            .filter(|m| m.accounts[..m.legs.as_slice().len()].contains(&ai))
-            .map(|m| m.req.event_id)
-            .collect()
-    }
-
-    /// Loads each account's state: `Ok(true)` from a catch-up, `Ok(false)` from the
-    /// projection's current state without a store read (only when `try_local` and the
-    /// projection can vouch for every account).
-    async fn load_state(&mut self, try_local: bool) -> Result<bool, LoadFailure> {
-        let projection = &self.svc.projection;
-        if try_local {
-            let mut local: Vec<Loaded> = Vec::with_capacity(self.accounts.len());
-            for ai in 0..self.accounts.len() {
-                let lookups = self.lookups(ai);
-                match projection
-                    .current(self.accounts[ai].account, &lookups)
-                    .await
-                {
-                    Ok(Some(loaded)) => {
-                        self.db_round_trips += loaded.db_statements;
-                        local.push(loaded);
-                    }
-                    Ok(None) if !self.first_touch_spent && self.first_touch_fits() => {
-                        match projection.first_touch(self.accounts[ai].account) {
-                            Some(loaded) => {
-                                self.first_touch = true;
-                                self.first_touch_spent = true;
-                                local.push(loaded);
-                            }
-                            None => break,
-                        }
-                    }
-                    Ok(None) => break,
-                    Err(e) => return Err(self.load_failure(e)),
-                }
-            }
-            if local.len() == self.accounts.len() {
-                for (t, loaded) in self.accounts.iter_mut().zip(local) {
-                    t.view = Some(loaded.view);
-                    t.snap = loaded.snap;
-                }
-                return Ok(false);
-            }
-        }
-        for i in 0..self.accounts.len() {
-            let lookups = self.lookups(i);
-            self.round_trips += 1;
-            match projection.refresh(self.accounts[i].account, &lookups).await {
-                Ok(loaded) => {
-                    self.db_round_trips += loaded.db_statements;
-                    self.accounts[i].view = Some(loaded.view);
-                    self.accounts[i].snap = loaded.snap;
-                }
-                Err(e) => return Err(self.load_failure(e)),
-            }
-        }
-        Ok(true)
-    }
-
-    /// What a failed load means: a store (or projection database) failure is transient;
-    /// an account that cannot be answered (poisoned, trimmed) answers every open request.
-    fn load_failure(&mut self, e: ProjectionError) -> LoadFailure {
-        match e {
-            e @ (ProjectionError::Store(_) | ProjectionError::Database) => {
-                self.last_failure = format!("catch-up: {e}");
-                LoadFailure::Retry
-            }
-            e => LoadFailure::Fail(WriteError::Account(e)),
-        }
-    }
-
-    /// A run giving up after a bounce on the version guard without having read the store
-    /// leaves the replica's copies as stale as it found them, and every later write to them
-    /// would spend its attempts the same way (found black-box: with `--write-max-attempts
-    /// 1`, one write by another replica or one lost ack made every later write to the
-    /// account a 409 until something read it). One catch-up, within the deadline, brings
-    /// the copies to the store; its outcome does not change this run's answer. Only after a
-    /// bounce (the store answered just now, and the copy is known to be behind), or after a
-    /// rule refused on the copy, which no attempt could settle without reading (with
-    /// explicit accounts, a copy that still shows an account another replica has opened
-    /// since refused every write to it); never for a run that could not reach the store,
-    /// which would only add a read to an outage.
-    async fn refresh_unread_copies(&mut self, deadline: Instant) {
-        let behind = self.bounced || self.refused_on_copy;
-        if !behind || self.read_the_store || Instant::now() >= deadline {
-            return;
-        }
-        let _ = tokio::time::timeout_at(deadline, self.load_state(false)).await;
-    }
-
-    /// Whether the caught-up state reaches each account's tip, so a rule rejection decided on
-    /// it is final. Compared with tips the store reported earlier in this run if there are
-    /// any; otherwise the tips are asked for now (one round trip per account, on the
-    /// rejection path only) and remembered, and a state behind them is read again.
-    async fn reached_tip(&mut self) -> bool {
-        let reached = |tips: &[u64], accounts: &[Touched]| {
-            accounts
-                .iter()
-                .zip(tips)
-                .all(|(t, &tip)| t.snap.version >= tip)
-        };
-        if let Some(tips) = &self.tips {
-            return reached(tips, &self.accounts);
-        }
-        let projection = &self.svc.projection;
-        let mut tips = Vec::with_capacity(self.accounts.len());
-        for t in &self.accounts {
-            self.round_trips += 1;
-            let key = projection.identity().key(t.account);
-            match projection.log().details(key).await {
-                Ok(d) => tips.push(d.max_version),
-                Err(StoreError::AggregateNotFound) => tips.push(0),
-                Err(e) => {
-                    self.last_failure = format!("tip check: {e}");
-                    return false;
-                }
-            }
-        }
-        let done = reached(&tips, &self.accounts);
-        if !done {
-            self.last_failure = "the state read lags behind the store's tip".into();
-        }
-        self.tips = Some(tips);
-        done
     }
 
     /// Decides every unanswered member on this attempt's state and applies the verdicts.
@@ -463,8 +300,13 @@ impl<'a> Run<'a> {
                 Candidate {
                     legs: m.legs,
                     accounts: m.accounts,
-                    landed: matches!(m.phase, Phase::Landed { .. }),
-                    may_have_landed: m.may_have_landed,
+                    landing: if matches!(m.phase, Phase::Proven { .. }) {
+                        Landing::Proven
+                    } else if m.earlier.may_have_landed() {
+                        Landing::Possible
+                    } else {
+                        Landing::Impossible
+                    },
                 }
             })
             .collect();
@@ -476,14 +318,16 @@ impl<'a> Run<'a> {
                 exists: t.snap.version > 0,
             })
             .collect();
-        let mode = self.svc.config.accounts;
+        let mode = self.cx.config.accounts;
         let verdicts = match decide::decide(&standings, &candidates, false, mode) {
             Ok(verdicts) => verdicts,
             Err(NeedsCurrentState) => {
                 // Only a catch-up that reached the store's tip is current: not the local
                 // fold, and not a read a lagging replica left behind (it may hide this very
                 // request, landed by an earlier attempt).
-                self.refused_on_copy |= !caught_up;
+                if !caught_up {
+                    self.copies.behind();
+                }
                 if !caught_up || !self.reached_tip().await {
                     return None;
                 }
@@ -498,7 +342,7 @@ impl<'a> Run<'a> {
                     m.balances = balances;
                     batch.push(mi);
                 }
-                Verdict::Landed | Verdict::Deferred => {}
+                Verdict::AlreadyLanded | Verdict::Deferred => {}
                 Verdict::Unverifiable => {
                     m.phase = Phase::Done(Err(WriteError::Unverifiable {
                         reason: "an earlier attempt's outcome is unknown".into(),
@@ -518,11 +362,11 @@ impl<'a> Run<'a> {
     /// full. This runs after the read-back, so a retry of a landed write is still replayed,
     /// and a member that may have landed goes on: it must be settled, not dropped.
     fn admit_new(&mut self, batch: Vec<usize>) -> Vec<usize> {
-        let is_new = |m: &Member| m.seqs.is_none() && !m.may_have_landed;
+        let is_new = |m: &Member| m.hold == SeqHold::Free && !m.earlier.may_have_landed();
         if !batch.iter().any(|&mi| is_new(&self.members[mi])) {
             return batch;
         }
-        let Err(full) = self.svc.projection.check_index_room() else {
+        let Err(full) = self.cx.projection.check_index_room() else {
             return batch;
         };
         let mut kept = Vec::with_capacity(batch.len());
@@ -537,118 +381,6 @@ impl<'a> Run<'a> {
             }
         }
         kept
-    }
-
-    /// Sequences for this write. A member that holds sequences keeps them; every other member
-    /// of the batch (one that joins after a deferral, or any after a release) gets fresh ones
-    /// above both the fold's highest and every sequence the run still holds, so no event is
-    /// ever sent without a sequence or with one another member of the run holds. Each
-    /// account's events in write order get consecutive sequences.
-    fn assign_seqs(&mut self, batch: &[usize]) -> Result<(), WriteError> {
-        let mut next: Vec<u64> = self
-            .accounts
-            .iter()
-            .map(|t| t.snap.max_client_seq + 1)
-            .collect();
-        for m in &self.members {
-            if let Some(seqs) = m.seqs {
-                let legs = m.legs.as_slice().len();
-                for (&ai, &seq) in m.accounts.iter().zip(&seqs).take(legs) {
-                    next[ai] = next[ai].max(seq + 1);
-                }
-            }
-        }
-        for &mi in batch {
-            let m = &mut self.members[mi];
-            if m.seqs.is_some() {
-                continue;
-            }
-            let mut seqs = [0; 2];
-            for (li, seq) in seqs.iter_mut().enumerate().take(m.legs.as_slice().len()) {
-                let ai = m.accounts[li];
-                *seq = next[ai];
-                next[ai] += 1;
-                m.seq_floor[li] = self.accounts[ai].snap.version + 1;
-            }
-            m.seqs = Some(seqs);
-            m.seq_unanswered = false;
-        }
-        // Sequence 0 is no sequence: on Celeriant it skips the idempotency mark, and the
-        // write could land twice.
-        let all_carry_one = batch.iter().all(|&mi| {
-            let m = &self.members[mi];
-            m.seqs
-                .is_some_and(|s| s[..m.legs.as_slice().len()].iter().all(|&s| s > 0))
-        });
-        if all_carry_one {
-            Ok(())
-        } else {
-            Err(invariant("every event of a write carries a sequence"))
-        }
-    }
-
-    /// Refuses an account whose highest sequence of ours is past [`MAX_OWN_CLIENT_SEQ`]
-    /// (something else wrote under our client id; the fold poisons such a stream, but a
-    /// Postgres row or our own write above a sequence at the bound can still carry one): the
-    /// sequences [`Run::assign_seqs`] derives, a few thousand above it at most, then never
-    /// overflow.
-    fn check_seq_room(&self) -> Result<(), WriteError> {
-        match self
-            .accounts
-            .iter()
-            .find(|t| t.snap.max_client_seq > MAX_OWN_CLIENT_SEQ)
-        {
-            None => Ok(()),
-            Some(t) => Err(WriteError::Account(ProjectionError::Poisoned {
-                account: t.account,
-                version: t.snap.version,
-                reason: format!(
-                    "client sequence {} of ours is past {MAX_OWN_CLIENT_SEQ}: no next one can be derived",
-                    t.snap.max_client_seq
-                ),
-            })),
-        }
-    }
-
-    /// Releases every sequence the run holds: a write with them was rejected, proven a
-    /// sibling's, or landed. The next write derives fresh ones.
-    fn release_seqs(&mut self) {
-        for m in &mut self.members {
-            m.seqs = None;
-        }
-    }
-
-    /// A conflict put an account of this write below the version it was written at: the
-    /// store went backwards (`projection/regress.rs`). Its fold is dropped, so the next
-    /// attempt's catch-up folds it again from version 1 and decides against what the store
-    /// holds. The leg is the one written at the conflict's expected version.
-    fn fold_again_where_the_store_is_behind(&mut self, behind: super::classify::Behind) {
-        for t in &mut self.accounts {
-            if t.snap.version == behind.expected
-                && self
-                    .svc
-                    .projection
-                    .store_went_behind(t.account, behind.current)
-            {
-                t.view = None;
-            }
-        }
-    }
-
-    /// Releases the sequences of a write that was rejected, except those an earlier write
-    /// carried with an unknown outcome (`seq_unanswered`): that write may have landed, and
-    /// only its own sequence proves it whatever the index holds (2002, then the point read).
-    /// The index keeps a landing for its window only, and a run can outlast it.
-    fn release_seqs_of_answered(&mut self) {
-        for m in &mut self.members {
-            if !m.seq_unanswered {
-                m.seqs = None;
-            }
-        }
-    }
-
-    fn seq(m: &Member, li: usize) -> u64 {
-        m.seqs.map_or(0, |s| s[li])
     }
 
     /// A one-word summary of the run for the request span.
@@ -671,7 +403,7 @@ impl<'a> Run<'a> {
             .into_iter()
             .map(|m| match m.phase {
                 Phase::Done(answer) => answer,
-                Phase::Open | Phase::Landed { .. } => {
+                Phase::Open | Phase::Proven { .. } => {
                     Err(invariant("the run ended with a request unanswered"))
                 }
             })

@@ -1,7 +1,8 @@
 //! Step 2 of an attempt, the read-back: answering members that the recent-writes index (or a
 //! proven landing) shows as done, so a request that already landed is never written again.
 
-use super::{Phase, Run};
+use super::Run;
+use super::member::{EarlierAttempts, Phase, SeqHold};
 use crate::metrics::arm;
 use crate::projection::{RecentWrite, ScanHit};
 use crate::write_loop::{LegResult, WriteError, WriteOutcome};
@@ -11,18 +12,18 @@ impl Run<'_> {
     /// An index hit on any leg proves the whole request landed (writes are all or nothing);
     /// a leg without a hit is rebuilt from current state, but only once that state is known
     /// to hold the write: its fold is past the proven landing, or at the store's tip (then
-    /// the leg's entry has expired). Until then the member is [`Phase::Landed`], never
+    /// the leg's entry has expired). Until then the member is [`Phase::Proven`], never
     /// written again, and answered after a later catch-up. A hit for a different operation
     /// is a reused key.
     pub(super) async fn answer_from_index(&mut self) {
-        let projection = &self.svc.projection;
+        let projection = self.cx.projection;
         let mut replays = 0u64;
         for mi in 0..self.members.len() {
             let m = &self.members[mi];
             if m.is_done() {
                 continue;
             }
-            let landed_at = m.landed_at();
+            let proven_at = m.proven_at();
             let legs = m.legs;
             let legs = legs.as_slice();
             let hits: Vec<Option<RecentWrite>> = (0..legs.len())
@@ -33,9 +34,12 @@ impl Run<'_> {
                         .and_then(|v| projection.lookup(v, m.req.event_id))
                 })
                 .collect();
-            let replayed = !m.sent_unknown || landed_by_another(&hits, &m.unknown_tags);
-            let landed_visible = landed_at.iter().zip(legs).any(|(v, _)| v.is_some())
-                && landed_at
+            let replayed = match &m.earlier {
+                EarlierAttempts::SentUnknown { tags } => landed_by_another(&hits, tags),
+                _ => true,
+            };
+            let landed_visible = proven_at.iter().zip(legs).any(|(v, _)| v.is_some())
+                && proven_at
                     .iter()
                     .enumerate()
                     .take(legs.len())
@@ -55,78 +59,81 @@ impl Run<'_> {
                 let m = &mut self.members[mi];
                 for (li, hit) in hits.iter().enumerate() {
                     if let Some(h) = hit {
-                        m.mark_landed(li, h.version);
+                        m.mark_proven(li, h.version);
                     }
                 }
                 continue;
             }
             let answer = if reused {
-                self.svc.metrics().idem_key_reuse.inc();
+                self.cx.metrics.idem_key_reuse.inc();
                 Err(WriteError::KeyReused)
             } else {
-                let m = &self.members[mi];
-                let legs = legs
-                    .iter()
-                    .zip(&hits)
-                    .enumerate()
-                    .map(|(li, (leg, hit))| match hit {
-                        Some(h) => LegResult {
-                            account: leg.account,
-                            balance: h.balance,
-                            version: h.version,
-                        },
-                        None => {
-                            let snap = self.accounts[m.accounts[li]].snap;
-                            LegResult {
-                                account: leg.account,
-                                balance: snap.balance,
-                                version: snap.version,
-                            }
-                        }
-                    })
-                    .collect();
                 if replayed {
                     replays += 1;
                 }
-                Ok(WriteOutcome { legs, replayed })
+                Ok(WriteOutcome {
+                    legs: self.rebuilt_legs(mi, &hits),
+                    replayed,
+                })
             };
             self.members[mi].phase = Phase::Done(answer);
         }
         if replays > 0 {
-            self.svc.metrics().idem_replays.inc_by(replays);
+            self.cx.metrics.idem_replays.inc_by(replays);
             self.arm(arm::REPLAYED);
         }
+    }
+
+    /// A landed member's answer, leg by leg: the index entry's, or, for a leg without one,
+    /// the state just loaded (which [`Run::rebuildable`] vouched holds the write).
+    fn rebuilt_legs(&self, mi: usize, hits: &[Option<RecentWrite>]) -> Vec<LegResult> {
+        let m = &self.members[mi];
+        m.legs
+            .as_slice()
+            .iter()
+            .zip(hits)
+            .enumerate()
+            .map(|(li, (leg, hit))| match hit {
+                Some(h) => LegResult {
+                    account: leg.account,
+                    balance: h.balance,
+                    version: h.version,
+                },
+                None => {
+                    let snap = self.accounts[m.accounts[li]].snap;
+                    LegResult {
+                        account: leg.account,
+                        balance: snap.balance,
+                        version: snap.version,
+                    }
+                }
+            })
+            .collect()
     }
 
     /// Whether every leg of a landed member without an index hit can be rebuilt from the
     /// state just loaded: that state is past the leg's proven landing, or at the store's tip
     /// (so the write is behind the cursor and its entry expired).
     async fn rebuildable(&mut self, mi: usize, hits: &[Option<RecentWrite>]) -> bool {
-        let svc = self.svc;
-        let identity = *svc.projection.identity();
-        let (legs, accounts, landed_at) = {
+        let cx = self.cx;
+        let (legs, accounts, proven_at) = {
             let m = &self.members[mi];
-            (m.legs, m.accounts, m.landed_at())
+            (m.legs, m.accounts, m.proven_at())
         };
         for (li, leg) in legs.as_slice().iter().enumerate() {
             if hits[li].is_some() {
                 continue;
             }
             let snap = self.accounts[accounts[li]].snap;
-            match landed_at[li] {
+            match proven_at[li] {
                 Some(v) if snap.version >= v => continue,
                 // Below the proven landing this state cannot hold the write, whatever the
-                // tip says: a tip from a node that lags would vouch for it (found in audit).
+                // tip says: a tip from a node that lags would vouch for it.
                 Some(_) => return false,
                 None => {}
             }
             self.round_trips += 1;
-            match svc
-                .projection
-                .log()
-                .details(identity.key(leg.account))
-                .await
-            {
+            match cx.log.details(cx.identity.key(leg.account)).await {
                 Ok(d) if snap.version >= d.max_version => {}
                 _ => return false,
             }
@@ -153,41 +160,27 @@ impl Run<'_> {
     /// Step 2b, scan on miss (opt-in, `--idempotency-scan-window`): a request the index
     /// missed and this run never sent is looked for in each leg's account's own recent
     /// batches. Found on every leg: answered like any replay, with the balance right after
-    /// it (read from the state, below or above it); found on some legs only: [`Phase::Landed`],
-    /// answered after a later catch-up; found under a different operation: a reused key. Returns false when a scan failed: the attempt must not write
-    /// on a guess (the caller tries again).
+    /// it (read from the state, below or above it); found on some legs only:
+    /// [`Phase::Proven`], answered after a later catch-up; found under a different operation:
+    /// a reused key. Returns false when a scan failed: the attempt must not write on a guess
+    /// (the caller tries again).
     pub(super) async fn scan_misses(&mut self) -> bool {
-        let svc = self.svc;
-        if svc.projection.config().scan_window.is_none() {
+        let cx = self.cx;
+        if cx.projection.config().scan_window.is_none() {
             return true;
         }
         let mut replays = 0u64;
         for mi in 0..self.members.len() {
             let m = &self.members[mi];
-            if !matches!(m.phase, Phase::Open) || m.seqs.is_some() || m.may_have_landed {
+            let sent = m.hold != SeqHold::Free || m.earlier.may_have_landed();
+            if !matches!(m.phase, Phase::Open) || sent {
                 continue;
             }
-            let (legs, accounts, event_id) = (m.legs, m.accounts, m.req.event_id);
+            let legs = m.legs;
             let legs = legs.as_slice();
-            let mut hits: [Option<ScanHit>; 2] = [None; 2];
-            for li in 0..legs.len() {
-                let t = &self.accounts[accounts[li]];
-                let (account, snap) = (t.account, t.snap);
-                self.round_trips += 1;
-                match svc.projection.scan_for(account, event_id, snap).await {
-                    Ok(hit) => {
-                        if hit.is_some() {
-                            self.round_trips += 1;
-                        }
-                        hits[li] = hit;
-                    }
-                    Err(e) => {
-                        svc.metrics().idem_scans.with_label_values(&["error"]).inc();
-                        self.last_failure = format!("scan on miss: {e}");
-                        return false;
-                    }
-                }
-            }
+            let Some(hits) = self.scan_member(mi).await else {
+                return false;
+            };
             if hits.iter().all(Option::is_none) {
                 continue;
             }
@@ -197,7 +190,7 @@ impl Run<'_> {
                 .any(|(h, leg)| h.is_some_and(|h| h.event != leg.event));
             let m = &mut self.members[mi];
             if reused {
-                svc.metrics().idem_key_reuse.inc();
+                cx.metrics.idem_key_reuse.inc();
                 m.phase = Phase::Done(Err(WriteError::KeyReused));
                 continue;
             }
@@ -224,16 +217,43 @@ impl Run<'_> {
                 None => {
                     for (li, hit) in hits.iter().enumerate() {
                         if let Some(h) = hit {
-                            m.mark_landed(li, h.version);
+                            m.mark_proven(li, h.version);
                         }
                     }
                 }
             }
         }
         if replays > 0 {
-            svc.metrics().idem_replays.inc_by(replays);
+            cx.metrics.idem_replays.inc_by(replays);
             self.arm(arm::REPLAYED);
         }
         true
+    }
+
+    /// Scans each leg's account for member `mi`'s event. `None` when a scan failed.
+    async fn scan_member(&mut self, mi: usize) -> Option<[Option<ScanHit>; 2]> {
+        let cx = self.cx;
+        let m = &self.members[mi];
+        let (legs, accounts, event_id) = (m.legs, m.accounts, m.req.event_id);
+        let mut hits: [Option<ScanHit>; 2] = [None; 2];
+        for li in 0..legs.as_slice().len() {
+            let t = &self.accounts[accounts[li]];
+            let (account, snap) = (t.account, t.snap);
+            self.round_trips += 1;
+            match cx.projection.scan_for(account, event_id, snap).await {
+                Ok(hit) => {
+                    if hit.is_some() {
+                        self.round_trips += 1;
+                    }
+                    hits[li] = hit;
+                }
+                Err(e) => {
+                    cx.metrics.idem_scans.with_label_values(&["error"]).inc();
+                    self.last_failure = format!("scan on miss: {e}");
+                    return None;
+                }
+            }
+        }
+        Some(hits)
     }
 }
