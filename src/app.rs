@@ -108,16 +108,16 @@ impl AppBuilder {
         // Allowed (small caps in tests and demos), but each watch stream holds a connection
         // for as long as it lasts: at the connection cap watchers alone would leave no room
         // for requests on the API address (found in audit).
-        if config.watch.max_subscribers >= config.max_connections {
+        if config.watch.max_subscribers >= config.http.max_connections {
             tracing::warn!(
                 watch_max_subscribers = config.watch.max_subscribers,
-                max_connections = config.max_connections,
+                max_connections = config.http.max_connections,
                 "--watch-max-subscribers is not below --max-connections: watch streams alone can hold every API connection"
             );
         }
         let metrics = Arc::new(Metrics::new());
         // Issue 17: the key files are read before anything is served.
-        let auth = Arc::new(Authenticator::new(&config.auth()).map_err(ConfigError)?);
+        let auth = Arc::new(Authenticator::new(&config.auth).map_err(ConfigError)?);
         crate::auth::announce_and_maintain(&auth);
         let base: SharedLog = match self.store {
             Some(log) => log,
@@ -182,8 +182,8 @@ impl AppBuilder {
         );
         Ok(Arc::new(App {
             store_ping: SharedPing::default(),
-            stall: StallWatch::start(metrics.clone(), config.max_queue_wait()),
-            limiter: Arc::new(Semaphore::new(config.max_concurrent_requests)),
+            stall: StallWatch::start(metrics.clone(), config.http.max_queue_wait()),
+            limiter: Arc::new(Semaphore::new(config.http.max_concurrent_requests)),
             config,
             identity,
             metrics,

@@ -34,6 +34,7 @@ pub const KEEPALIVE_RANGE: std::ops::RangeInclusive<u64> = 1..=300;
 
 /// The watch's flags (issue 16).
 #[derive(Clone, Debug, clap::Args)]
+#[command(next_help_heading = "Watch")]
 pub struct WatchConfig {
     /// Watch streams this replica serves at once (both watch routes); beyond it, 503.
     #[arg(long = "watch-max-subscribers", env = "TALLY_WATCH_MAX_SUBSCRIBERS", default_value_t = DEFAULT_MAX_SUBSCRIBERS, value_parser = crate::config::usize_in(COUNT_RANGE))]
