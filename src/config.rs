@@ -13,8 +13,7 @@ use crate::auth::{AuthConfig, Authenticator};
 use crate::http::config::{HttpConfig, MAX_ACTIVE_REQUESTS};
 use crate::projection::ProjectionConfig;
 use crate::projection::config::{ProjectionFlags, ProjectionKind};
-use crate::store::celeriant::CeleriantConfig;
-use crate::store::faults::FaultConfig;
+use crate::store::config::{StoreFlags, StoreKind};
 use crate::watch::WatchConfig;
 use crate::write_loop::{
     DEFAULT_DEADLINE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BATCH_EVENTS, DEFAULT_MAX_LIVE_WRITES,
@@ -23,14 +22,6 @@ use crate::write_loop::{
 
 /// The longest idempotency window accepted, in seconds (one day).
 pub const MAX_WINDOW_SECS: u64 = 86_400;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum StoreKind {
-    /// The embedded in-process store: for development and tests; keeps nothing across restarts.
-    Memory,
-    /// A Celeriant cluster: the durable store every replica shares.
-    Celeriant,
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
@@ -51,32 +42,9 @@ pub struct Config {
     #[command(flatten)]
     pub http: HttpConfig,
 
-    /// Event store backend.
-    #[arg(help_heading = "Store", long, env = "TALLY_STORE", value_enum, default_value_t = StoreKind::Memory)]
-    pub store: StoreKind,
-
-    /// The service's Celeriant client id (a UUID). One id for the whole service, shared by
-    /// every replica; never per replica or per request. Default: UUIDv5 of "Tally".
-    #[arg(help_heading = "Store", long, env = "TALLY_CLIENT_ID")]
-    pub client_id: Option<Uuid>,
-
-    /// The Celeriant org id (a UUID). Default: UUIDv5 of "DemoOrg".
-    #[arg(help_heading = "Store", long, env = "TALLY_ORG_ID")]
-    pub org_id: Option<Uuid>,
-
-    /// The aggregate type id of accounts (a UUID). Default: UUIDv5 of "Account".
-    #[arg(help_heading = "Store", long, env = "TALLY_ACCOUNT_TYPE_ID")]
-    pub account_type_id: Option<Uuid>,
-
-    /// Wrap the store in the fault injector, for demos and black-box tests, e.g.
-    /// `lost-ack=0.1,lost-request=0.05,refused=0.05,inflight=0.1,read-lag=0.2,seed=7`.
-    // Parsed once, by clap through `FaultConfig`'s `FromStr`: a bad spec is refused at start.
-    #[arg(help_heading = "Store", long, env = "TALLY_FAULTS")]
-    pub faults: Option<FaultConfig>,
-
-    /// How to reach Celeriant (used with `--store celeriant`).
+    /// Which event store, where, and as which service.
     #[command(flatten)]
-    pub celeriant: CeleriantConfig,
+    pub store: StoreFlags,
 
     /// Which ids take writes. `implicit`: every id is an account, created by its first
     /// write, as in the replaced service (keep it while that service shares the fleet).
@@ -211,8 +179,9 @@ impl Config {
         self.check_time_relations()?;
         // Issue 17: a token must be checkable before the replica serves.
         Authenticator::new(&self.auth).map_err(ConfigError)?;
-        if self.store == StoreKind::Celeriant {
-            self.celeriant
+        if self.store.kind == StoreKind::Celeriant {
+            self.store
+                .celeriant
                 .validate()
                 .map_err(|e| ConfigError(e.to_string()))?;
         }
@@ -239,8 +208,8 @@ impl Config {
     /// The longest one store request may take (0 on the embedded store, which answers in
     /// process).
     pub fn store_request_timeout(&self) -> Duration {
-        match self.store {
-            StoreKind::Celeriant => Duration::from_millis(self.celeriant.request_timeout_ms),
+        match self.store.kind {
+            StoreKind::Celeriant => Duration::from_millis(self.store.celeriant.request_timeout_ms),
             StoreKind::Memory => Duration::ZERO,
         }
     }
@@ -308,9 +277,9 @@ impl Config {
     /// The store, as a person starting a replica needs to see it: which backend and where
     /// (the embedded one is this process's own, shared with no other replica).
     pub fn store_description(&self) -> String {
-        match self.store {
+        match self.store.kind {
             StoreKind::Memory => "memory (embedded in this process, shared with no other)".into(),
-            StoreKind::Celeriant => format!("celeriant at {}", self.celeriant.address),
+            StoreKind::Celeriant => format!("celeriant at {}", self.store.celeriant.address),
         }
     }
 
@@ -331,15 +300,15 @@ impl Config {
     pub fn identity(&self) -> Identity {
         let d = Identity::default();
         Identity {
-            org_id: self.org_id.unwrap_or(d.org_id),
-            account_type_id: self.account_type_id.unwrap_or(d.account_type_id),
-            client_id: self.client_id.unwrap_or(d.client_id),
+            org_id: self.store.org_id.unwrap_or(d.org_id),
+            account_type_id: self.store.account_type_id.unwrap_or(d.account_type_id),
+            client_id: self.store.client_id.unwrap_or(d.client_id),
         }
     }
 
     pub fn seeds_demo_accounts(&self) -> bool {
         self.seed_demo_accounts
-            .unwrap_or(self.store == StoreKind::Memory)
+            .unwrap_or(self.store.kind == StoreKind::Memory)
     }
 
     pub fn window(&self) -> Duration {
@@ -400,6 +369,7 @@ mod tests {
     use crate::http::config::*;
     use crate::projection::DEFAULT_MAX_INDEX_ENTRIES;
     use crate::projection::config::*;
+    use crate::store::faults::FaultConfig;
 
     #[test]
     fn defaults_are_valid_and_name_the_service() {
@@ -632,6 +602,6 @@ mod tests {
             seed: 7,
             ..FaultConfig::default()
         };
-        assert_eq!(c.faults, Some(expected));
+        assert_eq!(c.store.faults, Some(expected));
     }
 }

@@ -35,7 +35,7 @@ pub struct ProjectionFlags {
     /// Where the projection lives: its cursor, balance, highest own sequence AND its
     /// recent-writes index, always together. `memory`: each replica folds the stream itself;
     /// `postgres`: one database shared by every replica (needs --postgres-url).
-    #[arg(long = "projection", value_name = "PROJECTION_KIND", env = "TALLY_PROJECTION", value_enum, default_value_t = ProjectionKind::Memory)]
+    #[arg(id = "projection", long = "projection", value_name = "PROJECTION_KIND", env = "TALLY_PROJECTION", value_enum, default_value_t = ProjectionKind::Memory)]
     pub kind: ProjectionKind,
 
     /// The Postgres projection's database URL (`postgres://user:password@host:5432/db`).
