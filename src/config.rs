@@ -1,4 +1,11 @@
 //! One typed configuration, from flags and environment, validated at start.
+//!
+//! Each concern's flags live beside the module that owns them and are flattened in here:
+//! [`HttpConfig`] (listening and limits), [`StoreFlags`] (with Celeriant's),
+//! [`ProjectionFlags`], [`AuthConfig`], [`WatchConfig`] and [`WriteFlags`]; each is one
+//! heading of `tally --help`. A flag's range is its parser's ([`count`], or clap's own
+//! ranged parsers); [`Config::validate`] checks only what no single flag can: settings that
+//! do not fit together, and what a replica must have before it serves.
 
 use std::net::SocketAddr;
 use std::ops::RangeInclusive;
