@@ -10,7 +10,7 @@ use tokio::task::JoinHandle;
 
 use crate::account::{AccountId, Identity};
 use crate::auth::Authenticator;
-use crate::config::{Config, ConfigError, DEMO_ACCOUNTS, StoreKind, demo_account_id};
+use crate::config::{Config, ConfigError, DEMO_ACCOUNTS, demo_account_id};
 use crate::device::server::DeviceSync;
 use crate::metrics::Metrics;
 use crate::projection::{Clock, MonotonicClock, PgProjection, Projection};
@@ -18,6 +18,7 @@ use crate::reader::AccountReader;
 use crate::stall::StallWatch;
 use crate::startup::Startup;
 use crate::store::celeriant::CeleriantLog;
+use crate::store::config::StoreKind;
 use crate::store::faults::FaultyLog;
 use crate::store::memory::MemoryLog;
 use crate::store::metered::MeteredLog;
@@ -108,22 +109,22 @@ impl AppBuilder {
         // Allowed (small caps in tests and demos), but each watch stream holds a connection
         // for as long as it lasts: at the connection cap watchers alone would leave no room
         // for requests on the API address (found in audit).
-        if config.watch.max_subscribers >= config.max_connections {
+        if config.watch.max_subscribers >= config.http.max_connections {
             tracing::warn!(
                 watch_max_subscribers = config.watch.max_subscribers,
-                max_connections = config.max_connections,
+                max_connections = config.http.max_connections,
                 "--watch-max-subscribers is not below --max-connections: watch streams alone can hold every API connection"
             );
         }
         let metrics = Arc::new(Metrics::new());
         // Issue 17: the key files are read before anything is served.
-        let auth = Arc::new(Authenticator::new(&config.auth()).map_err(ConfigError)?);
+        let auth = Arc::new(Authenticator::new(&config.auth).map_err(ConfigError)?);
         crate::auth::announce_and_maintain(&auth);
         let base: SharedLog = match self.store {
             Some(log) => log,
             None => open_store(&config).await?,
         };
-        let (inner, faults): (SharedLog, _) = match &config.faults {
+        let (inner, faults): (SharedLog, _) = match &config.store.faults {
             Some(fc) => {
                 tracing::warn!(spec = ?fc, "FAULT INJECTION IS ON: the store will lose acks, drop requests and lag reads on purpose");
                 let f = Arc::new(FaultyLog::new(base, fc.clone()));
@@ -182,8 +183,8 @@ impl AppBuilder {
         );
         Ok(Arc::new(App {
             store_ping: SharedPing::default(),
-            stall: StallWatch::start(metrics.clone(), config.max_queue_wait()),
-            limiter: Arc::new(Semaphore::new(config.max_concurrent_requests)),
+            stall: StallWatch::start(metrics.clone(), config.http.max_queue_wait()),
+            limiter: Arc::new(Semaphore::new(config.http.max_concurrent_requests)),
             config,
             identity,
             metrics,
@@ -258,11 +259,11 @@ impl Drop for App {
 }
 
 async fn open_store(config: &Config) -> Result<SharedLog, StartError> {
-    match config.store {
+    match config.store.kind {
         StoreKind::Memory => Ok(Arc::new(MemoryLog::new())),
         StoreKind::Celeriant => {
             let log = Arc::new(
-                CeleriantLog::connect(&config.celeriant)
+                CeleriantLog::connect(&config.store.celeriant)
                     .map_err(|e| StartError::Store(e.to_string()))?,
             );
             // A store that is down at boot is not fatal: the replica starts not ready
@@ -271,7 +272,7 @@ async fn open_store(config: &Config) -> Result<SharedLog, StartError> {
             // so it runs beside start-up: a store that accepts connections and never answers
             // held it for two request timeouts, and the replica did not listen until then
             // (found black-box).
-            let (ping, address) = (log.clone(), config.celeriant.address.clone());
+            let (ping, address) = (log.clone(), config.store.celeriant.address.clone());
             tokio::spawn(async move {
                 if let Err(e) = ping.ping().await {
                     tracing::warn!(%address, error = %e, "Celeriant does not answer yet; not ready until it does");

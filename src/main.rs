@@ -22,7 +22,7 @@ fn main() -> ExitCode {
     }
     init_tracing(config.log_format);
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(workers) = config.worker_threads {
+    if let Some(workers) = config.http.worker_threads {
         builder.worker_threads(workers);
     }
     let runtime = match builder.enable_all().build() {
@@ -65,7 +65,7 @@ fn mint_token() -> ExitCode {
 }
 
 async fn run(config: Config) -> ExitCode {
-    let listen = config.listen;
+    let listen = config.http.listen;
     let app = match App::builder(config).build().await {
         Ok(app) => app,
         Err(e) => {
@@ -107,7 +107,7 @@ async fn run(config: Config) -> ExitCode {
         projection = %app.config.projection_description(),
         window_secs = app.config.idempotency_window,
         client_id = %app.identity.client_id,
-        auth = ?app.config.auth,
+        auth = ?app.config.auth.mode,
         "tally listening"
     );
     tally::http::serve(app, listener, shutdown_signal()).await;

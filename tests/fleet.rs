@@ -171,10 +171,10 @@ impl Fleet {
     /// do on the memory projection, where each replica's fold is its own.
     async fn forget_record(&self, acct: &str, (balance, version, seq): (i64, i64, i64), key: &str) {
         let config = &self.apps[0].app.config;
-        if config.projection_kind != tally::config::ProjectionKind::Postgres {
+        if config.projection.kind != tally::projection::config::ProjectionKind::Postgres {
             return;
         }
-        let db = common::pg::connect(config.postgres_url.as_deref().expect("url")).await;
+        let db = common::pg::connect(config.projection.postgres_url.as_deref().expect("url")).await;
         let (id, event): (uuid::Uuid, uuid::Uuid) = (
             acct.parse().expect("account"),
             key.parse().expect("a UUID key"),

@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use clap::Parser;
 use tally::app::App;
-use tally::config::{Config, DEFAULT_MAX_HEADER_BYTES};
+use tally::config::Config;
+use tally::http::config::DEFAULT_MAX_HEADER_BYTES;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;

@@ -11,11 +11,13 @@
 //! touch; absent means any), and `iss`, `aud`, `exp` (all required) and `nbf` (checked when
 //! present), with [`DEFAULT_LEEWAY_SECS`] of clock skew allowed unless configured.
 
+pub mod config;
 pub mod keys;
 pub mod mint;
 pub mod rate;
 
-use std::path::PathBuf;
+pub use config::AuthConfig;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -178,22 +180,6 @@ pub enum AuthError {
     Scope(Scope),
     #[error("the token does not grant access to this {0}")]
     Resource(&'static str),
-}
-
-/// How to authenticate, from the configuration.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct AuthConfig {
-    pub mode: AuthMode,
-    /// HS256: a file holding the shared secret (surrounding whitespace is ignored).
-    pub secret_file: Option<PathBuf>,
-    /// RS256 / ES256 / EdDSA: a JWKS file, reread when it changes.
-    pub jwks_file: Option<PathBuf>,
-    pub issuer: String,
-    pub audience: String,
-    pub leeway_secs: u64,
-    /// Requests per second each caller may make; 0 is no limit.
-    pub rate_per_caller: u32,
-    pub rate_burst: u32,
 }
 
 /// The claims Tally reads beyond the registered ones the validator checks.

@@ -47,11 +47,11 @@ pub async fn serve_admin(app: Arc<App>, listener: TcpListener, shutdown: impl Fu
         // A client that pipelines probes and reads no answers would otherwise hold one of
         // the few admin connections for as long as it likes (found in audit).
         let stall = WriteStall::new(
-            app.config.write_stall(),
+            app.config.http.write_stall(),
             app.metrics.http_write_stalls.clone(),
         );
         let io = StallLimited::new(stream, stall);
-        let io = TokioIo::new(HeadGuard::new(io, app.config.max_header_bytes));
+        let io = TokioIo::new(HeadGuard::new(io, app.config.http.max_header_bytes));
         let app = app.clone();
         let svc = service_fn(move |req| {
             let app = app.clone();

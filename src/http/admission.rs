@@ -72,17 +72,18 @@ impl Edge {
     pub fn new(app: &App) -> Self {
         Edge {
             gate: Gate::new(
-                app.config.min_active_requests,
-                app.config.max_active_requests,
+                app.config.http.min_active_requests,
+                app.config.http.max_active_requests,
                 // Past this a request is read without a slot, and the in-flight limit
                 // decides; under half the head-read timeout, which would close the
                 // connection unanswered.
                 app.config
+                    .http
                     .max_queue_wait()
                     .min(super::HEADER_READ_TIMEOUT / 2),
                 app.metrics.clone(),
             ),
-            connections: Arc::new(Semaphore::new(app.config.max_connections)),
+            connections: Arc::new(Semaphore::new(app.config.http.max_connections)),
             metrics: app.metrics.clone(),
             shed_log: LogLimit::new(crate::log_limit::REPORT_INTERVAL),
         }
@@ -120,7 +121,7 @@ impl Edge {
         if let Ok(permit) = app.limiter.clone().try_acquire_owned() {
             return Ok(permit);
         }
-        let max_wait = app.config.max_queue_wait();
+        let max_wait = app.config.http.max_queue_wait();
         if !max_wait.is_zero() {
             let _queued = InFlightGauge::enter(&self.metrics.http_queued);
             let since = Instant::now();

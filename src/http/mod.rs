@@ -6,6 +6,7 @@ mod admin;
 mod admission;
 pub mod auth;
 pub mod body;
+pub mod config;
 mod console;
 mod devices;
 pub mod error;
@@ -65,12 +66,12 @@ fn http1_builder(config: &crate::config::Config) -> http1::Builder {
         // hyper refuses a head longer than this and closes the connection (without it, only
         // its ~400 KB read-buffer limit applies); more than 100 headers too, hyper's default.
         // Its empty 431 is answered in the API's shape by `head::HeadGuard`.
-        .max_header_size(config.max_header_bytes)
+        .max_header_size(config.http.max_header_bytes)
         // The read buffer's cap: without it hyper grows a connection's buffer to ~400 KB
         // while its client keeps pipelined requests waiting, and never shrinks it (found in
         // audit: 4,096 such connections, 1.6 GB). A head must fit, and hyper's own floor.
         // hyper applies the same cap to what it buffers of pipelined answers before writing.
-        .max_buf_size(config.max_header_bytes.max(MIN_READ_BUFFER_BYTES));
+        .max_buf_size(config.http.max_header_bytes.max(MIN_READ_BUFFER_BYTES));
     builder
 }
 
@@ -101,8 +102,8 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
                 let _ = stream.set_nodelay(true);
                 let (app, edge) = (app.clone(), edge.clone());
                 let (io, gated) =
-                    gate::GatedIo::new(stream, edge.gate.clone(), app.config.write_stall());
-                let io = TokioIo::new(head::HeadGuard::new(io, app.config.max_header_bytes));
+                    gate::GatedIo::new(stream, edge.gate.clone(), app.config.http.write_stall());
+                let io = TokioIo::new(head::HeadGuard::new(io, app.config.http.max_header_bytes));
                 let svc = service_fn(move |mut req: Request<Incoming>| {
                     let (app, edge, gated) = (app.clone(), edge.clone(), gated.clone());
                     let serving = gated.serve();
@@ -127,7 +128,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
     }
     app.begin_shutdown();
     drop(listener);
-    let grace = Duration::from_secs(app.config.shutdown_grace_secs);
+    let grace = Duration::from_secs(app.config.http.shutdown_grace_secs);
     tracing::info!(
         grace_secs = grace.as_secs(),
         "shutting down: draining in-flight requests"

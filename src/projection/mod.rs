@@ -21,6 +21,7 @@
 
 mod anchor;
 pub mod clock;
+pub mod config;
 mod existed;
 pub mod index;
 mod port;

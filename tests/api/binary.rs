@@ -13,8 +13,31 @@ use serde_json::{Value, json};
 
 use crate::common::{self, new_account};
 
-/// Every flag the binary takes, each settable from the environment.
-const FLAGS: [&str; 58] = [
+/// The flags only useful for measuring the design (BENCHMARKS.md, "Flags for measuring the
+/// design"): taken, but hidden from `--help`.
+const HIDDEN_FLAGS: [&str; 4] = [
+    "one-round-trip",
+    "batching",
+    "min-active-requests",
+    "max-active-requests",
+];
+
+/// The headings of `--help`, one per concern, the everyday ones first.
+const HEADINGS: [&str; 10] = [
+    "Options:",
+    "Listening and limits:",
+    "Store:",
+    "Accounts:",
+    "Projection:",
+    "Idempotency:",
+    "Auth:",
+    "Watch:",
+    "Writes:",
+    "Observability:",
+];
+
+/// Every flag `--help` shows, each settable from the environment.
+const FLAGS: [&str; 54] = [
     // Authentication, rate limits and the admin listener (issue 17).
     "auth",
     "auth-secret-file",
@@ -40,14 +63,10 @@ const FLAGS: [&str; 58] = [
     "max-concurrent-requests",
     "max-queue-wait-ms",
     "write-stall-secs",
-    "min-active-requests",
-    "max-active-requests",
     "max-connections",
     "worker-threads",
     "write-deadline-ms",
     "write-max-attempts",
-    "one-round-trip",
-    "batching",
     "max-batch-events",
     "max-resident-accounts",
     "idle-timeout-secs",
@@ -277,6 +296,41 @@ fn binary_help_lists_every_flag_with_its_env_name() {
         );
     }
     assert_eq!(blocks.len(), FLAGS.len() + 2, "{names:?}");
+    let headings: Vec<&str> = help
+        .lines()
+        .filter(|l| l.ends_with(':') && !l.starts_with(' '))
+        .collect();
+    assert_eq!(headings, HEADINGS);
+}
+
+/// Rule: the flags for measuring the design stay out of `--help` but are still taken (an
+/// unknown flag would be refused before `--version` is reached).
+#[test]
+fn binary_takes_the_hidden_measuring_flags() {
+    let help = tally_command(&["--help"], &[])
+        .output()
+        .expect("tally runs");
+    let help = String::from_utf8(help.stdout).expect("UTF-8 help");
+    for flag in HIDDEN_FLAGS {
+        assert!(!help.contains(&format!("--{flag}")), "--{flag} in --help");
+    }
+    let args = [
+        "--one-round-trip",
+        "false",
+        "--batching",
+        "false",
+        "--min-active-requests",
+        "4",
+        "--max-active-requests",
+        "8",
+        "--version",
+    ];
+    let out = tally_command(&args, &[]).output().expect("tally runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[cfg(unix)]

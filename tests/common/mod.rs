@@ -31,8 +31,9 @@ use reqwest::StatusCode;
 use reqwest::header::HeaderMap;
 use serde_json::Value;
 use tally::app::App;
-use tally::config::{Config, ProjectionKind};
+use tally::config::Config;
 use tally::projection::Clock;
+use tally::projection::config::ProjectionKind;
 use tally::store::SharedLog;
 use tally::store::faults::FaultyLog;
 use tally::store::memory::MemoryLog;
@@ -169,11 +170,11 @@ pub async fn spawn(
     // every instance a test did not place itself on the test cluster: instances over one
     // store share one schema, like a fleet shares its database.
     let mut config = config;
-    if pg::suite_on_postgres() && config.projection_kind == ProjectionKind::Memory {
-        config.projection_kind = ProjectionKind::Postgres;
-        config.postgres_url = pg::url_for_store(store.as_ref()).await;
+    if pg::suite_on_postgres() && config.projection.kind == ProjectionKind::Memory {
+        config.projection.kind = ProjectionKind::Postgres;
+        config.projection.postgres_url = pg::url_for_store(store.as_ref()).await;
         assert!(
-            config.postgres_url.is_some(),
+            config.projection.postgres_url.is_some(),
             "{} needs {}",
             pg::PROJECTION_VAR,
             pg::URL_VAR
@@ -198,7 +199,7 @@ pub async fn spawn(
     TestApp {
         // Issue 17: with the harness's authentication on, its client sends a token.
         client: if test_auth::on()
-            && app.config.auth_secret_file.as_deref()
+            && app.config.auth.secret_file.as_deref()
                 == Some(std::path::Path::new(&test_auth::secret_file()))
         {
             test_auth::client()

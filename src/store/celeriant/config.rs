@@ -66,6 +66,7 @@ impl FromStr for ApiKey {
 /// supports RSA key-pair identity, which Tally does not use. The server refuses API keys over
 /// plaintext unless it runs with `--insecure-allow-plaintext-auth`, so pair a key with TLS.
 #[derive(Clone, Debug, clap::Args)]
+#[command(next_help_heading = "Store")]
 pub struct CeleriantConfig {
     /// Primary Celeriant node, HOST:PORT.
     #[arg(long = "celeriant-address", env = "CELERIANT_ADDRESS", default_value = DEFAULT_ADDRESS)]
