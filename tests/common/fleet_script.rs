@@ -41,6 +41,10 @@ pub struct Fleet {
     exited: Receiver<std::io::Result<ExitStatus>>,
     status: Option<ExitStatus>,
     lines: Receiver<(Stream, String)>,
+    /// Lines read while waiting for another that matched none of the waits yet: stdout and
+    /// stderr race, so a line a later wait wants may arrive before the one an earlier wait
+    /// wanted.
+    unmatched: Vec<(Stream, String)>,
     pub stdout: Vec<String>,
     stderr: Vec<String>,
     /// `http://127.0.0.1:PORT` of nginx.
@@ -117,6 +121,7 @@ impl Fleet {
             exited,
             status: None,
             lines,
+            unmatched: Vec::new(),
             stdout: Vec::new(),
             stderr: Vec::new(),
             lb: format!("http://127.0.0.1:{lb}"),
@@ -157,13 +162,17 @@ impl Fleet {
         Start::Up(fleet)
     }
 
-    /// Reads fleet.sh's output until a line matches `wanted` (returned), it ends, or
-    /// `bound` passes (`None` either way). Every line read is kept.
+    /// The first line of fleet.sh's output that matches `wanted` (returned) among those read
+    /// but not yet matched, else reads until one does, the output ends, or `bound` passes
+    /// (`None` either way). Every line read is kept.
     pub fn wait_line(
         &mut self,
         bound: Duration,
         mut wanted: impl FnMut(Stream, &str) -> bool,
     ) -> Option<String> {
+        if let Some(at) = self.unmatched.iter().position(|(s, l)| wanted(*s, l)) {
+            return Some(self.unmatched.remove(at).1);
+        }
         let deadline = Instant::now() + bound;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -173,6 +182,7 @@ impl Fleet {
                     if wanted(stream, &line) {
                         return Some(line);
                     }
+                    self.unmatched.push((stream, line));
                 }
                 Err(RecvTimeoutError::Disconnected | RecvTimeoutError::Timeout) => return None,
             }
