@@ -58,7 +58,7 @@ pub struct Fleet {
 
 /// How a start attempt ended.
 enum Start {
-    Up(Fleet),
+    Up(Box<Fleet>),
     /// fleet.sh refused a port that was free a moment earlier; try others.
     PortTaken,
 }
@@ -71,7 +71,7 @@ impl Fleet {
         for _ in 0..PORT_ATTEMPTS {
             let (base, lb) = free_ports(size);
             match Fleet::try_start(store, size, base, lb, env) {
-                Start::Up(fleet) => return fleet,
+                Start::Up(fleet) => return *fleet,
                 Start::PortTaken => continue,
             }
         }
@@ -159,7 +159,7 @@ impl Fleet {
             "fleet.sh names one pid per replica: {:?}",
             fleet.stdout
         );
-        Start::Up(fleet)
+        Start::Up(Box::new(fleet))
     }
 
     /// The first line of fleet.sh's output that matches `wanted` (returned) among those read
