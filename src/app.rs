@@ -36,7 +36,7 @@ pub enum StartError {
     Config(#[from] ConfigError),
     #[error("could not connect to the store: {0}")]
     Store(String),
-    /// The Postgres projection's database (issue 14).
+    /// The Postgres projection's database.
     #[error("could not open the Postgres projection: {0}")]
     Projection(String),
 }
@@ -54,9 +54,9 @@ pub struct App {
     pub reader: AccountReader,
     /// Offline devices' runs: the one path by which a device's client id reaches the store.
     pub devices: DeviceSync,
-    /// Who may call, and how often (issue 17); lets everything through with `--auth none`.
+    /// Who may call, and how often; lets everything through with `--auth none`.
     pub auth: Arc<Authenticator>,
-    /// The watch streams (issue 16): every committed event, from any replica, as it lands.
+    /// The watch streams: every committed event, from any replica, as it lands.
     pub watch: Arc<Hub>,
     /// The store's liveness for `/readyz`, one ping shared by the probes of a second.
     pub store_ping: SharedPing,
@@ -108,7 +108,7 @@ impl AppBuilder {
         }
         // Allowed (small caps in tests and demos), but each watch stream holds a connection
         // for as long as it lasts: at the connection cap watchers alone would leave no room
-        // for requests on the API address (found in audit).
+        // for requests on the API address.
         if config.watch.max_subscribers >= config.http.max_connections {
             tracing::warn!(
                 watch_max_subscribers = config.watch.max_subscribers,
@@ -117,7 +117,7 @@ impl AppBuilder {
             );
         }
         let metrics = Arc::new(Metrics::new());
-        // Issue 17: the key files are read before anything is served.
+        // The key files are read before anything is served.
         let auth = Arc::new(Authenticator::new(&config.auth).map_err(ConfigError)?);
         crate::auth::announce_and_maintain(&auth);
         let base: SharedLog = match self.store {
@@ -132,7 +132,7 @@ impl AppBuilder {
             }
             None => (base, None),
         };
-        // The console's fault panel shows when this is 1 (issue 16).
+        // The console's fault panel shows when this is 1.
         metrics
             .fault_injection_enabled
             .set(i64::from(faults.is_some()));
@@ -148,7 +148,7 @@ impl AppBuilder {
                 clock,
                 metrics.clone(),
             ),
-            // The Postgres projection (issue 14): the pool now (a bad URL is fatal), the
+            // The Postgres projection: the pool now (a bad URL is fatal), the
             // migrations as a start-up step (a database that is down at boot is not).
             Some(settings) => {
                 let pg = PgProjection::new(&settings, metrics.clone())
@@ -270,8 +270,7 @@ async fn open_store(config: &Config) -> Result<SharedLog, StartError> {
             // (`/readyz` answers 503) and recovers when the store does, instead of
             // crash-looping through a transient outage. The first ping only tells the log,
             // so it runs beside start-up: a store that accepts connections and never answers
-            // held it for two request timeouts, and the replica did not listen until then
-            // (found black-box).
+            // held it for two request timeouts, and the replica did not listen until then.
             let (ping, address) = (log.clone(), config.store.celeriant.address.clone());
             tokio::spawn(async move {
                 if let Err(e) = ping.ping().await {

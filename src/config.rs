@@ -82,11 +82,11 @@ pub struct Config {
     #[arg(help_heading = "Idempotency", long, env = "TALLY_IDEMPOTENCY_SCAN_WINDOW", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=MAX_WINDOW_SECS))]
     pub idempotency_scan_window: u64,
 
-    /// How requests are authenticated and paced (issue 17).
+    /// How requests are authenticated and paced.
     #[command(flatten)]
     pub auth: AuthConfig,
 
-    /// The watch stream's limits, `--watch-*` (issue 16).
+    /// The watch stream's limits, `--watch-*`.
     #[command(flatten)]
     pub watch: WatchConfig,
 
@@ -184,7 +184,7 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.check_gate_floor_under_ceiling()?;
         self.check_time_relations()?;
-        // Issue 17: a token must be checkable before the replica serves.
+        // A token must be checkable before the replica serves.
         Authenticator::new(&self.auth).map_err(ConfigError)?;
         if self.store.kind == StoreKind::Celeriant {
             self.store
@@ -252,7 +252,7 @@ impl Config {
         Ok(())
     }
 
-    // The Postgres projection (issue 14).
+    // The Postgres projection.
     fn check_postgres_has_a_url(&self) -> Result<(), ConfigError> {
         if self.projection.kind == ProjectionKind::Postgres
             && self
@@ -268,7 +268,7 @@ impl Config {
         Ok(())
     }
 
-    /// The Postgres projection's settings, when `--projection postgres` (issue 14).
+    /// The Postgres projection's settings, when `--projection postgres`.
     pub fn postgres(&self) -> Option<crate::projection::PostgresSettings> {
         (self.projection.kind == ProjectionKind::Postgres).then(|| {
             crate::projection::PostgresSettings {
@@ -543,7 +543,7 @@ mod tests {
         .unwrap();
     }
 
-    /// Rule (issue 14): the Postgres projection needs its URL and sane pool settings; cursor
+    /// Rule: the Postgres projection needs its URL and sane pool settings; cursor
     /// and index are one setting, so no flag can split them.
     #[test]
     fn the_postgres_projection_flags_are_checked() {

@@ -10,7 +10,7 @@ use tally::config::{Config, LogFormat};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
-    // Issue 17: `tally token ...` mints a development token; every other invocation is the
+    // `tally token ...` mints a development token; every other invocation is the
     // server's flags, parsed as before.
     if std::env::args_os().nth(1).is_some_and(|a| a == "token") {
         return mint_token();
@@ -81,7 +81,7 @@ async fn run(config: Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    // Issue 17: /metrics (and the probes) on an admin address of their own, when asked.
+    // /metrics (and the probes) on an admin address of their own, when asked.
     if let Some(admin) = app.config.admin_listen {
         match tokio::net::TcpListener::bind(admin).await {
             Ok(l) => {

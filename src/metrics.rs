@@ -27,7 +27,7 @@ pub mod refused {
     pub const STALL: &str = "stall";
 }
 
-/// `outcome` of `tally_auth_requests_total` (issue 17).
+/// `outcome` of `tally_auth_requests_total`.
 pub mod auth_outcome {
     pub const OK: &str = "ok";
     pub const MISSING: &str = "missing";
@@ -35,7 +35,7 @@ pub mod auth_outcome {
     pub const FORBIDDEN: &str = "forbidden";
 }
 
-/// `outcome` of `tally_rate_limit_decisions_total` (issue 17).
+/// `outcome` of `tally_rate_limit_decisions_total`.
 pub mod rate_outcome {
     pub const ALLOWED: &str = "allowed";
     pub const LIMITED: &str = "limited";
@@ -138,10 +138,10 @@ pub struct Metrics {
     pub startup_step_attempts: IntCounterVec,
     pub startup_seed_outcomes: IntCounterVec,
     pub server_clock_anchors: IntCounterVec,
-    // Bounds: the recent-writes index cap (issue 13)
+    // Bounds: the recent-writes index cap
     pub index_entries_cap: IntGauge,
     pub writes_refused_index_full: IntCounter,
-    // Admission at the HTTP edge (issue 13)
+    // Admission at the HTTP edge
     pub http_connections: IntGauge,
     pub http_accept_paused: IntCounter,
     pub http_write_stalls: IntCounter,
@@ -152,17 +152,17 @@ pub struct Metrics {
     pub http_gate_active: IntGauge,
     pub http_gate_taken: IntCounter,
     pub http_gate_waits_expired: IntCounter,
-    // Authentication and rate limits (issue 17): by outcome, never by caller.
+    // Authentication and rate limits: by outcome, never by caller.
     pub auth_outcomes: IntCounterVec,
     pub rate_limit_decisions: IntCounterVec,
-    // Watch stream (issue 16)
+    // Watch stream
     pub watch_subscribers: IntGaugeVec,
     pub watch_dropped: IntCounterVec,
     pub watch_refused: IntCounterVec,
     pub watch_feed_gaps: IntCounter,
     pub watch_read_failures: IntCounter,
     pub fault_injection_enabled: IntGauge,
-    // The Postgres projection (issue 14)
+    // The Postgres projection
     pub projection_record_failures: IntCounter,
     pub projection_rows_behind: IntCounter,
     pub projection_db_statements: IntCounterVec,
@@ -180,8 +180,8 @@ impl Metrics {
     }
 
     /// A labelled counter has no series until its first increment, and an alert on
-    /// `increase(...)` never sees a series go from absent to 1 (found black-box: the first
-    /// regression of a store never paged). The series the alerts read start at 0.
+    /// `increase(...)` never sees a series go from absent to 1 (so the first
+    /// regression of a store would never page). The series the alerts read start at 0.
     fn start_at_zero(&self) {
         for op in OPERATIONS {
             for a in arm::ALL {
@@ -406,7 +406,7 @@ impl Metrics {
                 "tally_writes_refused_index_full_total",
                 "New writes refused with a retryable 503 because the recent-writes index was at its cap.",
             ),
-            // Admission at the HTTP edge (issue 13). Refusals themselves are counted in
+            // Admission at the HTTP edge. Refusals themselves are counted in
             // tally_http_requests_shed_total.
             http_connections: gauge(
                 r,
@@ -471,7 +471,7 @@ impl Metrics {
                 "Authenticated requests checked against their caller's rate limit, by outcome (allowed, limited).",
                 &["outcome"],
             ),
-            // Watch stream (issue 16)
+            // Watch stream
             watch_subscribers: gauge_vec(
                 r,
                 "tally_watch_subscribers",
@@ -505,7 +505,7 @@ impl Metrics {
                 "tally_fault_injection_enabled",
                 "1 when the replica runs with --faults (the console shows its fault panel then), else 0.",
             ),
-            // The Postgres projection (issue 14). Zero on the memory projection.
+            // The Postgres projection. Zero on the memory projection.
             projection_record_failures: counter(
                 r,
                 "tally_projection_record_failures_total",

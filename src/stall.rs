@@ -3,8 +3,8 @@
 //! runs again it reads them as if they had just been sent. A write's life (its deadline,
 //! which the idempotency window must outlast) starts when the request is read, so a write
 //! that waited unread longer than the window minus that life can land after a retry of it
-//! landed elsewhere and fell out of the index: written twice (found black-box with a
-//! replica paused for 95 s and the default 90 s window). And a write that waited unread a
+//! landed elsewhere and fell out of the index: written twice (e.g. a
+//! replica paused for 95 s with the default 90 s window). And a write that waited unread a
 //! few seconds can land after its client, retrying elsewhere, was told a final 422.
 //!
 //! So a thread of its own (not a runtime task: a busy runtime runs late, a stopped process

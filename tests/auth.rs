@@ -1,4 +1,4 @@
-//! Issue 17, black box: callers prove who they are, may do only what their token grants,
+//! Black box: callers prove who they are, may do only what their token grants,
 //! own their idempotency keys, and are paced; every refusal is answered correctly and writes
 //! nothing (checked by reading the balance and history back with a valid token).
 

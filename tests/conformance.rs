@@ -97,7 +97,7 @@ macro_rules! conformance_suite {
             multi_aggregate_idempotency_judges_each_member_by_its_own_lowest_sequence,
             multi_aggregate_write_moves_each_members_mark_to_its_own_highest_sequence,
             duplicate_of_a_landed_multi_aggregate_write_is_a_conflict_then_an_idempotency_violation,
-            // The watch (issue 16).
+            // The watch.
             watch_reports_each_commit_after_it_opened_in_version_order,
             watch_reports_every_writer_and_never_a_failed_write,
             watch_reports_only_the_aggregates_its_filter_admits,
@@ -1206,7 +1206,7 @@ mod rules {
 }
 
 /// Rules that need MemoryLog's knobs: a manual clock and a small page size.
-/// The watch's rules (issue 16): what a feed opened with [`EventLog::watch`] reports.
+/// The watch's rules: what a feed opened with [`EventLog::watch`] reports.
 mod watch_rules {
     use std::time::Duration;
 

@@ -1,4 +1,4 @@
-//! Issue 15 end to end, with two real processes: a `tally` replica (seeded store faults) and
+//! Device sync end to end, with two real processes: a `tally` replica (seeded store faults) and
 //! the `tally-device` binary recording offline and syncing against it.
 //!
 //! Each scenario runs twice: module `memory` on the embedded store, and module `celeriant` on
@@ -42,7 +42,7 @@ use uuid::Uuid;
 
 const TALLY: &str = env!("CARGO_BIN_EXE_tally");
 const DEVICE: &str = env!("CARGO_BIN_EXE_tally-device");
-/// The store faults of issue 15; the seed is appended per test.
+/// The store faults; the seed is appended per test.
 const FAULTS: &str = "lost-ack=0.2,lost-request=0.1,refused=0.1,inflight=0.1,read-lag=0.2";
 /// The seed used unless `TALLY_E2E_SEED` names another.
 const DEFAULT_SEED: u64 = 1515;

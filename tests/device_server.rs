@@ -316,7 +316,7 @@ async fn a_covered_run_whose_batches_were_trimmed_is_never_answered_synced() {
 
 /// Rule: a verdict is drawn only from windows read whole. A lagging read (a replica behind
 /// the tip the store reported) that hides a landed run on a trimmed account is a retry,
-/// never the final `DEVICE_RUN_TRIMMED` (found in review: the device stopped syncing a run
+/// never the final `DEVICE_RUN_TRIMMED` (else the device would stop syncing a run
 /// that had landed).
 #[tokio::test]
 async fn a_lagging_read_never_turns_a_landed_run_into_a_final_refusal() {
@@ -528,7 +528,7 @@ async fn a_wrong_hint_never_changes_the_verdict() {
 
 /// Rule: a sequence of the run that is missing below a later sequence of the device's never
 /// landed, also when the later one is the run's own last: the run's tail landed on its own
-/// and its head never did (a hand-built client re-cut its runs). Found black-box: this was a
+/// and its head never did (a hand-built client re-cut its runs). Else this would be a
 /// retryable 503 for ever.
 #[tokio::test]
 async fn a_run_whose_head_never_landed_below_its_landed_tail_is_a_conflict() {

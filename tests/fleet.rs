@@ -164,7 +164,7 @@ impl Fleet {
         (k0, kb)
     }
 
-    /// On the Postgres projection (issue 14) the replicas share the account row, so replica
+    /// On the Postgres projection the replicas share the account row, so replica
     /// 0's view of an account is stale only when another replica's record did not land.
     /// Makes it so, exactly as a record that failed after the store's ack leaves it: the row
     /// back at `(balance, version, max_client_seq)`, and `key`'s index row absent. Nothing to
@@ -748,7 +748,7 @@ async fn lost_ack_then_retry_on_another_replica_returns_the_landed_write(base: S
 
 /// With one attempt allowed, a write from replica 0's warm copy bounces off replica 1's
 /// write and gives up with a retryable 409, but leaves the copy caught up: its retry
-/// lands. Found black-box: every later write to the account bounced the same way, whatever
+/// lands. Else every later write to the account would bounce the same way, whatever
 /// its key, until something read the account.
 async fn with_one_attempt_a_bounce_off_a_siblings_write_leaves_the_copy_caught_up(base: SharedLog) {
     let f = Fleet::faulty(base, 2, &["--write-max-attempts", "1"]).await;
@@ -786,7 +786,7 @@ async fn with_one_attempt_a_bounce_off_a_siblings_write_leaves_the_copy_caught_u
 /// A retry that finds its key landed by another replica is a replay even when its own write
 /// went unanswered on the way: both replicas derived the same sequence from the same fold,
 /// but the landing carries the other replica's send time, which this request never sent
-/// (found black-box on live Celeriant with lost acks: such retries came back without
+/// (on live Celeriant with lost acks, else such retries would come back without
 /// `Idempotent-Replayed`).
 async fn a_retry_whose_own_write_was_lost_still_replays_the_siblings_landing(base: SharedLog) {
     let f = Fleet::faulty(base, 2, &[]).await;

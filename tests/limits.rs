@@ -587,7 +587,7 @@ async fn a_transfer_coding_other_than_chunked_once_is_refused_and_writes_nothing
         .exchange(&deposit("Transfer-Encoding: Chunked\r\n"))
         .await;
     assert!(plain.contains(r#""balanceCents":5"#), "{plain}");
-    // An empty list element is no coding (RFC 9110, 5.6.1; found black-box: it was a 415).
+    // An empty list element is no coding (RFC 9110, 5.6.1; else it would be a 415).
     let listed = server
         .exchange(&deposit("Transfer-Encoding: , chunked\r\n"))
         .await;
@@ -596,8 +596,8 @@ async fn a_transfer_coding_other_than_chunked_once_is_refused_and_writes_nothing
 }
 
 /// Rule (RFC 9112, 9.6): a client that closes its sending side after its request still
-/// gets the answer; found black-box: hyper took the end of input for an abort, answered
-/// nothing, and a deposit sometimes landed unanswered.
+/// gets the answer; else hyper takes the end of input for an abort, answers
+/// nothing, and a deposit can land unanswered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_whose_client_then_half_closes_is_answered() {
     let server = Server::start(&[]).await;
@@ -632,8 +632,8 @@ async fn a_request_whose_client_then_half_closes_is_answered() {
 }
 
 /// Rule: an HTTP/1.1 request without a `Host` header, or any request with two, or with a
-/// `Host` that is not host[:port], is 400 and writes nothing (RFC 9112, 3.2; found
-/// black-box: all were served). HTTP/1.0 may leave it out.
+/// `Host` that is not host[:port], is 400 and writes nothing (RFC 9112, 3.2; else
+/// all would be served). HTTP/1.0 may leave it out.
 #[tokio::test]
 async fn a_request_without_one_host_is_refused_and_writes_nothing() {
     let server = Server::start(&[]).await;

@@ -1,7 +1,7 @@
 //! What one client can make the server hold in memory, counted by a global allocator of
 //! this binary's own (so no other suite's allocations count; the tests here take turns).
-//! Found in audit: a 64 KiB body sent as 1-byte chunks held about 2.4 MiB, and a client
-//! pipelining requests grew its connection's read buffer to hyper's ~400 KB for good.
+//! Unbounded, a 64 KiB body in 1-byte chunks would hold about 2.4 MiB, and a client
+//! pipelining requests would grow its connection's read buffer to hyper's ~400 KB for good.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::net::SocketAddr;

@@ -103,7 +103,7 @@ async fn counters_move_by_exactly_what_the_scripted_sequence_did() {
 /// Rule: every series an alert counts with `increase(...)` exists on a fresh replica, at 0.
 /// A labelled counter has no series until its first increment, and `increase` over a series
 /// that goes from absent to 1 is 0: the alert on the store going backwards never paged for
-/// a first regression (found black-box). (Rate-over-rate alerts need a sustained condition,
+/// a first regression. (Rate-over-rate alerts need a sustained condition,
 /// which outlives a series' first scrape.) Checks each selector inside `increase(` in the
 /// committed rules (`=` and `=~` matchers) against `Metrics::new()`'s exposition.
 #[test]

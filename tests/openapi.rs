@@ -1,4 +1,4 @@
-//! Issue 17: `docs/openapi.json` and the code describe the same API. Fails when a route,
+//! `docs/openapi.json` and the code describe the same API. Fails when a route,
 //! a status or an error code exists in one and not the other:
 //! - routes: [`Route::ALL`] (every route, kept complete by an exhaustive match in the
 //!   router) against the spec's paths and methods, both ways;

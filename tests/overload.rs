@@ -1,4 +1,4 @@
-//! Admission at the HTTP edge (issue 13): a request over the in-flight limit waits for a slot
+//! Admission at the HTTP edge: a request over the in-flight limit waits for a slot
 //! instead of being refused at once; one that waits its full time is shed with 503,
 //! Retry-After, the JSON error and `Connection: close`; at the connection cap the server
 //! stops accepting until a connection closes.
@@ -723,7 +723,7 @@ async fn a_request_whose_gate_wait_runs_out_is_read_and_shed() {
 /// connection went idle, not from when its next request arrived. A request arriving later
 /// in that idle time than a full gate wait allows is read at once without a slot (and
 /// answered by the in-flight limit behind the gate), never cut off unanswered when the
-/// timer fires mid-wait (found in audit).
+/// timer fires mid-wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_late_in_its_connections_idle_time_is_answered_not_cut_off() {
     // Capped at half the head-read timeout: 5 s.
@@ -765,7 +765,7 @@ async fn a_request_late_in_its_connections_idle_time_is_answered_not_cut_off() {
 
 /// Rule: the admin listener's connections obey `--write-stall-secs` too: a client that
 /// pipelines scrapes and reads none of the answers is closed at the limit instead of
-/// holding one of the few admin connections for ever (found in audit).
+/// holding one of the few admin connections for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admin_connection_whose_client_reads_nothing_is_closed_at_the_write_stall_limit() {
     let t = short_stall_replica().await;

@@ -1,4 +1,4 @@
-//! The Postgres projection (issue 14) against a real Postgres: the throwaway cluster of
+//! The Postgres projection against a real Postgres: the throwaway cluster of
 //! `scripts/with-postgres.sh` (`make test` runs every suite inside it). Each test works in a
 //! fresh schema; replicas of one test share it, and share one store.
 //!
@@ -320,8 +320,8 @@ async fn a_failed_record_still_answers_and_the_next_catch_up_replays_it() {
 /// database lost the commit of the record before it, as asynchronous commit allows after a
 /// crash) moves nothing itself; the writer catches the row up before answering and drops
 /// its copy. Kept, the copy sent every later write down the fast path, whose records were
-/// all guarded on a version the row never reached (found in review), and an account not
-/// written again kept a stale row (found black-box).
+/// all guarded on a version the row never reached, and an account not
+/// written again kept a stale row.
 #[tokio::test]
 async fn a_row_a_record_finds_behind_is_caught_up_by_its_writer() {
     let Some(url) = pg::fresh_url().await else {
@@ -356,8 +356,8 @@ async fn a_row_a_record_finds_behind_is_caught_up_by_its_writer() {
     );
     assert_eq!(rows_behind(), 1, "the row was below version 2");
     assert_eq!(record_failures(&a), 0, "the statement itself succeeded");
-    // The writer caught the row up before answering, with the lost index row (found
-    // black-box: it stayed behind until the account's next write).
+    // The writer caught the row up before answering, with the lost index row (else
+    // it would stay behind until the account's next write).
     assert_eq!(row(&db, &account).await, Some((145, 3)));
     assert!(index_row(&db, &account, &lost).await.is_some());
     // The next write lands on the caught-up row.

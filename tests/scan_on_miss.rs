@@ -1,4 +1,4 @@
-//! Scan on miss (issue 14), on both projections: a retry older than the recent-writes
+//! Scan on miss, on both projections: a retry older than the recent-writes
 //! window, but inside `--idempotency-scan-window`, is found in the account's own batches and
 //! answered like any replay, with the original response; past the scan window it is a new
 //! write; a different operation under the key is refused. The Postgres half runs when
@@ -147,7 +147,7 @@ async fn two_replicas() -> (TestApp, TestApp, SharedLog, Clocks) {
 
 /// Rule: a scan's replay is the original response on a replica that never loaded the
 /// account too (its state is the empty account at version 0, below the found batch), never
-/// the current balance. Found black-box on live Celeriant: the first such retry got it.
+/// the current balance. Else, on live Celeriant, the first such retry would get it.
 #[tokio::test]
 async fn memory_a_late_retry_on_a_replica_that_never_loaded_the_account_gets_the_original() {
     let (a, b, _store, clocks) = two_replicas().await;
@@ -166,7 +166,7 @@ async fn memory_a_late_retry_on_a_replica_that_never_loaded_the_account_gets_the
 }
 
 /// Rule: a scan that starts below a trim point reads what is left above it; it does not
-/// turn every write to a trimmed account into a 409 (found black-box on live Celeriant).
+/// turn every write to a trimmed account into a 409.
 #[tokio::test]
 async fn memory_a_scan_on_a_trimmed_account_reads_above_the_trim() {
     let (a, _b, store, clocks) = two_replicas().await;
@@ -387,7 +387,7 @@ async fn memory_a_scan_replay_over_a_lagging_read_answers_the_original_balance()
 
 /// Rule: a scan draws a miss only from reads that showed every version up to the state: a
 /// read served behind the tip ends early without an error, and a miss drawn from it wrote
-/// the late retry again (found black-box under `--faults read-lag`).
+/// the late retry again (under `--faults read-lag`).
 #[tokio::test]
 async fn memory_a_scan_over_a_lagging_read_never_writes_a_late_retry_again() {
     let t = InProcess::new();

@@ -92,7 +92,7 @@ struct Plan {
     /// Store writes one request may make; small ones (only with faults on) make replicas give
     /// up with a retryable error, so callers retry keys whose fate is unknown.
     max_attempts: u32,
-    /// The Postgres projection's schema the fleet shares (issue 14); `None`: memory.
+    /// The Postgres projection's schema the fleet shares; `None`: memory.
     postgres: Option<String>,
 }
 
@@ -967,7 +967,7 @@ fn seeded_fleet_runs_keep_every_write_exactly_once_with_one_answer() {
 /// Seeds run on the Postgres projection unless `TALLY_SIM_PG_SEEDS` says otherwise.
 const DEFAULT_PG_SEEDS: u64 = 24;
 
-/// The same fleets on the Postgres projection (issue 14): the replicas of a seed share one
+/// The same fleets on the Postgres projection: the replicas of a seed share one
 /// fresh schema as they share the store, and every rule above is checked the same way. On
 /// the real clock (a paused clock jumps its timers while a task waits on a database
 /// socket), so a run is not reproducible and has no trace hash to compare; the workload and
@@ -1111,7 +1111,7 @@ async fn seeded_runs_over_http_keep_every_write_exactly_once_with_one_answer() {
         let mut truth = read_truth(&plan, &store.mem, identity.client(), |a| identity.key(a))
             .await
             .unwrap_or_else(|v| panic!("HTTP seed {seed}: {v}"));
-        // Issue 17: with the harness's authentication on, an event's id derives from
+        // With the harness's authentication on, an event's id derives from
         // (caller, key); name each landed event by the key that was sent.
         if common::test_auth::on() {
             let sent: BTreeMap<u128, u128> = journal

@@ -1,7 +1,7 @@
 //! A store that went backwards under a running replica (restored from a backup, or replaced
 //! by an empty one): the replica's folds are ahead of it, and must not decide writes once
-//! other writers take the stream back up to their versions (found black-box on Celeriant: a
-//! withdrawal answered 200 that took the store's balance below zero). See
+//! other writers take the stream back up to their versions (on Celeriant, else a
+//! withdrawal could answer 200 and take the store's balance below zero). See
 //! `src/projection/regress.rs`.
 
 mod common;
@@ -308,7 +308,7 @@ async fn on_postgres_a_probe_below_an_earlier_one_stops_serving_rows() {
 
 /// Rule: a catch-up that read for a fold dropped in place meanwhile folds nothing into the
 /// new one (its page starts past version 1 and would look like a gap, poisoning the account
-/// for good: found in review); it answers a retry, and the next request folds the new store.
+/// for good); it answers a retry, and the next request folds the new store.
 #[tokio::test]
 async fn a_catch_up_in_flight_across_a_dropped_fold_is_a_retry_not_a_poisoned_account() {
     if memory_only() {
@@ -358,7 +358,7 @@ async fn a_catch_up_in_flight_across_a_dropped_fold_is_a_retry_not_a_poisoned_ac
 /// Rule: a write decided on a fold that was dropped while it was out (the store went back
 /// under it) moves no cursor when it lands: the fold read again from the new store may stand
 /// at the version the write expected, but the write's balance was computed on the old store
-/// (found in review: the old replica's fold then said 500 where the store held 100, and
+/// (else the old replica's fold would say 500 where the store held 100, and
 /// every later write there was decided on money the store did not have).
 #[tokio::test]
 async fn a_write_decided_before_the_fold_was_dropped_moves_no_cursor_when_it_lands() {
@@ -413,7 +413,7 @@ async fn a_write_decided_before_the_fold_was_dropped_moves_no_cursor_when_it_lan
 
 /// Rule (Postgres): a conflict below the shared row's version stops the replica serving rows
 /// too: once other writers take the store back up to the row's version, a write at it would
-/// otherwise pass the guard on the row's balance (found in review).
+/// otherwise pass the guard on the row's balance.
 #[tokio::test]
 async fn on_postgres_a_conflict_below_the_row_stops_serving_rows() {
     let account = new_account();
@@ -442,8 +442,8 @@ async fn on_postgres_a_conflict_below_the_row_stops_serving_rows() {
 
 /// Rule (Postgres): the rows remember the store they were folded from, so a replica started
 /// after the store was replaced under them (which never saw the old store) serves none of
-/// them either (found black-box: such a replica answered 200 on the old rows, and a
-/// withdrawal took the store's balance below zero).
+/// them either (else such a replica would answer 200 on the old rows, and a
+/// withdrawal would take the store's balance below zero).
 #[tokio::test]
 async fn on_postgres_a_replica_started_on_a_replaced_store_serves_no_row() {
     let account = new_account();

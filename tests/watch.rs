@@ -1,4 +1,4 @@
-//! The watch streams (issue 16), black-box over HTTP: `GET /api/accounts/{id}/events` and
+//! The watch streams, black-box over HTTP: `GET /api/accounts/{id}/events` and
 //! `GET /api/watch/stream`. Ordering, resume without gap or duplicate, the typed trim
 //! event, limits, a slow subscriber's end, clean-up on disconnect and shutdown.
 //!
@@ -261,8 +261,8 @@ async fn bad_resume_points_are_refused_with_json_errors() {
     let t = spawn(test_config(&[]), None, None).await;
     let account = new_account();
     deposit_ok(&t, &account, 100).await;
-    // Not a number, or longer than the published pattern's 19 digits (found black-box:
-    // 2^64-1 was taken as a resume point).
+    // Not a number, or longer than the published pattern's 19 digits (else
+    // 2^64-1 would be taken as a resume point).
     for id in ["abc", "18446744073709551615", "00000000000000000001"] {
         let r = common::read(
             t.client
@@ -943,7 +943,7 @@ async fn a_stream_ends_with_an_expired_event_when_its_token_expires() {
 /// Rule: an account whose live reads keep failing (the replica cannot see it at all) ends
 /// its streams with `event: error` once they have failed for `READ_FAILURE_LIMIT` (10 s),
 /// rather than sending keep-alives that look like an idle account for as long as the outage
-/// lasts (found in review). Its clients resume with `Last-Event-ID`.
+/// lasts. Its clients resume with `Last-Event-ID`.
 #[tokio::test(start_paused = true)]
 async fn an_account_whose_reads_keep_failing_ends_its_streams_with_a_store_error() {
     let mem = Arc::new(MemoryLog::new());
@@ -1094,8 +1094,8 @@ impl tally::store::EventLog for BlockedReads {
 }
 
 /// Rule: the feed hands a commit over without waiting on its account's read, so an account
-/// whose reads hang holds up no other account's stream (found in review: the feed read each
-/// notified account in turn, and one lagging account stalled them all while the feed's
+/// whose reads hang holds up no other account's stream (reading each
+/// notified account in turn, one lagging account would stall them all while the feed's
 /// buffer grew).
 #[tokio::test]
 async fn an_account_whose_reads_hang_holds_up_no_other_accounts_stream() {
@@ -1172,8 +1172,8 @@ async fn an_account_whose_reads_hang_holds_up_no_other_accounts_stream() {
 /// Rule: a read that shows a version missing delivers nothing past the hole (every balance
 /// after it would be off), and a hole that never fills counts as reads failing: 10 s of it
 /// end the account's streams with a store error, never a stream gone quiet for good; also
-/// when only a resync's read to the tip finds it (a silent feed: found in review, the retry
-/// after the hole read nothing and counted nothing).
+/// when only a resync's read to the tip finds it (a silent feed otherwise: the retry
+/// after the hole would read nothing and count nothing).
 #[tokio::test(start_paused = true)]
 async fn a_hole_in_an_accounts_reads_is_never_skipped_and_ends_its_streams_if_it_stays() {
     for silent_feed in [false, true] {
@@ -1227,8 +1227,8 @@ async fn a_hole_that_stays(silent_feed: bool) {
 
 /// Rule: a notified version that a lagging read does not show yet is read again at once (a
 /// few times, 20 ms apart), also when a resync was asked for while the account's reader
-/// was busy and the two are read together (found in review: merged into the resync's one
-/// read to the tip, it waited 30 s for the next resync).
+/// was busy and the two are read together (merged into the resync's one
+/// read to the tip, it would otherwise wait 30 s for the next resync).
 #[tokio::test(start_paused = true)]
 async fn a_notified_version_a_lagging_read_misses_is_read_again_even_merged_with_a_resync() {
     for with_resync in [false, true] {

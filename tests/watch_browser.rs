@@ -1,4 +1,4 @@
-//! The console (issue 16) in a real browser: headless Debian Chromium driven over the
+//! The console in a real browser: headless Debian Chromium driven over the
 //! WebDriver protocol (`chromedriver`), with reqwest as the client.
 //!
 //! Two replicas share one embedded store in this process (two `App`s over one `MemoryLog`:

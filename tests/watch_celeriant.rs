@@ -1,4 +1,4 @@
-//! The watch over a real Celeriant (issue 16), when `CELERIANT_ADDRESS` names one: two
+//! The watch over a real Celeriant, when `CELERIANT_ADDRESS` names one: two
 //! replicas, each with its own connection pool and its own watch connection, over one
 //! server. A write through one appears on the other's stream; a resume reads the server.
 //! Skipped when the variable is unset, except under `CI=true`, where that fails.

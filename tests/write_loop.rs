@@ -128,7 +128,7 @@ struct Env {
     faulty: Arc<FaultyLog<MemoryLog>>,
     /// The scripted path a replica writes through.
     script: Arc<HookedLog<Latency>>,
-    /// With `TALLY_TEST_PROJECTION=postgres` (issue 14): the schema every replica of this
+    /// With `TALLY_TEST_PROJECTION=postgres`: the schema every replica of this
     /// fleet shares, created on the first replica's start.
     pg_url: tokio::sync::OnceCell<String>,
 }
@@ -673,7 +673,7 @@ async fn the_held_seq_catches_a_landed_write_that_the_index_cannot_answer() {
 /// That write may have landed; only the held sequence (2002 and the point read) can prove
 /// it whatever the index holds: the index keeps a landing only for its window, and a run
 /// (its deadline, a slow catch-up) can outlast that. Released, the sequence would be
-/// re-derived on the next attempt and the deposit written twice (found in review).
+/// re-derived on the next attempt and the deposit written twice.
 #[tokio::test(start_paused = true)]
 async fn a_conflict_never_releases_a_seq_whose_write_went_unanswered() {
     let env = Env::new();
@@ -973,8 +973,8 @@ impl Around for SlowReadAfterUnknown {
 /// Rule: no store write is sent after the write's deadline. A catch-up that outlasts it (the
 /// store slow after an unanswered write) ends the run with the retryable give-up; it does
 /// not go on to write once the client may already have been told to retry elsewhere, where
-/// a final answer could then be contradicted by this late write (found in review: the
-/// deadline was checked only at the top of an attempt).
+/// a final answer could then be contradicted by this late write (checking the
+/// deadline only at the top of an attempt is not enough).
 #[tokio::test(start_paused = true)]
 async fn no_write_is_sent_after_the_deadline_when_a_catch_up_outlasts_it() {
     let env = Env::new();
@@ -1423,7 +1423,7 @@ async fn refolding_an_evicted_account_after_the_window_does_not_revive_its_own_w
 // Keys, duplicates, rules
 // ---------------------------------------------------------------------------------------------
 
-/// Rule (issue 13, first touch): a deposit to an account this replica has never loaded is
+/// Rule (first touch): a deposit to an account this replica has never loaded is
 /// written at version 0 without reading first, so a brand-new account costs one store
 /// round trip. On an account that exists the version guard refuses it, the catch-up the
 /// first touch started beside the write gives the state, and the refusal is not counted as
@@ -1867,8 +1867,8 @@ fn own_client_write(
 }
 
 /// Rule: a batch folds whole or not at all, its recent-writes entries included: a batch
-/// whose second event cannot be decoded leaves no entry for its first (found in review:
-/// the entries were kept, counted against the index's cap and, on Postgres, persisted).
+/// whose second event cannot be decoded leaves no entry for its first (else
+/// the entries would be kept, counted against the index's cap and, on Postgres, persisted).
 #[tokio::test(start_paused = true)]
 async fn a_batch_that_does_not_fold_whole_leaves_no_index_entry() {
     let env = Env::new();

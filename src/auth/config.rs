@@ -4,7 +4,7 @@ use super::rate::{DEFAULT_BURST_PER_CALLER, DEFAULT_RATE_PER_CALLER};
 use super::{AuthMode, DEFAULT_AUDIENCE, DEFAULT_ISSUER, DEFAULT_LEEWAY_SECS, MAX_RATE_PER_CALLER};
 use clap::builder::RangedU64ValueParser;
 
-/// How to authenticate, and each caller's pace (issue 17). The rate limits are checked in
+/// How to authenticate, and each caller's pace. The rate limits are checked in
 /// range whatever `--auth`: a value no replica could use is a typo either way.
 #[derive(Clone, Debug, PartialEq, Eq, clap::Args)]
 #[command(next_help_heading = "Auth")]

@@ -197,7 +197,7 @@ struct Claims {
 }
 
 /// `accounts`, when present, is a list: `null` is refused like any other malformed value,
-/// never read as "no restriction" (found black-box: it granted every account).
+/// never read as "no restriction" (else it would grant every account).
 fn listed<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Vec<Uuid>>, D::Error> {
     Vec::<Uuid>::deserialize(d).map(Some)
 }
@@ -304,7 +304,7 @@ impl Authenticator {
                 ErrorKind::InvalidSignature => "bad signature",
                 ErrorKind::InvalidAlgorithm => "algorithm not allowed",
                 // The validator reads a claim it cannot parse (an `exp` past u64, or
-                // negative) as absent (found black-box: the message said only missing).
+                // negative) as absent (else the message would say only missing).
                 ErrorKind::MissingRequiredClaim(_) => MISSING_OR_MALFORMED_CLAIM,
                 _ => "malformed token",
             })

@@ -79,8 +79,8 @@ pub struct SyncRequest {
 }
 
 /// Reads `events` as JSON objects only: serde's derived reading of a struct also takes an
-/// array of its fields by position, which the contract does not allow (found black-box:
-/// `[[1,"deposit",5]]` was written as a deposit).
+/// array of its fields by position, which the contract does not allow (else
+/// `[[1,"deposit",5]]` would be written as a deposit).
 fn events_as_objects<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<SyncEvent>, D::Error> {
     use serde::de::Error;
     Vec::<serde_json::Map<String, serde_json::Value>>::deserialize(d)?

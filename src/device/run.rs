@@ -235,8 +235,8 @@ mod tests {
             refused(&request(vec![bad_id])),
             DeviceSyncError::InvalidEventId { index: 0, .. }
         ));
-        // One eventId on two events of a run (found black-box: both landed, and history
-        // showed it twice).
+        // One eventId on two events of a run (else both would land, and history
+        // would show it twice).
         let id = "7b0e9a52-4c1d-4a8e-9c57-2f1e6f3b9d10";
         let mut twice = vec![
             event(1, "deposit", 1),

@@ -444,7 +444,7 @@ impl DeviceSync {
     /// [`READ_BACK_WINDOW`] versions at a time, because that is where a resend after a lost
     /// answer finds its run, and because Celeriant serves recent versions from memory and
     /// older ones from disk (starting at version 1 made every page of a long account cost a
-    /// walk of the whole account there: Celeriant e7c6df9, session 10).
+    /// walk of the whole account there: Celeriant e7c6df9).
     ///
     /// A device that names the version its latest synced run landed at (`lastSyncedVersion`)
     /// has the versions above that one read first, from both ends in turn, starting right

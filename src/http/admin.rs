@@ -1,4 +1,4 @@
-//! `--admin-listen` (issue 17): `/metrics`, `/healthz` and `/readyz` on an address of their
+//! `--admin-listen`: `/metrics`, `/healthz` and `/readyz` on an address of their
 //! own, so scrapes can stay on an internal network while the API faces callers. Every
 //! other path is 404 here; the API listener then answers `/metrics` 404.
 
@@ -45,7 +45,7 @@ pub async fn serve_admin(app: Arc<App>, listener: TcpListener, shutdown: impl Fu
             _ = &mut shutdown => break,
         };
         // A client that pipelines probes and reads no answers would otherwise hold one of
-        // the few admin connections for as long as it likes (found in audit).
+        // the few admin connections for as long as it likes.
         let stall = WriteStall::new(
             app.config.http.write_stall(),
             app.metrics.http_write_stalls.clone(),

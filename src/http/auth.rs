@@ -1,4 +1,4 @@
-//! The edge check (issue 17): with `--auth jwt`, every API route needs a bearer token whose
+//! The edge check: with `--auth jwt`, every API route needs a bearer token whose
 //! scopes cover the route and whose accounts cover the account it names, and each caller is
 //! paced. Runs before the body is read and before anything is written: a refused request
 //! changes nothing. Probes, `/metrics` and `/openapi.json` stay open.

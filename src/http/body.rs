@@ -164,7 +164,7 @@ pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T,
 /// A body's data in one buffer, each frame copied in and dropped as it arrives. Not
 /// `collect()`: that keeps every frame, and hyper makes each chunk of a chunked body a frame
 /// holding a slice of its read buffer, so a 64 KiB body sent as 1-byte chunks held about
-/// 2.4 MiB (a 65,536-entry queue, and the wire bytes pinned; found in audit). The usual body,
+/// 2.4 MiB (a 65,536-entry queue, and the wire bytes pinned). The usual body,
 /// one frame, is returned as it is. `body` bounds the total (`Limited`), so this holds at
 /// most [`MAX_BODY_BYTES`].
 async fn read_capped<B>(body: B) -> Result<Bytes, B::Error>
@@ -205,10 +205,10 @@ pub fn decode_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         Ok(value) => Ok(value),
         // Whether the body is JSON at all decides 400 or 422, not the error's category: the
         // shape can fail before the parser reaches a syntax error further on, and a struct
-        // read from an array too long for it reports "trailing characters" (found black-box:
-        // `[5,6]` was a 400) although the array is well-formed.
+        // read from an array too long for it reports "trailing characters" (else
+        // `[5,6]` would be a 400) although the array is well-formed.
         // JSON text is UTF-8 (RFC 8259, 8.1); skipping a value does not check its strings
-        // (found black-box: an invalid byte in a key was a 422).
+        // (else an invalid byte in a key would be a 422).
         Err(e) if std::str::from_utf8(bytes).is_err() => Err(malformed(e)),
         Err(e) => match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
             Ok(_) if !is_object(bytes) => Err(not_an_object()),
@@ -279,7 +279,7 @@ mod tests {
         assert_eq!(status(br#"{}"#), 422);
         assert_eq!(status(br#"[7]"#), 422);
         assert_eq!(status(br#" [7] "#), 422);
-        // Found black-box: serde reports an array too long for the struct as "trailing
+        // serde reports an array too long for the struct as "trailing
         // characters", a syntax category, though the array is well-formed JSON.
         assert_eq!(status(br#"[5,6]"#), 422);
         assert_eq!(status(br#"[]"#), 422);

@@ -59,7 +59,7 @@ pub const MAX_CONNECTIONS: usize = 1 << 20;
 /// The longest `--shutdown-grace-secs` accepted (an hour).
 pub const MAX_SHUTDOWN_GRACE_SECS: u64 = 3_600;
 
-/// Where the HTTP edge listens and its limits (admission at the edge: issue 13). The gate's
+/// Where the HTTP edge listens and its limits (admission at the edge). The gate's
 /// floor and ceiling are hidden from `--help`: they are for measuring the design
 /// (BENCHMARKS.md, "Flags for measuring the design").
 #[derive(Clone, Debug, clap::Args)]

@@ -18,7 +18,7 @@ use crate::device::protocol::{SyncRequest, SyncStatus};
 use crate::metrics::device_outcome;
 
 pub async fn sync(app: &Arc<App>, device: Uuid, req: Request<Incoming>) -> Result<Resp, ApiError> {
-    // Issue 17: a token that lists accounts may sync only runs of those.
+    // A token that lists accounts may sync only runs of those.
     let caller = req.extensions().get::<Caller>().cloned();
     let body: SyncRequest = read_json(req).await?;
     if let Ok(account) = Uuid::try_parse(&body.account_id) {

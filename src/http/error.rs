@@ -81,7 +81,7 @@ pub enum ApiError {
     /// A bug, a poisoned stream, or a configuration the operator must fix.
     #[error("{message}")]
     Internal { code: &'static str, message: String },
-    /// 401 (issue 17): no bearer token (`UNAUTHORIZED`) or one that was refused
+    /// 401: no bearer token (`UNAUTHORIZED`) or one that was refused
     /// (`INVALID_TOKEN`, with a fixed reason, never the token). Nothing was read or written.
     #[error("{message}")]
     Unauthorized {
@@ -90,7 +90,7 @@ pub enum ApiError {
         /// The fixed reason a token was refused, for `WWW-Authenticate`.
         reason: Option<&'static str>,
     },
-    /// 403 (issue 17): the token is valid but does not grant this (`INSUFFICIENT_SCOPE`,
+    /// 403: the token is valid but does not grant this (`INSUFFICIENT_SCOPE`,
     /// naming the scope, or `FORBIDDEN` for an account or device it does not cover).
     #[error("{message}")]
     Forbidden {
@@ -98,7 +98,7 @@ pub enum ApiError {
         message: String,
         scope: Option<&'static str>,
     },
-    /// 429 (issue 17): the caller is over its rate limit; retry after the seconds given.
+    /// 429: the caller is over its rate limit; retry after the seconds given.
     #[error("too many requests from this caller; retry after {retry_after_secs} s")]
     RateLimited { retry_after_secs: u64 },
 }
@@ -544,7 +544,7 @@ mod tests {
     }
 
     /// Rule: a device sync told to resend names why in `error` (the contract's `SYNC_*`
-    /// codes), not only in the message. Found black-box: every one read `SERVICE_UNAVAILABLE`.
+    /// codes), not only in the message. Else every one would read `SERVICE_UNAVAILABLE`.
     #[test]
     fn a_device_retry_carries_its_own_code() {
         let e = ApiError::from(DeviceSyncError::Retry {

@@ -6,7 +6,7 @@
 //! random UUID) and sent back, so the caller can still retry safely. A key is never
 //! silently replaced.
 //!
-//! Keys belong to their caller (issue 17). With authentication on, the event id is UUIDv5,
+//! Keys belong to their caller. With authentication on, the event id is UUIDv5,
 //! in [`CALLER_KEY_NAMESPACE`], of the caller (`sub`, length-prefixed) and the key (a UUID
 //! key too): the same key from two callers names two events, and a guessed key never
 //! replays someone else's response. With authentication off there is no caller and the

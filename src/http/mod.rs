@@ -61,15 +61,15 @@ fn http1_builder(config: &crate::config::Config) -> http1::Builder {
         // A client may close its sending side once its request is sent and wait for the
         // answer (RFC 9112, 9.6); without this hyper took the end of input for an abort and
         // closed the connection unanswered, even while the request's write went on and
-        // landed (found black-box).
+        // landed.
         .half_close(true)
         // hyper refuses a head longer than this and closes the connection (without it, only
         // its ~400 KB read-buffer limit applies); more than 100 headers too, hyper's default.
         // Its empty 431 is answered in the API's shape by `head::HeadGuard`.
         .max_header_size(config.http.max_header_bytes)
         // The read buffer's cap: without it hyper grows a connection's buffer to ~400 KB
-        // while its client keeps pipelined requests waiting, and never shrinks it (found in
-        // audit: 4,096 such connections, 1.6 GB). A head must fit, and hyper's own floor.
+        // while its client keeps pipelined requests waiting, and never shrinks it (else
+        // 4,096 such connections could hold 1.6 GB). A head must fit, and hyper's own floor.
         // hyper applies the same cap to what it buffers of pipelined answers before writing.
         .max_buf_size(config.http.max_header_bytes.max(MIN_READ_BUFFER_BYTES));
     builder
@@ -158,7 +158,7 @@ pub(crate) fn at_most_one<K: hyper::header::AsHeaderName>(
 }
 
 /// RFC 9112, 3.2: an HTTP/1.1 request names its host, and no request names two; a server
-/// must answer either with 400 (found black-box: both were served).
+/// must answer either with 400 (else both would be served).
 fn check_host(req: &Request<Incoming>) -> Result<(), ApiError> {
     let several = || ApiError::bad_request("BAD_REQUEST", "send one Host header, not several");
     let host = at_most_one(req.headers(), hyper::header::HOST).map_err(|_| several())?;
@@ -167,7 +167,7 @@ fn check_host(req: &Request<Incoming>) -> Result<(), ApiError> {
         return Err(several());
     }
     // The field is `uri-host [":" port]` (RFC 9110, 7.2; an http URI's host is never empty):
-    // no user, no path, no spaces (found black-box: `Host: a b/c@d` was served).
+    // no user, no path, no spaces (else `Host: a b/c@d` would be served).
     if host.is_some_and(|h| !is_host_and_port(h.as_bytes())) {
         return Err(ApiError::bad_request(
             "BAD_REQUEST",
@@ -184,8 +184,8 @@ fn check_host(req: &Request<Incoming>) -> Result<(), ApiError> {
 }
 
 /// Whether `value` is `uri-host [":" port]` (RFC 9110, 7.2): an authority without a user, a
-/// host that is not empty, and a port, if any, of 1 to 5 digits within 0..=65535 (found
-/// black-box: `:80`, `host:abc` and `[::1]x` were served).
+/// host that is not empty, and a port, if any, of 1 to 5 digits within 0..=65535 (else
+/// `:80`, `host:abc` and `[::1]x` would be served).
 fn is_host_and_port(value: &[u8]) -> bool {
     if value.contains(&b'@') || hyper::http::uri::Authority::try_from(value).is_err() {
         return false;
@@ -259,13 +259,13 @@ async fn handle(
             check_host(&req)?;
         }
         let route = routed?;
-        // Issue 17: with --admin-listen, /metrics is served there only.
+        // With --admin-listen, /metrics is served there only.
         if route == Route::Metrics && app.config.admin_listen.is_some() {
             return Err(ApiError::NotFound {
                 path: route.template().into(),
             });
         }
-        // Issue 17: who is calling, before anything else is looked at; the handlers find
+        // Who is calling, before anything else is looked at; the handlers find
         // the caller (for its own idempotency keys and body accounts) on the request.
         if let Some(caller) = auth::check(&app, &route, req.headers())? {
             req.extensions_mut().insert(caller);
@@ -325,7 +325,7 @@ async fn handle(
     resp
 }
 
-/// Event streams (issue 16) answer a body that never ends by itself; every other route a
+/// Event streams answer a body that never ends by itself; every other route a
 /// whole one. The deadline covers opening a stream, not the stream.
 async fn serve_route(
     app: &Arc<App>,
@@ -346,8 +346,8 @@ fn request_deadline(app: &App) -> Duration {
 /// A route's backstop. A device sync's store write runs to the store's own request timeout
 /// (it has no write deadline of its own), then a resent run's read-back takes up to
 /// `READ_BACK_BUDGET`: its backstop covers both, so a slow store answers the documented
-/// `SYNC_UNVERIFIED`, never the backstop's generic 503 (found in review: with a short
-/// `--write-deadline-ms` the backstop came first).
+/// `SYNC_UNVERIFIED`, never the backstop's generic 503 (else with a short
+/// `--write-deadline-ms` the backstop would come first).
 fn route_deadline(app: &App, route: &Route) -> Duration {
     match route {
         Route::DeviceSync(_) => {

@@ -28,9 +28,9 @@ pub enum Route {
     Transfers,
     /// A device's run of offline events; the device id is parsed by the device layer.
     DeviceSync(Uuid),
-    /// The API contract, `docs/openapi.json` (issue 17).
+    /// The API contract, `docs/openapi.json`.
     OpenApi,
-    // Console and watch stream (issue 16).
+    // Console and watch stream.
     Console,
     AccountEvents(AccountId),
     WatchStream,
@@ -261,7 +261,7 @@ pub async fn dispatch(
     if route.refuses_query() && req.uri().query().is_some_and(names_a_parameter) {
         // A write never silently ignores a parameter it does not know (`?dryRun=true`
         // must not move money), as reads refuse theirs. A query of separators alone
-        // (`?&`) names none, on a write as on a read (found black-box: 200 and 400).
+        // (`?&`) names none, on a write as on a read (else 200 and 400).
         return Err(ApiError::bad_request(
             "BAD_QUERY",
             format!("{} takes no query parameters", route.template()),
@@ -379,7 +379,7 @@ mod tests {
                 "/api/devices/{id}/sync",
             ),
         ] {
-            // Named with its route, which counts it (found black-box: under `unmatched`).
+            // Named with its route, which counts it (else under `unmatched`).
             assert_eq!(
                 Route::resolve(&method, path),
                 Err(ApiError::MethodNotAllowed { allow, route }),

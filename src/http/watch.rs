@@ -1,4 +1,4 @@
-//! The watch routes (issue 16), as server-sent events:
+//! The watch routes, as server-sent events:
 //!
 //! - `GET /api/accounts/{id}/events`: every committed event of the account as it lands, from
 //!   any writer on any replica. Each event is `event: <type>` (`Deposited`, `Withdrawn`,
@@ -65,8 +65,8 @@ pub async fn account_events(
 }
 
 /// The last version a resumed stream's client holds. A stream that falls behind before it
-/// sent anything still says where to resume: where it was asked to (found in review: it
-/// said `null`, and a client that followed it reconnected from now, past what it had not
+/// sent anything still says where to resume: where it was asked to (else it
+/// would say `null`, and a client that followed it would reconnect from now, past what it had not
 /// been sent).
 fn resumed_after(resume: Resume) -> Option<u64> {
     match resume {
@@ -104,7 +104,7 @@ fn resume_point(req: &Request<Incoming>) -> Result<Resume, ApiError> {
             .ok()
             .map(str::trim)
             // The published pattern: 1 to 19 digits. A longer number names no version a
-            // stream sent (found black-box: 2^64-1 was read as a resume point, +1 saturating).
+            // stream sent (else 2^64-1 would be read as a resume point, +1 saturating).
             .filter(|s| (1..=MAX_EVENT_ID_DIGITS).contains(&s.len()))
             .filter(|s| s.bytes().all(|b| b.is_ascii_digit()))
             .and_then(|s| s.parse::<u64>().ok())

@@ -146,15 +146,15 @@ pub async fn transfer(app: &Arc<App>, req: Request<Incoming>) -> Result<Resp, Ap
 /// The `Idempotency-Window` of an answer: the window in seconds on a 2xx or a rule's refusal
 /// (`rule_refusal`: a 422, or with explicit accounts a 404 or 409 of its own code).
 /// Any other answer may be told to retry long after what was written under the key landed
-/// (found black-box: a retry 89.7 s after a 409 that said 90 wrote again): there it is how
+/// (else a retry 89.7 s after a 409 that said 90 would write again): there it is how
 /// long from now a retry can be sent and still find that landing, rounded down. `since` is
 /// how long ago the landing can have been: since this attempt arrived, or, for a duplicate
 /// coalesced onto one already running, since that one did, whether or not it answered in
-/// time ([`AnsweringAttempt`]; found in review: a fixed write's life for it took that life
-/// off every answer, and fell short of a first attempt that ran on past it). `lookup`
+/// time ([`AnsweringAttempt`]; a fixed write's life for it would take that life
+/// off every answer, and fall short of a first attempt that ran on past it). `lookup`
 /// is how long after it is sent a retry may still look for it
-/// ([`crate::config::Config::retry_lookup_room`]; found black-box: a retry sent inside the
-/// stated time looked only after its own catch-up, and found the entry expired).
+/// ([`crate::config::Config::retry_lookup_room`]; else a retry sent inside the
+/// stated time would look only after its own catch-up, and find the entry expired).
 fn window_header(
     status: StatusCode,
     rule_refusal: bool,
@@ -190,7 +190,7 @@ where
     // Before anything of this attempt can land: what it writes is remembered from its
     // landing, so at least from here.
     let started = std::time::Instant::now();
-    // Issue 17: with authentication on, keys belong to their caller, and a body account
+    // With authentication on, keys belong to their caller, and a body account
     // (the source of `/api/transfers`) is checked before anything is written.
     let caller = req.extensions().get::<Caller>().cloned();
     let key = IdempotencyKey::from_headers(req.headers(), caller.as_ref().map(|c| c.id.as_str()))?;

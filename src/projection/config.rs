@@ -13,7 +13,7 @@ pub const MAX_RESIDENT_ACCOUNTS: usize = 100_000_000;
 pub const MAX_INDEX_ENTRIES: usize = 100_000_000;
 /// The longest `--idle-timeout-secs` accepted (a week).
 pub const MAX_IDLE_TIMEOUT_SECS: u64 = 7 * 86_400;
-/// Where the projection lives (issue 14). One setting for cursor and index together: the
+/// Where the projection lives. One setting for cursor and index together: the
 /// half-shared configuration (a shared cursor with a per-replica index) double-writes, so
 /// it cannot be configured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -22,13 +22,13 @@ pub enum ProjectionKind {
     Postgres,
 }
 
-/// The most connections one replica's Postgres pool may hold (issue 14).
+/// The most connections one replica's Postgres pool may hold.
 pub const MAX_POSTGRES_POOL_SIZE: usize = 1024;
 /// The longest `--postgres-statement-timeout-ms` accepted (ten minutes; Postgres itself
 /// refuses a `statement_timeout` past 2^31 - 1 ms, and the replica would never get ready).
 pub const MAX_POSTGRES_STATEMENT_TIMEOUT_MS: u64 = 600_000;
 
-/// The projection's flags (the Postgres ones: issue 14).
+/// The projection's flags (the Postgres ones).
 #[derive(Clone, Debug, clap::Args)]
 #[command(next_help_heading = "Projection")]
 pub struct ProjectionFlags {

@@ -74,7 +74,7 @@ pub struct ProjectionConfig {
     pub idle_timeout: Duration,
     /// See [`DEFAULT_MAX_INDEX_ENTRIES`] and [`Projection::check_index_room`].
     pub max_index_entries: usize,
-    /// Scan on miss (issue 14): how far back in server time a request the index misses is
+    /// Scan on miss: how far back in server time a request the index misses is
     /// looked for in the account's own batches. `None`: off. See [`Projection::scan_for`].
     pub scan_window: Option<Duration>,
 }

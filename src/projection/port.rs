@@ -210,7 +210,7 @@ impl Projection {
                 match pg.record(&rows, expires).await {
                     Ok(behind) => {
                         // The row stood below the version this write expected: the database
-                        // lost a commit the copy had counted on (found in review: asynchronous
+                        // lost a commit the copy had counted on (asynchronous
                         // commit, a crash or a failover), or two statements raced. The copy
                         // goes, and the caller catches the row up.
                         self.metrics

@@ -2,8 +2,8 @@
 //! store that keeps what it acknowledged never does; one restored from a backup or replaced
 //! by an empty one under running replicas does, and then a fold ahead of it is worse than
 //! stale: once other writers take the stream back up to the fold's version, a write at that
-//! version passes the guard against a balance the store does not have (found black-box:
-//! a withdrawal answered 200 that took the store's balance below zero).
+//! version passes the guard against a balance the store does not have (else
+//! a withdrawal could answer 200 and take the store's balance below zero).
 //!
 //! What is seen, and where: a version conflict whose current version is below the one the
 //! write expected (per account, at once); and, at every server-clock anchor (the whole

@@ -1,4 +1,4 @@
-//! Scan on miss (issue 14), opt-in: the guide's last resort for a retry older than the
+//! Scan on miss, opt-in: the guide's last resort for a retry older than the
 //! recent-writes window. When the index misses a request, the account's newest versions up
 //! to the state it was given are read, window by window from the top, and the request's event
 //! id looked for among this service's batches committed after the newest server time this
@@ -7,7 +7,7 @@
 //!
 //! Every window is read unfiltered and proven whole (`store::read_whole`): a filtered read cannot
 //! tell a batch it dropped from one a replica behind the tip never showed, and a miss drawn
-//! from such a read wrote the request again (found black-box under `read-lag` faults).
+//! from such a read wrote the request again (under `read-lag` faults).
 //! Nothing above the state is read: a write decided on a miss expects the state's version,
 //! so anything above it bounces that write, and the next attempt scans the newer state.
 //!

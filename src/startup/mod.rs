@@ -40,7 +40,7 @@ pub const STEP_RETRY_MAX: Duration = Duration::from_secs(1);
 pub const FIRST_ATTEMPTS_WAIT: Duration = Duration::from_secs(2);
 /// The name of the server-clock step, in `/readyz` and the metrics' `step` label.
 pub const SERVER_CLOCK_STEP: &str = "serverClock";
-/// The name of the Postgres projection's migration step (issue 14).
+/// The name of the Postgres projection's migration step.
 pub const MIGRATIONS_STEP: &str = "postgresMigrations";
 
 /// The name of a demo account's seed step: `seed:<name>`, from the fixed demo list.
@@ -152,7 +152,7 @@ impl Drop for Startup {
 /// One piece of start-up work.
 enum Step {
     ServerClock,
-    /// The Postgres projection's migrations (issue 14): nothing is served before its tables
+    /// The Postgres projection's migrations: nothing is served before its tables
     /// exist.
     Migrations,
     Seed(DemoSeed),

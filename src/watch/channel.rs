@@ -27,7 +27,7 @@ const ADVANCE_BACKOFF: Duration = Duration::from_millis(20);
 /// How long an account's reads may keep failing (retried every [`FAILED_READ_RETRY`])
 /// before its streams end with `event: error` (clients resume with `Last-Event-ID`): a
 /// stream that only sent keep-alives would look idle to a client while the replica cannot
-/// see the account at all (found in review).
+/// see the account at all.
 pub(super) const READ_FAILURE_LIMIT: Duration = Duration::from_secs(10);
 /// How soon a channel's reader reads again after a read failed, at most (see
 /// [`retry_pause`]).

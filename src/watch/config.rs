@@ -32,7 +32,7 @@ pub const COUNT_RANGE: std::ops::RangeInclusive<usize> = 1..=1_000_000;
 /// The accepted range of `--watch-keepalive-secs`.
 pub const KEEPALIVE_RANGE: std::ops::RangeInclusive<u64> = 1..=300;
 
-/// The watch's flags (issue 16).
+/// The watch's flags.
 #[derive(Clone, Debug, clap::Args)]
 #[command(next_help_heading = "Watch")]
 pub struct WatchConfig {

@@ -239,7 +239,7 @@ pub struct Hub {
 
 /// Store reads the hub runs at once for notified accounts: the feed hands each commit over
 /// without waiting on a read, so one account whose reads lag holds up no other, and what
-/// the feed buffers stays small (found in review: it read each account in turn).
+/// the feed buffers stays small (else it would read each account in turn).
 pub const MAX_NOTIFIED_READS: usize = 32;
 
 /// A subscription: the items to send, in order, ending with [`Item::End`] or when the

@@ -149,7 +149,7 @@ async fn a_query_on_a_write_is_400_and_changes_nothing() {
 async fn unknown_routes_are_404_json() {
     let t = spawn_default().await;
     let account = new_account();
-    // `/` is the console (issue 16).
+    // `/` is the console.
     for path in [
         "/nope".to_string(),
         "/api".to_string(),

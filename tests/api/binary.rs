@@ -38,7 +38,7 @@ const HEADINGS: [&str; 10] = [
 
 /// Every flag `--help` shows, each settable from the environment.
 const FLAGS: [&str; 54] = [
-    // Authentication, rate limits and the admin listener (issue 17).
+    // Authentication, rate limits and the admin listener.
     "auth",
     "auth-secret-file",
     "auth-jwks-file",
@@ -82,13 +82,13 @@ const FLAGS: [&str; 54] = [
     "celeriant-tls-key",
     "celeriant-tls-server-name",
     "celeriant-api-key",
-    // Watch stream (issue 16).
+    // Watch stream.
     "watch-max-subscribers",
     "watch-max-per-account",
     "watch-buffer",
     "watch-max-replay",
     "watch-keepalive-secs",
-    // The Postgres projection (issue 14).
+    // The Postgres projection.
     "projection",
     "postgres-url",
     "postgres-pool-size",
@@ -286,7 +286,7 @@ fn binary_help_lists_every_flag_with_its_env_name() {
             "celeriant-address" | "celeriant-seeds" | "celeriant-api-key" => {
                 name.replace('-', "_").to_uppercase()
             }
-            // The name every Postgres tool and platform uses (issue 14).
+            // The name every Postgres tool and platform uses.
             "postgres-url" => "DATABASE_URL".into(),
             _ => format!("TALLY_{}", name.replace('-', "_").to_uppercase()),
         };
@@ -457,8 +457,8 @@ async fn binary_drains_an_in_flight_request_on_sigterm_and_exits_0() {
 }
 
 /// Rule: a replica that stood still (SIGSTOP) refuses, retryably and without writing, the
-/// write that waited unread in its socket meanwhile (found black-box: a replica paused past
-/// the idempotency window wrote such a request again after its retry had landed elsewhere).
+/// write that waited unread in its socket meanwhile (else a replica paused past
+/// the idempotency window would write such a request again after its retry had landed elsewhere).
 /// The pause is the fault under test, not a wait for a signal: the process must stand still
 /// past the stall threshold.
 #[tokio::test]
@@ -504,8 +504,8 @@ async fn binary_refuses_a_write_that_waited_unread_while_it_was_stopped() {
 }
 
 /// Rule: a window too short for any retry after a 409 to be known safe (no longer than two
-/// write lives plus the stall threshold) is allowed, and said at start (found black-box: a
-/// 3 s window with a 1.9 s deadline wrote late requests again; its 409s say 0).
+/// write lives plus the stall threshold) is allowed, and said at start (a
+/// 3 s window with a 1.9 s deadline writes late requests again; its 409s say 0).
 #[tokio::test]
 async fn binary_warns_at_start_of_a_window_that_leaves_a_retry_no_safe_time() {
     let mut server =
@@ -529,7 +529,7 @@ async fn binary_warns_at_start_of_a_window_that_leaves_a_retry_no_safe_time() {
 
 /// Rule: a store that holds every call at boot does not keep the replica from listening:
 /// it answers `/healthz`, and `/readyz` says what it waits for, while its start-up steps'
-/// first attempts are still held (found black-box: it listened only after they returned).
+/// first attempts are still held (else it would listen only after they returned).
 #[tokio::test]
 async fn binary_listens_not_ready_while_its_start_up_writes_are_held() {
     // `Server::start` waits (bounded) for the listening line, which came only after the
@@ -572,7 +572,7 @@ async fn assert_live_and_starting(server: &Server) {
 }
 
 /// Rule: a Celeriant that accepts connections and never answers does not keep the replica
-/// from listening either (found black-box: the boot ping held it for two request timeouts).
+/// from listening either (else the boot ping would hold it for two request timeouts).
 #[tokio::test]
 async fn binary_listens_not_ready_while_celeriant_accepts_but_never_answers() {
     let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("a local port");

@@ -461,8 +461,8 @@ async fn history_of_a_trimmed_stream_starts_at_the_first_available_version() {
     assert_eq!(r.body["events"].as_array().unwrap().len(), 1);
     assert_eq!(r.body["events"][0]["aggregateVersion"], 3);
     // A fresh replica can list what is left. On the memory projection it cannot derive a
-    // balance; on Postgres it shares the row folded before the trim, so it can (issue 14:
-    // replicas restart warm).
+    // balance; on Postgres it shares the row folded before the trim, so it can
+    // (replicas restart warm).
     let b = spawn(test_config(&[]), Some(store.clone()), None).await;
     let r = b.get(&format!("/api/accounts/{account}/history")).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
@@ -600,7 +600,7 @@ async fn a_concurrent_request_reusing_an_in_flight_key_with_another_amount_is_re
 
 /// Rule: requests under one key whose first is refused are each decided on their own; a
 /// race of many (each a different amount, each refused) ends in a refusal for every one.
-/// Found black-box: a follower re-ran while the refused first's entry was still in the map,
+/// Else a follower would re-run while the refused first's entry was still in the map,
 /// followed it again at once, and recursed until the stack overflowed and the process died.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_race_of_refused_requests_under_one_key_refuses_each() {

@@ -60,7 +60,7 @@ pub fn test_config(extra: &[&str]) -> Config {
         "false",
     ];
     args.extend_from_slice(extra);
-    // Issue 17: the suites run with authentication on when asked (and when the test does
+    // The suites run with authentication on when asked (and when the test does
     // not configure authentication itself).
     if test_auth::on() && !extra.contains(&"--auth") {
         args.extend(test_auth::flags(&test_auth::secret_file()));
@@ -68,7 +68,7 @@ pub fn test_config(extra: &[&str]) -> Config {
     Config::parse_from(args)
 }
 
-/// Issue 17: `TALLY_TEST_AUTH=jwt` runs every suite built on this harness (the fleet and
+/// `TALLY_TEST_AUTH=jwt` runs every suite built on this harness (the fleet and
 /// simulation suites among them) with `--auth jwt`: each replica checks an HS256 token, and
 /// each harness client sends one granting every account scope (as caller `harness`), with
 /// rate limits off so the suites' bursts are not paced.
@@ -166,7 +166,7 @@ pub async fn spawn(
     store: Option<SharedLog>,
     clock: Option<Arc<dyn Clock>>,
 ) -> TestApp {
-    // The suites on the Postgres projection (issue 14): TALLY_TEST_PROJECTION=postgres puts
+    // The suites on the Postgres projection: TALLY_TEST_PROJECTION=postgres puts
     // every instance a test did not place itself on the test cluster: instances over one
     // store share one schema, like a fleet shares its database.
     let mut config = config;
@@ -197,7 +197,7 @@ pub async fn spawn(
         let _ = rx.await;
     }));
     TestApp {
-        // Issue 17: with the harness's authentication on, its client sends a token.
+        // With the harness's authentication on, its client sends a token.
         client: if test_auth::on()
             && app.config.auth.secret_file.as_deref()
                 == Some(std::path::Path::new(&test_auth::secret_file()))

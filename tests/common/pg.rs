@@ -1,4 +1,4 @@
-//! The Postgres projection in tests (issue 14): a fresh schema per test in the throwaway
+//! The Postgres projection in tests: a fresh schema per test in the throwaway
 //! cluster that `scripts/with-postgres.sh` starts (it exports `TALLY_TEST_POSTGRES_URL`).
 //!
 //! Without that variable the Postgres tests are skipped, except under `CI=true`, where a

@@ -1,4 +1,4 @@
-//! A server-sent-events client for the watch suites (issue 16): opens a stream and yields
+//! A server-sent-events client for the watch suites: opens a stream and yields
 //! its events and comments one at a time, each within a bound.
 
 use std::time::Duration;

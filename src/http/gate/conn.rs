@@ -13,8 +13,8 @@
 //!    briefly or sheds it with 503 and `Retry-After`: a client is told, never left hanging.
 //!    hyper's head-read timer runs from when the connection went idle, not from when the
 //!    request arrived, so a request that arrives too late in its connection's idle time to
-//!    wait the full time is read at once without a slot, as if its wait had run out (found
-//!    in audit: one arriving after 9.7 s of idleness was cut off unanswered).
+//!    wait the full time is read at once without a slot, as if its wait had run out (else
+//!    one arriving after 9.7 s of idleness would be cut off unanswered).
 //! 3. A probe or scrape (`GET /healthz`, `/readyz`, `/metrics`) never waits: it is seen in
 //!    the socket without being read, and let through. A replica at its limit still answers
 //!    its load balancer and its monitoring. Nor does a connection its client closed.

@@ -98,7 +98,7 @@ pub(super) fn window(filter: &ReadFilter) -> Window {
 /// ones, and for the others it serves a window from its memory of recent writes only when
 /// the window's first version passes, else it walks the account's chain back from its
 /// newest write on disk. A filtered read of 512 versions on a 3,000-version account cost
-/// about a second there (Celeriant e7c6df9, session 10), the same read unfiltered a few ms.
+/// about a second there (Celeriant e7c6df9), the same read unfiltered a few ms.
 pub(super) fn server_filters(w: Window) -> ReadFilters {
     ReadFilters::new(w.from).to_aggregate_version(w.to)
 }
