@@ -42,7 +42,7 @@ pub enum LogFormat {
     name = "tally",
     version,
     about,
-    after_help = "Development tokens: `tally token --help` (issue 17)."
+    after_help = "Development tokens: `tally token --help`."
 )]
 pub struct Config {
     /// Where clients reach this replica, and how much it takes on at once.
