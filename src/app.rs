@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 use crate::account::{AccountId, Identity};
 use crate::auth::Authenticator;
 use crate::config::{Config, ConfigError, DEMO_ACCOUNTS, demo_account_id};
-use crate::device::server::DeviceSync;
+use crate::device::ingest::DeviceSync;
 use crate::metrics::Metrics;
 use crate::projection::{Clock, MonotonicClock, PgProjection, Projection};
 use crate::reader::AccountReader;

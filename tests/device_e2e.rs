@@ -18,6 +18,12 @@
 //! and serve lagging reads. The seed is fixed and printed; `TALLY_E2E_SEED` overrides it to
 //! reproduce or explore. Both processes are real, so thread scheduling still varies a little
 //! between runs: the assertions hold for any interleaving.
+//!
+//! `tally-device` is a package of its own in this workspace (`crates/tally-device`), so cargo
+//! gives this suite no `CARGO_BIN_EXE_` for it: the binary is taken from beside `tally`
+//! ([`device_bin`]). `cargo test --workspace` builds both before any test runs; run alone,
+//! this suite needs `cargo build --locked -p tally-device` first, and refuses a missing or
+//! stale binary rather than test an old device.
 
 mod common;
 
@@ -26,6 +32,7 @@ use common::test_dir::TestDir;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -37,11 +44,11 @@ use serde_json::{Value, json};
 use tally::account::{AccountEvent, AccountId, AmountCents, Operation};
 use tally::config::{DEMO_ACCOUNTS, demo_account_id};
 use tally::device::DeviceId;
-use tally::device::server::{RunEvent, store_event_id};
+use tally::device::ingest::store_event_id;
+use tally::device::run::RunEvent;
 use uuid::Uuid;
 
 const TALLY: &str = env!("CARGO_BIN_EXE_tally");
-const DEVICE: &str = env!("CARGO_BIN_EXE_tally-device");
 /// The store faults; the seed is appended per test.
 const FAULTS: &str = "lost-ack=0.2,lost-request=0.1,refused=0.1,inflight=0.1,read-lag=0.2";
 /// The seed used unless `TALLY_E2E_SEED` names another.
@@ -69,6 +76,56 @@ const HISTORY_PAGE: u64 = 2;
 const MAX_HISTORY_PAGES: usize = 500;
 /// Log lines of the replica shown when a test fails.
 const LOG_TAIL_LINES: usize = 30;
+
+/// The `tally-device` binary beside `tally` in the same target directory. Refused when it is
+/// missing, or older than a source it is built from (the device crate's, or the `tally`
+/// library's): the suite would otherwise test an old device against a new server.
+fn device_bin() -> PathBuf {
+    let bin =
+        Path::new(TALLY).with_file_name(format!("tally-device{}", std::env::consts::EXE_SUFFIX));
+    let build =
+        "build it with `cargo build --locked -p tally-device` (or run `cargo test --workspace`)";
+    let built = std::fs::metadata(&bin)
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|e| panic!("no tally-device binary at {}: {e}; {build}", bin.display()));
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut newest = None;
+    newest_source(&root.join("crates/tally-device/src"), &mut newest);
+    newest_source(&root.join("src"), &mut newest);
+    if let Some((changed, path)) = newest
+        && changed > built
+    {
+        panic!(
+            "{} is older than {}: {build}",
+            bin.display(),
+            path.display()
+        );
+    }
+    bin
+}
+
+/// The most recently modified `.rs` file under `dir`, leaving out the sources of the `tally`
+/// package's own binaries (`src/main.rs`, `src/bin/`), which `tally-device` does not link.
+fn newest_source(dir: &Path, newest: &mut Option<(std::time::SystemTime, PathBuf)>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let tally_src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path == tally_src.join("main.rs") || path == tally_src.join("bin") {
+            continue;
+        }
+        if path.is_dir() {
+            newest_source(&path, newest);
+        } else if path.extension().is_some_and(|e| e == "rs")
+            && let Ok(changed) = entry.metadata().and_then(|m| m.modified())
+            && newest.as_ref().is_none_or(|(t, _)| changed > *t)
+        {
+            *newest = Some((changed, path));
+        }
+    }
+}
 
 fn seed(offset: u64) -> u64 {
     let base = std::env::var("TALLY_E2E_SEED")
@@ -366,7 +423,7 @@ impl Device {
     }
 
     async fn run(&self, args: &[&str]) -> Output {
-        tokio::process::Command::new(DEVICE)
+        tokio::process::Command::new(device_bin())
             .arg("--outbox")
             .arg(self.dir.join("outbox.sqlite"))
             .args(args)

@@ -8,10 +8,9 @@ use std::sync::Arc;
 use common::windowed_log::{CELERIANT_WINDOW, WindowedLog, one_deposit};
 use tally::account::{AccountEvent, AccountId, Identity};
 use tally::device::DeviceId;
+use tally::device::error::{DeviceSyncError, RetryReason};
+use tally::device::ingest::{DeviceSync, MAX_RUN_READ_PAGES, store_event_id};
 use tally::device::protocol::{SyncEvent, SyncRequest, SyncStatus};
-use tally::device::server::{
-    DeviceSync, DeviceSyncError, MAX_RUN_READ_PAGES, RetryReason, store_event_id,
-};
 use tally::metrics::Metrics;
 use tally::projection::{ManualClock, Projection, ProjectionConfig};
 use tally::store::faults::{Fault, FaultConfig, FaultyLog};
@@ -184,8 +183,7 @@ async fn device_event_ids_are_stable_and_namespaced_per_device() {
         .map(|e| e.event_id.unwrap())
         .collect();
     let validated =
-        tally::device::server::DeviceRun::from_request(&req, tally::device::MAX_RUN_EVENTS)
-            .unwrap();
+        tally::device::run::DeviceRun::from_request(&req, tally::device::MAX_RUN_EVENTS).unwrap();
     let expected: Vec<u128> = validated
         .events()
         .iter()

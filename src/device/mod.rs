@@ -8,26 +8,26 @@
 //! (account, device) high-water mark in the store then deduplicates forever: there is no
 //! window to fall out of, because the dedup state is the device's own outbox.
 //!
-//! - [`protocol`]: the JSON shapes of `POST /api/devices/{deviceId}/sync`;
+//! This module is what the service needs, and what both sides share:
+//! - [`protocol`]: the JSON shapes of `POST /api/devices/{deviceId}/sync` (both sides);
+//! - [`DeviceId`] and [`MAX_RUN_EVENTS`] (both sides);
 //! - [`run`]: one validated run of a device's events;
-//! - [`server`]: the service-side core behind that endpoint, which writes one run with the
-//!   device's client id and classifies the store's answer;
-//! - [`outbox`]: the device's SQLite outbox (identity, per-account sequences, runs);
-//! - [`sync`]: the one sync loop that drains the outbox in order;
-//! - [`transport`]: how the loop reaches a server (HTTP, or in process for tests);
-//! - [`crash`]: the named crash points between durable steps, for tests.
+//! - [`ingest`]: the service-side core behind that endpoint, which writes one run with the
+//!   device's client id, classifies the store's answer and reads a resent run back;
+//! - [`error`]: how a sync fails on the service side, and why a run is resent.
 //!
-//! Transfers are not recorded offline (see [`outbox::OutboxError::TransferOffline`]).
-//! Withdrawals are: offline there is no balance to check, so a device withdrawal is a fact
-//! the service folds as it comes (the balance may go below zero), never a request it refuses.
+//! The device's own side (the SQLite outbox, the sync loop, the transports, the crash points
+//! and the `tally-device` CLI) is the `tally-device` crate (`crates/tally-device`): the
+//! service links no SQLite.
+//!
+//! Transfers are not recorded offline (the outbox refuses them). Withdrawals are: offline
+//! there is no balance to check, so a device withdrawal is a fact the service folds as it
+//! comes (the balance may go below zero), never a request it refuses.
 
-pub mod crash;
-pub mod outbox;
+pub mod error;
+pub mod ingest;
 pub mod protocol;
 pub mod run;
-pub mod server;
-pub mod sync;
-pub mod transport;
 
 use std::fmt;
 use std::str::FromStr;

@@ -1,5 +1,5 @@
 //! The JSON shapes of `POST /api/devices/{deviceId}/sync`, shared by the service-side core
-//! and the device's HTTP transport.
+//! (`ingest`) and the device's HTTP transport (the `tally-device` crate).
 //!
 //! Request (camelCase, unknown fields refused):
 //! `{"accountId":"…","firstSeq":1,"lastSyncedVersion":6,"events":[{"clientSeq":1,"type":"deposit",
@@ -14,7 +14,7 @@
 //! Errors use the service's body `{"error":"CODE","message":"…"}`; the codes are below. A
 //! retryable error asks for the same run again; a refusal is final for that run.
 //!
-//! How the device reads a status ([`crate::device::transport::classify_http`]): 200 with this
+//! How the device reads a status (`tally_device::transport::classify_http`): 200 with this
 //! body syncs the run; 400, 404, 405, 413, 415 and 422, or a body whose code is one of the two
 //! conflict codes (whatever the status), stop the sync with the run kept; anything else (409,
 //! 429, 5xx, a lost or unreadable answer) resends the same run after a backoff.

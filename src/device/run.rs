@@ -3,8 +3,8 @@
 
 use uuid::Uuid;
 
+use super::error::DeviceSyncError;
 use super::protocol::{SyncEvent, SyncRequest, TYPE_DEPOSIT, TYPE_WITHDRAW};
-use super::server::DeviceSyncError;
 use crate::account::{AccountId, AmountCents, Operation};
 
 /// One validated event of a run.

@@ -1,5 +1,5 @@
 //! `POST /api/devices/{deviceId}/sync`: the one path by which a device's client id reaches
-//! the store. It parses the run and hands it to the device layer ([`crate::device::server`]),
+//! the store. It parses the run and hands it to the device layer ([`crate::device::ingest`]),
 //! which writes it under the device's id with enforced idempotency and no expected version;
 //! errors map to HTTP in [`super::error`].
 

@@ -9,7 +9,7 @@ use uuid::Uuid;
 use super::body::{Resp, json_response};
 use crate::account::RuleError;
 use crate::auth::{AuthError, REALM};
-use crate::device::server::DeviceSyncError;
+use crate::device::error::DeviceSyncError;
 use crate::projection::ProjectionError;
 use crate::reader::ReadError;
 use crate::store::StoreError;
@@ -548,7 +548,7 @@ mod tests {
     #[test]
     fn a_device_retry_carries_its_own_code() {
         let e = ApiError::from(DeviceSyncError::Retry {
-            reason: crate::device::server::RetryReason::Unverified,
+            reason: crate::device::error::RetryReason::Unverified,
             detail: "x".into(),
         });
         assert_eq!(e.code(), "SYNC_UNVERIFIED");

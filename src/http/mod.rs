@@ -358,7 +358,7 @@ fn route_deadline(app: &App, route: &Route) -> Duration {
 }
 
 fn device_sync_deadline(request_deadline: Duration, store_request_timeout: Duration) -> Duration {
-    let needs = store_request_timeout + crate::device::server::READ_BACK_BUDGET;
+    let needs = store_request_timeout + crate::device::ingest::READ_BACK_BUDGET;
     request_deadline.max(needs + DEVICE_SYNC_MARGIN)
 }
 
@@ -433,7 +433,7 @@ mod tests {
             assert!(!is_host_and_port(bad.as_bytes()), "{bad}");
         }
     }
-    use crate::device::server::READ_BACK_BUDGET;
+    use crate::device::ingest::READ_BACK_BUDGET;
 
     /// Rule: a device sync's backstop outlasts its store write (the store's whole request
     /// timeout) and a resent run's read-back, however short `--write-deadline-ms` is, so a

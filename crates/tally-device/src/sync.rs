@@ -17,12 +17,12 @@ use async_trait::async_trait;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::crash::{Crashed, Hooks, Step};
-use super::outbox::{Outbox, OutboxError, Run};
-use super::protocol::{SyncRequest, SyncResponse, SyncStatus};
-use super::{DeviceId, MAX_RUN_EVENTS};
-use crate::account::AccountId;
-use crate::store::wall_clock_ms;
+use crate::crash::{Crashed, Hooks, Step};
+use crate::outbox::{Outbox, OutboxError, Run};
+use tally::account::AccountId;
+use tally::device::protocol::{SyncRequest, SyncResponse, SyncStatus};
+use tally::device::{DeviceId, MAX_RUN_EVENTS};
+use tally::store::wall_clock_ms;
 
 /// Events per sync request unless `--batch-size` says otherwise (at most [`MAX_RUN_EVENTS`]).
 pub const DEFAULT_BATCH_SIZE: usize = 64;

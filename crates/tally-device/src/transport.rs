@@ -14,10 +14,12 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-use super::DeviceId;
-use super::protocol::{ErrorBody, SyncRequest, SyncResponse, codes};
-use super::server::{DeviceSync, DeviceSyncError, RetryReason};
-use super::sync::{SyncTransport, TransportError};
+use tally::device::DeviceId;
+use tally::device::error::{DeviceSyncError, RetryReason};
+use tally::device::ingest::DeviceSync;
+use tally::device::protocol::{ErrorBody, SyncRequest, SyncResponse, codes};
+
+use crate::sync::{SyncTransport, TransportError};
 
 /// How long one HTTP exchange may take unless `--timeout-ms` says otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);

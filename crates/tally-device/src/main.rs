@@ -7,7 +7,7 @@
 //! refused operation or an outbox that cannot be used.
 //!
 //! Crash testing: `TALLY_DEVICE_CRASH_AT=STEP[@N]` aborts the process at a named step (see
-//! `tally::device::crash::Step`).
+//! `tally_device::crash::Step`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -17,10 +17,10 @@ use clap::builder::TypedValueParser;
 use clap::{Parser, Subcommand};
 use tally::account::{AccountId, AmountCents, Operation};
 use tally::device::MAX_RUN_EVENTS;
-use tally::device::crash::AbortAt;
-use tally::device::outbox::{Outbox, OutboxError};
-use tally::device::sync::{self, SyncLoop, SyncOptions};
-use tally::device::transport::{self, HttpTransport};
+use tally_device::crash::AbortAt;
+use tally_device::outbox::{Outbox, OutboxError};
+use tally_device::sync::{self, SyncLoop, SyncOptions};
+use tally_device::transport::{self, HttpTransport};
 
 const EXIT_STOPPED: u8 = 1;
 const EXIT_ERROR: u8 = 2;

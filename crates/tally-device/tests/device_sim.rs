@@ -13,7 +13,8 @@
 //! `DEVICE_SIM_SEED=N` replays one seed; `DEVICE_SIM_SEEDS=N` runs seeds 0..N (default
 //! [`DEFAULT_SEEDS`]). A failure prints its seed.
 
-#[path = "common/test_dir.rs"]
+// The workspace's one test-directory helper (tests/common/test_dir.rs of the `tally` package).
+#[path = "../../../tests/common/test_dir.rs"]
 mod test_dir;
 
 use std::collections::BTreeMap;
@@ -24,14 +25,14 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tally::account::{AccountEvent, AccountId, AmountCents, Identity, Operation};
 use tally::device::DeviceId;
-use tally::device::crash::{Crashed, Hooks, NoHooks, Step};
-use tally::device::outbox::{Kind, Outbox, OutboxError};
-use tally::device::server::DeviceSync;
-use tally::device::sync::{StopReason, SyncError, SyncLoop, SyncOptions};
-use tally::device::transport::InProcessTransport;
+use tally::device::ingest::DeviceSync;
 use tally::store::faults::{FaultConfig, FaultCounts, FaultyLog};
 use tally::store::memory::MemoryLog;
 use tally::store::{ReadFilter, SharedLog};
+use tally_device::crash::{Crashed, Hooks, NoHooks, Step};
+use tally_device::outbox::{Kind, Outbox, OutboxError};
+use tally_device::sync::{StopReason, SyncError, SyncLoop, SyncOptions};
+use tally_device::transport::InProcessTransport;
 use test_dir::TestDir;
 
 const DEFAULT_SEEDS: u64 = 32;

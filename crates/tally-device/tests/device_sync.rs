@@ -1,7 +1,8 @@
 //! The device sync loop over the in-process transport: bounded attempts, refusals, lost acks,
 //! in-flight duplicates, and runs that never grow.
 
-#[path = "common/test_dir.rs"]
+// The workspace's one test-directory helper (tests/common/test_dir.rs of the `tally` package).
+#[path = "../../../tests/common/test_dir.rs"]
 mod test_dir;
 
 use std::path::PathBuf;
@@ -9,14 +10,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tally::account::{AccountEvent, AccountId, AccountsMode, AmountCents, Identity, Operation};
-use tally::device::crash::{Crashed, Hooks, NoHooks, Step};
-use tally::device::outbox::Outbox;
-use tally::device::server::DeviceSync;
-use tally::device::sync::{StopReason, SyncLoop, SyncOptions};
-use tally::device::transport::InProcessTransport;
+use tally::device::ingest::DeviceSync;
 use tally::store::faults::{Fault, FaultConfig, FaultyLog};
 use tally::store::memory::MemoryLog;
 use tally::store::{AggregateWrite, Event, ReadFilter, SharedLog};
+use tally_device::crash::{Crashed, Hooks, NoHooks, Step};
+use tally_device::outbox::Outbox;
+use tally_device::sync::{StopReason, SyncLoop, SyncOptions};
+use tally_device::transport::InProcessTransport;
 use test_dir::TestDir;
 
 /// A test's directory, and the outbox file in it.

@@ -1,14 +1,15 @@
 //! The device outbox: identity kept once, sequences assigned with the event in one
 //! transaction and never renumbered, run boundaries persisted until marked synced.
 
-#[path = "common/test_dir.rs"]
+// The workspace's one test-directory helper (tests/common/test_dir.rs of the `tally` package).
+#[path = "../../../tests/common/test_dir.rs"]
 mod test_dir;
 
 use std::path::PathBuf;
 
 use tally::account::{AccountId, AmountCents, Operation};
-use tally::device::crash::{Crashed, Hooks, NoHooks, Step};
-use tally::device::outbox::{Kind, Outbox, OutboxError};
+use tally_device::crash::{Crashed, Hooks, NoHooks, Step};
+use tally_device::outbox::{Kind, Outbox, OutboxError};
 use test_dir::TestDir;
 
 /// A test's directory, and the outbox file in it.

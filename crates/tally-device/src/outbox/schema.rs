@@ -5,7 +5,7 @@ use std::path::Path;
 use rusqlite::{Connection, OptionalExtension};
 
 use super::{OutboxError, OutboxResult, SCHEMA_VERSION};
-use crate::device::DeviceId;
+use tally::device::DeviceId;
 
 /// Marks the file as a Tally device outbox (`PRAGMA application_id`, "TLDV").
 pub(super) const APPLICATION_ID: i64 = 0x544C_4456;

@@ -37,10 +37,11 @@ use uuid::Uuid;
 
 use self::schema::{APPLICATION_ID, SCHEMA, check_and_load, configure};
 pub use self::status::{AccountStatus, Status};
-use super::DeviceId;
-use super::crash::{Crashed, Hooks, Step};
-use super::protocol::{SyncEvent, SyncRequest, TYPE_DEPOSIT, TYPE_WITHDRAW};
-use crate::account::{AccountId, AmountCents, Operation};
+use tally::account::{AccountId, AmountCents, Operation};
+use tally::device::DeviceId;
+use tally::device::protocol::{SyncEvent, SyncRequest, TYPE_DEPOSIT, TYPE_WITHDRAW};
+
+use crate::crash::{Crashed, Hooks, Step};
 
 /// The outbox schema this code reads and writes.
 pub const SCHEMA_VERSION: i64 = 1;
@@ -54,7 +55,7 @@ pub enum OutboxError {
     NotInitialised(String),
     #[error("{0} is not a Tally device outbox of schema version {SCHEMA_VERSION}: {1}")]
     Foreign(String, String),
-    /// Transfers are refused offline: see the module docs of [`crate::device`] and the
+    /// Transfers are refused offline: see the module docs of [`tally::device`] and the
     /// reasons in this message.
     #[error(
         "transfers are not recorded offline: their two legs live on two accounts with two \

@@ -8,7 +8,8 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-#[path = "common/test_dir.rs"]
+// The workspace's one test-directory helper (tests/common/test_dir.rs of the `tally` package).
+#[path = "../../../tests/common/test_dir.rs"]
 mod test_dir;
 
 use std::process::{Output, Stdio};
@@ -24,11 +25,12 @@ use hyper_util::rt::TokioIo;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tally::account::{AccountEvent, AccountId, Identity};
-use tally::device::crash::CRASH_ENV;
+use tally::device::error::DeviceSyncError;
+use tally::device::ingest::DeviceSync;
 use tally::device::protocol::SyncRequest;
-use tally::device::server::{DeviceSync, DeviceSyncError};
 use tally::store::memory::MemoryLog;
 use tally::store::{ReadFilter, SharedLog};
+use tally_device::crash::CRASH_ENV;
 use test_dir::TestDir;
 use tokio::sync::oneshot;
 
