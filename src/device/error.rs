@@ -1,6 +1,6 @@
 //! Every way a device sync can fail on the service side, and why a run should be resent.
-//! Its own module so that run validation ([`super::run`]) and the core that writes runs
-//! ([`super::ingest`]) both use it without depending on each other. The HTTP mapping lives
+//! Its own module so that run validation (`run`) and the core that writes runs
+//! (`ingest`) both use it without depending on each other. The HTTP mapping lives
 //! with the routes.
 
 use super::DeviceId;
