@@ -33,7 +33,7 @@
 //!    and never reads the answers would otherwise hold it for as long as it likes, as a
 //!    slow body would (rule 5).
 //!
-//! How an idle connection waits: it leaves a callback ([`OnReadable`]) with its socket
+//! How an idle connection waits: it leaves a callback ([`OnReadable`](super::io)) with its socket
 //! instead of its task's waker. When its client's next request arrives the callback takes a
 //! free slot, or lets a probe through, or puts the connection in the gate's queue, and only
 //! then wakes the task, once, to read. Under overload nearly every request waits at the
@@ -311,7 +311,7 @@ impl ConnSlot {
         }
     }
 
-    /// The socket became readable while the connection was idle (see [`OnReadable`]).
+    /// The socket became readable while the connection was idle (see `OnReadable` in [`super::io`]).
     pub(super) fn on_readable(self: &Arc<Self>) {
         let mut s = self.state.lock();
         if s.closed || s.queued {
