@@ -1,5 +1,6 @@
-//! One connection's side of the gate: the socket wrapper that takes a slot before reading,
-//! and the handle a request's handler uses to keep it.
+//! One connection's side of the gate: its state (a slot held, a pass, queued, serving,
+//! streaming), what its socket wrapper ([`super::io`]) decides with it before reading, and
+//! the handle a request's handler uses to keep or give back its slot.
 //!
 //! The rules, in the order a request meets them:
 //! 1. With no request being served, a read waits until the socket is readable, then for a

@@ -16,6 +16,10 @@
 //!
 //! The edge's in-flight limit with its queue wait and 503 (`admission`) stays behind the
 //! gate as the hard cap, for requests that reach a handler without passing the gate.
+//!
+//! The parts: [`limit`] (the adaptive limit), `slots` (the slots and the queue of waiting
+//! connections), `conn` (a connection's side, the rules a request meets) and `io` (the socket
+//! wrapper under hyper).
 
 mod conn;
 mod io;
