@@ -8,15 +8,18 @@
 FROM rust:1.95-slim-bookworm AS builder
 WORKDIR /build
 
-# The dependency layer: the manifests, and empty stand-ins for every target Cargo.toml
-# names (the library, the binaries and the benches), so `cargo build` compiles only the
-# dependencies here.
+# The dependency layer: the manifests, the workspace's other members (the device CLI and
+# the load tool: Cargo loads every member's manifest), and empty stand-ins for every target
+# the root Cargo.toml names (the library, the binary and each bench), so `cargo build`
+# compiles only the server's dependencies here.
 COPY Cargo.toml Cargo.lock ./
+COPY crates crates
 RUN mkdir -p src/bin benches \
     && echo 'fn main() {}' > src/main.rs \
     && touch src/lib.rs \
-    && for b in store memory index write_loop fold; do echo 'fn main() {}' > "benches/$b.rs"; done \
-    && cargo build --release --locked --bin tally \
+    && for b in $(grep -A1 '^\[\[bench\]\]' Cargo.toml | sed -n 's/^name = "\(.*\)"/\1/p'); do \
+        echo 'fn main() {}' > "benches/$b.rs"; done \
+    && cargo build --release --locked -p tally --bin tally \
     && rm -rf src benches
 
 # Tally itself. docs/ is compiled in (GET /openapi.json serves docs/openapi.json).
@@ -24,7 +27,7 @@ COPY src src
 COPY benches benches
 COPY docs docs
 RUN touch src/main.rs src/lib.rs \
-    && cargo build --release --locked --bin tally \
+    && cargo build --release --locked -p tally --bin tally \
     && cp target/release/tally /tally
 
 FROM gcr.io/distroless/cc-debian12:nonroot

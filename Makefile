@@ -18,7 +18,7 @@ test: lint browser unit check-deploy contract lint-docker auth-suites doc-comman
 
 lint:
 	$(CARGO) fmt --check
-	$(CARGO) clippy --all-targets --locked -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
 # The real parts the suites run against, started afresh around them and stopped however they
 # end: a throwaway Postgres cluster (scripts/with-postgres.sh) and throwaway Celeriant servers
@@ -37,7 +37,7 @@ unit:
 # Postgres fleets use it, and the API, fleet and write-loop suites run a second time on the
 # Postgres projection.
 unit-suites:
-	$(CARGO) test --locked --no-fail-fast
+	$(CARGO) test --workspace --locked --no-fail-fast
 	TALLY_TEST_PROJECTION=postgres $(CARGO) test --locked --test api --test fleet --test write_loop
 
 # Console and watch stream (issue 16): the console's browser test drives headless Debian

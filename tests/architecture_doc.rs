@@ -36,11 +36,21 @@ struct Code {
 
 impl Code {
     fn load() -> Code {
-        let mut paths = Vec::new();
-        for dir in ["src", "tests", "benches"] {
-            rust_files(&root().join(dir), &mut paths);
+        // The root package and every workspace member under crates/.
+        let mut packages = vec![root().to_path_buf()];
+        if let Ok(members) = std::fs::read_dir(root().join("crates")) {
+            packages.extend(members.flatten().map(|m| m.path()));
         }
-        let mut text = std::fs::read_to_string(root().join("Cargo.toml")).expect("Cargo.toml");
+        let mut paths = Vec::new();
+        let mut text = String::new();
+        for package in &packages {
+            for dir in ["src", "tests", "benches"] {
+                rust_files(&package.join(dir), &mut paths);
+            }
+            if let Ok(manifest) = std::fs::read_to_string(package.join("Cargo.toml")) {
+                text.push_str(&manifest);
+            }
+        }
         let mut files = Vec::new();
         let own = file!().rsplit('/').next().unwrap_or(file!());
         for p in &paths {

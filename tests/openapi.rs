@@ -370,7 +370,7 @@ fn every_api_operation_documents_auth_and_rate_limit_answers() {
         let security = op["security"]
             .as_array()
             .expect("each operation states its security");
-        match tally::http::auth::required_scope(&route) {
+        match tally::http::router::required_scope(&route) {
             None => assert!(security.is_empty(), "{} is open", route.template()),
             Some(scope) => {
                 assert_eq!(

@@ -32,7 +32,7 @@ DASHBOARD = os.path.join(DEPLOY, "grafana", "tally-dashboard.json")
 ALERTS = os.path.join(DEPLOY, "prometheus", "tally-alerts.yaml")
 K8S = os.path.join(DEPLOY, "k8s")
 NGINX_CONF = os.path.join(DEPLOY, "nginx", "tally.conf")
-HTTP_MOD_RS = os.path.join(REPO, "src", "http", "mod.rs")
+HTTP_CONFIG_RS = os.path.join(REPO, "src", "http", "config.rs")
 WATCH_CONFIG_RS = os.path.join(REPO, "src", "watch", "config.rs")
 
 UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -116,7 +116,7 @@ def source_const(path, pattern, what):
 
 def tally_idle_close_s():
     """Seconds after which Tally closes a keep-alive connection that sent no full head."""
-    return source_const(HTTP_MOD_RS, r"const HEADER_READ_TIMEOUT: Duration = Duration::from_secs\((\d+)\);",
+    return source_const(HTTP_CONFIG_RS, r"const HEADER_READ_TIMEOUT: Duration = Duration::from_secs\((\d+)\);",
                         "HEADER_READ_TIMEOUT (Tally's idle keep-alive close)")
 
 
@@ -618,7 +618,7 @@ def check_nginx(path):
         secs = nginx_seconds(raw.split()[0])
         if secs is None or secs >= idle:
             err(where, f"upstream {name}: keepalive_timeout {raw} must be below Tally's {idle} s idle close "
-                       "(HEADER_READ_TIMEOUT in src/http/mod.rs), so nginx, not the replica, closes an idle "
+                       "(HEADER_READ_TIMEOUT in src/http/config.rs), so nginx, not the replica, closes an idle "
                        "connection (a replica closing one as nginx sends a POST on it is a 502)")
         else:
             print(f"  {where}: upstream {name}: keepalive_timeout {raw} < Tally's {idle} s idle close")

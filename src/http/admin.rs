@@ -10,10 +10,10 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
-use super::ACCEPT_ERROR_PAUSE;
 use super::error::ApiError;
 use super::head::HeadGuard;
 use super::router::{self, Route};
+use super::serve::{ACCEPT_ERROR_PAUSE, http1_builder};
 use super::write_stall::{StallLimited, WriteStall};
 use crate::app::App;
 
@@ -23,7 +23,7 @@ pub const MAX_ADMIN_CONNECTIONS: usize = 64;
 /// Serves the admin routes on `listener` until `shutdown` resolves.
 pub async fn serve_admin(app: Arc<App>, listener: TcpListener, shutdown: impl Future<Output = ()>) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_ADMIN_CONNECTIONS));
-    let builder = super::http1_builder(&app.config);
+    let builder = http1_builder(&app.config);
     tokio::pin!(shutdown);
     loop {
         let slot = tokio::select! {

@@ -33,9 +33,10 @@ use parking_lot::Mutex;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::InFlightGauge;
+use super::config::HEADER_READ_TIMEOUT;
 use super::error::ApiError;
 use super::gate::{ConnSlot, Gate};
+use super::gauge::InFlightGauge;
 use crate::app::App;
 use crate::log_limit::LogLimit;
 use crate::metrics::Metrics;
@@ -80,7 +81,7 @@ impl Edge {
                 app.config
                     .http
                     .max_queue_wait()
-                    .min(super::HEADER_READ_TIMEOUT / 2),
+                    .min(HEADER_READ_TIMEOUT / 2),
                 app.metrics.clone(),
             ),
             connections: Arc::new(Semaphore::new(app.config.http.max_connections)),

@@ -1,9 +1,10 @@
 //! The edge check: with `--auth jwt`, every API route needs a bearer token whose
 //! scopes cover the route and whose accounts cover the account it names, and each caller is
 //! paced. Runs before the body is read and before anything is written: a refused request
-//! changes nothing. Probes, `/metrics` and `/openapi.json` stay open.
+//! changes nothing. Probes, `/metrics` and `/openapi.json` stay open. What each route asks
+//! ([`Access`]) is the route's own (`Route::access`); this module checks it.
 //!
-//! Which scope a route needs:
+//! The scopes:
 //! - `accounts:read`: the account list, a balance, a history;
 //! - `accounts:write`: open, deposit, withdraw, both transfer routes;
 //! - `devices:sync`: a device's sync, and only for the device the token names (`sub` is the
@@ -20,52 +21,44 @@ use hyper::header::AUTHORIZATION;
 use uuid::Uuid;
 
 use super::error::ApiError;
-use super::router::Route;
+use super::headers::at_most_one;
 use crate::account::{AccountId, Operation};
 use crate::app::App;
 use crate::auth::{AuthError, Caller, Scope};
 use crate::metrics::{auth_outcome, rate_outcome};
 
-/// The scope a route needs; `None` for the open routes. Every route decides here (the match
-/// is exhaustive, so a new route cannot be added without deciding).
-pub fn required_scope(route: &Route) -> Option<Scope> {
-    match route {
-        // The console is a static page: the data it shows comes from API routes that check.
-        Route::Healthz | Route::Readyz | Route::Metrics | Route::OpenApi | Route::Console => None,
-        Route::Accounts
-        | Route::Balance(_)
-        | Route::History(_)
-        | Route::AccountEvents(_)
-        | Route::WatchStream => Some(Scope::AccountsRead),
-        Route::Deposit(_)
-        | Route::Withdraw(_)
-        | Route::AccountTransfer(_)
-        | Route::Transfers
-        | Route::OpenAccount => Some(Scope::AccountsWrite),
-        Route::DeviceSync(_) => Some(Scope::DevicesSync),
-    }
+/// What a route asks of its caller: a scope, and what it names that the token must cover.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Access {
+    pub scope: Scope,
+    pub names: Named,
 }
 
-/// The account a route names in its path, if any.
-fn path_account(route: &Route) -> Option<AccountId> {
-    match *route {
-        Route::Balance(a)
-        | Route::History(a)
-        | Route::AccountEvents(a)
-        | Route::Deposit(a)
-        | Route::Withdraw(a)
-        | Route::AccountTransfer(a) => Some(a),
-        _ => None,
-    }
+/// What a route names in its path that a token limited to some accounts (or a device's
+/// token) must cover.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Named {
+    /// Nothing in the path (accounts a body names are checked once it is read).
+    Nothing,
+    /// The account in the path.
+    Account(AccountId),
+    /// Every account's writes (the fleet-wide stream): only for a caller limited to none.
+    EveryAccount,
+    /// A device: only the device the token names (its `sub`).
+    Device(Uuid),
 }
 
 /// Authenticates and authorizes a request from its head; paces its caller. `Ok(None)` when
-/// authentication is off or the route is open.
-pub fn check(app: &App, route: &Route, headers: &HeaderMap) -> Result<Option<Caller>, ApiError> {
+/// authentication is off or the route is open (`access` is `None`).
+pub fn check(
+    app: &App,
+    access: Option<Access>,
+    headers: &HeaderMap,
+) -> Result<Option<Caller>, ApiError> {
     if !app.auth.is_on() {
         return Ok(None);
     }
-    let Some(scope) = required_scope(route) else {
+    let Some(Access { scope, names }) = access else {
         return Ok(None);
     };
     let m = &app.metrics;
@@ -73,7 +66,7 @@ pub fn check(app: &App, route: &Route, headers: &HeaderMap) -> Result<Option<Cal
         m.auth_outcomes.with_label_values(&[outcome]).inc();
         Err(ApiError::from(e))
     };
-    let Ok(value) = super::at_most_one(headers, AUTHORIZATION) else {
+    let Ok(value) = at_most_one(headers, AUTHORIZATION) else {
         return refuse(
             auth_outcome::INVALID,
             AuthError::Invalid("send one Authorization header"),
@@ -87,19 +80,8 @@ pub fn check(app: &App, route: &Route, headers: &HeaderMap) -> Result<Option<Cal
     if !caller.has(scope) {
         return refuse(auth_outcome::FORBIDDEN, AuthError::Scope(scope));
     }
-    if let Some(account) = path_account(route)
-        && !caller.may_touch(account.0)
-    {
-        return refuse(auth_outcome::FORBIDDEN, AuthError::Resource("account"));
-    }
-    // The fleet-wide stream names every account's writes: only for a caller limited to none.
-    if *route == Route::WatchStream && !caller.may_touch_all() {
-        return refuse(auth_outcome::FORBIDDEN, AuthError::Resource("account"));
-    }
-    if let Route::DeviceSync(device) = route
-        && Uuid::try_parse(&caller.id).ok() != Some(*device)
-    {
-        return refuse(auth_outcome::FORBIDDEN, AuthError::Resource("device"));
+    if let Some(resource) = uncovered(&caller, names) {
+        return refuse(auth_outcome::FORBIDDEN, AuthError::Resource(resource));
     }
     m.auth_outcomes.with_label_values(&[auth_outcome::OK]).inc();
     if let Err(wait) = app.auth.admit(&caller) {
@@ -116,6 +98,18 @@ pub fn check(app: &App, route: &Route, headers: &HeaderMap) -> Result<Option<Cal
         .with_label_values(&[rate_outcome::ALLOWED])
         .inc();
     Ok(Some(caller))
+}
+
+/// What of `names` the caller's token does not cover, if anything.
+fn uncovered(caller: &Caller, names: Named) -> Option<&'static str> {
+    match names {
+        Named::Nothing => None,
+        Named::Account(account) => (!caller.may_touch(account.0)).then_some("account"),
+        Named::EveryAccount => (!caller.may_touch_all()).then_some("account"),
+        Named::Device(device) => {
+            (Uuid::try_parse(&caller.id).ok() != Some(device)).then_some("device")
+        }
+    }
 }
 
 /// Whether the caller may touch this account (named in a body, once it is read).
@@ -150,20 +144,4 @@ pub fn authorize_operation(
         Operation::Transfer { from, .. } => from,
     };
     authorize_account(app, caller, account.0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_api_route_needs_a_scope_and_probes_stay_open() {
-        for route in Route::ALL {
-            assert_eq!(
-                required_scope(&route).is_none(),
-                !route.is_api(),
-                "{route:?}: a route outside the API is open, every API route needs a scope"
-            );
-        }
-    }
 }

@@ -1,56 +1,24 @@
-//! JSON in and out: content-type and size checks, decoding that tells malformed JSON (400)
-//! from a well-formed body with wrong fields or types (422).
+//! JSON in: content-type and size checks, decoding that tells malformed JSON (400) from a
+//! well-formed body with wrong fields or types (422).
 
 use std::sync::Arc;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Limited};
+use hyper::Request;
 use hyper::body::Incoming;
-use hyper::header::{
-    CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, HeaderValue, TRANSFER_ENCODING,
-};
-use hyper::{Request, Response, StatusCode};
-use serde::Serialize;
+use hyper::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, TRANSFER_ENCODING};
 use serde::de::DeserializeOwned;
 
 use super::admission::InFlight;
 use super::error::ApiError;
 use super::gate::ConnSlot;
+use super::headers::at_most_one;
+// `accounts.rs` still names these here; they live in `response`.
+pub use super::response::{Resp, json_response};
 
 /// The largest request body accepted. Tally's bodies are tiny; this is generous.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
-
-pub type Resp = Response<Full<Bytes>>;
-
-pub fn json_response(status: StatusCode, body: &impl Serialize) -> Resp {
-    // Serialising our own response types into a Vec cannot fail; if it ever did, the answer
-    // is a 500 with an errorId, never the status meant for a body that is not there.
-    let (status, bytes) = match serde_json::to_vec(body) {
-        Ok(bytes) => (status, bytes),
-        Err(e) => {
-            debug_assert!(false, "a response body failed to serialise: {e}");
-            let error_id = uuid::Uuid::new_v4();
-            tracing::error!(%error_id, error = %e, "a response body failed to serialise");
-            let body = format!(
-                r#"{{"error":"INTERNAL","message":"the response could not be written","errorId":"{error_id}"}}"#
-            );
-            (StatusCode::INTERNAL_SERVER_ERROR, body.into_bytes())
-        }
-    };
-    let mut resp = Response::new(Full::new(Bytes::from(bytes)));
-    *resp.status_mut() = status;
-    resp.headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    resp
-}
-
-pub fn text_response(status: StatusCode, content_type: &'static str, body: String) -> Resp {
-    let mut resp = Response::new(Full::new(Bytes::from(body)));
-    *resp.status_mut() = status;
-    resp.headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
-    resp
-}
 
 /// Whether a Content-Type names JSON the way it is read: `application/json`, with no
 /// parameter but a UTF-8 charset (JSON is UTF-8, RFC 8259; a body its sender encoded in
@@ -79,7 +47,7 @@ fn is_utf8_json(content_type: &str) -> bool {
 pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, ApiError> {
     // Content-Type is a singleton field (RFC 9110): two of them name no one type, and
     // taking the first would read a body its sender may have meant as the other.
-    let content_type = super::at_most_one(req.headers(), CONTENT_TYPE).map_err(|_| {
+    let content_type = at_most_one(req.headers(), CONTENT_TYPE).map_err(|_| {
         ApiError::bad_request("BAD_REQUEST", "send one Content-Type header, not several")
     })?;
     let is_json = content_type

@@ -6,6 +6,8 @@ use std::time::Duration;
 use crate::config::{count, usize_in};
 use crate::write_loop::DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT;
 
+/// How long a client may take to send a request's headers.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long an answer waits for its client to read any of it, unless configured: longer
 /// than a watch stream's own stall limit with the default keep-alive (2 x 15 s), so that
 /// one comes first and the stream can still tell its client why it ended.

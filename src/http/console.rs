@@ -6,7 +6,7 @@
 use hyper::StatusCode;
 use hyper::header::{CACHE_CONTROL, HeaderName, HeaderValue};
 
-use super::body::{Resp, text_response};
+use super::response::{Resp, text_response};
 
 /// The page, compiled in.
 pub const PAGE: &str = include_str!("../../assets/console.html");

@@ -10,8 +10,9 @@ use hyper::StatusCode;
 use hyper::body::Incoming;
 use uuid::Uuid;
 
-use super::body::{Resp, json_response, read_json};
+use super::body::read_json;
 use super::error::ApiError;
+use super::response::{Resp, json_response};
 use crate::app::App;
 use crate::auth::Caller;
 use crate::device::protocol::{SyncRequest, SyncStatus};

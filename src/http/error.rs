@@ -6,7 +6,7 @@ use hyper::header::{ALLOW, CONNECTION, HeaderValue, RETRY_AFTER, WWW_AUTHENTICAT
 use serde_json::json;
 use uuid::Uuid;
 
-use super::body::{Resp, json_response};
+use super::response::{Resp, json_response};
 use crate::account::RuleError;
 use crate::auth::{AuthError, REALM};
 use crate::device::error::DeviceSyncError;
@@ -14,6 +14,10 @@ use crate::projection::ProjectionError;
 use crate::reader::ReadError;
 use crate::store::StoreError;
 use crate::write_loop::WriteError;
+
+/// What a request to a replica that has not finished starting is told, before the steps
+/// it waits for.
+const STARTING: &str = "starting: not serving until its start-up steps are done";
 
 /// Seconds a client should wait before retrying a retryable error.
 const RETRY_AFTER_SECS: &str = "1";
@@ -109,6 +113,19 @@ impl ApiError {
             code,
             message: message.into(),
         }
+    }
+
+    /// The 503 of a replica still starting: names the steps it waits for (`serverClock`,
+    /// `seed:<demo name>`), fixed names that carry no request data.
+    pub fn starting(waiting: &[String]) -> Self {
+        ApiError::Unavailable(if waiting.is_empty() {
+            format!("{STARTING}; retry shortly")
+        } else {
+            format!(
+                "{STARTING} (waiting for {}); retry shortly",
+                waiting.join(", ")
+            )
+        })
     }
 
     pub fn status(&self) -> StatusCode {

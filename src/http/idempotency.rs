@@ -45,7 +45,7 @@ pub struct IdempotencyKey {
 impl IdempotencyKey {
     /// The request's key; `caller` is the authenticated caller's id, when there is one.
     pub fn from_headers(headers: &HeaderMap, caller: Option<&str>) -> Result<Self, ApiError> {
-        let value = super::at_most_one(headers, HEADER)
+        let value = super::headers::at_most_one(headers, HEADER)
             .map_err(|_| invalid("send one Idempotency-Key header, not several"))?;
         let Some(value) = value else {
             let key = Uuid::new_v4().hyphenated().to_string();

@@ -4,7 +4,7 @@
 
 use hyper::StatusCode;
 
-use super::body::{Resp, text_response};
+use super::response::{Resp, text_response};
 
 /// The OpenAPI 3.1 document.
 pub const DOCUMENT: &str = include_str!("../../docs/openapi.json");

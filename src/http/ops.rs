@@ -11,8 +11,8 @@ use std::time::Duration;
 use hyper::StatusCode;
 use serde_json::json;
 
-use super::body::{Resp, json_response, text_response};
 use super::error::ApiError;
+use super::response::{Resp, json_response, text_response};
 use crate::app::App;
 
 /// How long a readiness probe waits for the store.
@@ -34,7 +34,7 @@ pub async fn readyz(app: &Arc<App>) -> Result<Resp, ApiError> {
     if !waiting.is_empty() {
         return Ok(not_ready(
             "starting",
-            super::starting(&waiting),
+            ApiError::starting(&waiting),
             Some(waiting),
         ));
     }

@@ -1,17 +1,25 @@
 //! Which route a request is: its template (the only path form used in metrics and logs),
-//! its method, and the handler it goes to.
+//! its method, what it asks of its caller, and the handler it goes to ([`Endpoint`], the
+//! innermost service of the edge's stack, `super::layer`).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
+use http_body_util::Either;
 use hyper::body::Incoming;
-use hyper::{Method, Request};
+use hyper::{Method, Request, Response};
 use uuid::Uuid;
 
-use super::body::Resp;
+use super::auth::{Access, Named};
 use super::error::ApiError;
+use super::response::Resp;
+use super::watch::{self, HttpBody};
 use super::{accounts, console, devices, openapi, ops, writes};
 use crate::account::AccountId;
 use crate::app::App;
+use crate::auth::Scope;
 
 /// A matched route: its template and what it does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -153,6 +161,30 @@ impl Route {
         )
     }
 
+    /// What the route asks of its caller with `--auth jwt`; `None` for the open routes. Every
+    /// route decides here (the match is exhaustive, so a new route cannot be added without
+    /// deciding). The console is a static page: the data it shows comes from API routes that
+    /// check.
+    pub fn access(&self) -> Option<Access> {
+        use Named::{Account, Device, EveryAccount, Nothing};
+        let (scope, names) = match *self {
+            Route::Healthz | Route::Readyz | Route::Metrics | Route::OpenApi | Route::Console => {
+                return None;
+            }
+            Route::Accounts => (Scope::AccountsRead, Nothing),
+            Route::Balance(a) | Route::History(a) | Route::AccountEvents(a) => {
+                (Scope::AccountsRead, Account(a))
+            }
+            Route::WatchStream => (Scope::AccountsRead, EveryAccount),
+            Route::Deposit(a) | Route::Withdraw(a) | Route::AccountTransfer(a) => {
+                (Scope::AccountsWrite, Account(a))
+            }
+            Route::Transfers | Route::OpenAccount => (Scope::AccountsWrite, Nothing),
+            Route::DeviceSync(device) => (Scope::DevicesSync, Device(device)),
+        };
+        Some(Access { scope, names })
+    }
+
     /// API routes without query parameters: a query on one is refused, never ignored.
     fn refuses_query(&self) -> bool {
         matches!(
@@ -242,6 +274,11 @@ impl Route {
     }
 }
 
+/// The scope a route needs; `None` for the open routes ([`Route::access`]).
+pub fn required_scope(route: &Route) -> Option<Scope> {
+    route.access().map(|access| access.scope)
+}
+
 fn not_found(path: &str) -> ApiError {
     let mut shown: String = path.chars().take(200).collect();
     if shown.len() < path.len() {
@@ -282,11 +319,97 @@ pub async fn dispatch(
         Route::DeviceSync(device) => devices::sync(app, device, req).await,
         Route::OpenApi => Ok(openapi::document()),
         Route::Console => Ok(console::page()),
-        // `http::handle` serves the streams before it dispatches; reaching here is a bug.
+        // `Endpoint` serves the streams before it dispatches; reaching here is a bug.
         Route::AccountEvents(_) | Route::WatchStream => Err(ApiError::Internal {
             code: "STREAM_ROUTE",
             message: "an event-stream route reached the JSON dispatcher".into(),
         }),
+    }
+}
+
+/// What the edge's services answer: a response, or the error it becomes (in one place,
+/// [`ApiError::into_response`], called by `layer::access_log`).
+pub type Answer<E = ApiError> = Result<Response<HttpBody>, E>;
+
+/// The future every service of the edge's stack answers with. Boxed once where an answer is
+/// awaited; a layer that only checks a request before passing it on hands its inner
+/// service's future back as it is.
+pub type BoxFuture<E = ApiError> = Pin<Box<dyn Future<Output = Answer<E>> + Send>>;
+
+/// A layer's refusal, as the future its service answers with.
+pub fn refused(e: ApiError) -> BoxFuture {
+    Box::pin(std::future::ready(Err(e)))
+}
+
+/// A request and its route, resolved once, first (`layer::route`): every layer after reads
+/// the route here, and the handlers get it with the request.
+pub struct Routed {
+    /// The route, or why there is none (404, 405, 400 `INVALID_ID`): answered by
+    /// [`Endpoint`], after the `Host` check.
+    pub route: Result<Route, ApiError>,
+    pub req: Request<Incoming>,
+}
+
+impl Routed {
+    /// The route, if the request has one.
+    pub fn route(&self) -> Option<Route> {
+        self.route.as_ref().ok().copied()
+    }
+
+    /// The name the request is counted and logged under: its route's template (a known path
+    /// with a wrong method, 405, too), else `unmatched`.
+    pub fn template(&self) -> &'static str {
+        match &self.route {
+            Ok(route) => route.template(),
+            Err(ApiError::MethodNotAllowed { route, .. }) => route,
+            Err(_) => "unmatched",
+        }
+    }
+}
+
+/// The handlers, as the innermost service of the edge's stack.
+#[derive(Clone)]
+pub struct Endpoint {
+    app: Arc<App>,
+}
+
+impl Endpoint {
+    pub fn new(app: Arc<App>) -> Self {
+        Endpoint { app }
+    }
+}
+
+impl tower::Service<Routed> for Endpoint {
+    type Response = Response<HttpBody>;
+    type Error = ApiError;
+    type Future = BoxFuture;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), ApiError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, routed: Routed) -> BoxFuture {
+        let app = self.app.clone();
+        Box::pin(async move { answer(&app, routed).await })
+    }
+}
+
+/// A routed request's answer. A request without a route is refused here, after the layers
+/// (none of which acts on a request without one). Event streams answer a body that never
+/// ends by itself; every other route a whole one.
+async fn answer(app: &Arc<App>, routed: Routed) -> Answer {
+    let Routed { route, req } = routed;
+    let route = route?;
+    // With --admin-listen, /metrics is served there only.
+    if route == Route::Metrics && app.config.admin_listen.is_some() {
+        return Err(ApiError::NotFound {
+            path: route.template().into(),
+        });
+    }
+    match route {
+        Route::AccountEvents(account) => watch::account_events(app, account, &req).await,
+        Route::WatchStream => watch::all(app, &req).await,
+        _ => Ok(dispatch(app, route, req).await?.map(Either::Left)),
     }
 }
 
@@ -393,6 +516,17 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn every_api_route_needs_a_scope_and_probes_stay_open() {
+        for route in Route::ALL {
+            assert_eq!(
+                required_scope(&route).is_none(),
+                !route.is_api(),
+                "{route:?}: a route outside the API is open, every API route needs a scope"
+            );
+        }
     }
 
     #[test]

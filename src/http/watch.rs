@@ -92,12 +92,13 @@ pub async fn all(app: &Arc<App>, req: &Request<Incoming>) -> Result<Response<Htt
 /// query is checked either way: an unknown parameter is refused even next to the header.
 fn resume_point(req: &Request<Incoming>) -> Result<Resume, ApiError> {
     let from = from_version(req)?;
-    let last_event_id = super::at_most_one(req.headers(), "last-event-id").map_err(|_| {
-        ApiError::bad_request(
-            "BAD_LAST_EVENT_ID",
-            "send one Last-Event-ID header, not several",
-        )
-    })?;
+    let last_event_id =
+        super::headers::at_most_one(req.headers(), "last-event-id").map_err(|_| {
+            ApiError::bad_request(
+                "BAD_LAST_EVENT_ID",
+                "send one Last-Event-ID header, not several",
+            )
+        })?;
     if let Some(v) = last_event_id {
         let n = v
             .to_str()

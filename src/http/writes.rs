@@ -15,9 +15,11 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use super::accounts::BalanceBody;
-use super::body::{Resp, json_response, read_json};
+use super::body::read_json;
+use super::deadline::{request_deadline, took_too_long};
 use super::error::ApiError;
 use super::idempotency::{self, IdempotencyKey};
+use super::response::{Resp, json_response};
 use crate::account::{AccountId, AmountCents, Operation};
 use crate::app::App;
 use crate::auth::Caller;
@@ -196,9 +198,9 @@ where
     let key = IdempotencyKey::from_headers(req.headers(), caller.as_ref().map(|c| c.id.as_str()))?;
     tracing::Span::current().record("key_hash", key.short_hash().as_str());
     // The body read is bounded as any request is; the write is bounded below.
-    let body: B = tokio::time::timeout(super::request_deadline(app), read_json(req))
+    let body: B = tokio::time::timeout(request_deadline(app), read_json(req))
         .await
-        .map_err(|_| super::took_too_long())??;
+        .map_err(|_| took_too_long())??;
     let op = build(body, key.event_id)?;
     super::auth::authorize_operation(app, caller.as_ref(), &op)?;
     // Read just after the replica stood still, the request may have waited unread through
@@ -229,7 +231,7 @@ where
     // The loop stops trying at its deadline, but a store call under way then runs to its own
     // timeout: past this backstop the answer is "not known yet", with the key, and the task
     // goes on to record the outcome for the retry.
-    let answer = match tokio::time::timeout(super::request_deadline(app), task).await {
+    let answer = match tokio::time::timeout(request_deadline(app), task).await {
         Ok(Ok(answer)) => answer,
         Ok(Err(e)) => Err(WriteError::Invariant {
             what: format!("the write task failed: {e}"),

@@ -258,7 +258,7 @@ pub const READ_BACK_WINDOW: u64 = 512;
 pub const MAX_RUN_READ_PAGES: usize = 256;
 
 /// The longest one read-back of a device run may take. A device sync's backstop covers its
-/// store write and this (`http::route_deadline`), so a slow store's answer is the
+/// store write and this (`device_sync_deadline` in `http/layer/timeout.rs`), so a slow store's answer is the
 /// documented retryable `SYNC_UNVERIFIED`, not the backstop's generic 503.
 pub const READ_BACK_BUDGET: std::time::Duration = std::time::Duration::from_secs(4);
 

@@ -1,5 +1,6 @@
-//! One connection's side of the gate: the socket wrapper that takes a slot before reading,
-//! and the handle a request's handler uses to keep it.
+//! One connection's side of the gate: its state (a slot held, a pass, queued, serving,
+//! streaming), what its socket wrapper ([`super::io`]) decides with it before reading, and
+//! the handle a request's handler uses to keep or give back its slot.
 //!
 //! The rules, in the order a request meets them:
 //! 1. With no request being served, a read waits until the socket is readable, then for a
@@ -33,7 +34,7 @@
 //!    and never reads the answers would otherwise hold it for as long as it likes, as a
 //!    slow body would (rule 5).
 //!
-//! How an idle connection waits: it leaves a callback ([`OnReadable`]) with its socket
+//! How an idle connection waits: it leaves a callback ([`OnReadable`](super::io)) with its socket
 //! instead of its task's waker. When its client's next request arrives the callback takes a
 //! free slot, or lets a probe through, or puts the connection in the gate's queue, and only
 //! then wakes the task, once, to read. Under overload nearly every request waits at the
@@ -44,18 +45,17 @@
 //! connections than waking the task to wait on a semaphore with a timeout.
 
 use std::future::{Future, poll_fn};
-use std::io;
-use std::pin::{Pin, pin};
+use std::pin::pin;
 use std::sync::{Arc, Weak};
-use std::task::{Context, Poll, Wake, Waker, ready};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
+use tokio::io::ReadBuf;
 use tokio::net::TcpStream;
 
-use super::super::write_stall::WriteStall;
-use super::{Gate, Slot};
+use super::slots::{Gate, Slot, Waiting};
+use crate::http::config::HEADER_READ_TIMEOUT;
 
 /// Request lines that never wait at the gate (rule 3), as their first bytes on the wire.
 const UNGATED: [&[u8]; 3] = [b"GET /healthz", b"GET /readyz", b"GET /metrics"];
@@ -68,19 +68,19 @@ const HEAD_TIMER_MARGIN: Duration = Duration::from_secs(1);
 /// A connection's side of the gate, shared by its socket wrapper, its readiness callback,
 /// the handler of its current request and (weakly) the gate's queue.
 pub struct ConnSlot {
-    gate: Arc<Gate>,
+    pub(super) gate: Arc<Gate>,
     /// The socket, for the readiness callback to peek at; gone once the connection is.
     stream: Weak<TcpStream>,
-    state: Mutex<State>,
+    pub(super) state: Mutex<State>,
 }
 
 #[derive(Default)]
-struct State {
+pub(super) struct State {
     slot: Option<Slot>,
     /// The current request may be read without a slot (rules 2 and 3).
     pass: bool,
     /// In the gate's queue, to be handed a slot or let through.
-    queued: bool,
+    pub(super) queued: bool,
     /// A request's handler is running: reads are for its body or hyper's check that the
     /// client is still there, and take no slot of their own.
     serving: bool,
@@ -96,7 +96,7 @@ struct State {
 }
 
 impl State {
-    fn may_read(&self) -> bool {
+    pub(super) fn may_read(&self) -> bool {
         self.serving || self.streaming || self.slot.is_some() || self.pass
     }
 
@@ -104,12 +104,11 @@ impl State {
     /// waits that ran out through) before hyper's head-read timer, running since the
     /// connection went idle, closes the connection (rule 2).
     fn may_wait(&self, wait: Duration) -> bool {
-        self.idle_since.is_none_or(|idle| {
-            idle.elapsed() + wait + HEAD_TIMER_MARGIN < super::super::HEADER_READ_TIMEOUT
-        })
+        self.idle_since
+            .is_none_or(|idle| idle.elapsed() + wait + HEAD_TIMER_MARGIN < HEADER_READ_TIMEOUT)
     }
 
-    fn keep_waker(&mut self, waker: &Waker) {
+    pub(super) fn keep_waker(&mut self, waker: &Waker) {
         if !self.waker.as_ref().is_some_and(|w| w.will_wake(waker)) {
             self.waker = Some(waker.clone());
         }
@@ -117,7 +116,7 @@ impl State {
 }
 
 /// What rule 1 decided for a readable socket.
-enum Decision {
+pub(super) enum Decision {
     /// A slot or a pass: read.
     Read,
     /// Queued at the gate.
@@ -127,7 +126,7 @@ enum Decision {
 }
 
 /// What the first bytes waiting in a socket are.
-enum Peeked {
+pub(super) enum Peeked {
     /// An API request's: it waits for a slot.
     Request,
     /// A probe's or a scrape's, or the end of the connection: let through (rule 3).
@@ -194,7 +193,7 @@ impl ConnSlot {
         Self::with_stream(gate, Weak::new())
     }
 
-    fn with_stream(gate: Arc<Gate>, stream: Weak<TcpStream>) -> Arc<Self> {
+    pub(super) fn with_stream(gate: Arc<Gate>, stream: Weak<TcpStream>) -> Arc<Self> {
         Arc::new(ConnSlot {
             gate,
             stream,
@@ -212,7 +211,11 @@ impl ConnSlot {
 
     /// Rule 1 for a readable socket, under the connection's lock: a free slot, else a pass
     /// for a probe or a closed connection, else the queue.
-    fn decide(self: &Arc<Self>, s: &mut State, peek: impl FnOnce() -> Peeked) -> Decision {
+    pub(super) fn decide(
+        self: &Arc<Self>,
+        s: &mut State,
+        peek: impl FnOnce() -> Peeked,
+    ) -> Decision {
         debug_assert!(!s.may_read() && !s.queued && !s.closed);
         if let Some(slot) = self.gate.try_take() {
             s.slot = Some(slot);
@@ -234,7 +237,10 @@ impl ConnSlot {
             self.wait_ran_out(s);
             return Decision::Read;
         }
-        match self.gate.take_or_wait(self) {
+        match self
+            .gate
+            .take_or_wait(Arc::downgrade(self) as Weak<dyn Waiting>)
+        {
             Some(slot) => {
                 s.slot = Some(slot);
                 Decision::Read
@@ -291,32 +297,6 @@ impl ConnSlot {
         poll_fn(|cx| self.poll_client_gone(cx)).await
     }
 
-    /// The gate hands this queued connection a slot.
-    pub(super) fn hand(&self, slot: Slot) {
-        let mut s = self.state.lock();
-        if s.closed || !s.queued {
-            drop(s);
-            // Released again, to the next in line.
-            drop(slot);
-            return;
-        }
-        debug_assert!(s.slot.is_none(), "a queued connection holds no slot");
-        s.queued = false;
-        s.slot = Some(slot);
-        Self::wake(s);
-    }
-
-    /// Rule 2: this queued connection waited its full time; it reads without a slot.
-    pub(super) fn let_through(&self) {
-        let mut s = self.state.lock();
-        if s.closed || !s.queued {
-            return;
-        }
-        s.queued = false;
-        self.wait_ran_out(&mut s);
-        Self::wake(s);
-    }
-
     /// Rule 2's outcome, counted: the request is read without a slot.
     fn wait_ran_out(&self, s: &mut State) {
         self.gate.metrics.http_gate_waits_expired.inc();
@@ -332,8 +312,8 @@ impl ConnSlot {
         }
     }
 
-    /// The socket became readable while the connection was idle (see [`OnReadable`]).
-    fn on_readable(self: &Arc<Self>) {
+    /// The socket became readable while the connection was idle (see `OnReadable` in [`super::io`]).
+    pub(super) fn on_readable(self: &Arc<Self>) {
         let mut s = self.state.lock();
         if s.closed || s.queued {
             return;
@@ -353,7 +333,7 @@ impl ConnSlot {
 
     /// Rule 1: a read found nothing; unless a request is being served (false), the
     /// connection is idle again and its slot or pass goes back.
-    fn go_idle(&self) -> bool {
+    pub(super) fn go_idle(&self) -> bool {
         let mut s = self.state.lock();
         if s.serving || s.streaming {
             return false;
@@ -393,7 +373,7 @@ impl ConnSlot {
     /// Rule 7: a write found the socket full. Unless a handler is still running, the slot
     /// goes back: waiting for a client to read takes no CPU the gate shares out. The next
     /// request takes one again (rules 1 and 4).
-    fn write_blocked(&self) {
+    pub(super) fn write_blocked(&self) {
         let mut s = self.state.lock();
         if s.serving {
             return;
@@ -435,7 +415,7 @@ impl ConnSlot {
 /// Rule 3: whether the bytes waiting in `stream` start a probe or a scrape (peeked, not
 /// read). A connection its client closed (or broke) has nothing to wait for either:
 /// reading tells hyper to close it now. `Nothing` when the readiness was stale.
-fn peek(stream: &TcpStream, cx: &mut Context<'_>) -> Peeked {
+pub(super) fn peek(stream: &TcpStream, cx: &mut Context<'_>) -> Peeked {
     let mut bytes = [0u8; PEEK_BYTES];
     let mut buf = ReadBuf::new(&mut bytes);
     match stream.poll_peek(cx, &mut buf) {
@@ -448,193 +428,30 @@ fn peek(stream: &TcpStream, cx: &mut Context<'_>) -> Peeked {
     }
 }
 
-/// Reads what the socket holds into `buf`. A read that did not fill `buf` emptied the
-/// socket's receive queue, so the socket's readiness is cleared with it, as tokio's own
-/// `TcpStream` reads do: the next poll then waits for new bytes instead of asking the
-/// kernel once more only to hear `WouldBlock` (a system call per request saved). The
-/// readiness is cleared against the event seen *before* the read, so bytes that arrive
-/// meanwhile keep their wake-up.
-fn read_draining(stream: &TcpStream, buf: &mut ReadBuf<'_>) -> io::Result<()> {
-    let room = buf.remaining();
-    let mut read = 0;
-    let drained = stream.try_io(Interest::READABLE, || {
-        read = stream.try_read_buf(buf)?;
-        if read > 0 && read < room {
-            // Clears the readiness; the bytes read are returned below.
-            return Err(io::ErrorKind::WouldBlock.into());
+impl Waiting for ConnSlot {
+    /// The gate hands this queued connection a slot.
+    fn hand(&self, slot: Slot) {
+        let mut s = self.state.lock();
+        if s.closed || !s.queued {
+            drop(s);
+            // Released again, to the next in line.
+            drop(slot);
+            return;
         }
-        Ok(())
-    });
-    match drained {
-        Err(e) if e.kind() == io::ErrorKind::WouldBlock && read > 0 => Ok(()),
-        other => other,
-    }
-}
-
-/// The waker an idle connection leaves with its socket.
-struct OnReadable(Weak<ConnSlot>);
-
-impl Wake for OnReadable {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
+        debug_assert!(s.slot.is_none(), "a queued connection holds no slot");
+        s.queued = false;
+        s.slot = Some(slot);
+        Self::wake(s);
     }
 
-    fn wake_by_ref(self: &Arc<Self>) {
-        if let Some(conn) = self.0.upgrade() {
-            conn.on_readable();
+    /// Rule 2: this queued connection waited its full time; it reads without a slot.
+    fn let_through(&self) {
+        let mut s = self.state.lock();
+        if s.closed || !s.queued {
+            return;
         }
-    }
-}
-
-/// A client socket whose reads pass the gate (rules 1 to 3).
-///
-/// The socket is shared with the readiness callback (which peeks at it), so reads and
-/// writes go through tokio's `&self` readiness API (`poll_*_ready` then `try_*`), as its
-/// own `AsyncRead` for `TcpStream` does.
-pub struct GatedIo {
-    stream: Arc<TcpStream>,
-    conn: Arc<ConnSlot>,
-    /// [`OnReadable`] for this connection, made once.
-    readable: Waker,
-    /// How long a write may wait for the client to take any of it (`--write-stall-secs`).
-    stall: WriteStall,
-}
-
-impl GatedIo {
-    /// Wraps `stream`; the returned [`ConnSlot`] is the handle its requests' handlers use.
-    pub fn new(stream: TcpStream, gate: Arc<Gate>, stall_limit: Duration) -> (Self, Arc<ConnSlot>) {
-        let stream = Arc::new(stream);
-        let conn = ConnSlot::with_stream(gate, Arc::downgrade(&stream));
-        let readable = Waker::from(Arc::new(OnReadable(Arc::downgrade(&conn))));
-        let stall = WriteStall::new(stall_limit, conn.gate.metrics.http_write_stalls.clone());
-        let io = GatedIo {
-            stream,
-            conn: conn.clone(),
-            readable,
-            stall,
-        };
-        (io, conn)
-    }
-
-    /// The socket's write readiness. A full socket gives the slot back (rule 7), and one
-    /// that stays full for the stall limit fails the write, which closes the connection: a
-    /// client that reads nothing holds neither a slot nor a connection for ever.
-    fn poll_write_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        if let Poll::Ready(ready) = self.stream.poll_write_ready(cx) {
-            self.stall.cleared();
-            return Poll::Ready(ready);
-        }
-        self.conn.write_blocked();
-        self.stall.full(cx).map(Err)
-    }
-
-    /// Ready once this connection holds a slot or may read without one.
-    fn poll_slot(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        loop {
-            {
-                let mut s = self.conn.state.lock();
-                if s.may_read() {
-                    return Poll::Ready(Ok(()));
-                }
-                s.keep_waker(cx.waker());
-                if s.queued {
-                    return Poll::Pending;
-                }
-            }
-            // Idle: from here readiness goes to the callback, not to this task.
-            ready!(
-                self.stream
-                    .poll_read_ready(&mut Context::from_waker(&self.readable))
-            )?;
-            let mut s = self.conn.state.lock();
-            if s.may_read() || s.queued {
-                // The callback decided first.
-                continue;
-            }
-            match self.conn.decide(&mut s, || peek(&self.stream, cx)) {
-                Decision::Read => return Poll::Ready(Ok(())),
-                Decision::Wait => return Poll::Pending,
-                // The peek found nothing and cleared the readiness: register again.
-                Decision::Stale => continue,
-            }
-        }
-    }
-}
-
-impl Drop for GatedIo {
-    fn drop(&mut self) {
-        self.conn.close();
-    }
-}
-
-impl AsyncRead for GatedIo {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        loop {
-            ready!(this.poll_slot(cx))?;
-            match this.stream.poll_read_ready(cx) {
-                Poll::Ready(Ok(())) => match read_draining(&this.stream, buf) {
-                    Ok(()) => return Poll::Ready(Ok(())),
-                    // The readiness is cleared; the next round waits for the socket.
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                    Err(e) => return Poll::Ready(Err(e)),
-                },
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                // Nothing to read. Serving a request, the task waits for its socket; idle,
-                // the slot goes back and the next round leaves the callback with the socket.
-                Poll::Pending if this.conn.go_idle() => {}
-                Poll::Pending => return Poll::Pending,
-            }
-        }
-    }
-}
-
-impl AsyncWrite for GatedIo {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        loop {
-            ready!(this.poll_write_ready(cx))?;
-            match this.stream.try_write(buf) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                written => return Poll::Ready(written),
-            }
-        }
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        loop {
-            ready!(this.poll_write_ready(cx))?;
-            match this.stream.try_write_vectored(bufs) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                written => return Poll::Ready(written),
-            }
-        }
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        true
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-        // Writes go straight to the socket.
-        Poll::Ready(Ok(()))
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-        // What tokio's own `poll_shutdown` for a `TcpStream` does, from a shared reference.
-        Poll::Ready(socket2::SockRef::from(&*self.stream).shutdown(std::net::Shutdown::Write))
+        s.queued = false;
+        self.wait_ran_out(&mut s);
+        Self::wake(s);
     }
 }
