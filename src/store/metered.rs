@@ -34,7 +34,7 @@ impl MeteredLog {
 }
 
 /// A bounded label for a store result.
-fn result_label<T>(result: &StoreResult<T>) -> &'static str {
+pub(super) fn result_label<T>(result: &StoreResult<T>) -> &'static str {
     match result {
         Ok(_) => "ok",
         Err(StoreError::Conflict { .. }) => "conflict",

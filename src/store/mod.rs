@@ -23,6 +23,7 @@
 //!   vouch that nothing was missed it says so with [`WatchItem::Gap`], never silently.
 
 pub mod celeriant;
+pub mod combine;
 pub mod config;
 pub mod faults;
 pub mod memory;
