@@ -21,6 +21,9 @@ use tally::store::{
     ReadFilter, ReadPage, SharedLog, StoreError, StoreResult,
 };
 
+#[path = "common/required.rs"]
+mod required;
+
 const CLIENT: ClientId = 7;
 const ACCOUNTS: u128 = 1;
 
@@ -397,4 +400,117 @@ async fn combining_off_sends_every_write_alone() {
     );
     assert_eq!((a, b), (Ok(vec![1]), Ok(vec![1])));
     assert_eq!(s.recorder.sizes(), vec![1, 1]);
+}
+
+/// The same rules on a real Celeriant server (through `scripts/with-celeriant.sh`).
+mod live {
+    use super::*;
+    use tally::store::celeriant::{CeleriantConfig, CeleriantLog};
+
+    fn on(var: &str) -> Option<Stack> {
+        let address = required::var(
+            var,
+            "run through scripts/with-celeriant.sh (make test does), which starts the servers",
+        )?;
+        let real: SharedLog = Arc::new(
+            CeleriantLog::connect(&CeleriantConfig {
+                address,
+                ..CeleriantConfig::default()
+            })
+            .expect("valid config"),
+        );
+        let memory = Arc::new(MemoryLog::new());
+        let recorder = Arc::new(Recorder {
+            inner: real,
+            requests: Mutex::new(Vec::new()),
+            cross_shard: false,
+        });
+        let metrics = Arc::new(Metrics::new());
+        Some(Stack {
+            log: CombiningLog::new(recorder.clone(), CombineConfig::default(), metrics.clone()),
+            recorder,
+            faults: Arc::new(FaultyLog::new(memory.clone(), FaultConfig::default())),
+            memory,
+            metrics,
+        })
+    }
+
+    /// Writes on fresh aggregates of one fresh org (each run meets a clean store).
+    fn fresh(ids: &mut [u128]) {
+        let base = uuid::Uuid::new_v4().as_u128() & !0xffff;
+        for id in ids.iter_mut() {
+            *id += base;
+        }
+    }
+
+    #[tokio::test]
+    async fn on_the_real_server_a_stale_member_is_answered_alone_and_the_others_land() {
+        let Some(s) = on("CELERIANT_ADDRESS") else {
+            return;
+        };
+        let mut ids = [1, 2, 3];
+        fresh(&mut ids);
+        let [a, b, c] = ids;
+        s.log.write(CLIENT, write(a, 1, 0)).await.expect("lands");
+        let (stale, fresh_b, fresh_c) = tokio::join!(
+            s.log.write(CLIENT, write(a, 2, 0)),
+            s.log.write(CLIENT, write(b, 1, 0)),
+            s.log.write(CLIENT, write(c, 1, 0)),
+        );
+        assert!(
+            matches!(stale, Err(StoreError::Conflict { .. })),
+            "{stale:?}"
+        );
+        assert_eq!((fresh_b, fresh_c), (Ok(vec![1]), Ok(vec![1])));
+        assert_eq!(s.recorder.sizes(), vec![1, 3, 1, 1, 1]);
+        let (again_a, next_b) = tokio::join!(
+            s.log.write(CLIENT, write(a, 2, 1)),
+            s.log.write(CLIENT, write(b, 2, 1)),
+        );
+        assert_eq!((again_a, next_b), (Ok(vec![2]), Ok(vec![2])));
+        assert_eq!(s.recorder.sizes().last(), Some(&2), "combined again");
+    }
+
+    #[tokio::test]
+    async fn on_a_server_that_routes_accounts_apart_combining_turns_off_and_every_write_lands() {
+        let Some(s) = on("CELERIANT_SHARDED_ADDRESS") else {
+            return;
+        };
+        let mut ids: Vec<u128> = (1..=32).collect();
+        fresh(&mut ids);
+        let results =
+            futures_join_all(ids.iter().map(|&id| s.log.write(CLIENT, write(id, 1, 0)))).await;
+        for (id, r) in ids.iter().zip(&results) {
+            assert_eq!(r, &Ok(vec![1]), "account {id}");
+        }
+        // 32 accounts over two shards by id: the request spanned both (all on one: 2^-31).
+        assert!(!s.log.is_combining());
+        assert_eq!(splits(&s.metrics, "cross_shard"), 1);
+    }
+
+    /// Polls every future together in one task, as `join!` does for a fixed number.
+    async fn futures_join_all<F: std::future::Future>(
+        futs: impl Iterator<Item = F>,
+    ) -> Vec<F::Output> {
+        let mut futs: Vec<_> = futs.map(Box::pin).collect();
+        let mut out: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
+        std::future::poll_fn(|cx| {
+            let mut done = true;
+            for (f, o) in futs.iter_mut().zip(out.iter_mut()) {
+                if o.is_none() {
+                    match f.as_mut().poll(cx) {
+                        std::task::Poll::Ready(v) => *o = Some(v),
+                        std::task::Poll::Pending => done = false,
+                    }
+                }
+            }
+            if done {
+                std::task::Poll::Ready(())
+            } else {
+                std::task::Poll::Pending
+            }
+        })
+        .await;
+        out.into_iter().map(|o| o.expect("finished")).collect()
+    }
 }

@@ -201,7 +201,7 @@ impl Shared {
         self.observe(combined.members.len(), combined.writes.len());
         let result = self
             .inner
-            .write(combined.client_id, combined.writes.clone())
+            .write_combined(combined.client_id, combined.writes.clone())
             .await;
         let client_id = combined.client_id;
         if let Some(alone) = combined.settle(result, self) {

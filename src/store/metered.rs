@@ -62,6 +62,17 @@ impl EventLog for MeteredLog {
         r
     }
 
+    async fn write_combined(
+        &self,
+        client_id: ClientId,
+        writes: Vec<AggregateWrite>,
+    ) -> StoreResult<Vec<u64>> {
+        let t = Instant::now();
+        let r = self.inner.write_combined(client_id, writes).await;
+        self.observe("write", t, &r);
+        r
+    }
+
     async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage> {
         let t = Instant::now();
         let r = self.inner.read(key, filter).await;

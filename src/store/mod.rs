@@ -259,6 +259,18 @@ pub trait EventLog: Send + Sync + 'static {
         writes: Vec<AggregateWrite>,
     ) -> StoreResult<Vec<u64>>;
 
+    /// [`EventLog::write`] for a request whose caller does not need a refusal restated in
+    /// the port's check order: it sends every member again alone on any refusal and learns
+    /// each member's own answer then (group commit, `combine`). A backend whose server answers
+    /// a multi-aggregate refusal in another order may skip the reads that restate it.
+    async fn write_combined(
+        &self,
+        client_id: ClientId,
+        writes: Vec<AggregateWrite>,
+    ) -> StoreResult<Vec<u64>> {
+        self.write(client_id, writes).await
+    }
+
     /// Reads one page of batches. Reading a missing aggregate is `AggregateNotFound`.
     async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage>;
 
