@@ -18,6 +18,7 @@ use crate::reader::AccountReader;
 use crate::stall::StallWatch;
 use crate::startup::Startup;
 use crate::store::celeriant::CeleriantLog;
+use crate::store::combine::CombiningLog;
 use crate::store::config::StoreKind;
 use crate::store::faults::FaultyLog;
 use crate::store::memory::MemoryLog;
@@ -136,7 +137,13 @@ impl AppBuilder {
         metrics
             .fault_injection_enabled
             .set(i64::from(faults.is_some()));
-        let log: SharedLog = Arc::new(MeteredLog::new(inner, metrics.clone()));
+        let metered: SharedLog = Arc::new(MeteredLog::new(inner, metrics.clone()));
+        // Combining sits above the meter, so the store's request counts are requests sent.
+        let log: SharedLog = Arc::new(CombiningLog::new(
+            metered,
+            config.combine(),
+            metrics.clone(),
+        ));
         let clock = self
             .clock
             .unwrap_or_else(|| Arc::new(MonotonicClock::new()));

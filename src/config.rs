@@ -20,6 +20,7 @@ use crate::auth::{AuthConfig, Authenticator};
 use crate::http::config::{HttpConfig, MAX_ACTIVE_REQUESTS};
 use crate::projection::ProjectionConfig;
 use crate::projection::config::{ProjectionFlags, ProjectionKind};
+use crate::store::combine::{self, CombineConfig};
 use crate::store::config::{StoreFlags, StoreKind};
 use crate::watch::WatchConfig;
 use crate::write_loop::{
@@ -164,6 +165,21 @@ pub struct WriteFlags {
     /// Batch single-account writes that queue on one account into one store write.
     #[arg(hide = true, long, env = "TALLY_BATCHING", default_value_t = true, action = clap::ArgAction::Set)]
     pub batching: bool,
+
+    /// Send writes of different accounts that are ready at once as one store request (group
+    /// commit). Needs a store that keeps every account on one shard (Celeriant's
+    /// `--routing-rule aggregate_type_id`); on any other it turns itself off at the first
+    /// refusal.
+    #[arg(long, env = "TALLY_COMBINE_WRITES", default_value_t = true, action = clap::ArgAction::Set)]
+    pub combine_writes: bool,
+
+    /// Store writes in flight at once while combining.
+    #[arg(hide = true, long, env = "TALLY_COMBINE_MAX_IN_FLIGHT", default_value_t = combine::DEFAULT_MAX_IN_FLIGHT, value_parser = count(combine::MAX_IN_FLIGHT))]
+    pub combine_max_in_flight: usize,
+
+    /// The most accounts one combined store write carries.
+    #[arg(hide = true, long, env = "TALLY_COMBINE_MAX_AGGREGATES", default_value_t = combine::DEFAULT_MAX_AGGREGATES, value_parser = count(combine::MAX_AGGREGATES))]
+    pub combine_max_aggregates: usize,
 }
 
 /// A configuration that cannot run.
@@ -330,6 +346,14 @@ impl Config {
             max_index_entries: self.projection.max_index_entries,
             scan_window: (self.idempotency_scan_window > 0)
                 .then(|| Duration::from_secs(self.idempotency_scan_window)),
+        }
+    }
+
+    pub fn combine(&self) -> CombineConfig {
+        CombineConfig {
+            enabled: self.write.combine_writes,
+            max_in_flight: self.write.combine_max_in_flight,
+            max_aggregates: self.write.combine_max_aggregates,
         }
     }
 

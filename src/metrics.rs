@@ -16,6 +16,8 @@ const LATENCY_BUCKETS: &[f64] = &[
 ];
 /// Small-count buckets: attempts per write, round trips per write, events per batch.
 const COUNT_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0];
+/// Writes or aggregates in one combined store request (up to `--combine-max-aggregates`).
+const GROUP_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0];
 
 /// Why the write side refused a request before sending anything, the values of the
 /// `reason` label of `tally_write_refused_total`.
@@ -124,6 +126,9 @@ pub struct Metrics {
     pub store_requests: IntCounterVec,
     pub store_duration: HistogramVec,
     pub store_round_trips_per_write: Histogram,
+    pub store_write_group: Histogram,
+    pub store_write_aggregates: Histogram,
+    pub store_write_splits: IntCounterVec,
     // Projection
     pub events_folded: IntCounter,
     pub catchup_duration: Histogram,
@@ -326,6 +331,24 @@ impl Metrics {
                 "tally_store_round_trips_per_write",
                 "Store round trips (reads and writes) one write request cost.",
                 COUNT_BUCKETS,
+            ),
+            store_write_group: histogram(
+                r,
+                "tally_store_write_group_size",
+                "Writes (one per write-loop batch) combined into one store write request.",
+                GROUP_BUCKETS,
+            ),
+            store_write_aggregates: histogram(
+                r,
+                "tally_store_write_aggregates",
+                "Aggregates (accounts) carried by one store write request.",
+                GROUP_BUCKETS,
+            ),
+            store_write_splits: counter_vec(
+                r,
+                "tally_store_write_splits_total",
+                "Combined store writes refused as a whole and sent again one write at a time, by the store's answer.",
+                &["cause"],
             ),
             events_folded: counter(
                 r,

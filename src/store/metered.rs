@@ -34,7 +34,7 @@ impl MeteredLog {
 }
 
 /// A bounded label for a store result.
-fn result_label<T>(result: &StoreResult<T>) -> &'static str {
+pub(super) fn result_label<T>(result: &StoreResult<T>) -> &'static str {
     match result {
         Ok(_) => "ok",
         Err(StoreError::Conflict { .. }) => "conflict",
@@ -58,6 +58,17 @@ impl EventLog for MeteredLog {
     ) -> StoreResult<Vec<u64>> {
         let t = Instant::now();
         let r = self.inner.write(client_id, writes).await;
+        self.observe("write", t, &r);
+        r
+    }
+
+    async fn write_combined(
+        &self,
+        client_id: ClientId,
+        writes: Vec<AggregateWrite>,
+    ) -> StoreResult<Vec<u64>> {
+        let t = Instant::now();
+        let r = self.inner.write_combined(client_id, writes).await;
         self.observe("write", t, &r);
         r
     }

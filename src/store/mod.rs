@@ -23,6 +23,7 @@
 //!   vouch that nothing was missed it says so with [`WatchItem::Gap`], never silently.
 
 pub mod celeriant;
+pub mod combine;
 pub mod config;
 pub mod faults;
 pub mod memory;
@@ -257,6 +258,18 @@ pub trait EventLog: Send + Sync + 'static {
         client_id: ClientId,
         writes: Vec<AggregateWrite>,
     ) -> StoreResult<Vec<u64>>;
+
+    /// [`EventLog::write`] for a request whose caller does not need a refusal restated in
+    /// the port's check order: it sends every member again alone on any refusal and learns
+    /// each member's own answer then (group commit, `combine`). A backend whose server answers
+    /// a multi-aggregate refusal in another order may skip the reads that restate it.
+    async fn write_combined(
+        &self,
+        client_id: ClientId,
+        writes: Vec<AggregateWrite>,
+    ) -> StoreResult<Vec<u64>> {
+        self.write(client_id, writes).await
+    }
 
     /// Reads one page of batches. Reading a missing aggregate is `AggregateNotFound`.
     async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage>;

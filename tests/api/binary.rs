@@ -15,9 +15,11 @@ use crate::common::{self, new_account};
 
 /// The flags only useful for measuring the design (BENCHMARKS.md, "Flags for measuring the
 /// design"): taken, but hidden from `--help`.
-const HIDDEN_FLAGS: [&str; 4] = [
+const HIDDEN_FLAGS: [&str; 6] = [
     "one-round-trip",
     "batching",
+    "combine-max-in-flight",
+    "combine-max-aggregates",
     "min-active-requests",
     "max-active-requests",
 ];
@@ -37,7 +39,7 @@ const HEADINGS: [&str; 10] = [
 ];
 
 /// Every flag `--help` shows, each settable from the environment.
-const FLAGS: [&str; 54] = [
+const FLAGS: [&str; 55] = [
     // Authentication, rate limits and the admin listener.
     "auth",
     "auth-secret-file",
@@ -68,6 +70,7 @@ const FLAGS: [&str; 54] = [
     "write-deadline-ms",
     "write-max-attempts",
     "max-batch-events",
+    "combine-writes",
     "max-resident-accounts",
     "idle-timeout-secs",
     "shutdown-grace-secs",

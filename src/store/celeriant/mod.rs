@@ -223,14 +223,21 @@ impl CeleriantLog {
     }
 }
 
-#[async_trait]
-impl EventLog for CeleriantLog {
+/// Whether a refused multi-aggregate write is restated in the port's check order.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Restate {
+    InPortOrder,
+    AsTheServerSaid,
+}
+
+impl CeleriantLog {
     /// One `WriteRequest` carrying one `SingleAggregateWrite` per aggregate. An aggregate may
     /// appear once per write.
-    async fn write(
+    async fn send_write(
         &self,
         client_id: ClientId,
         writes: Vec<AggregateWrite>,
+        restate: Restate,
     ) -> StoreResult<Vec<u64>> {
         let estimate = estimated_request_bytes(&writes);
         if estimate as u64 > MAX_REQUEST_BYTES {
@@ -282,7 +289,7 @@ impl EventLog for CeleriantLog {
             Ok(response) => response,
             Err(e) => {
                 let e = map_error(Op::Write, e);
-                if legs.len() > 1 && order_sensitive(&e) {
+                if restate == Restate::InPortOrder && legs.len() > 1 && order_sensitive(&e) {
                     return Err(self.in_port_order(&legs, e).await);
                 }
                 return Err(e);
@@ -292,6 +299,29 @@ impl EventLog for CeleriantLog {
             ([_], Some(version)) => Ok(vec![version]),
             _ => self.committed_versions(&legs).await,
         }
+    }
+}
+
+#[async_trait]
+impl EventLog for CeleriantLog {
+    async fn write(
+        &self,
+        client_id: ClientId,
+        writes: Vec<AggregateWrite>,
+    ) -> StoreResult<Vec<u64>> {
+        self.send_write(client_id, writes, Restate::InPortOrder)
+            .await
+    }
+
+    /// A combined write's caller sends each member again alone on a refusal: restating the
+    /// refusal would cost a read per member for an answer nobody uses.
+    async fn write_combined(
+        &self,
+        client_id: ClientId,
+        writes: Vec<AggregateWrite>,
+    ) -> StoreResult<Vec<u64>> {
+        self.send_write(client_id, writes, Restate::AsTheServerSaid)
+            .await
     }
 
     async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage> {
