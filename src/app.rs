@@ -137,13 +137,7 @@ impl AppBuilder {
         metrics
             .fault_injection_enabled
             .set(i64::from(faults.is_some()));
-        let metered: SharedLog = Arc::new(MeteredLog::new(inner, metrics.clone()));
-        // Combining sits above the meter, so the store's request counts are requests sent.
-        let log: SharedLog = Arc::new(CombiningLog::new(
-            metered,
-            config.combine(),
-            metrics.clone(),
-        ));
+        let log: SharedLog = Arc::new(MeteredLog::new(inner, metrics.clone()));
         let clock = self
             .clock
             .unwrap_or_else(|| Arc::new(MonotonicClock::new()));
@@ -170,7 +164,15 @@ impl AppBuilder {
                 )
             }
         });
-        let writes = Arc::new(WriteService::new(projection.clone(), config.write()));
+        // Group commit sits between the runs and the store, above the meter (so the store's
+        // request counts are requests sent); nothing else writes through it.
+        let combined: SharedLog = Arc::new(CombiningLog::new(
+            log.clone(),
+            config.combine(),
+            metrics.clone(),
+        ));
+        let writes =
+            Arc::new(WriteService::new(projection.clone(), config.write()).with_log(combined));
         let reader = AccountReader::new(projection.clone()).with_accounts(config.accounts);
         let devices = DeviceSync::new(log.clone(), identity).with_accounts(config.accounts);
         let watch = Hub::new(projection.clone(), metrics.clone(), config.watch.clone());

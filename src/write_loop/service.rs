@@ -29,6 +29,7 @@ use super::{Answer, LegResult, WriteConfig, WriteError, WriteOutcome, WriteReque
 use crate::account::Operation;
 use crate::metrics::{Metrics, refused};
 use crate::projection::Projection;
+use crate::store::SharedLog;
 
 /// First backoff between attempts; doubles per attempt up to [`MAX_BACKOFF`].
 const BASE_BACKOFF: Duration = Duration::from_millis(2);
@@ -53,6 +54,9 @@ impl Drop for LiveGauge<'_> {
 /// The write side of Tally: one instance per replica.
 pub struct WriteService {
     pub(super) projection: Arc<Projection>,
+    /// The store the runs write through: the projection's, or a combining layer over it
+    /// ([`WriteService::with_log`]). Catch-ups, start-up and checkpoints use the projection's.
+    log: SharedLog,
     pub(super) config: WriteConfig,
     pub(super) leaders: LeaderMap,
     pub(super) lanes: Lanes,
@@ -63,12 +67,19 @@ pub struct WriteService {
 impl WriteService {
     pub fn new(projection: Arc<Projection>, config: WriteConfig) -> Self {
         Self {
+            log: projection.log().clone(),
             projection,
             config,
             leaders: DashMap::default(),
             lanes: Lanes::new(config.max_queued_per_account),
             live: Semaphore::new(config.max_live_writes.max(1)),
         }
+    }
+
+    /// Runs write through `log` (it must front the projection's store: group commit).
+    pub fn with_log(mut self, log: SharedLog) -> Self {
+        self.log = log;
+        self
     }
 
     pub fn projection(&self) -> &Arc<Projection> {
@@ -178,7 +189,7 @@ impl WriteService {
         let n = reqs.len();
         let cx = RunContext {
             projection: &self.projection,
-            log: self.projection.log(),
+            log: &self.log,
             identity: *self.projection.identity(),
             metrics: self.metrics(),
             config: self.config,
