@@ -117,6 +117,13 @@ struct EmbeddedArgs {
     /// Events of the account that is trimmed (to its newest batch) before it is read cold.
     #[arg(long, default_value_t = 100_000)]
     trimmed_events: u64,
+    /// After the fill, one replica reads every account once, as a replica serving them would
+    /// have (whatever a fold leaves behind for later replicas is then there), and stays up
+    /// `--prime-wait-secs` after.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    prime: bool,
+    #[arg(long, default_value_t = 5)]
+    prime_wait_secs: u64,
     #[arg(long, default_value_t = 7)]
     seed: u64,
 }
@@ -498,6 +505,30 @@ impl Embedded {
         Ok(())
     }
 
+    /// One replica reads every account once, then stays up a while before it stops.
+    async fn prime(&mut self, ids: &[Uuid]) -> Result<(), Box<dyn std::error::Error>> {
+        if !self.args.prime {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let r = Replica::start(self.log.clone(), self.args.window_secs).await?;
+        for &id in ids {
+            let t = balance(&self.client, &r.base, id).await?;
+            if t.status != 200 {
+                return Err(format!("priming {id}: status {}", t.status).into());
+            }
+        }
+        // No signal yet says a replica has nothing left to write in the background.
+        tokio::time::sleep(Duration::from_secs(self.args.prime_wait_secs)).await;
+        r.stop().await;
+        println!(
+            "embedded-prime accounts={} secs={:.1}",
+            ids.len(),
+            started.elapsed().as_secs_f64()
+        );
+        Ok(())
+    }
+
     /// The floor: a balance read and a deposit on an account this replica already holds warm.
     async fn floor(&mut self, size: u64, id: Uuid) -> Result<(), Box<dyn std::error::Error>> {
         let r = Replica::start(self.log.clone(), self.args.window_secs).await?;
@@ -555,6 +586,13 @@ async fn embedded(args: EmbeddedArgs) -> Result<(), Box<dyn std::error::Error>> 
     }
     let trimmed_events = e.args.trimmed_events;
     let trimmed = e.build("trimmed", trimmed_events).await?;
+    let everyone: Vec<Uuid> = cold
+        .iter()
+        .chain(&hot)
+        .map(|&(_, id)| id)
+        .chain([trimmed])
+        .collect();
+    e.prime(&everyone).await?;
     e.age_past_window();
     let w = e.args.hot_window_events;
     for &(n, id) in &hot {

@@ -22,7 +22,8 @@
 #              - a trimmed account (COLD_TRIMMED_EVENTS events, trimmed with the store's own
 #                trim to its newest batch): the answer a cold replica gives is recorded.
 #   embedded   the same shapes on the embedded store. It lives inside one process, so the fresh
-#              replicas are fresh in-process instances over one store (`cold_history embedded`).
+#              replicas are fresh in-process instances over one store (`cold_history embedded`,
+#              primed the same way).
 #   load       warm write throughput: `tally-load --scenario spread` (COLD_LOAD_ACCOUNTS
 #              accounts, COLD_LOAD_CONNECTIONS connections, COLD_LOAD_SECONDS s), COLD_LOAD_RUNS
 #              times, each on a fresh server and replica.
@@ -345,7 +346,8 @@ part_embedded() {
     run_to "$work/embedded.out" "$history_bin" embedded --sizes "$(IFS=,; echo "${sizes[*]}")" --runs "$runs" \
         --batch-events "$batch_events" --window-secs "$window" \
         --hot-history "$(IFS=,; echo "${hot_history[*]}")" --hot-window-events "$hot_window_events" \
-        --trimmed-events "$trimmed_events" 2>>"$work/embedded.log"
+        --trimmed-events "$trimmed_events" --prime "$([ "$prime" = 1 ] && echo true || echo false)" \
+        --prime-wait-secs "$prime_wait" 2>>"$work/embedded.log"
     emit_from "$work/embedded.out"
     cpu_report embedded
 }
