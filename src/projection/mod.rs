@@ -20,6 +20,8 @@
 //! would double-write; see docs/postgres.md).
 
 mod anchor;
+pub mod checkpoint;
+pub mod checkpoint_writer;
 pub mod clock;
 pub mod config;
 mod existed;
@@ -42,12 +44,14 @@ use crate::account::{AccountEvent, AccountId, Identity};
 use crate::metrics::Metrics;
 use crate::store::{BatchStream, ReadFilter, SharedLog, StoreError};
 pub use anchor::SERVER_CLOCK_RESYNC;
+pub use checkpoint::{CHECKPOINT_TAIL, Checkpoint};
+pub use checkpoint_writer::{CheckpointConfig, TrimReport};
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use index::{RecentIndex, RecentWrite};
 pub use port::{AccountView, Loaded, Recorded};
 pub use postgres::{PgProjection, PostgresSettings};
 pub use scan::{SCAN_MAX_PAGES, SCAN_MAX_VERSIONS, ScanHit};
-pub use state::{AccountState, Broken, FoldContext, MAX_OWN_CLIENT_SEQ, Snapshot};
+pub use state::{AccountState, Broken, CheckpointMark, FoldContext, MAX_OWN_CLIENT_SEQ, Snapshot};
 pub use sweep::SweepStats;
 
 /// How long a write's response stays answerable from the index, unless configured.
@@ -77,6 +81,8 @@ pub struct ProjectionConfig {
     /// Scan on miss: how far back in server time a request the index misses is
     /// looked for in the account's own batches. `None`: off. See [`Projection::scan_for`].
     pub scan_window: Option<Duration>,
+    /// When checkpoints are written, and how history is retained (`checkpoint_writer.rs`).
+    pub checkpoints: CheckpointConfig,
 }
 
 impl Default for ProjectionConfig {
@@ -87,6 +93,7 @@ impl Default for ProjectionConfig {
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             max_index_entries: DEFAULT_MAX_INDEX_ENTRIES,
             scan_window: None,
+            checkpoints: CheckpointConfig::default(),
         }
     }
 }
@@ -167,6 +174,8 @@ pub struct Projection {
     /// Where cursor and index live. Under Postgres the memory fold's map holds the warm
     /// copies of rows (`postgres/warm.rs`).
     backend: Backend,
+    /// Accounts due a checkpoint, for the writer task (`checkpoint_writer.rs`).
+    checkpoint_queue: checkpoint_writer::Queue,
 }
 
 /// The projection backend: both the cursor and the recent-writes index live in it.
@@ -205,6 +214,7 @@ impl Projection {
             store_checks: tokio::sync::watch::Sender::new(0),
             rows_ahead_of_store: AtomicBool::new(false),
             backend: Backend::Memory,
+            checkpoint_queue: checkpoint_writer::Queue::default(),
         }
     }
 
@@ -330,11 +340,14 @@ impl Projection {
             self.backend_name()
         );
         let slot = self.slot(account);
-        let (from, generation) = {
+        let (mut from, generation, cold) = {
             let st = slot.state.lock();
             check_broken(account, &st)?;
-            (st.version + 1, st.generation)
+            (st.version + 1, st.generation, st.version == 0 && !st.warm)
         };
+        if cold {
+            from = self.start_from_checkpoint(account, &slot, generation).await;
+        }
         // The fold dropped in place meanwhile (`regress.rs`): what was read belongs to the
         // old one, and folding it would look like a gap. Retry from the new one.
         let same_fold = |st: &AccountState| {
@@ -386,7 +399,10 @@ impl Projection {
             let result = st.fold(&page, &ctx);
             self.add_index_entries(st.recent.len() as i64 - before as i64);
             match result {
-                Ok(applied) => self.metrics.events_folded.inc_by(applied),
+                Ok(applied) => {
+                    self.metrics.events_folded.inc_by(applied);
+                    self.note_progress(account, &mut st, applied);
+                }
                 Err(broken) => {
                     self.metrics.poisoned_accounts.inc();
                     st.broken = Some(Box::new(broken));
@@ -427,6 +443,22 @@ impl Projection {
     pub fn record_write(&self, slot: &AccountSlot, write: &RecordedWrite<'_>) {
         let expires_at_ms = self.now_ms().saturating_add(self.window_ms());
         self.apply_own_write(&mut slot.state.lock(), write, expires_at_ms);
+    }
+
+    /// [`Projection::record_write`] on `account`, then the checkpoint count: the write's
+    /// events are past the account's checkpoint when the cursor took them.
+    pub(crate) fn record_own_write(
+        &self,
+        account: AccountId,
+        slot: &AccountSlot,
+        write: &RecordedWrite<'_>,
+    ) {
+        let expires_at_ms = self.now_ms().saturating_add(self.window_ms());
+        let mut st = slot.state.lock();
+        self.apply_own_write(&mut st, write, expires_at_ms);
+        if st.version == write.new_version && st.generation == write.generation {
+            self.note_progress(account, &mut st, write.events.len() as u64);
+        }
     }
 
     /// One own write on a held state (the memory fold's, or a Postgres warm copy): its
