@@ -27,7 +27,7 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use super::{AccountSlot, Projection};
 use crate::account::AccountId;
 use crate::metrics::checkpoint_load;
-use crate::store::{Batch, Event, EventType, ReadFilter, StoreError, read_whole};
+use crate::store::{Batch, Event, EventType, StoreError, read_whole};
 
 /// The event type of a checkpoint (in the checkpoint stream, never in an account).
 pub const CHECKPOINT_EVENT: EventType = EventType { major: 1, minor: 0 };
@@ -169,6 +169,24 @@ pub fn pick<'a>(
         .copied()
 }
 
+/// The checkpoint a fold starts from: [`pick`]; on a stream known trimmed below
+/// `trimmed_at`, among the checkpoints at or above it only, and when none of those is a
+/// window old, the lowest of them. Below a trim no fold can replay anything, so the
+/// checkpoint the trim was made at (a window old by the trimmer's clock, which may run a
+/// little ahead of this replica's estimate) is the most a fold can start from.
+pub fn pick_readable(
+    tail: &Tail,
+    tip_ms: u64,
+    window_ms: u64,
+    trimmed_at: Option<u64>,
+) -> Option<Checkpoint> {
+    let Some(floor) = trimmed_at else {
+        return pick(tail.iter(), tip_ms, window_ms);
+    };
+    let readable = || tail.iter().filter(move |c| c.version >= floor);
+    pick(readable(), tip_ms, window_ms).or_else(|| readable().min_by_key(|c| c.version).copied())
+}
+
 /// The checkpoint stream's tail, as one read gives it.
 #[derive(Clone, Debug, Default)]
 pub struct Tail {
@@ -212,16 +230,14 @@ impl Projection {
             .saturating_sub(CHECKPOINT_TAIL)
             .max(details.min_available_version)
             .max(1);
-        let filter = ReadFilter {
-            to_version: Some(details.max_version),
-            ..ReadFilter::from_version(from)
-        };
-        let page = self.log.read(key, &filter).await?;
+        // Proven whole: a read served behind the tip would hide the newest checkpoints, and
+        // a fold or a trim would take "none old enough" from it.
+        let batches = read_whole(self.log.as_ref(), key, from, details.max_version).await?;
         let mut tail = Tail {
             stream_version: details.max_version,
             ..Tail::default()
         };
-        for b in &page.batches {
+        for b in &batches {
             for event in b.events.iter() {
                 match Checkpoint::decode(event) {
                     Some(cp) => tail.checkpoints.push((b.version, cp)),
@@ -245,50 +261,72 @@ impl Projection {
                 .first()
                 .map_or(Err(Mismatch::Missing), |b| cp.check(b))),
             Err(StoreError::Trimmed { .. }) => Ok(Err(Mismatch::Trimmed)),
-            // Past the tip, or a read served behind it: the stream does not show it.
-            Err(StoreError::NotApplied { .. }) | Err(StoreError::AggregateNotFound) => {
-                Ok(Err(Mismatch::Missing))
-            }
+            Err(StoreError::AggregateNotFound) => Ok(Err(Mismatch::Missing)),
+            // The read did not show its version: past the tip (the store says so), or a read
+            // served behind it (transient: never a verdict).
+            Err(e @ StoreError::NotApplied { .. }) => match self.log.details(key).await {
+                Ok(d) if d.max_version >= cp.version => Err(e),
+                Ok(_) | Err(StoreError::AggregateNotFound) => Ok(Err(Mismatch::Missing)),
+                Err(other) => Err(other),
+            },
             Err(e) => Err(e),
         }
     }
 
     /// A cold fold's start: the newest checkpoint outside the window, checked against the
     /// stream, seeded into the (still empty) state. Returns the version to read from: after
-    /// the checkpoint, or 1 when there is none usable (the whole stream). Never fails: a
-    /// checkpoint stream that cannot be read only costs the whole fold.
+    /// the checkpoint, or 1 when there is none usable (the whole stream); and whether that
+    /// is definitive. Never fails: a checkpoint stream that cannot be read (or a check that
+    /// could not be made) only costs the whole fold, but then a trim met by that fold is
+    /// not a verdict on the account (`catch_up` answers it retryably).
     pub(super) async fn start_from_checkpoint(
         &self,
         account: AccountId,
         slot: &AccountSlot,
         generation: u64,
-    ) -> u64 {
-        let (result, tail, used) = self.usable_checkpoint(account).await;
+        trimmed_at: Option<u64>,
+    ) -> (u64, bool) {
+        let (result, tail, used) = self.usable_checkpoint(account, trimmed_at).await;
         self.metrics
             .checkpoint_loads
             .with_label_values(&[result])
             .inc();
+        let definitive = result != checkpoint_load::UNAVAILABLE;
         let mut st = slot.state.lock();
-        if st.generation != generation || st.version != 0 || st.broken.is_some() {
-            // Another catch-up moved it meanwhile: go on from where it is.
-            return st.version + 1;
+        if st.generation != generation || st.broken.is_some() {
+            return (st.version + 1, definitive);
         }
         if let Some(tail) = tail {
             st.checkpoint.stream_version = Some(tail.stream_version);
-            st.checkpoint.covered_version = tail.newest_version;
-            st.checkpoint.last_ms = self.now_ms();
+            st.checkpoint.covered_version = st.checkpoint.covered_version.max(tail.newest_version);
+            // Spacing counts from a checkpoint known to exist; with none, the first is due
+            // as soon as the events are.
+            st.checkpoint.last_ms = if tail.newest_version > 0 {
+                self.now_ms()
+            } else {
+                0
+            };
         }
-        let Some(cp) = used else { return 1 };
-        st.balance = cp.balance;
-        st.version = cp.version;
-        st.max_client_seq = cp.max_client_seq;
-        cp.version + 1
+        match used {
+            // Checked against the stream: it stands for the whole fold up to its version,
+            // whatever this state held below it (a replica behind a trim).
+            Some(cp) if cp.version > st.version => {
+                st.balance = cp.balance;
+                st.version = cp.version;
+                st.max_client_seq = st.max_client_seq.max(cp.max_client_seq);
+                (cp.version + 1, true)
+            }
+            // Another catch-up moved it past the checkpoint meanwhile: on from there.
+            Some(_) => (st.version + 1, true),
+            None => (st.version + 1, definitive),
+        }
     }
 
     /// What [`Projection::start_from_checkpoint`] starts from, and the metric's result.
     async fn usable_checkpoint(
         &self,
         account: AccountId,
+        trimmed_at: Option<u64>,
     ) -> (&'static str, Option<Tail>, Option<Checkpoint>) {
         let tail = match self.checkpoint_tail(account).await {
             Ok(t) => t,
@@ -297,7 +335,8 @@ impl Projection {
                 return (checkpoint_load::UNAVAILABLE, None, None);
             }
         };
-        let Some(cp) = pick(tail.iter(), self.server_tip_ms(), self.window_ms()) else {
+        let Some(cp) = pick_readable(&tail, self.server_tip_ms(), self.window_ms(), trimmed_at)
+        else {
             return (checkpoint_load::NONE, Some(tail), None);
         };
         match self.check_checkpoint(account, &cp).await {

@@ -345,8 +345,12 @@ impl Projection {
             check_broken(account, &st)?;
             (st.version + 1, st.generation, st.version == 0 && !st.warm)
         };
+        // Whether a trim met by this fold is a verdict (see `start_from_checkpoint`).
+        let mut definitive = true;
         if cold {
-            from = self.start_from_checkpoint(account, &slot, generation).await;
+            (from, definitive) = self
+                .start_from_checkpoint(account, &slot, generation, None)
+                .await;
         }
         // The fold dropped in place meanwhile (`regress.rs`): what was read belongs to the
         // old one, and folding it would look like a gap. Retry from the new one.
@@ -364,13 +368,39 @@ impl Projection {
             ReadFilter::from_version(from),
         );
         let mut first_page = true;
+        let mut tried_checkpoint = false;
         loop {
             let page = match stream.next_page().await {
                 Ok(Some(page)) => page,
                 Ok(None) | Err(StoreError::AggregateNotFound) => break,
+                Err(StoreError::Trimmed { min_available }) if !tried_checkpoint => {
+                    // Behind a trim (a cold fold whose pick lay below it, or a replica that held
+                    // the account from before it): go on from a checkpoint at or above it.
+                    tried_checkpoint = true;
+                    let next;
+                    (next, definitive) = self
+                        .start_from_checkpoint(account, &slot, generation, Some(min_available))
+                        .await;
+                    if next >= min_available {
+                        stream = BatchStream::new(
+                            self.log.as_ref(),
+                            self.identity.key(account),
+                            ReadFilter::from_version(next),
+                        );
+                        first_page = true;
+                    }
+                    continue;
+                }
                 Err(StoreError::Trimmed { min_available }) => {
                     let mut st = slot.state.lock();
                     same_fold(&st)?;
+                    if st.version + 1 < min_available && !definitive {
+                        return Err(ProjectionError::Store(StoreError::NotApplied {
+                            reason: format!(
+                                "the stream is trimmed below version {min_available} and its checkpoints could not be read; retry"
+                            ),
+                        }));
+                    }
                     if st.version + 1 < min_available {
                         self.metrics.poisoned_accounts.inc();
                         st.broken = Some(Box::new(Broken::Trimmed { min_available }));
