@@ -322,6 +322,29 @@ impl Projection {
         }
     }
 
+    /// The Postgres catch-up's start: as [`Projection::start_from_checkpoint`], on a state
+    /// read from the shared row (or empty: a fresh or restored database). The checkpoint is
+    /// taken only when it is newer than the row; the row otherwise (both stand for landed
+    /// state, and the newer one reads less). Returns whether a trim met next is a verdict.
+    pub(crate) async fn seed_from_checkpoint(
+        &self,
+        account: AccountId,
+        st: &mut super::AccountState,
+        trimmed_at: Option<u64>,
+    ) -> bool {
+        let (result, _, used) = self.usable_checkpoint(account, trimmed_at).await;
+        self.metrics
+            .checkpoint_loads
+            .with_label_values(&[result])
+            .inc();
+        if let Some(cp) = used.filter(|cp| cp.version > st.version) {
+            st.balance = cp.balance;
+            st.version = cp.version;
+            st.max_client_seq = st.max_client_seq.max(cp.max_client_seq);
+        }
+        result != checkpoint_load::UNAVAILABLE
+    }
+
     /// What [`Projection::start_from_checkpoint`] starts from, and the metric's result.
     async fn usable_checkpoint(
         &self,
