@@ -3,8 +3,12 @@
 //! guarded on the checkpoint stream's version; retention trims below one and the account
 //! stays servable cold.
 //!
-//! Every test runs on the in-memory store with a server clock it moves by hand (ageing past
-//! the window needs server time), and asserts against the whole fold of the stream.
+//! Every test but the last runs on the in-memory store with a server clock it moves by hand
+//! (ageing past the window needs server time), and asserts against the whole fold of the
+//! stream. The last runs `tally trim` against the real server `CELERIANT_ADDRESS` names.
+
+#[path = "common/required.rs"]
+mod required;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -369,4 +373,101 @@ async fn a_checkpoint_whose_ack_was_lost_loses_nothing() {
     let cold = w.cold();
     assert_eq!(fold(&cold, w.account).await, ((1..=11).sum(), 11));
     assert_eq!(loads(&cold, "used"), 1);
+}
+
+/// Rule (real server): `tally trim` trims an account below its newest checkpoint older than
+/// the window, keeps that version readable, and a cold replica then serves the balance from
+/// the checkpoint and history from the first available version. The window is 1 s here, and
+/// the test waits for the checkpoint to age past it (server time has no hand to move).
+#[tokio::test]
+async fn tally_trim_on_a_real_server_trims_below_the_checkpoint_and_a_cold_replica_serves_it() {
+    let Some(address) = required::celeriant_address() else {
+        return;
+    };
+    let cfg = tally::store::celeriant::CeleriantConfig {
+        address: address.clone(),
+        ..Default::default()
+    };
+    let log: SharedLog =
+        Arc::new(tally::store::celeriant::CeleriantLog::connect(&cfg).expect("Celeriant config"));
+    let identity = Identity::default();
+    let account = AccountId(Uuid::new_v4());
+    let deposit = |seq: u64| {
+        let e = AccountEvent::Deposited { amount: 3 };
+        AggregateWrite {
+            key: identity.key(account),
+            events: vec![Event {
+                client_seq: seq,
+                event_id: Some(u128::from(seq) | (account.as_u128() << 32)),
+                event_type: e.event_type(),
+                payload: e.encode(),
+                timestamp_ms: 0,
+            }],
+            expected_version: Some(seq - 1),
+            allow_create: true,
+            enforce_client_idempotency: true,
+        }
+    };
+    for seq in 1..=20 {
+        log.write(identity.client(), vec![deposit(seq)])
+            .await
+            .expect("write");
+    }
+    let one_second = || {
+        Arc::new(Projection::new(
+            log.clone(),
+            identity,
+            ProjectionConfig {
+                window: Duration::from_secs(1),
+                ..ProjectionConfig::default()
+            },
+            Arc::new(tally::projection::MonotonicClock::new()),
+            Arc::new(Metrics::new()),
+        ))
+    };
+    let writer = one_second();
+    writer.sync_server_clock().await.expect("anchor");
+    writer.catch_up(account).await.expect("fold");
+    writer.write_checkpoint(account).await;
+    assert_eq!(written(&writer), 1);
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    for seq in 21..=22 {
+        log.write(identity.client(), vec![deposit(seq)])
+            .await
+            .expect("write");
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args([
+            "trim",
+            "--store",
+            "celeriant",
+            "--celeriant-address",
+            &address,
+            "--idempotency-window",
+            "1",
+            &account.to_string(),
+        ])
+        .output()
+        .expect("tally trim runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    assert_eq!(line["trimmedAt"], 20, "{line}");
+    assert_eq!(line["firstAvailableVersion"], 20, "{line}");
+    let d = log.details(identity.key(account)).await.expect("details");
+    assert_eq!((d.min_available_version, d.max_version), (20, 22));
+
+    let cold = one_second();
+    assert_eq!(fold(&cold, account).await, (66, 22));
+    assert_eq!(loads(&cold, "used"), 1);
+    let page = AccountReader::new(cold.clone())
+        .history(account, 1, None)
+        .await
+        .expect("history");
+    assert_eq!(page.first_available_version, Some(20));
+    assert_eq!(page.balance_cents, Some(66));
 }
