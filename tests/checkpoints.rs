@@ -375,6 +375,55 @@ async fn a_checkpoint_whose_ack_was_lost_loses_nothing() {
     assert_eq!(loads(&cold, "used"), 1);
 }
 
+/// Rule: with `--retain-history-secs`, a replica trims after each checkpoint it writes, below
+/// the newest checkpoint older than the window and the retention; a retention longer than the
+/// checkpoint's age trims nothing.
+#[tokio::test]
+async fn retention_trims_after_a_checkpoint_only_below_one_older_than_window_and_retention() {
+    let mut w = World::new();
+    for amount in 1..=50 {
+        w.deposit(amount);
+    }
+    w.server.advance(WINDOW_MS + 10_000);
+    let retaining = |secs| CheckpointConfig {
+        retain_history: Some(Duration::from_secs(secs)),
+        ..CheckpointConfig::default()
+    };
+    let key = w.identity.key(w.account);
+    let long = w.replica(w.log.clone(), retaining(3_600));
+    fold(&long, w.account).await;
+    long.write_checkpoint(w.account).await;
+    assert_eq!(written(&long), 1);
+    assert_eq!(
+        w.log
+            .details(key)
+            .await
+            .expect("details")
+            .min_available_version,
+        1
+    );
+    assert_eq!(long.metrics().trims.with_label_values(&["kept"]).get(), 1);
+
+    w.deposit(51);
+    let short = w.replica(w.log.clone(), retaining(5));
+    fold(&short, w.account).await;
+    short.write_checkpoint(w.account).await;
+    assert_eq!(
+        short.metrics().trims.with_label_values(&["trimmed"]).get(),
+        1
+    );
+    // The checkpoint at 50 is a window and 10 s old; the one just written at 51 is not.
+    assert_eq!(
+        w.log
+            .details(key)
+            .await
+            .expect("details")
+            .min_available_version,
+        50
+    );
+    assert_eq!(fold(&w.cold(), w.account).await, ((1..=51).sum(), 51));
+}
+
 /// Rule (real server): `tally trim` trims an account below its newest checkpoint older than
 /// the window, keeps that version readable, and a cold replica then serves the balance from
 /// the checkpoint and history from the first available version. The window is 1 s here, and
