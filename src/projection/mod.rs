@@ -12,7 +12,9 @@
 //! now that ages index entries), `regress` (a store that went backwards), `sweep` (bounded memory: expiry, idle and capacity
 //! eviction), `index` (the recent-writes index), `clock` (the local monotonic clock),
 //! `port` (what the write loop and the reader call, over either backend), `postgres` (the
-//! Postgres backend: cursor and index shared by the fleet in one database).
+//! Postgres backend: cursor and index shared by the fleet in one database), `checkpoint`
+//! (an account's state at a landed version, which a cold fold starts from) and
+//! `checkpoint_writer` (who writes one and when, and retention's trim below one).
 //!
 //! Two backends, chosen together as one setting ([`Backend`]): the memory fold above, where
 //! each replica folds the stream itself, and Postgres, where cursor and index are rows of one
