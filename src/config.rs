@@ -346,6 +346,7 @@ impl Config {
             max_index_entries: self.projection.max_index_entries,
             scan_window: (self.idempotency_scan_window > 0)
                 .then(|| Duration::from_secs(self.idempotency_scan_window)),
+            checkpoints: self.projection.checkpoints(),
         }
     }
 

@@ -15,6 +15,11 @@ fn main() -> ExitCode {
     if std::env::args_os().nth(1).is_some_and(|a| a == "token") {
         return mint_token();
     }
+    // `tally trim ACCOUNT...` trims account streams below a checkpoint (retention), with
+    // the server's flags for the store, the window and `--retain-history-secs`.
+    if std::env::args_os().nth(1).is_some_and(|a| a == "trim") {
+        return trim::main();
+    }
     let config = parse_flags();
     if let Err(e) = config.validate() {
         eprintln!("tally: {e}");
@@ -46,6 +51,105 @@ fn parse_flags() -> Config {
         // Prints clap's message and exits: 2 for a refusal, 0 for help and version.
         e.exit()
     })
+}
+
+mod trim {
+    //! `tally trim`: the operator's retention command. For each account, trims its stream
+    //! below its newest checkpoint older than the idempotency window plus
+    //! `--retain-history-secs` (0 when unset), once that checkpoint checks against the
+    //! stream; prints one JSON line per account. Exit 0 when every account was handled, 1
+    //! when any failed, 2 for bad arguments.
+
+    use std::process::ExitCode;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use clap::Parser;
+    use tally::account::AccountId;
+    use tally::config::Config;
+    use tally::metrics::Metrics;
+    use tally::projection::{MonotonicClock, Projection};
+    use tally::store::SharedLog;
+    use tally::store::celeriant::CeleriantLog;
+    use tally::store::config::StoreKind;
+
+    /// Trims account streams below their newest checkpoint older than the window and the
+    /// retention. The server's flags name the store, the window and the retention.
+    #[derive(Parser)]
+    #[command(name = "tally trim")]
+    struct TrimArgs {
+        /// The accounts to trim (UUIDs).
+        #[arg(id = "account_ids", required = true, value_name = "ACCOUNT_ID")]
+        account_ids: Vec<AccountId>,
+        #[command(flatten)]
+        config: Config,
+    }
+
+    pub fn main() -> ExitCode {
+        let argv = std::iter::once("tally trim".into()).chain(std::env::args_os().skip(2));
+        let args = TrimArgs::try_parse_from(argv).unwrap_or_else(|e| e.exit());
+        if args.config.store.kind != StoreKind::Celeriant {
+            eprintln!(
+                "tally trim: needs --store celeriant (the embedded store keeps nothing to trim)"
+            );
+            return ExitCode::from(2);
+        }
+        let runtime = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt,
+            Err(e) => {
+                eprintln!("tally trim: cannot start the runtime: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        runtime.block_on(run(args))
+    }
+
+    async fn run(args: TrimArgs) -> ExitCode {
+        let config = &args.config;
+        let log: SharedLog = match CeleriantLog::connect(&config.store.celeriant) {
+            Ok(log) => Arc::new(log),
+            Err(e) => {
+                eprintln!("tally trim: {e}");
+                return ExitCode::from(2);
+            }
+        };
+        let projection = Projection::new(
+            log,
+            config.identity(),
+            config.projection(),
+            Arc::new(MonotonicClock::new()),
+            Arc::new(Metrics::new()),
+        );
+        // Checkpoint ages are server time: anchor it first.
+        if let Err(e) = projection.sync_server_clock().await {
+            eprintln!("tally trim: the store did not answer: {e}");
+            return ExitCode::FAILURE;
+        }
+        let retain = Duration::from_secs(config.projection.retain_history_secs.unwrap_or(0));
+        let mut failed = false;
+        for &account in &args.account_ids {
+            let line = match projection.trim_account(account, retain).await {
+                Ok(r) => serde_json::json!({
+                    "accountId": account.to_string(),
+                    "trimmedAt": r.trimmed_at,
+                    "firstAvailableVersion": r.first_available,
+                }),
+                Err(e) => {
+                    failed = true;
+                    serde_json::json!({ "accountId": account.to_string(), "error": e.to_string() })
+                }
+            };
+            println!("{line}");
+        }
+        if failed {
+            ExitCode::FAILURE
+        } else {
+            ExitCode::SUCCESS
+        }
+    }
 }
 
 /// `tally token`: prints a development token (HS256) signed with a secret file.

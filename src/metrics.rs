@@ -175,6 +175,46 @@ pub struct Metrics {
     pub projection_db_rows_replayed: IntCounter,
     pub projection_db_rows_swept: IntCounter,
     pub idem_scans: IntCounterVec,
+    // Checkpoints (`projection/checkpoint.rs`)
+    pub checkpoint_writes: IntCounterVec,
+    pub checkpoint_loads: IntCounterVec,
+    pub trims: IntCounterVec,
+}
+
+/// Outcomes of a checkpoint write (`tally_checkpoint_writes_total{outcome}`).
+pub mod checkpoint_write {
+    /// Landed at the version it was guarded on.
+    pub const WRITTEN: &str = "written";
+    /// Another replica wrote one at that position first: nothing to do.
+    pub const CONFLICT: &str = "conflict";
+    /// The store refused it or did not answer; the next threshold tries again.
+    pub const FAILED: &str = "failed";
+    /// Not sent: the writer's own queue was full (its budget), or the fold moved on.
+    pub const SKIPPED: &str = "skipped";
+    pub const ALL: [&str; 4] = [WRITTEN, CONFLICT, FAILED, SKIPPED];
+}
+
+/// What a cold fold found in the checkpoint stream (`tally_checkpoint_loads_total{result}`).
+pub mod checkpoint_load {
+    /// Started from a checkpoint.
+    pub const USED: &str = "used";
+    /// No checkpoint old enough (or none at all): the whole stream was folded.
+    pub const NONE: &str = "none";
+    /// A checkpoint that contradicts the stream (past its tip, another commit time or batch
+    /// at its version, its version trimmed away, unreadable): ignored, the whole stream folded.
+    pub const REJECTED: &str = "rejected";
+    /// The checkpoint stream could not be read: the whole stream was folded.
+    pub const UNAVAILABLE: &str = "unavailable";
+    pub const ALL: [&str; 4] = [USED, NONE, REJECTED, UNAVAILABLE];
+}
+
+/// Outcomes of a trim by retention (`tally_trims_total{outcome}`).
+pub mod trim {
+    pub const TRIMMED: &str = "trimmed";
+    /// Nothing to trim: no checkpoint older than the window and the retention.
+    pub const KEPT: &str = "kept";
+    pub const FAILED: &str = "failed";
+    pub const ALL: [&str; 3] = [TRIMMED, KEPT, FAILED];
 }
 
 impl Metrics {
@@ -206,6 +246,15 @@ impl Metrics {
         }
         for reason in EVICTION_REASONS {
             self.evictions.with_label_values(&[reason]);
+        }
+        for outcome in checkpoint_write::ALL {
+            self.checkpoint_writes.with_label_values(&[outcome]);
+        }
+        for result in checkpoint_load::ALL {
+            self.checkpoint_loads.with_label_values(&[result]);
+        }
+        for outcome in trim::ALL {
+            self.trims.with_label_values(&[outcome]);
         }
         for statement in DB_STATEMENTS {
             for outcome in DB_OUTCOMES {
@@ -566,6 +615,24 @@ impl Metrics {
                 "tally_idempotency_scans_total",
                 "Scans on miss (--idempotency-scan-window) by result: hit, miss, bounded (gave up at the page bound).",
                 &["result"],
+            ),
+            checkpoint_writes: counter_vec(
+                r,
+                "tally_checkpoint_writes_total",
+                "Checkpoint writes by outcome: written, conflict (another replica wrote that position), failed, skipped (the writer's budget was full).",
+                &["outcome"],
+            ),
+            checkpoint_loads: counter_vec(
+                r,
+                "tally_checkpoint_loads_total",
+                "Cold folds by what the checkpoint stream gave: used, none, rejected (contradicts the stream: whole fold), unavailable (whole fold).",
+                &["result"],
+            ),
+            trims: counter_vec(
+                r,
+                "tally_trims_total",
+                "Account streams trimmed below a checkpoint by retention, by outcome: trimmed, kept (nothing old enough), failed.",
+                &["outcome"],
             ),
             registry,
         }

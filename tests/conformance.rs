@@ -101,6 +101,9 @@ macro_rules! conformance_suite {
             watch_reports_each_commit_after_it_opened_in_version_order,
             watch_reports_every_writer_and_never_a_failed_write,
             watch_reports_only_the_aggregates_its_filter_admits,
+            // Checkpoints (`projection/checkpoint.rs`) and the trims retention makes.
+            a_checkpoint_round_trips_through_its_stream_and_one_position_takes_one,
+            a_read_at_the_trim_point_returns_that_batch_unchanged_and_details_say_where_history_begins,
         ]);
     };
     (@tests $suite:ident, $make:block, [$($rule:ident),* $(,)?]) => {
@@ -144,6 +147,7 @@ conformance_suite!(
 
 /// The rules, each a function of the backend under test.
 mod rules {
+    pub use super::checkpoint_rules::*;
     pub use super::multi_rules::*;
     pub use super::watch_rules::*;
 
@@ -1201,6 +1205,111 @@ mod rules {
             ids(b).await,
             landed,
             "leg b holds exactly the landed transfers"
+        );
+    }
+}
+
+/// The checkpoint stream's rules: what a checkpoint and a retention trim rely on.
+mod checkpoint_rules {
+    use tally::projection::Checkpoint;
+    use tally::projection::checkpoint::fingerprint;
+    use tally::store::{AggregateWrite, ReadFilter, SharedLog, StoreError};
+
+    use super::rules::{Keys, write};
+
+    fn checkpoint_write(
+        key: tally::store::AggregateKey,
+        cp: &Checkpoint,
+        expected: u64,
+    ) -> AggregateWrite {
+        AggregateWrite {
+            key,
+            events: vec![cp.event()],
+            expected_version: Some(expected),
+            allow_create: true,
+            enforce_client_idempotency: false,
+        }
+    }
+
+    /// A checkpoint reads back as written, and two writers guarded on one position of the
+    /// checkpoint stream land one checkpoint: the other gets a conflict naming the current
+    /// version (what the writer takes as "another replica did it").
+    pub async fn a_checkpoint_round_trips_through_its_stream_and_one_position_takes_one(
+        log: SharedLog,
+        k: Keys,
+    ) {
+        let (key, c) = (k.key(), k.client());
+        let cp = Checkpoint {
+            version: 1_000_000,
+            balance: -42,
+            max_client_seq: 999_999,
+            commit_ms: 1_700_000_000_123,
+            fingerprint: 0xfeed_f00d,
+        };
+        assert_eq!(
+            log.write(c, vec![checkpoint_write(key, &cp, 0)]).await,
+            Ok(vec![1])
+        );
+        let later = Checkpoint {
+            version: 1_000_500,
+            ..cp
+        };
+        assert_eq!(
+            log.write(c, vec![checkpoint_write(key, &later, 0)]).await,
+            Err(StoreError::Conflict {
+                expected: 0,
+                current: 1
+            })
+        );
+        let page = log
+            .read(key, &ReadFilter::from_version(1))
+            .await
+            .expect("read");
+        let read: Vec<_> = page
+            .batches
+            .iter()
+            .flat_map(|b| b.events.iter())
+            .map(Checkpoint::decode)
+            .collect();
+        assert_eq!(read, vec![Some(cp)]);
+    }
+
+    /// What a checkpoint is checked against survives a trim at its version: the batch there
+    /// reads back with the same commit time and content, a read below it is `Trimmed` naming
+    /// it, and details give it as the first available version with the tip and its time
+    /// unchanged.
+    pub async fn a_read_at_the_trim_point_returns_that_batch_unchanged_and_details_say_where_history_begins(
+        log: SharedLog,
+        k: Keys,
+    ) {
+        let (key, c) = (k.key(), k.client());
+        for seq in 1..=5 {
+            log.write(c, vec![write(key, &[seq], None, true)])
+                .await
+                .expect("write");
+        }
+        let at = |from, to| ReadFilter {
+            to_version: Some(to),
+            ..ReadFilter::from_version(from)
+        };
+        let before = log.read(key, &at(3, 3)).await.expect("read").batches;
+        let details = log.details(key).await.expect("details");
+        log.trim_start(key, 3).await.expect("trim");
+        let after = log.read(key, &at(3, 3)).await.expect("read").batches;
+        assert_eq!(after.len(), 1);
+        assert_eq!(after[0].version, 3);
+        assert_eq!(after[0].server_timestamp_ms, before[0].server_timestamp_ms);
+        assert_eq!(fingerprint(&after[0]), fingerprint(&before[0]));
+        assert_eq!(
+            log.read(key, &at(2, 3)).await.map(|p| p.batches.len()),
+            Err(StoreError::Trimmed { min_available: 3 })
+        );
+        let trimmed = log.details(key).await.expect("details");
+        assert_eq!(trimmed.min_available_version, 3);
+        assert_eq!(trimmed.max_version, details.max_version);
+        assert_eq!(
+            trimmed.last_server_timestamp_ms,
+            details.last_server_timestamp_ms
         );
     }
 }

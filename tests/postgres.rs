@@ -17,12 +17,13 @@ use tally::account::{AccountEvent, AccountId, Identity};
 use tally::metrics::Metrics;
 use tally::projection::postgres::WARM_MAX_ROWS_PER_ACCOUNT;
 use tally::projection::{
-    Backend, ManualClock, PgProjection, PostgresSettings, RecentWrite, RecordedWrite, Snapshot,
+    Backend, ManualClock, PgProjection, PostgresSettings, Projection, ProjectionConfig,
+    RecentWrite, RecordedWrite, Snapshot,
 };
 use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock};
 use tally::store::{
-    AggregateDetails, AggregateKey, AggregateWrite, ClientId, EventLog, ReadFilter, ReadPage,
-    SharedLog, StoreResult,
+    AggregateDetails, AggregateKey, AggregateWrite, ClientId, Event, EventLog, ReadFilter,
+    ReadPage, SharedLog, StoreResult,
 };
 use tokio::sync::Notify;
 use uuid::Uuid;
@@ -1323,4 +1324,91 @@ async fn with_postgres_is_quiet_from_a_directory_the_clusters_owner_cannot_enter
         .filter(|l| !l.starts_with("with-postgres: "))
         .collect();
     assert!(noise.is_empty(), "unexpected output: {noise:#?}");
+}
+
+/// Rule: a replica on a fresh database starts an account from its checkpoint (the newest
+/// one a window old, checked against the stream), not from the whole stream, so it serves
+/// an account trimmed below that checkpoint; and the row it persists is the checkpoint's
+/// state plus what followed.
+#[tokio::test]
+async fn a_fresh_database_starts_an_account_from_its_checkpoint_and_serves_it_trimmed() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    let server = Arc::new(ServerClock::new(1_000_000));
+    let log = Arc::new(MemoryLog::with_options(MemoryOptions {
+        page_size: 16,
+        clock: server.clone(),
+    }));
+    let identity = Identity::default();
+    let account = AccountId(Uuid::new_v4());
+    let deposit = |seq: u64| {
+        let e = AccountEvent::Deposited { amount: 10 };
+        AggregateWrite {
+            key: identity.key(account),
+            events: vec![Event {
+                client_seq: seq,
+                event_id: Some(u128::from(seq)),
+                event_type: e.event_type(),
+                payload: e.encode(),
+                timestamp_ms: 0,
+            }],
+            expected_version: None,
+            allow_create: true,
+            enforce_client_idempotency: true,
+        }
+    };
+    for seq in 1..=40 {
+        log.write_now(identity.client(), vec![deposit(seq)])
+            .expect("write");
+    }
+    // A memory replica folds it and writes a checkpoint at version 40; it ages past the
+    // window, the stream goes on, and is trimmed below the checkpoint.
+    let memory = Projection::new(
+        log.clone(),
+        identity,
+        ProjectionConfig::default(),
+        Arc::new(ManualClock::new(0)),
+        Arc::new(Metrics::new()),
+    );
+    memory.sync_server_clock().await.expect("anchor");
+    memory.catch_up(account).await.expect("fold");
+    memory.write_checkpoint(account).await;
+    server.advance(memory.window_ms() + 1);
+    for seq in 41..=45 {
+        log.write_now(identity.client(), vec![deposit(seq)])
+            .expect("write");
+    }
+    memory.sync_server_clock().await.expect("anchor");
+    let trimmed = memory
+        .trim_account(account, Duration::ZERO)
+        .await
+        .expect("trim");
+    assert_eq!(trimmed.trimmed_at, Some(40));
+
+    let metrics = Arc::new(Metrics::new());
+    let pg = PgProjection::connect(&settings(&url), metrics.clone())
+        .await
+        .expect("database");
+    let fresh = Projection::with_postgres(
+        log.clone(),
+        identity,
+        ProjectionConfig::default(),
+        Arc::new(ManualClock::new(0)),
+        metrics.clone(),
+        pg,
+    );
+    fresh.sync_server_clock().await.expect("anchor");
+    let loaded = fresh.refresh(account, &[44]).await.expect("served cold");
+    assert_eq!((loaded.snap.balance, loaded.snap.version), (450, 45));
+    assert_eq!(loaded.snap.max_client_seq, 45);
+    assert_eq!(
+        metrics.checkpoint_loads.with_label_values(&["used"]).get(),
+        1
+    );
+    assert_eq!(metrics.events_folded.get(), 5, "only what followed it");
+    assert!(
+        fresh.lookup(&loaded.view, 44).is_some(),
+        "a write inside the window still replays"
+    );
 }

@@ -55,6 +55,7 @@ use tally::account::{AccountEvent, AccountId, AmountCents, Identity, Operation, 
 use tally::app::App;
 use tally::metrics::arm;
 use tally::projection::ManualClock;
+use tally::projection::checkpoint_writer::DEFAULT_CHECKPOINT_EVERY_EVENTS;
 use tally::store::faults::{FaultConfig, FaultCounts, FaultyLog};
 use tally::store::memory::{self, MemoryLog, MemoryOptions};
 use tally::store::{AggregateKey, BatchStream, ClientId, ReadFilter, SharedLog, StoreResult};
@@ -94,6 +95,11 @@ struct Plan {
     max_attempts: u32,
     /// The Postgres projection's schema the fleet shares; `None`: memory.
     postgres: Option<String>,
+    /// `--checkpoint-every-events` of the replicas; `None`: the default (never reached by a
+    /// run this short). With it, the run ends by ageing the streams past the window and
+    /// trimming every account below a checkpoint (memory projection), before a fresh replica
+    /// folds them cold.
+    checkpoint_every: Option<u64>,
 }
 
 impl Plan {
@@ -131,6 +137,7 @@ impl Plan {
                 12
             },
             postgres: None,
+            checkpoint_every: checkpoint_plan(seed),
         }
     }
 
@@ -147,8 +154,20 @@ impl Plan {
             self.one_round_trip.to_string(),
             "--write-max-attempts".into(),
             self.max_attempts.to_string(),
+            "--checkpoint-every-events".into(),
+            self.checkpoint_every
+                .unwrap_or(DEFAULT_CHECKPOINT_EVERY_EVENTS)
+                .to_string(),
         ]
     }
+}
+
+/// Whether a seed writes and trims checkpoints, and how often: from a generator of its own,
+/// so every seed keeps the workload and faults it had before checkpoints existed, and the
+/// regression seeds stay the scenarios they name.
+fn checkpoint_plan(seed: u64) -> Option<u64> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xc4ec_4b01);
+    (!REGRESSION_SEEDS.contains(&seed) && rng.gen_bool(0.5)).then(|| rng.gen_range(1..=4))
 }
 
 // --- What callers saw ---
@@ -402,15 +421,18 @@ impl Around for Latency {
 
 struct Store {
     mem: Arc<MemoryLog>,
+    /// The store's server clock (moved only to age the streams past the window at the end).
+    server: Arc<memory::ServerClock>,
     faults: Option<Arc<FaultyLog<MemoryLog>>>,
     /// What the replicas are given.
     shared: SharedLog,
 }
 
 fn store(plan: &Plan) -> Store {
+    let server = Arc::new(memory::ServerClock::new(1_700_000_000_000));
     let mem = Arc::new(MemoryLog::with_options(MemoryOptions {
         page_size: plan.page_size,
-        clock: Arc::new(memory::ServerClock::new(1_700_000_000_000)),
+        clock: server.clone(),
     }));
     let faults = plan
         .faults
@@ -428,6 +450,7 @@ fn store(plan: &Plan) -> Store {
         Arc::new(HookedLog::around(below, latency).bypass(mem.clone(), is_clock_probe));
     Store {
         mem,
+        server,
         faults,
         shared,
     }
@@ -789,6 +812,11 @@ async fn run_in_process(plan: &Plan) -> Result<RunResult, String> {
     }
     let journal = Arc::new(Mutex::new(Journal::default()));
     drive(Arc::new(InProcess(replicas.clone())), plan, &journal).await;
+    let identity = replicas[0].identity;
+    let truth = read_truth(plan, &store.mem, identity.client(), |a| identity.key(a)).await?;
+    if plan.checkpoint_every.is_some() && plan.postgres.is_none() {
+        trim_everything(&replicas[0], &store, plan).await?;
+    }
     // Fresh: over the bare store, and on Postgres a database of its own.
     let fresh = match &plan.postgres {
         None => replica(plan, store.mem.clone()).await,
@@ -797,8 +825,6 @@ async fn run_in_process(plan: &Plan) -> Result<RunResult, String> {
             replica_on(plan, store.mem.clone(), Some(&url)).await
         }
     };
-    let identity = fresh.identity;
-    let truth = read_truth(plan, &store.mem, identity.client(), |a| identity.key(a)).await?;
     let faults = store
         .faults
         .as_ref()
@@ -816,6 +842,61 @@ async fn run_in_process(plan: &Plan) -> Result<RunResult, String> {
         faults,
         arms: arms_taken(&replicas),
     })
+}
+
+/// Ages every stream past the window, then has `replica` checkpoint each account (on top of
+/// those the run wrote) and trim it below its newest checkpoint: the fresh replica that
+/// follows must fold each account from a checkpoint over a trimmed stream to the truth.
+async fn trim_everything(replica: &App, store: &Store, plan: &Plan) -> Result<(), String> {
+    let p = &replica.projection;
+    store.server.advance(p.window_ms() + 1);
+    p.sync_server_clock()
+        .await
+        .map_err(|e| format!("anchor: {e}"))?;
+    for &account in &plan.accounts {
+        let key = replica.identity.key(account);
+        if store.mem.details_now(key).is_err() {
+            continue; // never written
+        }
+        // Through faults: retried until a checkpoint above version 1 exists (a read may lag,
+        // a write be refused or lose its answer).
+        for _ in 0..100 {
+            if p.refresh(account, &[]).await.is_err() {
+                continue;
+            }
+            p.write_checkpoint(account).await;
+            let tail = p.checkpoint_tail(account).await;
+            if tail.is_ok_and(|t| t.newest_version > 1) {
+                break;
+            }
+        }
+        let version = store.mem.details_now(key).map_or(0, |d| d.max_version);
+        let mut trimmed = None;
+        // A check whose read lagged keeps the stream (never a trim on a guess): again.
+        for _ in 0..100 {
+            if let Ok(r) = p.trim_account(account, Duration::ZERO).await {
+                trimmed = Some(r);
+                if r.trimmed_at.is_some() || version == 1 {
+                    break;
+                }
+            }
+        }
+        let first = store
+            .mem
+            .details_now(key)
+            .map_or(0, |d| d.min_available_version);
+        match trimmed {
+            // The newest batch can never be trimmed, and a stream of one version has nothing
+            // below it; otherwise a checkpoint older than the window must exist by now.
+            Some(r) if r.first_available == first && (version == 1 || first > 1) => {}
+            other => {
+                return Err(format!(
+                    "{account}: trim at version {version} gave {other:?}, store says first {first}"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// With `TALLY_SIM_TRACE` set, a violation carries the whole run: every answer in completion

@@ -149,6 +149,9 @@ impl Identity {
     pub const SERVER_CLOCK_TYPE: &'static str = "TallyServerClock";
     /// The aggregate type of the store's epoch (`projection/regress.rs`).
     pub const STORE_EPOCH_TYPE: &'static str = "TallyStoreEpoch";
+    /// The aggregate type of account checkpoints (`projection/checkpoint.rs`): never an
+    /// account type, so the replaced service and older replicas never fold one.
+    pub const CHECKPOINT_TYPE: &'static str = "TallyCheckpoint";
 
     pub fn client(&self) -> ClientId {
         self.client_id.as_u128()
@@ -169,6 +172,16 @@ impl Identity {
             org_id: self.org_id.as_u128(),
             aggregate_type_id: named_id(Self::SERVER_CLOCK_TYPE).as_u128(),
             aggregate_id: self.client(),
+        }
+    }
+
+    /// Where the checkpoints of `account` live: one stream per account, keyed by the account
+    /// id, in an aggregate type of Tally's own (never the account stream itself).
+    pub fn checkpoint_key(&self, account: AccountId) -> AggregateKey {
+        AggregateKey {
+            org_id: self.org_id.as_u128(),
+            aggregate_type_id: named_id(Self::CHECKPOINT_TYPE).as_u128(),
+            aggregate_id: account.as_u128(),
         }
     }
 

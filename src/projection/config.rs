@@ -3,9 +3,14 @@
 use clap::ValueEnum;
 
 use crate::config::count;
-use crate::projection::{
-    DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_INDEX_ENTRIES, DEFAULT_MAX_RESIDENT_ACCOUNTS,
+use crate::projection::checkpoint_writer::{
+    DEFAULT_CHECKPOINT_EVERY_EVENTS, DEFAULT_CHECKPOINT_IN_FLIGHT, DEFAULT_CHECKPOINT_INTERVAL,
 };
+use crate::projection::{
+    CheckpointConfig, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_INDEX_ENTRIES,
+    DEFAULT_MAX_RESIDENT_ACCOUNTS,
+};
+use std::time::Duration;
 
 /// The most accounts `--max-resident-accounts` accepts (a few hundred bytes each, folded).
 pub const MAX_RESIDENT_ACCOUNTS: usize = 100_000_000;
@@ -13,6 +18,14 @@ pub const MAX_RESIDENT_ACCOUNTS: usize = 100_000_000;
 pub const MAX_INDEX_ENTRIES: usize = 100_000_000;
 /// The longest `--idle-timeout-secs` accepted (a week).
 pub const MAX_IDLE_TIMEOUT_SECS: u64 = 7 * 86_400;
+/// The most events `--checkpoint-every-events` accepts between checkpoints.
+pub const MAX_CHECKPOINT_EVERY_EVENTS: u64 = 100_000_000;
+/// The longest `--checkpoint-interval-secs` accepted (a week).
+pub const MAX_CHECKPOINT_INTERVAL_SECS: u64 = 7 * 86_400;
+/// The most checkpoints one replica writes at once (`--checkpoint-in-flight`).
+pub const MAX_CHECKPOINT_IN_FLIGHT: usize = 64;
+/// The longest `--retain-history-secs` accepted (ten years).
+pub const MAX_RETAIN_HISTORY_SECS: u64 = 10 * 366 * 86_400;
 /// Where the projection lives. One setting for cursor and index together: the
 /// half-shared configuration (a shared cursor with a per-replica index) double-writes, so
 /// it cannot be configured.
@@ -65,4 +78,36 @@ pub struct ProjectionFlags {
     /// Drop an account from memory after this many idle seconds.
     #[arg(long, env = "TALLY_IDLE_TIMEOUT_SECS", default_value_t = DEFAULT_IDLE_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(0..=MAX_IDLE_TIMEOUT_SECS))]
     pub idle_timeout_secs: u64,
+
+    /// Write an account's checkpoint once this many events lie past its last one (0: never
+    /// write; cold folds still use the checkpoints they find). Off the write path.
+    #[arg(long, env = "TALLY_CHECKPOINT_EVERY_EVENTS", default_value_t = DEFAULT_CHECKPOINT_EVERY_EVENTS, value_parser = clap::value_parser!(u64).range(0..=MAX_CHECKPOINT_EVERY_EVENTS))]
+    pub checkpoint_every_events: u64,
+
+    /// Or once this many seconds passed since the last one (with at least 100 events past it).
+    #[arg(long, env = "TALLY_CHECKPOINT_INTERVAL_SECS", default_value_t = DEFAULT_CHECKPOINT_INTERVAL.as_secs(), value_parser = clap::value_parser!(u64).range(1..=MAX_CHECKPOINT_INTERVAL_SECS))]
+    pub checkpoint_interval_secs: u64,
+
+    /// Checkpoints this replica writes at once: their own budget, never the client write
+    /// limits.
+    #[arg(long, env = "TALLY_CHECKPOINT_IN_FLIGHT", default_value_t = DEFAULT_CHECKPOINT_IN_FLIGHT, value_parser = count(MAX_CHECKPOINT_IN_FLIGHT))]
+    pub checkpoint_in_flight: usize,
+
+    /// Retention: after writing a checkpoint, trim the account's stream below its newest
+    /// checkpoint older than the idempotency window plus this many seconds. Unset: never
+    /// trim. A trimmed account cannot be read by the replaced service.
+    #[arg(long, env = "TALLY_RETAIN_HISTORY_SECS", value_parser = clap::value_parser!(u64).range(0..=MAX_RETAIN_HISTORY_SECS))]
+    pub retain_history_secs: Option<u64>,
+}
+
+impl ProjectionFlags {
+    /// The checkpoint writer's and retention's settings.
+    pub fn checkpoints(&self) -> CheckpointConfig {
+        CheckpointConfig {
+            every_events: self.checkpoint_every_events,
+            interval: Duration::from_secs(self.checkpoint_interval_secs),
+            in_flight: self.checkpoint_in_flight,
+            retain_history: self.retain_history_secs.map(Duration::from_secs),
+        }
+    }
 }

@@ -12,7 +12,9 @@
 //! now that ages index entries), `regress` (a store that went backwards), `sweep` (bounded memory: expiry, idle and capacity
 //! eviction), `index` (the recent-writes index), `clock` (the local monotonic clock),
 //! `port` (what the write loop and the reader call, over either backend), `postgres` (the
-//! Postgres backend: cursor and index shared by the fleet in one database).
+//! Postgres backend: cursor and index shared by the fleet in one database), `checkpoint`
+//! (an account's state at a landed version, which a cold fold starts from) and
+//! `checkpoint_writer` (who writes one and when, and retention's trim below one).
 //!
 //! Two backends, chosen together as one setting ([`Backend`]): the memory fold above, where
 //! each replica folds the stream itself, and Postgres, where cursor and index are rows of one
@@ -20,6 +22,8 @@
 //! would double-write; see docs/postgres.md).
 
 mod anchor;
+pub mod checkpoint;
+pub mod checkpoint_writer;
 pub mod clock;
 pub mod config;
 mod existed;
@@ -42,12 +46,14 @@ use crate::account::{AccountEvent, AccountId, Identity};
 use crate::metrics::Metrics;
 use crate::store::{BatchStream, ReadFilter, SharedLog, StoreError};
 pub use anchor::SERVER_CLOCK_RESYNC;
+pub use checkpoint::{CHECKPOINT_TAIL, Checkpoint};
+pub use checkpoint_writer::{CheckpointConfig, TrimReport};
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use index::{RecentIndex, RecentWrite};
 pub use port::{AccountView, Loaded, Recorded};
 pub use postgres::{PgProjection, PostgresSettings};
 pub use scan::{SCAN_MAX_PAGES, SCAN_MAX_VERSIONS, ScanHit};
-pub use state::{AccountState, Broken, FoldContext, MAX_OWN_CLIENT_SEQ, Snapshot};
+pub use state::{AccountState, Broken, CheckpointMark, FoldContext, MAX_OWN_CLIENT_SEQ, Snapshot};
 pub use sweep::SweepStats;
 
 /// How long a write's response stays answerable from the index, unless configured.
@@ -77,6 +83,8 @@ pub struct ProjectionConfig {
     /// Scan on miss: how far back in server time a request the index misses is
     /// looked for in the account's own batches. `None`: off. See [`Projection::scan_for`].
     pub scan_window: Option<Duration>,
+    /// When checkpoints are written, and how history is retained (`checkpoint_writer.rs`).
+    pub checkpoints: CheckpointConfig,
 }
 
 impl Default for ProjectionConfig {
@@ -87,6 +95,7 @@ impl Default for ProjectionConfig {
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             max_index_entries: DEFAULT_MAX_INDEX_ENTRIES,
             scan_window: None,
+            checkpoints: CheckpointConfig::default(),
         }
     }
 }
@@ -167,6 +176,8 @@ pub struct Projection {
     /// Where cursor and index live. Under Postgres the memory fold's map holds the warm
     /// copies of rows (`postgres/warm.rs`).
     backend: Backend,
+    /// Accounts due a checkpoint, for the writer task (`checkpoint_writer.rs`).
+    checkpoint_queue: checkpoint_writer::Queue,
 }
 
 /// The projection backend: both the cursor and the recent-writes index live in it.
@@ -205,6 +216,7 @@ impl Projection {
             store_checks: tokio::sync::watch::Sender::new(0),
             rows_ahead_of_store: AtomicBool::new(false),
             backend: Backend::Memory,
+            checkpoint_queue: checkpoint_writer::Queue::default(),
         }
     }
 
@@ -330,11 +342,18 @@ impl Projection {
             self.backend_name()
         );
         let slot = self.slot(account);
-        let (from, generation) = {
+        let (mut from, generation, cold) = {
             let st = slot.state.lock();
             check_broken(account, &st)?;
-            (st.version + 1, st.generation)
+            (st.version + 1, st.generation, st.version == 0 && !st.warm)
         };
+        // Whether a trim met by this fold is a verdict (see `start_from_checkpoint`).
+        let mut definitive = true;
+        if cold {
+            (from, definitive) = self
+                .start_from_checkpoint(account, &slot, generation, None)
+                .await;
+        }
         // The fold dropped in place meanwhile (`regress.rs`): what was read belongs to the
         // old one, and folding it would look like a gap. Retry from the new one.
         let same_fold = |st: &AccountState| {
@@ -351,13 +370,39 @@ impl Projection {
             ReadFilter::from_version(from),
         );
         let mut first_page = true;
+        let mut tried_checkpoint = false;
         loop {
             let page = match stream.next_page().await {
                 Ok(Some(page)) => page,
                 Ok(None) | Err(StoreError::AggregateNotFound) => break,
+                Err(StoreError::Trimmed { min_available }) if !tried_checkpoint => {
+                    // Behind a trim (a cold fold whose pick lay below it, or a replica that held
+                    // the account from before it): go on from a checkpoint at or above it.
+                    tried_checkpoint = true;
+                    let next;
+                    (next, definitive) = self
+                        .start_from_checkpoint(account, &slot, generation, Some(min_available))
+                        .await;
+                    if next >= min_available {
+                        stream = BatchStream::new(
+                            self.log.as_ref(),
+                            self.identity.key(account),
+                            ReadFilter::from_version(next),
+                        );
+                        first_page = true;
+                    }
+                    continue;
+                }
                 Err(StoreError::Trimmed { min_available }) => {
                     let mut st = slot.state.lock();
                     same_fold(&st)?;
+                    if st.version + 1 < min_available && !definitive {
+                        return Err(ProjectionError::Store(StoreError::NotApplied {
+                            reason: format!(
+                                "the stream is trimmed below version {min_available} and its checkpoints could not be read; retry"
+                            ),
+                        }));
+                    }
                     if st.version + 1 < min_available {
                         self.metrics.poisoned_accounts.inc();
                         st.broken = Some(Box::new(Broken::Trimmed { min_available }));
@@ -386,7 +431,10 @@ impl Projection {
             let result = st.fold(&page, &ctx);
             self.add_index_entries(st.recent.len() as i64 - before as i64);
             match result {
-                Ok(applied) => self.metrics.events_folded.inc_by(applied),
+                Ok(applied) => {
+                    self.metrics.events_folded.inc_by(applied);
+                    self.note_progress(account, &mut st, applied);
+                }
                 Err(broken) => {
                     self.metrics.poisoned_accounts.inc();
                     st.broken = Some(Box::new(broken));
@@ -427,6 +475,22 @@ impl Projection {
     pub fn record_write(&self, slot: &AccountSlot, write: &RecordedWrite<'_>) {
         let expires_at_ms = self.now_ms().saturating_add(self.window_ms());
         self.apply_own_write(&mut slot.state.lock(), write, expires_at_ms);
+    }
+
+    /// [`Projection::record_write`] on `account`, then the checkpoint count: the write's
+    /// events are past the account's checkpoint when the cursor took them.
+    pub(crate) fn record_own_write(
+        &self,
+        account: AccountId,
+        slot: &AccountSlot,
+        write: &RecordedWrite<'_>,
+    ) {
+        let expires_at_ms = self.now_ms().saturating_add(self.window_ms());
+        let mut st = slot.state.lock();
+        self.apply_own_write(&mut st, write, expires_at_ms);
+        if st.version == write.new_version && st.generation == write.generation {
+            self.note_progress(account, &mut st, write.events.len() as u64);
+        }
     }
 
     /// One own write on a held state (the memory fold's, or a Postgres warm copy): its

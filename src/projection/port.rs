@@ -178,9 +178,9 @@ impl Projection {
     ) -> Recorded {
         match &self.backend {
             Backend::Memory => {
-                for (_, view, write) in writes {
+                for (account, view, write) in writes {
                     if let AccountView::Memory(slot) = view {
-                        self.record_write(slot, write);
+                        self.record_own_write(*account, slot, write);
                     }
                 }
                 Recorded::default()

@@ -67,6 +67,26 @@ pub struct AccountState {
     /// How many times this fold was dropped in place because the store went backwards
     /// (`regress.rs`): a catch-up folds what it read only into the generation it read for.
     pub generation: u64,
+    /// Where this account's checkpoints stand as this replica knows them
+    /// (`checkpoint_writer.rs`).
+    pub checkpoint: CheckpointMark,
+}
+
+/// This replica's knowledge of an account's checkpoint stream, and the progress since the
+/// last checkpoint it knows of: what decides when the next one is due.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CheckpointMark {
+    /// The checkpoint stream's version, the next write's guard; `None` when unknown (read
+    /// it first).
+    pub stream_version: Option<u64>,
+    /// The account version of the newest checkpoint known (0: none).
+    pub covered_version: u64,
+    /// Events folded or written past it.
+    pub events_since: u64,
+    /// Local monotonic time of the last checkpoint written or loaded here (0: never).
+    pub last_ms: u64,
+    /// One is queued or being written for this account.
+    pub pending: bool,
 }
 
 impl AccountState {

@@ -89,7 +89,7 @@ impl Startup {
         });
         metrics.startup_steps_pending.set(steps.len() as i64);
         let tx = Arc::new(tx);
-        let tasks = steps
+        let mut tasks: Vec<JoinHandle<()>> = steps
             .into_iter()
             .map(|step| {
                 let runner = Runner {
@@ -101,6 +101,9 @@ impl Startup {
                 tokio::spawn(runner.run(step))
             })
             .collect();
+        // Not a step (nothing waits for it): the checkpoint writer lives as long as the
+        // replica, and goes with these tasks.
+        tasks.push(tokio::spawn(projection.clone().run_checkpoint_writer()));
         // Owned before the wait, so a caller that gives up on `begin` aborts the tasks.
         let mut startup = Self { progress, tasks };
         // An error means every step's task is gone, which a running replica never sees; a

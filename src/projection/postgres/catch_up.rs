@@ -110,10 +110,16 @@ impl Projection {
         }
         let start = st.version;
         let started = Instant::now();
+        // No row (a fresh or restored database): from a checkpoint, not the whole stream.
+        let mut definitive = true;
+        if st.version == 0 {
+            definitive = self.seed_from_checkpoint(account, &mut st, None).await;
+        }
+        let mut tried_checkpoint = false;
         let mut stream = BatchStream::new(
             self.log.as_ref(),
             self.identity.key(account),
-            ReadFilter::from_version(start + 1),
+            ReadFilter::from_version(st.version + 1),
         );
         let mut first_page = true;
         let mut broken: Option<Broken> = None;
@@ -122,7 +128,29 @@ impl Projection {
             let page = match stream.next_page().await {
                 Ok(Some(page)) => page,
                 Ok(None) | Err(StoreError::AggregateNotFound) => break,
+                Err(StoreError::Trimmed { min_available })
+                    if st.version + 1 < min_available && !tried_checkpoint =>
+                {
+                    // A row from before a trim: on from a checkpoint at or above it.
+                    tried_checkpoint = true;
+                    definitive = self
+                        .seed_from_checkpoint(account, &mut st, Some(min_available))
+                        .await;
+                    stream = BatchStream::new(
+                        self.log.as_ref(),
+                        self.identity.key(account),
+                        ReadFilter::from_version(st.version + 1),
+                    );
+                    continue;
+                }
                 Err(StoreError::Trimmed { min_available }) => {
+                    if st.version + 1 < min_available && !definitive {
+                        return Err(ProjectionError::Store(StoreError::NotApplied {
+                            reason: format!(
+                                "the stream is trimmed below version {min_available} and its checkpoints could not be read; retry"
+                            ),
+                        }));
+                    }
                     if st.version + 1 < min_available {
                         self.pg_cursor_still_below(pg, account, min_available)
                             .await?;

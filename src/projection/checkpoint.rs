@@ -1,0 +1,438 @@
+//! Checkpoints: an account's folded state at one landed version, kept in a stream of its own
+//! so that a cold fold reads only what follows it.
+//!
+//! The rule (docs/architecture.md, "Checkpoints"):
+//! - a checkpoint lives in the account's checkpoint stream ([`Identity::checkpoint_key`]), an
+//!   aggregate of Tally's own type: the account stream is never written by it, so the replaced
+//!   service and older replicas never see one;
+//! - it states the account version it covers, the balance and the highest client sequence of
+//!   our client id there, and that version's commit time and batch fingerprint. It is built
+//!   only from a fold's state at a version whose batch the writer has just read back from the
+//!   store ([`Projection::write_checkpoint`]), never from a decision not yet written;
+//! - it carries no recent-writes entries: a cold fold uses only a checkpoint whose commit time
+//!   is at least one window older than the server's now ([`pick`]), so every event the index
+//!   must hold lies after it and is replayed and indexed exactly as a full fold would. Ages are
+//!   server time against the replica's estimate of the server's now, which never runs ahead of
+//!   it: an underestimate only makes fewer checkpoints eligible;
+//! - existence (explicit accounts) needs nothing more: a checkpoint covers a version of at
+//!   least 1, so the stream it stands for exists;
+//! - before it is used it is checked against the stream ([`Checkpoint::check`]): the batch at
+//!   its version must be readable and carry its commit time and fingerprint. A checkpoint past
+//!   the tip, one from a store restored from an older copy, or one whose version was trimmed
+//!   away is ignored, counted (`tally_checkpoint_loads_total{result="rejected"}`), and the
+//!   whole stream is folded: a checkpoint never gives a balance the full fold would not.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+use super::{AccountSlot, Projection};
+use crate::account::AccountId;
+use crate::metrics::checkpoint_load;
+use crate::store::{Batch, Event, EventType, StoreError, read_whole};
+
+/// The event type of a checkpoint (in the checkpoint stream, never in an account).
+pub const CHECKPOINT_EVENT: EventType = EventType { major: 1, minor: 0 };
+/// The payload layout's version; a payload of any other is ignored (counted as rejected).
+const FORMAT: u8 = 1;
+const ENCODED_LEN: usize = 1 + 5 * 8;
+/// The newest checkpoints a cold fold reads to pick from (one read). The writer spaces
+/// checkpoints at least a quarter window apart, so these span at least four windows.
+pub const CHECKPOINT_TAIL: u64 = 16;
+
+/// An account's folded state at one landed version.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Checkpoint {
+    /// The account version it covers (at least 1).
+    pub version: u64,
+    pub balance: i64,
+    /// The highest client sequence of our client id at `version`.
+    pub max_client_seq: u64,
+    /// Server commit time of the batch at `version`, epoch ms.
+    pub commit_ms: u64,
+    /// [`fingerprint`] of the batch at `version`.
+    pub fingerprint: u64,
+}
+
+/// Why a checkpoint was not used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mismatch {
+    /// The stream does not show its version (past the tip, or a read behind it).
+    Missing,
+    /// The batch at its version has another commit time or content (a restored store).
+    OtherBatch,
+    /// Its version was trimmed away.
+    Trimmed,
+}
+
+impl Checkpoint {
+    /// The checkpoint of a state at `batch`'s version (the batch as read from the store).
+    pub fn at(batch: &Batch, balance: i64, max_client_seq: u64) -> Self {
+        Self {
+            version: batch.version,
+            balance,
+            max_client_seq,
+            commit_ms: batch.server_timestamp_ms,
+            fingerprint: fingerprint(batch),
+        }
+    }
+
+    pub fn encode(&self) -> Bytes {
+        let mut b = BytesMut::with_capacity(ENCODED_LEN);
+        b.put_u8(FORMAT);
+        b.put_u64_le(self.version);
+        b.put_i64_le(self.balance);
+        b.put_u64_le(self.max_client_seq);
+        b.put_u64_le(self.commit_ms);
+        b.put_u64_le(self.fingerprint);
+        b.freeze()
+    }
+
+    /// The checkpoint an event of the checkpoint stream carries; `None` for anything else.
+    pub fn decode(event: &Event) -> Option<Self> {
+        let mut p = event.payload.as_ref();
+        if event.event_type != CHECKPOINT_EVENT || p.len() != ENCODED_LEN || p.get_u8() != FORMAT {
+            return None;
+        }
+        let cp = Self {
+            version: p.get_u64_le(),
+            balance: p.get_i64_le(),
+            max_client_seq: p.get_u64_le(),
+            commit_ms: p.get_u64_le(),
+            fingerprint: p.get_u64_le(),
+        };
+        (cp.version > 0).then_some(cp)
+    }
+
+    /// The event that writes it.
+    pub fn event(&self) -> Event {
+        Event {
+            // Not an idempotent write: the stream's version guard decides, and a checkpoint
+            // landing twice is harmless.
+            client_seq: 0,
+            event_id: None,
+            event_type: CHECKPOINT_EVENT,
+            payload: self.encode(),
+            timestamp_ms: 0,
+        }
+    }
+
+    /// Whether every batch inside the window (server time, against `tip_ms`) lies after it.
+    pub fn outside_window(&self, tip_ms: u64, window_ms: u64) -> bool {
+        tip_ms.saturating_sub(self.commit_ms) >= window_ms && tip_ms > 0
+    }
+
+    /// Checks it against the batch the store holds at its version.
+    pub fn check(&self, batch: &Batch) -> Result<(), Mismatch> {
+        if batch.version != self.version {
+            return Err(Mismatch::Missing);
+        }
+        if batch.server_timestamp_ms != self.commit_ms || fingerprint(batch) != self.fingerprint {
+            return Err(Mismatch::OtherBatch);
+        }
+        Ok(())
+    }
+}
+
+/// A stable 64-bit digest of a batch's writer and events (FNV-1a: the same in every build,
+/// so a checkpoint written by one release checks under the next).
+pub fn fingerprint(batch: &Batch) -> u64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut h = OFFSET;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h = (h ^ u64::from(b)).wrapping_mul(PRIME);
+        }
+    };
+    eat(&batch.client_id.to_le_bytes());
+    for e in batch.events.iter() {
+        eat(&e.client_seq.to_le_bytes());
+        eat(&e.event_id.unwrap_or(0).to_le_bytes());
+        eat(&e.event_type.major.to_le_bytes());
+        eat(&e.event_type.minor.to_le_bytes());
+        eat(&(e.payload.len() as u64).to_le_bytes());
+        eat(&e.payload);
+    }
+    h
+}
+
+/// The newest of `candidates` (as read, oldest first) whose commit lies at least `age_ms`
+/// before `tip_ms` (the window for a cold fold, the window and retention for a trim).
+pub fn pick<'a>(
+    candidates: impl IntoIterator<Item = &'a Checkpoint>,
+    tip_ms: u64,
+    age_ms: u64,
+) -> Option<Checkpoint> {
+    candidates
+        .into_iter()
+        .filter(|c| c.outside_window(tip_ms, age_ms))
+        .max_by_key(|c| c.version)
+        .copied()
+}
+
+/// The checkpoint a fold starts from: [`pick`]; on a stream known trimmed below
+/// `trimmed_at`, among the checkpoints at or above it only, and when none of those is a
+/// window old, the lowest of them. Below a trim no fold can replay anything, so the
+/// checkpoint the trim was made at (a window old by the trimmer's clock, which may run a
+/// little ahead of this replica's estimate) is the most a fold can start from.
+pub fn pick_readable(
+    tail: &Tail,
+    tip_ms: u64,
+    window_ms: u64,
+    trimmed_at: Option<u64>,
+) -> Option<Checkpoint> {
+    let Some(floor) = trimmed_at else {
+        return pick(tail.iter(), tip_ms, window_ms);
+    };
+    let readable = || tail.iter().filter(move |c| c.version >= floor);
+    pick(readable(), tip_ms, window_ms).or_else(|| readable().min_by_key(|c| c.version).copied())
+}
+
+/// The checkpoint stream's tail, as one read gives it.
+#[derive(Clone, Debug, Default)]
+pub struct Tail {
+    /// The checkpoint stream's version (0: it does not exist): a writer's guard.
+    pub stream_version: u64,
+    /// The newest checkpoint's account version (0: none).
+    pub newest_version: u64,
+    /// Every checkpoint read that decodes, with its position in the checkpoint stream,
+    /// oldest first.
+    pub checkpoints: Vec<(u64, Checkpoint)>,
+    /// Events read that are not checkpoints of this format.
+    pub undecodable: u64,
+}
+
+impl Tail {
+    pub fn iter(&self) -> impl Iterator<Item = &Checkpoint> {
+        self.checkpoints.iter().map(|(_, c)| c)
+    }
+
+    /// Where `cp` sits in the checkpoint stream.
+    pub fn position_of(&self, cp: &Checkpoint) -> Option<u64> {
+        self.checkpoints
+            .iter()
+            .find(|(_, c)| c == cp)
+            .map(|(at, _)| *at)
+    }
+}
+
+impl Projection {
+    /// Reads the last [`CHECKPOINT_TAIL`] checkpoints of `account` (a details call, and one
+    /// read when the stream exists). Observes the server times it sees.
+    pub async fn checkpoint_tail(&self, account: AccountId) -> Result<Tail, StoreError> {
+        let key = self.identity.checkpoint_key(account);
+        let details = match self.log.details(key).await {
+            Ok(d) => d,
+            Err(StoreError::AggregateNotFound) => return Ok(Tail::default()),
+            Err(e) => return Err(e),
+        };
+        self.observe_server_time(details.last_server_timestamp_ms);
+        let from = (details.max_version + 1)
+            .saturating_sub(CHECKPOINT_TAIL)
+            .max(details.min_available_version)
+            .max(1);
+        // Proven whole: a read served behind the tip would hide the newest checkpoints, and
+        // a fold or a trim would take "none old enough" from it.
+        let batches = read_whole(self.log.as_ref(), key, from, details.max_version).await?;
+        let mut tail = Tail {
+            stream_version: details.max_version,
+            ..Tail::default()
+        };
+        for b in &batches {
+            for event in b.events.iter() {
+                match Checkpoint::decode(event) {
+                    Some(cp) => tail.checkpoints.push((b.version, cp)),
+                    None => tail.undecodable += 1,
+                }
+            }
+        }
+        tail.newest_version = tail.iter().map(|c| c.version).max().unwrap_or(0);
+        Ok(tail)
+    }
+
+    /// Checks `cp` against the account stream: reads the batch at its version.
+    pub async fn check_checkpoint(
+        &self,
+        account: AccountId,
+        cp: &Checkpoint,
+    ) -> Result<Result<(), Mismatch>, StoreError> {
+        let key = self.identity.key(account);
+        match read_whole(self.log.as_ref(), key, cp.version, cp.version).await {
+            Ok(batches) => Ok(batches
+                .first()
+                .map_or(Err(Mismatch::Missing), |b| cp.check(b))),
+            Err(StoreError::Trimmed { .. }) => Ok(Err(Mismatch::Trimmed)),
+            Err(StoreError::AggregateNotFound) => Ok(Err(Mismatch::Missing)),
+            // The read did not show its version: past the tip (the store says so), or a read
+            // served behind it (transient: never a verdict).
+            Err(e @ StoreError::NotApplied { .. }) => match self.log.details(key).await {
+                Ok(d) if d.max_version >= cp.version => Err(e),
+                Ok(_) | Err(StoreError::AggregateNotFound) => Ok(Err(Mismatch::Missing)),
+                Err(other) => Err(other),
+            },
+            Err(e) => Err(e),
+        }
+    }
+
+    /// A cold fold's start: the newest checkpoint outside the window, checked against the
+    /// stream, seeded into the (still empty) state. Returns the version to read from: after
+    /// the checkpoint, or 1 when there is none usable (the whole stream); and whether that
+    /// is definitive. Never fails: a checkpoint stream that cannot be read (or a check that
+    /// could not be made) only costs the whole fold, but then a trim met by that fold is
+    /// not a verdict on the account (`catch_up` answers it retryably).
+    pub(super) async fn start_from_checkpoint(
+        &self,
+        account: AccountId,
+        slot: &AccountSlot,
+        generation: u64,
+        trimmed_at: Option<u64>,
+    ) -> (u64, bool) {
+        let (result, tail, used) = self.usable_checkpoint(account, trimmed_at).await;
+        self.metrics
+            .checkpoint_loads
+            .with_label_values(&[result])
+            .inc();
+        let definitive = result != checkpoint_load::UNAVAILABLE;
+        let mut st = slot.state.lock();
+        if st.generation != generation || st.broken.is_some() {
+            return (st.version + 1, definitive);
+        }
+        if let Some(tail) = tail {
+            st.checkpoint.stream_version = Some(tail.stream_version);
+            st.checkpoint.covered_version = st.checkpoint.covered_version.max(tail.newest_version);
+            // Spacing counts from a checkpoint known to exist; with none, the first is due
+            // as soon as the events are.
+            st.checkpoint.last_ms = if tail.newest_version > 0 {
+                self.now_ms()
+            } else {
+                0
+            };
+        }
+        match used {
+            // Checked against the stream: it stands for the whole fold up to its version,
+            // whatever this state held below it (a replica behind a trim).
+            Some(cp) if cp.version > st.version => {
+                st.balance = cp.balance;
+                st.version = cp.version;
+                st.max_client_seq = st.max_client_seq.max(cp.max_client_seq);
+                (cp.version + 1, true)
+            }
+            // Another catch-up moved it past the checkpoint meanwhile: on from there.
+            Some(_) => (st.version + 1, true),
+            None => (st.version + 1, definitive),
+        }
+    }
+
+    /// The Postgres catch-up's start: as [`Projection::start_from_checkpoint`], on a state
+    /// read from the shared row (or empty: a fresh or restored database). The checkpoint is
+    /// taken only when it is newer than the row; the row otherwise (both stand for landed
+    /// state, and the newer one reads less). Returns whether a trim met next is a verdict.
+    pub(crate) async fn seed_from_checkpoint(
+        &self,
+        account: AccountId,
+        st: &mut super::AccountState,
+        trimmed_at: Option<u64>,
+    ) -> bool {
+        let (result, _, used) = self.usable_checkpoint(account, trimmed_at).await;
+        self.metrics
+            .checkpoint_loads
+            .with_label_values(&[result])
+            .inc();
+        if let Some(cp) = used.filter(|cp| cp.version > st.version) {
+            st.balance = cp.balance;
+            st.version = cp.version;
+            st.max_client_seq = st.max_client_seq.max(cp.max_client_seq);
+        }
+        result != checkpoint_load::UNAVAILABLE
+    }
+
+    /// What [`Projection::start_from_checkpoint`] starts from, and the metric's result.
+    async fn usable_checkpoint(
+        &self,
+        account: AccountId,
+        trimmed_at: Option<u64>,
+    ) -> (&'static str, Option<Tail>, Option<Checkpoint>) {
+        let tail = match self.checkpoint_tail(account).await {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::debug!(%account, error = %e, "checkpoint stream unreadable; folding the whole stream");
+                return (checkpoint_load::UNAVAILABLE, None, None);
+            }
+        };
+        let Some(cp) = pick_readable(&tail, self.server_tip_ms(), self.window_ms(), trimmed_at)
+        else {
+            return (checkpoint_load::NONE, Some(tail), None);
+        };
+        match self.check_checkpoint(account, &cp).await {
+            Ok(Ok(())) => (checkpoint_load::USED, Some(tail), Some(cp)),
+            Ok(Err(mismatch)) => {
+                tracing::warn!(%account, version = cp.version, ?mismatch,
+                    "a checkpoint contradicts the account stream; ignored, folding the whole stream");
+                (checkpoint_load::REJECTED, Some(tail), None)
+            }
+            Err(e) => {
+                tracing::debug!(%account, error = %e, "could not check a checkpoint; folding the whole stream");
+                (checkpoint_load::UNAVAILABLE, Some(tail), None)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn batch(version: u64, ts: u64, seq: u64) -> Batch {
+        Batch {
+            version,
+            client_id: 7,
+            server_timestamp_ms: ts,
+            events: Arc::from(vec![Event {
+                client_seq: seq,
+                event_id: Some(u128::from(seq)),
+                event_type: EventType { major: 1, minor: 0 },
+                payload: Bytes::from_static(b"x"),
+                timestamp_ms: 0,
+            }]),
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_round_trips_through_its_event() {
+        let cp = Checkpoint::at(&batch(9, 1_000, 4), -25, 4);
+        assert_eq!(Checkpoint::decode(&cp.event()), Some(cp));
+        let mut other = cp.event();
+        other.event_type.minor = 1;
+        assert_eq!(Checkpoint::decode(&other), None);
+        let mut short = cp.event();
+        short.payload = short.payload.slice(1..);
+        assert_eq!(Checkpoint::decode(&short), None);
+    }
+
+    /// Rule: a cold fold uses the newest checkpoint at least one window older than the
+    /// server's now, never one inside the window (its events would not be indexed).
+    #[test]
+    fn the_pick_is_the_newest_checkpoint_at_least_a_window_old() {
+        let cps: Vec<Checkpoint> = [(10, 1_000), (20, 5_000), (30, 9_500)]
+            .iter()
+            .map(|&(v, ts)| Checkpoint::at(&batch(v, ts, v), 0, v))
+            .collect();
+        assert_eq!(pick(&cps, 10_000, 5_000).map(|c| c.version), Some(20));
+        assert_eq!(pick(&cps, 10_000, 5_001).map(|c| c.version), Some(10));
+        assert_eq!(pick(&cps, 10_000, 9_001), None);
+        // No server time observed yet: nothing is old enough.
+        assert_eq!(pick(&cps, 0, 0), None);
+    }
+
+    /// Rule: a checkpoint is checked against the batch at its version: another commit time
+    /// or another batch there (a store restored from an older copy) rejects it.
+    #[test]
+    fn a_checkpoint_that_contradicts_its_batch_is_rejected() {
+        let b = batch(9, 1_000, 4);
+        let cp = Checkpoint::at(&b, 3, 4);
+        assert_eq!(cp.check(&b), Ok(()));
+        assert_eq!(cp.check(&batch(9, 1_001, 4)), Err(Mismatch::OtherBatch));
+        assert_eq!(cp.check(&batch(9, 1_000, 5)), Err(Mismatch::OtherBatch));
+        assert_eq!(cp.check(&batch(8, 1_000, 4)), Err(Mismatch::Missing));
+    }
+}
