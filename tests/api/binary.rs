@@ -39,7 +39,7 @@ const HEADINGS: [&str; 10] = [
 ];
 
 /// Every flag `--help` shows, each settable from the environment.
-const FLAGS: [&str; 55] = [
+const FLAGS: [&str; 59] = [
     // Authentication, rate limits and the admin listener.
     "auth",
     "auth-secret-file",
@@ -71,6 +71,10 @@ const FLAGS: [&str; 55] = [
     "write-max-attempts",
     "max-batch-events",
     "combine-writes",
+    "checkpoint-every-events",
+    "checkpoint-interval-secs",
+    "checkpoint-in-flight",
+    "retain-history-secs",
     "max-resident-accounts",
     "idle-timeout-secs",
     "shutdown-grace-secs",
