@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
 /// The path of workspace member `package`'s binary of the same name, checked to exist and to
-/// be newer than every source file of that member and of the members it builds on (`uses`,
-/// directories under `crates/`).
+/// be newer than every file under `src/` of that member and of the members it builds on
+/// (`uses`, directories under `crates/`).
 pub fn path(package: &str, uses: &[&str]) -> PathBuf {
     let dir = Path::new(env!("CARGO_BIN_EXE_tally"))
         .parent()
@@ -21,7 +21,8 @@ pub fn path(package: &str, uses: &[&str]) -> PathBuf {
         .unwrap_or_else(|e| panic!("no {} ({e}): build it first: {build}", bin.display()));
     let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates");
     for member in std::iter::once(&package).chain(uses) {
-        let newest = newest_source(&crates.join(member));
+        // Its sources only: a change to its tests or manifest alone relinks no binary.
+        let newest = newest_source(&crates.join(member).join("src"));
         assert!(
             newest <= built,
             "{} is older than the sources of crates/{member}: rebuild it: {build}",
@@ -31,7 +32,7 @@ pub fn path(package: &str, uses: &[&str]) -> PathBuf {
     bin
 }
 
-/// The latest modification time among the files under `dir` (its `target/`, if any, aside).
+/// The latest modification time among the files under `dir`.
 fn newest_source(dir: &Path) -> SystemTime {
     let mut newest = SystemTime::UNIX_EPOCH;
     let mut pending = vec![dir.to_path_buf()];
@@ -41,9 +42,7 @@ fn newest_source(dir: &Path) -> SystemTime {
         for entry in entries.flatten() {
             let (path, meta) = (entry.path(), entry.metadata().expect("metadata"));
             if meta.is_dir() {
-                if entry.file_name() != "target" {
-                    pending.push(path);
-                }
+                pending.push(path);
             } else if let Ok(t) = meta.modified() {
                 newest = newest.max(t);
             }

@@ -62,6 +62,7 @@ impl ClientBuilder {
     }
 
     pub fn build(self) -> Result<Client, Error> {
+        self.policy.check().map_err(Error::InvalidPolicy)?;
         let invalid = |why| Error::InvalidUrl {
             url: self.base.clone(),
             why,

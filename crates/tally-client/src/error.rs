@@ -41,6 +41,9 @@ pub enum Error {
     /// A key Tally would refuse (empty, too long, not visible ASCII).
     #[error("invalid idempotency key {0:?}")]
     InvalidKey(String),
+    /// A [`RetryPolicy`](crate::RetryPolicy) that [`RetryPolicy::check`](crate::RetryPolicy::check) refuses.
+    #[error("invalid retry policy: {0}")]
+    InvalidPolicy(&'static str),
     /// A base URL this client cannot use (not `http://host[:port][/prefix]`).
     #[error("invalid base URL {url:?}: {why}")]
     InvalidUrl { url: String, why: &'static str },

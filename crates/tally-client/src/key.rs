@@ -7,7 +7,8 @@ use crate::Error;
 /// Longest key Tally accepts.
 pub const MAX_KEY_LEN: usize = 255;
 
-/// A key for one write: 1 to [`MAX_KEY_LEN`] visible ASCII characters, sent byte for byte on
+/// A key for one write: 1 to [`MAX_KEY_LEN`] visible ASCII characters (the bare form; the
+/// server's quoted form, which may hold spaces, is not needed from Rust), sent byte for byte on
 /// every attempt (with `--auth jwt` a key's other spellings are other keys, so it is never
 /// normalised).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

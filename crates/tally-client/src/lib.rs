@@ -21,8 +21,9 @@
 //!   and every other 4xx end the call with [`Error::Refused`]. A rule's refusal wrote
 //!   nothing and is not remembered: to try the intent again later, use a new key.
 //! - **Bounded**: at most [`RetryPolicy::max_attempts`] requests and
-//!   [`RetryPolicy::total`] of time per call; then [`Error::Exhausted`]. Keep `total` below
-//!   the server's window less a write's life (the defaults do).
+//!   [`RetryPolicy::total`] of time per call; then [`Error::Exhausted`]. `total` is at most
+//!   [`MAX_CALL_TIME`], below the server's window less a write's life, so that even a write
+//!   that never got an answer (and so no window) is not resent after its key may be gone.
 //!
 //! After [`Error::Exhausted`] or [`Error::WindowClosed`] on a write
 //! ([`Error::outcome_unknown`]), the write may or may not have landed: never resend it under
@@ -77,7 +78,7 @@ mod types;
 pub use client::{Client, ClientBuilder, MAX_ANSWER_BYTES, WriteCall};
 pub use error::{Error, Failure};
 pub use key::{IdempotencyKey, MAX_KEY_LEN};
-pub use policy::{Meaning, RetryPolicy, meaning};
+pub use policy::{MAX_CALL_TIME, Meaning, RetryPolicy, meaning};
 pub use types::{
     ApiError, Balance, EventKind, History, HistoryEvent, Opened, Transferred, Writer, Written,
 };

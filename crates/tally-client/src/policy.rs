@@ -10,9 +10,9 @@ pub struct RetryPolicy {
     /// Requests per call, the first included.
     pub max_attempts: u32,
     /// Time per call from the first send, waits included; no attempt starts or runs past it.
-    /// Keep it below the server's window less a write's life (82 s on the embedded store and
-    /// 77 s on Celeriant with the defaults) so that a write that never got an answer is
-    /// never resent once its key is forgotten.
+    /// At most [`MAX_CALL_TIME`]: below the server's window less a write's life (82 s on the
+    /// embedded store and 77 s on Celeriant with the defaults), so that a write that never
+    /// got an answer is never resent once its key may be forgotten.
     pub total: Duration,
     /// Time per attempt for a complete answer.
     pub attempt_timeout: Duration,
@@ -34,7 +34,26 @@ impl Default for RetryPolicy {
     }
 }
 
+/// The longest [`RetryPolicy::total`] a client accepts: below the server's default window less
+/// a write's life (77 s on Celeriant), with room to spare, so that no resend of a write that
+/// never got an answer (and so no window) goes out after its key may be forgotten.
+pub const MAX_CALL_TIME: std::time::Duration = std::time::Duration::from_secs(60);
+
 impl RetryPolicy {
+    /// Why this policy cannot be used, if it cannot.
+    pub fn check(&self) -> Result<(), &'static str> {
+        if self.max_attempts == 0 {
+            return Err("max_attempts must be at least 1");
+        }
+        if self.total.is_zero() || self.attempt_timeout.is_zero() {
+            return Err("total and attempt_timeout must be above zero");
+        }
+        if self.total > MAX_CALL_TIME {
+            return Err("total is above MAX_CALL_TIME (a resend could outlive the key's window)");
+        }
+        Ok(())
+    }
+
     /// The wait after attempt `attempt` (1-based) failed without a `Retry-After`.
     pub fn backoff_after(&self, attempt: u32) -> Duration {
         let doublings = attempt.saturating_sub(1).min(16);
@@ -99,6 +118,21 @@ mod tests {
             assert_eq!(meaning(s, None), Meaning::Retry, "{s}");
         }
         assert_eq!(meaning(201, None), Meaning::Success);
+    }
+
+    #[test]
+    fn a_call_may_not_outlive_the_window() {
+        assert_eq!(RetryPolicy::default().check(), Ok(()));
+        let long = RetryPolicy {
+            total: MAX_CALL_TIME + Duration::from_secs(1),
+            ..RetryPolicy::default()
+        };
+        assert!(long.check().is_err());
+        let none = RetryPolicy {
+            max_attempts: 0,
+            ..RetryPolicy::default()
+        };
+        assert!(none.check().is_err());
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use clap::Parser;
-use tally_client::{Client, Error, Failure, IdempotencyKey, RetryPolicy};
+use tally_client::{Client, Error, EventKind, Failure, IdempotencyKey, RetryPolicy};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
@@ -254,19 +254,32 @@ async fn a_timeout_is_retried_with_the_same_key() {
 
 #[tokio::test]
 async fn a_broken_connection_is_retried_with_the_same_key() {
-    let server = Scripted::start(vec![Step::Close, balance(2, 2)]).await;
+    let (from, to) = (Uuid::new_v4(), Uuid::new_v4());
+    let transferred = Step::Answer {
+        status: 200,
+        headers: vec![],
+        body: r#"{"from":{"balanceCents":3,"aggregateVersion":2},"to":{"balanceCents":2,"aggregateVersion":1}}"#.into(),
+    };
+    let server = Scripted::start(vec![Step::Close, transferred]).await;
     let written = client(&server, quick())
-        .transfer(Uuid::new_v4(), Uuid::new_v4(), 2)
+        .transfer(from, to, 2)
         .send()
-        .await;
-    // The scripted balance is not a transfer's answer: the retry reached the server and its
-    // answer was read, which is what this test is about.
-    assert!(
-        matches!(written, Err(Error::Decode { status: 200, .. })),
-        "{written:?}"
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            written.value.from.balance_cents,
+            written.value.to.balance_cents
+        ),
+        (3, 2)
     );
-    assert_eq!(server.keys().len(), 2);
+    assert_eq!(written.attempts, 2);
     assert!(all_the_same(&server.keys()), "{:?}", server.keys());
+    let body: serde_json::Value = serde_json::from_str(&server.seen()[1].body).unwrap();
+    assert_eq!(
+        body,
+        serde_json::json!({"fromAccountId": from, "toAccountId": to, "amountCents": 2})
+    );
 }
 
 #[tokio::test]
@@ -585,6 +598,20 @@ async fn lost_acks_on_a_real_tally_land_once() {
         read.balance_cents, sent,
         "every deposit once ({replays} replays)"
     );
+    let history = tally.history(account, None, Some(100)).await.unwrap();
+    let amounts: Vec<i64> = history.events.iter().map(|e| e.amount_cents).collect();
+    assert_eq!(
+        amounts,
+        (1..=40).collect::<Vec<i64>>(),
+        "each deposit once, in order"
+    );
+    assert!(
+        history
+            .events
+            .iter()
+            .all(|e| e.kind == EventKind::Deposited)
+    );
+    assert_eq!(history.next_from_version, None);
 }
 
 /// Rule: a 503 from a replica shedding load is retried under the same key after its
