@@ -18,7 +18,9 @@ test: lint browser unit check-deploy contract lint-docker auth-suites doc-comman
 
 # The workspace: the server (the root package), crates/tally-client and crates/tally-load.
 # Every cargo command that builds tests names the whole workspace, so that each resolves the
-# same features and reuses one build (a command over the server alone resolves its own set).
+# same features and reuses one build: a command over one member resolves its own set (the
+# server's dev-dependencies turn on tokio's test-util, the other members' tests do not) and
+# would rebuild the crates that differ.
 lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
