@@ -16,8 +16,14 @@ run:
 ## Everything CI checks: formatting, lints, every test, the deploy/ validation.
 test: lint browser unit check-deploy contract lint-docker auth-suites doc-commands
 
+# The workspace: the server (the root package), crates/tally-client, crates/tally-load and
+# crates/tally-device.
+# Every cargo command that builds tests names the whole workspace, so that each resolves the
+# same features and reuses one build: a command over one member resolves its own set (the
+# server's dev-dependencies turn on tokio's test-util, the other members' tests do not) and
+# would rebuild the crates that differ.
 lint:
-	$(CARGO) fmt --check
+	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
 # The real parts the suites run against, started afresh around them and stopped however they
@@ -38,7 +44,7 @@ unit:
 # Postgres projection.
 unit-suites:
 	$(CARGO) test --workspace --locked --no-fail-fast
-	TALLY_TEST_PROJECTION=postgres $(CARGO) test --locked --test api --test fleet --test write_loop
+	TALLY_TEST_PROJECTION=postgres $(CARGO) test --workspace --locked --test api --test fleet --test write_loop
 
 # Console and watch stream (issue 16): the console's browser test drives headless Debian
 # Chromium through chromedriver; install both when missing (Debian/Ubuntu, as root or
@@ -61,7 +67,7 @@ bench:
 ## The store's own single-write rate (celeriant-bench) against Tally's spread deposits, each on
 ## a fresh real server, in one sitting; prints Tally's rate as a ratio of the store's.
 bench-store:
-	$(CARGO) build --release --locked --bin tally --bin tally-load
+	$(CARGO) build --release --locked -p tally -p tally-load --bin tally --bin tally-load
 	bash scripts/bench-store.sh
 
 ## The deterministic simulation over thousands of seeds.
@@ -100,7 +106,7 @@ $(TOOLS_VENV)/.installed:
 # is already built, where `cargo build --bin tally` resolved features apart and recompiled
 # some 60 crates (about 2 minutes of the budget).
 contract: $(TOOLS_VENV)/.installed
-	$(CARGO) test --locked --no-run
+	$(CARGO) test --workspace --locked --no-run
 	TALLY_BIN=$(abspath $(TALLY_TARGET_DIR))/debug/tally SCHEMATHESIS=$(TOOLS_VENV)/bin/schemathesis \
 		bash tests/contract/run.sh
 
@@ -108,7 +114,7 @@ contract: $(TOOLS_VENV)/.installed
 ## client sending a token (tests/common: TALLY_TEST_AUTH). The simulation's Postgres fleets
 ## call no HTTP route (auth changes nothing there) and need the test cluster: skipped here.
 auth-suites:
-	TALLY_TEST_AUTH=jwt $(WITH_CELERIANT) $(CARGO) test --locked --test fleet --test simulation -- --skip on_the_postgres_projection
+	TALLY_TEST_AUTH=jwt $(WITH_CELERIANT) $(CARGO) test --workspace --locked --test fleet --test simulation -- --skip on_the_postgres_projection
 
 ## hadolint on the Dockerfile.
 lint-docker: $(TOOLS_VENV)/.installed
@@ -126,5 +132,5 @@ image:
 ## scripts/check_docs.py, a few seconds once the test build is there.
 .PHONY: doc-commands
 doc-commands:
-	$(CARGO) test --locked --no-run
+	$(CARGO) test --workspace --locked --no-run
 	python3 scripts/check_docs.py --tally-bin $(abspath $(TALLY_TARGET_DIR))/debug/tally

@@ -2,7 +2,7 @@
 # Cold accounts (BENCHMARKS.md, "Cold accounts"): what the first request to an account costs on
 # a replica that never held it, against the length of the account's history.
 #
-#   cargo build --release --locked --bin tally --bin tally-load --example cold_history
+#   cargo build --release --locked -p tally -p tally-load --bin tally --bin tally-load --example cold_history
 #   bash scripts/bench-cold.sh
 #
 # Parts, each on its own fresh server (COLD_PARTS, default "celeriant embedded load"):
@@ -70,7 +70,7 @@ readonly AMOUNT_CENTS=100
 
 for bin in "$server" "$release/tally" "$release/tally-load" "$history_bin"; do
     [ -x "$bin" ] || {
-        echo "bench-cold: $bin is missing (cargo build --release --locked --bin tally --bin tally-load --example cold_history; CELERIANT_BIN names the server)" >&2
+        echo "bench-cold: $bin is missing (cargo build --release --locked -p tally -p tally-load --bin tally --bin tally-load --example cold_history; CELERIANT_BIN names the server)" >&2
         exit 1
     }
 done

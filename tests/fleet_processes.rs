@@ -663,7 +663,8 @@ async fn transfer_retried_where_one_leg_is_folded(c: &Cluster) {
 async fn load_through_nginx(c: &Cluster) -> Value {
     let mut targets = vec![c.lb.base.clone()];
     targets.extend(c.replicas.iter().map(|r| r.base.clone()));
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_tally-load"));
+    let mut cmd =
+        tokio::process::Command::new(common::workspace_bin::path("tally-load", &["tally-client"]));
     for (name, _) in std::env::vars() {
         if name.starts_with("TALLY_LOAD_") {
             cmd.env_remove(name);

@@ -10,7 +10,8 @@
 //!   calls, for the suites that steer the store from inside;
 //! - [`fleet_script`]: `deploy/fleet.sh` as a child process, read line by line;
 //! - [`windowed_log`]: a store decorator that pages reads in Celeriant's version windows and
-//!   counts them, for the suites that bound a read's cost.
+//!   counts them, for the suites that bound a read's cost;
+//! - [`workspace_bin`]: the binaries of the other workspace members (`tally-load`).
 //!
 //! Every suite compiles this module whole and uses part of it, hence `dead_code` is allowed.
 #![allow(dead_code)]
@@ -23,6 +24,7 @@ pub mod required;
 pub mod sse;
 pub mod test_dir;
 pub mod windowed_log;
+pub mod workspace_bin;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

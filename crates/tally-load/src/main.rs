@@ -4,8 +4,6 @@
 //! Exit status: 0 when the verdict passes (or verification is off), 1 when it fails or could
 //! not complete, 2 on bad options or a failed setup.
 
-mod tally_load;
-
 use std::process::ExitCode;
 
 use clap::Parser;

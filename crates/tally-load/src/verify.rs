@@ -12,10 +12,10 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use super::cli::Config;
-use super::http::{Answer, Client, Target, exchange};
-use super::ledger::{Fate, KeyRecord};
-use super::workload::{OpKind, quote};
+use crate::cli::Config;
+use crate::http::{Answer, Client, Target, exchange};
+use crate::ledger::{Fate, KeyRecord};
+use crate::workload::{OpKind, quote};
 
 /// Events asked for per history page.
 pub const HISTORY_PAGE_LIMIT: u32 = 500;
@@ -533,9 +533,9 @@ pub fn evaluate(records: &[KeyRecord], streams: &Streams) -> (ExactlyOnce, HashS
 
 #[cfg(test)]
 mod tests {
-    use super::super::http::Answer;
-    use super::super::workload::Op;
     use super::*;
+    use crate::http::Answer;
+    use crate::workload::Op;
     use bytes::Bytes;
 
     fn ok(record: &mut KeyRecord, status: u16) {

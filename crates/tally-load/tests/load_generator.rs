@@ -1,10 +1,6 @@
 //! Drives the `tally-load` core against a small in-process fake of the Tally HTTP API
 //! (in-memory accounts, idempotency-key dedup, optional faults) and checks its report.
 
-#[allow(dead_code)]
-#[path = "../src/bin/tally_load/mod.rs"]
-mod tally_load;
-
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -4,11 +4,14 @@
 use bytes::Bytes;
 use uuid::Uuid;
 
-use super::http::Outcome;
-use super::workload::Op;
+use crate::http::Outcome;
+use crate::workload::Op;
 
-/// Status recorded for an attempt that got no answer.
+/// Status recorded for an attempt that got no answer (or, behind `tally-client`, none that
+/// was a success or final).
 pub const NO_ANSWER: u16 = 0;
+/// Status recorded for a success `tally-client` returned (its answer's status is a 2xx).
+const SUCCESS_SEEN_BY_CLIENT: u16 = 200;
 
 /// True for a 4xx that says the write was not applied (409, 408, 425 and 429 are retryable).
 pub fn is_definitive_failure(status: u16) -> bool {
@@ -75,6 +78,19 @@ impl KeyRecord {
         }
     }
 
+    /// Notes a write the client saw answered 2xx on its `attempts`-th attempt, the earlier
+    /// ones not known to have landed (their answers stay inside the client).
+    pub fn landed(&mut self, attempts: u32) {
+        self.unanswered(attempts.saturating_sub(1));
+        self.statuses.push(SUCCESS_SEEN_BY_CLIENT);
+    }
+
+    /// Notes `attempts` attempts that ended without a 2xx or a final answer.
+    pub fn unanswered(&mut self, attempts: u32) {
+        self.statuses
+            .extend(std::iter::repeat_n(NO_ANSWER, attempts as usize));
+    }
+
     /// What the answers imply.
     pub fn fate(&self) -> Fate {
         if self.statuses.iter().any(|&s| is_success(s)) {
@@ -107,8 +123,8 @@ pub fn same_body(a: &[u8], b: &[u8]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::super::http::{Answer, TransportError};
     use super::*;
+    use crate::http::{Answer, TransportError};
 
     fn answer(status: u16, body: &'static str) -> Outcome {
         Ok(Answer {

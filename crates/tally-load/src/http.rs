@@ -13,7 +13,7 @@ use hyper_util::client::legacy::Client as LegacyClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-use super::LoadError;
+use crate::LoadError;
 
 /// Request header carrying the idempotency key.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";

@@ -6,8 +6,8 @@ use std::time::Duration;
 use clap::{ArgAction, Parser, ValueEnum};
 use serde::Serialize;
 
-use super::LoadError;
-use super::http::Target;
+use crate::LoadError;
+use crate::http::Target;
 
 /// Target used when no `--target` is given.
 pub const DEFAULT_TARGET: &str = "http://127.0.0.1:8080";

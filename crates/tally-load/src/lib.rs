@@ -1,6 +1,6 @@
 //! Core of `tally-load`, a bounded load generator for the Tally account API that ends with
 //! an exactly-once check of every idempotency key it sent. The binary is a thin shell over
-//! [`run`]; tests include this module directly.
+//! [`run`]; the tests drive [`run`] in-process.
 
 pub mod cli;
 pub mod conn;

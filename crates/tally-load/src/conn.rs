@@ -16,7 +16,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use super::http::{CONNECT, IDEMPOTENCY_KEY, Outcome, Target, TransportError, chain, read_answer};
+use crate::http::{CONNECT, IDEMPOTENCY_KEY, Outcome, Target, TransportError, chain, read_answer};
 
 /// How long a worker leaves a target alone after it refused a connection (a replica that
 /// is down or restarting), rather than spinning on refusals.

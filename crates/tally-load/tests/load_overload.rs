@@ -4,12 +4,6 @@
 //! each key's first attempts with 503 (so every count is known in advance), and once against
 //! a real Tally whose in-flight limit is tiny.
 
-#[allow(dead_code)]
-#[path = "../src/bin/tally_load/mod.rs"]
-mod tally_load;
-
-mod common;
-
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -136,7 +130,11 @@ impl Fake {
             "amountCents": amount,
             "eventId": key,
         }));
-        let answer = json!({ "aggregateVersion": stream.len() });
+        let balance: i64 = stream
+            .iter()
+            .filter_map(|e| e["amountCents"].as_i64())
+            .sum();
+        let answer = json!({ "balanceCents": balance, "aggregateVersion": stream.len() });
         if refused {
             return (503, json!({ "error": "SERVICE_UNAVAILABLE" }));
         }
@@ -411,12 +409,8 @@ async fn server_pid_reports_memory_and_cpu() {
 /// answers, and each worker keeps its one connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_tally_sheds_and_stays_exactly_once() {
-    let server = common::spawn(
-        common::test_config(&["--max-concurrent-requests", "2", "--max-queue-wait-ms", "0"]),
-        None,
-        None,
-    )
-    .await;
+    let server =
+        RealTally::start(&["--max-concurrent-requests", "2", "--max-queue-wait-ms", "0"]).await;
     let workers = 32;
     let report = run_generator(
         server.addr,
@@ -445,4 +439,34 @@ async fn a_real_tally_sheds_and_stays_exactly_once() {
     let e = &report.exactly_once;
     assert_eq!(e.verdict, Verdict::Pass, "{:?}", e.violations);
     assert_eq!(e.checked, 408);
+}
+
+/// A real Tally in this process, on its embedded store and port 0; stopped when dropped.
+struct RealTally {
+    addr: SocketAddr,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl RealTally {
+    async fn start(flags: &[&str]) -> Self {
+        let args = [
+            "tally",
+            "--listen",
+            "127.0.0.1:0",
+            "--seed-demo-accounts",
+            "false",
+        ];
+        let config = tally::config::Config::parse_from(args.iter().chain(flags));
+        let app = tally::app::App::builder(config)
+            .build()
+            .await
+            .expect("app builds");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(tally::http::serve(app, listener, async {
+            let _ = stopped.await;
+        }));
+        RealTally { addr, _stop: stop }
+    }
 }

@@ -14,13 +14,13 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use super::LoadError;
-use super::cli::{Config, On503, Scenario};
-use super::conn::WorkerConn;
-use super::http::{Answer, Outcome};
-use super::ledger::KeyRecord;
-use super::rng::Rng;
-use super::workload::{Op, Workload, send_op_on};
+use crate::LoadError;
+use crate::cli::{Config, On503, Scenario};
+use crate::conn::WorkerConn;
+use crate::http::{Answer, Outcome};
+use crate::ledger::KeyRecord;
+use crate::rng::Rng;
+use crate::workload::{Op, Workload, send_op_on};
 
 /// Highest latency the histogram tracks, in microseconds; larger values are clamped.
 pub const MAX_TRACKED_LATENCY_US: u64 = 3_600_000_000;

@@ -10,12 +10,12 @@ use serde::Deserialize;
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
-use super::LoadError;
-use super::cli::{Config, Scenario};
-use super::conn::WorkerConn;
-use super::http::{Client, Outcome, Target, TransportError, exchange};
-use super::ledger::{KeyRecord, is_definitive_failure};
-use super::rng::Rng;
+use crate::LoadError;
+use crate::cli::{Config, Scenario};
+use crate::conn::WorkerConn;
+use crate::http::{Client, Outcome, Target, TransportError, exchange};
+use crate::ledger::KeyRecord;
+use crate::rng::Rng;
 
 /// Accounts the hot scenario writes to.
 pub const HOT_ACCOUNTS: usize = 3;
@@ -25,12 +25,14 @@ pub const MIXED_DEPOSIT_PERCENT: u64 = 50;
 pub const MIXED_WITHDRAW_PERCENT: u64 = 25;
 /// Mixed scenario: each account is pre-funded with this many times `--amount-cents`.
 pub const MIXED_PREFUND_MULTIPLIER: i64 = 1000;
-/// Attempts per pre-funding deposit (same key each time) before setup gives up.
+/// Attempts per pre-funding deposit and target (same key each time).
 pub const SETUP_MAX_ATTEMPTS: u32 = 8;
-/// Pause before re-sending a setup deposit when the server gave no Retry-After.
+/// Pause before the first re-send of a setup deposit, doubled for each after it.
 pub const SETUP_BACKOFF: Duration = Duration::from_millis(50);
-/// Longest pause honoured from a Retry-After during setup.
+/// Longest pause between setup attempts that the doubling reaches.
 pub const SETUP_MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// Time for one pre-funding deposit on one target, waits included.
+pub const SETUP_MAX_TIME: Duration = Duration::from_secs(30);
 /// Most characters of a response body quoted in an error message.
 pub const MAX_QUOTED_BODY: usize = 200;
 /// RNG stream for account ids (ticket streams use the ticket number, far below this).
@@ -247,7 +249,7 @@ pub async fn prepare(config: &Config, client: &Client) -> Result<Setup, LoadErro
     };
     let mut records = Vec::new();
     if let Some(amount) = prefund {
-        let (funded, sent) = prefund_all(config, client, &accounts, amount).await?;
+        let (funded, sent) = prefund_all(config, &accounts, amount).await?;
         records = funded;
         requests += sent;
     }
@@ -301,17 +303,21 @@ async fn list_accounts_on(
 
 async fn prefund_all(
     config: &Config,
-    client: &Client,
     accounts: &[Uuid],
     amount: i64,
 ) -> Result<(Vec<KeyRecord>, u64), LoadError> {
+    let amount = u32::try_from(amount).map_err(|_| {
+        LoadError::Config(format!(
+            "a pre-funding deposit of {amount} cents is out of range"
+        ))
+    })?;
+    let clients = Arc::new(setup_clients(config)?);
     let accounts: Arc<Vec<Uuid>> = Arc::new(accounts.to_vec());
     let next = Arc::new(AtomicUsize::new(0));
     let workers = config.connections.min(accounts.len()).max(1);
     let mut tasks = JoinSet::new();
     for _ in 0..workers {
-        let (accounts, next) = (accounts.clone(), next.clone());
-        let (config, client) = (config.clone(), client.clone());
+        let (accounts, next, clients) = (accounts.clone(), next.clone(), clients.clone());
         tasks.spawn(async move {
             let mut records = Vec::new();
             let mut sent = 0u64;
@@ -320,7 +326,7 @@ async fn prefund_all(
                 let Some(&account) = accounts.get(i) else {
                     break;
                 };
-                let (record, attempts) = fund_one(&config, &client, i, account, amount).await?;
+                let (record, attempts) = fund_one(&clients, i, account, amount).await?;
                 sent += attempts;
                 records.push(record);
             }
@@ -339,44 +345,63 @@ async fn prefund_all(
     Ok((all, sent))
 }
 
+/// One `tally-client` per target for the pre-funding deposits: setup is a caller like any
+/// other, which needs each deposit landed once, so it takes the client's retry contract
+/// (same key, `Retry-After`, the window, final answers not retried) rather than a loop of
+/// its own. Its bounds are setup's: [`SETUP_MAX_ATTEMPTS`] per target, `--timeout` each.
+fn setup_clients(config: &Config) -> Result<Vec<tally_client::Client>, LoadError> {
+    let policy = tally_client::RetryPolicy {
+        max_attempts: SETUP_MAX_ATTEMPTS,
+        total: SETUP_MAX_TIME,
+        attempt_timeout: config.timeout,
+        backoff: SETUP_BACKOFF,
+        max_backoff: SETUP_MAX_BACKOFF,
+    };
+    config
+        .targets
+        .iter()
+        .map(|t| {
+            tally_client::Client::builder(t.as_str())
+                .policy(policy)
+                .build()
+                .map_err(|e| LoadError::Config(e.to_string()))
+        })
+        .collect()
+}
+
+/// Lands one pre-funding deposit under one key, moving to the next target (same key) when a
+/// target's attempts run out without an answer that is final.
 async fn fund_one(
-    config: &Config,
-    client: &Client,
+    clients: &[tally_client::Client],
     index: usize,
     account: Uuid,
-    amount: i64,
+    amount: u32,
 ) -> Result<(KeyRecord, u64), String> {
-    let op = Op::deposit(account, amount);
-    let mut record = KeyRecord::new(Uuid::new_v4(), op);
+    let key = Uuid::new_v4();
+    let mut record = KeyRecord::new(key, Op::deposit(account, i64::from(amount)));
+    let mut sent = 0u64;
     let mut last = String::new();
-    for attempt in 0..SETUP_MAX_ATTEMPTS {
-        let target = &config.targets[(index + attempt as usize) % config.targets.len()];
-        let outcome = send_op(client, target, &op, Some(record.key), config.timeout).await;
-        record.observe(&outcome);
-        let pause = match &outcome {
-            Ok(a) if (200..300).contains(&a.status) => {
-                return Ok((record, u64::from(attempt) + 1));
+    for round in 0..clients.len() {
+        let client = &clients[(index + round) % clients.len()];
+        match client.deposit(account, amount).key(key.into()).send().await {
+            Ok(written) => {
+                record.landed(written.attempts);
+                return Ok((record, sent + u64::from(written.attempts)));
             }
-            Ok(a) if is_definitive_failure(a.status) => {
-                return Err(format!(
-                    "pre-funding deposit into {account} refused with {}: {}",
-                    a.status,
-                    quote(&a.body)
-                ));
+            Err(tally_client::Error::Exhausted {
+                attempts,
+                last: why,
+                ..
+            }) => {
+                sent += u64::from(attempts);
+                record.unanswered(attempts);
+                last = why.to_string();
             }
-            Ok(a) => {
-                last = format!("status {}: {}", a.status, quote(&a.body));
-                a.retry_after.map(|d| d.min(SETUP_MAX_BACKOFF))
-            }
-            Err(e) => {
-                last = format!("{}: {}", e.kind, e.detail);
-                None
-            }
-        };
-        tokio::time::sleep(pause.unwrap_or(SETUP_BACKOFF * (attempt + 1))).await;
+            Err(e) => return Err(format!("pre-funding deposit into {account}: {e}")),
+        }
     }
     Err(format!(
-        "pre-funding deposit into {account} did not succeed after {SETUP_MAX_ATTEMPTS} attempts (last: {last})"
+        "pre-funding deposit into {account} did not succeed on any target (last: {last})"
     ))
 }
 

@@ -1,0 +1,652 @@
+//! The retry contract, one test per rule: against a scripted server (a raw HTTP/1 listener
+//! that answers each request with the next step of its script and records what it got), and
+//! against a real Tally in this process, over TCP, with store faults.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use clap::Parser;
+use tally_client::{Client, Error, EventKind, Failure, IdempotencyKey, RetryPolicy};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+use uuid::Uuid;
+
+/// What the scripted server does with one request.
+enum Step {
+    Answer {
+        status: u16,
+        headers: Vec<(&'static str, String)>,
+        body: String,
+    },
+    /// Reads the request and never answers.
+    Hang,
+    /// Reads the request and closes the connection.
+    Close,
+}
+
+/// What the scripted server received.
+#[derive(Debug, Clone)]
+struct Seen {
+    at: Instant,
+    request_line: String,
+    key: Option<String>,
+    body: String,
+}
+
+struct Scripted {
+    base: String,
+    seen: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl Scripted {
+    /// Serves `steps` in order; a request past the end is answered 418 (final), so a test
+    /// that sends too many sees it.
+    async fn start(steps: Vec<Step>) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let steps = Arc::new(Mutex::new(VecDeque::from(steps)));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let record = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(serve_connection(stream, steps.clone(), record.clone()));
+            }
+        });
+        Scripted { base, seen }
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    fn keys(&self) -> Vec<Option<String>> {
+        self.seen().into_iter().map(|s| s.key).collect()
+    }
+}
+
+async fn serve_connection(
+    stream: tokio::net::TcpStream,
+    steps: Arc<Mutex<VecDeque<Step>>>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+) {
+    let mut stream = BufReader::new(stream);
+    loop {
+        let mut request_line = String::new();
+        if stream.read_line(&mut request_line).await.unwrap_or(0) == 0 {
+            return;
+        }
+        let (mut key, mut length) = (None, 0usize);
+        loop {
+            let mut line = String::new();
+            stream.read_line(&mut line).await.unwrap();
+            let line = line.trim_end();
+            if line.is_empty() {
+                break;
+            }
+            let (name, value) = line.split_once(':').unwrap();
+            match name.to_ascii_lowercase().as_str() {
+                "idempotency-key" => key = Some(value.trim().to_string()),
+                "content-length" => length = value.trim().parse().unwrap(),
+                _ => {}
+            }
+        }
+        let mut body = vec![0; length];
+        stream.read_exact(&mut body).await.unwrap();
+        seen.lock().unwrap().push(Seen {
+            at: Instant::now(),
+            request_line: request_line.trim_end().to_string(),
+            key,
+            body: String::from_utf8(body).unwrap(),
+        });
+        let step = steps.lock().unwrap().pop_front();
+        let (status, headers, body) = match step {
+            Some(Step::Answer {
+                status,
+                headers,
+                body,
+            }) => (status, headers, body),
+            Some(Step::Hang) => {
+                std::future::pending::<()>().await;
+                return;
+            }
+            Some(Step::Close) => return,
+            None => (418, vec![], error_body("SCRIPT_ENDED")),
+        };
+        let mut head = format!(
+            "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
+            body.len()
+        );
+        for (name, value) in headers {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        head.push_str("\r\n");
+        let stream = stream.get_mut();
+        if stream.write_all(head.as_bytes()).await.is_err()
+            || stream.write_all(body.as_bytes()).await.is_err()
+        {
+            return;
+        }
+    }
+}
+
+fn error_body(code: &str) -> String {
+    format!(r#"{{"error":"{code}","message":"scripted"}}"#)
+}
+
+fn refusal(status: u16, code: &str, headers: Vec<(&'static str, String)>) -> Step {
+    Step::Answer {
+        status,
+        headers,
+        body: error_body(code),
+    }
+}
+
+fn balance(cents: i64, version: u64) -> Step {
+    Step::Answer {
+        status: 200,
+        headers: vec![],
+        body: format!(r#"{{"balanceCents":{cents},"aggregateVersion":{version}}}"#),
+    }
+}
+
+/// Short waits, so that the tests run in milliseconds unless the server asks for longer.
+fn quick() -> RetryPolicy {
+    RetryPolicy {
+        max_attempts: 5,
+        total: Duration::from_secs(20),
+        attempt_timeout: Duration::from_secs(5),
+        backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(20),
+    }
+}
+
+fn client(server: &Scripted, policy: RetryPolicy) -> Client {
+    Client::builder(&server.base)
+        .policy(policy)
+        .build()
+        .unwrap()
+}
+
+fn all_the_same(keys: &[Option<String>]) -> bool {
+    keys.iter().all(|k| k.is_some() && *k == keys[0])
+}
+
+#[tokio::test]
+async fn every_write_carries_a_key_and_a_minted_one_is_returned() {
+    let server = Scripted::start(vec![balance(5, 1), balance(10, 2)]).await;
+    let tally = client(&server, quick());
+    let account = Uuid::new_v4();
+    let minted = tally.deposit(account, 5).send().await.unwrap();
+    let given = IdempotencyKey::new("order-42").unwrap();
+    let named = tally
+        .deposit(account, 5)
+        .key(given.clone())
+        .send()
+        .await
+        .unwrap();
+    let keys = server.keys();
+    assert_eq!(keys[0].as_deref(), Some(minted.key.as_str()));
+    assert!(
+        Uuid::parse_str(minted.key.as_str()).is_ok(),
+        "a minted key is a UUID"
+    );
+    assert_eq!(keys[1].as_deref(), Some("order-42"));
+    assert_eq!(named.key, given);
+    assert_eq!(named.value.balance_cents, 10);
+    let seen = server.seen();
+    assert_eq!(
+        seen[0].request_line,
+        format!("POST /api/accounts/{account}/deposit HTTP/1.1")
+    );
+    assert_eq!(seen[0].body, r#"{"amountCents":5}"#);
+}
+
+#[tokio::test]
+async fn a_conflict_409_is_retried_with_the_same_key() {
+    let conflict = || refusal(409, "CONFLICT", vec![("retry-after", "0".into())]);
+    let server = Scripted::start(vec![conflict(), conflict(), balance(7, 3)]).await;
+    let written = client(&server, quick())
+        .deposit(Uuid::new_v4(), 7)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(written.attempts, 3);
+    assert_eq!(server.keys().len(), 3);
+    assert!(all_the_same(&server.keys()), "{:?}", server.keys());
+}
+
+#[tokio::test]
+async fn a_503_and_a_500_are_retried_with_the_same_key() {
+    let steps = vec![
+        refusal(503, "SERVICE_UNAVAILABLE", vec![]),
+        refusal(500, "STORE_ERROR", vec![]),
+        balance(1, 1),
+    ];
+    let server = Scripted::start(steps).await;
+    let key = IdempotencyKey::new("k-503").unwrap();
+    let written = client(&server, quick())
+        .withdraw(Uuid::new_v4(), 1)
+        .key(key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(written.attempts, 3);
+    assert_eq!(server.keys(), vec![Some("k-503".to_string()); 3]);
+}
+
+#[tokio::test]
+async fn a_timeout_is_retried_with_the_same_key() {
+    let server = Scripted::start(vec![Step::Hang, balance(2, 2)]).await;
+    let policy = RetryPolicy {
+        attempt_timeout: Duration::from_millis(300),
+        ..quick()
+    };
+    let written = client(&server, policy)
+        .deposit(Uuid::new_v4(), 2)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(written.attempts, 2);
+    assert!(all_the_same(&server.keys()), "{:?}", server.keys());
+}
+
+#[tokio::test]
+async fn a_broken_connection_is_retried_with_the_same_key() {
+    let (from, to) = (Uuid::new_v4(), Uuid::new_v4());
+    let transferred = Step::Answer {
+        status: 200,
+        headers: vec![],
+        body: r#"{"from":{"balanceCents":3,"aggregateVersion":2},"to":{"balanceCents":2,"aggregateVersion":1}}"#.into(),
+    };
+    let server = Scripted::start(vec![Step::Close, transferred]).await;
+    let written = client(&server, quick())
+        .transfer(from, to, 2)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            written.value.from.balance_cents,
+            written.value.to.balance_cents
+        ),
+        (3, 2)
+    );
+    assert_eq!(written.attempts, 2);
+    assert!(all_the_same(&server.keys()), "{:?}", server.keys());
+    let body: serde_json::Value = serde_json::from_str(&server.seen()[1].body).unwrap();
+    assert_eq!(
+        body,
+        serde_json::json!({"fromAccountId": from, "toAccountId": to, "amountCents": 2})
+    );
+}
+
+#[tokio::test]
+async fn a_refused_connection_is_retried_until_the_attempts_run_out() {
+    // A port nothing listens on: every attempt is refused.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let tally = Client::builder(&format!("http://127.0.0.1:{port}"))
+        .policy(quick())
+        .build()
+        .unwrap();
+    let err = tally.deposit(Uuid::new_v4(), 1).send().await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Exhausted {
+                attempts: 5,
+                last: Failure::Connection(_),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.outcome_unknown());
+}
+
+#[tokio::test]
+async fn retry_after_is_honoured() {
+    let shed = refusal(
+        503,
+        "SERVICE_UNAVAILABLE",
+        vec![("retry-after", "1".into())],
+    );
+    let server = Scripted::start(vec![shed, balance(3, 1)]).await;
+    client(&server, quick())
+        .deposit(Uuid::new_v4(), 3)
+        .send()
+        .await
+        .unwrap();
+    let seen = server.seen();
+    let gap = seen[1].at - seen[0].at;
+    assert!(
+        gap >= Duration::from_secs(1),
+        "the retry came {gap:?} after the answer that asked for 1 s (the backoff alone is 10 ms)"
+    );
+}
+
+#[tokio::test]
+async fn a_retry_after_beyond_the_total_time_ends_the_call_without_waiting() {
+    let shed = refusal(
+        503,
+        "SERVICE_UNAVAILABLE",
+        vec![("retry-after", "60".into())],
+    );
+    let server = Scripted::start(vec![shed, balance(3, 1)]).await;
+    let started = Instant::now();
+    let err = client(&server, quick())
+        .deposit(Uuid::new_v4(), 3)
+        .send()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::Exhausted { attempts: 1, .. }),
+        "{err:?}"
+    );
+    assert_eq!(server.seen().len(), 1);
+    assert!(
+        started.elapsed() < quick().total,
+        "it did not wait out a Retry-After it could not honour within its bound"
+    );
+}
+
+#[tokio::test]
+async fn no_resend_after_the_idempotency_window() {
+    // The window is spent: no resend at all.
+    let spent = refusal(409, "CONFLICT", vec![("idempotency-window", "0".into())]);
+    let server = Scripted::start(vec![spent, balance(1, 1)]).await;
+    let err = client(&server, quick())
+        .deposit(Uuid::new_v4(), 1)
+        .send()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::WindowClosed { attempts: 1, .. }),
+        "{err:?}"
+    );
+    assert!(err.outcome_unknown());
+    assert_eq!(server.seen().len(), 1, "the key was not resent");
+
+    // The server asks for a wait longer than what is left of the window.
+    let late = refusal(
+        503,
+        "SERVICE_UNAVAILABLE",
+        vec![
+            ("idempotency-window", "1".into()),
+            ("retry-after", "2".into()),
+        ],
+    );
+    let server = Scripted::start(vec![late, balance(1, 1)]).await;
+    let err = client(&server, quick())
+        .deposit(Uuid::new_v4(), 1)
+        .send()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::WindowClosed { .. }), "{err:?}");
+    assert_eq!(server.seen().len(), 1, "the key was not resent");
+
+    // Within the window the resend goes out.
+    let open = refusal(409, "CONFLICT", vec![("idempotency-window", "30".into())]);
+    let server = Scripted::start(vec![open, balance(1, 1)]).await;
+    let written = client(&server, quick())
+        .deposit(Uuid::new_v4(), 1)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(written.attempts, 2);
+}
+
+#[tokio::test]
+async fn a_422_is_never_retried() {
+    let window = vec![("idempotency-window", "90".into())];
+    let server = Scripted::start(vec![
+        refusal(422, "INSUFFICIENT_FUNDS", window),
+        balance(0, 1),
+    ])
+    .await;
+    let err = client(&server, quick())
+        .withdraw(Uuid::new_v4(), 1)
+        .send()
+        .await
+        .unwrap_err();
+    match &err {
+        Error::Refused { status, error, key } => {
+            assert_eq!((*status, error.code.as_str()), (422, "INSUFFICIENT_FUNDS"));
+            assert_eq!(
+                key.as_ref().map(|k| k.as_str().to_string()),
+                server.keys()[0]
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!err.outcome_unknown());
+    assert_eq!(server.seen().len(), 1);
+}
+
+#[tokio::test]
+async fn other_final_answers_are_never_retried() {
+    for (status, code) in [
+        (409, "ACCOUNT_EXISTS"),
+        (404, "ACCOUNT_NOT_FOUND"),
+        (400, "BAD_QUERY"),
+    ] {
+        let server = Scripted::start(vec![refusal(status, code, vec![]), balance(0, 1)]).await;
+        let err = client(&server, quick())
+            .open(None)
+            .send()
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::Refused { status: s, error, .. } if *s == status && error.code == code),
+            "{err:?}"
+        );
+        assert_eq!(server.seen().len(), 1, "{status} {code} was sent once");
+    }
+}
+
+#[tokio::test]
+async fn attempts_are_bounded() {
+    let shed = || refusal(503, "SERVICE_UNAVAILABLE", vec![]);
+    let server = Scripted::start((0..10).map(|_| shed()).collect()).await;
+    let policy = RetryPolicy {
+        max_attempts: 3,
+        ..quick()
+    };
+    let err = client(&server, policy)
+        .deposit(Uuid::new_v4(), 1)
+        .send()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Exhausted {
+                attempts: 3,
+                last: Failure::Answer { status: 503, .. },
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(server.seen().len(), 3);
+}
+
+#[tokio::test]
+async fn total_time_is_bounded() {
+    // An attempt may take 30 s, the call only 1 s: the attempt is cut at the call's bound.
+    let server = Scripted::start(vec![Step::Hang, Step::Hang]).await;
+    let policy = RetryPolicy {
+        total: Duration::from_secs(1),
+        attempt_timeout: Duration::from_secs(30),
+        ..quick()
+    };
+    let started = Instant::now();
+    let err = client(&server, policy)
+        .deposit(Uuid::new_v4(), 1)
+        .send()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Exhausted {
+                attempts: 1,
+                last: Failure::Timeout(_),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    // Far below the attempt's own 30 s: the call's bound, not a speed target.
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn reads_are_retried_without_a_key() {
+    let lagging = refusal(
+        503,
+        "SERVICE_UNAVAILABLE",
+        vec![("retry-after", "0".into())],
+    );
+    let server = Scripted::start(vec![lagging, balance(9, 4)]).await;
+    let account = Uuid::new_v4();
+    let read = client(&server, quick())
+        .balance(account, Some(4))
+        .await
+        .unwrap();
+    assert_eq!((read.balance_cents, read.aggregate_version), (9, 4));
+    let seen = server.seen();
+    assert_eq!(seen.len(), 2);
+    assert!(seen.iter().all(|s| s.key.is_none()));
+    assert_eq!(
+        seen[1].request_line,
+        format!("GET /api/accounts/{account}/balance?minVersion=4 HTTP/1.1")
+    );
+}
+
+/// A real Tally in this process, on its embedded store and port 0; stopped when dropped.
+struct RealTally {
+    base: String,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl RealTally {
+    async fn start(flags: &[&str]) -> Self {
+        let args = [
+            "tally",
+            "--listen",
+            "127.0.0.1:0",
+            "--seed-demo-accounts",
+            "false",
+        ];
+        let config = tally::config::Config::parse_from(args.iter().chain(flags));
+        let app = tally::app::App::builder(config)
+            .build()
+            .await
+            .expect("app builds");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let base = format!("http://{}", listener.local_addr().expect("addr"));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(tally::http::serve(app, listener, async {
+            let _ = stopped.await;
+        }));
+        RealTally { base, _stop: stop }
+    }
+}
+
+/// Rule: a write whose acknowledgement the store lost is answered 409 by a replica that may
+/// not try again (one store write per request); the client resends it under its key, and it
+/// lands once (the resend is the replay).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_acks_on_a_real_tally_land_once() {
+    let faults = "lost-ack=0.3,seed=7";
+    let server = RealTally::start(&["--faults", faults, "--write-max-attempts", "1"]).await;
+    let tally = Client::builder(&server.base)
+        .policy(quick())
+        .build()
+        .unwrap();
+    let account = Uuid::new_v4();
+    let (mut sent, mut attempts, mut replays) = (0i64, 0, 0);
+    for cents in 1..=40u32 {
+        let key = IdempotencyKey::new(format!("lost-ack-{cents}")).unwrap();
+        let written = tally.deposit(account, cents).key(key).send().await;
+        let written = written.unwrap_or_else(|e| panic!("deposit {cents} ({faults}): {e}"));
+        sent += i64::from(cents);
+        attempts += written.attempts;
+        replays += u32::from(written.replayed);
+        assert_eq!(
+            written.value.balance_cents, sent,
+            "deposit {cents} landed once"
+        );
+    }
+    assert!(
+        attempts > 40,
+        "{faults} made the client resend ({attempts} attempts)"
+    );
+    let read = tally.balance(account, None).await.unwrap();
+    assert_eq!(
+        read.balance_cents, sent,
+        "every deposit once ({replays} replays)"
+    );
+    let history = tally.history(account, None, Some(100)).await.unwrap();
+    let amounts: Vec<i64> = history.events.iter().map(|e| e.amount_cents).collect();
+    assert_eq!(
+        amounts,
+        (1..=40).collect::<Vec<i64>>(),
+        "each deposit once, in order"
+    );
+    assert!(
+        history
+            .events
+            .iter()
+            .all(|e| e.kind == EventKind::Deposited)
+    );
+    assert_eq!(history.next_from_version, None);
+}
+
+/// Rule: a 503 from a replica shedding load is retried under the same key after its
+/// `Retry-After`, and every write lands once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_tally_shedding_load_lands_every_write_once() {
+    let server =
+        RealTally::start(&["--max-concurrent-requests", "1", "--max-queue-wait-ms", "0"]).await;
+    // Every shed writer is told `Retry-After: 1`: room for the waves that takes.
+    let policy = RetryPolicy {
+        max_attempts: 20,
+        total: Duration::from_secs(60),
+        backoff: Duration::from_millis(100),
+        max_backoff: Duration::from_millis(500),
+        ..quick()
+    };
+    let tally = Client::builder(&server.base)
+        .policy(policy)
+        .build()
+        .unwrap();
+    let account = Uuid::new_v4();
+    let writers: Vec<_> = (1..=16u32)
+        .map(|cents| {
+            let tally = tally.clone();
+            tokio::spawn(async move { tally.deposit(account, cents).send().await })
+        })
+        .collect();
+    let mut attempts = 0;
+    for w in writers {
+        attempts += w.await.unwrap().expect("every deposit lands").attempts;
+    }
+    assert!(
+        attempts > 16,
+        "16 writers over 1 slot were shed ({attempts} attempts)"
+    );
+    let read = tally.balance(account, None).await.unwrap();
+    assert_eq!(read.balance_cents, (1..=16).sum::<i64>());
+}
