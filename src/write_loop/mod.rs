@@ -34,6 +34,7 @@
 
 mod classify;
 mod coalesce;
+pub mod config;
 mod decide;
 mod lanes;
 mod run;
