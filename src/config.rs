@@ -334,6 +334,7 @@ mod tests {
     use crate::http::config::*;
     use crate::projection::DEFAULT_MAX_INDEX_ENTRIES;
     use crate::projection::config::*;
+    use crate::write_loop::config::*;
     use crate::store::faults::FaultConfig;
 
     #[test]
