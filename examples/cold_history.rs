@@ -38,7 +38,7 @@ use uuid::Uuid;
 /// queue goes out in batches of at most this many).
 const DEFAULT_BATCH_EVENTS: usize = 64;
 /// The most events one store write may carry here: Tally's own `--max-batch-events` limit.
-const MAX_BATCH_EVENTS: usize = tally::config::MAX_BATCH_EVENTS;
+const MAX_BATCH_EVENTS: usize = tally::write_loop::config::MAX_BATCH_EVENTS;
 /// Every history event deposits this much, so a fold's balance is checkable: 100 x events.
 const AMOUNT_CENTS: i64 = 100;
 /// The most accounts `fill` writes at once: the store client's default pool size.
