@@ -334,8 +334,8 @@ mod tests {
     use crate::http::config::*;
     use crate::projection::DEFAULT_MAX_INDEX_ENTRIES;
     use crate::projection::config::*;
-    use crate::write_loop::config::*;
     use crate::store::faults::FaultConfig;
+    use crate::write_loop::config::*;
 
     #[test]
     fn defaults_are_valid_and_name_the_service() {
