@@ -227,6 +227,13 @@ def build():
           t(mean("tally_store_round_trips_per_write"), "mean")], "short",
          "Reads and writes one write request cost. Grows when catch-up misses locality (hash reshuffles, spread).")
     L.ts("Store latency p99 by replica", [t(quantile(0.99, "tally_store_request_duration_seconds", ["instance"]), "{{instance}}")], "s")
+    L.ts("Group commit: writes and accounts per store write",
+         [t(mean("tally_store_write_group_size"), "writes per request (mean)"),
+          t(mean("tally_store_write_aggregates"), "accounts per request (mean)"),
+          t(quantile(0.99, "tally_store_write_aggregates", []), "accounts per request p99")], "short",
+         "How many write-loop writes (and accounts) shared one store request; 1 when combining is off or the load is light.")
+    L.ts("Group commit: combined writes split", [t(f"sum by (cause) ({rate('tally_store_write_splits_total')})", "{{cause}}")], "ops",
+         "Combined writes the store refused as a whole; each member was sent again alone. cross_shard turns combining off.")
 
     L.row("Projection (in-memory folds)")
     L.ts("Events folded/s", [t(f"sum({rate('tally_projection_events_folded_total')})", "fleet"),
@@ -255,6 +262,13 @@ def build():
          "The process was stopped or frozen past the stall threshold; keyed writes were refused retryably for a few seconds after (TallyProcessStalled).")
     L.ts("Postgres rows refused", [t(f"max by (instance) (tally_projection_rows_refused{sel()})", "{{instance}}")], "short",
          "1 while a Postgres replica serves no row because the store went backwards under them (TallyRowsRefused): an operator reconciles the rows and restarts it.")
+
+    L.ts("Checkpoints written, by outcome", [t(f"sum by (outcome) ({rate('tally_checkpoint_writes_total')})", "{{outcome}}")], "ops",
+         "A conflict means another replica wrote that checkpoint first.")
+    L.ts("Cold folds from a checkpoint, by result", [t(f"sum by (result) ({rate('tally_checkpoint_loads_total')})", "{{result}}")], "ops",
+         "rejected: a checkpoint that did not check against the stream, ignored (the whole stream was folded).")
+    L.ts("Trims, by outcome", [t(f"sum by (outcome) ({rate('tally_trims_total')})", "{{outcome}}")], "ops",
+         "Streams trimmed below a checkpoint by --retain-history-secs or tally trim.")
 
     L.row("Start-up and devices")
     L.ts("Start-up steps pending", [t(f"max by (instance) (tally_startup_steps_pending{sel()})", "{{instance}}")], "short",
