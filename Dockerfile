@@ -14,11 +14,12 @@ WORKDIR /build
 # compiles only the server's dependencies here.
 COPY Cargo.toml Cargo.lock ./
 COPY crates crates
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN mkdir -p src/bin benches \
     && echo 'fn main() {}' > src/main.rs \
     && touch src/lib.rs \
-    && for b in $(grep -A1 '^\[\[bench\]\]' Cargo.toml | sed -n 's/^name = "\(.*\)"/\1/p'); do \
-        echo 'fn main() {}' > "benches/$b.rs"; done \
+    && grep -A1 '^\[\[bench\]\]' Cargo.toml | sed -n 's/^name = "\(.*\)"/\1/p' \
+        | while read -r b; do echo 'fn main() {}' > "benches/$b.rs"; done \
     && cargo build --release --locked -p tally --bin tally \
     && rm -rf src benches
 
