@@ -118,6 +118,17 @@ fn stack() -> Stack {
     stack_with(CombineConfig::default(), false)
 }
 
+/// One store write in flight at a time: writes sent meanwhile wait for the next request.
+fn one_in_flight() -> Stack {
+    stack_with(
+        CombineConfig {
+            max_in_flight: 1,
+            ..CombineConfig::default()
+        },
+        false,
+    )
+}
+
 async fn version(memory: &MemoryLog, id: u128) -> u64 {
     match memory.details(key(id)).await {
         Ok(d) => d.max_version,
@@ -156,13 +167,7 @@ async fn writes_ready_at_once_share_one_request_and_each_gets_its_own_versions()
 
 #[tokio::test]
 async fn writes_ready_while_every_request_is_in_flight_fill_the_next_request() {
-    let s = stack_with(
-        CombineConfig {
-            max_in_flight: 1,
-            ..CombineConfig::default()
-        },
-        false,
-    );
+    let s = one_in_flight();
     let mut hold = s.faults.hold_next_write();
     let first = s.log.write(CLIENT, write(1, 1, 0));
     let later = async {
@@ -288,13 +293,7 @@ async fn accounts_on_different_shards_stop_combining_and_every_write_goes_alone(
 
 #[tokio::test]
 async fn one_account_never_appears_twice_in_one_request() {
-    let s = stack_with(
-        CombineConfig {
-            max_in_flight: 1,
-            ..CombineConfig::default()
-        },
-        false,
-    );
+    let s = one_in_flight();
     let (a, b, c) = tokio::join!(
         s.log.write(CLIENT, write(1, 1, 0)),
         s.log.write(CLIENT, write(1, 2, 1)),
@@ -351,13 +350,7 @@ async fn a_request_carries_at_most_the_configured_accounts() {
 
 #[tokio::test]
 async fn a_caller_that_stopped_waiting_gets_nothing_sent() {
-    let s = stack_with(
-        CombineConfig {
-            max_in_flight: 1,
-            ..CombineConfig::default()
-        },
-        false,
-    );
+    let s = one_in_flight();
     let mut hold = s.faults.hold_next_write();
     let first = s.log.write(CLIENT, write(1, 1, 0));
     let later = async {
