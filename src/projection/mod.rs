@@ -44,7 +44,7 @@ use parking_lot::Mutex;
 
 use crate::account::{AccountEvent, AccountId, Identity};
 use crate::metrics::Metrics;
-use crate::store::{BatchStream, ReadFilter, SharedLog, StoreError};
+use crate::store::{Batch, BatchStream, ReadFilter, SharedLog, StoreError};
 pub use anchor::SERVER_CLOCK_RESYNC;
 pub use checkpoint::{CHECKPOINT_TAIL, Checkpoint};
 pub use checkpoint_writer::{CheckpointConfig, TrimReport};
@@ -354,15 +354,6 @@ impl Projection {
                 .start_from_checkpoint(account, &slot, generation, None)
                 .await;
         }
-        // The fold dropped in place meanwhile (`regress.rs`): what was read belongs to the
-        // old one, and folding it would look like a gap. Retry from the new one.
-        let same_fold = |st: &AccountState| {
-            if st.generation == generation {
-                Ok(())
-            } else {
-                Err(ProjectionError::Store(Self::dropped_during_catch_up()))
-            }
-        };
         let started = Instant::now();
         let mut stream = BatchStream::new(
             self.log.as_ref(),
@@ -394,20 +385,7 @@ impl Projection {
                     continue;
                 }
                 Err(StoreError::Trimmed { min_available }) => {
-                    let mut st = slot.state.lock();
-                    same_fold(&st)?;
-                    if st.version + 1 < min_available && !definitive {
-                        return Err(ProjectionError::Store(StoreError::NotApplied {
-                            reason: format!(
-                                "the stream is trimmed below version {min_available} and its checkpoints could not be read; retry"
-                            ),
-                        }));
-                    }
-                    if st.version + 1 < min_available {
-                        self.metrics.poisoned_accounts.inc();
-                        st.broken = Some(Box::new(Broken::Trimmed { min_available }));
-                    }
-                    check_broken(account, &st)?;
+                    self.met_trim(account, &slot, generation, min_available, definitive)?;
                     // Our cursor moved past the trim meanwhile: what we have is whole.
                     break;
                 }
@@ -424,30 +402,14 @@ impl Projection {
                 }
             }
             first_page = false;
-            let ctx = self.fold_context();
-            let mut st = slot.state.lock();
-            same_fold(&st)?;
-            let before = st.recent.len();
-            let result = st.fold(&page, &ctx);
-            self.add_index_entries(st.recent.len() as i64 - before as i64);
-            match result {
-                Ok(applied) => {
-                    self.metrics.events_folded.inc_by(applied);
-                    self.note_progress(account, &mut st, applied);
-                }
-                Err(broken) => {
-                    self.metrics.poisoned_accounts.inc();
-                    st.broken = Some(Box::new(broken));
-                    return Err(broken_error(account, &st));
-                }
-            }
+            self.fold_page(account, &slot, generation, &page)?;
         }
         self.metrics
             .catchup_duration
             .observe(started.elapsed().as_secs_f64());
         let now = self.now_ms();
         let mut st = slot.state.lock();
-        same_fold(&st)?;
+        same_fold(&st, generation)?;
         st.warm = true;
         st.last_touch_ms = now;
         let expired = st.recent.evict_expired(now);
@@ -455,6 +417,62 @@ impl Projection {
         let snap = st.snapshot();
         drop(st);
         Ok((slot, snap))
+    }
+
+    /// Folds one page a catch-up read into the account's state, in the generation it was
+    /// read for.
+    fn fold_page(
+        &self,
+        account: AccountId,
+        slot: &AccountSlot,
+        generation: u64,
+        page: &[Batch],
+    ) -> Result<(), ProjectionError> {
+        let ctx = self.fold_context();
+        let mut st = slot.state.lock();
+        same_fold(&st, generation)?;
+        let before = st.recent.len();
+        let result = st.fold(page, &ctx);
+        self.add_index_entries(st.recent.len() as i64 - before as i64);
+        match result {
+            Ok(applied) => {
+                self.metrics.events_folded.inc_by(applied);
+                self.note_progress(account, &mut st, applied);
+                Ok(())
+            }
+            Err(broken) => {
+                self.metrics.poisoned_accounts.inc();
+                st.broken = Some(Box::new(broken));
+                Err(broken_error(account, &st))
+            }
+        }
+    }
+
+    /// A catch-up met a trim it cannot go on from. Below the cursor it is a verdict when the
+    /// checkpoints could be read (the account is broken as trimmed), else retryable; at or
+    /// above it (the cursor moved past the trim meanwhile) nothing is missing.
+    fn met_trim(
+        &self,
+        account: AccountId,
+        slot: &AccountSlot,
+        generation: u64,
+        min_available: u64,
+        definitive: bool,
+    ) -> Result<(), ProjectionError> {
+        let mut st = slot.state.lock();
+        same_fold(&st, generation)?;
+        if st.version + 1 < min_available && !definitive {
+            return Err(ProjectionError::Store(StoreError::NotApplied {
+                reason: format!(
+                    "the stream is trimmed below version {min_available} and its checkpoints could not be read; retry"
+                ),
+            }));
+        }
+        if st.version + 1 < min_available {
+            self.metrics.poisoned_accounts.inc();
+            st.broken = Some(Box::new(Broken::Trimmed { min_available }));
+        }
+        check_broken(account, &st)
     }
 
     /// The fold context for a fold starting now.
@@ -615,6 +633,17 @@ pub(crate) fn broken_error(account: AccountId, st: &AccountState) -> ProjectionE
             version: st.version,
             reason: "unknown".into(),
         },
+    }
+}
+
+/// Whether the account's fold is still the generation a catch-up read for. One dropped in
+/// place meanwhile (`regress.rs`): what was read belongs to the old one, and folding it would
+/// look like a gap, so the catch-up is retried from the new one.
+fn same_fold(st: &AccountState, generation: u64) -> Result<(), ProjectionError> {
+    if st.generation == generation {
+        Ok(())
+    } else {
+        Err(ProjectionError::Store(Projection::dropped_during_catch_up()))
     }
 }
 
