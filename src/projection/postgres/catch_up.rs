@@ -11,7 +11,7 @@ use crate::account::AccountId;
 use crate::log_limit::{LogLimit, REPORT_INTERVAL};
 use crate::projection::state::{AccountState, Broken, FoldContext, Snapshot};
 use crate::projection::{Projection, ProjectionError, RecentWrite, broken_error};
-use crate::store::{BatchStream, ReadFilter, StoreError};
+use crate::store::{Batch, BatchStream, ReadFilter, StoreError};
 
 /// What a Postgres catch-up found: the state, the index rows asked for, and how many
 /// database statements it took.
@@ -115,6 +115,54 @@ impl Projection {
         if st.version == 0 {
             definitive = self.seed_from_checkpoint(account, &mut st, None).await;
         }
+        let (broken, newest_ts) = self
+            .pg_fold_stream(pg, account, &mut st, definitive)
+            .await?;
+        self.metrics
+            .catchup_duration
+            .observe(started.elapsed().as_secs_f64());
+        let snap = st.snapshot();
+        let replayed = st.recent.live_entries();
+        if st.version > start || broken.is_some() {
+            statements += 1;
+            pg.persist(account, snap, broken.as_ref(), &replayed, newest_ts)
+                .await
+                .map_err(db_error)?;
+            self.metrics
+                .projection_db_rows_replayed
+                .inc_by(replayed.len() as u64);
+        }
+        if let Some(b) = broken {
+            self.metrics.poisoned_accounts.inc();
+            return Err(row_broken(account, snap, b));
+        }
+        self.pg_warm_up(
+            account,
+            WarmUpdate {
+                since,
+                snap,
+                delta: loaded.delta.as_deref(),
+                replayed: &replayed,
+            },
+        );
+        let hits = answer_lookups(&st, lookups, self.server_tip_ms(), loaded.hits);
+        Ok(PgCaughtUp {
+            snap,
+            hits,
+            statements,
+        })
+    }
+
+    /// Folds the stream after `st` into it, going on from a checkpoint when the row lies
+    /// below a trim. Returns what broke the fold, if anything (to be persisted with the row),
+    /// and the newest commit time read.
+    async fn pg_fold_stream(
+        &self,
+        pg: &PgProjection,
+        account: AccountId,
+        st: &mut AccountState,
+        mut definitive: bool,
+    ) -> Result<(Option<Broken>, u64), ProjectionError> {
         let mut tried_checkpoint = false;
         let mut stream = BatchStream::new(
             self.log.as_ref(),
@@ -134,7 +182,7 @@ impl Projection {
                     // A row from before a trim: on from a checkpoint at or above it.
                     tried_checkpoint = true;
                     definitive = self
-                        .seed_from_checkpoint(account, &mut st, Some(min_available))
+                        .seed_from_checkpoint(account, st, Some(min_available))
                         .await;
                     stream = BatchStream::new(
                         self.log.as_ref(),
@@ -170,66 +218,46 @@ impl Projection {
                 }
             }
             first_page = false;
-            // Expiry in server time: a batch's row expires at its commit time plus the
-            // window (the fold computes `now + window - age`, and now = tip here).
-            let tip = self.server_tip_ms();
-            let ctx = FoldContext {
-                client_id: self.identity.client(),
-                window_ms: self.window_ms(),
-                tip_ms: tip,
-                now_ms: tip,
-            };
-            match st.fold(&page, &ctx) {
-                Ok(applied) => self.metrics.events_folded.inc_by(applied),
-                Err(b) => {
-                    broken = Some(b);
-                    break;
-                }
+            if let Err(b) = self.pg_fold_page(st, &page) {
+                broken = Some(b);
+                break;
             }
         }
-        self.metrics
-            .catchup_duration
-            .observe(started.elapsed().as_secs_f64());
-        let snap = st.snapshot();
-        let replayed = st.recent.live_entries();
-        if st.version > start || broken.is_some() {
-            statements += 1;
-            pg.persist(account, snap, broken.as_ref(), &replayed, newest_ts)
-                .await
-                .map_err(db_error)?;
-            self.metrics
-                .projection_db_rows_replayed
-                .inc_by(replayed.len() as u64);
-        }
-        if let Some(b) = broken {
-            self.metrics.poisoned_accounts.inc();
-            return Err(row_broken(account, snap, b));
-        }
-        self.pg_warm_up(
-            account,
-            WarmUpdate {
-                since,
-                snap,
-                delta: loaded.delta.as_deref(),
-                replayed: &replayed,
-            },
-        );
-        // A lookup answers from the fold just done first (it is at least as new as the row
-        // read before it), then from the row read.
-        let tip = self.server_tip_ms();
-        let mut hits: Vec<(u128, RecentWrite)> = lookups
-            .iter()
-            .filter_map(|&id| st.recent.get(id, tip).map(|w| (id, w)))
-            .collect();
-        for (id, w) in loaded.hits {
-            if !hits.iter().any(|(h, _)| *h == id) {
-                hits.push((id, w));
-            }
-        }
-        Ok(PgCaughtUp {
-            snap,
-            hits,
-            statements,
-        })
+        Ok((broken, newest_ts))
     }
+
+    /// Folds one page into `st`, ageing in server time: a batch's row expires at its commit
+    /// time plus the window (the fold computes `now + window - age`, and now = tip here).
+    fn pg_fold_page(&self, st: &mut AccountState, page: &[Batch]) -> Result<(), Broken> {
+        let tip = self.server_tip_ms();
+        let ctx = FoldContext {
+            client_id: self.identity.client(),
+            window_ms: self.window_ms(),
+            tip_ms: tip,
+            now_ms: tip,
+        };
+        let applied = st.fold(page, &ctx)?;
+        self.metrics.events_folded.inc_by(applied);
+        Ok(())
+    }
+}
+
+/// What the lookups find: the fold just done first (it is at least as new as the row read
+/// before it), then the row read.
+fn answer_lookups(
+    st: &AccountState,
+    lookups: &[u128],
+    tip: u64,
+    from_row: Vec<(u128, RecentWrite)>,
+) -> Vec<(u128, RecentWrite)> {
+    let mut hits: Vec<(u128, RecentWrite)> = lookups
+        .iter()
+        .filter_map(|&id| st.recent.get(id, tip).map(|w| (id, w)))
+        .collect();
+    for (id, w) in from_row {
+        if !hits.iter().any(|(h, _)| *h == id) {
+            hits.push((id, w));
+        }
+    }
+    hits
 }
