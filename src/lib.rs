@@ -20,6 +20,7 @@ pub mod log_limit;
 pub mod metrics;
 pub mod projection;
 pub mod reader;
+pub mod request_note;
 pub mod stall;
 pub mod startup;
 pub mod store;

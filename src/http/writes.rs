@@ -23,6 +23,7 @@ use super::response::{Resp, json_response};
 use crate::account::{AccountId, AmountCents, Operation};
 use crate::app::App;
 use crate::auth::Caller;
+use crate::request_note::RequestNote;
 use crate::write_loop::{AnsweringAttempt, LegResult, WriteError, WriteOutcome, WriteRequest};
 
 #[derive(Deserialize)]
@@ -196,7 +197,7 @@ where
     // (the source of `/api/transfers`) is checked before anything is written.
     let caller = req.extensions().get::<Caller>().cloned();
     let key = IdempotencyKey::from_headers(req.headers(), caller.as_ref().map(|c| c.id.as_str()))?;
-    tracing::Span::current().record("key_hash", key.short_hash().as_str());
+    RequestNote::key_hash(|| key.short_hash());
     // The body read is bounded as any request is; the write is bounded below.
     let body: B = tokio::time::timeout(request_deadline(app), read_json(req))
         .await
@@ -222,12 +223,18 @@ where
         op,
         event_id: key.event_id.as_u128(),
     };
-    let span = tracing::Span::current();
+    let (span, note) = (
+        tracing::Span::current(),
+        RequestNote::current().unwrap_or_default(),
+    );
     let attempt = Arc::new(AnsweringAttempt::default());
-    let task = tokio::spawn({
+    // Boxed before it is spawned: the write's future is several kilobytes, and the task
+    // machinery moves what it is given a few times on the way in and out.
+    let task = tokio::spawn(Box::pin({
         let attempt = attempt.clone();
-        async move { writes.execute_tracked(request, &attempt).await }.instrument(span)
-    });
+        note.scope(async move { writes.execute_tracked(request, &attempt).await })
+            .instrument(span)
+    }));
     // The loop stops trying at its deadline, but a store call under way then runs to its own
     // timeout: past this backstop the answer is "not known yet", with the key, and the task
     // goes on to record the outcome for the retry.

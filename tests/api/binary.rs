@@ -456,7 +456,8 @@ async fn binary_drains_an_in_flight_request_on_sigterm_and_exits_0() {
         .log
         .iter()
         .position(|v| {
-            v["fields"]["message"] == "served" && v["span"]["route"] == "/api/accounts/{id}/deposit"
+            v["fields"]["message"] == "served"
+                && v["fields"]["route"] == "/api/accounts/{id}/deposit"
         })
         .expect("the deposit's access log line");
     let stopped = server.position("stopped").expect("a stopped log line");

@@ -36,6 +36,7 @@ enum At {
 }
 
 #[derive(Default)]
+#[cfg_attr(test, derive(Debug, PartialEq))]
 struct Head {
     /// Bytes so far, leading empty lines included (hyper counts them too).
     len: usize,
@@ -48,6 +49,7 @@ struct Head {
     lost: bool,
 }
 
+#[cfg_attr(test, derive(Debug, PartialEq))]
 struct Line {
     len: usize,
     kept: [u8; LINE_KEPT],
@@ -63,11 +65,12 @@ impl Default for Line {
 }
 
 impl Line {
-    fn push(&mut self, b: u8) {
-        if let Some(slot) = self.kept.get_mut(self.len) {
-            *slot = b;
-        }
-        self.len += 1;
+    /// Appends bytes of the line: the first `LINE_KEPT` are kept, all are counted.
+    fn extend(&mut self, bytes: &[u8]) {
+        let from = self.len.min(LINE_KEPT);
+        let n = bytes.len().min(LINE_KEPT - from);
+        self.kept[from..from + n].copy_from_slice(&bytes[..n]);
+        self.len += bytes.len();
     }
 
     /// The line without its CR, if it was kept whole.
@@ -144,28 +147,36 @@ enum HeadStep {
     Over(Over),
 }
 
-/// Reads head bytes: how many were used, and what they came to.
+/// Reads head bytes: how many were used, and what they came to. A line at a time, not a
+/// byte: this runs on every byte of every request head.
 fn head_bytes(head: &mut Head, bytes: &[u8], limit: usize) -> (usize, HeadStep) {
-    for (i, &b) in bytes.iter().enumerate() {
-        head.len += 1;
-        if b == b'\n' {
-            if let Some(next) = end_line(head) {
-                return (i + 1, HeadStep::Ended(next));
-            }
-        } else {
-            head.line.push(b);
+    let mut used = 0;
+    while used < bytes.len() {
+        // hyper refuses a head once it holds `limit` bytes of it unfinished: look no further
+        // than that (at least one byte, as a byte at a time would).
+        let room = limit.saturating_sub(head.len).max(1);
+        let rest = &bytes[used..];
+        let window = &rest[..rest.len().min(room)];
+        let newline = window.iter().position(|&b| b == b'\n');
+        let taken = newline.map_or(window.len(), |i| i + 1);
+        head.line.extend(&window[..newline.unwrap_or(window.len())]);
+        head.len += taken;
+        used += taken;
+        if newline.is_some()
+            && let Some(next) = end_line(head)
+        {
+            return (used, HeadStep::Ended(next));
         }
-        // hyper refuses a head once it holds `limit` bytes of it unfinished.
         if head.len >= limit {
             let over = if head.request_line_done || head.line.len == 0 {
                 Over::HeaderFields
             } else {
                 Over::RequestLine
             };
-            return (i + 1, HeadStep::Over(over));
+            return (used, HeadStep::Over(over));
         }
     }
-    (bytes.len(), HeadStep::More)
+    (used, HeadStep::More)
 }
 
 /// A head line ended: where the stream goes if it was the head's last.
@@ -339,5 +350,76 @@ mod tests {
         let mut two = long_fields();
         two.extend_from_slice(&long_line());
         assert_over(&two, Some(Over::HeaderFields));
+    }
+
+    /// The scan as it was first written, a byte at a time: the model the line-at-a-time
+    /// `head_bytes` must agree with.
+    fn head_bytes_bytewise(head: &mut Head, bytes: &[u8], limit: usize) -> (usize, HeadStep) {
+        for (i, &b) in bytes.iter().enumerate() {
+            head.len += 1;
+            if b == b'\n' {
+                if let Some(next) = end_line(head) {
+                    return (i + 1, HeadStep::Ended(next));
+                }
+            } else {
+                head.line.extend(&[b]);
+            }
+            if head.len >= limit {
+                let over = if head.request_line_done || head.line.len == 0 {
+                    Over::HeaderFields
+                } else {
+                    Over::RequestLine
+                };
+                return (i + 1, HeadStep::Over(over));
+            }
+        }
+        (bytes.len(), HeadStep::More)
+    }
+
+    /// What a step came to, comparably (the next state's body is compared through the head
+    /// it was read from).
+    fn summary(step: &HeadStep) -> (u8, Option<Over>) {
+        match step {
+            HeadStep::More => (0, None),
+            HeadStep::Ended(_) => (1, None),
+            HeadStep::Over(over) => (2, Some(*over)),
+        }
+    }
+
+    fn piece() -> impl proptest::strategy::Strategy<Value = Vec<u8>> {
+        use proptest::prelude::*;
+        prop_oneof![
+            Just(b"POST /api/accounts/x/deposit HTTP/1.1\r\n".to_vec()),
+            Just(b"Content-Length: 12\r\n".to_vec()),
+            Just(b"transfer-encoding: chunked\r\n".to_vec()),
+            Just(b"CONNECT x:1 HTTP/1.1\r\n".to_vec()),
+            Just(b"\r\n".to_vec()),
+            Just(b"\n".to_vec()),
+            proptest::collection::vec(any::<u8>(), 0..90),
+            proptest::collection::vec(Just(b'a'), 60..140),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Rule: reading a head a line at a time says what reading it a byte at a time says,
+        /// on any bytes, any limit and any cut into reads.
+        #[test]
+        fn a_line_at_a_time_reads_a_head_as_a_byte_at_a_time_does(
+            pieces in proptest::collection::vec(piece(), 1..12),
+            limit in 1usize..160,
+            step in 1usize..50,
+        ) {
+            let stream: Vec<u8> = pieces.concat();
+            let (mut fast, mut model) = (Head::default(), Head::default());
+            for read in stream.chunks(step) {
+                let (a, b) = (head_bytes(&mut fast, read, limit), head_bytes_bytewise(&mut model, read, limit));
+                proptest::prop_assert_eq!(a.0, b.0);
+                proptest::prop_assert_eq!(summary(&a.1), summary(&b.1));
+                proptest::prop_assert_eq!(&fast, &model);
+                if !matches!(a.1, HeadStep::More) {
+                    break;
+                }
+            }
+        }
     }
 }

@@ -1,15 +1,17 @@
-//! The access log: each request runs in a `request` span (method, route template, and the
-//! key hash, attempts and outcome the write path records), and ends with one line, its
-//! status and latency: `served` at info, or `shed` at debug, since shed requests are
-//! reported by the edge in one warning per interval and a line each would cost a quarter of
-//! a refusal's CPU (`super::super::admission`).
+//! The access log: each request ends with one line, its method, route template, status and
+//! latency, and what the request's note (`crate::request_note`) gathered on the way: the
+//! key hash, and a write's attempts and outcome. `served` at info, or `shed` at debug, since
+//! shed requests are reported by the edge in one warning per interval and a line each would
+//! cost a quarter of a refusal's CPU (`super::super::admission`). The request runs in a
+//! `request` span at debug level (method and route), which gives the other lines a request
+//! logs its context when debug logging is on, and costs nothing when it is off.
 //!
 //! Here errors become responses ([`ApiError::into_response`], the one mapping to HTTP):
 //! every layer inside answers `Result<_, ApiError>`, and the line must see the error to tell
-//! a shed request from the rest. The mapping runs outside the span, as the line's own
-//! fields say what it was.
+//! a shed request from the rest.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
@@ -21,6 +23,7 @@ use tracing::Instrument;
 use crate::http::error::ApiError;
 use crate::http::router::{BoxFuture, Routed, method_label};
 use crate::http::watch::HttpBody;
+use crate::request_note::RequestNote;
 
 #[derive(Clone, Copy)]
 pub struct AccessLogLayer;
@@ -54,29 +57,27 @@ where
 
     fn call(&mut self, routed: Routed) -> Self::Future {
         let started = Instant::now();
-        let span = tracing::info_span!(
-            "request",
-            method = method_label(routed.req.method()),
-            route = routed.template(),
-            key_hash = tracing::field::Empty,
-            attempts = tracing::field::Empty,
-            outcome = tracing::field::Empty,
-        );
+        let (method, route) = (method_label(routed.req.method()), routed.template());
+        let span = tracing::debug_span!("request", method, route);
+        let note = Arc::new(RequestNote::default());
         // The layers inside check the request as they are called: in the span too.
         let answer = span.in_scope(|| self.inner.call(routed));
         Box::pin(async move {
-            let answer = answer.instrument(span.clone()).await;
+            let answer = note.clone().scope(answer).instrument(span).await;
             let shed = matches!(answer, Err(ApiError::Shed { .. }));
             let resp = answer.unwrap_or_else(|e| e.into_response().map(Either::Left));
-            span.in_scope(|| {
-                let (status, latency_us) = (resp.status().as_u16(), started.elapsed().as_micros());
-                let latency_us = latency_us as u64;
-                if shed {
-                    tracing::debug!(status, latency_us, "shed");
-                } else {
-                    tracing::info!(status, latency_us, "served");
-                }
-            });
+            let (status, latency_us) = (resp.status().as_u16(), started.elapsed().as_micros());
+            let latency_us = latency_us as u64;
+            let key_hash = note.noted_key_hash();
+            let run = note.noted_run();
+            let (attempts, outcome) = (run.map(|r| r.attempts), run.map(|r| r.outcome));
+            if shed {
+                tracing::debug!(method, route, status, latency_us, "shed");
+            } else {
+                tracing::info!(
+                    method, route, key_hash, attempts, outcome, status, latency_us, "served"
+                );
+            }
             Ok(resp)
         })
     }

@@ -29,6 +29,7 @@ use super::{Answer, WriteConfig, WriteError, WriteRequest};
 use crate::account::{AccountId, Identity, Standing};
 use crate::metrics::{Metrics, arm};
 use crate::projection::{AccountView, Projection, Snapshot};
+use crate::request_note::{RequestNote, RunNote};
 use crate::store::SharedLog;
 
 /// One account touched by a run, with its state for the current attempt.
@@ -271,11 +272,12 @@ impl<'a> Run<'a> {
         self.write(&batch).await
     }
 
-    /// Records the run on its request span and in the metrics.
+    /// Records the run in its request's note (for the access log) and in the metrics.
     fn observe_run(&self) {
-        let span = tracing::Span::current();
-        span.record("attempts", self.attempt);
-        span.record("outcome", self.outcome_label());
+        RequestNote::run(RunNote {
+            attempts: self.attempt,
+            outcome: self.outcome_label(),
+        });
         let m = self.cx.metrics;
         m.write_attempts
             .with_label_values(&[self.op_label])
