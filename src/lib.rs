@@ -17,6 +17,7 @@ pub mod config;
 pub mod device;
 pub mod http;
 pub mod log_limit;
+pub mod log_writer;
 pub mod metrics;
 pub mod projection;
 pub mod reader;

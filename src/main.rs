@@ -7,6 +7,7 @@ use clap::Parser;
 use tally::app::App;
 use tally::auth::mint::TokenArgs;
 use tally::config::{Config, LogFormat};
+use tally::log_writer::{self, LogWriterGuard};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
@@ -25,7 +26,8 @@ fn main() -> ExitCode {
         eprintln!("tally: {e}");
         return ExitCode::from(2);
     }
-    init_tracing(config.log_format);
+    // Held to the end: dropping it writes the lines still queued.
+    let _log_writer = init_tracing(config.log_format);
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if let Some(workers) = config.http.worker_threads {
         builder.worker_threads(workers);
@@ -255,17 +257,28 @@ async fn shutdown_signal() {
     }
 }
 
-fn init_tracing(format: LogFormat) {
+/// Logs to stdout in batches (`tally::log_writer`): a line costs its request a copy into a
+/// buffer, not a system call. The guard writes what is left when it is dropped.
+fn init_tracing(format: LogFormat) -> Option<LogWriterGuard> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     // Colours only for a person at a terminal: escape codes in a log file or a collector's
     // pipe are noise (and cost a little on every access-log line).
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stdout().is_terminal());
+    let Some((sink, guard)) = log_writer::batched_stdout() else {
+        match format {
+            LogFormat::Human => builder.init(),
+            LogFormat::Json => builder.json().init(),
+        }
+        return None;
+    };
+    let builder = builder.with_writer(sink);
     match format {
         LogFormat::Human => builder.init(),
         LogFormat::Json => builder.json().init(),
     }
+    Some(guard)
 }
 
 // mimalloc instead of glibc's malloc: under load from many connections on two cores, glibc's

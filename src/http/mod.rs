@@ -13,6 +13,7 @@ pub mod body;
 pub mod config;
 mod console;
 mod deadline;
+mod detach;
 mod devices;
 pub mod error;
 pub mod gate;

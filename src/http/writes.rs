@@ -17,6 +17,7 @@ use uuid::Uuid;
 use super::accounts::BalanceBody;
 use super::body::read_json;
 use super::deadline::{request_deadline, took_too_long};
+use super::detach::{Detached, WritePanicked};
 use super::error::ApiError;
 use super::idempotency::{self, IdempotencyKey};
 use super::response::{Resp, json_response};
@@ -181,10 +182,10 @@ impl From<&LegResult> for BalanceBody {
     }
 }
 
-/// A write: parse the key and body (changing nothing on bad input), run the write loop
-/// detached from the connection (a client that disconnects must not cancel a store write
-/// half-way; its outcome is recorded for the retry that follows), and answer with the
-/// window and key headers.
+/// A write: parse the key and body (changing nothing on bad input), run the write loop so
+/// that it outlives the connection if it must ([`Detached`]: a client that disconnects must
+/// not cancel a store write half-way; its outcome is recorded for the retry that follows),
+/// and answer with the window and key headers.
 async fn write<B, F>(app: &Arc<App>, req: Request<Incoming>, build: F) -> Result<Resp, ApiError>
 where
     B: DeserializeOwned,
@@ -228,20 +229,18 @@ where
         RequestNote::current().unwrap_or_default(),
     );
     let attempt = Arc::new(AnsweringAttempt::default());
-    // Boxed before it is spawned: the write's future is several kilobytes, and the task
-    // machinery moves what it is given a few times on the way in and out.
-    let task = tokio::spawn(Box::pin({
+    let write = Detached::new({
         let attempt = attempt.clone();
         note.scope(async move { writes.execute_tracked(request, &attempt).await })
             .instrument(span)
-    }));
+    });
     // The loop stops trying at its deadline, but a store call under way then runs to its own
-    // timeout: past this backstop the answer is "not known yet", with the key, and the task
-    // goes on to record the outcome for the retry.
-    let answer = match tokio::time::timeout(request_deadline(app), task).await {
+    // timeout: past this backstop the answer is "not known yet", with the key, and the write
+    // goes on, detached, to record the outcome for the retry.
+    let answer = match tokio::time::timeout(request_deadline(app), write).await {
         Ok(Ok(answer)) => answer,
-        Ok(Err(e)) => Err(WriteError::Invariant {
-            what: format!("the write task failed: {e}"),
+        Ok(Err(WritePanicked)) => Err(WriteError::Invariant {
+            what: "the write panicked".into(),
         }),
         Err(_) => {
             app.metrics.write_answer_timeouts.inc();
