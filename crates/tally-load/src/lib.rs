@@ -2,6 +2,7 @@
 //! an exactly-once check of every idempotency key it sent. The binary is a thin shell over
 //! [`run`]; the tests drive [`run`] in-process.
 
+pub mod audit;
 pub mod cli;
 pub mod conn;
 pub mod http;
@@ -10,7 +11,6 @@ pub mod report;
 pub mod rng;
 pub mod runner;
 pub mod server;
-pub mod verify;
 pub mod workload;
 
 pub use cli::Options;
@@ -18,9 +18,9 @@ pub use report::Report;
 
 use std::collections::BTreeMap;
 
+use audit::ExactlyOnce;
 use cli::Scenario;
 use report::{Latency, SetupSummary};
-use verify::ExactlyOnce;
 
 /// Why a run could not produce a report.
 #[derive(Debug, thiserror::Error)]
@@ -63,7 +63,7 @@ pub async fn run(options: Options) -> Result<Report, LoadError> {
         let mut records = setup.records;
         records.append(&mut stats.records);
         let client = http::client(config.connections, config.timeout);
-        verify::verify(&config, &client, &records).await
+        audit::audit(&config, &client, &records).await
     } else {
         ExactlyOnce::skipped()
     };

@@ -6,9 +6,9 @@ use std::fmt;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
+use crate::audit::{ExactlyOnce, Verdict};
 use crate::cli::{On503, Scenario};
 use crate::server::ServerUsage;
-use crate::verify::{ExactlyOnce, Verdict};
 
 /// Most violations printed in the text report (the JSON report lists more).
 pub const MAX_PRINTED_VIOLATIONS: usize = 10;
