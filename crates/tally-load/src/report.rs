@@ -127,14 +127,24 @@ impl Report {
 
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let scenario = serde_json::to_value(self.scenario)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_default();
+        self.write_run(f)?;
+        self.write_latency(f)?;
+        self.write_usage(f)?;
+        self.write_answers(f)?;
+        write_exactly_once(f, &self.exactly_once)
+    }
+}
+
+impl Report {
+    /// What was run, against what, and how much of it: requests, goodput, connections.
+    fn write_run(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "tally-load: scenario {scenario}, {}, {} connections, seed {}",
-            self.mode, self.connections, self.seed
+            "tally-load: scenario {}, {}, {} connections, seed {}",
+            json_name(self.scenario),
+            self.mode,
+            self.connections,
+            self.seed
         )?;
         if let Some(rate) = self.target_rate {
             write!(f, ", target {rate} op/s")?;
@@ -157,42 +167,39 @@ impl fmt::Display for Report {
             self.elapsed_secs,
             self.throughput
         )?;
-        let refusals: Vec<String> = self
-            .refusals_per_sec
-            .iter()
-            .map(|(s, r)| format!("{s}={r:.1}"))
-            .collect();
+        let refusals = joined(&self.refusals_per_sec, |s, r| format!("{s}={r:.1}"));
         writeln!(
             f,
             "goodput:     {:.1} 2xx/s; other answers/s: {}",
             self.goodput,
             if refusals.is_empty() {
-                "none".to_string()
+                "none"
             } else {
-                refusals.join("  ")
+                &refusals
             }
         )?;
+        let connects_per_sec = if self.elapsed_secs > 0.0 {
+            self.connects as f64 / self.elapsed_secs
+        } else {
+            0.0
+        };
         writeln!(
             f,
-            "connections: {} opened ({:.1}/s)",
-            self.connects,
-            if self.elapsed_secs > 0.0 {
-                self.connects as f64 / self.elapsed_secs
-            } else {
-                0.0
-            }
-        )?;
+            "connections: {} opened ({connects_per_sec:.1}/s)",
+            self.connects
+        )
+    }
+
+    /// Every latency the run measured: all answers, 2xx, settled and first touch.
+    fn write_latency(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "latency us:  {}", self.latency_us)?;
         writeln!(f, "  2xx:       {}", self.admitted_latency_us)?;
         if let Some(policy) = self.on_503 {
-            let policy = serde_json::to_value(policy)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_string))
-                .unwrap_or_default();
             writeln!(
                 f,
-                "  settled:   {} (first send to 2xx, --on-503 {policy})",
-                self.settled_latency_us
+                "  settled:   {} (first send to 2xx, --on-503 {})",
+                self.settled_latency_us,
+                json_name(policy)
             )?;
         }
         if let (Some(fresh), Some(existing)) = (
@@ -202,6 +209,11 @@ impl fmt::Display for Report {
             writeln!(f, "  1st touch: {fresh} ({} answers)", fresh.count)?;
             writeln!(f, "  existing:  {existing} ({} answers)", existing.count)?;
         }
+        Ok(())
+    }
+
+    /// The CPU and memory of the generator and of the server, when they were measured.
+    fn write_usage(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if let Some(cpu) = self.client_cpu_secs {
             writeln!(f, "generator:   CPU {cpu:.2} s")?;
         }
@@ -217,60 +229,73 @@ impl fmt::Display for Report {
                 s.cpu_us_per_request
             )?;
         }
-        let statuses: Vec<String> = self
-            .status_counts
-            .iter()
-            .map(|(s, n)| format!("{s}={n}"))
-            .collect();
-        writeln!(f, "statuses:    {}", statuses.join("  "))?;
+        Ok(())
+    }
+
+    /// The answers by status, the replays, and the requests that got none.
+    fn write_answers(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let statuses = joined(&self.status_counts, |s, n| format!("{s}={n}"));
+        writeln!(f, "statuses:    {statuses}")?;
         writeln!(f, "replays:     {}", self.replays)?;
-        let kinds: Vec<String> = self
-            .error_kinds
-            .iter()
-            .map(|(k, n)| format!("{k}={n}"))
-            .collect();
+        let kinds = joined(&self.error_kinds, |k, n| format!("{k}={n}"));
         if kinds.is_empty() {
             writeln!(f, "errors:      {}", self.errors)?;
         } else {
-            writeln!(f, "errors:      {} ({})", self.errors, kinds.join("  "))?;
+            writeln!(f, "errors:      {} ({kinds})", self.errors)?;
         }
         for sample in &self.error_samples {
             writeln!(f, "  e.g. {sample}")?;
         }
-        let e = &self.exactly_once;
-        let verdict = match e.verdict {
-            Verdict::Pass => "PASS",
-            Verdict::Fail => "FAIL",
-            Verdict::Incomplete => "INCOMPLETE",
-            Verdict::Skipped => "SKIPPED",
-        };
-        writeln!(
-            f,
-            "exactly-once: {verdict}: {} keys checked ({} succeeded, {} rejected, {} unknown of which {} landed); {} accounts, {} events ({} foreign); {} violations",
-            e.checked,
-            e.succeeded,
-            e.rejected,
-            e.unknown,
-            e.unknown_landed,
-            e.accounts_read,
-            e.events_read,
-            e.foreign_events,
-            e.violation_count
-        )?;
-        if let Some(error) = &e.error {
-            writeln!(f, "  verification error: {error}")?;
-        }
-        for v in e.violations.iter().take(MAX_PRINTED_VIOLATIONS) {
-            let kind = serde_json::to_value(v.kind)
-                .ok()
-                .and_then(|k| k.as_str().map(str::to_string))
-                .unwrap_or_default();
-            writeln!(f, "  {kind} {}: {}", v.key, v.detail)?;
-        }
-        let printed = e.violations.len().min(MAX_PRINTED_VIOLATIONS) as u64;
-        if e.violation_count > printed {
-            writeln!(f, "  ... and {} more", e.violation_count - printed)?;
-        }
         Ok(())
     }
+}
+
+/// The verdict with its counts, then the first violations.
+fn write_exactly_once(f: &mut fmt::Formatter<'_>, e: &ExactlyOnce) -> fmt::Result {
+    let verdict = match e.verdict {
+        Verdict::Pass => "PASS",
+        Verdict::Fail => "FAIL",
+        Verdict::Incomplete => "INCOMPLETE",
+        Verdict::Skipped => "SKIPPED",
+    };
+    writeln!(
+        f,
+        "exactly-once: {verdict}: {} keys checked ({} succeeded, {} rejected, {} unknown of which {} landed); {} accounts, {} events ({} foreign); {} violations",
+        e.checked,
+        e.succeeded,
+        e.rejected,
+        e.unknown,
+        e.unknown_landed,
+        e.accounts_read,
+        e.events_read,
+        e.foreign_events,
+        e.violation_count
+    )?;
+    if let Some(error) = &e.error {
+        writeln!(f, "  verification error: {error}")?;
+    }
+    for v in e.violations.iter().take(MAX_PRINTED_VIOLATIONS) {
+        writeln!(f, "  {} {}: {}", json_name(v.kind), v.key, v.detail)?;
+    }
+    let printed = e.violations.len().min(MAX_PRINTED_VIOLATIONS) as u64;
+    if e.violation_count > printed {
+        writeln!(f, "  ... and {} more", e.violation_count - printed)?;
+    }
+    Ok(())
+}
+
+/// The name `value` goes by in the JSON report (for the options, as the flag spells it).
+fn json_name(value: impl Serialize) -> String {
+    serde_json::to_value(value)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+/// `map`'s entries, each as `entry` writes it, two spaces apart.
+fn joined<K, V>(map: &BTreeMap<K, V>, entry: impl Fn(&K, &V) -> String) -> String {
+    map.iter()
+        .map(|(k, v)| entry(k, v))
+        .collect::<Vec<_>>()
+        .join("  ")
 }
