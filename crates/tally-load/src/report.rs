@@ -7,7 +7,8 @@ use hdrhistogram::Histogram;
 use serde::Serialize;
 
 use crate::audit::{ExactlyOnce, Verdict};
-use crate::cli::{On503, Scenario};
+use crate::cli::{Config, On503, Scenario};
+use crate::runner::Stats;
 use crate::server::ServerUsage;
 
 /// Most violations printed in the text report (the JSON report lists more).
@@ -57,6 +58,15 @@ pub struct SetupSummary {
     pub accounts: usize,
     pub requests: u64,
     pub elapsed_secs: f64,
+}
+
+/// What the measured phase cost, each part when it could be measured.
+#[derive(Debug, Clone)]
+pub struct Usage {
+    /// The server's memory and CPU (`--server-pid`).
+    pub server: Option<ServerUsage>,
+    /// CPU seconds this generator used (Linux).
+    pub client_cpu_secs: Option<f64>,
 }
 
 /// Everything one run measured and concluded.
@@ -119,6 +129,73 @@ pub struct Report {
 }
 
 impl Report {
+    /// The report of a run under `config` that measured `stats`.
+    pub fn new(
+        config: &Config,
+        stats: Stats,
+        setup: SetupSummary,
+        usage: Usage,
+        exactly_once: ExactlyOnce,
+    ) -> Self {
+        let secs = stats.elapsed.as_secs_f64();
+        let per_sec = |n: u64| if secs > 0.0 { n as f64 / secs } else { 0.0 };
+        let admitted: u64 = stats
+            .status_counts
+            .iter()
+            .filter(|(s, _)| (200..300).contains(*s))
+            .map(|(_, n)| n)
+            .sum();
+        let refusals_per_sec: BTreeMap<u16, f64> = stats
+            .status_counts
+            .iter()
+            .filter(|(s, _)| !(200..300).contains(*s))
+            .map(|(&s, &n)| (s, per_sec(n)))
+            .collect();
+        let h = &stats.latency;
+        let first_touch = config.scenario == Scenario::FirstTouch;
+        Report {
+            scenario: config.scenario,
+            mode: if config.rate.is_some() {
+                "open-loop"
+            } else {
+                "closed-loop"
+            },
+            seed: config.seed,
+            targets: config
+                .targets
+                .iter()
+                .map(|t| t.as_str().to_string())
+                .collect(),
+            connections: config.connections,
+            target_rate: config.rate,
+            elapsed_secs: secs,
+            operations: stats.operations,
+            retries: stats.retries,
+            connects: stats.connects,
+            on_503: config.on_503,
+            resends: stats.resends,
+            failovers: stats.failovers,
+            requests: stats.requests,
+            throughput: per_sec(stats.requests),
+            goodput: per_sec(admitted),
+            refusals_per_sec,
+            latency_us: Latency::of(&h.all),
+            admitted_latency_us: Latency::of(&h.admitted),
+            settled_latency_us: Latency::of(&h.settled),
+            first_touch_latency_us: first_touch.then(|| Latency::of(&h.first_touch)),
+            existing_account_latency_us: first_touch.then(|| Latency::of(&h.existing)),
+            server: usage.server,
+            client_cpu_secs: usage.client_cpu_secs,
+            errors: stats.errors(),
+            status_counts: stats.status_counts,
+            replays: stats.replays,
+            error_kinds: stats.error_kinds,
+            error_samples: stats.error_samples,
+            setup,
+            exactly_once,
+        }
+    }
+
     /// True unless the verifier failed or could not finish.
     pub fn passed(&self) -> bool {
         matches!(self.exactly_once.verdict, Verdict::Pass | Verdict::Skipped)
