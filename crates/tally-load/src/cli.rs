@@ -156,57 +156,9 @@ fn bad(msg: impl Into<String>) -> LoadError {
 impl Options {
     /// Checks every option against its limit; nothing is sent before this passes.
     pub fn validate(&self) -> Result<Config, LoadError> {
-        if self.targets.is_empty() {
-            return Err(bad("at least one --target is required"));
-        }
-        if self.targets.len() > MAX_TARGETS {
-            return Err(bad(format!("at most {MAX_TARGETS} targets")));
-        }
-        let targets = self
-            .targets
-            .iter()
-            .map(|t| Target::parse(t, self.allow_remote))
-            .collect::<Result<Vec<_>, _>>()?;
-        if !(1..=MAX_CONNECTIONS).contains(&self.connections) {
-            return Err(bad(format!("--connections must be 1..={MAX_CONNECTIONS}")));
-        }
-        let duration_secs = match (self.duration, self.requests) {
-            (Some(d), _) => d,
-            (None, Some(_)) => MAX_DURATION_SECS,
-            (None, None) => DEFAULT_DURATION_SECS,
-        };
-        if !(1..=MAX_DURATION_SECS).contains(&duration_secs) {
-            return Err(bad(format!(
-                "--duration must be 1..={MAX_DURATION_SECS} seconds"
-            )));
-        }
-        if let Some(n) = self.requests
-            && !(1..=MAX_REQUESTS).contains(&n)
-        {
-            return Err(bad(format!("--requests must be 1..={MAX_REQUESTS}")));
-        }
-        if let Some(r) = self.rate
-            && !(r.is_finite() && r > 0.0 && r <= MAX_RATE)
-        {
-            return Err(bad(format!("--rate must be > 0 and <= {MAX_RATE}")));
-        }
-        if !(1..=MAX_ACCOUNTS).contains(&self.accounts) {
-            return Err(bad(format!("--accounts must be 1..={MAX_ACCOUNTS}")));
-        }
-        if self.scenario == Scenario::Mixed && self.accounts < 2 {
-            return Err(bad("--scenario mixed needs --accounts >= 2 for transfers"));
-        }
-        if !(0.0..=1.0).contains(&self.retry_ratio) {
-            return Err(bad("--retry-ratio must be within 0..=1"));
-        }
-        let fresh_ratio = match (self.scenario, self.fresh_ratio) {
-            (Scenario::FirstTouch, ratio) => ratio.unwrap_or(DEFAULT_FRESH_RATIO),
-            (_, None) => 0.0,
-            (_, Some(_)) => return Err(bad("--fresh-ratio applies to --scenario first-touch")),
-        };
-        if !(0.0..=1.0).contains(&fresh_ratio) {
-            return Err(bad("--fresh-ratio must be within 0..=1"));
-        }
+        let targets = self.checked_targets()?;
+        let duration_secs = self.checked_pace()?;
+        let fresh_ratio = self.checked_workload()?;
         if let Some(pid) = self.server_pid
             && !super::server::exists(pid)
         {
@@ -241,6 +193,78 @@ impl Options {
             fresh_ratio,
             server_pid: self.server_pid,
         })
+    }
+
+    /// The targets, parsed: at least one, at most [`MAX_TARGETS`].
+    fn checked_targets(&self) -> Result<Vec<Target>, LoadError> {
+        if self.targets.is_empty() {
+            return Err(bad("at least one --target is required"));
+        }
+        if self.targets.len() > MAX_TARGETS {
+            return Err(bad(format!("at most {MAX_TARGETS} targets")));
+        }
+        self.targets
+            .iter()
+            .map(|t| Target::parse(t, self.allow_remote))
+            .collect()
+    }
+
+    /// How hard and how long the run goes: connections, duration, requests and rate.
+    /// Returns the measured phase's length in seconds.
+    fn checked_pace(&self) -> Result<u64, LoadError> {
+        if !(1..=MAX_CONNECTIONS).contains(&self.connections) {
+            return Err(bad(format!("--connections must be 1..={MAX_CONNECTIONS}")));
+        }
+        let duration_secs = duration_secs(self.duration, self.requests);
+        if !(1..=MAX_DURATION_SECS).contains(&duration_secs) {
+            return Err(bad(format!(
+                "--duration must be 1..={MAX_DURATION_SECS} seconds"
+            )));
+        }
+        if let Some(n) = self.requests
+            && !(1..=MAX_REQUESTS).contains(&n)
+        {
+            return Err(bad(format!("--requests must be 1..={MAX_REQUESTS}")));
+        }
+        if let Some(r) = self.rate
+            && !(r.is_finite() && r > 0.0 && r <= MAX_RATE)
+        {
+            return Err(bad(format!("--rate must be > 0 and <= {MAX_RATE}")));
+        }
+        Ok(duration_secs)
+    }
+
+    /// What the operations look like: accounts, retries and brand-new accounts. Returns the
+    /// share of brand-new accounts.
+    fn checked_workload(&self) -> Result<f64, LoadError> {
+        if !(1..=MAX_ACCOUNTS).contains(&self.accounts) {
+            return Err(bad(format!("--accounts must be 1..={MAX_ACCOUNTS}")));
+        }
+        if self.scenario == Scenario::Mixed && self.accounts < 2 {
+            return Err(bad("--scenario mixed needs --accounts >= 2 for transfers"));
+        }
+        if !(0.0..=1.0).contains(&self.retry_ratio) {
+            return Err(bad("--retry-ratio must be within 0..=1"));
+        }
+        let fresh_ratio = match (self.scenario, self.fresh_ratio) {
+            (Scenario::FirstTouch, ratio) => ratio.unwrap_or(DEFAULT_FRESH_RATIO),
+            (_, None) => 0.0,
+            (_, Some(_)) => return Err(bad("--fresh-ratio applies to --scenario first-touch")),
+        };
+        if !(0.0..=1.0).contains(&fresh_ratio) {
+            return Err(bad("--fresh-ratio must be within 0..=1"));
+        }
+        Ok(fresh_ratio)
+    }
+}
+
+/// The measured phase's length: as asked; else, when `--requests` bounds the run, the
+/// ceiling; else the default.
+fn duration_secs(duration: Option<u64>, requests: Option<u64>) -> u64 {
+    match (duration, requests) {
+        (Some(d), _) => d,
+        (None, Some(_)) => MAX_DURATION_SECS,
+        (None, None) => DEFAULT_DURATION_SECS,
     }
 }
 

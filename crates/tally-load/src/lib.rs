@@ -2,6 +2,7 @@
 //! an exactly-once check of every idempotency key it sent. The binary is a thin shell over
 //! [`run`]; the tests drive [`run`] in-process.
 
+pub mod audit;
 pub mod cli;
 pub mod conn;
 pub mod http;
@@ -10,17 +11,16 @@ pub mod report;
 pub mod rng;
 pub mod runner;
 pub mod server;
-pub mod verify;
 pub mod workload;
 
 pub use cli::Options;
 pub use report::Report;
 
-use std::collections::BTreeMap;
-
-use cli::Scenario;
-use report::{Latency, SetupSummary};
-use verify::ExactlyOnce;
+use audit::ExactlyOnce;
+use cli::Config;
+use report::{SetupSummary, Usage};
+use runner::Stats;
+use workload::Workload;
 
 /// Why a run could not produce a report.
 #[derive(Debug, thiserror::Error)]
@@ -45,7 +45,25 @@ pub async fn run(options: Options) -> Result<Report, LoadError> {
         let client = http::client(config.connections, config.timeout);
         workload::prepare(&config, &client).await?
     };
-    let accounts = setup.workload.accounts.len();
+    let summary = SetupSummary {
+        accounts: setup.workload.accounts.len(),
+        requests: setup.requests,
+        elapsed_secs: setup.elapsed.as_secs_f64(),
+    };
+    let (mut stats, usage) = measure(&config, setup.workload).await?;
+    let exactly_once = if config.verify {
+        let mut records = setup.records;
+        records.append(&mut stats.records);
+        let client = http::client(config.connections, config.timeout);
+        audit::audit(&config, &client, &records).await
+    } else {
+        ExactlyOnce::skipped()
+    };
+    Ok(Report::new(&config, stats, summary, usage, exactly_once))
+}
+
+/// Drives the measured phase, sampling the server (`--server-pid`) and this process over it.
+async fn measure(config: &Config, workload: Workload) -> Result<(Stats, Usage), LoadError> {
     let sampler = match config.server_pid {
         Some(pid) => Some(server::Sampler::start(pid).ok_or_else(|| {
             LoadError::Setup(format!("--server-pid {pid}: cannot read /proc/{pid}"))
@@ -53,79 +71,15 @@ pub async fn run(options: Options) -> Result<Report, LoadError> {
         None => None,
     };
     let own_cpu_start = server::cpu_secs(std::process::id());
-    let mut stats = runner::drive(&config, setup.workload).await?;
+    let stats = runner::drive(config, workload).await?;
     let server = sampler.and_then(|s| s.finish(stats.requests));
     // On one machine the generator competes with the server for CPU: report its share.
     let client_cpu_secs = own_cpu_start
         .zip(server::cpu_secs(std::process::id()))
         .map(|(start, end)| (end - start).max(0.0));
-    let exactly_once = if config.verify {
-        let mut records = setup.records;
-        records.append(&mut stats.records);
-        let client = http::client(config.connections, config.timeout);
-        verify::verify(&config, &client, &records).await
-    } else {
-        ExactlyOnce::skipped()
-    };
-    let secs = stats.elapsed.as_secs_f64();
-    let per_sec = |n: u64| if secs > 0.0 { n as f64 / secs } else { 0.0 };
-    let admitted: u64 = stats
-        .status_counts
-        .iter()
-        .filter(|(s, _)| (200..300).contains(*s))
-        .map(|(_, n)| n)
-        .sum();
-    let refusals_per_sec: BTreeMap<u16, f64> = stats
-        .status_counts
-        .iter()
-        .filter(|(s, _)| !(200..300).contains(*s))
-        .map(|(&s, &n)| (s, per_sec(n)))
-        .collect();
-    let h = &stats.latency;
-    let first_touch = config.scenario == Scenario::FirstTouch;
-    Ok(Report {
-        scenario: config.scenario,
-        mode: if config.rate.is_some() {
-            "open-loop"
-        } else {
-            "closed-loop"
-        },
-        seed: config.seed,
-        targets: config
-            .targets
-            .iter()
-            .map(|t| t.as_str().to_string())
-            .collect(),
-        connections: config.connections,
-        target_rate: config.rate,
-        elapsed_secs: secs,
-        operations: stats.operations,
-        retries: stats.retries,
-        connects: stats.connects,
-        on_503: config.on_503,
-        resends: stats.resends,
-        failovers: stats.failovers,
-        requests: stats.requests,
-        throughput: per_sec(stats.requests),
-        goodput: per_sec(admitted),
-        refusals_per_sec,
-        latency_us: Latency::of(&h.all),
-        admitted_latency_us: Latency::of(&h.admitted),
-        settled_latency_us: Latency::of(&h.settled),
-        first_touch_latency_us: first_touch.then(|| Latency::of(&h.first_touch)),
-        existing_account_latency_us: first_touch.then(|| Latency::of(&h.existing)),
+    let usage = Usage {
         server,
         client_cpu_secs,
-        errors: stats.errors(),
-        status_counts: stats.status_counts,
-        replays: stats.replays,
-        error_kinds: stats.error_kinds,
-        error_samples: stats.error_samples,
-        setup: SetupSummary {
-            accounts,
-            requests: setup.requests,
-            elapsed_secs: setup.elapsed.as_secs_f64(),
-        },
-        exactly_once,
-    })
+    };
+    Ok((stats, usage))
 }

@@ -6,9 +6,10 @@ use std::fmt;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
-use crate::cli::{On503, Scenario};
+use crate::audit::{ExactlyOnce, Verdict};
+use crate::cli::{Config, On503, Scenario};
+use crate::runner::Stats;
 use crate::server::ServerUsage;
-use crate::verify::{ExactlyOnce, Verdict};
 
 /// Most violations printed in the text report (the JSON report lists more).
 pub const MAX_PRINTED_VIOLATIONS: usize = 10;
@@ -57,6 +58,15 @@ pub struct SetupSummary {
     pub accounts: usize,
     pub requests: u64,
     pub elapsed_secs: f64,
+}
+
+/// What the measured phase cost, each part when it could be measured.
+#[derive(Debug, Clone)]
+pub struct Usage {
+    /// The server's memory and CPU (`--server-pid`).
+    pub server: Option<ServerUsage>,
+    /// CPU seconds this generator used (Linux).
+    pub client_cpu_secs: Option<f64>,
 }
 
 /// Everything one run measured and concluded.
@@ -119,6 +129,73 @@ pub struct Report {
 }
 
 impl Report {
+    /// The report of a run under `config` that measured `stats`.
+    pub fn new(
+        config: &Config,
+        stats: Stats,
+        setup: SetupSummary,
+        usage: Usage,
+        exactly_once: ExactlyOnce,
+    ) -> Self {
+        let secs = stats.elapsed.as_secs_f64();
+        let per_sec = |n: u64| if secs > 0.0 { n as f64 / secs } else { 0.0 };
+        let admitted: u64 = stats
+            .status_counts
+            .iter()
+            .filter(|(s, _)| (200..300).contains(*s))
+            .map(|(_, n)| n)
+            .sum();
+        let refusals_per_sec: BTreeMap<u16, f64> = stats
+            .status_counts
+            .iter()
+            .filter(|(s, _)| !(200..300).contains(*s))
+            .map(|(&s, &n)| (s, per_sec(n)))
+            .collect();
+        let h = &stats.latency;
+        let first_touch = config.scenario == Scenario::FirstTouch;
+        Report {
+            scenario: config.scenario,
+            mode: if config.rate.is_some() {
+                "open-loop"
+            } else {
+                "closed-loop"
+            },
+            seed: config.seed,
+            targets: config
+                .targets
+                .iter()
+                .map(|t| t.as_str().to_string())
+                .collect(),
+            connections: config.connections,
+            target_rate: config.rate,
+            elapsed_secs: secs,
+            operations: stats.operations,
+            retries: stats.retries,
+            connects: stats.connects,
+            on_503: config.on_503,
+            resends: stats.resends,
+            failovers: stats.failovers,
+            requests: stats.requests,
+            throughput: per_sec(stats.requests),
+            goodput: per_sec(admitted),
+            refusals_per_sec,
+            latency_us: Latency::of(&h.all),
+            admitted_latency_us: Latency::of(&h.admitted),
+            settled_latency_us: Latency::of(&h.settled),
+            first_touch_latency_us: first_touch.then(|| Latency::of(&h.first_touch)),
+            existing_account_latency_us: first_touch.then(|| Latency::of(&h.existing)),
+            server: usage.server,
+            client_cpu_secs: usage.client_cpu_secs,
+            errors: stats.errors(),
+            status_counts: stats.status_counts,
+            replays: stats.replays,
+            error_kinds: stats.error_kinds,
+            error_samples: stats.error_samples,
+            setup,
+            exactly_once,
+        }
+    }
+
     /// True unless the verifier failed or could not finish.
     pub fn passed(&self) -> bool {
         matches!(self.exactly_once.verdict, Verdict::Pass | Verdict::Skipped)
@@ -127,14 +204,24 @@ impl Report {
 
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let scenario = serde_json::to_value(self.scenario)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_default();
+        self.write_run(f)?;
+        self.write_latency(f)?;
+        self.write_usage(f)?;
+        self.write_answers(f)?;
+        write_exactly_once(f, &self.exactly_once)
+    }
+}
+
+impl Report {
+    /// What was run, against what, and how much of it: requests, goodput, connections.
+    fn write_run(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "tally-load: scenario {scenario}, {}, {} connections, seed {}",
-            self.mode, self.connections, self.seed
+            "tally-load: scenario {}, {}, {} connections, seed {}",
+            json_name(self.scenario),
+            self.mode,
+            self.connections,
+            self.seed
         )?;
         if let Some(rate) = self.target_rate {
             write!(f, ", target {rate} op/s")?;
@@ -157,42 +244,39 @@ impl fmt::Display for Report {
             self.elapsed_secs,
             self.throughput
         )?;
-        let refusals: Vec<String> = self
-            .refusals_per_sec
-            .iter()
-            .map(|(s, r)| format!("{s}={r:.1}"))
-            .collect();
+        let refusals = joined(&self.refusals_per_sec, |s, r| format!("{s}={r:.1}"));
         writeln!(
             f,
             "goodput:     {:.1} 2xx/s; other answers/s: {}",
             self.goodput,
             if refusals.is_empty() {
-                "none".to_string()
+                "none"
             } else {
-                refusals.join("  ")
+                &refusals
             }
         )?;
+        let connects_per_sec = if self.elapsed_secs > 0.0 {
+            self.connects as f64 / self.elapsed_secs
+        } else {
+            0.0
+        };
         writeln!(
             f,
-            "connections: {} opened ({:.1}/s)",
-            self.connects,
-            if self.elapsed_secs > 0.0 {
-                self.connects as f64 / self.elapsed_secs
-            } else {
-                0.0
-            }
-        )?;
+            "connections: {} opened ({connects_per_sec:.1}/s)",
+            self.connects
+        )
+    }
+
+    /// Every latency the run measured: all answers, 2xx, settled and first touch.
+    fn write_latency(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "latency us:  {}", self.latency_us)?;
         writeln!(f, "  2xx:       {}", self.admitted_latency_us)?;
         if let Some(policy) = self.on_503 {
-            let policy = serde_json::to_value(policy)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_string))
-                .unwrap_or_default();
             writeln!(
                 f,
-                "  settled:   {} (first send to 2xx, --on-503 {policy})",
-                self.settled_latency_us
+                "  settled:   {} (first send to 2xx, --on-503 {})",
+                self.settled_latency_us,
+                json_name(policy)
             )?;
         }
         if let (Some(fresh), Some(existing)) = (
@@ -202,6 +286,11 @@ impl fmt::Display for Report {
             writeln!(f, "  1st touch: {fresh} ({} answers)", fresh.count)?;
             writeln!(f, "  existing:  {existing} ({} answers)", existing.count)?;
         }
+        Ok(())
+    }
+
+    /// The CPU and memory of the generator and of the server, when they were measured.
+    fn write_usage(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if let Some(cpu) = self.client_cpu_secs {
             writeln!(f, "generator:   CPU {cpu:.2} s")?;
         }
@@ -217,60 +306,73 @@ impl fmt::Display for Report {
                 s.cpu_us_per_request
             )?;
         }
-        let statuses: Vec<String> = self
-            .status_counts
-            .iter()
-            .map(|(s, n)| format!("{s}={n}"))
-            .collect();
-        writeln!(f, "statuses:    {}", statuses.join("  "))?;
+        Ok(())
+    }
+
+    /// The answers by status, the replays, and the requests that got none.
+    fn write_answers(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let statuses = joined(&self.status_counts, |s, n| format!("{s}={n}"));
+        writeln!(f, "statuses:    {statuses}")?;
         writeln!(f, "replays:     {}", self.replays)?;
-        let kinds: Vec<String> = self
-            .error_kinds
-            .iter()
-            .map(|(k, n)| format!("{k}={n}"))
-            .collect();
+        let kinds = joined(&self.error_kinds, |k, n| format!("{k}={n}"));
         if kinds.is_empty() {
             writeln!(f, "errors:      {}", self.errors)?;
         } else {
-            writeln!(f, "errors:      {} ({})", self.errors, kinds.join("  "))?;
+            writeln!(f, "errors:      {} ({kinds})", self.errors)?;
         }
         for sample in &self.error_samples {
             writeln!(f, "  e.g. {sample}")?;
         }
-        let e = &self.exactly_once;
-        let verdict = match e.verdict {
-            Verdict::Pass => "PASS",
-            Verdict::Fail => "FAIL",
-            Verdict::Incomplete => "INCOMPLETE",
-            Verdict::Skipped => "SKIPPED",
-        };
-        writeln!(
-            f,
-            "exactly-once: {verdict}: {} keys checked ({} succeeded, {} rejected, {} unknown of which {} landed); {} accounts, {} events ({} foreign); {} violations",
-            e.checked,
-            e.succeeded,
-            e.rejected,
-            e.unknown,
-            e.unknown_landed,
-            e.accounts_read,
-            e.events_read,
-            e.foreign_events,
-            e.violation_count
-        )?;
-        if let Some(error) = &e.error {
-            writeln!(f, "  verification error: {error}")?;
-        }
-        for v in e.violations.iter().take(MAX_PRINTED_VIOLATIONS) {
-            let kind = serde_json::to_value(v.kind)
-                .ok()
-                .and_then(|k| k.as_str().map(str::to_string))
-                .unwrap_or_default();
-            writeln!(f, "  {kind} {}: {}", v.key, v.detail)?;
-        }
-        let printed = e.violations.len().min(MAX_PRINTED_VIOLATIONS) as u64;
-        if e.violation_count > printed {
-            writeln!(f, "  ... and {} more", e.violation_count - printed)?;
-        }
         Ok(())
     }
+}
+
+/// The verdict with its counts, then the first violations.
+fn write_exactly_once(f: &mut fmt::Formatter<'_>, e: &ExactlyOnce) -> fmt::Result {
+    let verdict = match e.verdict {
+        Verdict::Pass => "PASS",
+        Verdict::Fail => "FAIL",
+        Verdict::Incomplete => "INCOMPLETE",
+        Verdict::Skipped => "SKIPPED",
+    };
+    writeln!(
+        f,
+        "exactly-once: {verdict}: {} keys checked ({} succeeded, {} rejected, {} unknown of which {} landed); {} accounts, {} events ({} foreign); {} violations",
+        e.checked,
+        e.succeeded,
+        e.rejected,
+        e.unknown,
+        e.unknown_landed,
+        e.accounts_read,
+        e.events_read,
+        e.foreign_events,
+        e.violation_count
+    )?;
+    if let Some(error) = &e.error {
+        writeln!(f, "  verification error: {error}")?;
+    }
+    for v in e.violations.iter().take(MAX_PRINTED_VIOLATIONS) {
+        writeln!(f, "  {} {}: {}", json_name(v.kind), v.key, v.detail)?;
+    }
+    let printed = e.violations.len().min(MAX_PRINTED_VIOLATIONS) as u64;
+    if e.violation_count > printed {
+        writeln!(f, "  ... and {} more", e.violation_count - printed)?;
+    }
+    Ok(())
+}
+
+/// The name `value` goes by in the JSON report (for the options, as the flag spells it).
+fn json_name(value: impl Serialize) -> String {
+    serde_json::to_value(value)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+/// `map`'s entries, each as `entry` writes it, two spaces apart.
+fn joined<K, V>(map: &BTreeMap<K, V>, entry: impl Fn(&K, &V) -> String) -> String {
+    map.iter()
+        .map(|(k, v)| entry(k, v))
+        .collect::<Vec<_>>()
+        .join("  ")
 }

@@ -243,12 +243,17 @@ fn scheduled(start: Instant, rate: f64, ticket: u64) -> Option<Instant> {
     start.checked_add(offset)
 }
 
+/// One worker: takes tickets and runs their operations until the run's count or end.
 async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
     let config = &shared.config;
-    let targets = &config.targets;
     let latency = &shared.histograms[index % shared.histograms.len()];
     // One connection per target, opened on first use.
-    let mut conns: Vec<WorkerConn> = targets.iter().cloned().map(WorkerConn::new).collect();
+    let mut conns: Vec<WorkerConn> = config
+        .targets
+        .iter()
+        .cloned()
+        .map(WorkerConn::new)
+        .collect();
     loop {
         // Every target refused a connection just now: wait for the first to be tried again,
         // rather than spin on refusals.
@@ -262,82 +267,29 @@ async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
         if config.max_ops.is_some_and(|max| ticket >= max) || Instant::now() >= shared.deadline {
             break;
         }
-        // Open loop: latency counts from the intended send time, so a stalled server is
-        // charged for the requests it delayed (no coordinated omission).
-        let intended = match config.rate {
-            Some(rate) => match scheduled(shared.start, rate, ticket) {
-                Some(at) if at < shared.deadline => {
-                    tokio::time::sleep_until(at).await;
-                    at
-                }
-                _ => break,
-            },
-            None => Instant::now(),
+        let Some(intended) = intended_send(&shared, ticket).await else {
+            break;
         };
-        let mut rng = Rng::derive(config.seed, ticket);
-        let draw = shared.workload.next_draw(&mut rng);
-        let first = next_up(&conns, (ticket % targets.len() as u64) as usize);
-        let key = draw.op.is_write().then(Uuid::new_v4);
-        let mut sends = OpSends {
-            shared: &shared,
-            conns: &mut conns,
-            latency,
-            op: draw.op,
-            key,
-            first_touch: (config.scenario == Scenario::FirstTouch).then_some(draw.first_touch),
-            record: key.map(|key| KeyRecord::new(key, draw.op)),
-        };
+        let sends = OpSends::draw(&shared, &mut conns, latency, ticket);
         stats.operations += 1;
-        let mut outcome = sends.send(&mut stats, first, intended).await;
-        // The target that last answered, or was last tried: re-sends go there.
-        let mut at = first;
-        if config.failover {
-            (at, outcome) = sends.fail_over(&mut stats, at, outcome).await;
-        }
-        // Set when a re-send would start after the run's end: this worker is done, and the
-        // key is left unresolved (the verifier allows it at most once).
-        let mut out_of_time = false;
-        if let Some(policy) = config.on_503 {
-            while let Ok(answer) = &outcome
-                && answer.status == REFUSED
-            {
-                if !wait_before_resend(policy, answer, shared.deadline).await {
-                    out_of_time = true;
-                    break;
-                }
-                stats.resends += 1;
-                outcome = sends.send(&mut stats, at, Instant::now()).await;
-                if config.failover {
-                    (at, outcome) = sends.fail_over(&mut stats, at, outcome).await;
-                }
-            }
-        }
-        if outcome.as_ref().is_ok_and(|a| is_success(a.status)) {
-            latency
-                .lock()
-                .settled
-                .saturating_record(micros_since(intended));
-        }
-        if !out_of_time && sends.record.is_some() && rng.unit() < config.retry_ratio {
-            let again = if targets.len() > 1 && rng.unit() < RETRY_ELSEWHERE_SHARE {
-                let other = (at + 1 + rng.below(targets.len() as u64 - 1) as usize) % targets.len();
-                next_up(sends.conns, other)
-            } else {
-                at
-            };
-            stats.retries += 1;
-            // Counted and recorded by `send`; nothing more to do with this answer.
-            let _ = sends.send(&mut stats, again, Instant::now()).await;
-        }
-        if let Some(record) = sends.record {
-            stats.records.push(record);
-        }
-        if out_of_time {
+        if !sends.run(&mut stats, intended).await {
             break;
         }
     }
     stats.connects = conns.iter().map(|c| c.connects).sum();
     stats
+}
+
+/// When `ticket` is to be sent: now in a closed loop; in an open loop its slot in the
+/// schedule, waited for. Latency counts from then, so a stalled server is charged for the
+/// requests it delayed (no coordinated omission). None when the slot is past the run's end.
+async fn intended_send(shared: &Shared, ticket: u64) -> Option<Instant> {
+    let Some(rate) = shared.config.rate else {
+        return Some(Instant::now());
+    };
+    let at = scheduled(shared.start, rate, ticket).filter(|&at| at < shared.deadline)?;
+    tokio::time::sleep_until(at).await;
+    Some(at)
 }
 
 /// `preferred`, or the next target after it that has not just refused a connection (itself
@@ -364,6 +316,10 @@ fn all_down_until(conns: &[WorkerConn]) -> Option<Instant> {
 /// The sends of one operation, each counted in the stats and noted in the key's record.
 struct OpSends<'a> {
     shared: &'a Shared,
+    /// The ticket's own stream: the operation, then whether and where it is retried.
+    rng: Rng,
+    /// The target the ticket goes to first.
+    first: usize,
     /// The worker's connections, one per target.
     conns: &'a mut [WorkerConn],
     latency: &'a Mutex<Latencies>,
@@ -375,7 +331,101 @@ struct OpSends<'a> {
     record: Option<KeyRecord>,
 }
 
-impl OpSends<'_> {
+impl<'a> OpSends<'a> {
+    /// Draws `ticket`'s operation, and a key for it when it writes.
+    fn draw(
+        shared: &'a Shared,
+        conns: &'a mut [WorkerConn],
+        latency: &'a Mutex<Latencies>,
+        ticket: u64,
+    ) -> Self {
+        let config = &shared.config;
+        let mut rng = Rng::derive(config.seed, ticket);
+        let draw = shared.workload.next_draw(&mut rng);
+        let first = next_up(conns, (ticket % config.targets.len() as u64) as usize);
+        let key = draw.op.is_write().then(Uuid::new_v4);
+        OpSends {
+            shared,
+            rng,
+            first,
+            conns,
+            latency,
+            op: draw.op,
+            key,
+            first_touch: (config.scenario == Scenario::FirstTouch).then_some(draw.first_touch),
+            record: key.map(|key| KeyRecord::new(key, draw.op)),
+        }
+    }
+
+    /// Sends the operation, then fails over, re-sends after 503s and retries as the options
+    /// say; keeps the key's record. False when a re-send would start after the run's end:
+    /// the worker is done, and the key is left unresolved (the audit allows it at most once).
+    async fn run(mut self, stats: &mut Stats, intended: Instant) -> bool {
+        let config = &self.shared.config;
+        let outcome = self.send(stats, self.first, intended).await;
+        let (at, outcome, in_time) = self.follow_up(stats, outcome).await;
+        if outcome.as_ref().is_ok_and(|a| is_success(a.status)) {
+            self.latency
+                .lock()
+                .settled
+                .saturating_record(micros_since(intended));
+        }
+        if in_time && self.record.is_some() && self.rng.unit() < config.retry_ratio {
+            self.retry(stats, at).await;
+        }
+        if let Some(record) = self.record {
+            stats.records.push(record);
+        }
+        in_time
+    }
+
+    /// `--failover` after no answer, and `--on-503`'s re-sends to the target that last
+    /// answered. Returns that target, the last outcome, and false when a re-send would start
+    /// after the run's end.
+    async fn follow_up(
+        &mut self,
+        stats: &mut Stats,
+        mut outcome: Outcome,
+    ) -> (usize, Outcome, bool) {
+        let config = &self.shared.config;
+        // The target that last answered, or was last tried: re-sends go there.
+        let mut at = self.first;
+        if config.failover {
+            (at, outcome) = self.fail_over(stats, at, outcome).await;
+        }
+        let Some(policy) = config.on_503 else {
+            return (at, outcome, true);
+        };
+        while let Ok(answer) = &outcome
+            && answer.status == REFUSED
+        {
+            if !wait_before_resend(policy, answer, self.shared.deadline).await {
+                return (at, outcome, false);
+            }
+            stats.resends += 1;
+            outcome = self.send(stats, at, Instant::now()).await;
+            if config.failover {
+                (at, outcome) = self.fail_over(stats, at, outcome).await;
+            }
+        }
+        (at, outcome, true)
+    }
+
+    /// `--retry-ratio`: the same key once more, to `at` or, with several targets, as often
+    /// as not to another one.
+    async fn retry(&mut self, stats: &mut Stats, at: usize) {
+        let targets = self.conns.len();
+        let again = if targets > 1 && self.rng.unit() < RETRY_ELSEWHERE_SHARE {
+            let other = (at + 1 + self.rng.below(targets as u64 - 1) as usize) % targets;
+            next_up(self.conns, other)
+        } else {
+            at
+        };
+        stats.retries += 1;
+        // Counted and recorded by `send`; nothing more to do with this answer.
+        let _ = self.send(stats, again, Instant::now()).await;
+    }
+
     /// Sends the operation to target `target` once; latency counts from `since`.
     async fn send(&mut self, stats: &mut Stats, target: usize, since: Instant) -> Outcome {
         let timeout = self.shared.config.timeout;

@@ -19,8 +19,8 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use uuid::Uuid;
 
+use tally_load::audit::{Verdict, ViolationKind};
 use tally_load::conn::TARGET_DOWN_PAUSE;
-use tally_load::verify::{Verdict, ViolationKind};
 use tally_load::{Options, Report};
 
 /// Longest any single generator run may take in these tests.
