@@ -20,6 +20,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::backoff::Backoff;
 use crate::config::DEMO_ACCOUNTS;
 use crate::metrics::Metrics;
 use crate::projection::postgres::PgError;
@@ -34,6 +35,8 @@ pub const STEP_RETRY_BASE: Duration = Duration::from_millis(50);
 /// long a replica stays unready after the store recovers, and how often each step knocks on
 /// a store that is down.
 pub const STEP_RETRY_MAX: Duration = Duration::from_secs(1);
+/// The waits between two attempts of one step (see [`retry_delay`]).
+const STEP_RETRY: Backoff = Backoff::new(STEP_RETRY_BASE, STEP_RETRY_MAX);
 /// How long a replica waits for its steps' first attempts before it listens anyway (not
 /// ready): a healthy store answers far sooner, and a store that holds every call must not
 /// keep `/healthz` and `/readyz` from answering.
@@ -317,13 +320,7 @@ impl Runner {
 /// attempt, capped at [`STEP_RETRY_MAX`], then jittered into the upper half of that, from
 /// `salt` and `attempt` alone, so a run is reproducible and steps do not retry in lockstep.
 pub fn retry_delay(attempt: u32, salt: u64) -> Duration {
-    let doublings = attempt.saturating_sub(1).min(16);
-    let cap = STEP_RETRY_BASE
-        .saturating_mul(1u32 << doublings)
-        .min(STEP_RETRY_MAX);
-    let half = cap / 2;
-    let spread = u64::try_from(half.as_nanos()).unwrap_or(u64::MAX).max(1);
-    half + Duration::from_nanos(mix64(salt ^ u64::from(attempt)) % spread)
+    STEP_RETRY.wait(attempt, mix64(salt ^ u64::from(attempt)))
 }
 
 /// A step's jitter salt: a hash of its fixed name (FNV-1a).
@@ -361,6 +358,26 @@ mod tests {
         }
         assert!(retry_delay(1, salt) < STEP_RETRY_BASE);
         assert!(retry_delay(40, salt) >= STEP_RETRY_MAX / 2);
+    }
+
+    /// Rule: a step's waits are pinned: 50 ms doubling per attempt to 1 s, jittered into
+    /// the upper half by the step's name and the attempt.
+    #[test]
+    fn retry_delays_are_pinned() {
+        let salt = jitter_salt(SERVER_CLOCK_STEP);
+        let waits: Vec<u128> = (1..=7).map(|a| retry_delay(a, salt).as_nanos()).collect();
+        assert_eq!(
+            waits,
+            [
+                36_786_148,
+                71_235_853,
+                169_572_958,
+                219_138_660,
+                509_408_173,
+                816_293_184,
+                825_186_238
+            ]
+        );
     }
 
     /// Rule: the jitter is a function of the step and the attempt: the same run twice waits

@@ -15,6 +15,7 @@ use super::{
     fan_out,
 };
 use crate::account::{AccountEvent, AccountId, fold};
+use crate::backoff::Backoff;
 use crate::log_limit::{LogLimit, REPORT_INTERVAL};
 use crate::projection::{Projection, ProjectionError};
 use crate::reader::{HistoryEntry, Writer};
@@ -23,7 +24,8 @@ use crate::store::{Batch, BatchStream, ClientId, ReadFilter, StoreError};
 /// Reads a notified version may take to become visible (a read served by a lagging
 /// replica of the store) before the channel waits for the next notification or resync.
 const ADVANCE_ATTEMPTS: u32 = 5;
-const ADVANCE_BACKOFF: Duration = Duration::from_millis(20);
+/// The pause between those reads (fixed: a replica catches up in a moment or not at all).
+const ADVANCE_REREAD_PAUSE: Duration = Duration::from_millis(20);
 /// How long an account's reads may keep failing (retried every [`FAILED_READ_RETRY`])
 /// before its streams end with `event: error` (clients resume with `Last-Event-ID`): a
 /// stream that only sent keep-alives would look idle to a client while the replica cannot
@@ -32,6 +34,9 @@ pub(super) const READ_FAILURE_LIMIT: Duration = Duration::from_secs(10);
 /// How soon a channel's reader reads again after a read failed, at most (see
 /// [`retry_pause`]).
 pub(super) const FAILED_READ_RETRY: Duration = Duration::from_secs(1);
+/// The pauses after failed reads: within [`FAILED_READ_RETRY`], in whole milliseconds.
+const FAILED_READ_PAUSE: Backoff =
+    Backoff::fixed(FAILED_READ_RETRY).in_grains_of(Duration::from_millis(1));
 
 /// Where an account's stream stands: its newest delivered version and the balance after it
 /// (`None` when the stream cannot be folded).
@@ -256,7 +261,7 @@ impl Channel {
                 }
             }
             if attempt < ADVANCE_ATTEMPTS {
-                tokio::time::sleep(ADVANCE_BACKOFF).await;
+                tokio::time::sleep(ADVANCE_REREAD_PAUSE).await;
             }
         }
         if holed {
@@ -309,10 +314,8 @@ enum Advanced {
 /// many accounts failing together do not all come back at the same instant (found in
 /// review). Deterministic: the same account and retry always wait the same.
 fn retry_pause(account: AccountId, retry: u64) -> Duration {
-    let spread = (account.0.as_u128() as u64) ^ retry.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    let half = FAILED_READ_RETRY / 2;
-    let half_ms = u64::try_from(half.as_millis()).unwrap_or(u64::MAX).max(1);
-    half + Duration::from_millis(spread % half_ms)
+    let draw = (account.0.as_u128() as u64) ^ retry.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    FAILED_READ_PAUSE.wait(u32::try_from(retry).unwrap_or(u32::MAX), draw)
 }
 
 /// Who holds a channel's `reading` flag; see [`Channel::read_on`].
@@ -448,6 +451,18 @@ mod tests {
         assert!(!owner.take());
         drop(owner);
         assert!(flag.load(Ordering::SeqCst), "the other reader's flag stays");
+    }
+
+    /// Rule: the pauses after failed reads are pinned: half of `FAILED_READ_RETRY` plus a
+    /// whole number of milliseconds drawn from the account and the retry.
+    #[test]
+    fn retry_pauses_are_pinned() {
+        let account = AccountId(uuid::Uuid::from_u128(0xa1));
+        let pauses: Vec<u128> = (1..=4)
+            .map(|r| retry_pause(account, r).as_millis())
+            .collect();
+        assert_eq!(pauses, [644, 951, 934, 869]);
+        assert_eq!(retry_pause(account, 1).subsec_nanos() % 1_000_000, 0);
     }
 
     /// Rule: a failed read's pause before the next lies in the upper half of

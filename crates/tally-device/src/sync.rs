@@ -20,6 +20,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::crash::{Crashed, Hooks, Step};
 use crate::outbox::{Outbox, OutboxError, Run};
 use tally::account::AccountId;
+use tally::backoff::Backoff;
 use tally::device::protocol::{SyncRequest, SyncResponse, SyncStatus};
 use tally::device::{DeviceId, MAX_RUN_EVENTS};
 use tally::store::wall_clock_ms;
@@ -153,14 +154,13 @@ pub enum SyncError {
     Crashed(#[from] Crashed),
 }
 
-/// The backoff before send number `attempt + 1`: exponential from `base`, capped at `max`,
-/// drawn uniformly from its upper half so that devices coming back together spread out.
+/// The backoff before send number `attempt + 1`: exponential from `base`, capped at `max`
+/// (the server's [`Backoff`] bound), drawn uniformly from its upper half so that devices
+/// coming back together spread out. The draw comes from the loop's generator (seeded by
+/// `--jitter-seed`), not a hash of the attempt, and may reach the bound itself: kept so, a
+/// seed replays the waits it always gave.
 pub fn backoff(options: &SyncOptions, attempt: u32, rng: &mut impl Rng) -> Duration {
-    let exp = attempt.saturating_sub(1).min(30);
-    let full = options
-        .base_backoff
-        .saturating_mul(1u32 << exp)
-        .min(options.max_backoff);
+    let full = Backoff::new(options.base_backoff, options.max_backoff).bound(attempt);
     let half = full / 2;
     let span = u64::try_from((full - half).as_millis()).unwrap_or(u64::MAX);
     half + Duration::from_millis(rng.gen_range(0..=span))
@@ -297,6 +297,22 @@ mod tests {
                 "attempt {attempt}: {wait:?}"
             );
         }
+    }
+
+    /// Rule: a seed's waits are pinned (the defaults: 200 ms doubling to 30 s, each drawn
+    /// from its upper half in whole milliseconds), so `--jitter-seed` replays them.
+    #[test]
+    fn device_backoff_waits_are_pinned_per_seed() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let waits: Vec<u128> = (1..=10)
+            .map(|a| backoff(&SyncOptions::default(), a, &mut rng).as_millis())
+            .collect();
+        assert_eq!(
+            waits,
+            [
+                171, 346, 641, 866, 2_959, 4_366, 7_681, 17_719, 22_819, 18_859
+            ]
+        );
     }
 
     #[test]
