@@ -75,16 +75,16 @@ impl Startup {
     /// when the clock's first try succeeded, the store checks have their baseline), so a
     /// healthy store starts ready; steps that failed go on retrying in the background.
     pub async fn begin(projection: Arc<Projection>, metrics: Arc<Metrics>, seed: bool) -> Self {
-        let mut steps = vec![Step::ServerClock];
+        let mut steps = vec![StartupStep::ServerClock];
         if projection.uses_database() {
-            steps.push(Step::Migrations);
+            steps.push(StartupStep::Migrations);
         }
         if seed {
             steps.extend(DEMO_ACCOUNTS.iter().map(|&(name, cents)| {
-                Step::Seed(DemoSeed::new(projection.identity(), name, cents))
+                StartupStep::Seed(DemoSeed::new(projection.identity(), name, cents))
             }));
         }
-        let names: Vec<String> = steps.iter().map(Step::name).collect();
+        let names: Vec<String> = steps.iter().map(StartupStep::name).collect();
         let (tx, progress) = watch::channel(Progress {
             untried: names.len(),
             pending: names,
@@ -156,7 +156,7 @@ impl Drop for Startup {
 }
 
 /// One piece of start-up work.
-enum Step {
+enum StartupStep {
     ServerClock,
     /// The Postgres projection's migrations: nothing is served before its tables
     /// exist.
@@ -164,12 +164,12 @@ enum Step {
     Seed(DemoSeed),
 }
 
-impl Step {
+impl StartupStep {
     fn name(&self) -> String {
         match self {
-            Step::ServerClock => SERVER_CLOCK_STEP.to_string(),
-            Step::Migrations => MIGRATIONS_STEP.to_string(),
-            Step::Seed(seed) => seed_step_name(seed.name()),
+            StartupStep::ServerClock => SERVER_CLOCK_STEP.to_string(),
+            StartupStep::Migrations => MIGRATIONS_STEP.to_string(),
+            StartupStep::Seed(seed) => seed_step_name(seed.name()),
         }
     }
 }
@@ -194,7 +194,7 @@ struct Runner {
 }
 
 impl Runner {
-    async fn run(self, mut step: Step) {
+    async fn run(self, mut step: StartupStep) {
         let salt = jitter_salt(&self.name);
         let mut attempt: u32 = 0;
         loop {
@@ -211,7 +211,7 @@ impl Runner {
                 tracing::warn!(step = %self.name, attempt, error = %e, "start-up step not done yet; retrying it");
             }
             let mut pending = 0;
-            let server_clock = matches!(step, Step::ServerClock);
+            let server_clock = matches!(step, StartupStep::ServerClock);
             self.progress.send_modify(|p| {
                 if first {
                     p.untried -= 1;
@@ -236,15 +236,15 @@ impl Runner {
             }
             tokio::time::sleep(retry_delay(attempt, salt)).await;
         }
-        if matches!(step, Step::ServerClock) {
+        if matches!(step, StartupStep::ServerClock) {
             self.keep_server_clock_anchored(salt).await;
         }
     }
 
-    async fn attempt(&self, step: &mut Step) -> Result<(), StepError> {
+    async fn attempt(&self, step: &mut StartupStep) -> Result<(), StepError> {
         match step {
-            Step::ServerClock => Ok(self.anchor().await.map(|_| ())?),
-            Step::Migrations => match self.projection.backend() {
+            StartupStep::ServerClock => Ok(self.anchor().await.map(|_| ())?),
+            StartupStep::Migrations => match self.projection.backend() {
                 Backend::Postgres(pg) => {
                     pg.migrate().await?;
                     // The rows' store before serving them (`projection/regress.rs`): a
@@ -255,7 +255,7 @@ impl Runner {
                 }
                 Backend::Memory => Ok(()),
             },
-            Step::Seed(seed) => {
+            StartupStep::Seed(seed) => {
                 let outcome = seed.attempt(self.projection.log().as_ref()).await?;
                 self.metrics
                     .startup_seed_outcomes

@@ -6,8 +6,8 @@
 //! events still queued (the reason is printed; the queue is intact), 2 on bad input, a
 //! refused operation or an outbox that cannot be used.
 //!
-//! Crash testing: `TALLY_DEVICE_CRASH_AT=STEP[@N]` aborts the process at a named step (see
-//! `tally_device::crash::Step`).
+//! Crash testing: `TALLY_DEVICE_CRASH_AT=STEP[@N]` aborts the process at a named crash point
+//! (see `tally_device::crash::CrashPoint`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -17,8 +17,8 @@ use async_trait::async_trait;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::crash::{Crashed, Hooks, Step};
-use crate::outbox::{Outbox, OutboxError, Run};
+use crate::crash::{CrashPoint, Crashed, Hooks};
+use crate::outbox::{OpenRun, Outbox, OutboxError};
 use tally::account::AccountId;
 use tally::backoff::Backoff;
 use tally::device::protocol::{SyncRequest, SyncResponse, SyncStatus};
@@ -198,7 +198,7 @@ impl<'a, T: SyncTransport + ?Sized> SyncLoop<'a, T> {
             .outbox
             .next_run(self.options.batch_size, wall_clock_ms())?
         {
-            hooks.at(Step::RunPersisted)?;
+            hooks.at(CrashPoint::RunPersisted)?;
             let request = run.request();
             let mut attempt = 0u32;
             let answer = loop {
@@ -245,7 +245,7 @@ impl<'a, T: SyncTransport + ?Sized> SyncLoop<'a, T> {
                     }
                 }
             };
-            hooks.at(Step::Acked)?;
+            hooks.at(CrashPoint::Acked)?;
             let version = answer.aggregate_version;
             self.outbox.mark_synced(&run, version, wall_clock_ms())?;
             match answer.status {
@@ -253,7 +253,7 @@ impl<'a, T: SyncTransport + ?Sized> SyncLoop<'a, T> {
                 SyncStatus::AlreadySynced => report.runs_already_synced += 1,
             }
             report.events_synced += run.events.len() as u64;
-            hooks.at(Step::MarkedSynced)?;
+            hooks.at(CrashPoint::MarkedSynced)?;
         }
         Ok(report)
     }
@@ -261,7 +261,7 @@ impl<'a, T: SyncTransport + ?Sized> SyncLoop<'a, T> {
 
 /// Whether a success answer proves the whole run is in the store. A server that says less is
 /// not believed: nothing is marked synced on it.
-fn covers(run: &Run, answer: &SyncResponse) -> Result<(), String> {
+fn covers(run: &OpenRun, answer: &SyncResponse) -> Result<(), String> {
     let ok = match answer.status {
         SyncStatus::Synced => answer.last_seq == run.last_seq && answer.aggregate_version.is_some(),
         SyncStatus::AlreadySynced => answer.last_seq >= run.last_seq,

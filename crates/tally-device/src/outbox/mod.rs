@@ -41,7 +41,7 @@ use tally::account::{AccountId, AmountCents, Operation};
 use tally::device::DeviceId;
 use tally::device::protocol::{SyncEvent, SyncRequest, TYPE_DEPOSIT, TYPE_WITHDRAW};
 
-use crate::crash::{Crashed, Hooks, Step};
+use crate::crash::{CrashPoint, Crashed, Hooks};
 
 /// The outbox schema this code reads and writes.
 pub const SCHEMA_VERSION: i64 = 1;
@@ -129,9 +129,10 @@ fn account_str<S: serde::Serializer>(a: &AccountId, s: S) -> Result<S::Ok, S::Er
     s.collect_str(a)
 }
 
-/// The run being sent for one account: exactly these events, every attempt.
+/// An account's open run (its row in `runs`): the run being sent, exactly these events
+/// every attempt, from before its first send until it is marked synced.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Run {
+pub struct OpenRun {
     pub account: AccountId,
     pub first_seq: u64,
     pub last_seq: u64,
@@ -143,7 +144,7 @@ pub struct Run {
     pub events: Vec<StoredEvent>,
 }
 
-impl Run {
+impl OpenRun {
     /// The request body for this run.
     pub fn request(&self) -> SyncRequest {
         SyncRequest {
@@ -325,9 +326,9 @@ impl Outbox {
             ],
         )?;
         // A crash here rolls the whole record back: neither the sequence nor the event.
-        hooks.at(Step::RecordBeforeCommit)?;
+        hooks.at(CrashPoint::RecordBeforeCommit)?;
         tx.commit()?;
-        hooks.at(Step::RecordCommitted)?;
+        hooks.at(CrashPoint::RecordCommitted)?;
         Ok(StoredEvent {
             account,
             client_seq: seq,
@@ -342,7 +343,7 @@ impl Outbox {
     /// The run to send next: the open run of the account whose unsynced event is oldest, or
     /// a new run of up to `max_events` of that account's unsynced events, committed before
     /// it is returned. `None` when everything is synced.
-    pub fn next_run(&mut self, max_events: usize, now_ms: u64) -> OutboxResult<Option<Run>> {
+    pub fn next_run(&mut self, max_events: usize, now_ms: u64) -> OutboxResult<Option<OpenRun>> {
         let max_events = max_events.max(1);
         let tx = self
             .conn
@@ -407,7 +408,7 @@ impl Outbox {
             .optional()?;
         let last_synced_version = last_synced_version.map(from_sql).transpose()?;
         tx.commit()?;
-        Ok(Some(Run {
+        Ok(Some(OpenRun {
             account,
             first_seq,
             last_seq,
@@ -418,7 +419,7 @@ impl Outbox {
     }
 
     /// Counts one attempt at `run` and keeps why it failed (`None` when it succeeded).
-    pub fn note_attempt(&mut self, run: &Run, error: Option<&str>) -> OutboxResult<()> {
+    pub fn note_attempt(&mut self, run: &OpenRun, error: Option<&str>) -> OutboxResult<()> {
         let changed = self.conn.execute(
             "UPDATE runs SET attempts = attempts + 1, last_error = ?4
              WHERE account = ?1 AND first_seq = ?2 AND last_seq = ?3",
@@ -442,7 +443,7 @@ impl Outbox {
     /// with the server's proof that the whole run is in the store.
     pub fn mark_synced(
         &mut self,
-        run: &Run,
+        run: &OpenRun,
         version: Option<u64>,
         now_ms: u64,
     ) -> OutboxResult<()> {
