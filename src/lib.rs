@@ -13,6 +13,7 @@
 pub mod account;
 pub mod app;
 pub mod auth;
+pub mod backoff;
 pub mod config;
 pub mod device;
 pub mod http;

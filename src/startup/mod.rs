@@ -20,6 +20,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::backoff::Backoff;
 use crate::config::DEMO_ACCOUNTS;
 use crate::metrics::Metrics;
 use crate::projection::postgres::PgError;
@@ -34,6 +35,8 @@ pub const STEP_RETRY_BASE: Duration = Duration::from_millis(50);
 /// long a replica stays unready after the store recovers, and how often each step knocks on
 /// a store that is down.
 pub const STEP_RETRY_MAX: Duration = Duration::from_secs(1);
+/// The waits between two attempts of one step (see [`retry_delay`]).
+const STEP_RETRY: Backoff = Backoff::new(STEP_RETRY_BASE, STEP_RETRY_MAX);
 /// How long a replica waits for its steps' first attempts before it listens anyway (not
 /// ready): a healthy store answers far sooner, and a store that holds every call must not
 /// keep `/healthz` and `/readyz` from answering.
@@ -72,16 +75,16 @@ impl Startup {
     /// when the clock's first try succeeded, the store checks have their baseline), so a
     /// healthy store starts ready; steps that failed go on retrying in the background.
     pub async fn begin(projection: Arc<Projection>, metrics: Arc<Metrics>, seed: bool) -> Self {
-        let mut steps = vec![Step::ServerClock];
+        let mut steps = vec![StartupStep::ServerClock];
         if projection.uses_database() {
-            steps.push(Step::Migrations);
+            steps.push(StartupStep::Migrations);
         }
         if seed {
             steps.extend(DEMO_ACCOUNTS.iter().map(|&(name, cents)| {
-                Step::Seed(DemoSeed::new(projection.identity(), name, cents))
+                StartupStep::Seed(DemoSeed::new(projection.identity(), name, cents))
             }));
         }
-        let names: Vec<String> = steps.iter().map(Step::name).collect();
+        let names: Vec<String> = steps.iter().map(StartupStep::name).collect();
         let (tx, progress) = watch::channel(Progress {
             untried: names.len(),
             pending: names,
@@ -153,7 +156,7 @@ impl Drop for Startup {
 }
 
 /// One piece of start-up work.
-enum Step {
+enum StartupStep {
     ServerClock,
     /// The Postgres projection's migrations: nothing is served before its tables
     /// exist.
@@ -161,12 +164,12 @@ enum Step {
     Seed(DemoSeed),
 }
 
-impl Step {
+impl StartupStep {
     fn name(&self) -> String {
         match self {
-            Step::ServerClock => SERVER_CLOCK_STEP.to_string(),
-            Step::Migrations => MIGRATIONS_STEP.to_string(),
-            Step::Seed(seed) => seed_step_name(seed.name()),
+            StartupStep::ServerClock => SERVER_CLOCK_STEP.to_string(),
+            StartupStep::Migrations => MIGRATIONS_STEP.to_string(),
+            StartupStep::Seed(seed) => seed_step_name(seed.name()),
         }
     }
 }
@@ -191,7 +194,7 @@ struct Runner {
 }
 
 impl Runner {
-    async fn run(self, mut step: Step) {
+    async fn run(self, mut step: StartupStep) {
         let salt = jitter_salt(&self.name);
         let mut attempt: u32 = 0;
         loop {
@@ -208,7 +211,7 @@ impl Runner {
                 tracing::warn!(step = %self.name, attempt, error = %e, "start-up step not done yet; retrying it");
             }
             let mut pending = 0;
-            let server_clock = matches!(step, Step::ServerClock);
+            let server_clock = matches!(step, StartupStep::ServerClock);
             self.progress.send_modify(|p| {
                 if first {
                     p.untried -= 1;
@@ -233,15 +236,15 @@ impl Runner {
             }
             tokio::time::sleep(retry_delay(attempt, salt)).await;
         }
-        if matches!(step, Step::ServerClock) {
+        if matches!(step, StartupStep::ServerClock) {
             self.keep_server_clock_anchored(salt).await;
         }
     }
 
-    async fn attempt(&self, step: &mut Step) -> Result<(), StepError> {
+    async fn attempt(&self, step: &mut StartupStep) -> Result<(), StepError> {
         match step {
-            Step::ServerClock => Ok(self.anchor().await.map(|_| ())?),
-            Step::Migrations => match self.projection.backend() {
+            StartupStep::ServerClock => Ok(self.anchor().await.map(|_| ())?),
+            StartupStep::Migrations => match self.projection.backend() {
                 Backend::Postgres(pg) => {
                     pg.migrate().await?;
                     // The rows' store before serving them (`projection/regress.rs`): a
@@ -252,7 +255,7 @@ impl Runner {
                 }
                 Backend::Memory => Ok(()),
             },
-            Step::Seed(seed) => {
+            StartupStep::Seed(seed) => {
                 let outcome = seed.attempt(self.projection.log().as_ref()).await?;
                 self.metrics
                     .startup_seed_outcomes
@@ -317,13 +320,7 @@ impl Runner {
 /// attempt, capped at [`STEP_RETRY_MAX`], then jittered into the upper half of that, from
 /// `salt` and `attempt` alone, so a run is reproducible and steps do not retry in lockstep.
 pub fn retry_delay(attempt: u32, salt: u64) -> Duration {
-    let doublings = attempt.saturating_sub(1).min(16);
-    let cap = STEP_RETRY_BASE
-        .saturating_mul(1u32 << doublings)
-        .min(STEP_RETRY_MAX);
-    let half = cap / 2;
-    let spread = u64::try_from(half.as_nanos()).unwrap_or(u64::MAX).max(1);
-    half + Duration::from_nanos(mix64(salt ^ u64::from(attempt)) % spread)
+    STEP_RETRY.wait(attempt, mix64(salt ^ u64::from(attempt)))
 }
 
 /// A step's jitter salt: a hash of its fixed name (FNV-1a).
@@ -361,6 +358,26 @@ mod tests {
         }
         assert!(retry_delay(1, salt) < STEP_RETRY_BASE);
         assert!(retry_delay(40, salt) >= STEP_RETRY_MAX / 2);
+    }
+
+    /// Rule: a step's waits are pinned: 50 ms doubling per attempt to 1 s, jittered into
+    /// the upper half by the step's name and the attempt.
+    #[test]
+    fn retry_delays_are_pinned() {
+        let salt = jitter_salt(SERVER_CLOCK_STEP);
+        let waits: Vec<u128> = (1..=7).map(|a| retry_delay(a, salt).as_nanos()).collect();
+        assert_eq!(
+            waits,
+            [
+                36_786_148,
+                71_235_853,
+                169_572_958,
+                219_138_660,
+                509_408_173,
+                816_293_184,
+                825_186_238
+            ]
+        );
     }
 
     /// Rule: the jitter is a function of the step and the attempt: the same run twice waits

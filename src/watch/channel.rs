@@ -15,6 +15,7 @@ use super::{
     fan_out,
 };
 use crate::account::{AccountEvent, AccountId, fold};
+use crate::backoff::Backoff;
 use crate::log_limit::{LogLimit, REPORT_INTERVAL};
 use crate::projection::{Projection, ProjectionError};
 use crate::reader::{HistoryEntry, Writer};
@@ -23,7 +24,8 @@ use crate::store::{Batch, BatchStream, ClientId, ReadFilter, StoreError};
 /// Reads a notified version may take to become visible (a read served by a lagging
 /// replica of the store) before the channel waits for the next notification or resync.
 const ADVANCE_ATTEMPTS: u32 = 5;
-const ADVANCE_BACKOFF: Duration = Duration::from_millis(20);
+/// The pause between those reads (fixed: a replica catches up in a moment or not at all).
+const ADVANCE_REREAD_PAUSE: Duration = Duration::from_millis(20);
 /// How long an account's reads may keep failing (retried every [`FAILED_READ_RETRY`])
 /// before its streams end with `event: error` (clients resume with `Last-Event-ID`): a
 /// stream that only sent keep-alives would look idle to a client while the replica cannot
@@ -32,6 +34,9 @@ pub(super) const READ_FAILURE_LIMIT: Duration = Duration::from_secs(10);
 /// How soon a channel's reader reads again after a read failed, at most (see
 /// [`retry_pause`]).
 pub(super) const FAILED_READ_RETRY: Duration = Duration::from_secs(1);
+/// The pauses after failed reads: within [`FAILED_READ_RETRY`], in whole milliseconds.
+const FAILED_READ_PAUSE: Backoff =
+    Backoff::fixed(FAILED_READ_RETRY).in_grains_of(Duration::from_millis(1));
 
 /// Where an account's stream stands: its newest delivered version and the balance after it
 /// (`None` when the stream cannot be folded).
@@ -178,101 +183,119 @@ impl Channel {
         let Some(cursor) = guard.as_mut() else {
             return Advanced::Done;
         };
-        let log = hub.projection.log();
-        let key = hub.projection.identity().key(self.account);
-        let ours = hub.projection.identity().client();
         let mut tip = tip;
         let mut holed = false;
         for attempt in 1..=ADVANCE_ATTEMPTS {
             if !tip && to <= cursor.version {
                 return Advanced::Done;
             }
-            let mut stream = BatchStream::new(
-                log.as_ref(),
-                key,
-                ReadFilter::from_version(cursor.version + 1),
-            );
-            let mut hole = false;
-            'pages: loop {
-                let page = match stream.next_page().await {
-                    Ok(Some(page)) => page,
-                    Ok(None) | Err(StoreError::AggregateNotFound) => break,
-                    Err(StoreError::Trimmed { .. }) => {
-                        // Trimmed past what this stream delivered: its subscribers cannot
-                        // follow without a gap. They reconnect, and their resume says so.
-                        tracing::warn!(account = %self.account, "watched account trimmed past its stream; ending its streams");
-                        self.end_all(END_FEED_GAP);
-                        *guard = None;
+            match self.read_pass(hub, cursor).await {
+                Pass::Over(end) => return end.apply(&mut guard),
+                Pass::Hole => holed = true,
+                Pass::Whole => {
+                    holed = false;
+                    // Read whole to the tip: only `to` may still be missing.
+                    tip = false;
+                    *self.failing_since.lock() = None;
+                    if cursor.version >= to {
                         return Advanced::Done;
                     }
-                    Err(e) => {
-                        // Through a store outage every watched account's every notification
-                        // and resync fails here: one line a second, counting them.
-                        static LOG: LogLimit = LogLimit::new(REPORT_INTERVAL);
-                        if let Some(report) = LOG.occurred() {
-                            tracing::warn!(error = %e, failed = report.count, since_ms = report.since_ms, "watch read failed; read again in a second");
-                        }
-                        hub.metrics.watch_read_failures.inc();
-                        if self.failed_too_long() {
-                            *guard = None;
-                            return Advanced::Done;
-                        }
-                        return Advanced::Failed;
-                    }
-                };
-                for batch in &page {
-                    if batch.version <= cursor.version {
-                        continue;
-                    }
-                    if batch.version != cursor.version + 1 {
-                        // A page that skipped a version (a lagging or partial read) would
-                        // shift every balance after it: read again from the one missing.
-                        hole = true;
-                        break 'pages;
-                    }
-                    let mut balance = cursor.balance;
-                    let frame = match frame_of(self.account, batch, ours, &mut balance) {
-                        Ok(frame) => Arc::new(frame),
-                        Err(reason) => {
-                            tracing::warn!(account = %self.account, version = batch.version, %reason, "watched account is unreadable; ending its streams");
-                            self.end_all(END_UNREADABLE);
-                            return Advanced::Done;
-                        }
-                    };
-                    fan_out(&mut self.subs.lock(), &frame, &hub.metrics);
-                    *cursor = Cursor {
-                        version: batch.version,
-                        balance,
-                    };
-                }
-            }
-            holed = hole;
-            if !hole {
-                // Read whole to the tip: only `to` may still be missing.
-                tip = false;
-                *self.failing_since.lock() = None;
-                if cursor.version >= to {
-                    return Advanced::Done;
                 }
             }
             if attempt < ADVANCE_ATTEMPTS {
-                tokio::time::sleep(ADVANCE_BACKOFF).await;
+                tokio::time::sleep(ADVANCE_REREAD_PAUSE).await;
             }
         }
         if holed {
             // A hole that never fills is a store that cannot be read, like a failure.
             hub.metrics.watch_read_failures.inc();
-            if self.failed_too_long() {
-                *guard = None;
-                return Advanced::Done;
-            }
-            return Advanced::Failed;
+            return self.failure_ending().apply(&mut guard);
         }
         static LOG: LogLimit = LogLimit::new(REPORT_INTERVAL);
         if let Some(report) = LOG.occurred() {
             tracing::warn!(account = %self.account, times = report.count, "a notified version is not readable yet; read again in a second");
         }
         Advanced::Behind
+    }
+
+    /// One read of the stream after the cursor, page by page, each batch fanned out and
+    /// the cursor moved past it.
+    async fn read_pass(&self, hub: &Hub, cursor: &mut Cursor) -> Pass {
+        let log = hub.projection.log();
+        let key = hub.projection.identity().key(self.account);
+        let mut stream = BatchStream::new(
+            log.as_ref(),
+            key,
+            ReadFilter::from_version(cursor.version + 1),
+        );
+        loop {
+            let page = match stream.next_page().await {
+                Ok(Some(page)) => page,
+                Ok(None) | Err(StoreError::AggregateNotFound) => return Pass::Whole,
+                Err(StoreError::Trimmed { .. }) => {
+                    // Trimmed past what this stream delivered: its subscribers cannot
+                    // follow without a gap. They reconnect, and their resume says so.
+                    tracing::warn!(account = %self.account, "watched account trimmed past its stream; ending its streams");
+                    self.end_all(END_FEED_GAP);
+                    return Pass::Over(Ending::forgetting(Advanced::Done));
+                }
+                Err(e) => {
+                    // Through a store outage every watched account's every notification
+                    // and resync fails here: one line a second, counting them.
+                    static LOG: LogLimit = LogLimit::new(REPORT_INTERVAL);
+                    if let Some(report) = LOG.occurred() {
+                        tracing::warn!(error = %e, failed = report.count, since_ms = report.since_ms, "watch read failed; read again in a second");
+                    }
+                    hub.metrics.watch_read_failures.inc();
+                    return Pass::Over(self.failure_ending());
+                }
+            };
+            if let Some(short) = self.deliver(hub, cursor, &page) {
+                return short;
+            }
+        }
+    }
+
+    /// Fans out the page's batches after the cursor, in order, moving the cursor past
+    /// each; `Some` when the page stops short: a skipped version, or an unreadable batch.
+    fn deliver(&self, hub: &Hub, cursor: &mut Cursor, page: &[Batch]) -> Option<Pass> {
+        let ours = hub.projection.identity().client();
+        for batch in page {
+            if batch.version <= cursor.version {
+                continue;
+            }
+            if batch.version != cursor.version + 1 {
+                // A page that skipped a version (a lagging or partial read) would shift
+                // every balance after it: read again from the one missing.
+                return Some(Pass::Hole);
+            }
+            let mut balance = cursor.balance;
+            let frame = match frame_of(self.account, batch, ours, &mut balance) {
+                Ok(frame) => Arc::new(frame),
+                Err(reason) => {
+                    tracing::warn!(account = %self.account, version = batch.version, %reason, "watched account is unreadable; ending its streams");
+                    self.end_all(END_UNREADABLE);
+                    return Some(Pass::Over(Ending::keeping(Advanced::Done)));
+                }
+            };
+            fan_out(&mut self.subs.lock(), &frame, &hub.metrics);
+            *cursor = Cursor {
+                version: batch.version,
+                balance,
+            };
+        }
+        None
+    }
+
+    /// How a read that failed (or showed a hole) ends: retried shortly, or, once the
+    /// account's reads have failed too long, done with its streams ended and the cursor
+    /// dropped.
+    fn failure_ending(&self) -> Ending {
+        if self.failed_too_long() {
+            Ending::forgetting(Advanced::Done)
+        } else {
+            Ending::keeping(Advanced::Failed)
+        }
     }
 
     /// Notes a read that failed (or showed a hole); once the account's reads have failed
@@ -289,6 +312,46 @@ impl Channel {
         drop(since);
         self.end_all(END_STORE_ERROR);
         true
+    }
+}
+
+/// How one pass over the stream ([`Channel::read_pass`]) ended.
+enum Pass {
+    /// Read to the end of the stream without a gap.
+    Whole,
+    /// A page skipped a version: read again from the one missing.
+    Hole,
+    /// The read is over, whatever is left of its passes.
+    Over(Ending),
+}
+
+/// A read that is over: its outcome, and whether the channel's cursor goes with it (so the
+/// next joiner starts afresh).
+struct Ending {
+    outcome: Advanced,
+    forget_cursor: bool,
+}
+
+impl Ending {
+    fn keeping(outcome: Advanced) -> Self {
+        Self {
+            outcome,
+            forget_cursor: false,
+        }
+    }
+
+    fn forgetting(outcome: Advanced) -> Self {
+        Self {
+            outcome,
+            forget_cursor: true,
+        }
+    }
+
+    fn apply(self, cursor: &mut Option<Cursor>) -> Advanced {
+        if self.forget_cursor {
+            *cursor = None;
+        }
+        self.outcome
     }
 }
 
@@ -309,10 +372,8 @@ enum Advanced {
 /// many accounts failing together do not all come back at the same instant (found in
 /// review). Deterministic: the same account and retry always wait the same.
 fn retry_pause(account: AccountId, retry: u64) -> Duration {
-    let spread = (account.0.as_u128() as u64) ^ retry.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    let half = FAILED_READ_RETRY / 2;
-    let half_ms = u64::try_from(half.as_millis()).unwrap_or(u64::MAX).max(1);
-    half + Duration::from_millis(spread % half_ms)
+    let draw = (account.0.as_u128() as u64) ^ retry.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    FAILED_READ_PAUSE.wait(u32::try_from(retry).unwrap_or(u32::MAX), draw)
 }
 
 /// Who holds a channel's `reading` flag; see [`Channel::read_on`].
@@ -448,6 +509,18 @@ mod tests {
         assert!(!owner.take());
         drop(owner);
         assert!(flag.load(Ordering::SeqCst), "the other reader's flag stays");
+    }
+
+    /// Rule: the pauses after failed reads are pinned: half of `FAILED_READ_RETRY` plus a
+    /// whole number of milliseconds drawn from the account and the retry.
+    #[test]
+    fn retry_pauses_are_pinned() {
+        let account = AccountId(uuid::Uuid::from_u128(0xa1));
+        let pauses: Vec<u128> = (1..=4)
+            .map(|r| retry_pause(account, r).as_millis())
+            .collect();
+        assert_eq!(pauses, [644, 951, 934, 869]);
+        assert_eq!(retry_pause(account, 1).subsec_nanos() % 1_000_000, 0);
     }
 
     /// Rule: a failed read's pause before the next lies in the upper half of

@@ -10,6 +10,7 @@ use uuid::Uuid;
 
 use super::{END_FEED_GAP, Hub, WriteFrame, end_all, fan_out};
 use crate::account::AccountId;
+use crate::backoff::Backoff;
 use crate::store::{Commit, StoreError, WATCH_UNSUPPORTED_CODE, WatchFilter, WatchItem};
 
 /// How often every watched account is re-read regardless of notifications: a safety net
@@ -17,9 +18,11 @@ use crate::store::{Commit, StoreError, WATCH_UNSUPPORTED_CODE, WatchFilter, Watc
 /// without an error (a half-open connection). Reading past the tip costs one empty read.
 pub(super) const RESYNC_INTERVAL: Duration = Duration::from_secs(30);
 
-/// Pause before reopening a feed that failed, doubling up to the maximum.
+/// Pause before reopening a feed that failed, doubling per failure in a row up to the
+/// maximum (not jittered: one feed per replica).
 const REOPEN_BACKOFF: Duration = Duration::from_millis(100);
 const REOPEN_BACKOFF_MAX: Duration = Duration::from_secs(5);
+const REOPEN: Backoff = Backoff::new(REOPEN_BACKOFF, REOPEN_BACKOFF_MAX);
 
 pub(super) async fn run(hub: Arc<Hub>) {
     let identity = *hub.projection.identity();
@@ -28,7 +31,7 @@ pub(super) async fn run(hub: Arc<Hub>) {
         aggregate_type_id: Some(identity.account_type_id.as_u128()),
     };
     let log = hub.projection.log().clone();
-    let mut backoff = REOPEN_BACKOFF;
+    let mut failed_opens: u32 = 0;
     let mut opened_before = false;
     loop {
         let mut feed = match log.watch(filter).await {
@@ -40,12 +43,12 @@ pub(super) async fn run(hub: Arc<Hub>) {
             Err(e) => {
                 tracing::warn!(error = %e, "could not open the store's watch; retrying");
                 hub.feed_ready.send_replace(Some(Err(e.to_string())));
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(REOPEN_BACKOFF_MAX);
+                failed_opens = failed_opens.saturating_add(1);
+                tokio::time::sleep(REOPEN.bound(failed_opens)).await;
                 continue;
             }
         };
-        backoff = REOPEN_BACKOFF;
+        failed_opens = 0;
         if opened_before {
             // Commits while no feed was open were not seen.
             gap(&hub);
@@ -98,5 +101,19 @@ pub(super) async fn resync_periodically(hub: Arc<Hub>) {
         for channel in hub.channels() {
             channel.resync(&hub);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rule: a feed that keeps failing to open is retried after 100 ms, doubling per failure
+    /// in a row, at most 5 s apart.
+    #[test]
+    fn reopen_pauses_double_from_100_ms_to_at_most_5_s() {
+        let pauses: Vec<u128> = (1..=8).map(|n| REOPEN.bound(n).as_millis()).collect();
+        assert_eq!(pauses, [100, 200, 400, 800, 1_600, 3_200, 5_000, 5_000]);
+        assert_eq!(REOPEN.bound(u32::MAX), REOPEN_BACKOFF_MAX);
     }
 }

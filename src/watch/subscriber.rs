@@ -185,7 +185,8 @@ impl AccountTask {
 /// Reads in a row that a lagging replica of the store may cut short, with no version
 /// gained, before a replay gives up (as the channel's own advance does).
 const REPLAY_READ_ATTEMPTS: u32 = 5;
-const REPLAY_READ_BACKOFF: Duration = Duration::from_millis(20);
+/// The pause between those reads (fixed, as the channel's).
+const REPLAY_REREAD_PAUSE: Duration = Duration::from_millis(20);
 
 /// Why a replay range could not be read whole.
 enum RangeError {
@@ -285,7 +286,7 @@ impl<'a> RangeRead<'a> {
                         to: self.to,
                     });
                 }
-                tokio::time::sleep(REPLAY_READ_BACKOFF).await;
+                tokio::time::sleep(REPLAY_REREAD_PAUSE).await;
             }
         }
         Ok(None)

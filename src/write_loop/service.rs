@@ -27,6 +27,7 @@ use super::lanes::Lanes;
 use super::run::{Run, RunContext};
 use super::{Answer, LegResult, WriteConfig, WriteError, WriteOutcome, WriteRequest};
 use crate::account::Operation;
+use crate::backoff::Backoff;
 use crate::metrics::{Metrics, refused};
 use crate::projection::Projection;
 use crate::store::SharedLog;
@@ -34,6 +35,8 @@ use crate::store::SharedLog;
 /// First backoff between attempts; doubles per attempt up to [`MAX_BACKOFF`].
 const BASE_BACKOFF: Duration = Duration::from_millis(2);
 const MAX_BACKOFF: Duration = Duration::from_millis(200);
+/// The waits between attempts (see [`backoff_wait`]).
+const ATTEMPT_BACKOFF: Backoff = Backoff::new(BASE_BACKOFF, MAX_BACKOFF);
 
 /// Counts a request on the live-writes gauge for as long as it lives on the write side.
 struct LiveGauge<'a>(&'a prometheus::IntGauge);
@@ -204,14 +207,16 @@ impl WriteService {
 
 /// Sleeps before attempt `attempt` (the second and later), growing per attempt.
 pub(super) async fn backoff(attempt: u32, salt: u128) {
-    let exp = BASE_BACKOFF.saturating_mul(1u32 << attempt.saturating_sub(2).min(16));
-    let cap = exp.min(MAX_BACKOFF);
-    // Deterministic jitter in [cap/2, cap): spreads siblings apart without a global RNG.
-    let mix = (salt as u64 ^ (salt >> 64) as u64 ^ u64::from(attempt))
+    tokio::time::sleep(backoff_wait(attempt, salt)).await;
+}
+
+/// The wait before attempt `attempt`: attempt 2 is the first retry. The jitter is drawn
+/// from the salt (the run's first event id) and the attempt, deterministic, so siblings
+/// spread apart without a global RNG and the simulation replays every wait.
+fn backoff_wait(attempt: u32, salt: u128) -> Duration {
+    let draw = (salt as u64 ^ (salt >> 64) as u64 ^ u64::from(attempt))
         .wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    let half = cap / 2;
-    let jitter = Duration::from_nanos(mix % (half.as_nanos() as u64).max(1));
-    tokio::time::sleep(half + jitter).await;
+    ATTEMPT_BACKOFF.wait(attempt.saturating_sub(1), draw)
 }
 
 /// An invariant the loop relies on did not hold: asserted in tests, a 500 (never a 2xx) in
@@ -232,6 +237,33 @@ mod tests {
     use crate::account::{AmountCents, Identity};
     use crate::projection::{ManualClock, ProjectionConfig};
     use crate::store::memory::MemoryLog;
+
+    /// Rule: the waits between attempts are pinned: 2 ms doubling per attempt to 200 ms,
+    /// jittered into the upper half by the salt and attempt. The simulation's traces run
+    /// through these waits, so a change to any of them is a change of behaviour.
+    #[test]
+    fn the_waits_between_attempts_are_pinned() {
+        let salt: u128 = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210;
+        let waits: Vec<u128> = (2..=10).map(|a| backoff_wait(a, salt).as_nanos()).collect();
+        assert_eq!(
+            waits,
+            [
+                1_507_777,
+                3_860_908,
+                6_214_039,
+                11_015_554,
+                21_368_685,
+                42_170_200,
+                124_523_331,
+                134_876_462,
+                111_677_977
+            ]
+        );
+        for attempt in 2..40 {
+            let wait = backoff_wait(attempt, salt);
+            assert!(wait >= ATTEMPT_BACKOFF.bound(attempt - 1) / 2 && wait < MAX_BACKOFF);
+        }
+    }
 
     fn service() -> WriteService {
         let projection = Arc::new(Projection::new(

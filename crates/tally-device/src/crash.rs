@@ -7,13 +7,13 @@
 use std::fmt;
 use std::str::FromStr;
 
-/// The environment variable naming the step at which `tally-device` aborts: `STEP` or
-/// `STEP@N` (the Nth time the step is reached in this process, 1-based).
+/// The environment variable naming the crash point at which `tally-device` aborts: `STEP`
+/// or `STEP@N` (the Nth time the point is reached in this process, 1-based).
 pub const CRASH_ENV: &str = "TALLY_DEVICE_CRASH_AT";
 
-/// A point between two durable steps.
+/// A point between two durable steps, named by [`CrashPoint::name`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Step {
+pub enum CrashPoint {
     /// Inside the recording transaction, after the sequence is assigned, before commit.
     RecordBeforeCommit,
     /// The event is committed; the operator has not been told yet.
@@ -26,53 +26,57 @@ pub enum Step {
     MarkedSynced,
 }
 
-impl Step {
-    pub const ALL: [Step; 5] = [
-        Step::RecordBeforeCommit,
-        Step::RecordCommitted,
-        Step::RunPersisted,
-        Step::Acked,
-        Step::MarkedSynced,
+impl CrashPoint {
+    pub const ALL: [CrashPoint; 5] = [
+        CrashPoint::RecordBeforeCommit,
+        CrashPoint::RecordCommitted,
+        CrashPoint::RunPersisted,
+        CrashPoint::Acked,
+        CrashPoint::MarkedSynced,
     ];
 
     pub fn name(self) -> &'static str {
         match self {
-            Step::RecordBeforeCommit => "record-before-commit",
-            Step::RecordCommitted => "record-committed",
-            Step::RunPersisted => "run-persisted",
-            Step::Acked => "acked",
-            Step::MarkedSynced => "marked-synced",
+            CrashPoint::RecordBeforeCommit => "record-before-commit",
+            CrashPoint::RecordCommitted => "record-committed",
+            CrashPoint::RunPersisted => "run-persisted",
+            CrashPoint::Acked => "acked",
+            CrashPoint::MarkedSynced => "marked-synced",
         }
     }
 }
 
-impl fmt::Display for Step {
+impl fmt::Display for CrashPoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
 }
 
-impl FromStr for Step {
+impl FromStr for CrashPoint {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Step::ALL
+        CrashPoint::ALL
             .into_iter()
-            .find(|step| step.name() == s)
+            .find(|point| point.name() == s)
             .ok_or_else(|| {
-                let names: Vec<&str> = Step::ALL.iter().map(|s| s.name()).collect();
+                let names: Vec<&str> = CrashPoint::ALL.iter().map(|p| p.name()).collect();
                 format!("unknown step {s:?} (expected one of {})", names.join(", "))
             })
     }
 }
 
+/// [`CrashPoint`] under the name the crate's tests use for it.
+#[doc(hidden)]
+pub use CrashPoint as Step;
+
 /// The device stopped at a crash point (simulated).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("crashed at {0}")]
-pub struct Crashed(pub Step);
+pub struct Crashed(pub CrashPoint);
 
 /// Called at every crash point.
 pub trait Hooks {
-    fn at(&mut self, step: Step) -> Result<(), Crashed>;
+    fn at(&mut self, point: CrashPoint) -> Result<(), Crashed>;
 }
 
 /// No crash points: production.
@@ -80,16 +84,16 @@ pub trait Hooks {
 pub struct NoHooks;
 
 impl Hooks for NoHooks {
-    fn at(&mut self, _step: Step) -> Result<(), Crashed> {
+    fn at(&mut self, _point: CrashPoint) -> Result<(), Crashed> {
         Ok(())
     }
 }
 
-/// Aborts the process at a named step: the hook of the `tally-device` binary.
+/// Aborts the process at a named crash point: the hook of the `tally-device` binary.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AbortAt {
-    step: Step,
-    /// Abort when the step is reached this many more times (1 = the next time).
+    point: CrashPoint,
+    /// Abort when the point is reached this many more times (1 = the next time).
     remaining: u32,
 }
 
@@ -108,7 +112,7 @@ impl AbortAt {
             None => (spec, 1),
         };
         Ok(Self {
-            step: name.trim().parse()?,
+            point: name.trim().parse()?,
             remaining: nth,
         })
     }
@@ -123,11 +127,11 @@ impl AbortAt {
 }
 
 impl Hooks for AbortAt {
-    fn at(&mut self, step: Step) -> Result<(), Crashed> {
-        if step == self.step {
+    fn at(&mut self, point: CrashPoint) -> Result<(), Crashed> {
+        if point == self.point {
             self.remaining -= 1;
             if self.remaining == 0 {
-                eprintln!("tally-device: {CRASH_ENV}: aborting at {step}");
+                eprintln!("tally-device: {CRASH_ENV}: aborting at {point}");
                 std::process::abort();
             }
         }
@@ -136,9 +140,9 @@ impl Hooks for AbortAt {
 }
 
 impl Hooks for Option<AbortAt> {
-    fn at(&mut self, step: Step) -> Result<(), Crashed> {
+    fn at(&mut self, point: CrashPoint) -> Result<(), Crashed> {
         match self {
-            Some(hook) => hook.at(step),
+            Some(hook) => hook.at(point),
             None => Ok(()),
         }
     }
@@ -153,18 +157,18 @@ mod tests {
         assert_eq!(
             AbortAt::parse("acked@3"),
             Ok(AbortAt {
-                step: Step::Acked,
+                point: CrashPoint::Acked,
                 remaining: 3
             })
         );
         assert_eq!(
-            AbortAt::parse("run-persisted").map(|a| a.step),
-            Ok(Step::RunPersisted)
+            AbortAt::parse("run-persisted").map(|a| a.point),
+            Ok(CrashPoint::RunPersisted)
         );
         assert!(AbortAt::parse("acked@0").is_err());
         assert!(AbortAt::parse("nowhere").is_err());
-        for step in Step::ALL {
-            assert_eq!(step.name().parse::<Step>(), Ok(step));
+        for point in CrashPoint::ALL {
+            assert_eq!(point.name().parse::<CrashPoint>(), Ok(point));
         }
     }
 }

@@ -6,10 +6,10 @@
 //! events still queued (the reason is printed; the queue is intact), 2 on bad input, a
 //! refused operation or an outbox that cannot be used.
 //!
-//! Crash testing: `TALLY_DEVICE_CRASH_AT=STEP[@N]` aborts the process at a named step (see
-//! `tally_device::crash::Step`).
+//! Crash testing: `TALLY_DEVICE_CRASH_AT=STEP[@N]` aborts the process at a named crash point
+//! (see `tally_device::crash::CrashPoint`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -17,7 +17,7 @@ use clap::builder::TypedValueParser;
 use clap::{Parser, Subcommand};
 use tally::account::{AccountId, AmountCents, Operation};
 use tally::device::MAX_RUN_EVENTS;
-use tally_device::crash::AbortAt;
+use tally_device::crash::{AbortAt, Hooks};
 use tally_device::outbox::{Outbox, OutboxError};
 use tally_device::sync::{self, SyncLoop, SyncOptions};
 use tally_device::transport::{self, HttpTransport};
@@ -133,35 +133,14 @@ async fn main() -> ExitCode {
 async fn run(cli: Cli) -> Result<(), Failure> {
     let mut hooks = AbortAt::from_env().map_err(|e| Failure(EXIT_ERROR, e))?;
     match cli.command {
-        Command::Init => {
-            let (outbox, created) = Outbox::init(&cli.outbox, tally::store::wall_clock_ms())?;
-            let verb = if created {
-                "created"
-            } else {
-                "already initialised; kept"
-            };
-            say(format_args!(
-                "outbox {} {verb}; device id {}",
-                cli.outbox.display(),
-                outbox.device_id()
-            ));
-        }
+        Command::Init => init_outbox(&cli.outbox),
         Command::Record {
             kind,
             account,
             amount_cents,
         } => {
             let operation = operation(&kind, &account, &amount_cents)?;
-            let mut outbox = Outbox::open(&cli.outbox)?;
-            let event = outbox.record(operation, tally::store::wall_clock_ms(), &mut hooks)?;
-            say(format_args!(
-                "recorded {} of {} cents on {} as sequence {} (event {})",
-                event.kind.wire(),
-                event.amount_cents,
-                event.account,
-                event.client_seq,
-                event.event_id
-            ));
+            record_event(&cli.outbox, operation, &mut hooks)
         }
         Command::Sync {
             server,
@@ -171,13 +150,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             jitter_seed,
             token_file,
         } => {
-            let mut transport = HttpTransport::new(&server, Duration::from_millis(timeout_ms))
-                .map_err(|e| Failure(EXIT_ERROR, e))?;
-            if let Some(path) = token_file {
-                transport = transport
-                    .with_token(&read_token(&path)?)
-                    .map_err(|e| Failure(EXIT_ERROR, format!("--token-file: {e}")))?;
-            }
+            let transport = http_transport(&server, timeout_ms, token_file.as_deref())?;
             let mut outbox = Outbox::open(&cli.outbox)?;
             let options = SyncOptions {
                 batch_size,
@@ -185,45 +158,107 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 jitter_seed: jitter_seed.unwrap_or_else(rand::random),
                 ..SyncOptions::default()
             };
-            let report = SyncLoop::new(&mut outbox, &transport, options)
-                .run(&mut hooks)
-                .await
-                .map_err(|e| Failure(EXIT_ERROR, e.to_string()))?;
-            say(format_args!(
-                "synced {} events in {} runs ({} found already synced); {} failed sends",
-                report.events_synced,
-                report.runs_synced + report.runs_already_synced,
-                report.runs_already_synced,
-                report.failed_sends
-            ));
-            if let Some(stop) = report.stopped {
-                return Err(Failure(EXIT_STOPPED, stop.to_string()));
-            }
+            sync_outbox(&mut outbox, &transport, options, &mut hooks).await
         }
-        Command::Status { json } => {
-            let status = Outbox::open(&cli.outbox)?.status()?;
-            if json {
-                let text = serde_json::to_string_pretty(&status)
-                    .map_err(|e| Failure(EXIT_ERROR, e.to_string()))?;
-                say(format_args!("{text}"));
-            } else {
-                say(format_args!(
-                    "device {}: {} pending, {} in flight, {} synced",
-                    status.device_id, status.pending, status.in_flight, status.synced
-                ));
-                for a in &status.accounts {
-                    let run = match (a.run_attempts, &a.last_error) {
-                        (Some(n), Some(e)) => format!("; {n} failed sends, last: {e}"),
-                        (Some(n), None) => format!("; {n} failed sends"),
-                        _ => String::new(),
-                    };
-                    say(format_args!(
-                        "  {}: {} pending, {} in flight, {} synced, last sequence {}{run}",
-                        a.account, a.pending, a.in_flight, a.synced, a.last_seq
-                    ));
-                }
-            }
-        }
+        Command::Status { json } => show_status(&cli.outbox, json),
+    }
+}
+
+/// `init`: creates the outbox, or keeps the one there.
+fn init_outbox(path: &Path) -> Result<(), Failure> {
+    let (outbox, created) = Outbox::init(path, tally::store::wall_clock_ms())?;
+    let verb = if created {
+        "created"
+    } else {
+        "already initialised; kept"
+    };
+    say(format_args!(
+        "outbox {} {verb}; device id {}",
+        path.display(),
+        outbox.device_id()
+    ));
+    Ok(())
+}
+
+/// `record`: records one deposit or withdrawal in the outbox.
+fn record_event(path: &Path, operation: Operation, hooks: &mut dyn Hooks) -> Result<(), Failure> {
+    let mut outbox = Outbox::open(path)?;
+    let event = outbox.record(operation, tally::store::wall_clock_ms(), hooks)?;
+    say(format_args!(
+        "recorded {} of {} cents on {} as sequence {} (event {})",
+        event.kind.wire(),
+        event.amount_cents,
+        event.account,
+        event.client_seq,
+        event.event_id
+    ));
+    Ok(())
+}
+
+/// The transport to `server`, with the bearer token of `token_file` when one is named.
+fn http_transport(
+    server: &str,
+    timeout_ms: u64,
+    token_file: Option<&Path>,
+) -> Result<HttpTransport, Failure> {
+    let mut transport = HttpTransport::new(server, Duration::from_millis(timeout_ms))
+        .map_err(|e| Failure(EXIT_ERROR, e))?;
+    if let Some(path) = token_file {
+        transport = transport
+            .with_token(&read_token(path)?)
+            .map_err(|e| Failure(EXIT_ERROR, format!("--token-file: {e}")))?;
+    }
+    Ok(transport)
+}
+
+/// `sync`: drains the outbox; a sync that stopped with events still queued fails with
+/// [`EXIT_STOPPED`].
+async fn sync_outbox(
+    outbox: &mut Outbox,
+    transport: &HttpTransport,
+    options: SyncOptions,
+    hooks: &mut dyn Hooks,
+) -> Result<(), Failure> {
+    let report = SyncLoop::new(outbox, transport, options)
+        .run(hooks)
+        .await
+        .map_err(|e| Failure(EXIT_ERROR, e.to_string()))?;
+    say(format_args!(
+        "synced {} events in {} runs ({} found already synced); {} failed sends",
+        report.events_synced,
+        report.runs_synced + report.runs_already_synced,
+        report.runs_already_synced,
+        report.failed_sends
+    ));
+    match report.stopped {
+        Some(stop) => Err(Failure(EXIT_STOPPED, stop.to_string())),
+        None => Ok(()),
+    }
+}
+
+/// `status`: pending, in-flight and synced events per account, as a table or JSON.
+fn show_status(path: &Path, json: bool) -> Result<(), Failure> {
+    let status = Outbox::open(path)?.status()?;
+    if json {
+        let text = serde_json::to_string_pretty(&status)
+            .map_err(|e| Failure(EXIT_ERROR, e.to_string()))?;
+        say(format_args!("{text}"));
+        return Ok(());
+    }
+    say(format_args!(
+        "device {}: {} pending, {} in flight, {} synced",
+        status.device_id, status.pending, status.in_flight, status.synced
+    ));
+    for a in &status.accounts {
+        let run = match (a.run_attempts, &a.last_error) {
+            (Some(n), Some(e)) => format!("; {n} failed sends, last: {e}"),
+            (Some(n), None) => format!("; {n} failed sends"),
+            _ => String::new(),
+        };
+        say(format_args!(
+            "  {}: {} pending, {} in flight, {} synced, last sequence {}{run}",
+            a.account, a.pending, a.in_flight, a.synced, a.last_seq
+        ));
     }
     Ok(())
 }
@@ -251,7 +286,7 @@ fn operation(kind: &str, account: &str, amount: &str) -> Result<Operation, Failu
 }
 
 /// The token in `path`, read whole up to [`transport::MAX_TOKEN_FILE_BYTES`].
-fn read_token(path: &std::path::Path) -> Result<String, Failure> {
+fn read_token(path: &Path) -> Result<String, Failure> {
     use std::io::Read;
     let bad = |why: String| {
         Failure(

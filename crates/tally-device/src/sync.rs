@@ -17,9 +17,10 @@ use async_trait::async_trait;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::crash::{Crashed, Hooks, Step};
-use crate::outbox::{Outbox, OutboxError, Run};
+use crate::crash::{CrashPoint, Crashed, Hooks};
+use crate::outbox::{OpenRun, Outbox, OutboxError};
 use tally::account::AccountId;
+use tally::backoff::Backoff;
 use tally::device::protocol::{SyncRequest, SyncResponse, SyncStatus};
 use tally::device::{DeviceId, MAX_RUN_EVENTS};
 use tally::store::wall_clock_ms;
@@ -153,14 +154,13 @@ pub enum SyncError {
     Crashed(#[from] Crashed),
 }
 
-/// The backoff before send number `attempt + 1`: exponential from `base`, capped at `max`,
-/// drawn uniformly from its upper half so that devices coming back together spread out.
+/// The backoff before send number `attempt + 1`: exponential from `base`, capped at `max`
+/// (the server's [`Backoff`] bound), drawn uniformly from its upper half so that devices
+/// coming back together spread out. The draw comes from the loop's generator (seeded by
+/// `--jitter-seed`), not a hash of the attempt, and may reach the bound itself: kept so, a
+/// seed replays the waits it always gave.
 pub fn backoff(options: &SyncOptions, attempt: u32, rng: &mut impl Rng) -> Duration {
-    let exp = attempt.saturating_sub(1).min(30);
-    let full = options
-        .base_backoff
-        .saturating_mul(1u32 << exp)
-        .min(options.max_backoff);
+    let full = Backoff::new(options.base_backoff, options.max_backoff).bound(attempt);
     let half = full / 2;
     let span = u64::try_from((full - half).as_millis()).unwrap_or(u64::MAX);
     half + Duration::from_millis(rng.gen_range(0..=span))
@@ -198,7 +198,7 @@ impl<'a, T: SyncTransport + ?Sized> SyncLoop<'a, T> {
             .outbox
             .next_run(self.options.batch_size, wall_clock_ms())?
         {
-            hooks.at(Step::RunPersisted)?;
+            hooks.at(CrashPoint::RunPersisted)?;
             let request = run.request();
             let mut attempt = 0u32;
             let answer = loop {
@@ -245,7 +245,7 @@ impl<'a, T: SyncTransport + ?Sized> SyncLoop<'a, T> {
                     }
                 }
             };
-            hooks.at(Step::Acked)?;
+            hooks.at(CrashPoint::Acked)?;
             let version = answer.aggregate_version;
             self.outbox.mark_synced(&run, version, wall_clock_ms())?;
             match answer.status {
@@ -253,7 +253,7 @@ impl<'a, T: SyncTransport + ?Sized> SyncLoop<'a, T> {
                 SyncStatus::AlreadySynced => report.runs_already_synced += 1,
             }
             report.events_synced += run.events.len() as u64;
-            hooks.at(Step::MarkedSynced)?;
+            hooks.at(CrashPoint::MarkedSynced)?;
         }
         Ok(report)
     }
@@ -261,7 +261,7 @@ impl<'a, T: SyncTransport + ?Sized> SyncLoop<'a, T> {
 
 /// Whether a success answer proves the whole run is in the store. A server that says less is
 /// not believed: nothing is marked synced on it.
-fn covers(run: &Run, answer: &SyncResponse) -> Result<(), String> {
+fn covers(run: &OpenRun, answer: &SyncResponse) -> Result<(), String> {
     let ok = match answer.status {
         SyncStatus::Synced => answer.last_seq == run.last_seq && answer.aggregate_version.is_some(),
         SyncStatus::AlreadySynced => answer.last_seq >= run.last_seq,
@@ -297,6 +297,22 @@ mod tests {
                 "attempt {attempt}: {wait:?}"
             );
         }
+    }
+
+    /// Rule: a seed's waits are pinned (the defaults: 200 ms doubling to 30 s, each drawn
+    /// from its upper half in whole milliseconds), so `--jitter-seed` replays them.
+    #[test]
+    fn device_backoff_waits_are_pinned_per_seed() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let waits: Vec<u128> = (1..=10)
+            .map(|a| backoff(&SyncOptions::default(), a, &mut rng).as_millis())
+            .collect();
+        assert_eq!(
+            waits,
+            [
+                171, 346, 641, 866, 2_959, 4_366, 7_681, 17_719, 22_819, 18_859
+            ]
+        );
     }
 
     #[test]

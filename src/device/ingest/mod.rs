@@ -28,7 +28,7 @@ use super::protocol::{SyncRequest, SyncResponse, SyncStatus};
 use super::run::{DeviceRun, RunEvent};
 use super::{DeviceId, MAX_RUN_EVENTS};
 use crate::account::{AccountId, AccountsMode, Identity, named_id};
-use crate::store::{AggregateWrite, Event, SharedLog, StoreError, wall_clock_ms};
+use crate::store::{AggregateKey, AggregateWrite, Event, SharedLog, StoreError, wall_clock_ms};
 
 /// The namespace the store's event ids of device events are derived in. Never change it: a
 /// resend across the change would carry different event ids (harmless to dedup, which is by
@@ -141,32 +141,50 @@ impl DeviceSync {
             allow_create: self.accounts == AccountsMode::Implicit,
             enforce_client_idempotency: true,
         };
-        let (first_seq, last_seq) = (run.first_seq(), run.last_seq());
         match self.log.write(device.as_u128(), vec![write]).await {
             Ok(versions) => match versions.first() {
-                Some(&version) => Ok(SyncOutcome::Synced { version, last_seq }),
+                Some(&version) => Ok(SyncOutcome::Synced {
+                    version,
+                    last_seq: run.last_seq(),
+                }),
                 None => Err(DeviceSyncError::Store(StoreError::Other {
                     code: 0,
                     message: "the store acknowledged a write without a version".into(),
                 })),
             },
-            Err(StoreError::IdempotencyViolation {
+            Err(e) => self.not_written(e, key, device, run, &events).await,
+        }
+    }
+
+    /// What a run the store did not append comes to: already synced (read back first), a
+    /// typed refusal, or a retry.
+    async fn not_written(
+        &self,
+        e: StoreError,
+        key: AggregateKey,
+        device: DeviceId,
+        run: &DeviceRun,
+        events: &[Event],
+    ) -> Result<SyncOutcome, DeviceSyncError> {
+        let (first_seq, last_seq) = (run.first_seq(), run.last_seq());
+        match e {
+            StoreError::IdempotencyViolation {
                 last_seq: Some(mark),
                 ..
-            }) if mark >= last_seq => {
-                read_back::check_landed(self.log.as_ref(), key, device, run, &events).await?;
+            } if mark >= last_seq => {
+                read_back::check_landed(self.log.as_ref(), key, device, run, events).await?;
                 Ok(SyncOutcome::AlreadySynced { last_seq: mark })
             }
             // The server did not say where its mark is: only the stream can tell whether the
             // run landed, and a run it does not show is retried, never called a straddle.
-            Err(StoreError::IdempotencyViolation { last_seq: None, .. }) => {
-                read_back::check_landed(self.log.as_ref(), key, device, run, &events).await?;
+            StoreError::IdempotencyViolation { last_seq: None, .. } => {
+                read_back::check_landed(self.log.as_ref(), key, device, run, events).await?;
                 Ok(SyncOutcome::AlreadySynced { last_seq })
             }
-            Err(StoreError::IdempotencyViolation {
+            StoreError::IdempotencyViolation {
                 last_seq: Some(mark),
                 ..
-            }) => {
+            } => {
                 tracing::warn!(
                     device = %device,
                     mark,
@@ -180,25 +198,28 @@ impl DeviceSync {
                     last_seq,
                 })
             }
-            Err(StoreError::InflightDuplicate) => Err(DeviceSyncError::Retry {
-                reason: RetryReason::InFlight,
-                detail: StoreError::InflightDuplicate.to_string(),
-            }),
-            Err(e @ StoreError::OutcomeUnknown { .. }) => Err(DeviceSyncError::Retry {
-                reason: RetryReason::OutcomeUnknown,
-                detail: e.to_string(),
-            }),
-            Err(e @ StoreError::NotApplied { .. }) => Err(DeviceSyncError::Retry {
-                reason: RetryReason::NotApplied,
-                detail: e.to_string(),
-            }),
             // Existence is checked before idempotency: nothing of this device's can be on an
             // account that does not exist, so nothing of the run landed.
-            Err(StoreError::AggregateNotFound) if self.accounts == AccountsMode::Explicit => {
+            StoreError::AggregateNotFound if self.accounts == AccountsMode::Explicit => {
                 Err(DeviceSyncError::AccountNotFound(run.account()))
             }
-            Err(e) => Err(DeviceSyncError::Store(e)),
+            e => Err(retry_or_store_error(e)),
         }
+    }
+}
+
+/// A store error that says nothing about whether the run landed: a retry when resending the
+/// same run can succeed, else the store's error.
+fn retry_or_store_error(e: StoreError) -> DeviceSyncError {
+    let reason = match &e {
+        StoreError::InflightDuplicate => RetryReason::InFlight,
+        StoreError::OutcomeUnknown { .. } => RetryReason::OutcomeUnknown,
+        StoreError::NotApplied { .. } => RetryReason::NotApplied,
+        _ => return DeviceSyncError::Store(e),
+    };
+    DeviceSyncError::Retry {
+        reason,
+        detail: e.to_string(),
     }
 }
 

@@ -25,71 +25,71 @@ pub(super) async fn check_landed(
     run: &DeviceRun,
     expected: &[Event],
 ) -> Result<(), DeviceSyncError> {
+    let read = read_within_budget(log, key, device, run).await?;
+    expected
+        .iter()
+        .try_for_each(|want| check_event(&read, device, want))
+}
+
+/// [`read_run`] within [`READ_BACK_BUDGET`]; a read that fails or runs out of time proves
+/// nothing either way, and the run is retried.
+async fn read_within_budget(
+    log: &dyn EventLog,
+    key: AggregateKey,
+    device: DeviceId,
+    run: &DeviceRun,
+) -> Result<RunRead, DeviceSyncError> {
     let (first, last) = (run.first_seq(), run.last_seq());
-    let RunRead {
-        found,
-        trimmed,
-        max_seen,
-        ..
-    } = match tokio::time::timeout(READ_BACK_BUDGET, read_run(log, key, device, run)).await {
-        Ok(Ok(read)) => read,
-        Ok(Err(e)) => {
-            return Err(DeviceSyncError::Retry {
-                reason: RetryReason::Unverified,
-                detail: format!("reading back run {first}..={last} failed: {e}"),
-            });
-        }
-        Err(_) => {
-            return Err(DeviceSyncError::Retry {
-                reason: RetryReason::Unverified,
-                detail: format!(
-                    "reading back run {first}..={last} took longer than {} s",
-                    READ_BACK_BUDGET.as_secs()
-                ),
-            });
-        }
+    let detail = match tokio::time::timeout(READ_BACK_BUDGET, read_run(log, key, device, run)).await
+    {
+        Ok(Ok(read)) => return Ok(read),
+        Ok(Err(e)) => format!("reading back run {first}..={last} failed: {e}"),
+        Err(_) => format!(
+            "reading back run {first}..={last} took longer than {} s",
+            READ_BACK_BUDGET.as_secs()
+        ),
     };
-    for want in expected {
-        match found.get(&want.client_seq) {
-            Some(got)
-                if got.event_id == want.event_id
-                    && got.event_type == want.event_type
-                    && got.payload == want.payload => {}
-            Some(_) => {
-                tracing::warn!(device = %device, seq = want.client_seq, "device reissued a sequence");
-                return Err(DeviceSyncError::RunConflictsWithStore {
-                    seq: want.client_seq,
-                });
-            }
-            // Trimmed away: the mark says some event of this device's held the sequence,
-            // not that it was this one. Never answered as synced on the mark alone.
-            None if trimmed => {
-                tracing::warn!(device = %device, seq = want.client_seq, "device run below its mark was trimmed away");
-                return Err(DeviceSyncError::RunTrimmed {
-                    seq: want.client_seq,
-                });
-            }
-            // The read shows a later sequence of this device's and every version where
-            // this one could stand below it (see `read_run`): it is not there. The device
-            // synced out of order (or skipped ahead), and resending cannot help.
-            None if max_seen > want.client_seq => {
-                tracing::warn!(device = %device, seq = want.client_seq, "device run below its mark never landed");
-                return Err(DeviceSyncError::RunNeverLanded {
-                    seq: want.client_seq,
-                });
-            }
-            None => {
-                return Err(DeviceSyncError::Retry {
-                    reason: RetryReason::Unverified,
-                    detail: format!(
-                        "the store's mark covers sequence {} but a read does not show it yet",
-                        want.client_seq
-                    ),
-                });
-            }
+    Err(DeviceSyncError::Retry {
+        reason: RetryReason::Unverified,
+        detail,
+    })
+}
+
+/// Whether the read shows the run's event `want` as it was sent; if not, why not.
+fn check_event(read: &RunRead, device: DeviceId, want: &Event) -> Result<(), DeviceSyncError> {
+    let seq = want.client_seq;
+    match read.found.get(&seq) {
+        Some(got)
+            if got.event_id == want.event_id
+                && got.event_type == want.event_type
+                && got.payload == want.payload =>
+        {
+            Ok(())
         }
+        Some(_) => {
+            tracing::warn!(device = %device, seq, "device reissued a sequence");
+            Err(DeviceSyncError::RunConflictsWithStore { seq })
+        }
+        // Trimmed away: the mark says some event of this device's held the sequence,
+        // not that it was this one. Never answered as synced on the mark alone.
+        None if read.trimmed => {
+            tracing::warn!(device = %device, seq, "device run below its mark was trimmed away");
+            Err(DeviceSyncError::RunTrimmed { seq })
+        }
+        // The read shows a later sequence of this device's and every version where
+        // this one could stand below it (see `read_run`): it is not there. The device
+        // synced out of order (or skipped ahead), and resending cannot help.
+        None if read.max_seen > seq => {
+            tracing::warn!(device = %device, seq, "device run below its mark never landed");
+            Err(DeviceSyncError::RunNeverLanded { seq })
+        }
+        None => Err(DeviceSyncError::Retry {
+            reason: RetryReason::Unverified,
+            detail: format!(
+                "the store's mark covers sequence {seq} but a read does not show it yet"
+            ),
+        }),
     }
-    Ok(())
 }
 
 /// What this device's batches on the account show of the run (see [`RunRead`]).

@@ -41,7 +41,7 @@ use super::state::{Broken, Snapshot};
 use super::{RecentWrite, RecordedWrite};
 use crate::account::AccountId;
 use crate::metrics::Metrics;
-use records::{Record, RecordQueue};
+use records::{RecordQueue, StatementRows};
 use rows::IndexRows;
 
 /// Connections in one replica's pool, unless configured.
@@ -401,7 +401,9 @@ impl PgProjection {
         rows: &[RecordRow<'_>],
         expires_at_ms: u64,
     ) -> Result<Vec<AccountId>, PgError> {
-        self.records.record(Record::of(rows, expires_at_ms)).await
+        self.records
+            .record(StatementRows::of(rows, expires_at_ms))
+            .await
     }
 
     /// Catch-up's persistence, as ONE statement: the index rows it replayed inside the
@@ -527,7 +529,7 @@ fn counted<T>(metrics: &Metrics, statement: &str, r: Result<T, PgError>) -> Resu
 async fn execute_record(
     pool: &Pool,
     metrics: &Metrics,
-    record: Record,
+    record: StatementRows,
 ) -> Result<Vec<Uuid>, PgError> {
     let c = record.columns();
     let client = pool.get().await?;

@@ -53,18 +53,20 @@ struct AccountRow {
     expected: i64,
 }
 
-/// One write's record, owned, so that it can share a statement with others.
+/// The rows a record statement writes: one write's record (its account rows and index
+/// rows), owned so that it can share a statement with others, or several records merged
+/// into one statement's.
 #[derive(Default)]
-pub(super) struct Record {
+pub(super) struct StatementRows {
     accounts: Vec<AccountRow>,
     index: Vec<(AccountId, u128, RecentWrite)>,
 }
 
-impl Record {
+impl StatementRows {
     /// The record of one write's rows; its index rows expire at `expires_at_ms` (server
     /// time).
     pub fn of(rows: &[RecordRow<'_>], expires_at_ms: u64) -> Self {
-        let mut record = Record::default();
+        let mut record = StatementRows::default();
         for r in rows {
             let w = r.write;
             for &(event_id, balance, event) in w.events {
@@ -88,13 +90,13 @@ impl Record {
         record
     }
 
-    fn shares_an_account_with(&self, other: &Record) -> bool {
+    fn shares_an_account_with(&self, other: &StatementRows) -> bool {
         self.accounts
             .iter()
             .any(|a| other.accounts.iter().any(|b| a.id == b.id))
     }
 
-    fn append(&mut self, other: Record) {
+    fn append(&mut self, other: StatementRows) {
         self.accounts.extend(other.accounts);
         self.index.extend(other.index);
     }
@@ -134,7 +136,7 @@ pub(super) struct Columns {
 
 /// A record waiting for its statement, and where its outcome goes.
 struct Pending {
-    record: Record,
+    record: StatementRows,
     done: oneshot::Sender<Result<Arc<Vec<Uuid>>, PgError>>,
 }
 
@@ -159,7 +161,7 @@ impl RecordQueue {
     /// Sends `record` in the next statement with room for it, and waits for that
     /// statement's outcome, for at most the wait limit: the record's accounts whose row the
     /// statement found below the version their write expected.
-    pub async fn record(&self, record: Record) -> Result<Vec<AccountId>, PgError> {
+    pub async fn record(&self, record: StatementRows) -> Result<Vec<AccountId>, PgError> {
         let accounts: Vec<Uuid> = record.accounts.iter().map(|a| a.id).collect();
         let queued = async {
             let (done, outcome) = oneshot::channel();
@@ -203,7 +205,7 @@ async fn dispatch(mut rx: mpsc::Receiver<Pending>, pool: Pool, metrics: Arc<Metr
             },
         };
         let mut batch = vec![first];
-        let mut merged = Record::default();
+        let mut merged = StatementRows::default();
         let mut accounts = batch[0].record.accounts.len();
         while accounts < MAX_RECORD_ACCOUNTS {
             let Ok(next) = rx.try_recv() else { break };
@@ -250,7 +252,7 @@ mod tests {
             wait_limit: Duration::from_millis(400),
         };
         let started = tokio::time::Instant::now();
-        let outcome = queue.record(Record::default()).await;
+        let outcome = queue.record(StatementRows::default()).await;
         assert_eq!(started.elapsed(), Duration::from_millis(400));
         let err = outcome.expect_err("no statement answered");
         assert!(err.to_string().contains("within 400 ms"), "{err}");

@@ -41,7 +41,7 @@ use tally::account::{AccountId, AmountCents, Operation};
 use tally::device::DeviceId;
 use tally::device::protocol::{SyncEvent, SyncRequest, TYPE_DEPOSIT, TYPE_WITHDRAW};
 
-use crate::crash::{Crashed, Hooks, Step};
+use crate::crash::{CrashPoint, Crashed, Hooks};
 
 /// The outbox schema this code reads and writes.
 pub const SCHEMA_VERSION: i64 = 1;
@@ -129,9 +129,10 @@ fn account_str<S: serde::Serializer>(a: &AccountId, s: S) -> Result<S::Ok, S::Er
     s.collect_str(a)
 }
 
-/// The run being sent for one account: exactly these events, every attempt.
+/// An account's open run (its row in `runs`): the run being sent, exactly these events
+/// every attempt, from before its first send until it is marked synced.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Run {
+pub struct OpenRun {
     pub account: AccountId,
     pub first_seq: u64,
     pub last_seq: u64,
@@ -143,7 +144,7 @@ pub struct Run {
     pub events: Vec<StoredEvent>,
 }
 
-impl Run {
+impl OpenRun {
     /// The request body for this run.
     pub fn request(&self) -> SyncRequest {
         SyncRequest {
@@ -325,9 +326,9 @@ impl Outbox {
             ],
         )?;
         // A crash here rolls the whole record back: neither the sequence nor the event.
-        hooks.at(Step::RecordBeforeCommit)?;
+        hooks.at(CrashPoint::RecordBeforeCommit)?;
         tx.commit()?;
-        hooks.at(Step::RecordCommitted)?;
+        hooks.at(CrashPoint::RecordCommitted)?;
         Ok(StoredEvent {
             account,
             client_seq: seq,
@@ -342,7 +343,7 @@ impl Outbox {
     /// The run to send next: the open run of the account whose unsynced event is oldest, or
     /// a new run of up to `max_events` of that account's unsynced events, committed before
     /// it is returned. `None` when everything is synced.
-    pub fn next_run(&mut self, max_events: usize, now_ms: u64) -> OutboxResult<Option<Run>> {
+    pub fn next_run(&mut self, max_events: usize, now_ms: u64) -> OutboxResult<Option<OpenRun>> {
         let max_events = max_events.max(1);
         let tx = self
             .conn
@@ -358,56 +359,18 @@ impl Outbox {
             return Ok(None);
         };
         let account = parse_account(&key)?;
-        let open: Option<(i64, i64, i64)> = tx
-            .query_row(
-                "SELECT first_seq, last_seq, attempts FROM runs WHERE account = ?1",
-                [&key],
-                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-            )
-            .optional()?;
-        let (first_seq, last_seq, attempts) = match open {
-            Some((first, last, attempts)) => {
-                (from_sql(first)?, from_sql(last)?, from_sql(attempts)?)
-            }
+        let (first_seq, last_seq, attempts) = match open_run_bounds(&tx, &key)? {
+            Some(open) => open,
             None => {
-                let first: i64 = tx.query_row(
-                    "SELECT min(client_seq) FROM events WHERE account = ?1 AND synced_at_ms IS NULL",
-                    [&key],
-                    |r| r.get(0),
-                )?;
-                let first = from_sql(first)?;
-                let span = u64::try_from(max_events - 1).unwrap_or(u64::MAX);
-                let last: i64 = tx.query_row(
-                    "SELECT max(client_seq) FROM events
-                     WHERE account = ?1 AND synced_at_ms IS NULL AND client_seq <= ?2",
-                    params![key, to_sql(first.saturating_add(span))?],
-                    |r| r.get(0),
-                )?;
-                let last = from_sql(last)?;
-                tx.execute(
-                    "INSERT INTO runs (account, first_seq, last_seq, created_at_ms)
-                     VALUES (?1, ?2, ?3, ?4)",
-                    params![key, to_sql(first)?, to_sql(last)?, to_sql(now_ms)?],
-                )?;
+                let (first, last) = cut_run(&tx, &key, max_events, now_ms)?;
                 (first, last, 0)
             }
         };
         let events = load_events(&tx, &key, first_seq, last_seq)?;
         check_run(&tx, &key, account, first_seq, last_seq, &events)?;
-        // The newest synced event with a version: runs land in sequence order, so it is the
-        // highest version (one step down the (account, client_seq) index).
-        let last_synced_version: Option<i64> = tx
-            .query_row(
-                "SELECT synced_version FROM events
-                 WHERE account = ?1 AND synced_version IS NOT NULL
-                 ORDER BY client_seq DESC LIMIT 1",
-                [&key],
-                |r| r.get(0),
-            )
-            .optional()?;
-        let last_synced_version = last_synced_version.map(from_sql).transpose()?;
+        let last_synced_version = last_synced_version(&tx, &key)?;
         tx.commit()?;
-        Ok(Some(Run {
+        Ok(Some(OpenRun {
             account,
             first_seq,
             last_seq,
@@ -418,7 +381,7 @@ impl Outbox {
     }
 
     /// Counts one attempt at `run` and keeps why it failed (`None` when it succeeded).
-    pub fn note_attempt(&mut self, run: &Run, error: Option<&str>) -> OutboxResult<()> {
+    pub fn note_attempt(&mut self, run: &OpenRun, error: Option<&str>) -> OutboxResult<()> {
         let changed = self.conn.execute(
             "UPDATE runs SET attempts = attempts + 1, last_error = ?4
              WHERE account = ?1 AND first_seq = ?2 AND last_seq = ?3",
@@ -442,7 +405,7 @@ impl Outbox {
     /// with the server's proof that the whole run is in the store.
     pub fn mark_synced(
         &mut self,
-        run: &Run,
+        run: &OpenRun,
         version: Option<u64>,
         now_ms: u64,
     ) -> OutboxResult<()> {
@@ -489,6 +452,66 @@ impl Outbox {
     pub fn events(&self, account: AccountId) -> OutboxResult<Vec<StoredEvent>> {
         load_events(&self.conn, &account.to_string(), 1, i64::MAX as u64)
     }
+}
+
+/// The account's open run, if it has one: its first and last sequence and attempts so far.
+fn open_run_bounds(conn: &Connection, key: &str) -> OutboxResult<Option<(u64, u64, u64)>> {
+    let open: Option<(i64, i64, i64)> = conn
+        .query_row(
+            "SELECT first_seq, last_seq, attempts FROM runs WHERE account = ?1",
+            [key],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .optional()?;
+    open.map(|(first, last, attempts)| Ok((from_sql(first)?, from_sql(last)?, from_sql(attempts)?)))
+        .transpose()
+}
+
+/// Opens a new run of the account: up to `max_events` of its unsynced events from its first
+/// unsynced sequence, its boundaries committed with the transaction. Returns its first and
+/// last sequence.
+fn cut_run(
+    conn: &Connection,
+    key: &str,
+    max_events: usize,
+    now_ms: u64,
+) -> OutboxResult<(u64, u64)> {
+    let first: i64 = conn.query_row(
+        "SELECT min(client_seq) FROM events WHERE account = ?1 AND synced_at_ms IS NULL",
+        [key],
+        |r| r.get(0),
+    )?;
+    let first = from_sql(first)?;
+    let span = u64::try_from(max_events - 1).unwrap_or(u64::MAX);
+    let last: i64 = conn.query_row(
+        "SELECT max(client_seq) FROM events
+         WHERE account = ?1 AND synced_at_ms IS NULL AND client_seq <= ?2",
+        params![key, to_sql(first.saturating_add(span))?],
+        |r| r.get(0),
+    )?;
+    let last = from_sql(last)?;
+    conn.execute(
+        "INSERT INTO runs (account, first_seq, last_seq, created_at_ms)
+         VALUES (?1, ?2, ?3, ?4)",
+        params![key, to_sql(first)?, to_sql(last)?, to_sql(now_ms)?],
+    )?;
+    Ok((first, last))
+}
+
+/// The version the account's newest synced event landed at, if the server said. Runs land
+/// in sequence order, so it is the highest version (one step down the (account,
+/// client_seq) index).
+fn last_synced_version(conn: &Connection, key: &str) -> OutboxResult<Option<u64>> {
+    let version: Option<i64> = conn
+        .query_row(
+            "SELECT synced_version FROM events
+             WHERE account = ?1 AND synced_version IS NOT NULL
+             ORDER BY client_seq DESC LIMIT 1",
+            [key],
+            |r| r.get(0),
+        )
+        .optional()?;
+    version.map(from_sql).transpose()
 }
 
 fn load_events(
