@@ -3,8 +3,9 @@
 //! `tally` binary; and the edge's own concerns around it.
 //!
 //! One test binary (`cargo test --test api`), one module per area. The black-box API suite
-//! proper (`make test` runs it a second time on the Postgres projection: `API_SUITE` in the
-//! Makefile names it by these modules):
+//! proper, which `make test` runs a second time on the Postgres projection (`API_SUITE` in the
+//! Makefile skips the edge's modules further down, so a new module joins that rerun unless it
+//! is skipped there too):
 //! - [`startup`]: demo-account seeding and readiness while a replica starts;
 //! - [`routes`]: every route's successful answers;
 //! - [`bad_input`]: 400, 404, 405, 415 and 422, each changing nothing;
