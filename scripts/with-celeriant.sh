@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs a command beside throwaway real Celeriant servers, and tells the suites where they are:
 #
-#   bash scripts/with-celeriant.sh cargo test --locked --test conformance
+#   bash scripts/with-celeriant.sh cargo test --locked --test store
 #
 # - CELERIANT_ADDRESS: a standalone server routed by aggregate type (every account on one
 #   shard, as Tally needs for transfers), the one every real-server suite uses;

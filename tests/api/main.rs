@@ -1,8 +1,11 @@
-//! Black-box tests of the HTTP API: every route, every status, the error body, and the
+//! The HTTP edge, black-box: every route, every status, the error body and the
 //! Idempotency-Key contract, against servers on port 0 (the harness) and against the real
-//! `tally` binary (startup, `--help`, graceful shutdown on SIGTERM).
+//! `tally` binary; and the edge's own concerns around it.
 //!
-//! One test binary (`cargo test --test api`), one module per area:
+//! One test binary (`cargo test --test api`), one module per area. The black-box API suite
+//! proper, which `make test` runs a second time on the Postgres projection (`API_SUITE` in the
+//! Makefile skips the edge's modules further down, so a new module joins that rerun unless it
+//! is skipped there too):
 //! - [`startup`]: demo-account seeding and readiness while a replica starts;
 //! - [`routes`]: every route's successful answers;
 //! - [`bad_input`]: 400, 404, 405, 415 and 422, each changing nothing;
@@ -12,8 +15,20 @@
 //! - [`accounts`]: opening accounts, and explicit accounts (`--accounts explicit`);
 //! - [`binary`]: the `tally` process itself.
 //!
+//! The edge around it (run once):
+//! - [`auth`]: tokens, scopes, key ownership per caller, pacing;
+//! - [`front_end_limits`]: the request-head cap, framing and the Host header, over raw TCP;
+//! - [`overload`]: admission at the edge (the gate, shedding, the connection cap);
+//! - [`write_side_limits`]: the write side's permits, queue cap, deadlines and key scope;
+//! - [`metrics`]: exact counter deltas after a scripted sequence;
+//! - [`openapi`]: `docs/openapi.json` against the code;
+//! - [`architecture_doc`]: every name `docs/architecture.md` quotes still exists.
+//!
 //! The harness, the raw HTTP client and the checks the modules share live in `tests/common/`,
-//! where the other suites can use them too.
+//! where the other suites use them too. Every server a test starts is its own (its own
+//! registry, limits and gate), so the modules share this process without measuring each
+//! other; the one suite that measures the whole process, `tests/memory_bounds.rs`, keeps a
+//! binary of its own.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -26,3 +41,11 @@ mod limits;
 mod routes;
 mod startup;
 mod store_failures;
+
+mod architecture_doc;
+mod auth;
+mod front_end_limits;
+mod metrics;
+mod openapi;
+mod overload;
+mod write_side_limits;

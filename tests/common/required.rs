@@ -3,10 +3,6 @@
 //! the test says it skipped and how to run it, and passes; under `CI=true` it fails, because
 //! CI must never pass by skipping. `make test` provides every part (`scripts/with-celeriant.sh`,
 //! `scripts/with-postgres.sh`, the `browser` target).
-//!
-//! Suites that do not compile the whole `common` module take this file alone with
-//! `#[path = "common/required.rs"] mod required;`.
-#![allow(dead_code)]
 
 /// The variable naming the standalone server whose accounts share one shard.
 pub const CELERIANT_ADDRESS: &str = "CELERIANT_ADDRESS";

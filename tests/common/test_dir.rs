@@ -1,8 +1,9 @@
 //! A directory for one test (`tempfile` makes and removes it): removed when the test ends,
 //! kept when it fails, and named on stderr, for a look at what it left.
 //!
-//! Suites that do not compile the whole `common` module take this file alone with
-//! `#[path = "common/test_dir.rs"] mod test_dir;`.
+//! The device crate's suites (`crates/tally-device/tests/device/`, another package) take this
+//! file alone by `#[path]`, without the rest of `common`, and may not use all of it: hence
+//! `dead_code` is allowed here as well as in `common`.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};

@@ -1,7 +1,7 @@
 //! The service-side core of device sync against the store port: the device's own client id,
 //! no version guard, the classification of every store answer, and the projection.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -13,7 +13,7 @@
 //! Skipped (and passing) when `chromedriver` is not installed, unless
 //! `TALLY_REQUIRE_BROWSER=1` (set by `make test`, which installs it).
 
-mod common;
+use crate::common;
 
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};

@@ -4,7 +4,7 @@
 //! withdrawal could answer 200 and take the store's balance below zero). See
 //! `src/projection/regress.rs`.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -7,8 +7,7 @@
 //! (ageing past the window needs server time), and asserts against the whole fold of the
 //! stream. The last runs `tally trim` against the real server `CELERIANT_ADDRESS` names.
 
-#[path = "common/required.rs"]
-mod required;
+use crate::common::required;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -10,8 +10,7 @@
 //! A new route is one line in `Route::ALL` (and its `listed_at` arm), then its path here in
 //! the spec; the test names what is missing.
 
-#[path = "common/mod.rs"]
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 

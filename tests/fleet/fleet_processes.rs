@@ -13,7 +13,7 @@
 //! driving mixed traffic with retries at nginx and the replicas, whose exactly-once verdict
 //! must pass.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

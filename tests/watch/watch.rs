@@ -6,7 +6,7 @@
 //! embedded store cannot be shared between processes): each replica has its own hub
 //! following the store's watch, exactly as two processes over one Celeriant would.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

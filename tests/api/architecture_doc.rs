@@ -182,7 +182,7 @@ fn a_name_that_is_not_in_the_code_is_caught() {
     let code = Code::load();
     assert!(code.has_word("record_write"));
     assert!(!code.has_word("record_writ"));
-    assert!(code.has_file("run/readback.rs") && code.has_file("tests/device_*.rs"));
+    assert!(code.has_file("run/readback.rs") && code.has_file("tests/device/device_*.rs"));
     assert!(!code.has_file("run/readbacks.rs"));
     assert!(code.has_path("http::console") && code.has_path("Projection::record_write"));
     assert!(!code.has_path("Projection::record_writes"));

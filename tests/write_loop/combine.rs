@@ -21,8 +21,7 @@ use tally::store::{
     ReadFilter, ReadPage, SharedLog, StoreError, StoreResult,
 };
 
-#[path = "common/required.rs"]
-mod required;
+use crate::common::required;
 
 const CLIENT: ClientId = 7;
 const ACCOUNTS: u128 = 1;

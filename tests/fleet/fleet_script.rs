@@ -9,7 +9,7 @@
 //!
 //! Every wait is on what the script prints or a port answering, never a fixed sleep.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

@@ -2,8 +2,7 @@
 //! own their idempotency keys, and are paced; every refusal is answered correctly and writes
 //! nothing (checked by reading the balance and history back with a valid token).
 
-#[path = "common/mod.rs"]
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! server. A write through one appears on the other's stream; a resume reads the server.
 //! Skipped when the variable is unset, except under `CI=true`, where that fails.
 
-mod common;
+use crate::common;
 
 use common::sse::Stream;
 use common::{TestApp, new_account, spawn, test_config};

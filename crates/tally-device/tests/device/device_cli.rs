@@ -8,13 +8,10 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-// The workspace's one test-directory helper (tests/common/test_dir.rs of the `tally` package).
-#[path = "../../../tests/common/test_dir.rs"]
-mod test_dir;
-
 use std::process::{Output, Stdio};
 use std::sync::Arc;
 
+use crate::test_dir::TestDir;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
@@ -31,7 +28,6 @@ use tally::device::protocol::SyncRequest;
 use tally::store::memory::MemoryLog;
 use tally::store::{ReadFilter, SharedLog};
 use tally_device::crash::CRASH_ENV;
-use test_dir::TestDir;
 use tokio::sync::oneshot;
 
 const BIN: &str = env!("CARGO_BIN_EXE_tally-device");

@@ -1,14 +1,10 @@
 //! The device sync loop over the in-process transport: bounded attempts, refusals, lost acks,
 //! in-flight duplicates, and runs that never grow.
 
-// The workspace's one test-directory helper (tests/common/test_dir.rs of the `tally` package).
-#[path = "../../../tests/common/test_dir.rs"]
-mod test_dir;
-
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::OutboxDir;
 use tally::account::{AccountEvent, AccountId, AccountsMode, AmountCents, Identity, Operation};
 use tally::device::ingest::DeviceSync;
 use tally::store::faults::{Fault, FaultConfig, FaultyLog};
@@ -18,20 +14,6 @@ use tally_device::crash::{Crashed, Hooks, NoHooks, Step};
 use tally_device::outbox::Outbox;
 use tally_device::sync::{StopReason, SyncLoop, SyncOptions};
 use tally_device::transport::InProcessTransport;
-use test_dir::TestDir;
-
-/// A test's directory, and the outbox file in it.
-struct TempDir(TestDir);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        TempDir(TestDir::new(&format!("device-sync-{name}")))
-    }
-
-    fn file(&self) -> PathBuf {
-        self.0.join("outbox.sqlite")
-    }
-}
 
 const ACCOUNT: AccountId = AccountId(uuid::Uuid::from_u128(0xacc));
 
@@ -43,14 +25,14 @@ fn deposit(cents: i64) -> Operation {
 }
 
 struct World {
-    _dir: TempDir,
+    _dir: OutboxDir,
     outbox: Outbox,
     memory: Arc<MemoryLog>,
     faulty: Arc<FaultyLog<MemoryLog>>,
 }
 
 fn world(name: &str, events: i64) -> World {
-    let dir = TempDir::new(name);
+    let dir = OutboxDir::new("sync", name);
     let (mut outbox, _) = Outbox::init(&dir.file(), 0).unwrap();
     for cents in 1..=events {
         outbox.record(deposit(cents), 0, &mut NoHooks).unwrap();

@@ -11,8 +11,7 @@
 //! `scripts/with-celeriant.sh` (so `make test`) starts all three; a test whose server is not
 //! named skips outside CI and fails under `CI=true`.
 
-#[path = "common/required.rs"]
-mod required;
+use crate::common::required;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

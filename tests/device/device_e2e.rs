@@ -25,7 +25,7 @@
 //! this suite needs `cargo build --locked -p tally-device` first, and refuses a missing or
 //! stale binary rather than test an old device.
 
-mod common;
+use crate::common;
 
 use common::test_dir::TestDir;
 

@@ -13,14 +13,11 @@
 //! `DEVICE_SIM_SEED=N` replays one seed; `DEVICE_SIM_SEEDS=N` runs seeds 0..N (default
 //! [`DEFAULT_SEEDS`]). A failure prints its seed.
 
-// The workspace's one test-directory helper (tests/common/test_dir.rs of the `tally` package).
-#[path = "../../../tests/common/test_dir.rs"]
-mod test_dir;
-
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::test_dir::TestDir;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tally::account::{AccountEvent, AccountId, AmountCents, Identity, Operation};
@@ -33,7 +30,6 @@ use tally_device::crash::{Crashed, Hooks, NoHooks, Step};
 use tally_device::outbox::{Kind, Outbox, OutboxError};
 use tally_device::sync::{StopReason, SyncError, SyncLoop, SyncOptions};
 use tally_device::transport::InProcessTransport;
-use test_dir::TestDir;
 
 const DEFAULT_SEEDS: u64 = 32;
 const STEPS: usize = 120;

@@ -3,7 +3,7 @@
 //! Retry-After, the JSON error and `Connection: close`; at the connection cap the server
 //! stops accepting until a connection closes.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

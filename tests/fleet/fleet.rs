@@ -14,7 +14,7 @@
 //! idempotency keys, so runs never collide on a shared, durable server. No scenario needs a
 //! MemoryLog-only feature (such as a manual server clock), so all of them run on both.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -19,8 +19,7 @@
 //! runs on its own: on the fault injector there and on the real server in
 //! [`celeriant_lost_ack`].
 
-#[path = "common/required.rs"]
-mod required;
+use crate::common::required;
 
 use std::sync::Arc;
 

@@ -4,7 +4,7 @@
 //!
 //! Skipped only when `TALLY_TEST_POSTGRES_URL` is unset outside CI (see `common::pg`).
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

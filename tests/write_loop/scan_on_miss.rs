@@ -4,7 +4,7 @@
 //! write; a different operation under the key is refused. The Postgres half runs when
 //! `TALLY_TEST_POSTGRES_URL` is set (see `common::pg`).
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

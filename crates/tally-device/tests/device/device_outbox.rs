@@ -1,29 +1,10 @@
 //! The device outbox: identity kept once, sequences assigned with the event in one
 //! transaction and never renumbered, run boundaries persisted until marked synced.
 
-// The workspace's one test-directory helper (tests/common/test_dir.rs of the `tally` package).
-#[path = "../../../tests/common/test_dir.rs"]
-mod test_dir;
-
-use std::path::PathBuf;
-
+use crate::OutboxDir;
 use tally::account::{AccountId, AmountCents, Operation};
 use tally_device::crash::{Crashed, Hooks, NoHooks, Step};
 use tally_device::outbox::{Kind, Outbox, OutboxError};
-use test_dir::TestDir;
-
-/// A test's directory, and the outbox file in it.
-struct TempDir(TestDir);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        TempDir(TestDir::new(&format!("device-outbox-{name}")))
-    }
-
-    fn file(&self) -> PathBuf {
-        self.0.join("outbox.sqlite")
-    }
-}
 
 fn acct(n: u128) -> AccountId {
     AccountId(uuid::Uuid::from_u128(n))
@@ -57,7 +38,7 @@ impl Hooks for CrashAt {
 
 #[test]
 fn the_device_identity_is_generated_once_and_kept() {
-    let dir = TempDir::new("identity");
+    let dir = OutboxDir::new("outbox", "identity");
     assert!(matches!(
         Outbox::open(&dir.file()),
         Err(OutboxError::NotInitialised(_))
@@ -70,14 +51,14 @@ fn the_device_identity_is_generated_once_and_kept() {
     assert!(!created, "init on an existing outbox creates nothing");
     assert_eq!(again.device_id(), id);
     assert_eq!(Outbox::open(&dir.file()).unwrap().device_id(), id);
-    let other = TempDir::new("identity-other");
+    let other = OutboxDir::new("outbox", "identity-other");
     let (fresh, _) = Outbox::init(&other.file(), 1).unwrap();
     assert_ne!(fresh.device_id(), id, "each device has its own client id");
 }
 
 #[test]
 fn a_foreign_sqlite_file_is_not_taken_for_an_outbox() {
-    let dir = TempDir::new("foreign");
+    let dir = OutboxDir::new("outbox", "foreign");
     let conn = rusqlite::Connection::open(dir.file()).unwrap();
     conn.execute_batch("CREATE TABLE notes (x TEXT);").unwrap();
     drop(conn);
@@ -90,7 +71,7 @@ fn a_foreign_sqlite_file_is_not_taken_for_an_outbox() {
 
 #[test]
 fn sequences_are_per_account_and_survive_a_reopen() {
-    let dir = TempDir::new("seqs");
+    let dir = OutboxDir::new("outbox", "seqs");
     let (mut outbox, _) = Outbox::init(&dir.file(), 0).unwrap();
     let (a, b) = (acct(1), acct(2));
     let seqs: Vec<u64> = [deposit(a, 1), deposit(b, 2), withdraw(a, 3), deposit(a, 4)]
@@ -124,7 +105,7 @@ fn sequences_are_per_account_and_survive_a_reopen() {
 
 #[test]
 fn a_crash_before_commit_records_nothing_and_after_commit_keeps_the_event() {
-    let dir = TempDir::new("record-crash");
+    let dir = OutboxDir::new("outbox", "record-crash");
     let (mut outbox, _) = Outbox::init(&dir.file(), 0).unwrap();
     let a = acct(1);
     let err = outbox
@@ -158,7 +139,7 @@ fn a_crash_before_commit_records_nothing_and_after_commit_keeps_the_event() {
 
 #[test]
 fn transfers_are_refused_offline_and_record_nothing() {
-    let dir = TempDir::new("transfer");
+    let dir = OutboxDir::new("outbox", "transfer");
     let (mut outbox, _) = Outbox::init(&dir.file(), 0).unwrap();
     let op = Operation::transfer(acct(1), acct(2), AmountCents::new(5).unwrap()).unwrap();
     assert!(matches!(
@@ -170,7 +151,7 @@ fn transfers_are_refused_offline_and_record_nothing() {
 
 #[test]
 fn a_run_keeps_its_boundaries_until_marked_synced() {
-    let dir = TempDir::new("runs");
+    let dir = OutboxDir::new("outbox", "runs");
     let (mut outbox, _) = Outbox::init(&dir.file(), 0).unwrap();
     let a = acct(1);
     for cents in 1..=3 {
@@ -207,7 +188,7 @@ fn a_run_keeps_its_boundaries_until_marked_synced() {
 /// version before it stands).
 #[test]
 fn a_run_names_where_the_accounts_latest_synced_run_landed() {
-    let dir = TempDir::new("hint");
+    let dir = OutboxDir::new("outbox", "hint");
     let (mut outbox, _) = Outbox::init(&dir.file(), 0).unwrap();
     let (a, b) = (acct(1), acct(2));
     for op in [deposit(a, 1), deposit(b, 2)] {
@@ -236,7 +217,7 @@ fn a_run_names_where_the_accounts_latest_synced_run_landed() {
 
 #[test]
 fn runs_are_taken_in_recording_order_across_accounts() {
-    let dir = TempDir::new("order");
+    let dir = OutboxDir::new("outbox", "order");
     let (mut outbox, _) = Outbox::init(&dir.file(), 0).unwrap();
     let (a, b) = (acct(1), acct(2));
     for op in [deposit(b, 1), deposit(a, 2), deposit(b, 3)] {
@@ -252,7 +233,7 @@ fn runs_are_taken_in_recording_order_across_accounts() {
 
 #[test]
 fn recorded_events_can_never_be_renumbered_or_deleted() {
-    let dir = TempDir::new("immutable");
+    let dir = OutboxDir::new("outbox", "immutable");
     let (mut outbox, _) = Outbox::init(&dir.file(), 0).unwrap();
     outbox.record(deposit(acct(1), 1), 0, &mut NoHooks).unwrap();
     drop(outbox);
@@ -276,7 +257,7 @@ fn recorded_events_can_never_be_renumbered_or_deleted() {
 
 #[test]
 fn only_one_sync_loop_runs_per_outbox() {
-    let dir = TempDir::new("lock");
+    let dir = OutboxDir::new("outbox", "lock");
     let (outbox, _) = Outbox::init(&dir.file(), 0).unwrap();
     let other = Outbox::open(&dir.file()).unwrap();
     let held = outbox.lock_sync().unwrap();

@@ -8,7 +8,7 @@
 //! Sibling replicas share the same `MemoryLog` (one store, one client id) and are built either
 //! on the scripted path or straight on the `MemoryLog`.
 
-mod common;
+use crate::common;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;

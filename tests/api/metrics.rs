@@ -1,7 +1,7 @@
 //! `/metrics` after a scripted sequence (a write, a replay, a key reuse, a forced conflict):
 //! each counter moved by exactly the expected amount.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

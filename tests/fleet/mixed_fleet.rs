@@ -9,7 +9,7 @@
 //! binds 0.0.0.0:5001 (fixed in its code), so one runs at a time, and a port already taken
 //! fails the test with a line that says so. `TALLY_MIXED_SEED=N` replays one workload.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
