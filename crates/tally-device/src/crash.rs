@@ -65,10 +65,6 @@ impl FromStr for CrashPoint {
     }
 }
 
-/// [`CrashPoint`] under the name the crate's tests use for it.
-#[doc(hidden)]
-pub use CrashPoint as Step;
-
 /// The device stopped at a crash point (simulated).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("crashed at {0}")]

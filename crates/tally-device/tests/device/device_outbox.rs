@@ -3,7 +3,7 @@
 
 use crate::OutboxDir;
 use tally::account::{AccountId, AmountCents, Operation};
-use tally_device::crash::{Crashed, Hooks, NoHooks, Step};
+use tally_device::crash::{CrashPoint, Crashed, Hooks, NoHooks};
 use tally_device::outbox::{Kind, Outbox, OutboxError};
 
 fn acct(n: u128) -> AccountId {
@@ -25,10 +25,10 @@ fn withdraw(account: AccountId, cents: i64) -> Operation {
 }
 
 /// Crashes at one step.
-struct CrashAt(Step);
+struct CrashAt(CrashPoint);
 
 impl Hooks for CrashAt {
-    fn at(&mut self, step: Step) -> Result<(), Crashed> {
+    fn at(&mut self, step: CrashPoint) -> Result<(), Crashed> {
         if step == self.0 {
             return Err(Crashed(step));
         }
@@ -109,18 +109,22 @@ fn a_crash_before_commit_records_nothing_and_after_commit_keeps_the_event() {
     let (mut outbox, _) = Outbox::init(&dir.file(), 0).unwrap();
     let a = acct(1);
     let err = outbox
-        .record(deposit(a, 7), 1, &mut CrashAt(Step::RecordBeforeCommit))
+        .record(
+            deposit(a, 7),
+            1,
+            &mut CrashAt(CrashPoint::RecordBeforeCommit),
+        )
         .unwrap_err();
     assert!(matches!(
         err,
-        OutboxError::Crashed(Crashed(Step::RecordBeforeCommit))
+        OutboxError::Crashed(Crashed(CrashPoint::RecordBeforeCommit))
     ));
     drop(outbox);
     let mut outbox = Outbox::open(&dir.file()).unwrap();
     assert!(outbox.events(a).unwrap().is_empty());
     assert!(
         outbox
-            .record(deposit(a, 8), 2, &mut CrashAt(Step::RecordCommitted))
+            .record(deposit(a, 8), 2, &mut CrashAt(CrashPoint::RecordCommitted))
             .is_err()
     );
     drop(outbox);

@@ -26,7 +26,7 @@ use tally::device::ingest::DeviceSync;
 use tally::store::faults::{FaultConfig, FaultCounts, FaultyLog};
 use tally::store::memory::MemoryLog;
 use tally::store::{ReadFilter, SharedLog};
-use tally_device::crash::{Crashed, Hooks, NoHooks, Step};
+use tally_device::crash::{CrashPoint, Crashed, Hooks, NoHooks};
 use tally_device::outbox::{Kind, Outbox, OutboxError};
 use tally_device::sync::{StopReason, SyncError, SyncLoop, SyncOptions};
 use tally_device::transport::InProcessTransport;
@@ -109,8 +109,8 @@ struct SimHooks<'a> {
 }
 
 impl Hooks for SimHooks<'_> {
-    fn at(&mut self, step: Step) -> Result<(), Crashed> {
-        if matches!(step, Step::RunPersisted | Step::Acked) && self.rng.gen_bool(0.3) {
+    fn at(&mut self, step: CrashPoint) -> Result<(), Crashed> {
+        if matches!(step, CrashPoint::RunPersisted | CrashPoint::Acked) && self.rng.gen_bool(0.3) {
             let op = random_op(self.rng);
             self.side.record(op, 0, &mut NoHooks).unwrap();
             self.expected.push(&op);
@@ -125,10 +125,10 @@ impl Hooks for SimHooks<'_> {
 }
 
 /// Crashes a record at one step.
-struct CrashAt(Step);
+struct CrashAt(CrashPoint);
 
 impl Hooks for CrashAt {
-    fn at(&mut self, step: Step) -> Result<(), Crashed> {
+    fn at(&mut self, step: CrashPoint) -> Result<(), Crashed> {
         if step == self.0 {
             return Err(Crashed(step));
         }
@@ -247,8 +247,8 @@ async fn simulate(seed: u64, coverage: &mut Coverage) {
             0..=44 => {
                 let op = random_op(&mut rng);
                 let crash = match rng.gen_range(0..10) {
-                    0 => Some(Step::RecordBeforeCommit),
-                    1 => Some(Step::RecordCommitted),
+                    0 => Some(CrashPoint::RecordBeforeCommit),
+                    1 => Some(CrashPoint::RecordCommitted),
                     _ => None,
                 };
                 let result = match crash {
@@ -256,10 +256,10 @@ async fn simulate(seed: u64, coverage: &mut Coverage) {
                     None => outbox.record(op, 0, &mut NoHooks),
                 };
                 match result {
-                    Ok(_) | Err(OutboxError::Crashed(Crashed(Step::RecordCommitted))) => {
+                    Ok(_) | Err(OutboxError::Crashed(Crashed(CrashPoint::RecordCommitted))) => {
                         expected.push(&op)
                     }
-                    Err(OutboxError::Crashed(Crashed(Step::RecordBeforeCommit))) => {}
+                    Err(OutboxError::Crashed(Crashed(CrashPoint::RecordBeforeCommit))) => {}
                     Err(e) => panic!("record failed: {e}"),
                 }
                 if let Some(step) = crash {
@@ -389,7 +389,7 @@ fn every_recorded_device_event_lands_exactly_once_in_order_through_crashes_and_f
     );
     if seeds.len() as u64 >= DEFAULT_SEEDS {
         // The default seeds must actually exercise every fault and every crash point.
-        for step in Step::ALL {
+        for step in CrashPoint::ALL {
             assert!(
                 coverage.crashes.get(step.name()).copied().unwrap_or(0) > 0,
                 "no crash at {step}"

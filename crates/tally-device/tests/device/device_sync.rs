@@ -10,7 +10,7 @@ use tally::device::ingest::DeviceSync;
 use tally::store::faults::{Fault, FaultConfig, FaultyLog};
 use tally::store::memory::MemoryLog;
 use tally::store::{AggregateWrite, Event, ReadFilter, SharedLog};
-use tally_device::crash::{Crashed, Hooks, NoHooks, Step};
+use tally_device::crash::{CrashPoint, Crashed, Hooks, NoHooks};
 use tally_device::outbox::Outbox;
 use tally_device::sync::{StopReason, SyncLoop, SyncOptions};
 use tally_device::transport::InProcessTransport;
@@ -154,8 +154,8 @@ struct RecordMeanwhile {
 }
 
 impl Hooks for RecordMeanwhile {
-    fn at(&mut self, step: Step) -> Result<(), Crashed> {
-        if step == Step::RunPersisted && !self.done {
+    fn at(&mut self, step: CrashPoint) -> Result<(), Crashed> {
+        if step == CrashPoint::RunPersisted && !self.done {
             self.done = true;
             self.side.record(deposit(99), 0, &mut NoHooks).unwrap();
         }
