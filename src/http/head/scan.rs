@@ -157,7 +157,7 @@ fn head_bytes(head: &mut Head, bytes: &[u8], limit: usize) -> (usize, HeadStep) 
         let room = limit.saturating_sub(head.len).max(1);
         let rest = &bytes[used..];
         let window = &rest[..rest.len().min(room)];
-        let newline = window.iter().position(|&b| b == b'\n');
+        let newline = memchr::memchr(b'\n', window);
         let taken = newline.map_or(window.len(), |i| i + 1);
         head.line.extend(&window[..newline.unwrap_or(window.len())]);
         head.len += taken;
