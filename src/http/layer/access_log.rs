@@ -75,7 +75,14 @@ where
                 tracing::debug!(method, route, status, latency_us, "shed");
             } else {
                 tracing::info!(
-                    method, route, key_hash, attempts, outcome, status, latency_us, "served"
+                    method = %method,
+                    route = %route,
+                    key_hash = key_hash.map(tracing::field::display),
+                    attempts,
+                    outcome = outcome.map(tracing::field::display),
+                    status,
+                    latency_us,
+                    "served"
                 );
             }
             Ok(resp)
