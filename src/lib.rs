@@ -7,8 +7,10 @@
 //! [`startup`] (the server-clock anchor and demo seeds) and [`device`] (offline devices'
 //! outbox, sync loop and the service-side core); on top, [`http`] (the hyper front end) and
 //! [`app`] (wiring), with [`config`] and [`metrics`] beside them. `docs/architecture.md`
-//! walks one write through them. [`stall`] watches for a replica that stood still; [`log_limit`] keeps a
-//! failure every request meets to one log line per second.
+//! walks one write through them. Small leaves any layer may use: [`stall`] watches for a
+//! replica that stood still; [`log_limit`] keeps a failure every request meets to one log line
+//! per second; [`log_writer`] writes log lines in batches; [`request_note`] gathers what a
+//! request's access-log line says; [`backoff`] is the retry loops' one wait.
 
 pub mod account;
 pub mod app;
