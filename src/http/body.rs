@@ -5,9 +5,9 @@ use std::sync::Arc;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http_body_util::{BodyExt, Limited};
-use hyper::Request;
 use hyper::body::Incoming;
 use hyper::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, TRANSFER_ENCODING};
+use hyper::{HeaderMap, Request};
 use serde::de::DeserializeOwned;
 
 use super::admission::InFlight;
@@ -45,64 +45,7 @@ fn is_utf8_json(content_type: &str) -> bool {
 
 /// Reads and decodes a JSON body of at most [`MAX_BODY_BYTES`].
 pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, ApiError> {
-    // Content-Type is a singleton field (RFC 9110): two of them name no one type, and
-    // taking the first would read a body its sender may have meant as the other.
-    let content_type = at_most_one(req.headers(), CONTENT_TYPE).map_err(|_| {
-        ApiError::bad_request("BAD_REQUEST", "send one Content-Type header, not several")
-    })?;
-    let is_json = content_type
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(is_utf8_json);
-    if !is_json {
-        return Err(ApiError::UnsupportedMediaType(
-            "content type must be application/json (a charset, if named, UTF-8)",
-        ));
-    }
-    // A compressed body would be read as JSON bytes it is not: refused, never guessed at.
-    let encoded = req
-        .headers()
-        .get_all(CONTENT_ENCODING)
-        .iter()
-        .any(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
-    if encoded {
-        return Err(ApiError::UnsupportedMediaType(
-            "content codings are not accepted: send the JSON body as is",
-        ));
-    }
-    // The same for a transfer coding hyper lets through ahead of `chunked` (`gzip, chunked`):
-    // it decodes only the chunks, and would hand over the compressed bytes.
-    let codings = || {
-        req.headers()
-            .get_all(TRANSFER_ENCODING)
-            .iter()
-            .flat_map(|v| v.as_bytes().split(|&b| b == b','))
-            .map(|coding| coding.trim_ascii())
-            // Empty list elements are not codings (RFC 9110, 5.6.1).
-            .filter(|coding| !coding.is_empty())
-    };
-    if codings().any(|coding| !coding.eq_ignore_ascii_case(b"chunked")) {
-        return Err(ApiError::UnsupportedMediaType(
-            "transfer codings other than chunked are not accepted: send the JSON body as is",
-        ));
-    }
-    // Chunked twice is framing no sender may use (RFC 9112, 6.1); hyper undoes it once and
-    // would hand over chunk framing as the body.
-    if codings().count() > 1 {
-        return Err(ApiError::bad_request(
-            "BAD_REQUEST",
-            "chunked is applied at most once: send one Transfer-Encoding: chunked",
-        ));
-    }
-    let declared = req
-        .headers()
-        .get(CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
-        return Err(ApiError::PayloadTooLarge {
-            limit: MAX_BODY_BYTES,
-        });
-    }
+    check_json_framing(req.headers())?;
     // A client slow to send its body holds neither the gate's slot nor the in-flight one.
     let slot = req.extensions().get::<Arc<ConnSlot>>().cloned();
     let in_flight = req.extensions().get::<Arc<InFlight>>().cloned();
@@ -127,6 +70,73 @@ pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T,
         }
     })?;
     decode_json(&bytes)
+}
+
+/// What the headers say of the body, checked before a byte of it is read: one JSON content
+/// type, no content or transfer coding but chunked once, a declared length within the limit.
+fn check_json_framing(headers: &HeaderMap) -> Result<(), ApiError> {
+    // Content-Type is a singleton field (RFC 9110): two of them name no one type, and
+    // taking the first would read a body its sender may have meant as the other.
+    let content_type = at_most_one(headers, CONTENT_TYPE).map_err(|_| {
+        ApiError::bad_request("BAD_REQUEST", "send one Content-Type header, not several")
+    })?;
+    let is_json = content_type
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(is_utf8_json);
+    if !is_json {
+        return Err(ApiError::UnsupportedMediaType(
+            "content type must be application/json (a charset, if named, UTF-8)",
+        ));
+    }
+    // A compressed body would be read as JSON bytes it is not: refused, never guessed at.
+    let encoded = headers
+        .get_all(CONTENT_ENCODING)
+        .iter()
+        .any(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
+    if encoded {
+        return Err(ApiError::UnsupportedMediaType(
+            "content codings are not accepted: send the JSON body as is",
+        ));
+    }
+    check_transfer_codings(headers)?;
+    let declared = headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        return Err(ApiError::PayloadTooLarge {
+            limit: MAX_BODY_BYTES,
+        });
+    }
+    Ok(())
+}
+
+/// A transfer coding hyper lets through ahead of `chunked` (`gzip, chunked`) is refused: it
+/// decodes only the chunks, and would hand over the compressed bytes.
+fn check_transfer_codings(headers: &HeaderMap) -> Result<(), ApiError> {
+    let codings = || {
+        headers
+            .get_all(TRANSFER_ENCODING)
+            .iter()
+            .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+            .map(|coding| coding.trim_ascii())
+            // Empty list elements are not codings (RFC 9110, 5.6.1).
+            .filter(|coding| !coding.is_empty())
+    };
+    if codings().any(|coding| !coding.eq_ignore_ascii_case(b"chunked")) {
+        return Err(ApiError::UnsupportedMediaType(
+            "transfer codings other than chunked are not accepted: send the JSON body as is",
+        ));
+    }
+    // Chunked twice is framing no sender may use (RFC 9112, 6.1); hyper undoes it once and
+    // would hand over chunk framing as the body.
+    if codings().count() > 1 {
+        return Err(ApiError::bad_request(
+            "BAD_REQUEST",
+            "chunked is applied at most once: send one Transfer-Encoding: chunked",
+        ));
+    }
+    Ok(())
 }
 
 /// A body's data in one buffer, each frame copied in and dropped as it arrives. Not

@@ -257,6 +257,46 @@ impl KeyWatch {
     }
 }
 
+impl SseBody {
+    /// Why the stream's token no longer holds (run out, or its key revoked), if it does not.
+    fn token_ended(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Option<&'static str> {
+        let expired = self
+            .expires
+            .as_mut()
+            .is_some_and(|expires| expires.as_mut().poll(cx).is_ready());
+        if expired {
+            return Some(
+                "the bearer token this stream was opened with has expired; reconnect with a fresh one (Last-Event-ID resumes)",
+            );
+        }
+        let revoked = self.key.as_mut().is_some_and(KeyWatch::revoked);
+        revoked.then_some(
+            "the key that signed this stream's token is no longer accepted; reconnect with a fresh token (Last-Event-ID resumes)",
+        )
+    }
+
+    /// Encodes into `chunk` the items ready now, at most [`MAX_ITEMS_PER_CHUNK`]; whether the
+    /// subscription ended.
+    fn drain_ready(mut self: Pin<&mut Self>, cx: &mut Context<'_>, chunk: &mut BytesMut) -> bool {
+        for _ in 0..MAX_ITEMS_PER_CHUNK {
+            match self.items.poll_recv(cx) {
+                Poll::Ready(Some(item)) => {
+                    match &item {
+                        Item::Events(frame) => self.last_id = Some(frame.version),
+                        Item::Snapshot { version, .. } => self.last_id = Some(*version),
+                        Item::End(_) => self.told_end = true,
+                        _ => {}
+                    }
+                    encode(&item, chunk);
+                }
+                Poll::Ready(None) => return true,
+                Poll::Pending => return false,
+            }
+        }
+        false
+    }
+}
+
 impl Body for SseBody {
     type Data = Bytes;
     type Error = Infallible;
@@ -282,41 +322,13 @@ impl Body for SseBody {
         }
         // Nothing more once the token has run out, or its key was revoked, however much is
         // ready. A revocation is seen at the stream's next item: a keep-alive at the latest.
-        let expired = self
-            .expires
-            .as_mut()
-            .is_some_and(|expires| expires.as_mut().poll(cx).is_ready());
-        let revoked = !expired && self.key.as_mut().is_some_and(KeyWatch::revoked);
-        if expired || revoked {
+        if let Some(message) = self.as_mut().token_ended(cx) {
             self.expired = true;
-            let message = if expired {
-                "the bearer token this stream was opened with has expired; reconnect with a fresh one (Last-Event-ID resumes)"
-            } else {
-                "the key that signed this stream's token is no longer accepted; reconnect with a fresh token (Last-Event-ID resumes)"
-            };
             let data = json!({ "message": message });
             chunk.extend_from_slice(format!("event: expired\ndata: {data}\n\n").as_bytes());
             return Poll::Ready(Some(Ok(Frame::data(chunk.freeze()))));
         }
-        let mut ended = false;
-        for _ in 0..MAX_ITEMS_PER_CHUNK {
-            match self.items.poll_recv(cx) {
-                Poll::Ready(Some(item)) => {
-                    match &item {
-                        Item::Events(frame) => self.last_id = Some(frame.version),
-                        Item::Snapshot { version, .. } => self.last_id = Some(*version),
-                        Item::End(_) => self.told_end = true,
-                        _ => {}
-                    }
-                    encode(&item, &mut chunk);
-                }
-                Poll::Ready(None) => {
-                    ended = true;
-                    break;
-                }
-                Poll::Pending => break,
-            }
-        }
+        let ended = self.as_mut().drain_ready(cx, &mut chunk);
         // A subscription that ended without a final event gave up on a client that took
         // nothing for its stall limit (its final event could not be handed over either):
         // the client, reading again, is told it fell behind and where to resume.

@@ -194,8 +194,38 @@ where
     // Before anything of this attempt can land: what it writes is remembered from its
     // landing, so at least from here.
     let started = std::time::Instant::now();
-    // With authentication on, keys belong to their caller, and a body account
-    // (the source of `/api/transfers`) is checked before anything is written.
+    let (key, op) = parse_write(app, req, build).await?;
+    refuse_if_stood_still(app)?;
+    if key.minted {
+        app.metrics.idem_keys_minted.inc();
+    }
+    let attempt = Arc::new(AnsweringAttempt::default());
+    let request = WriteRequest {
+        op,
+        event_id: key.event_id.as_u128(),
+    };
+    let answer = run_write(app, request, &attempt).await;
+    // How long ago what this answer speaks for can have landed: since this request began,
+    // or since the attempt it waits on arrived, known even when that one has not answered.
+    let since = attempt
+        .arrived()
+        .map_or(Duration::ZERO, |a| a.elapsed())
+        .max(started.elapsed());
+    Ok(keyed_answer(app, &key, answer, &op, since))
+}
+
+/// The write's key and operation, from the request's headers and body (changing nothing on
+/// bad input). With authentication on, keys belong to their caller, and a body account (the
+/// source of `/api/transfers`) is checked before anything is written.
+async fn parse_write<B, F>(
+    app: &Arc<App>,
+    req: Request<Incoming>,
+    build: F,
+) -> Result<(IdempotencyKey, Operation), ApiError>
+where
+    B: DeserializeOwned,
+    F: FnOnce(B, Uuid) -> Result<Operation, ApiError>,
+{
     let caller = req.extensions().get::<Caller>().cloned();
     let key = IdempotencyKey::from_headers(req.headers(), caller.as_ref().map(|c| c.id.as_str()))?;
     RequestNote::key_hash(|| key.short_hash());
@@ -205,39 +235,43 @@ where
         .map_err(|_| took_too_long())??;
     let op = build(body, key.event_id)?;
     super::auth::authorize_operation(app, caller.as_ref(), &op)?;
-    // Read just after the replica stood still, the request may have waited unread through
-    // the stall, longer than a write may live (`stall.rs`): nothing is decided on it.
-    if let Some(stalled_ms) = app.stall.fenced() {
-        app.metrics
-            .write_refused
-            .with_label_values(&[crate::metrics::refused::STALL])
-            .inc();
-        return Err(ApiError::Unavailable(format!(
-            "this replica stood still for {stalled_ms} ms (stopped or frozen), so this write may have waited unread; nothing was written: retry it"
-        )));
-    }
-    if key.minted {
-        app.metrics.idem_keys_minted.inc();
-    }
-    let writes = app.writes.clone();
-    let request = WriteRequest {
-        op,
-        event_id: key.event_id.as_u128(),
+    Ok((key, op))
+}
+
+/// Read just after the replica stood still, the request may have waited unread through the
+/// stall, longer than a write may live (`stall.rs`): nothing is decided on it.
+fn refuse_if_stood_still(app: &App) -> Result<(), ApiError> {
+    let Some(stalled_ms) = app.stall.fenced() else {
+        return Ok(());
     };
+    app.metrics
+        .write_refused
+        .with_label_values(&[crate::metrics::refused::STALL])
+        .inc();
+    Err(ApiError::Unavailable(format!(
+        "this replica stood still for {stalled_ms} ms (stopped or frozen), so this write may have waited unread; nothing was written: retry it"
+    )))
+}
+
+/// Runs the write loop within the request's deadline. The loop stops trying at its deadline,
+/// but a store call under way then runs to its own timeout: past this backstop the answer is
+/// "not known yet", and the write goes on, detached, to record the outcome for the retry.
+async fn run_write(
+    app: &Arc<App>,
+    request: WriteRequest,
+    attempt: &Arc<AnsweringAttempt>,
+) -> Result<WriteOutcome, WriteError> {
+    let writes = app.writes.clone();
     let (span, note) = (
         tracing::Span::current(),
         RequestNote::current().unwrap_or_default(),
     );
-    let attempt = Arc::new(AnsweringAttempt::default());
     let write = Detached::new({
         let attempt = attempt.clone();
         note.scope(async move { writes.execute_tracked(request, &attempt).await })
             .instrument(span)
     });
-    // The loop stops trying at its deadline, but a store call under way then runs to its own
-    // timeout: past this backstop the answer is "not known yet", with the key, and the write
-    // goes on, detached, to record the outcome for the retry.
-    let answer = match tokio::time::timeout(request_deadline(app), write).await {
+    match tokio::time::timeout(request_deadline(app), write).await {
         Ok(Ok(answer)) => answer,
         Ok(Err(WritePanicked)) => Err(WriteError::Invariant {
             what: "the write panicked".into(),
@@ -248,13 +282,17 @@ where
                 reason: "no answer within the request's deadline; the write may still land".into(),
             })
         }
-    };
-    // How long ago what this answer speaks for can have landed: since this request began,
-    // or since the attempt it waits on arrived, known even when that one has not answered.
-    let since = attempt
-        .arrived()
-        .map_or(Duration::ZERO, |a| a.elapsed())
-        .max(started.elapsed());
+    }
+}
+
+/// The write's answer with its key echoed and the window its client may still retry in.
+fn keyed_answer(
+    app: &App,
+    key: &IdempotencyKey,
+    answer: Result<WriteOutcome, WriteError>,
+    op: &Operation,
+    since: Duration,
+) -> Resp {
     let rule_refusal = matches!(answer, Err(WriteError::Rule(_)));
     let mut resp = match answer {
         Ok(outcome) => outcome_response(&outcome, matches!(op, Operation::Open { .. })),
@@ -272,7 +310,7 @@ where
         h.insert(idempotency::HEADER, v);
     }
     h.insert(idempotency::WINDOW_HEADER, HeaderValue::from(window));
-    Ok(resp)
+    resp
 }
 
 /// A landed write's answer: 200 with the balance (each leg's for a transfer), or for an open
