@@ -32,18 +32,9 @@ impl Projection {
             self.backend_name()
         );
         let slot = self.slot(account);
-        let (mut from, generation, cold) = {
-            let st = slot.state.lock();
-            check_broken(account, &st)?;
-            (st.version + 1, st.generation, st.version == 0 && !st.warm)
-        };
-        // Whether a trim met by this fold is a verdict (see `start_from_checkpoint`).
-        let mut definitive = true;
-        if cold {
-            (from, definitive) = self
-                .start_from_checkpoint(account, &slot, generation, None)
-                .await;
-        }
+        // `definitive`: whether a trim met by this fold is a verdict (see
+        // `start_from_checkpoint`).
+        let (from, generation, mut definitive) = self.fold_start(account, &slot).await?;
         let started = Instant::now();
         let mut stream = BatchStream::new(
             self.log.as_ref(),
@@ -82,18 +73,58 @@ impl Projection {
                 Err(e) => return Err(ProjectionError::Store(e)),
             };
             let Some(last) = page.last() else { continue };
-            self.observe_server_time(last.server_timestamp_ms);
-            if first_page && stream.has_more() {
-                // A long catch-up: age its early pages against the stream's real tip, not
-                // against their own last batch, or long-expired entries would come back.
-                // One extra call, only for reads longer than a page.
-                if let Ok(d) = self.log.details(self.identity.key(account)).await {
-                    self.observe_server_time(d.last_server_timestamp_ms);
-                }
-            }
+            let long_read = first_page && stream.has_more();
+            self.observe_page_time(account, last.server_timestamp_ms, long_read)
+                .await;
             first_page = false;
             self.fold_page(account, &slot, generation, &page)?;
         }
+        let snap = self.finish_catch_up(&slot, generation, started)?;
+        Ok((slot, snap))
+    }
+
+    /// Where a catch-up starts: the fold generation it reads for, the version after the
+    /// cursor, or for a cold fold the checkpoint it starts from, and whether a trim it meets
+    /// is a verdict (see `start_from_checkpoint`). A broken account goes no further.
+    async fn fold_start(
+        &self,
+        account: AccountId,
+        slot: &AccountSlot,
+    ) -> Result<(u64, u64, bool), ProjectionError> {
+        let (mut from, generation, cold) = {
+            let st = slot.state.lock();
+            check_broken(account, &st)?;
+            (st.version + 1, st.generation, st.version == 0 && !st.warm)
+        };
+        let mut definitive = true;
+        if cold {
+            (from, definitive) = self
+                .start_from_checkpoint(account, slot, generation, None)
+                .await;
+        }
+        Ok((from, generation, definitive))
+    }
+
+    /// Takes the server time of a page's last batch for ageing entries. A long catch-up
+    /// (`long_read`: its first page, with more to come) ages its early pages against the
+    /// stream's real tip, not against their own last batch, or long-expired entries would
+    /// come back: one extra call, only for reads longer than a page.
+    async fn observe_page_time(&self, account: AccountId, last_server_ms: u64, long_read: bool) {
+        self.observe_server_time(last_server_ms);
+        if long_read && let Ok(d) = self.log.details(self.identity.key(account)).await {
+            self.observe_server_time(d.last_server_timestamp_ms);
+        }
+    }
+
+    /// Ends a catch-up that read everything: its duration counted, then, if the fold is
+    /// still the generation it read for, the fold marked warm and its expired entries
+    /// dropped. Returns the state it ends at.
+    fn finish_catch_up(
+        &self,
+        slot: &AccountSlot,
+        generation: u64,
+        started: Instant,
+    ) -> Result<Snapshot, ProjectionError> {
         self.metrics
             .catchup_duration
             .observe(started.elapsed().as_secs_f64());
@@ -104,9 +135,7 @@ impl Projection {
         st.last_touch_ms = now;
         let expired = st.recent.evict_expired(now);
         self.add_index_entries(-(expired as i64));
-        let snap = st.snapshot();
-        drop(st);
-        Ok((slot, snap))
+        Ok(st.snapshot())
     }
 
     /// Folds one page a catch-up read into the account's state, in the generation it was
