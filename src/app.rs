@@ -96,27 +96,7 @@ impl AppBuilder {
         let config = self.config;
         config.validate()?;
         let identity = config.identity();
-        // Allowed (a write's life fits the window, which `validate` checks), but a retry
-        // after a 409, 503 or 500 from the write side has no time it is known safe in: those
-        // answers say `Idempotency-Window: 0` (`http/writes.rs`).
-        let retry_room = config.write_life() + config.retry_lookup_room() + Duration::from_secs(1);
-        if Duration::from_secs(config.idempotency_window) < retry_room {
-            tracing::warn!(
-                window_secs = config.idempotency_window,
-                needed_ms = retry_room.as_millis() as u64,
-                "the idempotency window leaves a retry no time it is known safe in: a non-final write answer says Idempotency-Window: 0"
-            );
-        }
-        // Allowed (small caps in tests and demos), but each watch stream holds a connection
-        // for as long as it lasts: at the connection cap watchers alone would leave no room
-        // for requests on the API address.
-        if config.watch.max_subscribers >= config.http.max_connections {
-            tracing::warn!(
-                watch_max_subscribers = config.watch.max_subscribers,
-                max_connections = config.http.max_connections,
-                "--watch-max-subscribers is not below --max-connections: watch streams alone can hold every API connection"
-            );
-        }
+        warn_of_allowed_risks(&config);
         let metrics = Arc::new(Metrics::new());
         // The key files are read before anything is served.
         let auth = Arc::new(Authenticator::new(&config.auth).map_err(ConfigError)?);
@@ -125,45 +105,11 @@ impl AppBuilder {
             Some(log) => log,
             None => open_store(&config).await?,
         };
-        let (inner, faults): (SharedLog, _) = match &config.store.faults {
-            Some(fc) => {
-                tracing::warn!(spec = ?fc, "FAULT INJECTION IS ON: the store will lose acks, drop requests and lag reads on purpose");
-                let f = Arc::new(FaultyLog::new(base, fc.clone()));
-                (f.clone(), Some(f))
-            }
-            None => (base, None),
-        };
-        // The console's fault panel shows when this is 1.
-        metrics
-            .fault_injection_enabled
-            .set(i64::from(faults.is_some()));
-        let log: SharedLog = Arc::new(MeteredLog::new(inner, metrics.clone()));
+        let (log, faults) = layer_store(base, &config, &metrics);
         let clock = self
             .clock
             .unwrap_or_else(|| Arc::new(MonotonicClock::new()));
-        let projection = Arc::new(match config.postgres() {
-            None => Projection::new(
-                log.clone(),
-                identity,
-                config.projection(),
-                clock,
-                metrics.clone(),
-            ),
-            // The Postgres projection: the pool now (a bad URL is fatal), the
-            // migrations as a start-up step (a database that is down at boot is not).
-            Some(settings) => {
-                let pg = PgProjection::new(&settings, metrics.clone())
-                    .map_err(|e| StartError::Projection(e.to_string()))?;
-                Projection::with_postgres(
-                    log.clone(),
-                    identity,
-                    config.projection(),
-                    clock,
-                    metrics.clone(),
-                    pg,
-                )
-            }
-        });
+        let projection = Arc::new(open_projection(&config, &log, identity, clock, &metrics)?);
         // Group commit sits between the runs and the store, above the meter (so the store's
         // request counts are requests sent); nothing else writes through it.
         let combined: SharedLog = Arc::new(CombiningLog::new(
@@ -265,6 +211,87 @@ impl Drop for App {
         self.sweeper.abort();
         self.watch.shutdown();
     }
+}
+
+/// Warns of settings that are allowed but leave something without room.
+fn warn_of_allowed_risks(config: &Config) {
+    // Allowed (a write's life fits the window, which `validate` checks), but a retry
+    // after a 409, 503 or 500 from the write side has no time it is known safe in: those
+    // answers say `Idempotency-Window: 0` (`http/writes.rs`).
+    let retry_room = config.write_life() + config.retry_lookup_room() + Duration::from_secs(1);
+    if Duration::from_secs(config.idempotency_window) < retry_room {
+        tracing::warn!(
+            window_secs = config.idempotency_window,
+            needed_ms = retry_room.as_millis() as u64,
+            "the idempotency window leaves a retry no time it is known safe in: a non-final write answer says Idempotency-Window: 0"
+        );
+    }
+    // Allowed (small caps in tests and demos), but each watch stream holds a connection
+    // for as long as it lasts: at the connection cap watchers alone would leave no room
+    // for requests on the API address.
+    if config.watch.max_subscribers >= config.http.max_connections {
+        tracing::warn!(
+            watch_max_subscribers = config.watch.max_subscribers,
+            max_connections = config.http.max_connections,
+            "--watch-max-subscribers is not below --max-connections: watch streams alone can hold every API connection"
+        );
+    }
+}
+
+/// The store as the rest of Tally sees it: `base`, behind fault injection when the
+/// configuration asks for it, then metered. Returns it and the fault layer, if any.
+fn layer_store(
+    base: SharedLog,
+    config: &Config,
+    metrics: &Arc<Metrics>,
+) -> (SharedLog, Option<Arc<FaultyLog>>) {
+    let (inner, faults): (SharedLog, _) = match &config.store.faults {
+        Some(fc) => {
+            tracing::warn!(spec = ?fc, "FAULT INJECTION IS ON: the store will lose acks, drop requests and lag reads on purpose");
+            let f = Arc::new(FaultyLog::new(base, fc.clone()));
+            (f.clone(), Some(f))
+        }
+        None => (base, None),
+    };
+    // The console's fault panel shows when this is 1.
+    metrics
+        .fault_injection_enabled
+        .set(i64::from(faults.is_some()));
+    let log: SharedLog = Arc::new(MeteredLog::new(inner, metrics.clone()));
+    (log, faults)
+}
+
+/// The projection the configuration names, over `log`.
+fn open_projection(
+    config: &Config,
+    log: &SharedLog,
+    identity: Identity,
+    clock: Arc<dyn Clock>,
+    metrics: &Arc<Metrics>,
+) -> Result<Projection, StartError> {
+    Ok(match config.postgres() {
+        None => Projection::new(
+            log.clone(),
+            identity,
+            config.projection(),
+            clock,
+            metrics.clone(),
+        ),
+        // The Postgres projection: the pool now (a bad URL is fatal), the
+        // migrations as a start-up step (a database that is down at boot is not).
+        Some(settings) => {
+            let pg = PgProjection::new(&settings, metrics.clone())
+                .map_err(|e| StartError::Projection(e.to_string()))?;
+            Projection::with_postgres(
+                log.clone(),
+                identity,
+                config.projection(),
+                clock,
+                metrics.clone(),
+                pg,
+            )
+        }
+    })
 }
 
 async fn open_store(config: &Config) -> Result<SharedLog, StartError> {

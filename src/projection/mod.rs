@@ -6,14 +6,17 @@
 //! the same critical section, because catch-up never replays an event behind the cursor.
 //! The fold does it for events it replays; the write path does it for its own write before
 //! (or as) it bumps the cursor.
-
 //!
-//! Files: `state` (one account's state and the fold), `anchor` (the estimate of the server's
-//! now that ages index entries), `regress` (a store that went backwards), `sweep` (bounded memory: expiry, idle and capacity
-//! eviction), `index` (the recent-writes index), `clock` (the local monotonic clock),
-//! `port` (what the write loop and the reader call, over either backend), `postgres` (the
-//! Postgres backend: cursor and index shared by the fleet in one database), `checkpoint`
-//! (an account's state at a landed version, which a cold fold starts from) and
+//! Files: this one (the projection's configuration, errors and the [`Projection`] itself),
+//! `resident` (the map of resident accounts and the warm snapshot), `catch_up` (the memory
+//! fold's catch-up, page by page; its tests in `catch_up_tests`), `own_write` (recording this
+//! replica's own writes), `index_room` (the replica-wide entry count and its cap), `state`
+//! (one account's state and the fold), `anchor` (the estimate of the server's now that ages
+//! index entries), `regress` (a store that went backwards), `sweep` (bounded memory: expiry,
+//! idle and capacity eviction), `index` (the recent-writes index), `clock` (the local
+//! monotonic clock), `port` (what the write loop and the reader call, over either backend),
+//! `postgres` (the Postgres backend: cursor and index shared by the fleet in one database),
+//! `checkpoint` (an account's state at a landed version, which a cold fold starts from) and
 //! `checkpoint_writer` (who writes one and when, and retention's trim below one).
 //!
 //! Two backends, chosen together as one setting ([`Backend`]): the memory fold above, where
@@ -22,34 +25,42 @@
 //! would double-write; see docs/postgres.md).
 
 mod anchor;
+mod catch_up;
+#[cfg(test)]
+mod catch_up_tests;
 pub mod checkpoint;
 pub mod checkpoint_writer;
 pub mod clock;
 pub mod config;
 mod existed;
 pub mod index;
+mod index_room;
+mod own_write;
 mod port;
 pub mod postgres;
 mod regress;
+mod resident;
 mod scan;
 mod state;
 mod sweep;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64};
+use std::time::Duration;
 
 use dashmap::DashMap;
 use parking_lot::Mutex;
 
-use crate::account::{AccountEvent, AccountId, Identity};
+use crate::account::{AccountId, Identity};
 use crate::metrics::Metrics;
-use crate::store::{Batch, BatchStream, ReadFilter, SharedLog, StoreError};
+use crate::store::{SharedLog, StoreError};
 pub use anchor::SERVER_CLOCK_RESYNC;
 pub use checkpoint::{CHECKPOINT_TAIL, Checkpoint};
 pub use checkpoint_writer::{CheckpointConfig, TrimReport};
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use index::{RecentIndex, RecentWrite};
+pub use index_room::IndexFull;
+pub use own_write::RecordedWrite;
 pub use port::{AccountView, Loaded, Recorded};
 pub use postgres::{PgProjection, PostgresSettings};
 pub use scan::{SCAN_MAX_PAGES, SCAN_MAX_VERSIONS, ScanHit};
@@ -98,15 +109,6 @@ impl Default for ProjectionConfig {
             checkpoints: CheckpointConfig::default(),
         }
     }
-}
-
-/// A new write refused because the replica-wide recent-writes index is at its cap.
-/// Retryable: expiry frees room within the window, and another replica may have room.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("the recent-writes index holds {entries} entries, at its cap of {cap}")]
-pub struct IndexFull {
-    pub entries: usize,
-    pub cap: usize,
 }
 
 /// Why an account cannot be answered from its fold.
@@ -287,327 +289,6 @@ impl Projection {
     pub fn window_ms(&self) -> u64 {
         u64::try_from(self.config.window.as_millis()).unwrap_or(u64::MAX)
     }
-
-    pub fn resident_accounts(&self) -> usize {
-        self.accounts.len()
-    }
-
-    /// The account's slot, loading an empty (cold) one if it is not resident.
-    pub fn slot(&self, account: AccountId) -> Arc<AccountSlot> {
-        if let Some(slot) = self.accounts.get(&account) {
-            return slot.clone();
-        }
-        let slot = self.accounts.entry(account).or_default().clone();
-        let resident = self.accounts.len();
-        self.metrics.resident_accounts.set(resident as i64);
-        if resident > self.config.max_resident_accounts {
-            self.evict_signal.notify_one();
-        }
-        slot
-    }
-
-    /// The slot only if the account is resident.
-    pub fn resident_slot(&self, account: AccountId) -> Option<Arc<AccountSlot>> {
-        self.accounts.get(&account).map(|s| s.clone())
-    }
-
-    /// The resident account's slot and state when its fold can answer without a store read:
-    /// caught up at least once since it was loaded, and not broken.
-    pub fn warm_snapshot(&self, account: AccountId) -> Option<(Arc<AccountSlot>, Snapshot)> {
-        if self.rows_refused().is_some() {
-            return None; // Postgres, after the store went backwards: only `pg_load` answers
-        }
-        let slot = self.resident_slot(account)?;
-        let st = slot.state.lock();
-        let snap = (st.warm && st.broken.is_none()).then(|| st.snapshot());
-        drop(st);
-        snap.map(|snap| (slot, snap))
-    }
-
-    /// Reads the account's stream from its cursor and folds what is new. Returns the slot
-    /// and the state after the fold. The memory fold's own catch-up: callers that serve
-    /// either backend go through [`Projection::refresh`].
-    ///
-    /// # Panics
-    /// On the Postgres backend, whose slots are warm copies with server-time expiry: a
-    /// memory fold there would mark a copy complete with entries aged on the local clock,
-    /// and a lookup could then miss a live key.
-    pub async fn catch_up(
-        &self,
-        account: AccountId,
-    ) -> Result<(Arc<AccountSlot>, Snapshot), ProjectionError> {
-        assert!(
-            matches!(self.backend, Backend::Memory),
-            "the memory fold's catch-up called on the {} projection",
-            self.backend_name()
-        );
-        let slot = self.slot(account);
-        let (mut from, generation, cold) = {
-            let st = slot.state.lock();
-            check_broken(account, &st)?;
-            (st.version + 1, st.generation, st.version == 0 && !st.warm)
-        };
-        // Whether a trim met by this fold is a verdict (see `start_from_checkpoint`).
-        let mut definitive = true;
-        if cold {
-            (from, definitive) = self
-                .start_from_checkpoint(account, &slot, generation, None)
-                .await;
-        }
-        let started = Instant::now();
-        let mut stream = BatchStream::new(
-            self.log.as_ref(),
-            self.identity.key(account),
-            ReadFilter::from_version(from),
-        );
-        let mut first_page = true;
-        let mut tried_checkpoint = false;
-        loop {
-            let page = match stream.next_page().await {
-                Ok(Some(page)) => page,
-                Ok(None) | Err(StoreError::AggregateNotFound) => break,
-                Err(StoreError::Trimmed { min_available }) if !tried_checkpoint => {
-                    // Behind a trim (a cold fold whose pick lay below it, or a replica that held
-                    // the account from before it): go on from a checkpoint at or above it.
-                    tried_checkpoint = true;
-                    let next;
-                    (next, definitive) = self
-                        .start_from_checkpoint(account, &slot, generation, Some(min_available))
-                        .await;
-                    if next >= min_available {
-                        stream = BatchStream::new(
-                            self.log.as_ref(),
-                            self.identity.key(account),
-                            ReadFilter::from_version(next),
-                        );
-                        first_page = true;
-                    }
-                    continue;
-                }
-                Err(StoreError::Trimmed { min_available }) => {
-                    self.met_trim(account, &slot, generation, min_available, definitive)?;
-                    // Our cursor moved past the trim meanwhile: what we have is whole.
-                    break;
-                }
-                Err(e) => return Err(ProjectionError::Store(e)),
-            };
-            let Some(last) = page.last() else { continue };
-            self.observe_server_time(last.server_timestamp_ms);
-            if first_page && stream.has_more() {
-                // A long catch-up: age its early pages against the stream's real tip, not
-                // against their own last batch, or long-expired entries would come back.
-                // One extra call, only for reads longer than a page.
-                if let Ok(d) = self.log.details(self.identity.key(account)).await {
-                    self.observe_server_time(d.last_server_timestamp_ms);
-                }
-            }
-            first_page = false;
-            self.fold_page(account, &slot, generation, &page)?;
-        }
-        self.metrics
-            .catchup_duration
-            .observe(started.elapsed().as_secs_f64());
-        let now = self.now_ms();
-        let mut st = slot.state.lock();
-        same_fold(&st, generation)?;
-        st.warm = true;
-        st.last_touch_ms = now;
-        let expired = st.recent.evict_expired(now);
-        self.add_index_entries(-(expired as i64));
-        let snap = st.snapshot();
-        drop(st);
-        Ok((slot, snap))
-    }
-
-    /// Folds one page a catch-up read into the account's state, in the generation it was
-    /// read for.
-    fn fold_page(
-        &self,
-        account: AccountId,
-        slot: &AccountSlot,
-        generation: u64,
-        page: &[Batch],
-    ) -> Result<(), ProjectionError> {
-        let ctx = self.fold_context();
-        let mut st = slot.state.lock();
-        same_fold(&st, generation)?;
-        let before = st.recent.len();
-        let result = st.fold(page, &ctx);
-        self.add_index_entries(st.recent.len() as i64 - before as i64);
-        match result {
-            Ok(applied) => {
-                self.metrics.events_folded.inc_by(applied);
-                self.note_progress(account, &mut st, applied);
-                Ok(())
-            }
-            Err(broken) => {
-                self.metrics.poisoned_accounts.inc();
-                st.broken = Some(Box::new(broken));
-                Err(broken_error(account, &st))
-            }
-        }
-    }
-
-    /// A catch-up met a trim it cannot go on from. Below the cursor it is a verdict when the
-    /// checkpoints could be read (the account is broken as trimmed), else retryable; at or
-    /// above it (the cursor moved past the trim meanwhile) nothing is missing.
-    fn met_trim(
-        &self,
-        account: AccountId,
-        slot: &AccountSlot,
-        generation: u64,
-        min_available: u64,
-        definitive: bool,
-    ) -> Result<(), ProjectionError> {
-        let mut st = slot.state.lock();
-        same_fold(&st, generation)?;
-        if st.version + 1 < min_available && !definitive {
-            return Err(ProjectionError::Store(StoreError::NotApplied {
-                reason: format!(
-                    "the stream is trimmed below version {min_available} and its checkpoints could not be read; retry"
-                ),
-            }));
-        }
-        if st.version + 1 < min_available {
-            self.metrics.poisoned_accounts.inc();
-            st.broken = Some(Box::new(Broken::Trimmed { min_available }));
-        }
-        check_broken(account, &st)
-    }
-
-    /// The fold context for a fold starting now.
-    pub fn fold_context(&self) -> FoldContext {
-        FoldContext {
-            client_id: self.identity.client(),
-            window_ms: self.window_ms(),
-            tip_ms: self.server_tip_ms(),
-            now_ms: self.now_ms(),
-        }
-    }
-
-    /// Records this replica's own successful write to one account: index entries first (or
-    /// in the same critical section), then the cursor bump, which never moves backwards and
-    /// only happens when the write applied on top of the state we hold. Entries written
-    /// here get the full window: this replica never re-folds its own event, so this entry is
-    /// the only record it will have.
-    pub fn record_write(&self, slot: &AccountSlot, write: &RecordedWrite<'_>) {
-        let expires_at_ms = self.now_ms().saturating_add(self.window_ms());
-        self.apply_own_write(&mut slot.state.lock(), write, expires_at_ms);
-    }
-
-    /// [`Projection::record_write`] on `account`, then the checkpoint count: the write's
-    /// events are past the account's checkpoint when the cursor took them.
-    pub(crate) fn record_own_write(
-        &self,
-        account: AccountId,
-        slot: &AccountSlot,
-        write: &RecordedWrite<'_>,
-    ) {
-        let expires_at_ms = self.now_ms().saturating_add(self.window_ms());
-        let mut st = slot.state.lock();
-        self.apply_own_write(&mut st, write, expires_at_ms);
-        if st.version == write.new_version && st.generation == write.generation {
-            self.note_progress(account, &mut st, write.events.len() as u64);
-        }
-    }
-
-    /// One own write on a held state (the memory fold's, or a Postgres warm copy): its
-    /// index entries, expiring at `expires_at_ms`, then the cursor bump when the write
-    /// applied on top of this state.
-    fn apply_own_write(
-        &self,
-        st: &mut AccountState,
-        write: &RecordedWrite<'_>,
-        expires_at_ms: u64,
-    ) {
-        // A fold dropped since the write was decided (the store went backwards under it,
-        // `regress.rs`) may stand at the expected version again, read from the new store,
-        // and the write may have landed on either store: nothing of it is recorded here. If
-        // it landed on the store there is now, a retry's conflict and catch-up fold it from
-        // there, index entry included.
-        if st.generation != write.generation {
-            return;
-        }
-        let before = st.recent.len();
-        for &(event_id, balance, event) in write.events {
-            // The run that wrote it answers from its own success, never from this entry.
-            let w = RecentWrite {
-                balance,
-                version: write.new_version,
-                expires_at_ms,
-                event,
-                write_tag: None,
-            };
-            st.recent.insert(event_id, w);
-        }
-        if st.version == write.expected_version && st.broken.is_none() {
-            st.version = write.new_version;
-            st.balance = write.balance_after;
-            st.max_client_seq = st.max_client_seq.max(write.max_client_seq);
-            // Applied at version 0: the stream held nothing before it, so this state is
-            // the whole fold (a first touch's write leaves the account warm).
-            st.warm |= write.expected_version == 0;
-        }
-        st.last_touch_ms = self.now_ms();
-        self.add_index_entries(st.recent.len() as i64 - before as i64);
-    }
-
-    /// Recent-writes index entries over every resident account. Entries that expired since
-    /// their account was last swept or caught up still count, so this runs ahead of the
-    /// live count by at most one sweep interval's expiries, never behind it.
-    pub fn index_entries(&self) -> usize {
-        usize::try_from(self.index_entries.load(Ordering::Relaxed)).unwrap_or(0)
-    }
-
-    /// Whether the replica-wide recent-writes index holds its cap or more.
-    pub fn index_full(&self) -> bool {
-        self.index_entries() >= self.config.max_index_entries
-    }
-
-    /// The write side's admission check for a NEW write (one the index cannot answer):
-    /// `Err` while the index is full, counted on `tally_writes_refused_index_full_total`;
-    /// answer it with a retryable 503.
-    ///
-    /// The cap bounds memory by refusing writes, never by dropping entries: an entry
-    /// expired early would let a retry inside the stated window write twice. So nothing
-    /// else stops at the cap: a write already admitted indexes its events, and a fold
-    /// indexes every event it replays inside the window (the colocation rule), which
-    /// includes other replicas' writes. The count can therefore pass the cap, by the writes
-    /// in flight when it was reached plus what catch-ups replay.
-    ///
-    /// On Postgres the index is the database's table, and the entries counted here are the
-    /// warm copies', which stop growing before the cap (`postgres/warm.rs`): never refused.
-    pub fn check_index_room(&self) -> Result<(), IndexFull> {
-        let entries = self.index_entries();
-        if entries < self.config.max_index_entries || self.uses_database() {
-            return Ok(());
-        }
-        self.metrics.writes_refused_index_full.inc();
-        Err(IndexFull {
-            entries,
-            cap: self.config.max_index_entries,
-        })
-    }
-
-    fn add_index_entries(&self, delta: i64) {
-        if delta != 0 {
-            let n = self.index_entries.fetch_add(delta, Ordering::Relaxed) + delta;
-            self.metrics.index_entries.set(n);
-        }
-    }
-}
-
-/// A successful write to one account, as the write loop hands it to the projection.
-pub struct RecordedWrite<'a> {
-    pub expected_version: u64,
-    /// The generation of the fold the write was decided on ([`Snapshot::generation`]).
-    pub generation: u64,
-    pub new_version: u64,
-    /// The balance after the whole batch.
-    pub balance_after: i64,
-    pub max_client_seq: u64,
-    /// (event id, balance right after that event, the event), in write order.
-    pub events: &'a [(u128, i64, AccountEvent)],
 }
 
 fn check_broken(account: AccountId, st: &AccountState) -> Result<(), ProjectionError> {
@@ -633,181 +314,5 @@ pub(crate) fn broken_error(account: AccountId, st: &AccountState) -> ProjectionE
             version: st.version,
             reason: "unknown".into(),
         },
-    }
-}
-
-/// Whether the account's fold is still the generation a catch-up read for. One dropped in
-/// place meanwhile (`regress.rs`): what was read belongs to the old one, and folding it would
-/// look like a gap, so the catch-up is retried from the new one.
-fn same_fold(st: &AccountState, generation: u64) -> Result<(), ProjectionError> {
-    if st.generation == generation {
-        Ok(())
-    } else {
-        Err(ProjectionError::Store(Projection::dropped_during_catch_up()))
-    }
-}
-
-#[cfg(test)]
-mod catch_up_tests {
-    use super::*;
-    use crate::account::AccountEvent;
-    use crate::store::memory::{MemoryLog, MemoryOptions, ServerClock};
-    use crate::store::{AggregateWrite, Event};
-    use uuid::Uuid;
-
-    const WINDOW_MS: u64 = 90_000;
-
-    async fn deposit(log: &MemoryLog, identity: &Identity, account: AccountId, seq: u64) {
-        let e = AccountEvent::Deposited { amount: 1 };
-        let w = AggregateWrite {
-            key: identity.key(account),
-            events: vec![Event {
-                client_seq: seq,
-                event_id: Some(u128::from(seq)),
-                event_type: e.event_type(),
-                payload: e.encode(),
-                timestamp_ms: 0,
-            }],
-            expected_version: Some(seq - 1),
-            allow_create: true,
-            enforce_client_idempotency: true,
-        };
-        log.write_now(identity.client(), vec![w]).expect("write");
-    }
-
-    fn capped(log: Arc<MemoryLog>, cap: usize, clock: Arc<ManualClock>) -> Projection {
-        Projection::new(
-            log,
-            Identity::default(),
-            ProjectionConfig {
-                window: Duration::from_millis(WINDOW_MS),
-                max_index_entries: cap,
-                ..ProjectionConfig::default()
-            },
-            clock,
-            Arc::new(Metrics::new()),
-        )
-    }
-
-    /// Rule: at the cap the index refuses new writes (counted) and keeps every entry for its
-    /// whole window; expiry, not the cap, is what frees room.
-    #[test]
-    fn at_the_index_cap_new_writes_are_refused_until_expiry_frees_room() {
-        let clock = Arc::new(ManualClock::new(0));
-        let projection = capped(Arc::new(MemoryLog::new()), 3, clock.clone());
-        let metrics = projection.metrics().clone();
-        assert_eq!(metrics.index_entries_cap.get(), 3);
-        let slot = projection.slot(AccountId(Uuid::new_v4()));
-        let deposit = AccountEvent::Deposited { amount: 1 };
-        projection.record_write(
-            &slot,
-            &RecordedWrite {
-                expected_version: 0,
-                generation: 0,
-                new_version: 1,
-                balance_after: 2,
-                max_client_seq: 2,
-                events: &[(1, 1, deposit), (2, 2, deposit)],
-            },
-        );
-        assert_eq!(projection.check_index_room(), Ok(()));
-        projection.record_write(
-            &slot,
-            &RecordedWrite {
-                expected_version: 1,
-                generation: 0,
-                new_version: 2,
-                balance_after: 3,
-                max_client_seq: 3,
-                events: &[(3, 3, deposit)],
-            },
-        );
-        assert!(projection.index_full());
-        assert_eq!(
-            projection.check_index_room(),
-            Err(IndexFull { entries: 3, cap: 3 })
-        );
-        assert_eq!(metrics.writes_refused_index_full.get(), 1);
-        // Full, and still answering every entry until the end of its window.
-        clock.advance_ms(WINDOW_MS - 1);
-        projection.sweep();
-        assert!(projection.index_full());
-        for id in 1..=3 {
-            assert!(
-                slot.state.lock().recent.get(id, clock.now_ms()).is_some(),
-                "{id}"
-            );
-        }
-        assert!(projection.check_index_room().is_err());
-        assert_eq!(metrics.writes_refused_index_full.get(), 2);
-        clock.advance_ms(1);
-        projection.sweep();
-        assert_eq!(projection.index_entries(), 0);
-        assert_eq!(projection.check_index_room(), Ok(()));
-        assert_eq!(metrics.writes_refused_index_full.get(), 2);
-    }
-
-    /// Rule (colocation): the fold indexes every event it replays inside the window, cap or
-    /// no cap, so the count may pass the cap; only new writes are refused.
-    #[tokio::test]
-    async fn the_fold_indexes_everything_it_replays_even_past_the_cap() {
-        let log = Arc::new(MemoryLog::new());
-        let identity = Identity::default();
-        let account = AccountId(Uuid::new_v4());
-        for seq in 1..=5 {
-            deposit(&log, &identity, account, seq).await;
-        }
-        let projection = capped(log, 2, Arc::new(ManualClock::new(0)));
-        let (slot, snap) = projection.catch_up(account).await.expect("catch-up");
-        assert_eq!(snap.version, 5);
-        assert_eq!(projection.index_entries(), 5);
-        assert!(projection.index_full());
-        assert_eq!(projection.metrics().index_entries.get(), 5);
-        let st = slot.state.lock();
-        for seq in 1..=5u64 {
-            assert!(st.recent.get(u128::from(seq), 0).is_some(), "event {seq}");
-        }
-    }
-
-    /// Rule: a replayed batch's age is measured against the newest server time, even when a
-    /// cold replica reads the stream in several pages (each page's own tip is older).
-    #[tokio::test]
-    async fn a_cold_multi_page_catch_up_never_revives_entries_older_than_the_window() {
-        let server = Arc::new(ServerClock::new(1_000_000));
-        let log = Arc::new(MemoryLog::with_options(MemoryOptions {
-            page_size: 3,
-            clock: server.clone(),
-        }));
-        let identity = Identity::default();
-        let account = AccountId(Uuid::new_v4());
-        for seq in 1..=6 {
-            deposit(&log, &identity, account, seq).await;
-        }
-        server.advance(WINDOW_MS + 1_000);
-        for seq in 7..=9 {
-            deposit(&log, &identity, account, seq).await;
-        }
-        let projection = Projection::new(
-            log,
-            identity,
-            ProjectionConfig {
-                window: Duration::from_millis(WINDOW_MS),
-                ..ProjectionConfig::default()
-            },
-            Arc::new(ManualClock::new(0)),
-            Arc::new(Metrics::new()),
-        );
-        let (slot, snap) = projection.catch_up(account).await.expect("catch-up");
-        assert_eq!((snap.balance, snap.version), (9, 9));
-        let st = slot.state.lock();
-        for seq in 1..=6u64 {
-            assert!(
-                st.recent.get(u128::from(seq), 0).is_none(),
-                "event {seq} is older than the window and must not answer"
-            );
-        }
-        for seq in 7..=9u64 {
-            assert!(st.recent.get(u128::from(seq), 0).is_some(), "event {seq}");
-        }
     }
 }

@@ -5,7 +5,7 @@ use crate::account::AccountEvent;
 use crate::account::fold;
 use crate::store::Batch;
 
-use super::index::{self, RecentIndex, RecentWrite};
+use super::index::{self, Bulk, RecentIndex, RecentWrite};
 
 /// How many batches ahead of the one being folded the fold prefetches payloads (and twice
 /// as far, events).
@@ -117,21 +117,7 @@ impl AccountState {
         // on every return path.
         let mut index = self.recent.bulk();
         for (at, batch) in batches.iter().enumerate() {
-            // Each batch's events sit in their own allocation, and each payload in another:
-            // prefetch them a few batches ahead, so the fold does not wait on a cache miss or
-            // two per batch.
-            if let Some(b) = batches.get(at + 2 * FOLD_LOOKAHEAD) {
-                // An event spans two cache lines; its allocation need not start on one.
-                let first = b.events.as_ptr().cast::<u8>();
-                index::prefetch(first);
-                index::prefetch(first.wrapping_add(64));
-            }
-            if let Some(e) = batches
-                .get(at + FOLD_LOOKAHEAD)
-                .and_then(|b| b.events.first())
-            {
-                index::prefetch(e.payload.as_ptr());
-            }
+            prefetch_ahead(batches, at);
             if batch.version <= self.version {
                 continue;
             }
@@ -148,57 +134,20 @@ impl AccountState {
             let age = ctx.tip_ms.saturating_sub(batch.server_timestamp_ms);
             let expires = (age < ctx.window_ms).then(|| ctx.now_ms + (ctx.window_ms - age));
             let own = batch.client_id == ctx.client_id;
-            let mut balance = self.balance;
-            let mut max_seq = self.max_client_seq;
             // A batch folds whole or not at all: none of its index entries is kept unless
             // every event applied, or they would answer for events the state never took.
             let mark = index.mark();
-            let mut unfoldable = None;
-            for e in batch.events.iter() {
-                let event = match AccountEvent::decode(e.event_type, &e.payload) {
-                    Ok(event) => event,
-                    Err(err) => {
-                        unfoldable = Some(err.to_string());
-                        break;
-                    }
-                };
-                balance = match fold::apply(balance, &event) {
-                    Ok(balance) => balance,
-                    Err(err) => {
-                        unfoldable = Some(err.to_string());
-                        break;
-                    }
-                };
-                if own && e.client_seq > MAX_OWN_CLIENT_SEQ {
-                    unfoldable = Some(format!(
-                        "client sequence {} of ours is past {MAX_OWN_CLIENT_SEQ}: no next one can be derived",
-                        e.client_seq
-                    ));
-                    break;
+            let start = (self.balance, self.max_client_seq);
+            let (balance, max_seq) = match fold_batch(&mut index, batch, start, expires, own) {
+                Ok(after) => after,
+                Err(reason) => {
+                    index.rollback(mark);
+                    return Err(Broken::Poisoned {
+                        version: batch.version,
+                        reason,
+                    });
                 }
-                if own && e.client_seq > max_seq {
-                    max_seq = e.client_seq;
-                }
-                if let (Some(expires_at_ms), Some(eid)) = (expires, e.event_id) {
-                    index.push(
-                        eid,
-                        RecentWrite {
-                            balance,
-                            version: batch.version,
-                            expires_at_ms,
-                            event,
-                            write_tag: own.then(|| index::write_tag(e.client_seq, e.timestamp_ms)),
-                        },
-                    );
-                }
-            }
-            if let Some(reason) = unfoldable {
-                index.rollback(mark);
-                return Err(Broken::Poisoned {
-                    version: batch.version,
-                    reason,
-                });
-            }
+            };
             self.balance = balance;
             self.max_client_seq = max_seq;
             self.version = batch.version;
@@ -206,4 +155,64 @@ impl AccountState {
         }
         Ok(applied)
     }
+}
+
+/// Each batch's events sit in their own allocation, and each payload in another: prefetch
+/// them a few batches ahead of the one at `at`, so the fold does not wait on a cache miss or
+/// two per batch.
+#[inline]
+fn prefetch_ahead(batches: &[Batch], at: usize) {
+    if let Some(b) = batches.get(at + 2 * FOLD_LOOKAHEAD) {
+        // An event spans two cache lines; its allocation need not start on one.
+        let first = b.events.as_ptr().cast::<u8>();
+        index::prefetch(first);
+        index::prefetch(first.wrapping_add(64));
+    }
+    if let Some(e) = batches
+        .get(at + FOLD_LOOKAHEAD)
+        .and_then(|b| b.events.first())
+    {
+        index::prefetch(e.payload.as_ptr());
+    }
+}
+
+/// Applies one batch's events on top of `(balance, highest own sequence)` and appends an
+/// index record for each when the batch `expires` at all (it is younger than the window).
+/// Returns the pair after the batch, or why one of its events cannot be applied; the
+/// records appended before that event are the caller's to roll back.
+#[inline]
+fn fold_batch(
+    index: &mut Bulk<'_>,
+    batch: &Batch,
+    (mut balance, mut max_seq): (i64, u64),
+    expires: Option<u64>,
+    own: bool,
+) -> Result<(i64, u64), String> {
+    for e in batch.events.iter() {
+        let event =
+            AccountEvent::decode(e.event_type, &e.payload).map_err(|err| err.to_string())?;
+        balance = fold::apply(balance, &event).map_err(|err| err.to_string())?;
+        if own && e.client_seq > MAX_OWN_CLIENT_SEQ {
+            return Err(format!(
+                "client sequence {} of ours is past {MAX_OWN_CLIENT_SEQ}: no next one can be derived",
+                e.client_seq
+            ));
+        }
+        if own && e.client_seq > max_seq {
+            max_seq = e.client_seq;
+        }
+        if let (Some(expires_at_ms), Some(eid)) = (expires, e.event_id) {
+            index.push(
+                eid,
+                RecentWrite {
+                    balance,
+                    version: batch.version,
+                    expires_at_ms,
+                    event,
+                    write_tag: own.then(|| index::write_tag(e.client_seq, e.timestamp_ms)),
+                },
+            );
+        }
+    }
+    Ok((balance, max_seq))
 }
