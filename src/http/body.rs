@@ -32,7 +32,7 @@ fn is_utf8_json(content_type: &str) -> bool {
             match param.split_once('=') {
                 Some((name, value)) if name.trim().eq_ignore_ascii_case("charset") => {
                     // A quoted value: the quote written as an escape keeps this file's
-                    // string literals paired for the error-code scan (tests/openapi.rs).
+                    // string literals paired for the error-code scan (tests/api/openapi.rs).
                     let value = value.trim().trim_matches('\u{22}');
                     value.eq_ignore_ascii_case("utf-8") || value.eq_ignore_ascii_case("utf8")
                 }

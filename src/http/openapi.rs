@@ -1,5 +1,5 @@
 //! `GET /openapi.json`: the API contract, `docs/openapi.json`, compiled in so
-//! the binary serves the contract it was built with. `tests/openapi.rs` keeps it and the
+//! the binary serves the contract it was built with. `tests/api/openapi.rs` keeps it and the
 //! code in step: every route, status and error code in one is in the other.
 
 use hyper::StatusCode;

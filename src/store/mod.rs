@@ -4,7 +4,7 @@
 //! Celeriant's write and read semantics, and `celeriant::CeleriantLog`, the production
 //! backend. [`faults::FaultyLog`] decorates either with seeded, deterministic faults.
 //!
-//! The semantics every implementation must honour (and that `tests/conformance.rs` pins):
+//! The semantics every implementation must honour (and that `tests/store/conformance.rs` pins):
 //! - a write is checked in this order, for the whole request: aggregate existence
 //!   (`allow_create`), the version guard on every aggregate, then client idempotency on every
 //!   aggregate that enforces it (rejected when that aggregate's own lowest `client_seq` in

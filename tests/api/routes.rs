@@ -92,7 +92,7 @@ async fn balance_with_min_version_reads_your_writes_on_any_replica() {
 
 /// Rule: a `minVersion` the store has not reached is a final 400, never a 503 that no retry
 /// can answer; once a write reaches it, the same read is answered. (A version the store has
-/// but this replica cannot see yet is the retryable 503: `src/reader.rs`'s tests.)
+/// but this replica cannot see yet is the retryable 503: `src/reader/tests.rs`.)
 #[tokio::test]
 async fn balance_with_a_min_version_beyond_the_stores_tip_is_400() {
     let t = spawn_default().await;

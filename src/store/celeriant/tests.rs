@@ -1,6 +1,6 @@
 //! Unit tests for the Celeriant backend's pure parts: outcome mapping, configuration, filter
 //! translation and pagination. The behaviour against a live server is in
-//! `tests/celeriant_live.rs`.
+//! `tests/store/celeriant.rs`.
 
 use std::io;
 use std::path::PathBuf;

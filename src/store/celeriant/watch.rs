@@ -16,7 +16,7 @@ use super::{CeleriantLog, Op, map_error};
 use crate::store::{AggregateKey, Commit, StoreResult, WatchFeed, WatchFilter, WatchItem};
 
 /// The `operation` of a notification for a committed write (checked against a live server
-/// by `tests/conformance.rs`); others (trims) carry no new version and are skipped.
+/// by `tests/store/conformance.rs`); others (trims) carry no new version and are skipped.
 pub const WRITE_OPERATION: u8 = 1;
 
 impl CeleriantLog {
