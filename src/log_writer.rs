@@ -1,7 +1,6 @@
 //! Log lines to stdout in batches: a request that logs a line copies it into a buffer, and a
 //! thread of its own writes the buffer out every [`FLUSH_INTERVAL`]. A write per line was a
-//! system call on every request, the largest part of a deposit's system time after its own
-//! socket (BENCHMARKS.md, "Tally's own CPU").
+//! system call on nearly every request (BENCHMARKS.md, "Tally's own CPU").
 //!
 //! Written here rather than with `tracing-appender`'s non-blocking writer, which writes as
 //! soon as its queue is empty: on two busy cores that was a write, and a wake of its thread,
