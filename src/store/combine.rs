@@ -17,7 +17,11 @@
 //! - applied: its own versions;
 //! - outcome unknown, or not applied: the request applied to every member or to none, so each
 //!   gets that answer and settles it as if it had written alone (it keeps its sequences, and
-//!   its own retry is judged by its own marks);
+//!   its own retry is judged by its own marks). Not one read for all: finding a member's
+//!   batch in its stream does not prove this request landed, since the same write sent again
+//!   on another replica (same key, same sequence derived from the same fold, same payload)
+//!   leaves the same batch while this request failed on its guard; only each member's own
+//!   read of its own stream settles its own write;
 //! - refused (a conflict, a sequence already used or in flight, a missing aggregate, any
 //!   other error): the server never names the member, so each member is sent again alone, at
 //!   once and unchanged, and gets the answer its own write earns. The members that were only
