@@ -148,7 +148,14 @@ async fn requests_over_the_concurrency_limit_are_shed_with_a_retryable_503() {
 #[tokio::test]
 async fn a_client_that_disconnects_mid_write_is_not_counted_in_flight_forever_and_its_write_still_lands()
  {
-    let t = spawn(test_config(&["--faults", "seed=1"]), None, None).await;
+    // Without group commit, whose sender would carry the store write on its own task: here
+    // only the handler's detaching keeps the write going once its request is dropped.
+    let t = spawn(
+        test_config(&["--faults", "seed=1", "--combine-writes", "false"]),
+        None,
+        None,
+    )
+    .await;
     let app = t.app.clone();
     let account = new_account();
     let mut hold = faults(&t).hold_next_write();
