@@ -462,6 +462,15 @@ async fn binary_drains_an_in_flight_request_on_sigterm_and_exits_0() {
         .expect("the deposit's access log line");
     let stopped = server.position("stopped").expect("a stopped log line");
     assert!(draining < served && served < stopped, "{:#?}", server.log);
+    // The line says what the write did: its key's hash, the run's attempts and outcome.
+    let line = &server.log[served]["fields"];
+    assert_eq!(line["status"], 200, "{line}");
+    assert!(
+        line["key_hash"].as_str().is_some_and(|h| h.len() == 8),
+        "{line}"
+    );
+    assert_eq!(line["attempts"], 1, "{line}");
+    assert_eq!(line["outcome"], "ok", "{line}");
 }
 
 /// Rule: a replica that stood still (SIGSTOP) refuses, retryably and without writing, the
