@@ -31,7 +31,7 @@ pub struct Batched<W: Write + Send + 'static> {
 
 /// Keeps the writer thread; dropping it stops the thread after a last write.
 pub struct LogWriterGuard {
-    stop: Box<dyn Fn() + Send>,
+    stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -40,7 +40,6 @@ struct Shared<W> {
     buffer: Mutex<Vec<u8>>,
     /// Where batches go; held while one is taken and written, so they go out in order.
     out: Mutex<W>,
-    stop: AtomicBool,
 }
 
 impl<W: Write> Shared<W> {
@@ -65,22 +64,21 @@ pub fn batched<W: Write + Send + 'static>(out: W) -> Option<(Batched<W>, LogWrit
     let shared = Arc::new(Shared {
         buffer: Mutex::new(Vec::with_capacity(64 * 1024)),
         out: Mutex::new(out),
-        stop: AtomicBool::new(false),
     });
-    let flusher = shared.clone();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (flusher, stopping) = (shared.clone(), stop.clone());
     let thread = std::thread::Builder::new()
         .name("tally-log".into())
         .spawn(move || {
-            while !flusher.stop.load(Ordering::Acquire) {
+            while !stopping.load(Ordering::Acquire) {
                 std::thread::park_timeout(FLUSH_INTERVAL);
                 flusher.write_out();
             }
             flusher.write_out();
         })
         .ok()?;
-    let stopping = shared.clone();
     let guard = LogWriterGuard {
-        stop: Box::new(move || stopping.stop.store(true, Ordering::Release)),
+        stop,
         thread: Some(thread),
     };
     Some((Batched { shared }, guard))
@@ -88,7 +86,7 @@ pub fn batched<W: Write + Send + 'static>(out: W) -> Option<(Batched<W>, LogWrit
 
 impl Drop for LogWriterGuard {
     fn drop(&mut self) {
-        (self.stop)();
+        self.stop.store(true, Ordering::Release);
         if let Some(thread) = self.thread.take() {
             thread.thread().unpark();
             let _ = thread.join();
