@@ -4,52 +4,25 @@
 //! their `Host`: a health checker written without one (an old HAProxy `httpchk` line) would
 //! otherwise mark every replica down at once.
 
-use std::task::{Context, Poll};
-
+use hyper::Request;
 use hyper::body::Incoming;
-use hyper::{Request, Response};
-use tower::{Layer, Service};
 
 use crate::http::error::ApiError;
 use crate::http::headers::at_most_one;
-use crate::http::router::{BoxFuture, Route, Routed, refused};
-use crate::http::watch::HttpBody;
+use crate::http::router::{Route, Routed};
 
+use super::check::Check;
+
+/// RFC 9112's `Host` rules, probes exempt.
 #[derive(Clone, Copy)]
-pub struct HostLayer;
+pub struct HostRules;
 
-impl<S> Layer<S> for HostLayer {
-    type Service = CheckHost<S>;
-
-    fn layer(&self, inner: S) -> CheckHost<S> {
-        CheckHost { inner }
-    }
-}
-
-#[derive(Clone)]
-pub struct CheckHost<S> {
-    inner: S,
-}
-
-impl<S> Service<Routed> for CheckHost<S>
-where
-    S: Service<Routed, Response = Response<HttpBody>, Error = ApiError, Future = BoxFuture>,
-{
-    type Response = Response<HttpBody>;
-    type Error = ApiError;
-    type Future = BoxFuture;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ApiError>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, routed: Routed) -> BoxFuture {
-        if !matches!(routed.route(), Some(Route::Healthz | Route::Readyz))
-            && let Err(e) = check_host(&routed.req)
-        {
-            return refused(e);
+impl Check for HostRules {
+    fn check(&self, routed: &mut Routed) -> Result<(), ApiError> {
+        if matches!(routed.route(), Some(Route::Healthz | Route::Readyz)) {
+            return Ok(());
         }
-        self.inner.call(routed)
+        check_host(&routed.req)
     }
 }
 

@@ -5,60 +5,29 @@
 //! console are served meanwhile (`/readyz` says `starting` itself).
 
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
-use hyper::Response;
-use tower::{Layer, Service};
-
+use super::check::Check;
 use crate::app::App;
 use crate::http::error::ApiError;
-use crate::http::router::{BoxFuture, Routed, refused};
-use crate::http::watch::HttpBody;
+use crate::http::router::Routed;
 
+/// The API waits for start-up; the rest is served meanwhile.
 #[derive(Clone)]
-pub struct ReadinessLayer {
+pub struct Started {
     app: Arc<App>,
 }
 
-impl ReadinessLayer {
+impl Started {
     pub fn new(app: Arc<App>) -> Self {
-        ReadinessLayer { app }
+        Started { app }
     }
 }
 
-impl<S> Layer<S> for ReadinessLayer {
-    type Service = WhenStarted<S>;
-
-    fn layer(&self, inner: S) -> WhenStarted<S> {
-        WhenStarted {
-            inner,
-            app: self.app.clone(),
-        }
-    }
-}
-
-#[derive(Clone)]
-pub struct WhenStarted<S> {
-    inner: S,
-    app: Arc<App>,
-}
-
-impl<S> Service<Routed> for WhenStarted<S>
-where
-    S: Service<Routed, Response = Response<HttpBody>, Error = ApiError, Future = BoxFuture>,
-{
-    type Response = Response<HttpBody>;
-    type Error = ApiError;
-    type Future = BoxFuture;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ApiError>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, routed: Routed) -> BoxFuture {
+impl Check for Started {
+    fn check(&self, routed: &mut Routed) -> Result<(), ApiError> {
         if routed.route().is_some_and(|r| r.is_api()) && !self.app.is_started() {
-            return refused(ApiError::starting(&self.app.startup_waiting()));
+            return Err(ApiError::starting(&self.app.startup_waiting()));
         }
-        self.inner.call(routed)
+        Ok(())
     }
 }
