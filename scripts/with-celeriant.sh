@@ -10,7 +10,9 @@
 # - CELERIANT_AUTH_ADDRESS: a third that requires clients to identify with an API key, with a
 #   read-write key in CELERIANT_AUTH_RW_KEY and a read-only one in CELERIANT_AUTH_RO_KEY
 #   (fresh keys each run; the server keeps only their SHA-256 in its data root's api_keys.toml);
-# - CELERIANT_REFERENCE_BIN: the replaced service, for the mixed-fleet test.
+# - CELERIANT_REFERENCE_BIN: the replaced service, for the mixed-fleet test;
+# - CELERIANT_SERVER_BIN: the server binary itself, for a test that starts, kills and
+#   restarts a server of its own (a store outage).
 #
 # The binaries come from CELERIANT_BIN (the server; the replaced service is looked up beside
 # it) or ../shared/celeriant/. Each server gets a free loopback port and a fresh data
@@ -30,6 +32,7 @@ reference=${CELERIANT_REFERENCE_BIN:-$(dirname "$server")/celeriant-reference}
 if [ -n "${CELERIANT_ADDRESS:-}" ]; then
     echo "with-celeriant: using the server at CELERIANT_ADDRESS=$CELERIANT_ADDRESS" >&2
     if [ -x "$reference" ]; then export CELERIANT_REFERENCE_BIN=$reference; fi
+    if [ -x "$server" ]; then export CELERIANT_SERVER_BIN=$server; fi
     exec "$@"
 fi
 
@@ -91,5 +94,6 @@ export CELERIANT_ADDRESS=127.0.0.1:${ports[0]}
 export CELERIANT_SHARDED_ADDRESS=127.0.0.1:${ports[1]}
 export CELERIANT_AUTH_ADDRESS=127.0.0.1:${ports[2]} CELERIANT_AUTH_RW_KEY=$rw_key CELERIANT_AUTH_RO_KEY=$ro_key
 if [ -x "$reference" ]; then export CELERIANT_REFERENCE_BIN=$reference; fi
+export CELERIANT_SERVER_BIN=$server
 echo "with-celeriant: servers from $server at $CELERIANT_ADDRESS (one shard for accounts), $CELERIANT_SHARDED_ADDRESS (two shards) and $CELERIANT_AUTH_ADDRESS (API keys)" >&2
 run_command "$@"

@@ -21,6 +21,7 @@ use crate::store::celeriant::CeleriantLog;
 use crate::store::combine::CombiningLog;
 use crate::store::config::StoreKind;
 use crate::store::faults::FaultyLog;
+use crate::store::health::StoreHealth;
 use crate::store::memory::MemoryLog;
 use crate::store::metered::MeteredLog;
 use crate::store::probe::SharedPing;
@@ -105,7 +106,7 @@ impl AppBuilder {
             Some(log) => log,
             None => open_store(&config).await?,
         };
-        let (log, faults) = layer_store(base, &config, &metrics);
+        let (log, faults, health) = layer_store(base, &config, &metrics);
         let clock = self
             .clock
             .unwrap_or_else(|| Arc::new(MonotonicClock::new()));
@@ -117,8 +118,11 @@ impl AppBuilder {
             config.combine(),
             metrics.clone(),
         ));
-        let writes =
-            Arc::new(WriteService::new(projection.clone(), config.write()).with_log(combined));
+        let writes = Arc::new(
+            WriteService::new(projection.clone(), config.write())
+                .with_log(combined)
+                .with_health(health),
+        );
         let reader = AccountReader::new(projection.clone()).with_accounts(config.accounts);
         let devices = DeviceSync::new(log.clone(), identity).with_accounts(config.accounts);
         let watch = Hub::new(projection.clone(), metrics.clone(), config.watch.clone());
@@ -239,12 +243,13 @@ fn warn_of_allowed_risks(config: &Config) {
 }
 
 /// The store as the rest of Tally sees it: `base`, behind fault injection when the
-/// configuration asks for it, then metered. Returns it and the fault layer, if any.
+/// configuration asks for it, then metered. Returns it, the fault layer, if any, and the
+/// store's health as its calls find it.
 fn layer_store(
     base: SharedLog,
     config: &Config,
     metrics: &Arc<Metrics>,
-) -> (SharedLog, Option<Arc<FaultyLog>>) {
+) -> (SharedLog, Option<Arc<FaultyLog>>, Arc<StoreHealth>) {
     let (inner, faults): (SharedLog, _) = match &config.store.faults {
         Some(fc) => {
             tracing::warn!(spec = ?fc, "FAULT INJECTION IS ON: the store will lose acks, drop requests and lag reads on purpose");
@@ -257,8 +262,12 @@ fn layer_store(
     metrics
         .fault_injection_enabled
         .set(i64::from(faults.is_some()));
-    let log: SharedLog = Arc::new(MeteredLog::new(inner, metrics.clone()));
-    (log, faults)
+    let health = Arc::new(StoreHealth::new(
+        config.store.describe(),
+        Some(metrics.clone()),
+    ));
+    let log: SharedLog = Arc::new(MeteredLog::new(inner, metrics.clone(), health.clone()));
+    (log, faults, health)
 }
 
 /// The projection the configuration names, over `log`.

@@ -71,9 +71,14 @@ pub mod arm {
     pub const REJECTED: &str = "rejected";
     pub const REPLAYED: &str = "replayed";
     pub const STORE_ERROR: &str = "store_error";
+    /// A run that ended because the store could not be reached (answered 503).
+    pub const STORE_UNREACHABLE: &str = "store_unreachable";
+    /// A first touch (an account taken as empty without a read) bounced off the version
+    /// guard: the account exists. Not contention, so not counted as a conflict.
+    pub const FIRST_TOUCH_BOUNCE: &str = "first_touch_bounce";
 
     /// Every arm, for the series that exist from start ([`super::Metrics::new`]).
-    pub const ALL: [&str; 12] = [
+    pub const ALL: [&str; 14] = [
         SUCCESS,
         CONFLICT,
         OUTCOME_UNKNOWN,
@@ -86,6 +91,8 @@ pub mod arm {
         REJECTED,
         REPLAYED,
         STORE_ERROR,
+        STORE_UNREACHABLE,
+        FIRST_TOUCH_BOUNCE,
     ];
 }
 
@@ -128,6 +135,9 @@ pub struct Metrics {
     pub idem_coalesced: IntCounter,
     // Store
     pub store_requests: IntCounterVec,
+    /// 1 while the store answers, 0 from a call that reached no node until the next answer.
+    pub store_reachable: IntGauge,
+    pub store_outages: IntCounter,
     pub store_duration: HistogramVec,
     pub store_round_trips_per_write: Histogram,
     pub store_write_group: Histogram,
@@ -371,6 +381,16 @@ impl Metrics {
                 "tally_store_requests_total",
                 "Store requests by operation and result.",
                 &["operation", "result"],
+            ),
+            store_reachable: gauge(
+                r,
+                "tally_store_reachable",
+                "1 while the event store answers; 0 from a store call that reached no node (connection refused or timed out, no leader) until the store answers again.",
+            ),
+            store_outages: counter(
+                r,
+                "tally_store_outages_total",
+                "Times this replica lost the event store (tally_store_reachable went from 1 to 0).",
             ),
             store_duration: histogram_vec(
                 r,

@@ -89,7 +89,9 @@ pub enum DeviceSyncError {
     #[error("account {0} was never opened; open it, then sync again")]
     AccountNotFound(AccountId),
     /// Any other store failure.
-    #[error("store: {0}")]
+    /// Answered with the error's class only: the client's words (node addresses, OS
+    /// errors) stay out of an answer.
+    #[error("store: {}", .0.brief())]
     Store(StoreError),
 }
 

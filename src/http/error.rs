@@ -10,6 +10,7 @@ use super::response::{Resp, json_response};
 use crate::account::RuleError;
 use crate::auth::{AuthError, REALM};
 use crate::device::error::DeviceSyncError;
+use crate::log_limit::{LogLimit, REPORT_INTERVAL};
 use crate::projection::ProjectionError;
 use crate::reader::ReadError;
 use crate::store::StoreError;
@@ -21,6 +22,13 @@ const STARTING: &str = "starting: not serving until its start-up steps are done"
 
 /// Seconds a client should wait before retrying a retryable error.
 const RETRY_AFTER_SECS: &str = "1";
+/// Seconds a client should wait while the store cannot be reached: an outage outlasts a
+/// shed request, and every retry during it is one more call against a store that is gone.
+const STORE_RETRY_AFTER_SECS: &str = "2";
+
+/// Store failures answered as a plain 503 are logged with their detail at most once per
+/// interval; the answer itself carries a fixed phrase.
+static STORE_FAILURE_LINES: LogLimit = LogLimit::new(REPORT_INTERVAL);
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ApiError {
@@ -70,9 +78,16 @@ pub enum ApiError {
     /// with the request.
     #[error("{0}")]
     Conflict(String),
-    /// Retryable: the store is unreachable or the replica is not ready.
+    /// Retryable: the store failed to answer, or the replica is not ready.
     #[error("{0}")]
     Unavailable(String),
+    /// 503 `STORE_UNAVAILABLE`, retryable: no node of the event store could be reached, for
+    /// reads and writes alike. A write's earlier attempt may have landed: its retry with the
+    /// same key settles it.
+    #[error(
+        "the event store cannot be reached; retry after Retry-After (a write with the same Idempotency-Key)"
+    )]
+    StoreUnavailable,
     /// Retryable, 503 with a code of its own (a device sync's `SYNC_*`): resend the same
     /// request after `Retry-After`.
     #[error("{message}")]
@@ -142,9 +157,10 @@ impl ApiError {
             | ApiError::KeyReused
             | ApiError::Unprocessable { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::Conflict(_) | ApiError::StoreConflict { .. } => StatusCode::CONFLICT,
-            ApiError::Unavailable(_) | ApiError::RetryLater { .. } | ApiError::Shed { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ApiError::Unavailable(_)
+            | ApiError::StoreUnavailable
+            | ApiError::RetryLater { .. }
+            | ApiError::Shed { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden { .. } => StatusCode::FORBIDDEN,
@@ -174,6 +190,7 @@ impl ApiError {
             ApiError::KeyReused => "IDEMPOTENCY_KEY_REUSED",
             ApiError::Conflict(_) => "CONFLICT",
             ApiError::Unavailable(_) | ApiError::Shed { .. } => "SERVICE_UNAVAILABLE",
+            ApiError::StoreUnavailable => "STORE_UNAVAILABLE",
         }
     }
 
@@ -219,6 +236,12 @@ impl ApiError {
                 if let Ok(v) = HeaderValue::from_str(&challenge) {
                     headers.insert(WWW_AUTHENTICATE, v);
                 }
+            }
+            ApiError::StoreUnavailable => {
+                headers.insert(
+                    RETRY_AFTER,
+                    HeaderValue::from_static(STORE_RETRY_AFTER_SECS),
+                );
             }
             ApiError::RateLimited { retry_after_secs } => {
                 headers.insert(RETRY_AFTER, HeaderValue::from(*retry_after_secs));
@@ -317,6 +340,7 @@ impl From<ProjectionError> for ApiError {
 impl From<ReadError> for ApiError {
     fn from(e: ReadError) -> Self {
         match e {
+            ReadError::HistoryTipUnknown(s) if s.is_unreachable() => ApiError::StoreUnavailable,
             ReadError::NotVisibleYet { .. }
             | ReadError::HistoryBehindFold { .. }
             | ReadError::BalanceBehindHistory { .. }
@@ -348,7 +372,16 @@ impl From<StoreError> for ApiError {
                 code: "CROSS_SHARD",
                 message: WriteError::CrossShard.to_string(),
             },
-            other => ApiError::Unavailable(format!("the event store did not answer: {other}")),
+            e if e.is_unreachable() => ApiError::StoreUnavailable,
+            other => {
+                if let Some(report) = STORE_FAILURE_LINES.occurred() {
+                    tracing::warn!(error = %other, occurrences = report.count, "a store failure was answered 503");
+                }
+                ApiError::Unavailable(format!(
+                    "the event store did not answer ({}); retry shortly",
+                    other.brief()
+                ))
+            }
         }
     }
 }
@@ -358,6 +391,7 @@ impl From<WriteError> for ApiError {
         match e {
             WriteError::Rule(r) => r.into(),
             WriteError::KeyReused => ApiError::KeyReused,
+            WriteError::StoreUnavailable => ApiError::StoreUnavailable,
             WriteError::Unverifiable { .. } | WriteError::GaveUp { .. } => {
                 ApiError::Conflict(e.to_string())
             }
@@ -440,12 +474,9 @@ mod tests {
                 }),
                 409,
             ),
-            (
-                WriteError::Store(StoreError::NotApplied {
-                    reason: "down".into(),
-                }),
-                503,
-            ),
+            (WriteError::Store(StoreError::shed("busy")), 503),
+            (WriteError::Store(StoreError::unreachable("refused")), 503),
+            (WriteError::StoreUnavailable, 503),
         ];
         for (e, status) in cases {
             assert_eq!(ApiError::from(e.clone()).status().as_u16(), status, "{e:?}");
@@ -508,17 +539,55 @@ mod tests {
                 "ACCOUNT_NOT_FOUND",
             ),
             (
-                ReadError::Store(StoreError::NotApplied {
-                    reason: "down".into(),
-                }),
+                ReadError::Store(StoreError::shed("busy")),
                 503,
                 "SERVICE_UNAVAILABLE",
+            ),
+            (
+                ReadError::Store(StoreError::unreachable("refused")),
+                503,
+                "STORE_UNAVAILABLE",
+            ),
+            (
+                ReadError::HistoryTipUnknown(StoreError::unreachable("refused")),
+                503,
+                "STORE_UNAVAILABLE",
             ),
         ];
         for (e, status, code) in cases {
             let api = ApiError::from(e.clone());
             assert_eq!((api.status().as_u16(), api.code()), (status, code), "{e:?}");
         }
+    }
+
+    /// Rule: what the store's client said (node addresses, OS errors) never reaches an
+    /// answer; the answer names the failure's class, and the log keeps the rest.
+    #[test]
+    fn a_store_failure_answers_a_fixed_phrase_without_the_clients_words() {
+        let words = "last attempt to 127.0.0.1:18998 failed: Connection refused (os error 111)";
+        let cases = [
+            ApiError::from(StoreError::unreachable(words)),
+            ApiError::from(StoreError::shed(words)),
+            ApiError::from(StoreError::OutcomeUnknown {
+                reason: words.into(),
+            }),
+            ApiError::from(StoreError::Other {
+                code: 77,
+                message: words.into(),
+            }),
+            ApiError::from(ReadError::HistoryTipUnknown(StoreError::shed(words))),
+            ApiError::from(WriteError::Store(StoreError::unreachable(words))),
+        ];
+        for api in cases {
+            let message = api.to_string();
+            assert!(
+                !message.contains("127.0.0.1") && !message.contains("os error"),
+                "{api:?} answers {message}"
+            );
+            assert_eq!(api.status().as_u16(), 503, "{api:?}");
+        }
+        let resp = ApiError::StoreUnavailable.into_response();
+        assert_eq!(resp.headers()[RETRY_AFTER], STORE_RETRY_AFTER_SECS);
     }
 
     /// A fold error answers the same (status, code and message) whether it reaches HTTP from

@@ -181,11 +181,9 @@ impl Projection {
         let mut st = slot.state.lock();
         same_fold(&st, generation)?;
         if st.version + 1 < min_available && !definitive {
-            return Err(ProjectionError::Store(StoreError::NotApplied {
-                reason: format!(
-                    "the stream is trimmed below version {min_available} and its checkpoints could not be read; retry"
-                ),
-            }));
+            return Err(ProjectionError::Store(StoreError::shed(format!(
+                "the stream is trimmed below version {min_available} and its checkpoints could not be read; retry"
+            ))));
         }
         if st.version + 1 < min_available {
             self.metrics.poisoned_accounts.inc();

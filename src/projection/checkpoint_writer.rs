@@ -262,9 +262,9 @@ impl Projection {
     ) -> Result<Wrote, StoreError> {
         let key = self.identity.key(account);
         let batches = read_whole(self.log.as_ref(), key, snap.version, snap.version).await?;
-        let batch = batches.first().ok_or_else(|| StoreError::NotApplied {
-            reason: "the checkpointed version was not read back".into(),
-        })?;
+        let batch = batches
+            .first()
+            .ok_or_else(|| StoreError::shed("the checkpointed version was not read back"))?;
         let cp = Checkpoint::at(batch, snap.balance, snap.max_client_seq);
         let ckpt_key = self.identity.checkpoint_key(account);
         let expected = match stream_version {

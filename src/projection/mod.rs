@@ -253,16 +253,15 @@ impl Projection {
         &self.log
     }
 
-    /// The account's newest version as the store itself gives it (its details call), 0 for
-    /// an account it does not have. One round trip; what a version beyond it means is the
-    /// caller's (a Celeriant server was found to hide a new account from this call too:
-    /// docs/stores.md, "A create the server hides").
+    /// The account's newest version as the store's leader holds it
+    /// ([`crate::store::EventLog::leader_tip`]), 0 for an account it does not have. One
+    /// round trip. A follower's word would do for a retryable answer, but the callers give
+    /// final ones (a 400 beyond the tip, a 404 for an account never opened), and a
+    /// follower that lags would make them wrong.
     pub async fn store_version(&self, account: AccountId) -> Result<u64, StoreError> {
-        match self.log.details(self.identity.key(account)).await {
-            Ok(d) => Ok(d.max_version),
-            Err(StoreError::AggregateNotFound) => Ok(0),
-            Err(e) => Err(e),
-        }
+        self.log
+            .leader_tip(self.identity.client(), self.identity.key(account))
+            .await
     }
 
     pub fn identity(&self) -> &Identity {

@@ -114,6 +114,13 @@ impl Projection {
         })
     }
 
+    /// Notes that `account` exists, so that its first write reads it instead of taking it
+    /// as new (a first touch, which would bounce off the version guard). Nothing is read
+    /// now: a read here would move the server clock before start-up anchors it.
+    pub fn remember_existing(&self, account: AccountId) {
+        self.existed.remember(account);
+    }
+
     /// Catches the account up with the store and returns its state; the index rows of
     /// `lookups` are answerable from the view.
     pub async fn refresh(

@@ -239,17 +239,13 @@ impl Projection {
     pub(crate) fn rows_refused(&self) -> Option<StoreError> {
         self.rows_ahead_of_store
             .load(Ordering::Acquire)
-            .then(|| StoreError::NotApplied {
-                reason: "the store went backwards under the shared rows (restored or replaced?): an operator must reconcile them and restart this replica".into(),
-            })
+            .then(|| StoreError::shed("the store went backwards under the shared rows (restored or replaced?): an operator must reconcile them and restart this replica"))
     }
 
     /// A catch-up that read for an earlier generation of the fold: retryable.
     pub(super) fn dropped_during_catch_up() -> StoreError {
-        StoreError::NotApplied {
-            reason:
-                "the fold was dropped during this catch-up (the store went backwards); try again"
-                    .into(),
-        }
+        StoreError::shed(
+            "the fold was dropped during this catch-up (the store went backwards); try again",
+        )
     }
 }

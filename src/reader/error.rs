@@ -32,7 +32,7 @@ pub enum ReadError {
     /// Retryable: the fold cannot say how far the stream goes (it is trimmed or poisoned),
     /// and the store's details call that would say it failed. Without the tip a full page
     /// would look like the last one, and a client following the pages would stop early.
-    #[error("the store could not say where the account's stream ends ({0}); retry")]
+    #[error("the store could not say where the account's stream ends ({}); retry", .0.brief())]
     HistoryTipUnknown(StoreError),
     /// The page size asked for is outside `1..=MAX_HISTORY_LIMIT`.
     #[error("limit must be 1..={max}")]

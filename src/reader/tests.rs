@@ -16,7 +16,7 @@ use bytes::Bytes;
 use std::sync::atomic::{AtomicBool, Ordering};
 use uuid::Uuid;
 
-/// Fails every `details` call while armed and passes everything else through.
+/// Fails every `details` and `leader_tip` call while armed and passes everything else through.
 /// (`FaultyLog` scripts faults into writes and reads only.)
 struct FailingDetails {
     inner: SharedLog,
@@ -39,11 +39,18 @@ impl EventLog for FailingDetails {
 
     async fn details(&self, key: AggregateKey) -> StoreResult<AggregateDetails> {
         if self.armed.load(Ordering::SeqCst) {
-            return Err(StoreError::NotApplied {
-                reason: "scripted: details unavailable".into(),
-            });
+            return Err(StoreError::shed("scripted: details unavailable"));
         }
         self.inner.details(key).await
+    }
+
+    /// Armed, the leader's tip cannot be had either: the store cannot say how far an
+    /// account goes.
+    async fn leader_tip(&self, client_id: ClientId, key: AggregateKey) -> StoreResult<u64> {
+        if self.armed.load(Ordering::SeqCst) {
+            return Err(StoreError::shed("scripted: tip unavailable"));
+        }
+        self.inner.leader_tip(client_id, key).await
     }
 
     async fn trim_start(&self, key: AggregateKey, keep_from_version: u64) -> StoreResult<()> {

@@ -267,6 +267,11 @@ impl Runner {
                         "demo account seed found landed (an earlier attempt or a sibling wrote it)"
                     );
                 }
+                // Every outcome means the account exists. Known so, its first write reads
+                // it first; unknown, that write would take it as new and bounce off the
+                // version guard (a wasted round trip, counted apart from contention as a
+                // first touch's bounce).
+                self.projection.remember_existing(seed.account());
                 Ok(())
             }
         }

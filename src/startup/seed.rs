@@ -114,6 +114,11 @@ impl DemoSeed {
         self.name
     }
 
+    /// The demo account.
+    pub fn account(&self) -> AccountId {
+        AccountId(uuid::Uuid::from_u128(self.key.aggregate_id))
+    }
+
     /// One attempt. `Err` says why the seed is not settled yet; the caller backs off and
     /// calls again (on the same value: what this attempt learned is kept).
     pub async fn attempt(&mut self, log: &dyn EventLog) -> Result<SeedOutcome, SeedPending> {

@@ -428,6 +428,11 @@ impl EventLog for CombiningLog {
         self.shared.inner.details(key).await
     }
 
+    /// Never combined: the probe must be refused alone, and its refusal is its answer.
+    async fn leader_tip(&self, client_id: ClientId, key: AggregateKey) -> StoreResult<u64> {
+        self.shared.inner.leader_tip(client_id, key).await
+    }
+
     async fn trim_start(&self, key: AggregateKey, keep_from_version: u64) -> StoreResult<()> {
         self.shared.inner.trim_start(key, keep_from_version).await
     }

@@ -45,3 +45,18 @@ pub struct StoreFlags {
     #[command(flatten)]
     pub celeriant: CeleriantConfig,
 }
+
+impl StoreFlags {
+    /// The store as log lines name it: its kind and nodes, never a credential.
+    pub fn describe(&self) -> String {
+        match self.kind {
+            StoreKind::Memory => "the embedded store".into(),
+            StoreKind::Celeriant => {
+                let c = &self.celeriant;
+                let mut nodes = vec![c.address.as_str()];
+                nodes.extend(c.seeds.iter().map(String::as_str));
+                format!("Celeriant at {}", nodes.join(", "))
+            }
+        }
+    }
+}

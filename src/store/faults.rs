@@ -518,9 +518,7 @@ impl<L: EventLog + ?Sized> EventLog for FaultyLog<L> {
             }
             WritePlan::Refused => {
                 bump(&self.counters.refused);
-                Err(StoreError::NotApplied {
-                    reason: "injected fault: refused before sending".into(),
-                })
+                Err(StoreError::shed("injected fault: refused before sending"))
             }
             WritePlan::LostAck => {
                 bump(&self.counters.lost_ack);

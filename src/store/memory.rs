@@ -453,9 +453,7 @@ impl WatchFeed for MemoryFeed {
                 // Overwritten before this feed read them: say so, the reader resyncs.
                 Err(broadcast::error::RecvError::Lagged(_)) => return Ok(WatchItem::Gap),
                 Err(broadcast::error::RecvError::Closed) => {
-                    return Err(StoreError::NotApplied {
-                        reason: "the store was dropped".into(),
-                    });
+                    return Err(StoreError::shed("the store was dropped"));
                 }
             }
         }

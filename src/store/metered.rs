@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 
+use super::health::StoreHealth;
 use super::{
     AggregateDetails, AggregateKey, AggregateWrite, ClientId, EventLog, ReadFilter, ReadPage,
     StoreError, StoreResult, WatchFeed, WatchFilter,
@@ -14,14 +15,21 @@ use crate::metrics::Metrics;
 pub struct MeteredLog {
     inner: Arc<dyn EventLog>,
     metrics: Arc<Metrics>,
+    /// Told what every call found, so the replica knows whether its store answers.
+    health: Arc<StoreHealth>,
 }
 
 impl MeteredLog {
-    pub fn new(inner: Arc<dyn EventLog>, metrics: Arc<Metrics>) -> Self {
-        Self { inner, metrics }
+    pub fn new(inner: Arc<dyn EventLog>, metrics: Arc<Metrics>, health: Arc<StoreHealth>) -> Self {
+        Self {
+            inner,
+            metrics,
+            health,
+        }
     }
 
     fn observe<T>(&self, op: &str, started: Instant, result: &StoreResult<T>) {
+        self.health.observe(result);
         self.metrics
             .store_duration
             .with_label_values(&[op])
@@ -84,6 +92,14 @@ impl EventLog for MeteredLog {
         let t = Instant::now();
         let r = self.inner.details(key).await;
         self.observe("details", t, &r);
+        r
+    }
+
+    /// Counted as its own operation: its refusal is the answer, not a write's conflict.
+    async fn leader_tip(&self, client_id: ClientId, key: AggregateKey) -> StoreResult<u64> {
+        let t = Instant::now();
+        let r = self.inner.leader_tip(client_id, key).await;
+        self.observe("leader_tip", t, &r);
         r
     }
 

@@ -26,6 +26,7 @@ pub mod celeriant;
 pub mod combine;
 pub mod config;
 pub mod faults;
+pub mod health;
 pub mod memory;
 pub mod metered;
 pub mod probe;
@@ -222,9 +223,9 @@ pub enum StoreError {
     #[error("outcome unknown: {reason}")]
     OutcomeUnknown { reason: String },
     /// Definitely not applied (refused before sending, server busy, not leader). Safe to
-    /// retry as is.
+    /// retry as is. `cause` says whether the store itself was out of reach.
     #[error("not applied: {reason}")]
-    NotApplied { reason: String },
+    NotApplied { reason: String, cause: NotApplied },
     /// 1001/2005/7001: the aggregate does not exist (and the write did not allow creation).
     #[error("aggregate not found")]
     AggregateNotFound,
@@ -239,10 +240,74 @@ pub enum StoreError {
     Other { code: u32, message: String },
 }
 
+/// Why a store call was definitely not applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NotApplied {
+    /// No node that could take the call was reached: connections refused or timed out, or
+    /// no leader. The store is out of reach for every request, not just this one.
+    Unreachable,
+    /// The store answered and shed the call (busy, backpressure), or this side did not send
+    /// it or did not trust its answer (a pool wait, a read that ended early).
+    Shed,
+}
+
 impl StoreError {
     /// Whether a write that failed this way may have been applied.
     pub fn may_have_applied(&self) -> bool {
         matches!(self, StoreError::OutcomeUnknown { .. })
+    }
+
+    /// A call that was not applied because the store shed it or this side held it back.
+    pub fn shed(reason: impl Into<String>) -> Self {
+        StoreError::NotApplied {
+            reason: reason.into(),
+            cause: NotApplied::Shed,
+        }
+    }
+
+    /// A call that was not applied because no node of the store could be reached.
+    pub fn unreachable(reason: impl Into<String>) -> Self {
+        StoreError::NotApplied {
+            reason: reason.into(),
+            cause: NotApplied::Unreachable,
+        }
+    }
+
+    /// Whether the store was out of reach (see [`NotApplied::Unreachable`]).
+    pub fn is_unreachable(&self) -> bool {
+        matches!(
+            self,
+            StoreError::NotApplied {
+                cause: NotApplied::Unreachable,
+                ..
+            }
+        )
+    }
+
+    /// What may be said of this error outside the process: its class and the store's own
+    /// numbers, never the free text a client or server put in it (node addresses, OS
+    /// errors). The whole error goes to the log.
+    pub fn brief(&self) -> String {
+        match self {
+            StoreError::Conflict { .. }
+            | StoreError::IdempotencyViolation { .. }
+            | StoreError::InflightDuplicate
+            | StoreError::AggregateNotFound
+            | StoreError::Trimmed { .. }
+            | StoreError::CrossShard => self.to_string(),
+            StoreError::OutcomeUnknown { .. } => {
+                "outcome unknown: the store's answer was lost".into()
+            }
+            StoreError::NotApplied {
+                cause: NotApplied::Unreachable,
+                ..
+            } => "not applied: the store could not be reached".into(),
+            StoreError::NotApplied {
+                cause: NotApplied::Shed,
+                ..
+            } => "not applied: the store did not take the request".into(),
+            StoreError::Other { code, .. } => format!("store error {code}"),
+        }
     }
 }
 
@@ -275,7 +340,44 @@ pub trait EventLog: Send + Sync + 'static {
     async fn read(&self, key: AggregateKey, filter: &ReadFilter) -> StoreResult<ReadPage>;
 
     /// Version bounds and last server timestamp of an aggregate.
+    ///
+    /// A multi-node store may answer this from a follower that lags the leader, as it may a
+    /// read: what is final on the tip must come from [`EventLog::leader_tip`].
     async fn details(&self, key: AggregateKey) -> StoreResult<AggregateDetails>;
+
+    /// The aggregate's newest version as the node that takes writes holds it, 0 for an
+    /// aggregate that does not exist, with nothing written.
+    ///
+    /// Only the leader takes a write, so this sends one that cannot land: guarded at
+    /// [`UNREACHABLE_VERSION`], without creation. The version guard refuses it, and its
+    /// refusal names the current version. Every backend passes the same conformance rule.
+    async fn leader_tip(&self, client_id: ClientId, key: AggregateKey) -> StoreResult<u64> {
+        let probe = AggregateWrite {
+            key,
+            events: vec![tip_probe_event()],
+            expected_version: Some(UNREACHABLE_VERSION),
+            allow_create: false,
+            enforce_client_idempotency: false,
+        };
+        match self.write(client_id, vec![probe]).await {
+            Err(StoreError::Conflict { current, .. }) => Ok(current),
+            Err(StoreError::AggregateNotFound) => Ok(0),
+            Err(e) => Err(e),
+            Ok(versions) => {
+                // The guard lets no stream reach this version: a store that says otherwise
+                // broke the port's rules, and nothing it says of the tip is trusted.
+                tracing::error!(
+                    ?key,
+                    ?versions,
+                    "a write guarded at an unreachable version was applied"
+                );
+                Err(StoreError::Other {
+                    code: UNREACHABLE_VERSION_APPLIED_CODE,
+                    message: "a write guarded at an unreachable version was applied".into(),
+                })
+            }
+        }
+    }
 
     /// Drops every batch below `keep_from_version`. Versions and the client high-water marks
     /// are kept.
@@ -299,6 +401,32 @@ pub trait EventLog: Send + Sync + 'static {
 
 /// Error code of a store that cannot watch (not a Celeriant code).
 pub const WATCH_UNSUPPORTED_CODE: u32 = u32::MAX;
+
+/// The version [`EventLog::leader_tip`] guards its probe at. No stream reaches it, so the
+/// guard always refuses the probe.
+pub const UNREACHABLE_VERSION: u64 = u64::MAX;
+
+/// Error code of a store that applied the tip probe, which its guard must refuse (not a
+/// Celeriant code).
+pub const UNREACHABLE_VERSION_APPLIED_CODE: u32 = u32::MAX - 1;
+
+/// The event the tip probe carries. A write must carry one; this one never lands. Major 0
+/// is reserved by the server, so the type is Tally's own.
+fn tip_probe_event() -> Event {
+    Event {
+        client_seq: 0,
+        event_id: None,
+        event_type: TIP_PROBE_EVENT_TYPE,
+        payload: Bytes::new(),
+        timestamp_ms: 0,
+    }
+}
+
+/// The tip probe's event type: one no fold knows, were it ever to land.
+pub const TIP_PROBE_EVENT_TYPE: EventType = EventType {
+    major: 0x7a11_7199,
+    minor: 0,
+};
 
 /// Which aggregates a watch reports; `None` admits any.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -418,12 +546,10 @@ impl WholeRange {
     }
 
     fn incomplete(&self) -> StoreError {
-        StoreError::NotApplied {
-            reason: format!(
-                "a read of versions {}..={} did not show version {} (a replica behind the tip)",
-                self.from, self.to, self.next
-            ),
-        }
+        StoreError::shed(format!(
+            "a read of versions {}..={} did not show version {} (a replica behind the tip)",
+            self.from, self.to, self.next
+        ))
     }
 }
 

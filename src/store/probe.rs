@@ -30,7 +30,9 @@ impl SharedPing {
         }
         let answer = match tokio::time::timeout(timeout, log.ping()).await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(format!("store not reachable: {e}")),
+            // The class only: a probe is open to anyone, and the client's words carry node
+            // addresses and OS errors. The store's health logs them when it is lost.
+            Ok(Err(e)) => Err(format!("store not reachable ({})", e.brief())),
             Err(_) => Err("store did not answer in time".into()),
         };
         *last = Some((Instant::now(), answer.clone()));

@@ -9,6 +9,47 @@ use super::verify::SeqOwnership;
 use crate::metrics::arm;
 use crate::store::StoreError;
 
+/// Why an attempt did not end its run: what a give-up says, and whether the store was out
+/// of reach (which a give-up answers as the store's outage, not as a conflict).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct Failure {
+    /// Safe to answer: a store error's class and numbers, never its free text
+    /// ([`StoreError::brief`]).
+    pub what: String,
+    pub cause: Cause,
+}
+
+/// What kind of failure a [`Failure`] is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) enum Cause {
+    /// The store answered, or the run stopped itself (a deadline, a lagging read).
+    #[default]
+    Other,
+    /// No node of the store that could take the call was reached.
+    StoreUnreachable,
+}
+
+impl Failure {
+    pub fn other(what: impl Into<String>) -> Self {
+        Self {
+            what: what.into(),
+            cause: Cause::Other,
+        }
+    }
+
+    /// A store call's failure, prefixed with what the call was for.
+    pub fn store(context: &str, e: &StoreError) -> Self {
+        Self {
+            what: format!("{context}{}", e.brief()),
+            cause: if e.is_unreachable() {
+                Cause::StoreUnreachable
+            } else {
+                Cause::Other
+            },
+        }
+    }
+}
+
 /// The next step after one write.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Step {
@@ -21,7 +62,7 @@ pub(super) enum Step {
     /// expected (the store shows fewer versions than were folded: `projection/regress.rs`).
     Rejected {
         arm: &'static str,
-        failure: String,
+        failure: Failure,
         store_behind: Option<Behind>,
     },
     /// May have landed, or an earlier attempt is not durable yet: hold the sequences; the
@@ -29,11 +70,11 @@ pub(super) enum Step {
     /// this very write may have applied (so a landing found later is this run's own).
     Hold {
         arm: &'static str,
-        failure: String,
+        failure: Failure,
         sent_unknown: bool,
     },
     /// Definitely not applied: send the same again after the backoff.
-    Retry { arm: &'static str, failure: String },
+    Retry { arm: &'static str, failure: Failure },
     /// 2002: someone landed one of our sequences; the stream knows who.
     Contested,
     /// Nothing the loop can fix: answer every open request with this error.
@@ -56,22 +97,22 @@ pub(super) fn classify(result: Result<Vec<u64>, StoreError>) -> Step {
         Ok(versions) => Step::Applied { versions },
         Err(StoreError::Conflict { expected, current }) => Step::Rejected {
             arm: arm::CONFLICT,
-            failure: "version conflict".into(),
+            failure: Failure::other("version conflict"),
             store_behind: (current < expected).then_some(Behind { expected, current }),
         },
-        Err(StoreError::OutcomeUnknown { reason }) => Step::Hold {
+        Err(e @ StoreError::OutcomeUnknown { .. }) => Step::Hold {
             arm: arm::OUTCOME_UNKNOWN,
-            failure: format!("outcome unknown: {reason}"),
+            failure: Failure::store("", &e),
             sent_unknown: true,
         },
         Err(StoreError::InflightDuplicate) => Step::Hold {
             arm: arm::INFLIGHT_DUPLICATE,
-            failure: "an earlier attempt is still in flight".into(),
+            failure: Failure::other("an earlier attempt is still in flight"),
             sent_unknown: false,
         },
-        Err(StoreError::NotApplied { reason }) => Step::Retry {
+        Err(e @ StoreError::NotApplied { .. }) => Step::Retry {
             arm: arm::NOT_APPLIED,
-            failure: format!("not applied: {reason}"),
+            failure: Failure::store("", &e),
         },
         Err(StoreError::IdempotencyViolation { .. }) => Step::Contested,
         // Only a write that may not create is refused so (explicit accounts), and only when
@@ -80,7 +121,7 @@ pub(super) fn classify(result: Result<Vec<u64>, StoreError>) -> Step {
         // decide again on a fresh read, which refuses the write if the account is gone.
         Err(StoreError::AggregateNotFound) => Step::Rejected {
             arm: arm::STORE_ERROR,
-            failure: "the store holds no stream for an account of this write".into(),
+            failure: Failure::other("the store holds no stream for an account of this write"),
             store_behind: None,
         },
         Err(StoreError::CrossShard) => Step::Fail {
@@ -101,7 +142,7 @@ pub(super) enum Settlement {
     /// read it back at once (no backoff).
     Ours,
     /// A sibling's event holds it: ours never landed. Release the sequences and re-derive.
-    Sibling { failure: String },
+    Sibling { failure: Failure },
     /// Nothing visible holds it: refuse to guess, answer the batch retryably.
     Unverifiable { error: WriteError },
 }
@@ -111,7 +152,7 @@ pub(super) fn settle(combined: SeqOwnership) -> Settlement {
     match combined {
         SeqOwnership::Ours { .. } => Settlement::Ours,
         SeqOwnership::Sibling => Settlement::Sibling {
-            failure: "a sibling request holds the sequence".into(),
+            failure: Failure::other("a sibling request holds the sequence"),
         },
         SeqOwnership::Unwritten => Settlement::Unverifiable {
             error: WriteError::Unverifiable {
@@ -153,9 +194,7 @@ mod tests {
             }
         ));
         assert!(matches!(
-            classify(Err(StoreError::NotApplied {
-                reason: "refused".into()
-            })),
+            classify(Err(StoreError::shed("refused"))),
             Step::Retry { .. }
         ));
         assert_eq!(
@@ -165,6 +204,25 @@ mod tests {
             })),
             Step::Contested
         );
+    }
+
+    /// Rule: a write the store could not be reached for is retried as is, and its failure
+    /// says the store was out of reach (a give-up then answers the outage), without the
+    /// client's own words (node addresses, OS errors).
+    #[test]
+    fn an_unreachable_store_is_a_retry_that_names_the_outage_without_its_addresses() {
+        let step = classify(Err(StoreError::unreachable(
+            "Connection failed: last attempt to 127.0.0.1:11000 failed: os error 111",
+        )));
+        let Step::Retry { failure, .. } = step else {
+            panic!("{step:?}");
+        };
+        assert_eq!(failure.cause, Cause::StoreUnreachable);
+        assert!(!failure.what.contains("127.0.0.1"), "{}", failure.what);
+        let Step::Retry { failure, .. } = classify(Err(StoreError::shed("busy"))) else {
+            panic!("a shed write is retried");
+        };
+        assert_eq!(failure.cause, Cause::Other);
     }
 
     /// Rule: the store's "no such aggregate" on a write (explicit accounts, on a state that

@@ -132,6 +132,12 @@ pub enum WriteError {
     /// Could not prove whether an earlier attempt landed. Retryable.
     #[error("the write's outcome could not be verified ({reason}); retry the request")]
     Unverifiable { reason: String },
+    /// The store could not be reached on the run's last attempt. An earlier attempt may have
+    /// landed, so a retry with the same key settles it. Retryable.
+    #[error(
+        "the event store cannot be reached; retry the request with the same Idempotency-Key after Retry-After"
+    )]
+    StoreUnavailable,
     /// Attempts or deadline exhausted. Retryable.
     #[error("{}", gave_up_message(*attempts, last))]
     GaveUp { attempts: u32, last: String },

@@ -31,6 +31,7 @@ use crate::backoff::Backoff;
 use crate::metrics::{Metrics, refused};
 use crate::projection::Projection;
 use crate::store::SharedLog;
+use crate::store::health::StoreHealth;
 
 /// First backoff between attempts; doubles per attempt up to [`MAX_BACKOFF`].
 const BASE_BACKOFF: Duration = Duration::from_millis(2);
@@ -65,6 +66,8 @@ pub struct WriteService {
     pub(super) lanes: Lanes,
     /// One permit per live request; see [`WriteConfig::max_live_writes`].
     live: Semaphore,
+    /// Whether the store answers, as the replica's store calls find it.
+    health: Arc<StoreHealth>,
 }
 
 impl WriteService {
@@ -76,7 +79,14 @@ impl WriteService {
             leaders: DashMap::default(),
             lanes: Lanes::new(config.max_queued_per_account),
             live: Semaphore::new(config.max_live_writes.max(1)),
+            health: Arc::default(),
         }
+    }
+
+    /// Reads the store's reach from `health` (the one its store calls feed: `MeteredLog`).
+    pub fn with_health(mut self, health: Arc<StoreHealth>) -> Self {
+        self.health = health;
+        self
     }
 
     /// Runs write through `log` (it must front the projection's store: group commit).
@@ -195,6 +205,7 @@ impl WriteService {
             log: &self.log,
             identity: *self.projection.identity(),
             metrics: self.metrics(),
+            health: &self.health,
             config: self.config,
         };
         let mut run = Run::new(cx, reqs);

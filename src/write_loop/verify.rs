@@ -98,9 +98,9 @@ async fn collect_owners(
             return Ok(owners);
         }
     }
-    Err(StoreError::NotApplied {
-        reason: format!("the ownership read passed {MAX_OWNERSHIP_PAGES} pages"),
-    })
+    Err(StoreError::shed(format!(
+        "the ownership read passed {MAX_OWNERSHIP_PAGES} pages"
+    )))
 }
 
 /// The verdict for `event_id` at `seq`, given what the point read found.

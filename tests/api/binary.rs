@@ -139,7 +139,7 @@ fn spawn_logging(args: &[&str], env: &[(&str, &str)]) -> (Child, mpsc::Receiver<
 }
 
 /// A running `tally` with its JSON log lines streamed to the test; killed if the test fails.
-struct Server {
+pub(crate) struct Server {
     child: Child,
     lines: mpsc::Receiver<String>,
     log: Vec<Value>,
@@ -147,7 +147,7 @@ struct Server {
 }
 
 impl Server {
-    fn start(args: &[&str], env: &[(&str, &str)]) -> Server {
+    pub(crate) fn start(args: &[&str], env: &[(&str, &str)]) -> Server {
         let (child, lines) = spawn_logging(args, env);
         let mut server = Server {
             child,
@@ -165,7 +165,7 @@ impl Server {
     }
 
     /// On a free port, logging JSON, without the demo accounts, with `extra` flags.
-    fn start_unseeded(extra: &[&str]) -> Server {
+    pub(crate) fn start_unseeded(extra: &[&str]) -> Server {
         let mut args = vec![
             "--listen",
             "127.0.0.1:0",
@@ -179,7 +179,7 @@ impl Server {
     }
 
     /// Waits (bounded) for the log line with this message; returns it.
-    fn wait_for(&mut self, message: &str) -> Value {
+    pub(crate) fn wait_for(&mut self, message: &str) -> Value {
         let deadline = Instant::now() + PROCESS_BOUND;
         loop {
             if let Some(v) = self.log.iter().find(|v| v["fields"]["message"] == message) {
@@ -195,6 +195,20 @@ impl Server {
                 Err(e) => panic!("no {message:?} log line ({e}); log so far: {:#?}", self.log),
             }
         }
+    }
+
+    /// Takes in every log line written so far, waiting at most `quiet` for each next one.
+    pub(crate) fn drain_log(&mut self, quiet: Duration) {
+        while let Ok(line) = self.lines.recv_timeout(quiet) {
+            if let Ok(v) = serde_json::from_str(&line) {
+                self.log.push(v);
+            }
+        }
+    }
+
+    /// The log lines taken in so far.
+    pub(crate) fn log(&self) -> &[Value] {
+        &self.log
     }
 
     /// The position of the first log line with this message.
@@ -230,7 +244,7 @@ impl Server {
         self.child.wait().expect("reaped")
     }
 
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
     }
 }

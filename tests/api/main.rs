@@ -11,6 +11,7 @@
 //! - [`bad_input`]: 400, 404, 405, 415 and 422, each changing nothing;
 //! - [`limits`]: the body limit (413), load shedding (503), abandoned requests;
 //! - [`store_failures`]: retryable 409s and the poisoned stream's 500;
+//! - [`store_outage`]: a real server SIGKILLed under the binary: 503s, the log, the retry;
 //! - [`idempotency_keys`]: replays, key syntax, minted keys, reuse, concurrent duplicates;
 //! - [`accounts`]: opening accounts, and explicit accounts (`--accounts explicit`);
 //! - [`binary`]: the `tally` process itself.
@@ -41,6 +42,7 @@ mod limits;
 mod routes;
 mod startup;
 mod store_failures;
+mod store_outage;
 
 mod architecture_doc;
 mod auth;

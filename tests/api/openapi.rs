@@ -89,6 +89,7 @@ fn one_of_each() -> Vec<ApiError> {
         },
         ApiError::Conflict("x".into()),
         ApiError::Unavailable("x".into()),
+        ApiError::StoreUnavailable,
         ApiError::RetryLater {
             code: "SYNC_UNVERIFIED",
             message: "x".into(),
@@ -131,6 +132,7 @@ fn variant(e: &ApiError) -> usize {
         ApiError::UriTooLong(_) => 18,
         ApiError::HeadersTooLarge(_) => 19,
         ApiError::AccountNotFound(_) => 20,
+        ApiError::StoreUnavailable => 21,
     }
 }
 
@@ -210,7 +212,7 @@ fn status_of_response(r: &Value) -> u16 {
 fn every_status_the_code_answers_is_documented_and_no_other() {
     let errors = one_of_each();
     let listed: BTreeSet<usize> = errors.iter().map(variant).collect();
-    assert_eq!(listed.len(), 21, "one sample of each ApiError variant");
+    assert_eq!(listed.len(), 22, "one sample of each ApiError variant");
     let mut code: BTreeSet<u16> = errors.iter().map(|e| e.status().as_u16()).collect();
     code.insert(200);
     // An open's answer (`POST /api/accounts`).

@@ -8,7 +8,9 @@ use tally::config::Config;
 use tally::store::faults::Fault;
 use uuid::Uuid;
 
-use crate::common::{TestApp, assert_error, leg, scripted_faults, spawn, spawn_default};
+use crate::common::{
+    TestApp, assert_error, leg, metric_sample, scripted_faults, spawn, spawn_default,
+};
 
 /// The harness config with demo-account seeding on (the harness turns it off).
 fn seeding_config() -> Config {
@@ -94,5 +96,29 @@ async fn a_store_fault_during_start_up_leaves_the_replica_serving_and_not_ready_
     assert_eq!(leg(&r.body), (50_100, 2), "{}", r.text);
     let counts = faulty.counts();
     assert_eq!((counts.refused, counts.lost_ack), (1, 1));
+    t.shutdown().await;
+}
+
+/// Rule: a replica knows the demo accounts it seeded. Their first write is decided on their
+/// state, not taken as a new account and bounced off the version guard: no conflict counted
+/// for an account nobody else writes, and no wasted round trip.
+#[tokio::test]
+async fn the_first_write_to_a_seeded_account_is_decided_on_its_state() {
+    let t = spawn(seeding_config(), None, None).await;
+    let r = t
+        .deposit(&demo_id("Alice"), 100, Some("first-after-start"))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(leg(&r.body), (50_100, 2));
+    let metrics = t.get("/metrics").await.text;
+    for arm in ["conflict", "first_touch_bounce"] {
+        let series = format!("tally_write_outcomes_total{{arm=\"{arm}\",operation=\"deposit\"}}");
+        // Every arm's series exists from the start, so an absent one is a wrong name.
+        assert!(metrics.contains(&format!("{series} ")), "{series} exported");
+        assert_eq!(metric_sample(&metrics, &series), 0.0, "{series}");
+    }
+    // A read and the write; a bounced first touch would cost a write before them.
+    let trips = metric_sample(&metrics, "tally_store_round_trips_per_write_sum");
+    assert_eq!(trips, 2.0, "round trips for one deposit");
     t.shutdown().await;
 }

@@ -7,7 +7,7 @@
 //! 2. A write runs [`Around::before_write`], then takes the next scripted [`Step`] if one is
 //!    queued (answer an error, forward and run a hook, detach), else forwards; then runs
 //!    [`Around::after_write`] with the answer, and is recorded with it ([`WriteRecord`]).
-//! 3. A read runs [`Around::before_read`], then forwards. `details` and `trim_start` forward;
+//! 3. A read runs [`Around::before_read`], then forwards. `details`, `leader_tip` and `trim_start` forward;
 //!    `ping` keeps the trait's default.
 //!
 //! The log adds no yield of its own: a hook that does nothing completes without yielding, so
@@ -227,6 +227,15 @@ impl<A: Around> EventLog for HookedLog<A> {
             return store.details(key).await;
         }
         self.inner.details(key).await
+    }
+
+    /// Forwarded like `details`: the probe asks where a stream ends and can never land, so
+    /// it is no write of the suites' to script or record.
+    async fn leader_tip(&self, client_id: ClientId, key: AggregateKey) -> StoreResult<u64> {
+        if let Some(store) = self.bypassed(&key) {
+            return store.leader_tip(client_id, key).await;
+        }
+        self.inner.leader_tip(client_id, key).await
     }
 
     async fn trim_start(&self, key: AggregateKey, keep_from_version: u64) -> StoreResult<()> {

@@ -52,6 +52,7 @@ macro_rules! conformance_suite {
             expected_version_zero_means_must_not_exist,
             version_guard_conflict_reports_expected_and_current,
             existence_is_checked_before_the_version_guard,
+            the_leader_tip_probe_names_the_tip_and_lands_nothing,
             retried_conditional_write_that_landed_gets_conflict_not_idempotency_violation,
             retry_with_refreshed_expected_version_gets_idempotency_violation,
             idempotency_rejects_lowest_seq_at_or_below_the_mark,
@@ -353,6 +354,44 @@ mod rules {
             log.write(c, vec![write(key, &[3], Some(2), true)]).await,
             Ok(vec![3])
         );
+    }
+
+    /// `leader_tip` is a write guarded at a version no stream reaches: the guard refuses it
+    /// and names the current version. It must never land, create an aggregate, or move a
+    /// mark, whoever wrote the aggregate and whatever its marks are.
+    pub async fn the_leader_tip_probe_names_the_tip_and_lands_nothing(log: SharedLog, k: Keys) {
+        let (key, c) = (k.key(), k.client());
+        // An aggregate that does not exist is at 0, and the probe does not create it.
+        assert_eq!(log.leader_tip(c, key).await, Ok(0));
+        assert_eq!(
+            log.read(key, &ReadFilter::default())
+                .await
+                .map(|p| p.batches.len()),
+            Err(StoreError::AggregateNotFound)
+        );
+        // Another writer's aggregate, on which this client holds no mark.
+        let other = k.client();
+        log.write(other, vec![write(key, &[1], None, true)])
+            .await
+            .expect("v1");
+        log.write(other, vec![write(key, &[2], None, true)])
+            .await
+            .expect("v2");
+        assert_eq!(log.leader_tip(c, key).await, Ok(2));
+        assert_eq!(log.leader_tip(other, key).await, Ok(2));
+        assert_eq!(versions(&log, key).await, vec![1, 2]);
+        assert_eq!(log.details(key).await.map(|d| d.max_version), Ok(2));
+        // No mark moved: the writer's next sequence still lands, and this client's first.
+        assert_eq!(
+            log.write(other, vec![write(key, &[3], Some(2), true)])
+                .await,
+            Ok(vec![3])
+        );
+        assert_eq!(
+            log.write(c, vec![write(key, &[1], Some(3), true)]).await,
+            Ok(vec![4])
+        );
+        assert_eq!(log.leader_tip(c, key).await, Ok(4));
     }
 
     pub async fn existence_is_checked_before_the_version_guard(log: SharedLog, k: Keys) {

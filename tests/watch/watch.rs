@@ -820,9 +820,7 @@ impl tally::store::EventLog for SilentWatch {
         filter: &tally::store::ReadFilter,
     ) -> tally::store::StoreResult<tally::store::ReadPage> {
         if self.1.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(tally::store::StoreError::NotApplied {
-                reason: "scripted outage".into(),
-            });
+            return Err(tally::store::StoreError::shed("scripted outage"));
         }
         self.0.read_now(key, filter)
     }

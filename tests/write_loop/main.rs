@@ -6,6 +6,7 @@
 //!   test` runs it a second time on the Postgres projection: the `write_loop::` filter);
 //! - [`combine`]: group commit, writes of different accounts sharing one store request;
 //! - [`faults`]: every fault of the injector, counted, same seed same sequence;
+//! - [`leader_tip`]: a refusal is final only on the leader's tip, never a lagging follower's;
 //! - [`scan_on_miss`]: a retry past the recent-writes window found in the account's batches;
 //! - [`startup`]: start-up steps that retry on their own, and `/readyz` while they do.
 //!
@@ -16,6 +17,7 @@ mod common;
 
 mod combine;
 mod faults;
+mod leader_tip;
 mod scan_on_miss;
 mod startup;
 mod write_loop;

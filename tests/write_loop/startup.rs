@@ -162,9 +162,7 @@ impl EventLog for Gate {
             *self.writes.lock().entry(w.key).or_default() += 1;
         }
         if writes.iter().any(|w| self.closed.lock().contains(&w.key)) {
-            return Err(StoreError::NotApplied {
-                reason: "test gate closed".into(),
-            });
+            return Err(StoreError::shed("test gate closed"));
         }
         self.inner.write(client, writes).await
     }

@@ -203,9 +203,9 @@ impl Scan<'_> {
         let mut whole = WholeRange::new(from, to);
         loop {
             if self.pages >= MAX_RUN_READ_PAGES {
-                return Err(StoreError::NotApplied {
-                    reason: format!("the read-back passed {MAX_RUN_READ_PAGES} pages"),
-                });
+                return Err(StoreError::shed(format!(
+                    "the read-back passed {MAX_RUN_READ_PAGES} pages"
+                )));
             }
             self.pages += 1;
             let batches = match stream.next_page().await {

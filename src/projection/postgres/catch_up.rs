@@ -80,11 +80,9 @@ impl Projection {
         let row = self.pg_load(pg, account, &[], None).await?;
         let version = row.state.map_or(0, |(snap, _)| snap.version);
         if version + 1 >= min_available {
-            return Err(ProjectionError::Store(StoreError::NotApplied {
-                reason: format!(
-                    "the shared cursor moved to version {version}, past the trim at {min_available}, during this catch-up"
-                ),
-            }));
+            return Err(ProjectionError::Store(StoreError::shed(format!(
+                "the shared cursor moved to version {version}, past the trim at {min_available}, during this catch-up"
+            ))));
         }
         Ok(())
     }
@@ -193,11 +191,9 @@ impl Projection {
                 }
                 Err(StoreError::Trimmed { min_available }) => {
                     if st.version + 1 < min_available && !definitive {
-                        return Err(ProjectionError::Store(StoreError::NotApplied {
-                            reason: format!(
-                                "the stream is trimmed below version {min_available} and its checkpoints could not be read; retry"
-                            ),
-                        }));
+                        return Err(ProjectionError::Store(StoreError::shed(format!(
+                            "the stream is trimmed below version {min_available} and its checkpoints could not be read; retry"
+                        ))));
                     }
                     if st.version + 1 < min_available {
                         self.pg_cursor_still_below(pg, account, min_available)

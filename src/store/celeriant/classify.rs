@@ -43,13 +43,7 @@ fn unanswered(op: Op, reason: String) -> StoreError {
     if op.mutates() {
         StoreError::OutcomeUnknown { reason }
     } else {
-        StoreError::NotApplied { reason }
-    }
-}
-
-fn not_applied(reason: impl Into<String>) -> StoreError {
-    StoreError::NotApplied {
-        reason: reason.into(),
+        StoreError::shed(reason)
     }
 }
 
@@ -69,14 +63,16 @@ pub(crate) fn map_error(op: Op, e: ClientError) -> StoreError {
         e @ ClientError::CorrelationMismatch { .. } => unanswered(op, e.to_string()),
         e @ ClientError::ProtocolError => unanswered(op, e.to_string()),
 
-        // Refused or never sent.
-        e @ ClientError::ConnectionFailed(_) => not_applied(e.to_string()),
-        e @ ClientError::ConnectionTimeout => not_applied(e.to_string()),
-        e @ ClientError::PoolTimeout { .. } => not_applied(e.to_string()),
-        e @ ClientError::ServerBusy => not_applied(e.to_string()),
-        e @ ClientError::NotLeader { .. } => not_applied(e.to_string()),
+        // Never sent: no node that could take it was reached (the client walks every node it
+        // knows before it says so, and "no leader found" is said this way too).
+        e @ ClientError::ConnectionFailed(_) => StoreError::unreachable(e.to_string()),
+        e @ ClientError::ConnectionTimeout => StoreError::unreachable(e.to_string()),
+        e @ ClientError::NotLeader { .. } => StoreError::unreachable(e.to_string()),
+        // Refused or held back on this side: the store itself may be fine.
+        e @ ClientError::PoolTimeout { .. } => StoreError::shed(e.to_string()),
+        e @ ClientError::ServerBusy => StoreError::shed(e.to_string()),
         // The handshake could not resolve the compression dictionary: nothing was sent.
-        e @ ClientError::DictUnavailable { .. } => not_applied(e.to_string()),
+        e @ ClientError::DictUnavailable { .. } => StoreError::shed(e.to_string()),
 
         // Misconfiguration: repeating will not help.
         e @ ClientError::IdentityRequired => StoreError::Other {
@@ -145,12 +141,14 @@ fn map_server_code(op: Op, code: u32, message: String) -> StoreError {
         codes::SERVER_BUSY
         | codes::WRITE_REPLICATION_BACKPRESSURE
         | codes::TRIM_REPLICATION_BACKPRESSURE
-        | codes::DELETE_REPLICATION_BACKPRESSURE
-        | codes::WRITE_NOT_LEADER
-        | codes::TRIM_NOT_LEADER
-        | codes::DELETE_NOT_LEADER => StoreError::NotApplied {
-            reason: format!("server refused ({code}): {message}"),
-        },
+        | codes::DELETE_REPLICATION_BACKPRESSURE => {
+            StoreError::shed(format!("server refused ({code}): {message}"))
+        }
+        // Refused before anything was queued, by a node that is not the leader: until one
+        // is, no node takes the write.
+        codes::WRITE_NOT_LEADER | codes::TRIM_NOT_LEADER | codes::DELETE_NOT_LEADER => {
+            StoreError::unreachable(format!("server refused ({code}): {message}"))
+        }
         // The batch was queued (and may be on disk) when fsync or replication failed: it can
         // survive, be replicated later, or be rolled back.
         codes::WRITE_REPLICATION_ERROR

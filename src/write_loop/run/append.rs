@@ -8,7 +8,7 @@ use crate::account::{AccountEvent, AccountsMode};
 use crate::metrics::arm;
 use crate::projection::RecordedWrite;
 use crate::store::{AggregateWrite, Event};
-use crate::write_loop::classify::{self, Behind, Settlement, Step};
+use crate::write_loop::classify::{self, Behind, Failure, Settlement, Step};
 use crate::write_loop::service::invariant;
 use crate::write_loop::verify::{self, SeqOwnership};
 use crate::write_loop::{LegResult, WriteOutcome};
@@ -92,10 +92,17 @@ impl Run<'_> {
     fn rejected(
         &mut self,
         arm: &'static str,
-        failure: String,
+        failure: Failure,
         store_behind: Option<Behind>,
     ) -> Next {
-        self.arm(arm);
+        let bounced = self.first_touch == FirstTouch::ThisAttempt;
+        // A first touch's bounce says only that the account exists: not contention, so an
+        // alert on the conflict rate does not count it.
+        self.arm(if bounced && arm == arm::CONFLICT {
+            arm::FIRST_TOUCH_BOUNCE
+        } else {
+            arm
+        });
         if arm == arm::CONFLICT {
             self.copies.behind();
         }
@@ -107,7 +114,7 @@ impl Run<'_> {
         // that sequence stays held until a 2002 and the point read settle it.
         self.release_seqs_of_answered();
         // A first touch bounced: the account exists, nobody is contending.
-        if self.first_touch == FirstTouch::ThisAttempt {
+        if bounced {
             Next::AtOnceUncounted
         } else {
             Next::Backoff
@@ -298,7 +305,7 @@ impl Run<'_> {
     async fn read_ownership(
         &mut self,
         batch: &[usize],
-    ) -> Result<Vec<(usize, usize, SeqOwnership)>, String> {
+    ) -> Result<Vec<(usize, usize, SeqOwnership)>, Failure> {
         let cx = self.cx;
         let identity = cx.identity;
         let mut verdicts: Vec<(usize, usize, SeqOwnership)> = Vec::new();
@@ -328,7 +335,7 @@ impl Run<'_> {
                 floor,
             )
             .await
-            .map_err(|e| format!("ownership read: {e}"))?;
+            .map_err(|e| Failure::store("ownership read: ", &e))?;
             for (mi, li, seq) in seqs {
                 let v = verify::ownership(&owners, seq, self.members[mi].req.event_id);
                 verdicts.push((mi, li, v));

@@ -7,9 +7,8 @@ use tokio::time::Instant;
 use super::{Copies, FirstTouch, Run, Touched};
 use crate::account::{AccountsMode, Operation};
 use crate::projection::{Loaded, ProjectionError};
-use crate::store::StoreError;
 use crate::write_loop::WriteError;
-use crate::write_loop::classify::Behind;
+use crate::write_loop::classify::{Behind, Failure};
 
 /// Why an attempt's state could not be loaded.
 pub(super) enum LoadFailure {
@@ -108,8 +107,12 @@ impl Run<'_> {
     /// an account that cannot be answered (poisoned, trimmed) answers every open request.
     pub(super) fn load_failure(&mut self, e: ProjectionError) -> LoadFailure {
         match e {
-            e @ (ProjectionError::Store(_) | ProjectionError::Database) => {
-                self.last_failure = format!("catch-up: {e}");
+            ProjectionError::Store(e) => {
+                self.last_failure = Failure::store("catch-up: ", &e);
+                LoadFailure::Retry
+            }
+            e @ ProjectionError::Database => {
+                self.last_failure = Failure::other(format!("catch-up: {e}"));
                 LoadFailure::Retry
             }
             e => LoadFailure::Fail(WriteError::Account(e)),
@@ -151,18 +154,19 @@ impl Run<'_> {
         let mut tips = Vec::with_capacity(self.accounts.len());
         for t in &self.accounts {
             self.round_trips += 1;
-            match self.cx.log.details(self.cx.identity.key(t.account)).await {
-                Ok(d) => tips.push(d.max_version),
-                Err(StoreError::AggregateNotFound) => tips.push(0),
+            // The leader's tip, not a read's: a follower that lags would vouch for a state
+            // that misses an acknowledged write, and a refusal decided on it would be final.
+            match self.cx.projection.store_version(t.account).await {
+                Ok(tip) => tips.push(tip),
                 Err(e) => {
-                    self.last_failure = format!("tip check: {e}");
+                    self.last_failure = Failure::store("tip check: ", &e);
                     return false;
                 }
             }
         }
         let done = reached(&tips, &self.accounts);
         if !done {
-            self.last_failure = "the state read lags behind the store's tip".into();
+            self.last_failure = Failure::other("the state read lags behind the store's tip");
         }
         self.tips = Some(tips);
         done

@@ -23,6 +23,7 @@ use tokio::time::Instant;
 
 use self::load::LoadFailure;
 use self::member::{Member, Phase, SeqHold};
+use super::classify::{Cause, Failure};
 use super::decide::{self, Candidate, Landing, NeedsCurrentState, Verdict};
 use super::service::{backoff, invariant};
 use super::{Answer, WriteConfig, WriteError, WriteRequest};
@@ -31,6 +32,7 @@ use crate::metrics::{Metrics, arm};
 use crate::projection::{AccountView, Projection, Snapshot};
 use crate::request_note::{RequestNote, RunNote};
 use crate::store::SharedLog;
+use crate::store::health::StoreHealth;
 
 /// One account touched by a run, with its state for the current attempt.
 struct Touched {
@@ -100,6 +102,9 @@ pub(super) struct RunContext<'a> {
     /// The service's client id and how an account maps to its stream.
     pub identity: Identity,
     pub metrics: &'a Metrics,
+    /// Whether the store answers: a write that cannot reach a store known to be lost is
+    /// answered at once.
+    pub health: &'a StoreHealth,
     pub config: WriteConfig,
 }
 
@@ -112,7 +117,7 @@ pub(super) struct Run<'a> {
     round_trips: u32,
     /// Projection database statements this run sent (Postgres backend only).
     db_round_trips: u32,
-    last_failure: String,
+    last_failure: Failure,
     /// Each account's tip as the store reported it during this run: any state read later
     /// that reaches it folds everything that landed before this run started.
     tips: Option<Vec<u64>>,
@@ -156,7 +161,7 @@ impl<'a> Run<'a> {
             attempt: 0,
             round_trips: 0,
             db_round_trips: 0,
-            last_failure: String::new(),
+            last_failure: Failure::default(),
             tips: None,
             first_touch: FirstTouch::Unused,
             copies: Copies::Unread,
@@ -195,23 +200,42 @@ impl<'a> Run<'a> {
             if self.first_touch == FirstTouch::ThisAttempt {
                 self.first_touch = FirstTouch::Spent;
             }
+            // The cause is this attempt's; the words of the last failure stay for a give-up.
+            self.last_failure.cause = Cause::Other;
             next = self.attempt_once(deadline).await;
             if next == Next::AtOnceUncounted {
                 // The attempt stood in for a read; the read follows now and counts instead.
                 self.attempt -= 1;
             }
+            if self.last_failure.cause == Cause::StoreUnreachable
+                && self.cx.health.known_lost()
+                && self.unanswered().next().is_some()
+            {
+                // The replica already knows the store is gone: more attempts would only
+                // spend the deadline against it.
+                self.give_up(deadline).await;
+                break;
+            }
         }
         self.observe_run();
     }
 
-    /// Answers every unanswered member with a give-up, after bringing stale copies up to
-    /// the store if that is due.
+    /// Answers every unanswered member with a give-up: the store's outage when the last
+    /// attempt could not reach it, else the attempts or time spent, after bringing stale
+    /// copies up to the store if that is due.
     async fn give_up(&mut self, deadline: Instant) {
+        let failure = std::mem::take(&mut self.last_failure);
+        if failure.cause == Cause::StoreUnreachable {
+            // No catch-up either: it would only add a read to the outage.
+            self.arm(arm::STORE_UNREACHABLE);
+            self.answer_unanswered(WriteError::StoreUnavailable);
+            return;
+        }
         self.refresh_unread_copies(deadline).await;
         self.arm(arm::GAVE_UP);
         let err = WriteError::GaveUp {
             attempts: self.attempt,
-            last: std::mem::take(&mut self.last_failure),
+            last: failure.what,
         };
         self.answer_unanswered(err);
     }
@@ -257,7 +281,7 @@ impl<'a> Run<'a> {
         // could land after its client was told to retry, and a retry decided elsewhere
         // in between (a final 422, say) would be contradicted.
         if Instant::now() >= deadline {
-            self.last_failure = "the deadline passed before the write was sent".into();
+            self.last_failure = Failure::other("the deadline passed before the write was sent");
             return Next::Backoff;
         }
         // 4. Sequences: held ones stay; otherwise derived from the fold just read.

@@ -5,6 +5,7 @@ use super::Run;
 use super::member::{EarlierAttempts, Phase, SeqHold};
 use crate::metrics::arm;
 use crate::projection::{RecentWrite, ScanHit};
+use crate::write_loop::classify::Failure;
 use crate::write_loop::{LegResult, WriteError, WriteOutcome};
 
 impl Run<'_> {
@@ -133,8 +134,10 @@ impl Run<'_> {
                 None => {}
             }
             self.round_trips += 1;
-            match cx.log.details(cx.identity.key(leg.account)).await {
-                Ok(d) if snap.version >= d.max_version => {}
+            // The leader's tip: a follower's would vouch for a state behind an acknowledged
+            // write, and the answer rebuilt from it would be wrong.
+            match cx.projection.store_version(leg.account).await {
+                Ok(tip) if snap.version >= tip => {}
                 _ => return false,
             }
         }
@@ -249,7 +252,7 @@ impl Run<'_> {
                 }
                 Err(e) => {
                     cx.metrics.idem_scans.with_label_values(&["error"]).inc();
-                    self.last_failure = format!("scan on miss: {e}");
+                    self.last_failure = Failure::store("scan on miss: ", &e);
                     return None;
                 }
             }

@@ -98,7 +98,8 @@ fn only_check_order_rejections_are_restated() {
         StoreError::AggregateNotFound,
         StoreError::CrossShard,
         StoreError::OutcomeUnknown { reason: "x".into() },
-        StoreError::NotApplied { reason: "x".into() },
+        StoreError::shed("x"),
+        StoreError::unreachable("x"),
     ] {
         assert!(!order_sensitive(&e), "{e:?}");
     }

@@ -93,6 +93,29 @@ fn pre_send_failures_are_not_applied_for_every_op() {
     }
 }
 
+/// Rule: a call that reached no node that could take it (refused or timed-out connections,
+/// no leader) says the store is out of reach; one the store or the pool shed does not.
+#[test]
+fn only_failures_to_reach_a_node_say_the_store_is_unreachable() {
+    for (name, make) in pre_send_errors() {
+        let unreachable = matches!(
+            name,
+            "ConnectionFailed" | "ConnectionTimeout" | "NotLeader" | "NotLeader without hint"
+        );
+        for op in ALL_OPS {
+            let mapped = map_error(op, make());
+            assert_eq!(
+                mapped.is_unreachable(),
+                unreachable,
+                "{name} on {op:?}: {mapped:?}"
+            );
+        }
+    }
+    for (name, make) in post_send_errors() {
+        assert!(!map_error(Op::Read, make()).is_unreachable(), "{name}");
+    }
+}
+
 #[test]
 fn identity_and_local_misuse_are_other() {
     assert_eq!(
@@ -309,7 +332,12 @@ fn backpressure_and_not_leader_codes_are_not_applied() {
             error_code: code,
             error_message: "{}".into(),
         });
-        assert!(is_not_applied(&map_error(Op::Write, e)), "code {code}");
+        let mapped = map_error(Op::Write, e);
+        assert!(is_not_applied(&mapped), "code {code}");
+        // A node that is not the leader cannot take the write: until one is, the store is
+        // out of reach for writes. Shedding says nothing of the store's reach.
+        let not_leader = [codes::WRITE_NOT_LEADER, codes::TRIM_NOT_LEADER].contains(&code);
+        assert_eq!(mapped.is_unreachable(), not_leader, "code {code}");
     }
     let e = server(WriteError::ReplicationBackpressure, "{}");
     assert!(is_not_applied(&map_error(Op::Write, e)));

@@ -210,4 +210,6 @@ async fn an_unreachable_server_fails_ping_as_not_applied() {
     let log = CeleriantLog::connect(&cfg).expect("valid");
     let e = log.ping().await.expect_err("nothing listens on port 1");
     assert!(is_not_applied(&e), "{e:?}");
+    // A refused connection is the store out of reach, which the replica's health reports.
+    assert!(e.is_unreachable(), "{e:?}");
 }
