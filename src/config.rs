@@ -37,12 +37,7 @@ pub enum LogFormat {
 
 /// Tally: idempotent account writes over the Celeriant event store.
 #[derive(Clone, Debug, Parser)]
-#[command(
-    name = "tally",
-    version,
-    about,
-    after_help = "Development tokens: `tally token --help`."
-)]
+#[command(name = "tally", version, about)]
 pub struct Config {
     /// Where clients reach this replica, and how much it takes on at once.
     #[command(flatten)]
