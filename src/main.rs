@@ -80,7 +80,9 @@ fn server_command() -> clap::Command {
             .map(|a| a.to_string())
             .unwrap_or_default();
         let name = command.get_name().to_owned();
-        listed.push_str(&format!("  {name:width$}  {about} (`{name} --help`)\n"));
+        listed.push_str(&format!(
+            "  {name:width$}  {about}. More: `{name} --help`\n"
+        ));
     }
     Config::command()
         .override_usage(usage)
