@@ -10,7 +10,10 @@ export CARGO_INCREMENTAL ?= 0
 ## make run ARGS='--faults lost-ack=0.2,seed=7 --listen 127.0.0.1:8090'
 ## (or as variables: TALLY_FAULTS=lost-ack=0.2,seed=7 make run; `tally --help` names each).
 ARGS ?=
+# A first build takes minutes and cargo says little meanwhile: one line says what is going on.
 run:
+	@[ -x "$(TALLY_TARGET_DIR)/release/tally" ] || \
+		echo "make run: building tally (release) first: 5 to 10 minutes on two cores, once"
 	$(CARGO) run --release --bin tally -- $(ARGS)
 
 ## Everything CI checks: formatting, lints, every test, the deploy/ validation.

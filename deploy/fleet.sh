@@ -283,14 +283,34 @@ if [[ $TALLY_PROJECTION == postgres ]]; then
     # Where the database is, never its user or password.
     projection_shown="postgres at $(sed -E 's#^[a-z]+://([^@/]*@)?##; s#[?].*##' <<<"$DATABASE_URL")"
 fi
+# Where the accounts come from. On Celeriant the demo accounts are seeded only when asked (a
+# durable store keeps what a demo writes), so GET /api/accounts lists none unless they are.
+seeds_default=true
+[[ $TALLY_STORE == memory ]] || seeds_default=false
+accounts_shown="GET /api/accounts lists the demo accounts (Alice, Bob, Charlie)"
+if [[ ${TALLY_SEED_DEMO_ACCOUNTS:-$seeds_default} != true ]]; then
+    accounts_shown="none listed: the demo accounts are not seeded.
+                     Seed them: stop, then TALLY_SEED_DEMO_ACCOUNTS=true make fleet.
+                     Or open one: curl -XPOST http://$FLEET_LISTEN/api/accounts \\
+                       -H 'content-type: application/json' -H 'Idempotency-Key: open-1' -d '{}'"
+fi
+# The work dir on a line of its own (tests/common/fleet_script.rs reads it from there).
+if [[ $FLEET_KEEP_LOGS == 1 ]]; then
+    logs_shown="$WORK
+                     (kept after the fleet stops: FLEET_KEEP_LOGS=1)"
+else
+    logs_shown="$WORK
+                     (deleted on a clean stop; FLEET_KEEP_LOGS=1 keeps them)"
+fi
 cat <<EOF
 
 Tally fleet up: $FLEET_SIZE replicas, store=$store_shown, projection=$projection_shown
   client id          $client_shown
   send requests to   http://$FLEET_LISTEN/api/accounts
                      (the X-Tally-Upstream response header names the replica that answered)
+  accounts           $accounts_shown
   metrics, per replica: $(for ((i = 0; i < FLEET_SIZE; i++)); do printf 'http://127.0.0.1:%s/metrics ' $((FLEET_BASE_PORT + i)); done)
-  logs               $WORK
+  logs               $logs_shown
   a replica that exits is restarted, at most $FLEET_MAX_RESTARTS times (FLEET_MAX_RESTARTS);
   nginx sends its requests to the others meanwhile
 Ctrl-C stops everything$( ((FLEET_MAX_SECONDS > 0)) && printf ' (or it stops by itself after %ss)' "$FLEET_MAX_SECONDS").

@@ -37,12 +37,7 @@ pub enum LogFormat {
 
 /// Tally: idempotent account writes over the Celeriant event store.
 #[derive(Clone, Debug, Parser)]
-#[command(
-    name = "tally",
-    version,
-    about,
-    after_help = "Development tokens: `tally token --help`."
-)]
+#[command(name = "tally", version, about)]
 pub struct Config {
     /// Where clients reach this replica, and how much it takes on at once.
     #[command(flatten)]
@@ -161,6 +156,20 @@ impl Config {
         Duration::from_millis(self.write.write_deadline_ms) + self.store_request_timeout()
     }
 
+    /// A write's life as a refusal names it: the flags it is made of, each with its value.
+    /// The embedded store has no request timeout, so only the deadline is named there.
+    fn write_life_shown(&self) -> String {
+        let deadline = self.write.write_deadline_ms;
+        match self.store.kind {
+            StoreKind::Memory => format!("--write-deadline-ms ({deadline} ms)"),
+            StoreKind::Celeriant => format!(
+                "--write-deadline-ms ({deadline} ms) plus --celeriant-request-timeout-ms ({} ms), {} ms in all",
+                self.store.celeriant.request_timeout_ms,
+                self.write_life().as_millis()
+            ),
+        }
+    }
+
     /// The longest one store request may take (0 on the embedded store, which answers in
     /// process).
     pub fn store_request_timeout(&self) -> Duration {
@@ -186,8 +195,9 @@ impl Config {
         let life_ms = u64::try_from(self.write_life().as_millis()).unwrap_or(u64::MAX);
         if life_ms >= self.idempotency_window.saturating_mul(1000) {
             return Err(ConfigError(format!(
-                "--idempotency-window ({} s) must be longer than --write-deadline-ms plus the store's request timeout ({life_ms} ms)",
-                self.idempotency_window
+                "--idempotency-window ({} s) must be longer than {}",
+                self.idempotency_window,
+                self.write_life_shown()
             )));
         }
         // A stalled event stream ends itself first, so it can still tell its client why.
@@ -469,13 +479,28 @@ mod tests {
         let c = Config::parse_from(["tally", "--idempotency-window", "5"]);
         let e = c.validate().expect_err("5 s window, 5 s deadline");
         assert!(e.to_string().contains("--idempotency-window"), "{e}");
+        // The embedded store has no request timeout: the refusal names only what applies.
+        assert!(
+            e.to_string()
+                .ends_with("must be longer than --write-deadline-ms (5000 ms)"),
+            "{e}"
+        );
+        assert!(!e.to_string().contains("request timeout"), "{e}");
         Config::parse_from(["tally", "--idempotency-window", "6"])
             .validate()
             .unwrap();
         // On Celeriant a last request may still be out for its own timeout (5 s).
         let celeriant = ["tally", "--store", "celeriant", "--idempotency-window"];
         let c = Config::parse_from([&celeriant[..], &["10"]].concat());
-        assert!(c.validate().is_err(), "5 s deadline + 5 s request timeout");
+        let e = c
+            .validate()
+            .expect_err("5 s deadline + 5 s request timeout");
+        assert!(
+            e.to_string().contains(
+                "--write-deadline-ms (5000 ms) plus --celeriant-request-timeout-ms (5000 ms), 10000 ms in all"
+            ),
+            "{e}"
+        );
         Config::parse_from([&celeriant[..], &["11"]].concat())
             .validate()
             .unwrap();

@@ -3,7 +3,7 @@
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use tally::app::App;
 use tally::auth::mint::TokenArgs;
 use tally::config::{Config, LogFormat};
@@ -46,13 +46,49 @@ fn main() -> ExitCode {
 /// invalid configuration like one [`Config::validate`] refuses: named so on stderr, exit 2.
 /// `--help` and `--version` print to stdout and exit 0, as clap does.
 fn parse_flags() -> Config {
-    Config::try_parse().unwrap_or_else(|e| {
-        if e.use_stderr() {
-            eprintln!("tally: invalid configuration:");
-        }
-        // Prints clap's message and exits: 2 for a refusal, 0 for help and version.
-        e.exit()
-    })
+    server_command()
+        .try_get_matches()
+        .and_then(|m| Config::from_arg_matches(&m))
+        .unwrap_or_else(|e| {
+            if e.use_stderr() {
+                eprintln!("tally: invalid configuration:");
+            }
+            // Prints clap's message and exits: 2 for a refusal, 0 for help and version.
+            e.exit()
+        })
+}
+
+/// The server's command line, with the subcommands in its usage and help. `trim` and `token`
+/// are dispatched on the first argument, before the server's flags are read (each takes the
+/// rest of the line whole), so clap does not know them as its own subcommands: their usage
+/// and summary are taken from their own parsers here.
+fn server_command() -> clap::Command {
+    let subcommands = [trim::TrimArgs::command(), TokenArgs::command()];
+    let mut usage = String::from("tally [OPTIONS]");
+    let mut listed = String::from("Commands:\n");
+    let width = subcommands
+        .iter()
+        .map(|c| c.get_name().len())
+        .max()
+        .unwrap_or(0);
+    for mut command in subcommands {
+        let shown = command.render_usage().to_string();
+        let shown = shown.trim_start_matches("Usage:").trim();
+        usage.push_str(&format!("\n       {shown}"));
+        let about = command
+            .get_about()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        let name = command.get_name().to_owned();
+        listed.push_str(&format!(
+            "  {name:width$}  {about}. More: `{name} --help`\n"
+        ));
+    }
+    Config::command()
+        .override_usage(usage)
+        .help_template(format!(
+            "{{before-help}}{{about-with-newline}}\n{{usage-heading}} {{usage}}\n\n{listed}\n{{all-args}}{{after-help}}"
+        ))
 }
 
 mod trim {
@@ -75,11 +111,13 @@ mod trim {
     use tally::store::celeriant::CeleriantLog;
     use tally::store::config::StoreKind;
 
-    /// Trims account streams below their newest checkpoint older than the window and the
+    /// Trims account streams below a checkpoint (retention)
+    ///
+    /// Each account is trimmed below its newest checkpoint older than the window and the
     /// retention. The server's flags name the store, the window and the retention.
     #[derive(Parser)]
     #[command(name = "tally trim")]
-    struct TrimArgs {
+    pub(super) struct TrimArgs {
         /// The accounts to trim (UUIDs).
         #[arg(id = "account_ids", required = true, value_name = "ACCOUNT_ID")]
         account_ids: Vec<AccountId>,
@@ -171,14 +209,9 @@ fn mint_token() -> ExitCode {
 }
 
 async fn run(config: Config) -> ExitCode {
+    // The addresses first: a port already taken is found at once, not after the start-up
+    // steps (seeding, the server clock), which a slow store can hold for long.
     let listen = config.http.listen;
-    let app = match App::builder(config).build().await {
-        Ok(app) => app,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot start");
-            return ExitCode::FAILURE;
-        }
-    };
     let listener = match tokio::net::TcpListener::bind(listen).await {
         Ok(l) => l,
         Err(e) => {
@@ -188,23 +221,33 @@ async fn run(config: Config) -> ExitCode {
         }
     };
     // /metrics (and the probes) on an admin address of their own, when asked.
-    if let Some(admin) = app.config.admin_listen {
-        match tokio::net::TcpListener::bind(admin).await {
-            Ok(l) => {
-                let addr = l.local_addr().map_or(admin, |a| a);
-                tracing::info!(%addr, "admin listening (/metrics, /healthz, /readyz)");
-                tokio::spawn(tally::http::serve_admin(
-                    app.clone(),
-                    l,
-                    std::future::pending(),
-                ));
-            }
+    let admin = match config.admin_listen {
+        Some(admin) => match tokio::net::TcpListener::bind(admin).await {
+            Ok(l) => Some(l),
             Err(e) => {
                 let hint = listen_hint(&e, "--admin-listen", "TALLY_ADMIN_LISTEN");
                 tracing::error!(error = %e, %admin, "cannot listen on the admin address {admin}: {hint}");
                 return ExitCode::FAILURE;
             }
+        },
+        None => None,
+    };
+    let app = match App::builder(config).build().await {
+        Ok(app) => app,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start");
+            return ExitCode::FAILURE;
         }
+    };
+    if let Some(l) = admin {
+        if let Ok(addr) = l.local_addr() {
+            tracing::info!(%addr, "admin listening (/metrics, /healthz, /readyz)");
+        }
+        tokio::spawn(tally::http::serve_admin(
+            app.clone(),
+            l,
+            std::future::pending(),
+        ));
     }
     let addr = listener.local_addr().map_or(listen, |a| a);
     tracing::info!(

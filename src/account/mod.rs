@@ -89,14 +89,24 @@ where
     let value = serde_json::Value::deserialize(d)?;
     match value.as_i64() {
         Some(cents) => Ok(cents),
-        // Past i64 but still an integer: out of range like any other too-large amount.
-        None => Err(D::Error::custom(amount_refusal(json_shown(&value)))),
+        // A whole number in another spelling (`1e2`, `100.0`) reaches here as a float:
+        // JSON keeps no spelling, so the refusal says what the API takes instead.
+        None => match value.as_f64() {
+            Some(f) if f.fract() == 0.0 && (1.0..=MAX_AMOUNT_CENTS as f64).contains(&f) => {
+                Err(D::Error::custom(amount_refusal(format!(
+                    "{value} (written with a fraction or an exponent); send plain digits: {}",
+                    f as i64
+                ))))
+            }
+            // Past i64 but still an integer: out of range like any other too-large amount.
+            _ => Err(D::Error::custom(amount_refusal(json_shown(&value)))),
+        },
     }
 }
 
 /// A JSON value as a refusal quotes it: a scalar as sent (a long string cut short), an
 /// array or object by its kind only.
-fn json_shown(value: &serde_json::Value) -> String {
+pub fn json_shown(value: &serde_json::Value) -> String {
     /// The most characters of a string quoted back.
     const SHOWN_CHARS: usize = 32;
     use serde_json::Value;

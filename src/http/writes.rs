@@ -37,7 +37,32 @@ struct OpenBody {
 /// `accountId` may be left out (the id is then derived from the key), but a `null` is no
 /// UUID: taking it as "left out" would open an account the caller did not name.
 fn named_uuid<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Uuid>, D::Error> {
-    <Uuid as Deserialize>::deserialize(d).map(Some)
+    account_id_field(d, "accountId").map(Some)
+}
+
+fn to_account_id<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Uuid, D::Error> {
+    account_id_field(d, "toAccountId")
+}
+
+fn from_account_id<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Uuid, D::Error> {
+    account_id_field(d, "fromAccountId")
+}
+
+/// Reads an account id field, refused in the API's words: the field's name and what was
+/// sent. The derived reading answers in the uuid crate's words (`UUID parsing failed:
+/// invalid character ...`), which name neither the field nor what it takes.
+fn account_id_field<'de, D: serde::Deserializer<'de>>(d: D, field: &str) -> Result<Uuid, D::Error> {
+    use serde::de::Error;
+    let value = serde_json::Value::deserialize(d)?;
+    value
+        .as_str()
+        .and_then(|s| Uuid::parse_str(s).ok())
+        .ok_or_else(|| {
+            D::Error::custom(format!(
+                "{field} must be an account id (a UUID), got {}",
+                crate::account::json_shown(&value)
+            ))
+        })
 }
 
 /// The namespace an opened account's id is derived in from the request's event id, when the
@@ -62,6 +87,7 @@ struct AmountBody {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct AccountTransferBody {
+    #[serde(deserialize_with = "to_account_id")]
     to_account_id: Uuid,
     #[serde(deserialize_with = "crate::account::deserialize_amount_cents")]
     amount_cents: i64,
@@ -70,7 +96,9 @@ struct AccountTransferBody {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct TransferBody {
+    #[serde(deserialize_with = "from_account_id")]
     from_account_id: Uuid,
+    #[serde(deserialize_with = "to_account_id")]
     to_account_id: Uuid,
     #[serde(deserialize_with = "crate::account::deserialize_amount_cents")]
     amount_cents: i64,

@@ -510,7 +510,62 @@ async fn a_bad_amount_is_refused_in_the_apis_words_on_every_write_route() {
         "{}",
         r.text
     );
+    // JSON keeps no spelling: `1e2` arrives as the float 100.0, and a bare "got 100.0" would
+    // leave the caller guessing what was wrong with it.
+    for spelling in ["1e2", "100.0", "1.00e2"] {
+        let body = format!(r#"{{"amountCents":{spelling}}}"#);
+        let r = post_raw(&t, &deposit_path(&account), body.as_bytes(), None).await;
+        let message = r.body["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("a fraction or an exponent")
+                && message.contains("send plain digits: 100"),
+            "{spelling}: {message}"
+        );
+    }
     assert_eq!(t.balance(&account).await.0, 1_000, "nothing was written");
+    t.shutdown().await;
+}
+
+/// An account id in a body that is not one is refused naming its field and what was sent,
+/// never in the uuid crate's words (`UUID parsing failed: invalid character ...`).
+#[tokio::test]
+async fn a_bad_account_id_in_a_body_names_its_field() {
+    let t = spawn_default().await;
+    let (account, other) = (funded(&t, 1_000).await, funded(&t, 1_000).await);
+    let cases = [
+        (
+            "/api/transfers".to_string(),
+            format!(r#"{{"fromAccountId":"{account}","toAccountId":"zz","amountCents":1}}"#),
+            r#"toAccountId must be an account id (a UUID), got the string "zz""#,
+        ),
+        (
+            "/api/transfers".to_string(),
+            format!(r#"{{"fromAccountId":7,"toAccountId":"{other}","amountCents":1}}"#),
+            "fromAccountId must be an account id (a UUID), got 7",
+        ),
+        (
+            account_transfer_path(&account),
+            r#"{"toAccountId":null,"amountCents":1}"#.to_string(),
+            "toAccountId must be an account id (a UUID), got null",
+        ),
+        (
+            "/api/accounts".to_string(),
+            r#"{"accountId":"not-a-uuid"}"#.to_string(),
+            r#"accountId must be an account id (a UUID), got the string "not-a-uuid""#,
+        ),
+    ];
+    let before = (observe(&t, &account).await, observe(&t, &other).await);
+    for (path, body, said) in cases {
+        let r = post_raw(&t, &path, body.as_bytes(), None).await;
+        assert_error(&r, 422, "VALIDATION_ERROR");
+        let message = r.body["message"].as_str().unwrap_or_default();
+        assert!(message.starts_with(said), "{path} {body}: {message}");
+        assert!(!message.contains("UUID parsing failed"), "{message}");
+    }
+    assert_eq!(
+        (observe(&t, &account).await, observe(&t, &other).await),
+        before
+    );
     t.shutdown().await;
 }
 

@@ -25,7 +25,8 @@ const HIDDEN_FLAGS: [&str; 6] = [
 ];
 
 /// The headings of `--help`, one per concern, the everyday ones first.
-const HEADINGS: [&str; 10] = [
+const HEADINGS: [&str; 11] = [
+    "Commands:",
     "Options:",
     "Listening and limits:",
     "Store:",
@@ -322,6 +323,49 @@ fn binary_help_lists_every_flag_with_its_env_name() {
         .filter(|l| l.ends_with(':') && !l.starts_with(' '))
         .collect();
     assert_eq!(headings, HEADINGS);
+}
+
+/// Rule: `tally --help` names the subcommands (`trim`, `token`) in its usage and lists them
+/// with what each does; they are dispatched before the server's flags are read.
+#[test]
+fn binary_help_lists_the_subcommands() {
+    let out = tally_command(&["--help"], &[])
+        .output()
+        .expect("tally runs");
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).expect("UTF-8 help");
+    let usage: Vec<&str> = help
+        .lines()
+        .skip_while(|l| !l.starts_with("Usage:"))
+        .take_while(|l| !l.trim().is_empty())
+        .collect();
+    for sub in ["tally trim [OPTIONS]", "tally token [OPTIONS]"] {
+        assert!(
+            usage.iter().any(|l| l.contains(sub)),
+            "{sub} missing from the usage: {usage:#?}"
+        );
+    }
+    let commands: Vec<&str> = help
+        .lines()
+        .skip_while(|l| *l != "Commands:")
+        .skip(1)
+        .take_while(|l| !l.trim().is_empty())
+        .collect();
+    for sub in ["tally trim", "tally token"] {
+        assert!(
+            commands
+                .iter()
+                .any(|l| l.trim_start().starts_with(sub) && l.contains(&format!("`{sub} --help`"))),
+            "{sub} missing from the commands: {help}"
+        );
+    }
+    // The short help too.
+    let short = tally_command(&["-h"], &[]).output().expect("tally runs");
+    let short = String::from_utf8(short.stdout).expect("UTF-8 help");
+    assert!(
+        short.contains("tally trim [OPTIONS]") && short.contains("Commands:"),
+        "{short}"
+    );
 }
 
 /// Rule: the flags for measuring the design stay out of `--help` but are still taken (an
@@ -664,6 +708,29 @@ fn binary_names_the_flag_and_variable_when_its_address_is_taken() {
                 && line.contains(&format!("{flag} HOST:PORT"))
                 && line.contains(env),
             "{flag}: {line}"
+        );
+    }
+}
+
+/// Rule: the addresses are bound before the start-up steps run (the server clock, the demo
+/// seeds), so a taken port stops the replica at once, not after a slow store let them finish.
+#[test]
+fn binary_binds_its_addresses_before_the_start_up_steps() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let addr = taken.local_addr().unwrap().to_string();
+    for flag in ["--listen", "--admin-listen"] {
+        let mut args = vec!["--seed-demo-accounts", "true", flag, addr.as_str()];
+        if flag != "--listen" {
+            args.extend(["--listen", "127.0.0.1:0"]);
+        }
+        let out = tally_command(&args, &[]).output().expect("tally runs");
+        let log = String::from_utf8_lossy(&out.stdout);
+        assert!(!out.status.success(), "{flag}: {log}");
+        assert!(log.contains("cannot listen"), "{flag}: {log}");
+        // Each step logs when it is done (`start-up done` once all are): none ran.
+        assert!(
+            !log.contains("start-up"),
+            "{flag}: start-up steps ran before the address was bound: {log}"
         );
     }
 }

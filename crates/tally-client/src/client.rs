@@ -18,7 +18,8 @@ use uuid::Uuid;
 use crate::policy::{Meaning, RetryPolicy, meaning};
 use crate::types::{AmountBody, OpenBody, TransferBody};
 use crate::{
-    ApiError, Balance, Error, Failure, History, IdempotencyKey, Opened, Transferred, Written,
+    AmountCents, ApiError, Balance, Error, Failure, History, IdempotencyKey, Opened, Transferred,
+    Written,
 };
 
 /// Largest answer body read (a full history page is far below it).
@@ -105,6 +106,16 @@ struct Answer {
     body: Bytes,
 }
 
+/// Whether any attempt of a call may have reached the server: only then can a write have
+/// landed although the call ends without an answer.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Reach {
+    /// Every attempt so far failed to open its connection.
+    Nothing,
+    /// At least one request may have been sent (and may have landed).
+    Maybe,
+}
+
 /// A request as every attempt sends it.
 struct Call<'a> {
     method: Method,
@@ -133,19 +144,24 @@ impl Client {
     }
 
     /// `POST /api/accounts/{account}/deposit`.
-    pub fn deposit(&self, account: Uuid, amount_cents: u32) -> WriteCall<'_, Balance> {
+    pub fn deposit(&self, account: Uuid, amount_cents: AmountCents) -> WriteCall<'_, Balance> {
         let path = format!("/api/accounts/{account}/deposit");
         self.write(path, &AmountBody { amount_cents })
     }
 
     /// `POST /api/accounts/{account}/withdraw`.
-    pub fn withdraw(&self, account: Uuid, amount_cents: u32) -> WriteCall<'_, Balance> {
+    pub fn withdraw(&self, account: Uuid, amount_cents: AmountCents) -> WriteCall<'_, Balance> {
         let path = format!("/api/accounts/{account}/withdraw");
         self.write(path, &AmountBody { amount_cents })
     }
 
     /// `POST /api/transfers`: both legs in one write.
-    pub fn transfer(&self, from: Uuid, to: Uuid, amount_cents: u32) -> WriteCall<'_, Transferred> {
+    pub fn transfer(
+        &self,
+        from: Uuid,
+        to: Uuid,
+        amount_cents: AmountCents,
+    ) -> WriteCall<'_, Transferred> {
         let body = TransferBody {
             from_account_id: from,
             to_account_id: to,
@@ -227,6 +243,7 @@ impl Client {
         // The latest time a resend of the key is known safe, from the `Idempotency-Window`
         // of the answers so far (each speaks from its own arrival).
         let mut resend_by: Option<Instant> = None;
+        let mut reach = Reach::Nothing;
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -262,8 +279,11 @@ impl Client {
                 }
                 Err(failure) => failure,
             };
+            if !matches!(failure, Failure::Connect(_)) {
+                reach = Reach::Maybe;
+            }
             let due = Instant::now() + self.wait_after(attempt, &failure);
-            self.may_resend(call, attempt, started, due, resend_by, failure)?;
+            self.may_resend(call, attempt, started, due, resend_by, reach, failure)?;
             tokio::time::sleep_until(due).await;
         }
     }
@@ -287,6 +307,7 @@ impl Client {
 
     /// Whether an attempt may be sent at `due`: within the key's window, the attempts and
     /// the total time.
+    #[allow(clippy::too_many_arguments)]
     fn may_resend(
         &self,
         call: &Call<'_>,
@@ -294,6 +315,7 @@ impl Client {
         started: Instant,
         due: Instant,
         resend_by: Option<Instant>,
+        reach: Reach,
         last: Failure,
     ) -> Result<(), Error> {
         if let (Some(key), Some(by)) = (call.key, resend_by)
@@ -306,6 +328,14 @@ impl Client {
             });
         }
         if attempt >= self.policy.max_attempts || due - started >= self.policy.total {
+            if reach == Reach::Nothing {
+                return Err(Error::Unreachable {
+                    key: call.key.cloned(),
+                    attempts: attempt,
+                    elapsed: started.elapsed(),
+                    last,
+                });
+            }
             return Err(Error::Exhausted {
                 key: call.key.cloned(),
                 attempts: attempt,
@@ -334,11 +364,14 @@ impl Client {
             .body(Full::new(call.body.clone().unwrap_or_default()))
             .map_err(|e| Failure::Connection(format!("request: {e}")))?;
         let exchange = async {
-            let response = self
-                .pool
-                .request(request)
-                .await
-                .map_err(|e| Failure::Connection(chain(&e)))?;
+            let response = self.pool.request(request).await.map_err(|e| {
+                // A connection that never opened carried no request.
+                if e.is_connect() {
+                    Failure::Connect(chain(&e))
+                } else {
+                    Failure::Connection(chain(&e))
+                }
+            })?;
             read_answer(response).await
         };
         tokio::time::timeout(limit, exchange)

@@ -35,9 +35,23 @@ pub enum Error {
         elapsed: Duration,
         last: Failure,
     },
+    /// Every attempt failed to open a connection (refused, or no connection within the
+    /// attempt's time), so no request left this process: nothing was written. The same call
+    /// may be sent again, under the same key or a new one.
+    #[error("no attempt reached the server: {attempts} attempts in {elapsed:?} (last: {last})")]
+    Unreachable {
+        key: Option<IdempotencyKey>,
+        attempts: u32,
+        elapsed: Duration,
+        last: Failure,
+    },
     /// A 2xx whose body is not the answer this call expects.
     #[error("unexpected answer {status}: {detail}")]
     Decode { status: u16, detail: String },
+    /// An amount the API refuses: below 1 or above
+    /// [`MAX_AMOUNT_CENTS`](crate::MAX_AMOUNT_CENTS).
+    #[error("amountCents must be an integer from 1 to {max}, got {0}", max = crate::MAX_AMOUNT_CENTS)]
+    InvalidAmount(i64),
     /// A key Tally would refuse (empty, too long, not visible ASCII).
     #[error("invalid idempotency key {0:?}")]
     InvalidKey(String),
@@ -51,7 +65,8 @@ pub enum Error {
 
 impl Error {
     /// True when a write may have landed although this call returned an error: resend it
-    /// only under the same key, and only within the window.
+    /// only under the same key, and only within the window. False for
+    /// [`Error::Unreachable`]: no attempt left this process.
     pub fn outcome_unknown(&self) -> bool {
         matches!(
             self,
@@ -71,10 +86,15 @@ pub enum Failure {
         error: Option<Box<ApiError>>,
         retry_after: Option<Duration>,
     },
+    /// The connection could not be opened (refused, or not within the attempt's time): the
+    /// request was not sent.
+    #[error("connect: {0}")]
+    Connect(String),
     /// No complete answer within the attempt's time.
     #[error("no answer within {0:?}")]
     Timeout(Duration),
-    /// The connection could not be opened, or broke before the answer was read.
+    /// The connection broke after the request may have been sent, before the answer was
+    /// read.
     #[error("connection: {0}")]
     Connection(String),
 }

@@ -21,16 +21,22 @@
 //!   and every other 4xx end the call with [`Error::Refused`]. A rule's refusal wrote
 //!   nothing and is not remembered: to try the intent again later, use a new key.
 //! - **Bounded**: at most [`RetryPolicy::max_attempts`] requests and
-//!   [`RetryPolicy::total`] of time per call; then [`Error::Exhausted`]. `total` is at most
+//!   [`RetryPolicy::total`] of time per call; then [`Error::Exhausted`] (or
+//!   [`Error::Unreachable`] when no connection ever opened). `total` is at most
 //!   [`MAX_CALL_TIME`], below the server's window less a write's life, so that even a write
 //!   that never got an answer (and so no window) is not resent after its key may be gone.
+//! - **Amounts checked before sending**: a write takes an [`AmountCents`], 1 to
+//!   [`MAX_AMOUNT_CENTS`], the API's range. An amount Tally would refuse fails at
+//!   [`AmountCents::new`], never at the server.
 //!
 //! After [`Error::Exhausted`] or [`Error::WindowClosed`] on a write
 //! ([`Error::outcome_unknown`]), the write may or may not have landed: never resend it under
 //! a new key; read the account, or resend under the same key while the window lasts.
+//! [`Error::Unreachable`] is different: no connection ever opened, so nothing was sent and
+//! nothing was written.
 //!
 //! ```no_run
-//! use tally_client::{Client, Error, IdempotencyKey};
+//! use tally_client::{AmountCents, Client, Error, IdempotencyKey};
 //! use uuid::Uuid;
 //!
 //! # async fn example() -> Result<(), Error> {
@@ -39,7 +45,11 @@
 //!
 //! // The caller's own key: the order this deposit pays for.
 //! let key = IdempotencyKey::new("order-42")?;
-//! let deposit = tally.deposit(alice, 5_000).key(key).send().await?;
+//! let deposit = tally
+//!     .deposit(alice, AmountCents::new(5_000)?)
+//!     .key(key)
+//!     .send()
+//!     .await?;
 //! println!(
 //!     "balance {} at version {} after {} attempt(s){}",
 //!     deposit.value.balance_cents,
@@ -48,7 +58,7 @@
 //!     if deposit.replayed { ", replayed" } else { "" },
 //! );
 //!
-//! match tally.withdraw(alice, 9_000).send().await {
+//! match tally.withdraw(alice, AmountCents::new(9_000)?).send().await {
 //!     Ok(w) => println!("now {}", w.value.balance_cents),
 //!     Err(Error::Refused { status: 422, error, .. }) => println!("refused: {}", error.code),
 //!     Err(e) if e.outcome_unknown() => println!("may have landed: read the account ({e})"),
@@ -69,12 +79,14 @@
 //! [`ClientBuilder::bearer_token`]: keys then belong to the token's caller, and are sent byte
 //! for byte as given.
 
+mod amount;
 mod client;
 mod error;
 mod key;
 mod policy;
 mod types;
 
+pub use amount::{AmountCents, MAX_AMOUNT_CENTS};
 pub use client::{Client, ClientBuilder, MAX_ANSWER_BYTES, WriteCall};
 pub use error::{Error, Failure};
 pub use key::{IdempotencyKey, MAX_KEY_LEN};

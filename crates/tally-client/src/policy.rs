@@ -4,21 +4,24 @@ use std::time::Duration;
 
 use crate::ApiError;
 
-/// The bounds every call runs within.
+/// The bounds every call runs within. [`RetryPolicy::default`] gives each field the default
+/// its doc names: at most 6 requests within 30 s, 10 s each, waits from 100 ms doubling to
+/// 2 s.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
-    /// Requests per call, the first included.
+    /// Requests per call, the first included. Default 6.
     pub max_attempts: u32,
     /// Time per call from the first send, waits included; no attempt starts or runs past it.
     /// At most [`MAX_CALL_TIME`]: below the server's window less a write's life (82 s on the
     /// embedded store and 77 s on Celeriant with the defaults), so that a write that never
-    /// got an answer is never resent once its key may be forgotten.
+    /// got an answer is never resent once its key may be forgotten. Default 30 s.
     pub total: Duration,
-    /// Time per attempt for a complete answer.
+    /// Time per attempt for a complete answer. Default 10 s.
     pub attempt_timeout: Duration,
-    /// The wait before the first retry, doubled for each one after it.
+    /// The wait before the first retry, doubled for each one after it. Default 100 ms.
     pub backoff: Duration,
-    /// The longest wait the doubling reaches (a `Retry-After` may ask for longer).
+    /// The longest wait the doubling reaches (a `Retry-After` may ask for longer). Default
+    /// 2 s.
     pub max_backoff: Duration,
 }
 
@@ -133,6 +136,21 @@ mod tests {
             ..RetryPolicy::default()
         };
         assert!(none.check().is_err());
+    }
+
+    /// The defaults the docs (this type's and the crate's README) state.
+    #[test]
+    fn the_default_policy_is_the_documented_one() {
+        assert_eq!(
+            RetryPolicy::default(),
+            RetryPolicy {
+                max_attempts: 6,
+                total: Duration::from_secs(30),
+                attempt_timeout: Duration::from_secs(10),
+                backoff: Duration::from_millis(100),
+                max_backoff: Duration::from_secs(2),
+            }
+        );
     }
 
     #[test]

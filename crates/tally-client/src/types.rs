@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::IdempotencyKey;
+use crate::{AmountCents, IdempotencyKey};
 
 /// A balance and the account version it was read at (or that a write produced).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -102,7 +102,7 @@ pub struct Written<T> {
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub(crate) struct AmountBody {
-    pub amount_cents: u32,
+    pub amount_cents: AmountCents,
 }
 
 #[derive(Debug, Serialize)]
@@ -110,7 +110,7 @@ pub(crate) struct AmountBody {
 pub(crate) struct TransferBody {
     pub from_account_id: Uuid,
     pub to_account_id: Uuid,
-    pub amount_cents: u32,
+    pub amount_cents: AmountCents,
 }
 
 #[derive(Debug, Serialize)]

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use clap::Parser;
-use tally_client::{Client, Error, EventKind, Failure, IdempotencyKey, RetryPolicy};
+use tally_client::{AmountCents, Client, Error, EventKind, Failure, IdempotencyKey, RetryPolicy};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
@@ -169,6 +169,11 @@ fn client(server: &Scripted, policy: RetryPolicy) -> Client {
         .unwrap()
 }
 
+/// An amount the API takes (the tests' amounts are all in range).
+fn cents(amount: i64) -> AmountCents {
+    AmountCents::new(amount).expect("an amount in the API's range")
+}
+
 fn all_the_same(keys: &[Option<String>]) -> bool {
     keys.iter().all(|k| k.is_some() && *k == keys[0])
 }
@@ -178,10 +183,10 @@ async fn every_write_carries_a_key_and_a_minted_one_is_returned() {
     let server = Scripted::start(vec![balance(5, 1), balance(10, 2)]).await;
     let tally = client(&server, quick());
     let account = Uuid::new_v4();
-    let minted = tally.deposit(account, 5).send().await.unwrap();
+    let minted = tally.deposit(account, cents(5)).send().await.unwrap();
     let given = IdempotencyKey::new("order-42").unwrap();
     let named = tally
-        .deposit(account, 5)
+        .deposit(account, cents(5))
         .key(given.clone())
         .send()
         .await
@@ -208,7 +213,7 @@ async fn a_conflict_409_is_retried_with_the_same_key() {
     let conflict = || refusal(409, "CONFLICT", vec![("retry-after", "0".into())]);
     let server = Scripted::start(vec![conflict(), conflict(), balance(7, 3)]).await;
     let written = client(&server, quick())
-        .deposit(Uuid::new_v4(), 7)
+        .deposit(Uuid::new_v4(), cents(7))
         .send()
         .await
         .unwrap();
@@ -227,7 +232,7 @@ async fn a_503_and_a_500_are_retried_with_the_same_key() {
     let server = Scripted::start(steps).await;
     let key = IdempotencyKey::new("k-503").unwrap();
     let written = client(&server, quick())
-        .withdraw(Uuid::new_v4(), 1)
+        .withdraw(Uuid::new_v4(), cents(1))
         .key(key)
         .send()
         .await
@@ -244,7 +249,7 @@ async fn a_timeout_is_retried_with_the_same_key() {
         ..quick()
     };
     let written = client(&server, policy)
-        .deposit(Uuid::new_v4(), 2)
+        .deposit(Uuid::new_v4(), cents(2))
         .send()
         .await
         .unwrap();
@@ -262,7 +267,7 @@ async fn a_broken_connection_is_retried_with_the_same_key() {
     };
     let server = Scripted::start(vec![Step::Close, transferred]).await;
     let written = client(&server, quick())
-        .transfer(from, to, 2)
+        .transfer(from, to, cents(2))
         .send()
         .await
         .unwrap();
@@ -282,8 +287,10 @@ async fn a_broken_connection_is_retried_with_the_same_key() {
     );
 }
 
+/// Rule: a connection that is refused carried no request, so a call whose every attempt was
+/// refused ends with nothing written, and says so (`Unreachable`, outcome known).
 #[tokio::test]
-async fn a_refused_connection_is_retried_until_the_attempts_run_out() {
+async fn a_refused_connection_is_retried_and_then_known_to_have_sent_nothing() {
     // A port nothing listens on: every attempt is refused.
     let port = TcpListener::bind("127.0.0.1:0")
         .await
@@ -295,19 +302,59 @@ async fn a_refused_connection_is_retried_until_the_attempts_run_out() {
         .policy(quick())
         .build()
         .unwrap();
-    let err = tally.deposit(Uuid::new_v4(), 1).send().await.unwrap_err();
+    let err = tally
+        .deposit(Uuid::new_v4(), cents(1))
+        .send()
+        .await
+        .unwrap_err();
     assert!(
         matches!(
             err,
-            Error::Exhausted {
+            Error::Unreachable {
+                key: Some(_),
                 attempts: 5,
-                last: Failure::Connection(_),
+                last: Failure::Connect(_),
                 ..
             }
         ),
         "{err:?}"
     );
-    assert!(err.outcome_unknown());
+    assert!(!err.outcome_unknown(), "{err}");
+}
+
+/// Rule: once one attempt may have reached the server (its connection broke after the
+/// request went out), later refused connections do not make the outcome known.
+#[tokio::test]
+async fn a_refusal_after_a_sent_attempt_leaves_the_outcome_unknown() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    // Takes one connection, reads the request's head, closes, and stops listening.
+    let server = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        drop(listener);
+        let mut stream = BufReader::new(stream);
+        let mut line = String::new();
+        while stream.read_line(&mut line).await.unwrap_or(0) > 0 && line != "\r\n" {
+            line.clear();
+        }
+    });
+    let tally = Client::builder(&base).policy(quick()).build().unwrap();
+    let call = tally.deposit(Uuid::new_v4(), cents(1)).send();
+    let err = call.await.unwrap_err();
+    server.await.unwrap();
+    assert!(
+        matches!(
+            err,
+            Error::Exhausted {
+                key: Some(_),
+                attempts: 5,
+                last: Failure::Connect(_),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.outcome_unknown(), "{err}");
 }
 
 #[tokio::test]
@@ -319,7 +366,7 @@ async fn retry_after_is_honoured() {
     );
     let server = Scripted::start(vec![shed, balance(3, 1)]).await;
     client(&server, quick())
-        .deposit(Uuid::new_v4(), 3)
+        .deposit(Uuid::new_v4(), cents(3))
         .send()
         .await
         .unwrap();
@@ -341,7 +388,7 @@ async fn a_retry_after_beyond_the_total_time_ends_the_call_without_waiting() {
     let server = Scripted::start(vec![shed, balance(3, 1)]).await;
     let started = Instant::now();
     let err = client(&server, quick())
-        .deposit(Uuid::new_v4(), 3)
+        .deposit(Uuid::new_v4(), cents(3))
         .send()
         .await
         .unwrap_err();
@@ -362,7 +409,7 @@ async fn no_resend_after_the_idempotency_window() {
     let spent = refusal(409, "CONFLICT", vec![("idempotency-window", "0".into())]);
     let server = Scripted::start(vec![spent, balance(1, 1)]).await;
     let err = client(&server, quick())
-        .deposit(Uuid::new_v4(), 1)
+        .deposit(Uuid::new_v4(), cents(1))
         .send()
         .await
         .unwrap_err();
@@ -384,7 +431,7 @@ async fn no_resend_after_the_idempotency_window() {
     );
     let server = Scripted::start(vec![late, balance(1, 1)]).await;
     let err = client(&server, quick())
-        .deposit(Uuid::new_v4(), 1)
+        .deposit(Uuid::new_v4(), cents(1))
         .send()
         .await
         .unwrap_err();
@@ -395,7 +442,7 @@ async fn no_resend_after_the_idempotency_window() {
     let open = refusal(409, "CONFLICT", vec![("idempotency-window", "30".into())]);
     let server = Scripted::start(vec![open, balance(1, 1)]).await;
     let written = client(&server, quick())
-        .deposit(Uuid::new_v4(), 1)
+        .deposit(Uuid::new_v4(), cents(1))
         .send()
         .await
         .unwrap();
@@ -411,7 +458,7 @@ async fn a_422_is_never_retried() {
     ])
     .await;
     let err = client(&server, quick())
-        .withdraw(Uuid::new_v4(), 1)
+        .withdraw(Uuid::new_v4(), cents(1))
         .send()
         .await
         .unwrap_err();
@@ -459,7 +506,7 @@ async fn attempts_are_bounded() {
         ..quick()
     };
     let err = client(&server, policy)
-        .deposit(Uuid::new_v4(), 1)
+        .deposit(Uuid::new_v4(), cents(1))
         .send()
         .await
         .unwrap_err();
@@ -488,7 +535,7 @@ async fn total_time_is_bounded() {
     };
     let started = Instant::now();
     let err = client(&server, policy)
-        .deposit(Uuid::new_v4(), 1)
+        .deposit(Uuid::new_v4(), cents(1))
         .send()
         .await
         .unwrap_err();
@@ -577,16 +624,16 @@ async fn lost_acks_on_a_real_tally_land_once() {
         .unwrap();
     let account = Uuid::new_v4();
     let (mut sent, mut attempts, mut replays) = (0i64, 0, 0);
-    for cents in 1..=40u32 {
-        let key = IdempotencyKey::new(format!("lost-ack-{cents}")).unwrap();
-        let written = tally.deposit(account, cents).key(key).send().await;
-        let written = written.unwrap_or_else(|e| panic!("deposit {cents} ({faults}): {e}"));
-        sent += i64::from(cents);
+    for amount in 1..=40i64 {
+        let key = IdempotencyKey::new(format!("lost-ack-{amount}")).unwrap();
+        let written = tally.deposit(account, cents(amount)).key(key).send().await;
+        let written = written.unwrap_or_else(|e| panic!("deposit {amount} ({faults}): {e}"));
+        sent += amount;
         attempts += written.attempts;
         replays += u32::from(written.replayed);
         assert_eq!(
             written.value.balance_cents, sent,
-            "deposit {cents} landed once"
+            "deposit {amount} landed once"
         );
     }
     assert!(
@@ -633,10 +680,10 @@ async fn a_real_tally_shedding_load_lands_every_write_once() {
         .build()
         .unwrap();
     let account = Uuid::new_v4();
-    let writers: Vec<_> = (1..=16u32)
-        .map(|cents| {
+    let writers: Vec<_> = (1..=16i64)
+        .map(|amount| {
             let tally = tally.clone();
-            tokio::spawn(async move { tally.deposit(account, cents).send().await })
+            tokio::spawn(async move { tally.deposit(account, cents(amount)).send().await })
         })
         .collect();
     let mut attempts = 0;

@@ -55,6 +55,8 @@ enum Command {
         /// The account id (a UUID).
         account: String,
         /// A positive amount in cents.
+        // A negative amount reaches the amount rule, not clap's "unexpected argument".
+        #[arg(allow_negative_numbers = true)]
         amount_cents: String,
     },
     /// Sends every queued event to the server, in order, exactly once.

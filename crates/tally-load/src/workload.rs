@@ -381,6 +381,8 @@ async fn fund_one(
     let mut record = KeyRecord::new(key, Op::deposit(account, i64::from(amount)));
     let mut sent = 0u64;
     let mut last = String::new();
+    let amount = tally_client::AmountCents::try_from(amount)
+        .map_err(|e| format!("pre-funding deposit into {account}: {e}"))?;
     for round in 0..clients.len() {
         let client = &clients[(index + round) % clients.len()];
         match client.deposit(account, amount).key(key.into()).send().await {
@@ -397,6 +399,8 @@ async fn fund_one(
                 record.unanswered(attempts);
                 last = why.to_string();
             }
+            // No connection opened: nothing was sent, so the ledger has nothing to note.
+            Err(tally_client::Error::Unreachable { last: why, .. }) => last = why.to_string(),
             Err(e) => return Err(format!("pre-funding deposit into {account}: {e}")),
         }
     }

@@ -55,16 +55,12 @@ pub enum OutboxError {
     NotInitialised(String),
     #[error("{0} is not a Tally device outbox of schema version {SCHEMA_VERSION}: {1}")]
     Foreign(String, String),
-    /// Transfers are refused offline: see the module docs of [`tally::device`] and the
-    /// reasons in this message.
-    #[error(
-        "transfers are not recorded offline: their two legs live on two accounts with two \
-         independent device sequences, so they would either couple both accounts' queues into \
-         one cross-account write (which the store refuses across shards) or land as two \
-         separate writes with money missing in between; and a transfer offline would skip the \
-         source balance check that is the whole point of doing it online. Record the transfer \
-         online through the Tally API"
-    )]
+    /// Transfers are refused offline. Their two legs live on two accounts with two
+    /// independent device sequences. Recorded offline, they would either couple both
+    /// accounts' queues into one cross-account write (which the store refuses across shards),
+    /// or land as two separate writes with money missing in between. And a transfer offline
+    /// would skip the payer's balance check, the reason to make it online.
+    #[error("transfers are not recorded offline: make them online (POST /api/transfers)")]
     TransferOffline,
     /// Opening an account is an online decision (is the id free?) the service makes.
     #[error(

@@ -415,8 +415,27 @@ async fn the_cli_refuses_transfers_and_bad_input_and_records_nothing() {
         let out = d.run(&args, None).await;
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out));
     }
+    // The refusal of a transfer is one short sentence that says where transfers go.
     let out = d.run(&["record", "transfer", ACCOUNT_A, "5"], None).await;
-    assert!(String::from_utf8_lossy(&out.stderr).contains("transfers are not recorded offline"));
+    let refusal = String::from_utf8_lossy(&out.stderr);
+    let refusal = refusal.trim_end();
+    assert!(
+        refusal.contains("transfers are not recorded offline")
+            && refusal.contains("POST /api/transfers"),
+        "{refusal}"
+    );
+    assert!(
+        !refusal.contains('\n') && refusal.split_whitespace().count() <= 18,
+        "one short line: {refusal}"
+    );
+    // A negative amount is refused by the amount rule, not taken for an unknown flag.
+    let out = d.run(&["record", "deposit", ACCOUNT_A, "-5"], None).await;
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(
+        said.contains("must be an integer from 1 to 2147483647, got -5"),
+        "{said}"
+    );
     assert_eq!(d.status().await["pending"], 0);
 
     let elsewhere = TestDir::new("device-cli-uninitialised");
