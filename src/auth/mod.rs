@@ -158,6 +158,11 @@ impl Caller {
         self.scopes.contains(&scope)
     }
 
+    /// Whether the caller may read this account's balance: the scope, and the account listed.
+    pub fn may_read(&self, account: Uuid) -> bool {
+        self.has(Scope::AccountsRead) && self.may_touch(account)
+    }
+
     pub fn may_touch(&self, account: Uuid) -> bool {
         self.accounts.as_ref().is_none_or(|a| a.contains(&account))
     }

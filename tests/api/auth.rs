@@ -898,3 +898,58 @@ async fn the_binary_never_logs_a_token_and_refuses_jwt_without_a_key() {
         assert!(!log.contains(signature), "a token reached the log");
     }
 }
+
+/// Rule: a transfer's answer shows the destination's balance only to a caller who may read
+/// that balance. A token limited to its source account gets the source leg alone, on both
+/// transfer routes, and its replay under the same key answers the same shape.
+#[tokio::test]
+async fn a_transfer_shows_the_destination_leg_only_to_a_caller_who_may_read_it() {
+    let t = replica(&hs_flags(&secret_file(), "0"), None).await;
+    let (mine, payee) = (new_account(), new_account());
+    let limited = token(json!({"accounts": [mine]}));
+    assert_eq!(
+        deposit(&t, Some(&limited), &mine, 1_000, None).await.status,
+        StatusCode::OK
+    );
+    // The payee's balance is one the limited token must not learn.
+    deposit(&t, Some(&token(json!({}))), &payee, 25_000, None).await;
+    let routes = [
+        (
+            "/api/transfers".to_string(),
+            json!({"fromAccountId": mine, "toAccountId": payee, "amountCents": 1}),
+        ),
+        (
+            format!("/api/accounts/{mine}/transfers"),
+            json!({"toAccountId": payee, "amountCents": 1}),
+        ),
+    ];
+    for (i, (path, body)) in routes.iter().enumerate() {
+        let key = format!("pay-{i}");
+        let post = |tok: String, key: String| {
+            let (t, path, body) = (&t, path.clone(), body.clone());
+            async move {
+                send(
+                    t,
+                    reqwest::Method::POST,
+                    &path,
+                    Some(&tok),
+                    Some(&body),
+                    Some(&key),
+                )
+                .await
+            }
+        };
+        let first = post(limited.clone(), key.clone()).await;
+        assert_eq!(first.status, StatusCode::OK, "{path}: {}", first.text);
+        assert!(first.body["from"]["balanceCents"].is_i64(), "{}", first.text);
+        assert_eq!(first.body.get("to"), None, "{path}: {}", first.text);
+        let again = post(limited.clone(), key.clone()).await;
+        assert!(again.replayed(), "{path}: {}", again.text);
+        assert_eq!(again.body, first.body, "{path}: a replay answers the same shape");
+        // A caller who may read the payee sees both legs.
+        let full = post(token(json!({})), format!("{key}-full")).await;
+        assert_eq!(full.status, StatusCode::OK, "{path}: {}", full.text);
+        assert!(full.body["to"]["balanceCents"].is_i64(), "{}", full.text);
+    }
+    t.shutdown().await;
+}
