@@ -563,7 +563,7 @@ impl Metrics {
             watch_refused: counter_vec(
                 r,
                 "tally_watch_refused_total",
-                "Watch subscriptions refused at a limit, by limit (replica, account).",
+                "Watch subscriptions refused at a limit, by limit (replica, account, caller).",
                 &["limit"],
             ),
             watch_feed_gaps: counter(

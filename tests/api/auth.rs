@@ -953,3 +953,79 @@ async fn a_transfer_shows_the_destination_leg_only_to_a_caller_who_may_read_it()
     }
     t.shutdown().await;
 }
+
+/// Rule: one caller cannot take every watch slot of a replica. Past
+/// `--watch-max-per-caller` its next stream is refused 429 `TOO_MANY_STREAMS` with
+/// `Retry-After`, while another caller still opens one on its own account; a stream the
+/// first caller closes gives its place back.
+#[tokio::test]
+async fn one_caller_cannot_take_every_watch_slot() {
+    let mut flags = hs_flags(&secret_file(), "0");
+    flags.extend(
+        [
+            "--watch-max-subscribers",
+            "4",
+            "--watch-max-per-account",
+            "2",
+            "--watch-max-per-caller",
+            "2",
+        ]
+        .map(String::from),
+    );
+    let t = replica(&flags, None).await;
+    let (a, b, own) = (new_account(), new_account(), new_account());
+    // A caller limited to two accounts, as a hostile or buggy client would be.
+    let greedy = token(json!({"sub": "greedy", "accounts": [a, b]}));
+    let open = |token: &str, account: &str| {
+        t.client
+            .get(t.url(&format!("/api/accounts/{account}/events")))
+            .bearer_auth(token)
+            .send()
+    };
+    let mut held = Vec::new();
+    for account in [&a, &b] {
+        let mut resp = open(&greedy, account).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        read_until(&mut resp, &mut String::new(), "event: snapshot").await;
+        held.push(resp);
+    }
+    // The status first: a stream opened by mistake would never end, and neither would
+    // reading its body.
+    let refused = open(&greedy, &a).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let refused = read(refused).await;
+    assert_error(&refused, 429, "TOO_MANY_STREAMS");
+    let retry: u64 = refused
+        .header("retry-after")
+        .expect("Retry-After")
+        .parse()
+        .unwrap();
+    assert!(retry >= 1, "Retry-After {retry}");
+    // Another caller is not starved: its stream on its own account opens.
+    let other = token(json!({"sub": "other", "accounts": [own]}));
+    let mut resp = open(&other, &own).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    read_until(&mut resp, &mut String::new(), "event: snapshot").await;
+    // A closed stream gives its place back (the hub counts it out when its task ends).
+    drop(held.pop());
+    let reopened = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let resp = open(&greedy, &b).await.unwrap();
+            if resp.status() == StatusCode::OK {
+                return resp;
+            }
+            assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the place comes back once the stream is closed");
+    assert_eq!(reopened.status(), StatusCode::OK);
+    let metrics = t.get("/metrics").await.text;
+    assert!(
+        metric_sample(&metrics, "tally_watch_refused_total{limit=\"caller\"}") >= 1.0,
+        "counted by limit, never by caller"
+    );
+    assert!(!metrics.contains("greedy"));
+    t.shutdown().await;
+}

@@ -105,6 +105,11 @@ fn one_of_each() -> Vec<ApiError> {
         ApiError::RateLimited {
             retry_after_secs: 1,
         },
+        ApiError::Limited {
+            code: "TOO_MANY_STREAMS",
+            message: "x".into(),
+            retry_after_secs: 1,
+        },
     ]
 }
 
@@ -131,6 +136,7 @@ fn variant(e: &ApiError) -> usize {
         ApiError::UriTooLong(_) => 18,
         ApiError::HeadersTooLarge(_) => 19,
         ApiError::AccountNotFound(_) => 20,
+        ApiError::Limited { .. } => 21,
     }
 }
 
@@ -210,7 +216,7 @@ fn status_of_response(r: &Value) -> u16 {
 fn every_status_the_code_answers_is_documented_and_no_other() {
     let errors = one_of_each();
     let listed: BTreeSet<usize> = errors.iter().map(variant).collect();
-    assert_eq!(listed.len(), 21, "one sample of each ApiError variant");
+    assert_eq!(listed.len(), 22, "one sample of each ApiError variant");
     let mut code: BTreeSet<u16> = errors.iter().map(|e| e.status().as_u16()).collect();
     code.insert(200);
     // An open's answer (`POST /api/accounts`).

@@ -54,7 +54,7 @@ async fn unread_stream_over_deposits(flags: &[&str], deposits: usize) -> (TestAp
     let sub = t
         .app
         .watch
-        .subscribe_account(id, Resume::Live)
+        .subscribe_account(None, id, Resume::Live)
         .await
         .unwrap();
     for _ in 0..deposits {
@@ -711,7 +711,7 @@ async fn resumes_racing_live_writes_never_skip_or_repeat_a_version() {
         let mut sub = t
             .app
             .watch
-            .subscribe_account(account, resume)
+            .subscribe_account(None, account, resume)
             .await
             .unwrap();
         readers.push(tokio::spawn(async move {
@@ -784,7 +784,7 @@ async fn watching_a_new_account(
         .unwrap();
     app.started().await;
     let id = AccountId(new_account().parse().unwrap());
-    let mut sub = app.watch.subscribe_account(id, Resume::Live).await.unwrap();
+    let mut sub = app.watch.subscribe_account(None, id, Resume::Live).await.unwrap();
     assert!(matches!(
         sub.items.recv().await,
         Some(Item::Snapshot { version: 0, .. })
@@ -1112,12 +1112,12 @@ async fn an_account_whose_reads_hang_holds_up_no_other_accounts_stream() {
     );
     let mut slow_sub = app
         .watch
-        .subscribe_account(slow, Resume::Live)
+        .subscribe_account(None, slow, Resume::Live)
         .await
         .unwrap();
     let mut other_sub = app
         .watch
-        .subscribe_account(other, Resume::Live)
+        .subscribe_account(None, other, Resume::Live)
         .await
         .unwrap();
     for sub in [&mut slow_sub, &mut other_sub] {
