@@ -808,10 +808,11 @@ async fn with_an_admin_address_metrics_move_there() {
 }
 
 /// The real binary: `--auth jwt` without a key refuses to start (exit 2, naming the flag);
-/// `--admin-listen` moves `/metrics`; and with debug logging on, neither a good nor a
-/// refused token reaches the log.
+/// `--admin-listen` moves `/metrics`; each access line names its peer and, once its token is
+/// accepted, its caller; and with debug logging on, neither a good nor a refused token
+/// reaches the log.
 #[tokio::test]
-async fn the_binary_never_logs_a_token_and_refuses_jwt_without_a_key() {
+async fn the_access_line_names_caller_and_peer_never_a_token_and_jwt_needs_a_key() {
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
     let bin = env!("CARGO_BIN_EXE_tally");
@@ -892,6 +893,23 @@ async fn the_binary_never_logs_a_token_and_refuses_jwt_without_a_key() {
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
     let log = rest.join("\n") + &stderr;
     assert!(log.contains("served"), "the requests were logged: {log}");
+    // Each access line says who asked: the peer always, the caller (`sub`) once its token
+    // was accepted. A service that moves money must be able to tell callers apart.
+    let served: Vec<Value> = rest
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| {
+            v["fields"]["message"] == "served" && v["fields"]["route"] == "/api/accounts"
+        })
+        .collect();
+    assert_eq!(served.len(), 2, "{log}");
+    let peers: Vec<&str> = served
+        .iter()
+        .map(|v| v["fields"]["peer"].as_str().expect("a peer on every line"))
+        .collect();
+    assert!(peers.iter().all(|p| p.starts_with("127.0.0.1:")), "{peers:?}");
+    let callers: Vec<&Value> = served.iter().map(|v| &v["fields"]["caller"]).collect();
+    assert_eq!(callers, [&json!("log-check"), &Value::Null], "{log}");
     for tok in [&good, &forged] {
         // Not the token, nor its signature (the part an attacker would need).
         let signature = tok.rsplit('.').next().unwrap();
@@ -1027,5 +1045,42 @@ async fn one_caller_cannot_take_every_watch_slot() {
         "counted by limit, never by caller"
     );
     assert!(!metrics.contains("greedy"));
+    t.shutdown().await;
+}
+
+/// Rule: failed authentications are paced per peer address. Past
+/// `--auth-failures-per-minute`, a missing or refused token is answered 429
+/// `TOO_MANY_AUTH_FAILURES` with `Retry-After` instead of 401, while a valid token from the
+/// same address is still served.
+#[tokio::test]
+async fn a_peer_sending_bad_tokens_is_paced_and_valid_tokens_still_pass() {
+    let mut flags = hs_flags(&secret_file(), "0");
+    flags.extend(["--auth-failures-per-minute", "3"].map(String::from));
+    let t = replica(&flags, None).await;
+    let forged = signed_with(&valid_claims(), b"a forged secret, long enough to sign");
+    let path = "/api/accounts";
+    assert_error(&get(&t, Some(&forged), path).await, 401, "INVALID_TOKEN");
+    assert_error(&get(&t, None, path).await, 401, "UNAUTHORIZED");
+    assert_error(&get(&t, Some(&forged), path).await, 401, "INVALID_TOKEN");
+    for tok in [Some(forged.as_str()), None] {
+        let r = get(&t, tok, path).await;
+        assert_error(&r, 429, "TOO_MANY_AUTH_FAILURES");
+        let retry: u64 = r
+            .header("retry-after")
+            .expect("Retry-After")
+            .parse()
+            .unwrap();
+        assert!((1..=60).contains(&retry), "Retry-After {retry}");
+    }
+    let good = token(json!({}));
+    assert_eq!(get(&t, Some(&good), path).await.status, StatusCode::OK);
+    let metrics = t.get("/metrics").await.text;
+    assert_eq!(
+        metric_sample(
+            &metrics,
+            "tally_auth_requests_total{outcome=\"peer_limited\"}"
+        ),
+        2.0
+    );
     t.shutdown().await;
 }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 17: runs Schemathesis against the real `tally` binary on the embedded store, with
-# authentication on (HS256, a throwaway secret, rate limits off so the run is not paced).
+# authentication on (HS256, a throwaway secret, rate limits off so the run is not paced;
+# the per-peer failure limit too, since its checks send requests without a token).
 # Every phase (examples, coverage, fuzzing, stateful links: deposit, then balance and
 # history); the checks and their one narrowing are in schemathesis.toml beside this file.
 # The watch streams are reached on a live account: ticker.py writes every kind of event to
@@ -43,6 +44,7 @@ peer=5e4d3c2b-1a09-4f8e-9d7c-6b5a4f3e2d1c
 
 "$TALLY_BIN" --listen "127.0.0.1:$port" --store memory \
     --auth jwt --auth-secret-file "$work/secret" --rate-limit-per-caller 0 \
+    --auth-failures-per-minute 0 \
     --log-format json > "$work/tally.log" 2>&1 &
 server=$!
 
