@@ -214,6 +214,7 @@ fn stream_response(
     let h = resp.headers_mut();
     h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    super::response::no_sniff(h);
     // nginx: pass each event on at once instead of filling a buffer first.
     h.insert(
         HeaderName::from_static("x-accel-buffering"),
