@@ -133,6 +133,12 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.check_gate_floor_under_ceiling()?;
         self.check_time_relations()?;
+        if self.http.allowed_hosts.len() > crate::http::config::MAX_ALLOWED_HOSTS {
+            return Err(ConfigError(format!(
+                "--allowed-hosts takes at most {} names",
+                crate::http::config::MAX_ALLOWED_HOSTS
+            )));
+        }
         // A token must be checkable before the replica serves.
         Authenticator::new(&self.auth).map_err(ConfigError)?;
         if self.store.kind == StoreKind::Celeriant {

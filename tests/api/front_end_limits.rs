@@ -663,7 +663,7 @@ async fn a_request_without_one_host_is_refused_and_writes_nothing() {
         );
         assert!(text.contains("Host header"), "{text}");
     }
-    for host in ["tally:8080", "[::1]:80", "10.0.0.1"] {
+    for host in ["localhost:8080", "[::1]:80", "10.0.0.1"] {
         let text = server
             .exchange(&format!(
                 "GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
@@ -686,5 +686,51 @@ async fn a_request_without_one_host_is_refused_and_writes_nothing() {
         .exchange("GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
         .await;
     assert!(probe.starts_with("HTTP/1.1 200"), "{probe}");
+    server.shutdown().await;
+}
+
+/// Rule: with `--auth none` a replica serves local host names only (and IP addresses),
+/// unless `--allowed-hosts` lists more or `*`: a web page that rebinds its own name to this
+/// replica gets 403 `HOST_NOT_ALLOWED` and moves no money (a deposit here: it would land).
+/// Probes answer any name.
+#[tokio::test]
+async fn with_auth_off_only_local_or_listed_host_names_are_served() {
+    let account = uuid::Uuid::new_v4();
+    let deposit = |host: &str| {
+        let body = r#"{"amountCents":5}"#;
+        format!(
+            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: {host}\r\n\
+             Origin: http://{host}\r\nContent-Type: application/json\r\n\
+             Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let balance = |host: &str| {
+        format!(
+            "GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        )
+    };
+    let server = Server::start(&[]).await;
+    let text = server.exchange(&deposit("rebind.attacker.example")).await;
+    assert!(text.starts_with("HTTP/1.1 403"), "{text}");
+    assert!(text.contains("HOST_NOT_ALLOWED"), "{text}");
+    let probe = server
+        .exchange("GET /healthz HTTP/1.1\r\nHost: rebind.attacker.example\r\nConnection: close\r\n\r\n")
+        .await;
+    assert!(probe.starts_with("HTTP/1.1 200"), "{probe}");
+    let local = server.exchange(&balance("localhost:8080")).await;
+    assert!(local.contains(r#""balanceCents":0,"aggregateVersion":0"#), "nothing written: {local}");
+    server.shutdown().await;
+
+    let server = Server::start(&["--allowed-hosts", "tally.internal"]).await;
+    let listed = server.exchange(&balance("Tally.Internal:8080")).await;
+    assert!(listed.starts_with("HTTP/1.1 200"), "{listed}");
+    let other = server.exchange(&balance("rebind.attacker.example")).await;
+    assert!(other.starts_with("HTTP/1.1 403"), "{other}");
+    server.shutdown().await;
+
+    let server = Server::start(&["--allowed-hosts", "*"]).await;
+    let any = server.exchange(&balance("anything.example")).await;
+    assert!(any.starts_with("HTTP/1.1 200"), "{any}");
     server.shutdown().await;
 }
