@@ -76,7 +76,7 @@ impl Server {
         let stream = TcpStream::connect(self.addr).await.expect("connect");
         let (mut rx, mut tx) = stream.into_split();
         let request = format!(
-            "GET /healthz HTTP/1.1\r\nHost: tally\r\nX-Padding: {}\r\nConnection: close\r\n\r\n",
+            "GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Padding: {}\r\nConnection: close\r\n\r\n",
             "a".repeat(padding)
         );
         let writer = tokio::spawn(async move {
@@ -207,7 +207,7 @@ impl Server {
         let answer = self
             .answer(
                 format!(
-                    "GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: tally\r\n\
+                    "GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: localhost\r\n\
                      Connection: close\r\n\r\n"
                 )
                 .into_bytes(),
@@ -227,7 +227,7 @@ impl Server {
 fn deposit(account: uuid::Uuid, target_padding: usize, extra: &str) -> Vec<u8> {
     let body = r#"{"amountCents":5}"#;
     format!(
-        "POST /api/accounts/{account}/deposit?{} HTTP/1.1\r\nHost: tally\r\n\
+        "POST /api/accounts/{account}/deposit?{} HTTP/1.1\r\nHost: localhost\r\n\
          Content-Type: application/json\r\nIdempotency-Key: {}\r\n{extra}\
          Content-Length: {}\r\n\r\n{body}",
         "&".repeat(target_padding),
@@ -240,7 +240,7 @@ fn deposit(account: uuid::Uuid, target_padding: usize, extra: &str) -> Vec<u8> {
 /// A balance read of `account`, padded like [`deposit`].
 fn balance_read(account: uuid::Uuid, target_padding: usize, extra: &str) -> Vec<u8> {
     format!(
-        "GET /api/accounts/{account}/balance?{} HTTP/1.1\r\nHost: tally\r\n{extra}\r\n",
+        "GET /api/accounts/{account}/balance?{} HTTP/1.1\r\nHost: localhost\r\n{extra}\r\n",
         "&".repeat(target_padding)
     )
     .into_bytes()
@@ -272,7 +272,7 @@ async fn a_request_line_over_the_head_limit_is_414_in_json_and_writes_nothing() 
     let server = Server::start(&[]).await;
     let account = uuid::Uuid::new_v4();
     let long_path = format!(
-        "GET /{} HTTP/1.1\r\nHost: tally\r\n\r\n",
+        "GET /{} HTTP/1.1\r\nHost: localhost\r\n\r\n",
         "a".repeat(20_000)
     );
     for (what, request) in [
@@ -399,7 +399,7 @@ async fn a_head_over_the_limit_after_requests_on_its_connection_is_refused_in_tu
     body.push_str(&" ".repeat(20_000));
     let by_length = || {
         format!(
-            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: localhost\r\n\
              Content-Type: application/json\r\nIdempotency-Key: {}\r\n\
              content-length: {}\r\n\r\n{body}",
             uuid::Uuid::new_v4(),
@@ -413,7 +413,7 @@ async fn a_head_over_the_limit_after_requests_on_its_connection_is_refused_in_tu
         .collect();
     let by_chunks = || {
         format!(
-            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: localhost\r\n\
              Content-Type: application/json\r\nIdempotency-Key: {}\r\n\
              Transfer-Encoding: chunked\r\n\r\n{chunks}0\r\nX-Trailer: t\r\n\r\n",
             uuid::Uuid::new_v4(),
@@ -514,9 +514,9 @@ async fn a_request_with_both_framings_is_read_by_its_chunks_and_its_connection_c
         // The deposit, then a request a Content-Length reader would find inside its body.
         let text = server
             .exchange(&format!(
-                "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+                "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: localhost\r\n\
                  Content-Type: application/json\r\nIdempotency-Key: both-{n}\r\n{framing}\r\n\
-                 {chunked}GET /healthz HTTP/1.1\r\nHost: tally\r\n\r\n"
+                 {chunked}GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n"
             ))
             .await;
         assert!(text.starts_with("HTTP/1.1 200 OK"), "{framing}: {text}");
@@ -543,7 +543,7 @@ async fn a_transfer_coding_other_than_chunked_once_is_refused_and_writes_nothing
     let account = uuid::Uuid::new_v4();
     let deposit = |codings: &str| {
         format!(
-            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: localhost\r\n\
              Content-Type: application/json\r\nConnection: close\r\n{codings}\r\n{chunked}"
         )
     };
@@ -578,7 +578,7 @@ async fn a_transfer_coding_other_than_chunked_once_is_refused_and_writes_nothing
     }
     let balance = server
         .exchange(&format!(
-            "GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: tally\r\nConnection: close\r\n\r\n"
+            "GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
         ))
         .await;
     assert!(balance.contains(r#""balanceCents":0"#), "{balance}");
@@ -606,7 +606,7 @@ async fn a_request_whose_client_then_half_closes_is_answered() {
     for i in 0..20 {
         let mut stream = TcpStream::connect(server.addr).await.expect("connect");
         let request = format!(
-            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: localhost\r\n\
              Content-Type: application/json\r\nIdempotency-Key: half-{i}\r\n\
              Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
             body.len()
