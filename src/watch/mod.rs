@@ -232,6 +232,8 @@ pub struct Hub {
     projection: Arc<Projection>,
     metrics: Arc<Metrics>,
     limits: WatchConfig,
+    /// What the store's answer of no version at all proves ([`NoVersion`]).
+    no_version: NoVersion,
     state: Mutex<HubState>,
     global: Mutex<Vec<Slot<Arc<WriteFrame>>>>,
     next_id: AtomicU64,
@@ -242,6 +244,17 @@ pub struct Hub {
     shutdown: tokio::sync::watch::Sender<bool>,
     /// Notified accounts read at once (`channel::Channel::notify`).
     reads: Arc<tokio::sync::Semaphore>,
+}
+
+/// What a store's details call that finds no version of an account proves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NoVersion {
+    /// The account has none: every acknowledged create is in the store's answer (the
+    /// embedded store, which shares one process's memory with its writers).
+    Proven,
+    /// Nothing: the store may hide a create that landed (a Celeriant server was found to,
+    /// docs/stores.md), and a resume from a version a client saw must stay retryable.
+    Unproven,
 }
 
 /// Store reads the hub runs at once for notified accounts: the feed hands each commit over
@@ -274,11 +287,13 @@ impl Hub {
         projection: Arc<Projection>,
         metrics: Arc<Metrics>,
         limits: WatchConfig,
+        no_version: NoVersion,
     ) -> Arc<Self> {
         Arc::new(Self {
             projection,
             metrics,
             limits,
+            no_version,
             state: Mutex::new(HubState {
                 channels: HashMap::new(),
                 per_caller: HashMap::new(),
@@ -373,9 +388,11 @@ impl Hub {
                 .store_version(account)
                 .await
                 .map_err(|e| WatchError::Store(e.to_string()))?;
-            // No version at all decides nothing: the store may hide a create that landed
-            // (docs/stores.md), and the resume would then be from a version a client saw.
-            if current == 0 {
+            // No version at all decides only on a store that shows every create. Elsewhere
+            // the store may hide a create that landed (docs/stores.md), and the resume
+            // would then be from a version a client saw: retryable. On the embedded store
+            // no retry could change the answer, so it is final.
+            if current == 0 && self.no_version == NoVersion::Unproven {
                 return Err(WatchError::Store(
                     "the store shows no version of this account yet; retry".into(),
                 ));

@@ -7,7 +7,9 @@
 # The watch streams are reached on a live account: ticker.py writes every kind of event to
 # it throughout the run, so each stream Schemathesis opens carries a snapshot and all four
 # account events (the fleet-wide stream, their writes), each checked against the event
-# schema the spec documents; a stream ends after those events (schemathesis.toml).
+# schema the spec documents; a stream ends after those events (schemathesis.toml). A second
+# pass opens the account stream on generated ids, accounts never written
+# (schemathesis-streams.toml).
 #
 # Environment: TALLY_BIN (the binary), SCHEMATHESIS (the CLI). Exits with Schemathesis's
 # status; stops the replica it started.
@@ -73,6 +75,11 @@ status=0
 "$SCHEMATHESIS" --config-file "$here/schemathesis.toml" run \
     "http://127.0.0.1:$port/openapi.json" \
     --wait-for-schema 30 --no-color || status=$?
+if [[ $status -eq 0 ]]; then
+    "$SCHEMATHESIS" --config-file "$here/schemathesis-streams.toml" run \
+        "http://127.0.0.1:$port/openapi.json" --include-operation-id watchAccount \
+        --wait-for-schema 30 --no-color || status=$?
+fi
 if [[ $status -ne 0 ]]; then
     echo "contract: Schemathesis failed (exit $status); the ticker's log, then the replica's:" >&2
     cat "$work/ticker.log" >&2
