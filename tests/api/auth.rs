@@ -1084,3 +1084,38 @@ async fn a_peer_sending_bad_tokens_is_paced_and_valid_tokens_still_pass() {
     );
     t.shutdown().await;
 }
+
+/// Rule: an operator can bound what a `devices:sync` token takes. Its account list is
+/// honoured (a run of another account is 403 and writes nothing), and
+/// `--device-max-run-withdrawal-cents` refuses a run withdrawing more, whole (422
+/// `DEVICE_RUN_OVER_LIMIT`), while a run within it lands below zero as devices may.
+#[tokio::test]
+async fn an_operator_bounds_what_a_device_token_can_withdraw() {
+    let mut flags = hs_flags(&secret_file(), "0");
+    flags.extend(["--device-max-run-withdrawal-cents", "1000"].map(String::from));
+    let t = replica(&flags, None).await;
+    let (account, other) = (new_account(), new_account());
+    let device = uuid::Uuid::new_v4();
+    let path = format!("/api/devices/{device}/sync");
+    let run = |account: &str, seq: u64, cents: i64| {
+        json!({"accountId": account, "events": [
+            {"clientSeq": seq, "type": "withdraw", "amountCents": cents / 2},
+            {"clientSeq": seq + 1, "type": "withdraw", "amountCents": cents - cents / 2}]})
+    };
+    let sync = |token: String, body: Value| {
+        let (t, path) = (&t, path.clone());
+        async move { send(t, reqwest::Method::POST, &path, Some(&token), Some(&body), None).await }
+    };
+    let unlisted = token(json!({"sub": device, "scope": "devices:sync"}));
+    let r = sync(unlisted.clone(), run(&account, 1, 1_000_000)).await;
+    assert_error(&r, 422, "DEVICE_RUN_OVER_LIMIT");
+    assert_eq!(observe(&t, &account).await.0["aggregateVersion"], 0);
+    let r = sync(unlisted, run(&account, 1, 1000)).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(observe(&t, &account).await.0["balanceCents"], -1000);
+    let listed = token(json!({"sub": device, "scope": "devices:sync", "accounts": [account]}));
+    let r = sync(listed, run(&other, 1, 10)).await;
+    assert_error(&r, 403, "FORBIDDEN");
+    assert_eq!(observe(&t, &other).await.0["aggregateVersion"], 0);
+    t.shutdown().await;
+}
