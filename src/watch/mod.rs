@@ -36,7 +36,8 @@ use tokio::task::JoinHandle;
 
 pub use config::{
     CALLER_FULL_RETRY_AFTER_SECS, COUNT_RANGE, DEFAULT_BUFFER, DEFAULT_KEEPALIVE_SECS,
-    DEFAULT_MAX_PER_ACCOUNT, DEFAULT_MAX_PER_CALLER, DEFAULT_MAX_REPLAY, DEFAULT_MAX_SUBSCRIBERS, KEEPALIVE_RANGE, STALL_KEEPALIVES, WatchConfig,
+    DEFAULT_MAX_PER_ACCOUNT, DEFAULT_MAX_PER_CALLER, DEFAULT_MAX_REPLAY, DEFAULT_MAX_SUBSCRIBERS,
+    KEEPALIVE_RANGE, STALL_KEEPALIVES, WatchConfig,
 };
 
 use crate::account::AccountId;
@@ -64,7 +65,9 @@ pub enum WatchError {
     AccountFull { limit: usize },
     /// The caller holds `--watch-max-per-caller` streams on this replica already: one caller
     /// cannot take every slot from the others.
-    #[error("this caller holds {limit} watch streams on this replica already; close one, or retry later")]
+    #[error(
+        "this caller holds {limit} watch streams on this replica already; close one, or retry later"
+    )]
     CallerFull { limit: usize },
     #[error("the replica is shutting down")]
     ShuttingDown,

@@ -898,16 +898,17 @@ async fn the_access_line_names_caller_and_peer_never_a_token_and_jwt_needs_a_key
     let served: Vec<Value> = rest
         .iter()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|v| {
-            v["fields"]["message"] == "served" && v["fields"]["route"] == "/api/accounts"
-        })
+        .filter(|v| v["fields"]["message"] == "served" && v["fields"]["route"] == "/api/accounts")
         .collect();
     assert_eq!(served.len(), 2, "{log}");
     let peers: Vec<&str> = served
         .iter()
         .map(|v| v["fields"]["peer"].as_str().expect("a peer on every line"))
         .collect();
-    assert!(peers.iter().all(|p| p.starts_with("127.0.0.1:")), "{peers:?}");
+    assert!(
+        peers.iter().all(|p| p.starts_with("127.0.0.1:")),
+        "{peers:?}"
+    );
     let callers: Vec<&Value> = served.iter().map(|v| &v["fields"]["caller"]).collect();
     assert_eq!(callers, [&json!("log-check"), &Value::Null], "{log}");
     for tok in [&good, &forged] {
@@ -959,11 +960,18 @@ async fn a_transfer_shows_the_destination_leg_only_to_a_caller_who_may_read_it()
         };
         let first = post(limited.clone(), key.clone()).await;
         assert_eq!(first.status, StatusCode::OK, "{path}: {}", first.text);
-        assert!(first.body["from"]["balanceCents"].is_i64(), "{}", first.text);
+        assert!(
+            first.body["from"]["balanceCents"].is_i64(),
+            "{}",
+            first.text
+        );
         assert_eq!(first.body.get("to"), None, "{path}: {}", first.text);
         let again = post(limited.clone(), key.clone()).await;
         assert!(again.replayed(), "{path}: {}", again.text);
-        assert_eq!(again.body, first.body, "{path}: a replay answers the same shape");
+        assert_eq!(
+            again.body, first.body,
+            "{path}: a replay answers the same shape"
+        );
         // A caller who may read the payee sees both legs.
         let full = post(token(json!({})), format!("{key}-full")).await;
         assert_eq!(full.status, StatusCode::OK, "{path}: {}", full.text);
@@ -1104,7 +1112,17 @@ async fn an_operator_bounds_what_a_device_token_can_withdraw() {
     };
     let sync = |token: String, body: Value| {
         let (t, path) = (&t, path.clone());
-        async move { send(t, reqwest::Method::POST, &path, Some(&token), Some(&body), None).await }
+        async move {
+            send(
+                t,
+                reqwest::Method::POST,
+                &path,
+                Some(&token),
+                Some(&body),
+                None,
+            )
+            .await
+        }
     };
     let unlisted = token(json!({"sub": device, "scope": "devices:sync"}));
     let r = sync(unlisted.clone(), run(&account, 1, 1_000_000)).await;

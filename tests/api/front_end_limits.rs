@@ -715,11 +715,16 @@ async fn with_auth_off_only_local_or_listed_host_names_are_served() {
     assert!(text.starts_with("HTTP/1.1 403"), "{text}");
     assert!(text.contains("HOST_NOT_ALLOWED"), "{text}");
     let probe = server
-        .exchange("GET /healthz HTTP/1.1\r\nHost: rebind.attacker.example\r\nConnection: close\r\n\r\n")
+        .exchange(
+            "GET /healthz HTTP/1.1\r\nHost: rebind.attacker.example\r\nConnection: close\r\n\r\n",
+        )
         .await;
     assert!(probe.starts_with("HTTP/1.1 200"), "{probe}");
     let local = server.exchange(&balance("localhost:8080")).await;
-    assert!(local.contains(r#""balanceCents":0,"aggregateVersion":0"#), "nothing written: {local}");
+    assert!(
+        local.contains(r#""balanceCents":0,"aggregateVersion":0"#),
+        "nothing written: {local}"
+    );
     server.shutdown().await;
 
     let server = Server::start(&["--allowed-hosts", "tally.internal"]).await;

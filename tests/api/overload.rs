@@ -444,8 +444,9 @@ async fn deaf_client(t: &TestApp) -> TcpStream {
         assert_eq!(t.deposit(&account, 1, None).await.status, StatusCode::OK);
     }
     let mut deaf = small_window_connection(t.addr).await;
-    let get =
-        format!("GET /api/accounts/{account}/history?limit=1000 HTTP/1.1\r\nHost: localhost\r\n\r\n");
+    let get = format!(
+        "GET /api/accounts/{account}/history?limit=1000 HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    );
     let taken = t.app.metrics.http_gate_taken.get();
     deaf.write_all(get.repeat(60).as_bytes())
         .await
@@ -655,7 +656,8 @@ async fn a_probe_or_scrape_never_waits_at_the_gate() {
     let account = new_account();
     let (hold, mut holder) = hold_a_deposit(&t, &account).await;
     let mut api = TcpStream::connect(t.addr).await.expect("connect");
-    let balance = format!("GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: localhost\r\n\r\n");
+    let balance =
+        format!("GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: localhost\r\n\r\n");
     api.write_all(balance.as_bytes()).await.expect("sent");
     wait_for_gauge(&m.http_gate_waiting, 1).await;
     for path in ["/healthz", "/readyz", "/metrics"] {

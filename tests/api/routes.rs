@@ -586,7 +586,9 @@ async fn every_answer_forbids_sniffing_and_the_console_allows_no_unsafe_inline()
         client.get(t.url(&format!("/api/accounts/{account}/balance"))),
         client.get(t.url("/api/nothing")),
         client.delete(t.url("/api/accounts")),
-        client.post(t.url(&format!("/api/accounts/{account}/deposit"))).body("{"),
+        client
+            .post(t.url(&format!("/api/accounts/{account}/deposit")))
+            .body("{"),
         client.get(t.url(&format!("/api/accounts/{account}/events"))),
     ];
     for req in requests {

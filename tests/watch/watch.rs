@@ -311,10 +311,17 @@ async fn bad_resume_points_are_refused_with_json_errors() {
     // On the embedded store, an account with no version at all is below any resume point
     // past 1, and no retry could change that: a final 400, as for a written account.
     let r = t
-        .get(&format!("{}?fromVersion=11648", events_path(&new_account())))
+        .get(&format!(
+            "{}?fromVersion=11648",
+            events_path(&new_account())
+        ))
         .await;
     common::assert_error(&r, 400, "RESUME_BEYOND_TIP");
-    assert!(r.body["message"].as_str().unwrap().contains("version 0"), "{}", r.text);
+    assert!(
+        r.body["message"].as_str().unwrap().contains("version 0"),
+        "{}",
+        r.text
+    );
     // The version after the tip is where a caught-up client resumes: accepted.
     let mut s = Stream::open(
         &t,
@@ -784,7 +791,11 @@ async fn watching_a_new_account(
         .unwrap();
     app.started().await;
     let id = AccountId(new_account().parse().unwrap());
-    let mut sub = app.watch.subscribe_account(None, id, Resume::Live).await.unwrap();
+    let mut sub = app
+        .watch
+        .subscribe_account(None, id, Resume::Live)
+        .await
+        .unwrap();
     assert!(matches!(
         sub.items.recv().await,
         Some(Item::Snapshot { version: 0, .. })

@@ -76,7 +76,14 @@ where
             let run = note.noted_run();
             let (attempts, outcome) = (run.map(|r| r.attempts), run.map(|r| r.outcome));
             if shed {
-                tracing::debug!(method, route, status, latency_us, peer = peer.map(tracing::field::display), "shed");
+                tracing::debug!(
+                    method,
+                    route,
+                    status,
+                    latency_us,
+                    peer = peer.map(tracing::field::display),
+                    "shed"
+                );
             } else {
                 tracing::info!(
                     method = %method,

@@ -68,8 +68,9 @@ impl Check for HostRules {
             (Served::LocalAnd(listed), Some(host)) if !serves(listed, host) => {
                 Err(ApiError::Forbidden {
                     code: "HOST_NOT_ALLOWED",
-                    message: "this replica does not serve that host name; list it in --allowed-hosts"
-                        .into(),
+                    message:
+                        "this replica does not serve that host name; list it in --allowed-hosts"
+                            .into(),
                     scope: None,
                 })
             }
