@@ -39,7 +39,7 @@ const HEADINGS: [&str; 10] = [
 ];
 
 /// Every flag `--help` shows, each settable from the environment.
-const FLAGS: [&str; 59] = [
+const FLAGS: [&str; 63] = [
     // Authentication, rate limits and the admin listener.
     "auth",
     "auth-secret-file",
@@ -49,6 +49,8 @@ const FLAGS: [&str; 59] = [
     "auth-leeway-secs",
     "rate-limit-per-caller",
     "rate-limit-burst",
+    "auth-failures-per-minute",
+    "allowed-hosts",
     "admin-listen",
     "max-index-entries",
     "max-header-bytes",
@@ -92,6 +94,7 @@ const FLAGS: [&str; 59] = [
     // Watch stream.
     "watch-max-subscribers",
     "watch-max-per-account",
+    "watch-max-per-caller",
     "watch-buffer",
     "watch-max-replay",
     "watch-keepalive-secs",
@@ -102,6 +105,7 @@ const FLAGS: [&str; 59] = [
     "postgres-statement-timeout-ms",
     "idempotency-scan-window",
     "accounts",
+    "device-max-run-withdrawal-cents",
 ];
 
 /// How long the binary may take to start or stop before a test fails.
