@@ -125,6 +125,10 @@ else
     unset TALLY_CLIENT_ID
 fi
 
+# nginx sends a request without a Host on as `Host: tally` (its server_name): the replicas
+# serve their API under that name too, besides the local ones, unless told otherwise.
+export TALLY_ALLOWED_HOSTS=${TALLY_ALLOWED_HOSTS:-tally}
+
 TALLY_BIN=${TALLY_BIN:-target/release/tally}
 if [[ $TALLY_BIN != /* && ! -e $TALLY_BIN && -e "$REPO_DIR/$TALLY_BIN" ]]; then
     TALLY_BIN="$REPO_DIR/$TALLY_BIN"

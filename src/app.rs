@@ -26,7 +26,7 @@ use crate::store::memory::MemoryLog;
 use crate::store::metered::MeteredLog;
 use crate::store::probe::SharedPing;
 use crate::store::{EventLog, SharedLog};
-use crate::watch::Hub;
+use crate::watch::{Hub, NoVersion};
 use crate::write_loop::WriteService;
 
 /// How often resident accounts are swept for expired index entries and idle accounts.
@@ -102,6 +102,12 @@ impl AppBuilder {
         // The key files are read before anything is served.
         let auth = Arc::new(Authenticator::new(&config.auth).map_err(ConfigError)?);
         crate::auth::announce_and_maintain(&auth);
+        // Only the embedded store this replica opened itself is known to show every create.
+        let no_version = if self.store.is_none() && config.store.kind == StoreKind::Memory {
+            NoVersion::Proven
+        } else {
+            NoVersion::Unproven
+        };
         let base: SharedLog = match self.store {
             Some(log) => log,
             None => open_store(&config).await?,
@@ -125,7 +131,12 @@ impl AppBuilder {
         );
         let reader = AccountReader::new(projection.clone()).with_accounts(config.accounts);
         let devices = DeviceSync::new(log.clone(), identity).with_accounts(config.accounts);
-        let watch = Hub::new(projection.clone(), metrics.clone(), config.watch.clone());
+        let watch = Hub::new(
+            projection.clone(),
+            metrics.clone(),
+            config.watch.clone(),
+            no_version,
+        );
         // Each step is tried once before this returns (or for `FIRST_ATTEMPTS_WAIT`), so a
         // healthy store starts ready; a store that is down, faulty or slow at boot does not
         // stop the replica: each pending step is retried on its own in the background.

@@ -60,6 +60,12 @@ pub struct Config {
     #[arg(help_heading = "Accounts", long, env = "TALLY_SEED_DEMO_ACCOUNTS")]
     pub seed_demo_accounts: Option<bool>,
 
+    /// The most one device sync run may withdraw in total, in cents; a run above it is
+    /// refused whole (422 `DEVICE_RUN_OVER_LIMIT`) and nothing of it is written. 0 is no
+    /// limit: offline, a device's withdrawals may take an account below zero.
+    #[arg(help_heading = "Accounts", long, env = "TALLY_DEVICE_MAX_RUN_WITHDRAWAL_CENTS", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=crate::account::MAX_AMOUNT_CENTS as u64))]
+    pub device_max_run_withdrawal_cents: u64,
+
     /// Where the projection lives and how much of it a replica holds.
     #[command(flatten)]
     pub projection: ProjectionFlags,
@@ -128,6 +134,12 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.check_gate_floor_under_ceiling()?;
         self.check_time_relations()?;
+        if self.http.allowed_hosts.len() > crate::http::config::MAX_ALLOWED_HOSTS {
+            return Err(ConfigError(format!(
+                "--allowed-hosts takes at most {} names",
+                crate::http::config::MAX_ALLOWED_HOSTS
+            )));
+        }
         // A token must be checkable before the replica serves.
         Authenticator::new(&self.auth).map_err(ConfigError)?;
         if self.store.kind == StoreKind::Celeriant {

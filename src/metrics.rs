@@ -39,6 +39,8 @@ pub mod auth_outcome {
     pub const MISSING: &str = "missing";
     pub const INVALID: &str = "invalid";
     pub const FORBIDDEN: &str = "forbidden";
+    /// A missing or refused token from a peer past its failure allowance: answered 429.
+    pub const PEER_LIMITED: &str = "peer_limited";
 }
 
 /// `outcome` of `tally_rate_limit_decisions_total`.
@@ -558,7 +560,7 @@ impl Metrics {
             auth_outcomes: counter_vec(
                 r,
                 "tally_auth_requests_total",
-                "API requests checked for a bearer token, by outcome (ok, missing, invalid, forbidden).",
+                "API requests checked for a bearer token, by outcome (ok, missing, invalid, forbidden, peer_limited).",
                 &["outcome"],
             ),
             rate_limit_decisions: counter_vec(
@@ -583,7 +585,7 @@ impl Metrics {
             watch_refused: counter_vec(
                 r,
                 "tally_watch_refused_total",
-                "Watch subscriptions refused at a limit, by limit (replica, account).",
+                "Watch subscriptions refused at a limit, by limit (replica, account, caller).",
                 &["limit"],
             ),
             watch_feed_gaps: counter(

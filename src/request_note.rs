@@ -22,6 +22,8 @@ tokio::task_local! {
 /// One request's note; shared by the tasks that serve the request.
 #[derive(Debug, Default)]
 pub struct RequestNote {
+    /// The authenticated caller (`sub`); never the token.
+    caller: OnceLock<String>,
     key_hash: OnceLock<String>,
     run: Mutex<Option<RunNote>>,
 }
@@ -38,6 +40,23 @@ impl RequestNote {
     /// task spawned to serve it, which does not inherit task-locals).
     pub fn scope<F: Future>(self: Arc<Self>, fut: F) -> impl Future<Output = F::Output> {
         CURRENT.scope(self, fut)
+    }
+
+    /// Runs `f` with this note as the current one: for the layers that check a request
+    /// as they are called, before its future runs.
+    pub fn sync_scope<R>(self: Arc<Self>, f: impl FnOnce() -> R) -> R {
+        CURRENT.sync_scope(self, f)
+    }
+
+    /// Notes the authenticated caller on the current request, if there is one.
+    pub fn caller(id: impl FnOnce() -> String) {
+        let _ = CURRENT.try_with(|note| {
+            note.caller.get_or_init(id);
+        });
+    }
+
+    pub fn noted_caller(&self) -> Option<&str> {
+        self.caller.get().map(String::as_str)
     }
 
     /// The current task's note, to hand to a task spawned on the request's behalf.

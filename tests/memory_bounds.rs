@@ -86,7 +86,7 @@ async fn warm_up(addr: SocketAddr) {
     let mut stream = TcpStream::connect(addr).await.expect("connect");
     let body = r#"{"amountCents":1}"#;
     let request = format!(
-        "POST /api/accounts/{}/deposit HTTP/1.1\r\nHost: tally\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /api/accounts/{}/deposit HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         uuid::Uuid::new_v4(),
         body.len()
     );
@@ -124,7 +124,7 @@ async fn a_body_in_one_byte_chunks_costs_about_its_own_size() {
     body.resize(BODY_BYTES, b' ');
     let account = uuid::Uuid::new_v4();
     let mut wire = format!(
-        "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\nContent-Type: application/json\r\nIdempotency-Key: chunky\r\nTransfer-Encoding: chunked\r\n\r\n"
+        "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nIdempotency-Key: chunky\r\nTransfer-Encoding: chunked\r\n\r\n"
     )
     .into_bytes();
     for b in &body {
@@ -158,7 +158,7 @@ async fn a_pipelining_client_leaves_its_connection_no_large_buffer() {
     warm_up(addr).await;
     const CONNECTIONS: usize = 8;
     const REQUESTS: usize = 6_000;
-    let request = "GET /healthz HTTP/1.1\r\nHost: tally\r\n\r\n";
+    let request = "GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n";
     let burst = request.repeat(REQUESTS);
     let before = LIVE.load(Ordering::Relaxed);
     let mut open = Vec::new();

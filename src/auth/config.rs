@@ -1,6 +1,8 @@
 //! The authentication flags: how requests are authenticated and paced.
 
-use super::rate::{DEFAULT_BURST_PER_CALLER, DEFAULT_RATE_PER_CALLER};
+use super::rate::{
+    DEFAULT_AUTH_FAILURES_PER_MINUTE, DEFAULT_BURST_PER_CALLER, DEFAULT_RATE_PER_CALLER,
+};
 use super::{AuthMode, DEFAULT_AUDIENCE, DEFAULT_ISSUER, DEFAULT_LEEWAY_SECS, MAX_RATE_PER_CALLER};
 use clap::builder::RangedU64ValueParser;
 
@@ -52,4 +54,10 @@ pub struct AuthConfig {
     /// to it.
     #[arg(long = "rate-limit-burst", value_name = "RATE_LIMIT_BURST", env = "TALLY_RATE_LIMIT_BURST", default_value_t = DEFAULT_BURST_PER_CALLER, value_parser = RangedU64ValueParser::<u32>::new().range(0..=u64::from(MAX_RATE_PER_CALLER)))]
     pub rate_burst: u32,
+
+    /// With `--auth jwt`: failed authentications (a missing or refused token) each peer
+    /// address may make a minute on this replica (beyond it, 429 with Retry-After); 0 is no
+    /// limit.
+    #[arg(long = "auth-failures-per-minute", value_name = "AUTH_FAILURES_PER_MINUTE", env = "TALLY_AUTH_FAILURES_PER_MINUTE", default_value_t = DEFAULT_AUTH_FAILURES_PER_MINUTE, value_parser = RangedU64ValueParser::<u32>::new().range(0..=u64::from(MAX_RATE_PER_CALLER)))]
+    pub failures_per_minute: u32,
 }

@@ -28,7 +28,7 @@ use serde::Deserialize;
 use uuid::Uuid;
 
 use keys::{KeyMaterial, Keys};
-use rate::CallerLimiter;
+use rate::{CallerLimiter, PeerFailureLimiter};
 
 /// Clock skew allowed on `exp` and `nbf`, in seconds, unless configured: enough for hosts
 /// kept in step by NTP, short enough that an expired token stops working within a minute.
@@ -158,6 +158,11 @@ impl Caller {
         self.scopes.contains(&scope)
     }
 
+    /// Whether the caller may read this account's balance: the scope, and the account listed.
+    pub fn may_read(&self, account: Uuid) -> bool {
+        self.has(Scope::AccountsRead) && self.may_touch(account)
+    }
+
     pub fn may_touch(&self, account: Uuid) -> bool {
         self.accounts.as_ref().is_none_or(|a| a.contains(&account))
     }
@@ -210,6 +215,7 @@ pub struct Authenticator {
     audience: String,
     leeway: u64,
     limiter: Option<CallerLimiter>,
+    failures: Option<PeerFailureLimiter>,
 }
 
 impl Authenticator {
@@ -241,6 +247,10 @@ impl Authenticator {
             (AuthMode::Jwt, n) if n > 0 => Some(CallerLimiter::new(n, config.rate_burst.max(n))),
             _ => None,
         };
+        let failures = match (config.mode, config.failures_per_minute) {
+            (AuthMode::Jwt, n) if n > 0 => Some(PeerFailureLimiter::new(n)),
+            _ => None,
+        };
         Ok(Self {
             mode: config.mode,
             keys,
@@ -248,6 +258,7 @@ impl Authenticator {
             audience: config.audience.clone(),
             leeway: config.leeway_secs,
             limiter,
+            failures,
         })
     }
 
@@ -330,10 +341,22 @@ impl Authenticator {
         }
     }
 
-    /// Forgets callers idle long enough to be back at a full allowance.
+    /// Counts a failed authentication of `peer`; `Err` is how long until its next failure
+    /// is allowed (past its allowance).
+    pub fn note_failure(&self, peer: std::net::IpAddr) -> Result<(), Duration> {
+        match &self.failures {
+            Some(f) => f.fail(peer),
+            None => Ok(()),
+        }
+    }
+
+    /// Forgets callers and peers idle long enough to be back at a full allowance.
     pub fn forget_idle_callers(&self) {
         if let Some(l) = &self.limiter {
             l.forget_idle();
+        }
+        if let Some(f) = &self.failures {
+            f.forget_idle();
         }
     }
 }
@@ -354,6 +377,7 @@ pub fn announce_and_maintain(auth: &Arc<Authenticator>) {
             keys = auth.keys.as_ref().map_or(0, |k| k.len()),
             jwks = matches!(auth.keys.as_deref(), Some(Keys::Jwks(_))),
             rate_limited = auth.limiter.is_some(),
+            failures_limited = auth.failures.is_some(),
             "authentication is on (--auth jwt): API requests need a bearer token"
         ),
     }
@@ -362,7 +386,7 @@ pub fn announce_and_maintain(auth: &Arc<Authenticator>) {
     {
         keys::spawn_reloader(Arc::downgrade(keys), keys::JWKS_RELOAD_INTERVAL);
     }
-    if auth.limiter.is_some() {
+    if auth.limiter.is_some() || auth.failures.is_some() {
         let weak = Arc::downgrade(auth);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(rate::FORGET_IDLE_INTERVAL);

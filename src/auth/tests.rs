@@ -38,6 +38,7 @@ fn config(secret: Option<PathBuf>, jwks: Option<PathBuf>) -> AuthConfig {
         leeway_secs: 5,
         rate_per_caller: 0,
         rate_burst: 0,
+        failures_per_minute: 0,
     }
 }
 

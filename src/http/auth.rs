@@ -16,6 +16,8 @@
 //! is read, still before anything is written) and a device run's account. The destination
 //! of a transfer is not checked: paying into an account is what a transfer is for.
 
+use std::net::IpAddr;
+
 use hyper::HeaderMap;
 use hyper::header::AUTHORIZATION;
 use uuid::Uuid;
@@ -48,12 +50,14 @@ pub enum Named {
     Device(Uuid),
 }
 
-/// Authenticates and authorizes a request from its head; paces its caller. `Ok(None)` when
-/// authentication is off or the route is open (`access` is `None`).
+/// Authenticates and authorizes a request from its head; paces its caller, and counts a
+/// failed authentication against its `peer` address. `Ok(None)` when authentication is off
+/// or the route is open (`access` is `None`).
 pub fn check(
     app: &App,
     access: Option<Access>,
     headers: &HeaderMap,
+    peer: Option<IpAddr>,
 ) -> Result<Option<Caller>, ApiError> {
     if !app.auth.is_on() {
         return Ok(None);
@@ -66,16 +70,32 @@ pub fn check(
         m.auth_outcomes.with_label_values(&[outcome]).inc();
         Err(ApiError::from(e))
     };
+    // A missing or refused token counts against its peer: past the allowance the answer
+    // is 429, so guessing at tokens is paced as a valid caller's requests are.
+    let failed = |outcome: &str, e: AuthError| {
+        if let Some(wait) = peer.and_then(|p| app.auth.note_failure(p).err()) {
+            m.auth_outcomes
+                .with_label_values(&[auth_outcome::PEER_LIMITED])
+                .inc();
+            return Err(ApiError::Limited {
+                code: "TOO_MANY_AUTH_FAILURES",
+                message: "too many requests without a valid token from this address; retry later"
+                    .into(),
+                retry_after_secs: whole_secs(wait),
+            });
+        }
+        refuse(outcome, e)
+    };
     let Ok(value) = at_most_one(headers, AUTHORIZATION) else {
-        return refuse(
+        return failed(
             auth_outcome::INVALID,
             AuthError::Invalid("send one Authorization header"),
         );
     };
     let caller = match app.auth.verify(value.map(|v| v.as_bytes())) {
         Ok(caller) => caller,
-        Err(e @ AuthError::Missing) => return refuse(auth_outcome::MISSING, e),
-        Err(e) => return refuse(auth_outcome::INVALID, e),
+        Err(e @ AuthError::Missing) => return failed(auth_outcome::MISSING, e),
+        Err(e) => return failed(auth_outcome::INVALID, e),
     };
     if !caller.has(scope) {
         return refuse(auth_outcome::FORBIDDEN, AuthError::Scope(scope));
@@ -88,16 +108,20 @@ pub fn check(
         m.rate_limit_decisions
             .with_label_values(&[rate_outcome::LIMITED])
             .inc();
-        // Whole seconds, rounded up: a client retrying at once would be refused again.
-        let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
         return Err(ApiError::RateLimited {
-            retry_after_secs: secs.max(1),
+            retry_after_secs: whole_secs(wait),
         });
     }
     m.rate_limit_decisions
         .with_label_values(&[rate_outcome::ALLOWED])
         .inc();
     Ok(Some(caller))
+}
+
+/// A wait in whole seconds, rounded up and at least one: a client retrying at once would be
+/// refused again.
+fn whole_secs(wait: std::time::Duration) -> u64 {
+    (wait.as_secs() + u64::from(wait.subsec_nanos() > 0)).max(1)
 }
 
 /// What of `names` the caller's token does not cover, if anything.

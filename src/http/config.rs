@@ -58,6 +58,8 @@ pub const MAX_WORKER_THREADS: usize = 256;
 /// The most client connections `--max-connections` accepts: far past what one process's
 /// file descriptors allow on any usual system.
 pub const MAX_CONNECTIONS: usize = 1 << 20;
+/// The most names `--allowed-hosts` takes.
+pub const MAX_ALLOWED_HOSTS: usize = 256;
 /// The longest `--shutdown-grace-secs` accepted (an hour).
 pub const MAX_SHUTDOWN_GRACE_SECS: u64 = 3_600;
 
@@ -104,6 +106,13 @@ pub struct HttpConfig {
     #[arg(long, env = "TALLY_SHUTDOWN_GRACE_SECS", default_value_t = DEFAULT_SHUTDOWN_GRACE_SECS, value_parser = clap::value_parser!(u64).range(0..=MAX_SHUTDOWN_GRACE_SECS))]
     pub shutdown_grace_secs: u64,
 
+    /// Host names the API is served under beyond local ones (`localhost`, `*.localhost`, IP
+    /// addresses), comma-separated; `*` serves any. Without it, a replica on `--auth none`
+    /// serves its API under local names only (a web page cannot rebind its own name to this
+    /// replica and send it requests), and one on `--auth jwt` under any.
+    #[arg(long, env = "TALLY_ALLOWED_HOSTS", value_delimiter = ',', num_args = 1.., value_parser = allowed_host)]
+    pub allowed_hosts: Vec<String>,
+
     /// Runtime worker threads; by default one per core this process may use. Give a
     /// replica fewer than the machine's cores when it shares them (with a load generator,
     /// a sidecar, the store): workers then contend for the same cores and move connections
@@ -121,6 +130,25 @@ pub struct HttpConfig {
     /// over the limit wait with their request unread, in the kernel's socket buffer.
     #[arg(hide = true, long, env = "TALLY_MAX_ACTIVE_REQUESTS", default_value_t = DEFAULT_MAX_ACTIVE_REQUESTS, value_parser = count(MAX_ACTIVE_REQUESTS))]
     pub max_active_requests: usize,
+}
+
+/// One `--allowed-hosts` name: `*`, or a host name without port, kept lowercase and
+/// without a trailing dot (as a `Host` header's name is compared).
+fn allowed_host(value: &str) -> Result<String, String> {
+    let name = value.trim().trim_end_matches('.').to_ascii_lowercase();
+    let valid = name == "*"
+        || (!name.is_empty()
+            && name.len() <= 253
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.'));
+    if valid {
+        Ok(name)
+    } else {
+        Err(format!(
+            "{value:?} is not a host name (letters, digits, '-' and '.'), nor '*'"
+        ))
+    }
 }
 
 impl HttpConfig {

@@ -25,6 +25,7 @@ pub async fn sync(app: &Arc<App>, device: Uuid, req: Request<Incoming>) -> Resul
     if let Ok(account) = Uuid::try_parse(&body.account_id) {
         super::auth::authorize_account(app, caller.as_ref(), account)?;
     }
+    refuse_over_limit(app.config.device_max_run_withdrawal_cents, &body)?;
     let events = body.events.len() as u64;
     let m = &app.metrics;
     match app.devices.handle(&device.to_string(), &body).await {
@@ -49,4 +50,32 @@ pub async fn sync(app: &Arc<App>, device: Uuid, req: Request<Incoming>) -> Resul
             Err(e.into())
         }
     }
+}
+
+/// Refuses a run whose withdrawals add up to more than `limit` cents (0: no limit), before
+/// anything of it is written. Offline there is no balance to check, so this is how an
+/// operator bounds what one run of one device can take; the token's account list bounds
+/// which accounts it can take it from.
+fn refuse_over_limit(limit: u64, run: &SyncRequest) -> Result<(), ApiError> {
+    if limit == 0 {
+        return Ok(());
+    }
+    // Amounts are positive and bounded (the run's own checks refuse others); saturating,
+    // a sum past u64 is over any limit.
+    let withdrawn = run
+        .events
+        .iter()
+        .filter(|e| e.kind == "withdraw")
+        .fold(0u64, |sum, e| {
+            sum.saturating_add(u64::try_from(e.amount_cents).unwrap_or(0))
+        });
+    if withdrawn <= limit {
+        return Ok(());
+    }
+    Err(ApiError::Unprocessable {
+        code: "DEVICE_RUN_OVER_LIMIT",
+        message: format!(
+            "this run withdraws {withdrawn} cents, more than a device run may ({limit}, --device-max-run-withdrawal-cents); nothing was written"
+        ),
+    })
 }

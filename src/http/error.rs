@@ -120,6 +120,14 @@ pub enum ApiError {
     /// 429: the caller is over its rate limit; retry after the seconds given.
     #[error("too many requests from this caller; retry after {retry_after_secs} s")]
     RateLimited { retry_after_secs: u64 },
+    /// 429 with a code of its own: a per-caller or per-peer limit other than the request
+    /// rate (`TOO_MANY_STREAMS`, `TOO_MANY_AUTH_FAILURES`); retry after the seconds given.
+    #[error("{message}")]
+    Limited {
+        code: &'static str,
+        message: String,
+        retry_after_secs: u64,
+    },
 }
 
 impl ApiError {
@@ -164,7 +172,9 @@ impl ApiError {
             ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden { .. } => StatusCode::FORBIDDEN,
-            ApiError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::RateLimited { .. } | ApiError::Limited { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
         }
     }
 
@@ -176,6 +186,7 @@ impl ApiError {
             | ApiError::StoreConflict { code, .. }
             | ApiError::Unauthorized { code, .. }
             | ApiError::Forbidden { code, .. }
+            | ApiError::Limited { code, .. }
             | ApiError::RetryLater { code, .. } => code,
             ApiError::RateLimited { .. } => "RATE_LIMITED",
             ApiError::PayloadTooLarge { .. } => "PAYLOAD_TOO_LARGE",
@@ -243,7 +254,10 @@ impl ApiError {
                     HeaderValue::from_static(STORE_RETRY_AFTER_SECS),
                 );
             }
-            ApiError::RateLimited { retry_after_secs } => {
+            ApiError::RateLimited { retry_after_secs }
+            | ApiError::Limited {
+                retry_after_secs, ..
+            } => {
                 headers.insert(RETRY_AFTER, HeaderValue::from(*retry_after_secs));
             }
             ApiError::Shed { close_connection } => {

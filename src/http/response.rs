@@ -1,9 +1,10 @@
 //! A whole answer's body and the two ways one is built (JSON, or text of a given type): the
-//! leaf every handler, the error mapping and the edge share.
+//! leaf every handler, the error mapping and the edge share. Every answer says its type is
+//! final ([`no_sniff`]).
 
 use bytes::Bytes;
 use http_body_util::Full;
-use hyper::header::{CONTENT_TYPE, HeaderValue};
+use hyper::header::{CONTENT_TYPE, HeaderMap, HeaderValue, X_CONTENT_TYPE_OPTIONS};
 use hyper::{Response, StatusCode};
 use serde::Serialize;
 
@@ -28,7 +29,15 @@ pub fn json_response(status: StatusCode, body: &impl Serialize) -> Resp {
     *resp.status_mut() = status;
     resp.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    no_sniff(resp.headers_mut());
     resp
+}
+
+/// `X-Content-Type-Options: nosniff`: a browser takes the answer as the type it names and
+/// never guesses another (a JSON error echoing input must not be run as a script or page).
+/// Every answer sets it: whole ones here, event streams where they are built.
+pub fn no_sniff(headers: &mut HeaderMap) {
+    headers.insert(X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
 }
 
 pub fn text_response(status: StatusCode, content_type: &'static str, body: String) -> Resp {
@@ -36,5 +45,6 @@ pub fn text_response(status: StatusCode, content_type: &'static str, body: Strin
     *resp.status_mut() = status;
     resp.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    no_sniff(resp.headers_mut());
     resp
 }

@@ -20,6 +20,11 @@ use super::config::HEADER_READ_TIMEOUT;
 use super::{gate, head, layer};
 use crate::app::App;
 
+/// The address a request's connection came from, on the request for the layers (the
+/// access line, the per-peer failure limit). The TCP peer: behind a proxy, the proxy's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Peer(pub std::net::SocketAddr);
+
 /// hyper's smallest read buffer cap (its `max_buf_size` panics below this).
 const MIN_READ_BUFFER_BYTES: usize = 8192;
 /// Pause after a failed accept (for example out of file descriptors) before trying again.
@@ -65,8 +70,8 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
         };
         tokio::select! {
             accepted = listener.accept() => {
-                let stream = match accepted {
-                    Ok((stream, _)) => stream,
+                let (stream, peer) = match accepted {
+                    Ok((stream, peer)) => (stream, Peer(peer)),
                     Err(e) => {
                         tracing::warn!(error = %e, "accept failed");
                         tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
@@ -88,6 +93,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
                         serving.hold_slot().await;
                         // For the body read, which gives the slot back while its client is slow.
                         req.extensions_mut().insert(gated);
+                        req.extensions_mut().insert(peer);
                         poll_fn(|cx| stack.poll_ready(cx)).await?;
                         stack.call(req).await
                     }

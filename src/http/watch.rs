@@ -60,7 +60,10 @@ pub async fn account_events(
     req: &Request<Incoming>,
 ) -> Result<Response<HttpBody>, ApiError> {
     let resume = resume_point(req)?;
-    let sub = app.watch.subscribe_account(account, resume).await?;
+    let sub = app
+        .watch
+        .subscribe_account(caller_id(req), account, resume)
+        .await?;
     Ok(stream_response(app, sub.items, req, resumed_after(resume)))
 }
 
@@ -83,7 +86,7 @@ pub async fn all(app: &Arc<App>, req: &Request<Incoming>) -> Result<Response<Htt
             format!("this stream takes no query parameters, got {q:?}"),
         ));
     }
-    let sub = app.watch.subscribe_all().await?;
+    let sub = app.watch.subscribe_all(caller_id(req)).await?;
     Ok(stream_response(app, sub.items, req, None))
 }
 
@@ -159,12 +162,23 @@ impl From<WatchError> for ApiError {
             WatchError::TooFarBack { .. } => {
                 ApiError::bad_request("RESUME_TOO_FAR_BACK", e.to_string())
             }
+            WatchError::CallerFull { .. } => ApiError::Limited {
+                code: "TOO_MANY_STREAMS",
+                message: e.to_string(),
+                retry_after_secs: crate::watch::CALLER_FULL_RETRY_AFTER_SECS,
+            },
             WatchError::ReplicaFull { .. }
             | WatchError::AccountFull { .. }
             | WatchError::ShuttingDown
             | WatchError::Store(_) => ApiError::Unavailable(e.to_string()),
         }
     }
+}
+
+/// The authenticated caller's id, whose streams are counted together (`None` without
+/// authentication: no caller to count).
+fn caller_id(req: &Request<Incoming>) -> Option<&str> {
+    req.extensions().get::<Caller>().map(|c| c.id.as_str())
 }
 
 /// How long the caller's token is still accepted (`None`: no token, or no expiry).
@@ -200,6 +214,7 @@ fn stream_response(
     let h = resp.headers_mut();
     h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    super::response::no_sniff(h);
     // nginx: pass each event on at once instead of filling a buffer first.
     h.insert(
         HeaderName::from_static("x-accel-buffering"),

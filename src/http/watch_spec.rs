@@ -326,6 +326,7 @@ async fn account_stream_events() -> Vec<Value> {
                 },
                 Writer::Service,
             ),
+            entry(5, AccountEvent::Opened, Writer::Service),
         ],
         encoded: OnceLock::new(),
     };

@@ -222,6 +222,7 @@ where
     // Before anything of this attempt can land: what it writes is remembered from its
     // landing, so at least from here.
     let started = std::time::Instant::now();
+    let caller = req.extensions().get::<Caller>().cloned();
     let (key, op) = parse_write(app, req, build).await?;
     refuse_if_stood_still(app)?;
     if key.minted {
@@ -239,7 +240,34 @@ where
         .arrived()
         .map_or(Duration::ZERO, |a| a.elapsed())
         .max(started.elapsed());
-    Ok(keyed_answer(app, &key, answer, &op, since))
+    let shown = Shown::to(caller.as_ref(), &op);
+    Ok(keyed_answer(app, &key, answer, shown, since))
+}
+
+/// What a landed write's answer shows its caller. A transfer's destination is not the
+/// caller's to read unless its token could read that balance: paying into an account is
+/// allowed, learning its balance is not. Decided from the caller at each answer, so a
+/// replay under the same key shows the same caller the same shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Shown {
+    /// An open: 201 with the account's id.
+    Opened,
+    /// Every leg's balance.
+    EveryLeg,
+    /// A transfer's source leg only: its caller may not read the destination.
+    SourceLeg,
+}
+
+impl Shown {
+    fn to(caller: Option<&Caller>, op: &Operation) -> Shown {
+        match op {
+            Operation::Open { .. } => Shown::Opened,
+            Operation::Transfer { to, .. } if caller.is_some_and(|c| !c.may_read(to.0)) => {
+                Shown::SourceLeg
+            }
+            _ => Shown::EveryLeg,
+        }
+    }
 }
 
 /// The write's key and operation, from the request's headers and body (changing nothing on
@@ -318,12 +346,12 @@ fn keyed_answer(
     app: &App,
     key: &IdempotencyKey,
     answer: Result<WriteOutcome, WriteError>,
-    op: &Operation,
+    shown: Shown,
     since: Duration,
 ) -> Resp {
     let rule_refusal = matches!(answer, Err(WriteError::Rule(_)));
     let mut resp = match answer {
-        Ok(outcome) => outcome_response(&outcome, matches!(op, Operation::Open { .. })),
+        Ok(outcome) => outcome_response(&outcome, shown),
         Err(e) => ApiError::from(e).into_response(),
     };
     let window = window_header(
@@ -341,15 +369,18 @@ fn keyed_answer(
     resp
 }
 
-/// A landed write's answer: 200 with the balance (each leg's for a transfer), or for an open
-/// 201 with the account's id and where its balance is read.
-fn outcome_response(outcome: &WriteOutcome, opened: bool) -> Resp {
+/// A landed write's answer: 200 with the balance (each leg's for a transfer, or the source's
+/// alone, [`Shown`]), or for an open 201 with the account's id and where its balance is read.
+fn outcome_response(outcome: &WriteOutcome, shown: Shown) -> Resp {
     let mut resp = match outcome.legs.as_slice() {
+        [from, _] if shown == Shown::SourceLeg => {
+            json_response(StatusCode::OK, &json!({ "from": BalanceBody::from(from) }))
+        }
         [from, to] => json_response(
             StatusCode::OK,
             &json!({ "from": BalanceBody::from(from), "to": BalanceBody::from(to) }),
         ),
-        [one] if opened => {
+        [one] if shown == Shown::Opened => {
             let mut r = json_response(
                 StatusCode::CREATED,
                 &json!({

@@ -8,6 +8,13 @@ use std::time::Duration;
 pub const DEFAULT_MAX_SUBSCRIBERS: usize = 2048;
 /// Streams on one account at once, unless configured: a hot account cannot take every slot.
 pub const DEFAULT_MAX_PER_ACCOUNT: usize = 256;
+/// Streams one authenticated caller (`sub`) holds on one replica at once, unless configured:
+/// one caller cannot take every slot from the others. A console holds two (the fleet-wide
+/// stream and one account's); the rest is room for a client's own streams and reconnects.
+pub const DEFAULT_MAX_PER_CALLER: usize = 32;
+/// Seconds a caller over `--watch-max-per-caller` is told to wait (`Retry-After`): a slot
+/// comes back only when one of its own streams closes, so retrying at once cannot help.
+pub const CALLER_FULL_RETRY_AFTER_SECS: u64 = 10;
 /// Batches buffered for one subscriber before it counts as fallen behind, unless configured.
 /// Beyond it the subscriber gets a final `lagged` event and is closed: never an unbounded
 /// buffer. It resumes with `Last-Event-ID`.
@@ -44,6 +51,11 @@ pub struct WatchConfig {
     #[arg(long = "watch-max-per-account", env = "TALLY_WATCH_MAX_PER_ACCOUNT", default_value_t = DEFAULT_MAX_PER_ACCOUNT, value_parser = crate::config::usize_in(COUNT_RANGE))]
     pub max_per_account: usize,
 
+    /// With `--auth jwt`: watch streams one caller (`sub`) holds on this replica at once;
+    /// beyond it, 429 with Retry-After.
+    #[arg(long = "watch-max-per-caller", env = "TALLY_WATCH_MAX_PER_CALLER", default_value_t = DEFAULT_MAX_PER_CALLER, value_parser = crate::config::usize_in(COUNT_RANGE))]
+    pub max_per_caller: usize,
+
     /// Batches buffered for one watch stream; a stream that falls further behind gets a
     /// final `lagged` event and is closed.
     #[arg(long = "watch-buffer", env = "TALLY_WATCH_BUFFER", default_value_t = DEFAULT_BUFFER, value_parser = crate::config::usize_in(COUNT_RANGE))]
@@ -64,6 +76,7 @@ impl Default for WatchConfig {
         Self {
             max_subscribers: DEFAULT_MAX_SUBSCRIBERS,
             max_per_account: DEFAULT_MAX_PER_ACCOUNT,
+            max_per_caller: DEFAULT_MAX_PER_CALLER,
             buffer: DEFAULT_BUFFER,
             max_replay: DEFAULT_MAX_REPLAY,
             keepalive_secs: DEFAULT_KEEPALIVE_SECS,
@@ -104,12 +117,16 @@ mod tests {
             "3",
             "--watch-max-replay",
             "9",
+            "--watch-max-per-caller",
+            "4",
         ]);
         assert_eq!((c.watch.buffer, c.watch.max_per_account), (7, 3));
+        assert_eq!(c.watch.max_per_caller, 4);
         assert_eq!(c.watch.max_replay, 9);
         for bad in [
             ["--watch-max-subscribers", "0"],
             ["--watch-max-per-account", "0"],
+            ["--watch-max-per-caller", "0"],
             ["--watch-buffer", "0"],
             ["--watch-max-replay", "0"],
             ["--watch-keepalive-secs", "0"],

@@ -35,8 +35,9 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 pub use config::{
-    COUNT_RANGE, DEFAULT_BUFFER, DEFAULT_KEEPALIVE_SECS, DEFAULT_MAX_PER_ACCOUNT,
-    DEFAULT_MAX_REPLAY, DEFAULT_MAX_SUBSCRIBERS, KEEPALIVE_RANGE, STALL_KEEPALIVES, WatchConfig,
+    CALLER_FULL_RETRY_AFTER_SECS, COUNT_RANGE, DEFAULT_BUFFER, DEFAULT_KEEPALIVE_SECS,
+    DEFAULT_MAX_PER_ACCOUNT, DEFAULT_MAX_PER_CALLER, DEFAULT_MAX_REPLAY, DEFAULT_MAX_SUBSCRIBERS,
+    KEEPALIVE_RANGE, STALL_KEEPALIVES, WatchConfig,
 };
 
 use crate::account::AccountId;
@@ -62,6 +63,12 @@ pub enum WatchError {
     ReplicaFull { limit: usize },
     #[error("this account has {limit} watch streams already; retry shortly")]
     AccountFull { limit: usize },
+    /// The caller holds `--watch-max-per-caller` streams on this replica already: one caller
+    /// cannot take every slot from the others.
+    #[error(
+        "this caller holds {limit} watch streams on this replica already; close one, or retry later"
+    )]
+    CallerFull { limit: usize },
     #[error("the replica is shutting down")]
     ShuttingDown,
     /// Retryable: the store's watch or a read failed.
@@ -210,6 +217,9 @@ fn end_all<T>(slots: &mut Vec<Slot<T>>, end: u8) {
 
 struct HubState {
     channels: HashMap<AccountId, Member>,
+    /// Streams each authenticated caller (`sub`) holds; a caller with none is not listed.
+    /// Bounded by `total`.
+    per_caller: HashMap<Arc<str>, usize>,
     total: usize,
     closed: bool,
 }
@@ -225,6 +235,8 @@ pub struct Hub {
     projection: Arc<Projection>,
     metrics: Arc<Metrics>,
     limits: WatchConfig,
+    /// What the store's answer of no version at all proves ([`NoVersion`]).
+    no_version: NoVersion,
     state: Mutex<HubState>,
     global: Mutex<Vec<Slot<Arc<WriteFrame>>>>,
     next_id: AtomicU64,
@@ -235,6 +247,17 @@ pub struct Hub {
     shutdown: tokio::sync::watch::Sender<bool>,
     /// Notified accounts read at once (`channel::Channel::notify`).
     reads: Arc<tokio::sync::Semaphore>,
+}
+
+/// What a store's details call that finds no version of an account proves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NoVersion {
+    /// The account has none: every acknowledged create is in the store's answer (the
+    /// embedded store, which shares one process's memory with its writers).
+    Proven,
+    /// Nothing: the store may hide a create that landed (a Celeriant server was found to,
+    /// docs/stores.md), and a resume from a version a client saw must stay retryable.
+    Unproven,
 }
 
 /// Store reads the hub runs at once for notified accounts: the feed hands each commit over
@@ -252,12 +275,13 @@ pub struct Subscription {
 struct Place {
     hub: Arc<Hub>,
     account: Option<AccountId>,
+    caller: Option<Arc<str>>,
     id: u64,
 }
 
 impl Drop for Place {
     fn drop(&mut self) {
-        self.hub.leave(self.account, self.id);
+        self.hub.leave(self.account, self.caller.take(), self.id);
     }
 }
 
@@ -266,13 +290,16 @@ impl Hub {
         projection: Arc<Projection>,
         metrics: Arc<Metrics>,
         limits: WatchConfig,
+        no_version: NoVersion,
     ) -> Arc<Self> {
         Arc::new(Self {
             projection,
             metrics,
             limits,
+            no_version,
             state: Mutex::new(HubState {
                 channels: HashMap::new(),
+                per_caller: HashMap::new(),
                 total: 0,
                 closed: false,
             }),
@@ -331,13 +358,15 @@ impl Hub {
         })
     }
 
-    /// Streams `account`'s events from `resume` on.
+    /// Streams `account`'s events from `resume` on; `caller` is the authenticated caller's
+    /// id (`sub`), counted against `--watch-max-per-caller`.
     pub async fn subscribe_account(
         self: &Arc<Self>,
+        caller: Option<&str>,
         account: AccountId,
         resume: Resume,
     ) -> Result<Subscription, WatchError> {
-        let (place, channel) = self.join(Some(account))?;
+        let (place, channel) = self.join(caller, Some(account))?;
         let channel = channel.expect("an account place has a channel");
         self.feed_open().await?;
         let id = place.id;
@@ -362,9 +391,11 @@ impl Hub {
                 .store_version(account)
                 .await
                 .map_err(|e| WatchError::Store(e.to_string()))?;
-            // No version at all decides nothing: the store may hide a create that landed
-            // (docs/stores.md), and the resume would then be from a version a client saw.
-            if current == 0 {
+            // No version at all decides only on a store that shows every create. Elsewhere
+            // the store may hide a create that landed (docs/stores.md), and the resume
+            // would then be from a version a client saw: retryable. On the embedded store
+            // no retry could change the answer, so it is final.
+            if current == 0 && self.no_version == NoVersion::Unproven {
                 return Err(WatchError::Store(
                     "the store shows no version of this account yet; retry".into(),
                 ));
@@ -394,9 +425,13 @@ impl Hub {
         Ok(Subscription { items })
     }
 
-    /// Streams a notice of every write to any account, from now on.
-    pub async fn subscribe_all(self: &Arc<Self>) -> Result<Subscription, WatchError> {
-        let (place, _) = self.join(None)?;
+    /// Streams a notice of every write to any account, from now on; `caller` as for
+    /// [`Hub::subscribe_account`].
+    pub async fn subscribe_all(
+        self: &Arc<Self>,
+        caller: Option<&str>,
+    ) -> Result<Subscription, WatchError> {
+        let (place, _) = self.join(caller, None)?;
         self.feed_open().await?;
         let (tx, rx) = mpsc::channel(self.limits.buffer);
         let end = Arc::new(AtomicU8::new(END_NONE));
@@ -445,6 +480,7 @@ impl Hub {
     /// Takes a place under the limits; for an account, in its channel (made if new).
     fn join(
         self: &Arc<Self>,
+        caller: Option<&str>,
         account: Option<AccountId>,
     ) -> Result<(Place, Option<Arc<Channel>>), WatchError> {
         let mut st = self.state.lock();
@@ -458,6 +494,17 @@ impl Hub {
                 .inc();
             return Err(WatchError::ReplicaFull {
                 limit: self.limits.max_subscribers,
+            });
+        }
+        // Before the account's channel is made: a refusal leaves no empty channel behind.
+        let held = caller.map_or(0, |c| st.per_caller.get(c).copied().unwrap_or(0));
+        if caller.is_some() && held >= self.limits.max_per_caller {
+            self.metrics
+                .watch_refused
+                .with_label_values(&["caller"])
+                .inc();
+            return Err(WatchError::CallerFull {
+                limit: self.limits.max_per_caller,
             });
         }
         let channel = match account {
@@ -480,20 +527,33 @@ impl Hub {
                 Some(member.channel.clone())
             }
         };
+        let caller: Option<Arc<str>> = caller.map(Arc::from);
+        if let Some(c) = &caller {
+            st.per_caller.insert(c.clone(), held + 1);
+        }
         st.total += 1;
         drop(st);
         self.gauge(account).inc();
         let place = Place {
             hub: self.clone(),
             account,
+            caller,
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
         };
         Ok((place, channel))
     }
 
-    fn leave(&self, account: Option<AccountId>, id: u64) {
+    fn leave(&self, account: Option<AccountId>, caller: Option<Arc<str>>, id: u64) {
         let mut st = self.state.lock();
         st.total -= 1;
+        if let Some(c) = caller
+            && let Some(held) = st.per_caller.get_mut(&c)
+        {
+            *held -= 1;
+            if *held == 0 {
+                st.per_caller.remove(&c);
+            }
+        }
         match account {
             Some(account) => {
                 if let Some(member) = st.channels.get_mut(&account) {

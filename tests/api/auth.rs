@@ -808,10 +808,11 @@ async fn with_an_admin_address_metrics_move_there() {
 }
 
 /// The real binary: `--auth jwt` without a key refuses to start (exit 2, naming the flag);
-/// `--admin-listen` moves `/metrics`; and with debug logging on, neither a good nor a
-/// refused token reaches the log.
+/// `--admin-listen` moves `/metrics`; each access line names its peer and, once its token is
+/// accepted, its caller; and with debug logging on, neither a good nor a refused token
+/// reaches the log.
 #[tokio::test]
-async fn the_binary_never_logs_a_token_and_refuses_jwt_without_a_key() {
+async fn the_access_line_names_caller_and_peer_never_a_token_and_jwt_needs_a_key() {
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
     let bin = env!("CARGO_BIN_EXE_tally");
@@ -892,9 +893,247 @@ async fn the_binary_never_logs_a_token_and_refuses_jwt_without_a_key() {
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
     let log = rest.join("\n") + &stderr;
     assert!(log.contains("served"), "the requests were logged: {log}");
+    // Each access line says who asked: the peer always, the caller (`sub`) once its token
+    // was accepted. A service that moves money must be able to tell callers apart.
+    let served: Vec<Value> = rest
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["fields"]["message"] == "served" && v["fields"]["route"] == "/api/accounts")
+        .collect();
+    assert_eq!(served.len(), 2, "{log}");
+    let peers: Vec<&str> = served
+        .iter()
+        .map(|v| v["fields"]["peer"].as_str().expect("a peer on every line"))
+        .collect();
+    assert!(
+        peers.iter().all(|p| p.starts_with("127.0.0.1:")),
+        "{peers:?}"
+    );
+    let callers: Vec<&Value> = served.iter().map(|v| &v["fields"]["caller"]).collect();
+    assert_eq!(callers, [&json!("log-check"), &Value::Null], "{log}");
     for tok in [&good, &forged] {
         // Not the token, nor its signature (the part an attacker would need).
         let signature = tok.rsplit('.').next().unwrap();
         assert!(!log.contains(signature), "a token reached the log");
     }
+}
+
+/// Rule: a transfer's answer shows the destination's balance only to a caller who may read
+/// that balance. A token limited to its source account gets the source leg alone, on both
+/// transfer routes, and its replay under the same key answers the same shape.
+#[tokio::test]
+async fn a_transfer_shows_the_destination_leg_only_to_a_caller_who_may_read_it() {
+    let t = replica(&hs_flags(&secret_file(), "0"), None).await;
+    let (mine, payee) = (new_account(), new_account());
+    let limited = token(json!({"accounts": [mine]}));
+    assert_eq!(
+        deposit(&t, Some(&limited), &mine, 1_000, None).await.status,
+        StatusCode::OK
+    );
+    // The payee's balance is one the limited token must not learn.
+    deposit(&t, Some(&token(json!({}))), &payee, 25_000, None).await;
+    let routes = [
+        (
+            "/api/transfers".to_string(),
+            json!({"fromAccountId": mine, "toAccountId": payee, "amountCents": 1}),
+        ),
+        (
+            format!("/api/accounts/{mine}/transfers"),
+            json!({"toAccountId": payee, "amountCents": 1}),
+        ),
+    ];
+    for (i, (path, body)) in routes.iter().enumerate() {
+        let key = format!("pay-{i}");
+        let post = |tok: String, key: String| {
+            let (t, path, body) = (&t, path.clone(), body.clone());
+            async move {
+                send(
+                    t,
+                    reqwest::Method::POST,
+                    &path,
+                    Some(&tok),
+                    Some(&body),
+                    Some(&key),
+                )
+                .await
+            }
+        };
+        let first = post(limited.clone(), key.clone()).await;
+        assert_eq!(first.status, StatusCode::OK, "{path}: {}", first.text);
+        assert!(
+            first.body["from"]["balanceCents"].is_i64(),
+            "{}",
+            first.text
+        );
+        assert_eq!(first.body.get("to"), None, "{path}: {}", first.text);
+        let again = post(limited.clone(), key.clone()).await;
+        assert!(again.replayed(), "{path}: {}", again.text);
+        assert_eq!(
+            again.body, first.body,
+            "{path}: a replay answers the same shape"
+        );
+        // A caller who may read the payee sees both legs.
+        let full = post(token(json!({})), format!("{key}-full")).await;
+        assert_eq!(full.status, StatusCode::OK, "{path}: {}", full.text);
+        assert!(full.body["to"]["balanceCents"].is_i64(), "{}", full.text);
+    }
+    t.shutdown().await;
+}
+
+/// Rule: one caller cannot take every watch slot of a replica. Past
+/// `--watch-max-per-caller` its next stream is refused 429 `TOO_MANY_STREAMS` with
+/// `Retry-After`, while another caller still opens one on its own account; a stream the
+/// first caller closes gives its place back.
+#[tokio::test]
+async fn one_caller_cannot_take_every_watch_slot() {
+    let mut flags = hs_flags(&secret_file(), "0");
+    flags.extend(
+        [
+            "--watch-max-subscribers",
+            "4",
+            "--watch-max-per-account",
+            "2",
+            "--watch-max-per-caller",
+            "2",
+        ]
+        .map(String::from),
+    );
+    let t = replica(&flags, None).await;
+    let (a, b, own) = (new_account(), new_account(), new_account());
+    // A caller limited to two accounts, as a hostile or buggy client would be.
+    let greedy = token(json!({"sub": "greedy", "accounts": [a, b]}));
+    let open = |token: &str, account: &str| {
+        t.client
+            .get(t.url(&format!("/api/accounts/{account}/events")))
+            .bearer_auth(token)
+            .send()
+    };
+    let mut held = Vec::new();
+    for account in [&a, &b] {
+        let mut resp = open(&greedy, account).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        read_until(&mut resp, &mut String::new(), "event: snapshot").await;
+        held.push(resp);
+    }
+    // The status first: a stream opened by mistake would never end, and neither would
+    // reading its body.
+    let refused = open(&greedy, &a).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let refused = read(refused).await;
+    assert_error(&refused, 429, "TOO_MANY_STREAMS");
+    let retry: u64 = refused
+        .header("retry-after")
+        .expect("Retry-After")
+        .parse()
+        .unwrap();
+    assert!(retry >= 1, "Retry-After {retry}");
+    // Another caller is not starved: its stream on its own account opens.
+    let other = token(json!({"sub": "other", "accounts": [own]}));
+    let mut resp = open(&other, &own).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    read_until(&mut resp, &mut String::new(), "event: snapshot").await;
+    // A closed stream gives its place back (the hub counts it out when its task ends).
+    drop(held.pop());
+    let reopened = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let resp = open(&greedy, &b).await.unwrap();
+            if resp.status() == StatusCode::OK {
+                return resp;
+            }
+            assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the place comes back once the stream is closed");
+    assert_eq!(reopened.status(), StatusCode::OK);
+    let metrics = t.get("/metrics").await.text;
+    assert!(
+        metric_sample(&metrics, "tally_watch_refused_total{limit=\"caller\"}") >= 1.0,
+        "counted by limit, never by caller"
+    );
+    assert!(!metrics.contains("greedy"));
+    t.shutdown().await;
+}
+
+/// Rule: failed authentications are paced per peer address. Past
+/// `--auth-failures-per-minute`, a missing or refused token is answered 429
+/// `TOO_MANY_AUTH_FAILURES` with `Retry-After` instead of 401, while a valid token from the
+/// same address is still served.
+#[tokio::test]
+async fn a_peer_sending_bad_tokens_is_paced_and_valid_tokens_still_pass() {
+    let mut flags = hs_flags(&secret_file(), "0");
+    flags.extend(["--auth-failures-per-minute", "3"].map(String::from));
+    let t = replica(&flags, None).await;
+    let forged = signed_with(&valid_claims(), b"a forged secret, long enough to sign");
+    let path = "/api/accounts";
+    assert_error(&get(&t, Some(&forged), path).await, 401, "INVALID_TOKEN");
+    assert_error(&get(&t, None, path).await, 401, "UNAUTHORIZED");
+    assert_error(&get(&t, Some(&forged), path).await, 401, "INVALID_TOKEN");
+    for tok in [Some(forged.as_str()), None] {
+        let r = get(&t, tok, path).await;
+        assert_error(&r, 429, "TOO_MANY_AUTH_FAILURES");
+        let retry: u64 = r
+            .header("retry-after")
+            .expect("Retry-After")
+            .parse()
+            .unwrap();
+        assert!((1..=60).contains(&retry), "Retry-After {retry}");
+    }
+    let good = token(json!({}));
+    assert_eq!(get(&t, Some(&good), path).await.status, StatusCode::OK);
+    let metrics = t.get("/metrics").await.text;
+    assert_eq!(
+        metric_sample(
+            &metrics,
+            "tally_auth_requests_total{outcome=\"peer_limited\"}"
+        ),
+        2.0
+    );
+    t.shutdown().await;
+}
+
+/// Rule: an operator can bound what a `devices:sync` token takes. Its account list is
+/// honoured (a run of another account is 403 and writes nothing), and
+/// `--device-max-run-withdrawal-cents` refuses a run withdrawing more, whole (422
+/// `DEVICE_RUN_OVER_LIMIT`), while a run within it lands below zero as devices may.
+#[tokio::test]
+async fn an_operator_bounds_what_a_device_token_can_withdraw() {
+    let mut flags = hs_flags(&secret_file(), "0");
+    flags.extend(["--device-max-run-withdrawal-cents", "1000"].map(String::from));
+    let t = replica(&flags, None).await;
+    let (account, other) = (new_account(), new_account());
+    let device = uuid::Uuid::new_v4();
+    let path = format!("/api/devices/{device}/sync");
+    let run = |account: &str, seq: u64, cents: i64| {
+        json!({"accountId": account, "events": [
+            {"clientSeq": seq, "type": "withdraw", "amountCents": cents / 2},
+            {"clientSeq": seq + 1, "type": "withdraw", "amountCents": cents - cents / 2}]})
+    };
+    let sync = |token: String, body: Value| {
+        let (t, path) = (&t, path.clone());
+        async move {
+            send(
+                t,
+                reqwest::Method::POST,
+                &path,
+                Some(&token),
+                Some(&body),
+                None,
+            )
+            .await
+        }
+    };
+    let unlisted = token(json!({"sub": device, "scope": "devices:sync"}));
+    let r = sync(unlisted.clone(), run(&account, 1, 1_000_000)).await;
+    assert_error(&r, 422, "DEVICE_RUN_OVER_LIMIT");
+    assert_eq!(observe(&t, &account).await.0["aggregateVersion"], 0);
+    let r = sync(unlisted, run(&account, 1, 1000)).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(observe(&t, &account).await.0["balanceCents"], -1000);
+    let listed = token(json!({"sub": device, "scope": "devices:sync", "accounts": [account]}));
+    let r = sync(listed, run(&other, 1, 10)).await;
+    assert_error(&r, 403, "FORBIDDEN");
+    assert_eq!(observe(&t, &other).await.0["aggregateVersion"], 0);
+    t.shutdown().await;
 }

@@ -40,7 +40,7 @@ const HEADINGS: [&str; 11] = [
 ];
 
 /// Every flag `--help` shows, each settable from the environment.
-const FLAGS: [&str; 59] = [
+const FLAGS: [&str; 63] = [
     // Authentication, rate limits and the admin listener.
     "auth",
     "auth-secret-file",
@@ -50,6 +50,8 @@ const FLAGS: [&str; 59] = [
     "auth-leeway-secs",
     "rate-limit-per-caller",
     "rate-limit-burst",
+    "auth-failures-per-minute",
+    "allowed-hosts",
     "admin-listen",
     "max-index-entries",
     "max-header-bytes",
@@ -93,6 +95,7 @@ const FLAGS: [&str; 59] = [
     // Watch stream.
     "watch-max-subscribers",
     "watch-max-per-account",
+    "watch-max-per-caller",
     "watch-buffer",
     "watch-max-replay",
     "watch-keepalive-secs",
@@ -103,6 +106,7 @@ const FLAGS: [&str; 59] = [
     "postgres-statement-timeout-ms",
     "idempotency-scan-window",
     "accounts",
+    "device-max-run-withdrawal-cents",
 ];
 
 /// How long the binary may take to start or stop before a test fails.

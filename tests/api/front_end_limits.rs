@@ -76,7 +76,7 @@ impl Server {
         let stream = TcpStream::connect(self.addr).await.expect("connect");
         let (mut rx, mut tx) = stream.into_split();
         let request = format!(
-            "GET /healthz HTTP/1.1\r\nHost: tally\r\nX-Padding: {}\r\nConnection: close\r\n\r\n",
+            "GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Padding: {}\r\nConnection: close\r\n\r\n",
             "a".repeat(padding)
         );
         let writer = tokio::spawn(async move {
@@ -207,7 +207,7 @@ impl Server {
         let answer = self
             .answer(
                 format!(
-                    "GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: tally\r\n\
+                    "GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: localhost\r\n\
                      Connection: close\r\n\r\n"
                 )
                 .into_bytes(),
@@ -227,7 +227,7 @@ impl Server {
 fn deposit(account: uuid::Uuid, target_padding: usize, extra: &str) -> Vec<u8> {
     let body = r#"{"amountCents":5}"#;
     format!(
-        "POST /api/accounts/{account}/deposit?{} HTTP/1.1\r\nHost: tally\r\n\
+        "POST /api/accounts/{account}/deposit?{} HTTP/1.1\r\nHost: localhost\r\n\
          Content-Type: application/json\r\nIdempotency-Key: {}\r\n{extra}\
          Content-Length: {}\r\n\r\n{body}",
         "&".repeat(target_padding),
@@ -240,7 +240,7 @@ fn deposit(account: uuid::Uuid, target_padding: usize, extra: &str) -> Vec<u8> {
 /// A balance read of `account`, padded like [`deposit`].
 fn balance_read(account: uuid::Uuid, target_padding: usize, extra: &str) -> Vec<u8> {
     format!(
-        "GET /api/accounts/{account}/balance?{} HTTP/1.1\r\nHost: tally\r\n{extra}\r\n",
+        "GET /api/accounts/{account}/balance?{} HTTP/1.1\r\nHost: localhost\r\n{extra}\r\n",
         "&".repeat(target_padding)
     )
     .into_bytes()
@@ -272,7 +272,7 @@ async fn a_request_line_over_the_head_limit_is_414_in_json_and_writes_nothing() 
     let server = Server::start(&[]).await;
     let account = uuid::Uuid::new_v4();
     let long_path = format!(
-        "GET /{} HTTP/1.1\r\nHost: tally\r\n\r\n",
+        "GET /{} HTTP/1.1\r\nHost: localhost\r\n\r\n",
         "a".repeat(20_000)
     );
     for (what, request) in [
@@ -399,7 +399,7 @@ async fn a_head_over_the_limit_after_requests_on_its_connection_is_refused_in_tu
     body.push_str(&" ".repeat(20_000));
     let by_length = || {
         format!(
-            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: localhost\r\n\
              Content-Type: application/json\r\nIdempotency-Key: {}\r\n\
              content-length: {}\r\n\r\n{body}",
             uuid::Uuid::new_v4(),
@@ -413,7 +413,7 @@ async fn a_head_over_the_limit_after_requests_on_its_connection_is_refused_in_tu
         .collect();
     let by_chunks = || {
         format!(
-            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: localhost\r\n\
              Content-Type: application/json\r\nIdempotency-Key: {}\r\n\
              Transfer-Encoding: chunked\r\n\r\n{chunks}0\r\nX-Trailer: t\r\n\r\n",
             uuid::Uuid::new_v4(),
@@ -514,9 +514,9 @@ async fn a_request_with_both_framings_is_read_by_its_chunks_and_its_connection_c
         // The deposit, then a request a Content-Length reader would find inside its body.
         let text = server
             .exchange(&format!(
-                "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+                "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: localhost\r\n\
                  Content-Type: application/json\r\nIdempotency-Key: both-{n}\r\n{framing}\r\n\
-                 {chunked}GET /healthz HTTP/1.1\r\nHost: tally\r\n\r\n"
+                 {chunked}GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n"
             ))
             .await;
         assert!(text.starts_with("HTTP/1.1 200 OK"), "{framing}: {text}");
@@ -543,7 +543,7 @@ async fn a_transfer_coding_other_than_chunked_once_is_refused_and_writes_nothing
     let account = uuid::Uuid::new_v4();
     let deposit = |codings: &str| {
         format!(
-            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: localhost\r\n\
              Content-Type: application/json\r\nConnection: close\r\n{codings}\r\n{chunked}"
         )
     };
@@ -578,7 +578,7 @@ async fn a_transfer_coding_other_than_chunked_once_is_refused_and_writes_nothing
     }
     let balance = server
         .exchange(&format!(
-            "GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: tally\r\nConnection: close\r\n\r\n"
+            "GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
         ))
         .await;
     assert!(balance.contains(r#""balanceCents":0"#), "{balance}");
@@ -606,7 +606,7 @@ async fn a_request_whose_client_then_half_closes_is_answered() {
     for i in 0..20 {
         let mut stream = TcpStream::connect(server.addr).await.expect("connect");
         let request = format!(
-            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\n\
+            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: localhost\r\n\
              Content-Type: application/json\r\nIdempotency-Key: half-{i}\r\n\
              Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
             body.len()
@@ -663,7 +663,7 @@ async fn a_request_without_one_host_is_refused_and_writes_nothing() {
         );
         assert!(text.contains("Host header"), "{text}");
     }
-    for host in ["tally:8080", "[::1]:80", "10.0.0.1"] {
+    for host in ["localhost:8080", "[::1]:80", "10.0.0.1"] {
         let text = server
             .exchange(&format!(
                 "GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
@@ -686,5 +686,56 @@ async fn a_request_without_one_host_is_refused_and_writes_nothing() {
         .exchange("GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
         .await;
     assert!(probe.starts_with("HTTP/1.1 200"), "{probe}");
+    server.shutdown().await;
+}
+
+/// Rule: with `--auth none` a replica serves local host names only (and IP addresses),
+/// unless `--allowed-hosts` lists more or `*`: a web page that rebinds its own name to this
+/// replica gets 403 `HOST_NOT_ALLOWED` and moves no money (a deposit here: it would land).
+/// Probes answer any name.
+#[tokio::test]
+async fn with_auth_off_only_local_or_listed_host_names_are_served() {
+    let account = uuid::Uuid::new_v4();
+    let deposit = |host: &str| {
+        let body = r#"{"amountCents":5}"#;
+        format!(
+            "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: {host}\r\n\
+             Origin: http://{host}\r\nContent-Type: application/json\r\n\
+             Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let balance = |host: &str| {
+        format!(
+            "GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        )
+    };
+    let server = Server::start(&[]).await;
+    let text = server.exchange(&deposit("rebind.attacker.example")).await;
+    assert!(text.starts_with("HTTP/1.1 403"), "{text}");
+    assert!(text.contains("HOST_NOT_ALLOWED"), "{text}");
+    let probe = server
+        .exchange(
+            "GET /healthz HTTP/1.1\r\nHost: rebind.attacker.example\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+    assert!(probe.starts_with("HTTP/1.1 200"), "{probe}");
+    let local = server.exchange(&balance("localhost:8080")).await;
+    assert!(
+        local.contains(r#""balanceCents":0,"aggregateVersion":0"#),
+        "nothing written: {local}"
+    );
+    server.shutdown().await;
+
+    let server = Server::start(&["--allowed-hosts", "tally.internal"]).await;
+    let listed = server.exchange(&balance("Tally.Internal:8080")).await;
+    assert!(listed.starts_with("HTTP/1.1 200"), "{listed}");
+    let other = server.exchange(&balance("rebind.attacker.example")).await;
+    assert!(other.starts_with("HTTP/1.1 403"), "{other}");
+    server.shutdown().await;
+
+    let server = Server::start(&["--allowed-hosts", "*"]).await;
+    let any = server.exchange(&balance("anything.example")).await;
+    assert!(any.starts_with("HTTP/1.1 200"), "{any}");
     server.shutdown().await;
 }

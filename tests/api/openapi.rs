@@ -106,6 +106,11 @@ fn one_of_each() -> Vec<ApiError> {
         ApiError::RateLimited {
             retry_after_secs: 1,
         },
+        ApiError::Limited {
+            code: "TOO_MANY_STREAMS",
+            message: "x".into(),
+            retry_after_secs: 1,
+        },
     ]
 }
 
@@ -133,6 +138,7 @@ fn variant(e: &ApiError) -> usize {
         ApiError::HeadersTooLarge(_) => 19,
         ApiError::AccountNotFound(_) => 20,
         ApiError::StoreUnavailable => 21,
+        ApiError::Limited { .. } => 22,
     }
 }
 

@@ -253,7 +253,7 @@ async fn at_the_connection_cap_a_shed_request_closes_its_connection() {
 
 /// Sends `GET path` over `stream` and reads one whole response (keep-alive, Content-Length).
 async fn raw_get(stream: &mut TcpStream, path: &str) -> String {
-    let head = format!("GET {path} HTTP/1.1\r\nHost: tally\r\n\r\n");
+    let head = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n");
     stream.write_all(head.as_bytes()).await.expect("sent");
     read_response(stream).await
 }
@@ -300,7 +300,7 @@ async fn at_the_connection_cap_the_server_stops_accepting() {
     // The kernel completes the second handshake; Tally does not accept it.
     let mut second = TcpStream::connect(t.addr).await.expect("connect");
     second
-        .write_all(b"GET /healthz HTTP/1.1\r\nHost: tally\r\n\r\n")
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
         .await
         .expect("sent");
     let mut byte = [0u8; 1];
@@ -321,7 +321,7 @@ async fn at_the_connection_cap_the_server_stops_accepting() {
 /// The deposit request `POST /api/accounts/{account}/deposit` with `body`, as raw bytes.
 fn raw_deposit(account: &impl std::fmt::Display, body: &str) -> String {
     format!(
-        "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: tally\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /api/accounts/{account}/deposit HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )
 }
@@ -374,7 +374,7 @@ async fn assert_served(stream: &mut TcpStream, who: &str) {
 async fn another_client_is_served(t: &TestApp) {
     let mut other = TcpStream::connect(t.addr).await.expect("connect");
     let path = format!("/api/accounts/{}/balance", new_account());
-    let head = format!("GET {path} HTTP/1.1\r\nHost: tally\r\n\r\n");
+    let head = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n");
     other.write_all(head.as_bytes()).await.expect("sent");
     assert_served(&mut other, "another client").await;
 }
@@ -411,7 +411,7 @@ async fn an_open_event_stream_holds_no_gate_slot() {
     let m = t.app.metrics.clone();
     let account = new_account();
     let mut watcher = TcpStream::connect(t.addr).await.expect("connect");
-    let head = format!("GET /api/accounts/{account}/events HTTP/1.1\r\nHost: tally\r\n\r\nX");
+    let head = format!("GET /api/accounts/{account}/events HTTP/1.1\r\nHost: localhost\r\n\r\nX");
     watcher.write_all(head.as_bytes()).await.expect("sent");
     let mut seen = String::new();
     tokio::time::timeout(BOUND, async {
@@ -444,8 +444,9 @@ async fn deaf_client(t: &TestApp) -> TcpStream {
         assert_eq!(t.deposit(&account, 1, None).await.status, StatusCode::OK);
     }
     let mut deaf = small_window_connection(t.addr).await;
-    let get =
-        format!("GET /api/accounts/{account}/history?limit=1000 HTTP/1.1\r\nHost: tally\r\n\r\n");
+    let get = format!(
+        "GET /api/accounts/{account}/history?limit=1000 HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    );
     let taken = t.app.metrics.http_gate_taken.get();
     deaf.write_all(get.repeat(60).as_bytes())
         .await
@@ -655,7 +656,8 @@ async fn a_probe_or_scrape_never_waits_at_the_gate() {
     let account = new_account();
     let (hold, mut holder) = hold_a_deposit(&t, &account).await;
     let mut api = TcpStream::connect(t.addr).await.expect("connect");
-    let balance = format!("GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: tally\r\n\r\n");
+    let balance =
+        format!("GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: localhost\r\n\r\n");
     api.write_all(balance.as_bytes()).await.expect("sent");
     wait_for_gauge(&m.http_gate_waiting, 1).await;
     for path in ["/healthz", "/readyz", "/metrics"] {
@@ -742,7 +744,7 @@ async fn a_request_late_in_its_connections_idle_time_is_answered_not_cut_off() {
     tokio::time::sleep_until(went_idle + Duration::from_secs(6)).await;
     let expired = t.app.metrics.http_gate_waits_expired.get();
     let path = format!("/api/accounts/{account}/balance");
-    let head = format!("GET {path} HTTP/1.1\r\nHost: tally\r\n\r\n");
+    let head = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n");
     late.write_all(head.as_bytes()).await.expect("sent");
     let answer = tokio::time::timeout(BOUND, read_response(&mut late))
         .await
@@ -779,7 +781,7 @@ async fn an_admin_connection_whose_client_reads_nothing_is_closed_at_the_write_s
         std::future::pending(),
     ));
     let mut deaf = small_window_connection(admin).await;
-    let scrape = "GET /metrics HTTP/1.1\r\nHost: tally\r\n\r\n".repeat(2_000);
+    let scrape = "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n".repeat(2_000);
     let (mut reader, mut writer) = deaf.split();
     // Ends when the server has read everything, or fails when it closes the stalled
     // connection with requests still unread.
@@ -803,7 +805,7 @@ async fn a_request_whose_client_leaves_while_it_waits_for_admission_leaves_the_q
     let (hold, mut holder) = hold_a_deposit(&t, &account).await;
     let m = t.app.metrics.clone();
     let mut waiting = TcpStream::connect(t.addr).await.expect("connect");
-    let head = format!("GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: tally\r\n\r\n");
+    let head = format!("GET /api/accounts/{account}/balance HTTP/1.1\r\nHost: localhost\r\n\r\n");
     waiting.write_all(head.as_bytes()).await.expect("sent");
     wait_for(|| m.http_queued.get() == 1, "the request queued").await;
     drop(waiting);

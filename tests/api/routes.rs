@@ -568,3 +568,46 @@ async fn metrics_are_prometheus_text_labelled_by_route_template_never_by_raw_pat
     );
     t.shutdown().await;
 }
+
+/// Rule: every answer says its content type is final (`X-Content-Type-Options: nosniff`),
+/// whatever route or error gave it, an event stream too; and the console's policy runs its
+/// inline code by hash, never by `'unsafe-inline'`.
+#[tokio::test]
+async fn every_answer_forbids_sniffing_and_the_console_allows_no_unsafe_inline() {
+    let t = spawn_default().await;
+    let account = new_account();
+    let client = &t.client;
+    let requests = [
+        client.get(t.url("/")),
+        client.get(t.url("/healthz")),
+        client.get(t.url("/readyz")),
+        client.get(t.url("/metrics")),
+        client.get(t.url("/openapi.json")),
+        client.get(t.url(&format!("/api/accounts/{account}/balance"))),
+        client.get(t.url("/api/nothing")),
+        client.delete(t.url("/api/accounts")),
+        client
+            .post(t.url(&format!("/api/accounts/{account}/deposit")))
+            .body("{"),
+        client.get(t.url(&format!("/api/accounts/{account}/events"))),
+    ];
+    for req in requests {
+        let resp = req.send().await.expect("sent");
+        let what = format!("{} {}", resp.status(), resp.url().path());
+        assert_eq!(
+            resp.headers()
+                .get("x-content-type-options")
+                .map(|v| v.to_str().unwrap()),
+            Some("nosniff"),
+            "{what}"
+        );
+        if resp.url().path() == "/" {
+            let policy = resp.headers()["content-security-policy"].to_str().unwrap();
+            assert!(!policy.contains("unsafe-inline"), "{policy}");
+            assert!(policy.contains("script-src 'sha256-"), "{policy}");
+        }
+        // The event stream's headers are enough; its body never ends.
+        drop(resp);
+    }
+    t.shutdown().await;
+}

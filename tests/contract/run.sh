@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Issue 17: runs Schemathesis against the real `tally` binary on the embedded store, with
-# authentication on (HS256, a throwaway secret, rate limits off so the run is not paced).
+# authentication on (HS256, a throwaway secret, rate limits off so the run is not paced;
+# the per-peer failure limit too, since its checks send requests without a token).
 # Every phase (examples, coverage, fuzzing, stateful links: deposit, then balance and
 # history); the checks and their one narrowing are in schemathesis.toml beside this file.
 # The watch streams are reached on a live account: ticker.py writes every kind of event to
 # it throughout the run, so each stream Schemathesis opens carries a snapshot and all four
 # account events (the fleet-wide stream, their writes), each checked against the event
-# schema the spec documents; a stream ends after those events (schemathesis.toml).
+# schema the spec documents; a stream ends after those events (schemathesis.toml). A second
+# pass opens the account stream on generated ids, accounts never written
+# (schemathesis-streams.toml).
 #
 # Environment: TALLY_BIN (the binary), SCHEMATHESIS (the CLI). Exits with Schemathesis's
 # status; stops the replica it started.
@@ -43,6 +46,7 @@ peer=5e4d3c2b-1a09-4f8e-9d7c-6b5a4f3e2d1c
 
 "$TALLY_BIN" --listen "127.0.0.1:$port" --store memory \
     --auth jwt --auth-secret-file "$work/secret" --rate-limit-per-caller 0 \
+    --auth-failures-per-minute 0 \
     --log-format json > "$work/tally.log" 2>&1 &
 server=$!
 
@@ -71,6 +75,11 @@ status=0
 "$SCHEMATHESIS" --config-file "$here/schemathesis.toml" run \
     "http://127.0.0.1:$port/openapi.json" \
     --wait-for-schema 30 --no-color || status=$?
+if [[ $status -eq 0 ]]; then
+    "$SCHEMATHESIS" --config-file "$here/schemathesis-streams.toml" run \
+        "http://127.0.0.1:$port/openapi.json" --include-operation-id watchAccount \
+        --wait-for-schema 30 --no-color || status=$?
+fi
 if [[ $status -ne 0 ]]; then
     echo "contract: Schemathesis failed (exit $status); the ticker's log, then the replica's:" >&2
     cat "$work/ticker.log" >&2

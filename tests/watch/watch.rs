@@ -54,7 +54,7 @@ async fn unread_stream_over_deposits(flags: &[&str], deposits: usize) -> (TestAp
     let sub = t
         .app
         .watch
-        .subscribe_account(id, Resume::Live)
+        .subscribe_account(None, id, Resume::Live)
         .await
         .unwrap();
     for _ in 0..deposits {
@@ -308,13 +308,20 @@ async fn bad_resume_points_are_refused_with_json_errors() {
         let r = t.get(&format!("{}?{query}", events_path(&account))).await;
         common::assert_error(&r, 400, code);
     }
-    // An account the store shows no version of decides nothing (a create may be hidden
-    // from the store's details: docs/stores.md): retryable, never a final 400.
+    // On the embedded store, an account with no version at all is below any resume point
+    // past 1, and no retry could change that: a final 400, as for a written account.
     let r = t
-        .get(&format!("{}?fromVersion=5", events_path(&new_account())))
+        .get(&format!(
+            "{}?fromVersion=11648",
+            events_path(&new_account())
+        ))
         .await;
-    common::assert_error(&r, 503, "SERVICE_UNAVAILABLE");
-    assert_eq!(r.header("retry-after"), Some("1"));
+    common::assert_error(&r, 400, "RESUME_BEYOND_TIP");
+    assert!(
+        r.body["message"].as_str().unwrap().contains("version 0"),
+        "{}",
+        r.text
+    );
     // The version after the tip is where a caught-up client resumes: accepted.
     let mut s = Stream::open(
         &t,
@@ -711,7 +718,7 @@ async fn resumes_racing_live_writes_never_skip_or_repeat_a_version() {
         let mut sub = t
             .app
             .watch
-            .subscribe_account(account, resume)
+            .subscribe_account(None, account, resume)
             .await
             .unwrap();
         readers.push(tokio::spawn(async move {
@@ -784,7 +791,11 @@ async fn watching_a_new_account(
         .unwrap();
     app.started().await;
     let id = AccountId(new_account().parse().unwrap());
-    let mut sub = app.watch.subscribe_account(id, Resume::Live).await.unwrap();
+    let mut sub = app
+        .watch
+        .subscribe_account(None, id, Resume::Live)
+        .await
+        .unwrap();
     assert!(matches!(
         sub.items.recv().await,
         Some(Item::Snapshot { version: 0, .. })
@@ -1110,12 +1121,12 @@ async fn an_account_whose_reads_hang_holds_up_no_other_accounts_stream() {
     );
     let mut slow_sub = app
         .watch
-        .subscribe_account(slow, Resume::Live)
+        .subscribe_account(None, slow, Resume::Live)
         .await
         .unwrap();
     let mut other_sub = app
         .watch
-        .subscribe_account(other, Resume::Live)
+        .subscribe_account(None, other, Resume::Live)
         .await
         .unwrap();
     for sub in [&mut slow_sub, &mut other_sub] {
@@ -1269,4 +1280,20 @@ async fn a_notified_version_a_lagging_read_misses_is_read_again_even_merged_with
         );
         app.watch.shutdown();
     }
+}
+
+/// Rule: where the store cannot prove an account has no version (a store Tally did not open
+/// as its own embedded one; a Celeriant server can hide a create, docs/stores.md), a resume
+/// past 1 on an account it shows nothing of stays retryable: 503 with `Retry-After`, never
+/// a final 400 for a version a client may have seen.
+#[tokio::test]
+async fn a_resume_on_an_account_an_unproven_store_shows_nothing_of_stays_retryable() {
+    let store: SharedLog = Arc::new(MemoryLog::new());
+    let t = spawn(test_config(&[]), Some(store), None).await;
+    let r = t
+        .get(&format!("{}?fromVersion=5", events_path(&new_account())))
+        .await;
+    common::assert_error(&r, 503, "SERVICE_UNAVAILABLE");
+    assert_eq!(r.header("retry-after"), Some("1"));
+    t.shutdown().await;
 }

@@ -1,5 +1,5 @@
 //! The access log: each request ends with one line, its method, route template, status and
-//! latency, and what the request's note (`crate::request_note`) gathered on the way: the
+//! latency, its peer address and authenticated caller (`sub`, never the token), and what the request's note (`crate::request_note`) gathered on the way: the
 //! key hash, and a write's attempts and outcome. `served` at info, or `shed` at debug, since
 //! shed requests are reported by the edge in one warning per interval and a line each would
 //! cost a quarter of a refusal's CPU (`super::super::admission`). The request runs in a
@@ -22,6 +22,7 @@ use tracing::Instrument;
 
 use crate::http::error::ApiError;
 use crate::http::router::{BoxFuture, Routed, method_label};
+use crate::http::serve::Peer;
 use crate::http::watch::HttpBody;
 use crate::request_note::RequestNote;
 
@@ -60,8 +61,10 @@ where
         let (method, route) = (method_label(routed.req.method()), routed.template());
         let span = tracing::debug_span!("request", method, route);
         let note = Arc::new(RequestNote::default());
-        // The layers inside check the request as they are called: in the span too.
-        let answer = span.in_scope(|| self.inner.call(routed));
+        let peer = routed.req.extensions().get::<Peer>().map(|p| p.0);
+        // The layers inside check the request as they are called: in the span and with the
+        // note too (authentication notes the caller there).
+        let answer = span.in_scope(|| note.clone().sync_scope(|| self.inner.call(routed)));
         Box::pin(async move {
             let answer = note.clone().scope(answer).instrument(span).await;
             let shed = matches!(answer, Err(ApiError::Shed { .. }));
@@ -69,14 +72,24 @@ where
             let (status, latency_us) = (resp.status().as_u16(), started.elapsed().as_micros());
             let latency_us = latency_us as u64;
             let key_hash = note.noted_key_hash();
+            let caller = note.noted_caller();
             let run = note.noted_run();
             let (attempts, outcome) = (run.map(|r| r.attempts), run.map(|r| r.outcome));
             if shed {
-                tracing::debug!(method, route, status, latency_us, "shed");
+                tracing::debug!(
+                    method,
+                    route,
+                    status,
+                    latency_us,
+                    peer = peer.map(tracing::field::display),
+                    "shed"
+                );
             } else {
                 tracing::info!(
                     method = %method,
                     route = %route,
+                    caller,
+                    peer = peer.map(tracing::field::display),
                     key_hash = key_hash.map(tracing::field::display),
                     attempts,
                     outcome = outcome.map(tracing::field::display),

@@ -11,6 +11,8 @@ use crate::app::App;
 use crate::http::auth;
 use crate::http::error::ApiError;
 use crate::http::router::Routed;
+use crate::http::serve::Peer;
+use crate::request_note::RequestNote;
 
 /// The caller's token against what the route asks; the admitted caller rides on the request.
 #[derive(Clone)]
@@ -27,9 +29,13 @@ impl Authenticate {
 impl Check for Authenticate {
     fn check(&self, routed: &mut Routed) -> Result<(), ApiError> {
         // A request without a route is refused as such, whoever sends it.
+        let peer = routed.req.extensions().get::<Peer>().map(|p| p.0.ip());
         if let Some(route) = routed.route()
-            && let Some(caller) = auth::check(&self.app, route.access(), routed.req.headers())?
+            && let Some(caller) =
+                auth::check(&self.app, route.access(), routed.req.headers(), peer)?
         {
+            // The access line names who asked (never the token).
+            RequestNote::caller(|| caller.id.clone());
             routed.req.extensions_mut().insert(caller);
         }
         Ok(())

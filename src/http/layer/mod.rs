@@ -4,8 +4,9 @@
 //! 1. [`route`]: the route, resolved once; everything after reads it.
 //! 2. [`metrics`]: requests in flight, counted by route, method and status class, and timed.
 //! 3. [`access_log`]: the request's span and its one line; errors become responses here.
-//! 4. [`host`]: RFC 9112's `Host` rules (probes exempt); this and the next two only check a
-//!    request, each a [`check::Check`] in the one service of [`check`].
+//! 4. [`host`]: RFC 9112's `Host` rules and the host names served (probes exempt); this and
+//!    the next two only check a request, each a [`check::Check`] in the one service of
+//!    [`check`].
 //! 5. [`auth`]: with `--auth jwt`, the caller's token against what the route asks.
 //! 6. [`readiness`]: 503 for the API while start-up steps are pending.
 //! 7. [`admission`]: an in-flight permit, waited for or shed.
@@ -59,7 +60,7 @@ pub fn stack(
         .layer(route::RouteLayer)
         .layer(metrics::MetricsLayer::new(app.metrics.clone()))
         .layer(access_log::AccessLogLayer)
-        .layer(CheckLayer(host::HostRules))
+        .layer(CheckLayer(host::HostRules::new(app)))
         .layer(CheckLayer(auth::Authenticate::new(app.clone())))
         .layer(CheckLayer(readiness::Started::new(app.clone())))
         .layer(admission::AdmissionLayer::new(app.clone(), edge.clone()))
