@@ -415,9 +415,8 @@ async fn start(projection: &Projection, account: AccountId) -> Result<Cursor, Wa
             version: snap.version,
             balance: Some(snap.balance),
         }),
-        Err(e @ (ProjectionError::Store(_) | ProjectionError::Database)) => {
-            Err(WatchError::Store(e.to_string()))
-        }
+        Err(ProjectionError::Store(e)) => Err(WatchError::Store(e.brief())),
+        Err(e @ ProjectionError::Database) => Err(WatchError::Store(e.to_string())),
         Err(_) => match projection
             .log()
             .details(projection.identity().key(account))
@@ -427,7 +426,7 @@ async fn start(projection: &Projection, account: AccountId) -> Result<Cursor, Wa
                 version: d.max_version,
                 balance: None,
             }),
-            Err(e) => Err(WatchError::Store(e.to_string())),
+            Err(e) => Err(WatchError::Store(e.brief())),
         },
     }
 }

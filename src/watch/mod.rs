@@ -345,7 +345,7 @@ impl Hub {
         let start = match self.projection.log().details(key).await {
             Ok(d) => from.max(d.min_available_version),
             Err(crate::store::StoreError::AggregateNotFound) => from,
-            Err(e) => return Err(WatchError::Store(e.to_string())),
+            Err(e) => return Err(WatchError::Store(e.brief())),
         };
         if span(start) <= max as u64 {
             return Ok(());
@@ -390,7 +390,7 @@ impl Hub {
                 .projection
                 .store_version(account)
                 .await
-                .map_err(|e| WatchError::Store(e.to_string()))?;
+                .map_err(|e| WatchError::Store(e.brief()))?;
             // No version at all decides only on a store that shows every create. Elsewhere
             // the store may hide a create that landed (docs/stores.md), and the resume
             // would then be from a version a client saw: retryable. On the embedded store

@@ -42,7 +42,8 @@ pub(super) async fn run(hub: Arc<Hub>) {
             }
             Err(e) => {
                 tracing::warn!(error = %e, "could not open the store's watch; retrying");
-                hub.feed_ready.send_replace(Some(Err(e.to_string())));
+                // The class only: the message reaches a stream's caller.
+                hub.feed_ready.send_replace(Some(Err(e.brief())));
                 failed_opens = failed_opens.saturating_add(1);
                 tokio::time::sleep(REOPEN.bound(failed_opens)).await;
                 continue;

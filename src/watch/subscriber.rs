@@ -201,7 +201,8 @@ enum RangeError {
 impl From<RangeError> for Stop {
     fn from(e: RangeError) -> Self {
         let message = match e {
-            RangeError::Store(e) => e.to_string(),
+            // The class only: the message reaches the stream's caller; the log has the rest.
+            RangeError::Store(e) => e.brief(),
             RangeError::Short { reached, to } => format!(
                 "the store's reads stop at version {reached} of a replay up to {to}; resume again"
             ),
