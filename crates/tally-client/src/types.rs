@@ -13,11 +13,13 @@ pub struct Balance {
     pub aggregate_version: u64,
 }
 
-/// Both legs of a transfer.
+/// A transfer's legs. The payee's is `None` when the caller may not read the payee's
+/// account: the server then answers the payer's leg only.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 pub struct Transferred {
     pub from: Balance,
-    pub to: Balance,
+    #[serde(default)]
+    pub to: Option<Balance>,
 }
 
 /// An account opened (`--accounts explicit`).
