@@ -89,7 +89,7 @@ fn memory_log() -> SharedLog {
 }
 
 /// On the embedded store only. The real server this project tests against can hide a create
-/// from every later read when a read raced it (README, "Stores"): the replica that lost the
+/// from every later read when a read raced it (docs/stores.md, "A create the server hides"): the replica that lost the
 /// race then reads the account as new, its open bounces off the version guard on every
 /// attempt, and it answers a retryable 409 `CONFLICT` rather than `ACCOUNT_EXISTS` (exactly
 /// once still holds: one open lands). That is the server's fault, not this rule's.
