@@ -4,7 +4,7 @@
 //! The seed's rule in one line: **conflict means re-derive; ambiguous means hold the
 //! sequence and refresh the version.**
 
-use super::WriteError;
+use super::error::WriteError;
 use super::verify::SeqOwnership;
 use crate::metrics::arm;
 use crate::store::StoreError;

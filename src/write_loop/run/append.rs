@@ -9,7 +9,7 @@ use crate::metrics::arm;
 use crate::projection::RecordedWrite;
 use crate::store::{AggregateWrite, Event};
 use crate::write_loop::classify::{self, Behind, Failure, Settlement, Step};
-use crate::write_loop::service::invariant;
+use crate::write_loop::error::invariant;
 use crate::write_loop::verify::{self, SeqOwnership};
 use crate::write_loop::{LegResult, WriteOutcome};
 

@@ -7,8 +7,8 @@ use tokio::time::Instant;
 use super::{Copies, FirstTouch, Run, Touched};
 use crate::account::{AccountsMode, Operation};
 use crate::projection::{Loaded, ProjectionError};
-use crate::write_loop::WriteError;
 use crate::write_loop::classify::{Behind, Failure};
+use crate::write_loop::error::WriteError;
 
 /// Why an attempt's state could not be loaded.
 pub(super) enum LoadFailure {

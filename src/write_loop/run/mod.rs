@@ -14,6 +14,7 @@
 //! What a member is and holds lives in `member`.
 
 mod append;
+mod backoff;
 mod load;
 mod member;
 mod readback;
@@ -25,8 +26,8 @@ use self::load::LoadFailure;
 use self::member::{Member, Phase, SeqHold};
 use super::classify::{Cause, Failure};
 use super::decide::{self, Candidate, Landing, NeedsCurrentState, Verdict};
-use super::service::{backoff, invariant};
-use super::{Answer, WriteConfig, WriteError, WriteRequest};
+use super::error::{WriteError, invariant};
+use super::{Answer, WriteConfig, WriteRequest};
 use crate::account::{AccountId, Identity, Standing};
 use crate::metrics::{Metrics, arm};
 use crate::projection::{AccountView, Projection, Snapshot};
@@ -195,7 +196,7 @@ impl<'a> Run<'a> {
             self.attempt += 1;
             if self.attempt > 1 && next == Next::Backoff {
                 let salt = self.members[0].req.event_id;
-                backoff(self.attempt, salt).await;
+                backoff::sleep(self.attempt, salt).await;
             }
             if self.first_touch == FirstTouch::ThisAttempt {
                 self.first_touch = FirstTouch::Spent;

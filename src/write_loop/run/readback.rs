@@ -6,7 +6,8 @@ use super::member::{EarlierAttempts, Phase, SeqHold};
 use crate::metrics::arm;
 use crate::projection::{RecentWrite, ScanHit};
 use crate::write_loop::classify::Failure;
-use crate::write_loop::{LegResult, WriteError, WriteOutcome};
+use crate::write_loop::error::WriteError;
+use crate::write_loop::{LegResult, WriteOutcome};
 
 impl Run<'_> {
     /// Answers every unanswered member that the index (or a proven landing) shows as done.
