@@ -33,9 +33,10 @@
 //! - `decide`: the business rules over a run's members, as a pure function;
 //! - `classify`: what a store outcome means for the run, as a pure function;
 //! - [`verify`]: who owns a contested sequence (the 2002 arm's point read);
-//! - `error`, a leaf that uses no other part: [`WriteError`], and what a broken invariant
-//!   answers.
+//! - leaves that use no other part: `error` ([`WriteError`], and what a broken invariant
+//!   answers) and `arm` (the arm a step took, with its metric label).
 
+mod arm;
 mod classify;
 mod coalesce;
 pub mod config;

@@ -5,9 +5,9 @@ use super::member::{Member, Phase};
 use super::{FirstTouch, Next, Run};
 use crate::account::rules::Leg;
 use crate::account::{AccountEvent, AccountsMode};
-use crate::metrics::arm;
 use crate::projection::RecordedWrite;
 use crate::store::{AggregateWrite, Event};
+use crate::write_loop::arm::Arm;
 use crate::write_loop::classify::{self, Behind, Failure, Settlement, Step};
 use crate::write_loop::error::invariant;
 use crate::write_loop::verify::{self, SeqOwnership};
@@ -89,21 +89,15 @@ impl Run<'_> {
     }
 
     /// The write was rejected (nothing appended): release what it alone held.
-    fn rejected(
-        &mut self,
-        arm: &'static str,
-        failure: Failure,
-        store_behind: Option<Behind>,
-    ) -> Next {
+    fn rejected(&mut self, arm: Arm, failure: Failure, store_behind: Option<Behind>) -> Next {
         let bounced = self.first_touch == FirstTouch::ThisAttempt;
         // A first touch's bounce says only that the account exists: not contention, so an
         // alert on the conflict rate does not count it.
-        self.arm(if bounced && arm == arm::CONFLICT {
-            arm::FIRST_TOUCH_BOUNCE
-        } else {
-            arm
+        self.arm(match arm {
+            Arm::Conflict if bounced => Arm::FirstTouchBounce,
+            arm => arm,
         });
-        if arm == arm::CONFLICT {
+        if arm == Arm::Conflict {
             self.copies.behind();
         }
         self.last_failure = failure;
@@ -185,7 +179,7 @@ impl Run<'_> {
         }
         // The batch's sequences are used; a member still open takes fresh ones.
         self.release_seqs();
-        self.arm(arm::SUCCESS);
+        self.arm(Arm::Success);
     }
 
     /// What is wrong with an applied write's versions, if anything: one per aggregate, each
@@ -267,7 +261,7 @@ impl Run<'_> {
         };
         match classify::settle(verify::combine(verdicts.iter().map(|v| v.2))) {
             Settlement::Ours => {
-                self.arm(arm::SEQ_OURS);
+                self.arm(Arm::SeqOurs);
                 for &(mi, li, v) in &verdicts {
                     if let SeqOwnership::Ours { version } = v {
                         self.members[mi].mark_proven(li, version);
@@ -285,13 +279,13 @@ impl Run<'_> {
                 }
             }
             Settlement::Sibling { failure } => {
-                self.arm(arm::SEQ_SIBLING);
+                self.arm(Arm::SeqSibling);
                 self.last_failure = failure;
                 self.release_seqs();
                 Next::Backoff
             }
             Settlement::Unverifiable { error } => {
-                self.arm(arm::UNVERIFIABLE);
+                self.arm(Arm::Unverifiable);
                 for &mi in batch {
                     self.members[mi].phase = Phase::Done(Err(error.clone()));
                 }

@@ -24,12 +24,13 @@ use tokio::time::Instant;
 
 use self::load::LoadFailure;
 use self::member::{Member, Phase, SeqHold};
+use super::arm::Arm;
 use super::classify::{Cause, Failure};
 use super::decide::{self, Candidate, Landing, NeedsCurrentState, Verdict};
 use super::error::{WriteError, invariant};
 use super::{Answer, WriteConfig, WriteRequest};
 use crate::account::{AccountId, Identity, Standing};
-use crate::metrics::{Metrics, arm};
+use crate::metrics::Metrics;
 use crate::projection::{AccountView, Projection, Snapshot};
 use crate::request_note::{RequestNote, RunNote};
 use crate::store::SharedLog;
@@ -169,8 +170,8 @@ impl<'a> Run<'a> {
         }
     }
 
-    fn arm(&self, arm: &str) {
-        self.cx.metrics.arm(self.op_label, arm);
+    fn arm(&self, arm: Arm) {
+        self.cx.metrics.arm(self.op_label, arm.label());
     }
 
     /// Members not answered yet (open or landed), by index.
@@ -228,12 +229,12 @@ impl<'a> Run<'a> {
         let failure = std::mem::take(&mut self.last_failure);
         if failure.cause == Cause::StoreUnreachable {
             // No catch-up either: it would only add a read to the outage.
-            self.arm(arm::STORE_UNREACHABLE);
+            self.arm(Arm::StoreUnreachable);
             self.answer_unanswered(WriteError::StoreUnavailable);
             return;
         }
         self.refresh_unread_copies(deadline).await;
-        self.arm(arm::GAVE_UP);
+        self.arm(Arm::GaveUp);
         let err = WriteError::GaveUp {
             attempts: self.attempt,
             last: failure.what,
@@ -377,7 +378,7 @@ impl<'a> Run<'a> {
                 }
                 Verdict::Refused(e) => {
                     m.phase = Phase::Done(Err(WriteError::Rule(e)));
-                    self.arm(arm::REJECTED);
+                    self.arm(Arm::Rejected);
                 }
             }
         }

@@ -3,8 +3,8 @@
 
 use super::Run;
 use super::member::{EarlierAttempts, Phase, SeqHold};
-use crate::metrics::arm;
 use crate::projection::{RecentWrite, ScanHit};
+use crate::write_loop::arm::Arm;
 use crate::write_loop::classify::Failure;
 use crate::write_loop::error::WriteError;
 use crate::write_loop::{LegResult, WriteOutcome};
@@ -82,7 +82,7 @@ impl Run<'_> {
         }
         if replays > 0 {
             self.cx.metrics.idem_replays.inc_by(replays);
-            self.arm(arm::REPLAYED);
+            self.arm(Arm::Replayed);
         }
     }
 
@@ -229,7 +229,7 @@ impl Run<'_> {
         }
         if replays > 0 {
             cx.metrics.idem_replays.inc_by(replays);
-            self.arm(arm::REPLAYED);
+            self.arm(Arm::Replayed);
         }
         true
     }
