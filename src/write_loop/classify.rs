@@ -66,12 +66,11 @@ pub(super) enum Step {
         store_behind: Option<Behind>,
     },
     /// May have landed, or an earlier attempt is not durable yet: hold the sequences; the
-    /// next attempt's catch-up refreshes the version and checks the index. `sent_unknown`:
-    /// this very write may have applied (so a landing found later is this run's own).
+    /// next attempt's catch-up refreshes the version and checks the index.
     Hold {
         arm: Arm,
         failure: Failure,
-        sent_unknown: bool,
+        this_write: ThisWrite,
     },
     /// Definitely not applied: send the same again after the backoff.
     Retry { arm: Arm, failure: Failure },
@@ -79,6 +78,17 @@ pub(super) enum Step {
     Contested,
     /// Nothing the loop can fix: answer every open request with this error.
     Fail { arm: Arm, error: WriteError },
+}
+
+/// What a held write itself may have done.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ThisWrite {
+    /// Its outcome is unknown: it may have applied, so a landing found later may be this
+    /// run's own.
+    MayHaveLanded,
+    /// It was turned away (an earlier attempt is not yet durable): only an earlier write
+    /// may stand.
+    DidNotLand,
 }
 
 /// A conflict's versions, when the store stood below what the write expected.
@@ -100,12 +110,12 @@ pub(super) fn classify(result: Result<Vec<u64>, StoreError>) -> Step {
         Err(e @ StoreError::OutcomeUnknown { .. }) => Step::Hold {
             arm: Arm::OutcomeUnknown,
             failure: Failure::store("", &e),
-            sent_unknown: true,
+            this_write: ThisWrite::MayHaveLanded,
         },
         Err(StoreError::InflightDuplicate) => Step::Hold {
             arm: Arm::InflightDuplicate,
             failure: Failure::other("an earlier attempt is still in flight"),
-            sent_unknown: false,
+            this_write: ThisWrite::DidNotLand,
         },
         Err(e @ StoreError::NotApplied { .. }) => Step::Retry {
             arm: Arm::NotApplied,
@@ -179,14 +189,14 @@ mod tests {
                 reason: "timeout".into()
             })),
             Step::Hold {
-                sent_unknown: true,
+                this_write: ThisWrite::MayHaveLanded,
                 ..
             }
         ));
         assert!(matches!(
             classify(Err(StoreError::InflightDuplicate)),
             Step::Hold {
-                sent_unknown: false,
+                this_write: ThisWrite::DidNotLand,
                 ..
             }
         ));

@@ -8,7 +8,7 @@ use crate::account::{AccountEvent, AccountsMode};
 use crate::projection::RecordedWrite;
 use crate::store::{AggregateWrite, Event};
 use crate::write_loop::arm::Arm;
-use crate::write_loop::classify::{self, Behind, Failure, Settlement, Step};
+use crate::write_loop::classify::{self, Behind, Failure, Settlement, Step, ThisWrite};
 use crate::write_loop::error::invariant;
 use crate::write_loop::verify::{self, SeqOwnership};
 use crate::write_loop::{LegResult, WriteOutcome};
@@ -37,11 +37,11 @@ impl Run<'_> {
             Step::Hold {
                 arm,
                 failure,
-                sent_unknown,
+                this_write,
             } => {
                 self.arm(arm);
                 self.last_failure = failure;
-                self.hold(batch, sent_unknown, now_ms);
+                self.hold(batch, this_write, now_ms);
                 Next::Backoff
             }
             Step::Retry { arm, failure } => {
@@ -115,13 +115,14 @@ impl Run<'_> {
         }
     }
 
-    /// The write may have landed (`sent_unknown`), or an earlier one is not durable yet:
-    /// `batch` keeps its sequences, and a refusal on later state is no longer final.
-    fn hold(&mut self, batch: &[usize], sent_unknown: bool, now_ms: u64) {
+    /// The write may have landed ([`ThisWrite::MayHaveLanded`]), or an earlier one is not
+    /// durable yet: `batch` keeps its sequences, and a refusal on later state is no longer
+    /// final.
+    fn hold(&mut self, batch: &[usize], this_write: ThisWrite, now_ms: u64) {
         for &mi in batch {
             let m = &mut self.members[mi];
             m.earlier.note_may_have_landed();
-            if sent_unknown {
+            if this_write == ThisWrite::MayHaveLanded {
                 m.sent_unknown(now_ms);
             }
         }
