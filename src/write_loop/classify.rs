@@ -4,9 +4,9 @@
 //! The seed's rule in one line: **conflict means re-derive; ambiguous means hold the
 //! sequence and refresh the version.**
 
-use super::WriteError;
+use super::arm::Arm;
+use super::error::WriteError;
 use super::verify::SeqOwnership;
-use crate::metrics::arm;
 use crate::store::StoreError;
 
 /// Why an attempt did not end its run: what a give-up says, and whether the store was out
@@ -61,27 +61,34 @@ pub(super) enum Step {
     /// `store_behind`: the conflict's current version, when it is below the version the write
     /// expected (the store shows fewer versions than were folded: `projection/regress.rs`).
     Rejected {
-        arm: &'static str,
+        arm: Arm,
         failure: Failure,
         store_behind: Option<Behind>,
     },
     /// May have landed, or an earlier attempt is not durable yet: hold the sequences; the
-    /// next attempt's catch-up refreshes the version and checks the index. `sent_unknown`:
-    /// this very write may have applied (so a landing found later is this run's own).
+    /// next attempt's catch-up refreshes the version and checks the index.
     Hold {
-        arm: &'static str,
+        arm: Arm,
         failure: Failure,
-        sent_unknown: bool,
+        this_write: ThisWrite,
     },
     /// Definitely not applied: send the same again after the backoff.
-    Retry { arm: &'static str, failure: Failure },
+    Retry { arm: Arm, failure: Failure },
     /// 2002: someone landed one of our sequences; the stream knows who.
     Contested,
     /// Nothing the loop can fix: answer every open request with this error.
-    Fail {
-        arm: &'static str,
-        error: WriteError,
-    },
+    Fail { arm: Arm, error: WriteError },
+}
+
+/// What a held write itself may have done.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ThisWrite {
+    /// Its outcome is unknown: it may have applied, so a landing found later may be this
+    /// run's own.
+    MayHaveLanded,
+    /// It was turned away (an earlier attempt is not yet durable): only an earlier write
+    /// may stand.
+    DidNotLand,
 }
 
 /// A conflict's versions, when the store stood below what the write expected.
@@ -96,22 +103,22 @@ pub(super) fn classify(result: Result<Vec<u64>, StoreError>) -> Step {
     match result {
         Ok(versions) => Step::Applied { versions },
         Err(StoreError::Conflict { expected, current }) => Step::Rejected {
-            arm: arm::CONFLICT,
+            arm: Arm::Conflict,
             failure: Failure::other("version conflict"),
             store_behind: (current < expected).then_some(Behind { expected, current }),
         },
         Err(e @ StoreError::OutcomeUnknown { .. }) => Step::Hold {
-            arm: arm::OUTCOME_UNKNOWN,
+            arm: Arm::OutcomeUnknown,
             failure: Failure::store("", &e),
-            sent_unknown: true,
+            this_write: ThisWrite::MayHaveLanded,
         },
         Err(StoreError::InflightDuplicate) => Step::Hold {
-            arm: arm::INFLIGHT_DUPLICATE,
+            arm: Arm::InflightDuplicate,
             failure: Failure::other("an earlier attempt is still in flight"),
-            sent_unknown: false,
+            this_write: ThisWrite::DidNotLand,
         },
         Err(e @ StoreError::NotApplied { .. }) => Step::Retry {
-            arm: arm::NOT_APPLIED,
+            arm: Arm::NotApplied,
             failure: Failure::store("", &e),
         },
         Err(StoreError::IdempotencyViolation { .. }) => Step::Contested,
@@ -120,16 +127,16 @@ pub(super) fn classify(result: Result<Vec<u64>, StoreError>) -> Step {
         // went backwards, or a read showed what it no longer has). Nothing was appended;
         // decide again on a fresh read, which refuses the write if the account is gone.
         Err(StoreError::AggregateNotFound) => Step::Rejected {
-            arm: arm::STORE_ERROR,
+            arm: Arm::StoreError,
             failure: Failure::other("the store holds no stream for an account of this write"),
             store_behind: None,
         },
         Err(StoreError::CrossShard) => Step::Fail {
-            arm: arm::STORE_ERROR,
+            arm: Arm::StoreError,
             error: WriteError::CrossShard,
         },
         Err(e) => Step::Fail {
-            arm: arm::STORE_ERROR,
+            arm: Arm::StoreError,
             error: WriteError::Store(e),
         },
     }
@@ -182,14 +189,14 @@ mod tests {
                 reason: "timeout".into()
             })),
             Step::Hold {
-                sent_unknown: true,
+                this_write: ThisWrite::MayHaveLanded,
                 ..
             }
         ));
         assert!(matches!(
             classify(Err(StoreError::InflightDuplicate)),
             Step::Hold {
-                sent_unknown: false,
+                this_write: ThisWrite::DidNotLand,
                 ..
             }
         ));

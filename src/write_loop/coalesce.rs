@@ -11,9 +11,10 @@ use tokio::time::Instant;
 use dashmap::DashMap;
 use tokio::sync::watch;
 
-use super::service::WriteService;
-use super::{Answer, WriteError, WriteRequest};
+use super::error::WriteError;
+use super::{Answer, WriteRequest};
 use crate::account::{AccountId, Operation};
+use crate::metrics::Metrics;
 
 /// The first request of a key being written on this replica; duplicates wait for its answer.
 pub(super) struct Leader {
@@ -46,77 +47,105 @@ impl AnsweringAttempt {
 /// A request's coalescing key: its event id on its first account (the index's scope).
 type CoalesceKey = (u128, AccountId);
 
-pub(super) type LeaderMap = DashMap<CoalesceKey, Arc<Leader>, foldhash::fast::RandomState>;
+type LeaderMap = DashMap<CoalesceKey, Arc<Leader>, foldhash::fast::RandomState>;
 
-pub(super) fn coalesce_key(req: &WriteRequest) -> CoalesceKey {
+fn coalesce_key(req: &WriteRequest) -> CoalesceKey {
     (req.event_id, req.op.legs().as_slice()[0].account)
 }
 
-/// Removes a leader's entry however its future ends, so followers never wait on a leader
-/// that is gone.
-struct LeaderGuard<'a> {
+/// The first request of every key being written on this replica.
+#[derive(Default)]
+pub(super) struct Coalescer {
+    pub(super) leaders: LeaderMap,
+}
+
+/// A request's part among the requests of its key on this replica.
+pub(super) enum Role<'a> {
+    /// The first: it runs, and shares its answer ([`First::share`]).
+    First(First<'a>),
+    /// A duplicate of a first already running: it waits for that one ([`Leader::follow`]).
+    Duplicate(Arc<Leader>),
+}
+
+/// What a duplicate takes from the first request of its key.
+pub(super) enum Followed {
+    /// The first's answer, as this request's own.
+    Shared(Answer),
+    /// Nothing: this request is decided on its own.
+    OnItsOwn,
+}
+
+impl Coalescer {
+    /// Makes `req` the first of its key, or a duplicate of the first already running.
+    pub fn join(&self, req: &WriteRequest, arrived: Instant) -> Role<'_> {
+        let key = coalesce_key(req);
+        let (tx, leader_rx) = watch::channel(None);
+        let entry = self
+            .leaders
+            .entry(key)
+            .or_insert_with(|| {
+                Arc::new(Leader {
+                    op: req.op,
+                    arrived,
+                    answer: leader_rx,
+                })
+            })
+            .clone();
+        if entry.answer.same_channel(&tx.subscribe()) {
+            Role::First(First {
+                map: &self.leaders,
+                key,
+                entry,
+                tx,
+            })
+        } else {
+            Role::Duplicate(entry)
+        }
+    }
+
+    /// When the first request of `req`'s key arrived, if one is running here.
+    pub fn running_since(&self, req: &WriteRequest) -> Option<Instant> {
+        self.leaders.get(&coalesce_key(req)).map(|l| l.arrived)
+    }
+
+    /// Takes out `leader`'s entry, if it is still listed. The first request's entry may
+    /// outlive its answer for a moment (its [`First`] drops after it shares), and a request
+    /// decided on its own must not wait on it again.
+    pub fn forget(&self, req: &WriteRequest, leader: &Arc<Leader>) {
+        self.leaders
+            .remove_if(&coalesce_key(req), |_, e| Arc::ptr_eq(e, leader));
+    }
+}
+
+/// The first request of a key. Its entry is removed however its future ends, so followers
+/// never wait on a first that is gone.
+pub(super) struct First<'a> {
     map: &'a LeaderMap,
     key: CoalesceKey,
     entry: Arc<Leader>,
+    tx: watch::Sender<Option<Answer>>,
 }
 
-impl Drop for LeaderGuard<'_> {
+impl First<'_> {
+    /// Gives the first's answer to every duplicate waiting on it.
+    pub fn share(self, answer: &Answer) {
+        let _ = self.tx.send(Some(answer.clone()));
+    }
+}
+
+impl Drop for First<'_> {
     fn drop(&mut self) {
         self.map
             .remove_if(&self.key, |_, e| Arc::ptr_eq(e, &self.entry));
     }
 }
 
-impl WriteService {
-    pub(super) async fn execute_admitted(
-        &self,
-        req: WriteRequest,
-        arrived: Instant,
-        attempt: &AnsweringAttempt,
-    ) -> Answer {
-        let key = coalesce_key(&req);
-        // Each round waits for a first request to end, so the rounds are as many as the
-        // requests racing under this key at most; a loop, not a recursion, so no number of
-        // them can grow the stack.
-        loop {
-            let (tx, leader_rx) = watch::channel(None);
-            let entry = self
-                .leaders
-                .entry(key)
-                .or_insert_with(|| {
-                    Arc::new(Leader {
-                        op: req.op,
-                        arrived,
-                        answer: leader_rx,
-                    })
-                })
-                .clone();
-            if entry.answer.same_channel(&tx.subscribe()) {
-                let _guard = LeaderGuard {
-                    map: &self.leaders,
-                    key,
-                    entry,
-                };
-                let answer = self.execute_uncoalesced(req, arrived).await;
-                let _ = tx.send(Some(answer.clone()));
-                return answer;
-            }
-            // Before waiting: the first may run on past any deadline of ours.
-            attempt.note(entry.arrived);
-            if let Some(answer) = self.follow(&entry, &req).await {
-                return answer;
-            }
-            // Decided on its own: the first request's entry may outlive its answer for a
-            // moment (its guard drops after it sends), and must not be waited on again.
-            self.leaders.remove_if(&key, |_, e| Arc::ptr_eq(e, &entry));
-        }
-    }
-
-    /// Waits for the first request under this key and shares its answer; `None` when this
-    /// request must be decided on its own (the first did not land here, or ended unanswered).
-    async fn follow(&self, leader: &Leader, req: &WriteRequest) -> Option<Answer> {
-        self.metrics().idem_coalesced.inc();
-        let mut rx = leader.answer.clone();
+impl Leader {
+    /// Waits for this first request's answer and shares it with `req`, unless `req` must be
+    /// decided on its own (the first did not land here, or ended unanswered).
+    pub async fn follow(&self, req: &WriteRequest, metrics: &Metrics) -> Followed {
+        metrics.idem_coalesced.inc();
+        let mut rx = self.answer.clone();
         let answer = match rx.wait_for(Option::is_some).await {
             Ok(answer) => answer.clone(),
             // The first request's task ended without an answer: run this one ourselves.
@@ -124,20 +153,20 @@ impl WriteService {
         };
         match answer {
             // The key landed with another payload: the same answer the index gives later.
-            Some(Ok(_)) if leader.op != req.op => {
-                self.metrics().idem_key_reuse.inc();
-                Some(Err(WriteError::KeyReused))
+            Some(Ok(_)) if self.op != req.op => {
+                metrics.idem_key_reuse.inc();
+                Followed::Shared(Err(WriteError::KeyReused))
             }
             Some(Ok(mut outcome)) => {
                 outcome.replayed = true;
-                Some(Ok(outcome))
+                Followed::Shared(Ok(outcome))
             }
-            Some(Err(e)) if leader.op == req.op => Some(Err(e)),
+            Some(Err(e)) if self.op == req.op => Followed::Shared(Err(e)),
             // The first request under this key did not land here (a refusal, or an outcome
             // this replica still has to settle): nothing the key names is known, so this
             // request is decided on its own, exactly as if it had come after. Reusing the key
             // is only proven once the first payload is found in the stream.
-            Some(Err(_)) | None => None,
+            Some(Err(_)) | None => Followed::OnItsOwn,
         }
     }
 }

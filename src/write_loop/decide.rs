@@ -40,19 +40,28 @@ pub(super) enum Verdict {
     Unverifiable,
 }
 
+/// How a state stands to the store's tip, which decides whether a refusal on it is final.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Freshness {
+    /// A catch-up that reached the store's tip: a refusal on it can be final.
+    AtTip,
+    /// A local fold, or a read that may lag: it may hide an earlier landing of the very
+    /// request being refused.
+    MaybeBehind,
+}
+
 /// A rule said no on a state not known to be current: decide again on current state.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) struct NeedsCurrentState;
 
 /// Decides every candidate in order, each on top of the ones before it (`accounts` is each
-/// account in the loaded state). A refusal is final only on a state known to be `current`
-/// (one that reached the store's tip: a local fold or a lagging read may hide an earlier
-/// landing of the very request being refused), and only on a state the account really had:
-/// one decided on top of unlanded batch members is deferred.
+/// account in the loaded state). A refusal is final only on a state at the store's tip
+/// ([`Freshness::AtTip`]), and only on a state the account really had: one decided on top
+/// of unlanded batch members is deferred.
 pub(super) fn decide(
     accounts: &[Standing],
     candidates: &[Candidate],
-    current: bool,
+    freshness: Freshness,
     mode: AccountsMode,
 ) -> Result<Vec<Verdict>, NeedsCurrentState> {
     let mut running = accounts.to_vec();
@@ -87,7 +96,7 @@ pub(super) fn decide(
                 }
             }
             Some(_) if c.landing == Landing::Proven => Verdict::AlreadyLanded,
-            Some(_) if !current => return Err(NeedsCurrentState),
+            Some(_) if freshness == Freshness::MaybeBehind => return Err(NeedsCurrentState),
             Some(_) if speculative => Verdict::Deferred,
             Some(_) if c.landing == Landing::Possible => Verdict::Unverifiable,
             Some(e) => Verdict::Refused(e),
@@ -108,7 +117,7 @@ mod tests {
     fn decide(
         balances: &[i64],
         candidates: &[Candidate],
-        current: bool,
+        freshness: Freshness,
     ) -> Result<Vec<Verdict>, NeedsCurrentState> {
         let accounts: Vec<Standing> = balances
             .iter()
@@ -117,7 +126,7 @@ mod tests {
                 exists: true,
             })
             .collect();
-        super::decide(&accounts, candidates, current, AccountsMode::Implicit)
+        super::decide(&accounts, candidates, freshness, AccountsMode::Implicit)
     }
 
     fn withdraw(cents: i64) -> Candidate {
@@ -140,7 +149,7 @@ mod tests {
     #[test]
     fn a_refusal_on_top_of_unlanded_batch_members_is_deferred_not_answered() {
         let both = [withdraw(55), withdraw(28)];
-        let verdicts = decide(&[57], &both, true).expect("current state decides");
+        let verdicts = decide(&[57], &both, Freshness::AtTip).expect("current state decides");
         assert_eq!(verdicts[0], Verdict::Write { balances: [2, 0] });
         assert_eq!(
             verdicts[1],
@@ -150,15 +159,15 @@ mod tests {
 
         // The first gave up without landing; a deposit landed meanwhile. The second is
         // decided on the balance the account has, and goes through.
-        let verdicts = decide(&[104], &both[1..], true).expect("current state decides");
+        let verdicts = decide(&[104], &both[1..], Freshness::AtTip).expect("current state decides");
         assert_eq!(verdicts[0], Verdict::Write { balances: [76, 0] });
     }
 
     /// A refusal with nothing speculative before it is final at once.
     #[test]
     fn a_refusal_on_the_loaded_state_is_final() {
-        let verdicts =
-            decide(&[26], &[withdraw(55), withdraw(18)], true).expect("current state decides");
+        let verdicts = decide(&[26], &[withdraw(55), withdraw(18)], Freshness::AtTip)
+            .expect("current state decides");
         assert_eq!(
             verdicts[0],
             Verdict::Refused(RuleError::InsufficientFunds { balance: 26 })
@@ -171,10 +180,10 @@ mod tests {
     #[test]
     fn a_refusal_on_state_not_known_current_asks_for_current_state() {
         assert_eq!(
-            decide(&[26], &[withdraw(55)], false),
+            decide(&[26], &[withdraw(55)], Freshness::MaybeBehind),
             Err(NeedsCurrentState)
         );
-        assert!(decide(&[26], &[withdraw(20)], false).is_ok());
+        assert!(decide(&[26], &[withdraw(20)], Freshness::MaybeBehind).is_ok());
     }
 
     /// Rule: never a final 4xx for a request an earlier attempt of which may still land.
@@ -182,7 +191,10 @@ mod tests {
     fn a_refusal_of_a_request_that_may_have_landed_is_unverifiable_not_final() {
         let mut c = withdraw(55);
         c.landing = Landing::Possible;
-        assert_eq!(decide(&[26], &[c], true), Ok(vec![Verdict::Unverifiable]));
+        assert_eq!(
+            decide(&[26], &[c], Freshness::AtTip),
+            Ok(vec![Verdict::Unverifiable])
+        );
     }
 
     /// Rule: a write to an account never opened is refused like any rule's refusal: final
@@ -206,17 +218,17 @@ mod tests {
             }
         };
         assert_eq!(
-            super::decide(&missing, &[deposit()], false, explicit),
+            super::decide(&missing, &[deposit()], Freshness::MaybeBehind, explicit),
             Err(NeedsCurrentState)
         );
         assert_eq!(
-            super::decide(&missing, &[deposit()], true, explicit),
+            super::decide(&missing, &[deposit()], Freshness::AtTip, explicit),
             Ok(vec![Verdict::Refused(not_found)])
         );
         let mut held = deposit();
         held.landing = Landing::Possible;
         assert_eq!(
-            super::decide(&missing, &[held], true, explicit),
+            super::decide(&missing, &[held], Freshness::AtTip, explicit),
             Ok(vec![Verdict::Unverifiable])
         );
     }

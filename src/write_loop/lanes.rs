@@ -1,7 +1,7 @@
 //! The write side's per-account lanes and batching: the gate that one writer of this replica
 //! holds while it writes an account, the queue of single-account requests waiting to go out
-//! with it ([`WriteService::submit_batched`]), and how a writer takes them out as one batch
-//! ([`WriteService::take_batch`]).
+//! with it ([`Lane::join`], [`Lane::turn`]), and how a writer takes them out as one batch
+//! ([`Lane::take_batch`]). The service runs each batch.
 //!
 //! The queue is bounded by a count of free places ([`Lane::room`]): a request takes one before
 //! it joins the queue, and the writer that takes requests out gives theirs back, so a
@@ -15,16 +15,16 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::time::Instant;
 
 use dashmap::DashMap;
 use parking_lot::Mutex;
 use tokio::sync::{Semaphore, oneshot};
 
-use super::service::{WriteService, invariant};
-use super::{Answer, WriteError, WriteRequest};
+use super::error::WriteError;
+use super::{Answer, WriteRequest};
 use crate::account::AccountId;
-use crate::metrics::refused;
 
 /// A single-account request waiting in its account's lane for a writer.
 pub(super) struct QueuedWrite {
@@ -37,12 +37,12 @@ pub(super) struct QueuedWrite {
 /// One account's lane.
 pub(super) struct Lane {
     /// Held by the one task writing this account from this replica.
-    pub gate: tokio::sync::Mutex<()>,
+    gate: tokio::sync::Mutex<()>,
     /// Single-account operations waiting to be written together.
-    pub queue: Mutex<VecDeque<QueuedWrite>>,
+    queue: Mutex<VecDeque<QueuedWrite>>,
     /// Free places in `queue`: taken (and forgotten) by a request as it joins, given back by
     /// the writer for every request it takes out. Starts at the queue's cap.
-    pub room: Semaphore,
+    room: Semaphore,
 }
 
 impl Lane {
@@ -118,88 +118,108 @@ impl Drop for LaneGuard<'_> {
     }
 }
 
-impl WriteService {
-    /// Queues a single-account request in its account's lane on this replica. Whoever holds
-    /// the lane's gate writes everything queued, in arrival order, as one batch.
-    pub(super) async fn submit_batched(
+/// A request's place in its lane's queue: where its answer comes.
+pub(super) struct Queued(oneshot::Receiver<Answer>);
+
+/// Why a request found no place in its lane's queue.
+#[derive(Debug)]
+pub(super) enum NoPlace {
+    /// Its deadline passed while it waited for one.
+    DeadlinePassed,
+    /// The lane's count of places was closed (never done: an invariant).
+    RoomClosed,
+}
+
+/// What a queued request does next.
+pub(super) enum Turn<'a> {
+    /// It has its answer (from a writer ahead of it).
+    Answered(Answer),
+    /// It holds the lane's gate: it writes what is queued.
+    Write(tokio::sync::MutexGuard<'a, ()>),
+}
+
+/// What a writer takes out of its lane's queue at once.
+pub(super) struct Taken {
+    /// To write together, in arrival order.
+    pub batch: Vec<QueuedWrite>,
+    /// Past their deadline (counted from arrival) while queued: never sent, to be answered
+    /// retryably.
+    pub expired: Vec<QueuedWrite>,
+}
+
+impl Lane {
+    /// Queues a single-account request in this lane, once a place is free. A full queue
+    /// drains by a batch per store write, so a place usually frees within a round trip:
+    /// a request waits for one (in arrival order) rather than being refused when it would
+    /// have been written, but never past `deadline`.
+    pub async fn join(
         &self,
-        account: AccountId,
         req: WriteRequest,
         arrived: Instant,
-    ) -> Answer {
-        let lane = self.lanes.enter(account);
-        // A full queue drains by a batch per store write, so a place usually frees within a
-        // round trip: wait for one (in arrival order) rather than refuse a request that
-        // would have been written, but never past the request's own deadline.
-        let deadline = arrived + self.config.deadline;
-        match tokio::time::timeout_at(deadline, lane.room.acquire()).await {
+        deadline: Instant,
+    ) -> Result<Queued, NoPlace> {
+        match tokio::time::timeout_at(deadline, self.room.acquire()).await {
             Ok(Ok(place)) => place.forget(),
-            Ok(Err(_)) => return Err(invariant("a lane's room semaphore was closed")),
-            Err(_) => {
-                return Err(self.refuse(
-                    refused::ACCOUNT_QUEUE,
-                    "the write waited its whole deadline for room in the account's queue",
-                ));
-            }
+            Ok(Err(_)) => return Err(NoPlace::RoomClosed),
+            Err(_) => return Err(NoPlace::DeadlinePassed),
         }
-        let (reply, mut rx) = oneshot::channel();
-        lane.queue.lock().push_back(QueuedWrite {
+        let (reply, rx) = oneshot::channel();
+        self.queue.lock().push_back(QueuedWrite {
             req,
             reply,
             arrived,
         });
-        loop {
-            // The writer ahead of us usually answers us in its batch: take that answer as
-            // soon as it comes rather than queue for the gate only to find it.
-            let _gate = tokio::select! {
-                biased;
-                answer = &mut rx => return answer.unwrap_or_else(|_| Err(writer_vanished())),
-                gate = lane.gate.lock() => gate,
-            };
-            if let Ok(answer) = rx.try_recv() {
-                return answer;
+        Ok(Queued(rx))
+    }
+
+    /// Waits until `queued` is answered or holds the gate. The writer ahead usually answers
+    /// it in its batch: that answer is taken as soon as it comes, rather than queueing for
+    /// the gate only to find it.
+    pub async fn turn(&self, queued: &mut Queued) -> Turn<'_> {
+        let gate = tokio::select! {
+            biased;
+            answer = &mut queued.0 => {
+                return Turn::Answered(answer.unwrap_or_else(|_| Err(writer_vanished())));
             }
-            let batch = self.take_batch(&lane);
-            if batch.is_empty() {
-                // Our request was taken by a writer that has not answered yet: its answer
-                // comes on `rx` (or the writer's task ended before sending anything of ours).
-                return rx.await.unwrap_or_else(|_| Err(writer_vanished()));
-            }
-            let started = batch.iter().map(|q| q.arrived).min().unwrap_or(arrived);
-            let (reqs, replies): (Vec<_>, Vec<_>) =
-                batch.into_iter().map(|q| (q.req, q.reply)).unzip();
-            let answers = self.run(reqs, started).await;
-            for (reply, answer) in replies.into_iter().zip(answers) {
-                let _ = reply.send(answer);
-            }
+            gate = self.gate.lock() => gate,
+        };
+        match queued.0.try_recv() {
+            Ok(answer) => Turn::Answered(answer),
+            Err(_) => Turn::Write(gate),
         }
     }
 
-    /// Takes the next batch from a lane's queue, in arrival order, and gives the places it
-    /// frees back to the lane. A request whose deadline (counted from its arrival) passed
-    /// while it queued was never sent: it is answered retryably here and not written.
-    fn take_batch(&self, lane: &Lane) -> Vec<QueuedWrite> {
+    /// Takes the next batch out of the queue, at most `max` requests in arrival order, and
+    /// gives the places it frees back to the lane. A request whose `deadline` (counted from
+    /// its arrival) passed while it queued is taken out as expired.
+    pub fn take_batch(&self, max: usize, deadline: Duration) -> Taken {
         let now = Instant::now();
-        let max = self.config.max_batch_events.max(1);
-        let mut q = lane.queue.lock();
-        let mut batch = Vec::with_capacity(q.len().min(max));
-        let mut taken = 0;
-        while batch.len() < max {
+        let max = max.max(1);
+        let mut q = self.queue.lock();
+        let mut taken = Taken {
+            batch: Vec::with_capacity(q.len().min(max)),
+            expired: Vec::new(),
+        };
+        let mut places = 0;
+        while taken.batch.len() < max {
             let Some(next) = q.pop_front() else { break };
-            taken += 1;
-            if now.duration_since(next.arrived) >= self.config.deadline {
-                let err = self.refuse(
-                    refused::QUEUED_PAST_DEADLINE,
-                    "the write waited its whole deadline in the account's queue",
-                );
-                let _ = next.reply.send(Err(err));
+            places += 1;
+            if now.duration_since(next.arrived) >= deadline {
+                taken.expired.push(next);
             } else {
-                batch.push(next);
+                taken.batch.push(next);
             }
         }
         drop(q);
-        lane.room.add_permits(taken);
-        batch
+        self.room.add_permits(places);
+        taken
+    }
+}
+
+impl Queued {
+    /// Its answer, from the writer that took it out of the queue.
+    pub async fn answer(self) -> Answer {
+        self.0.await.unwrap_or_else(|_| Err(writer_vanished()))
     }
 }
 

@@ -21,21 +21,27 @@
 //! the very request being rejected.
 //!
 //! Where each part lives:
-//! - [`service`]: the entry point: admission, then coalescing and batching;
-//! - `coalesce`: duplicates of one key on this replica wait for the first (`Leader`,
-//!   `follow`) and share its answer;
+//! - [`service`]: the entry point, and the one place that leads a request through the
+//!   parts below: admission, coalescing, its account's lane, the run;
+//! - `coalesce`: duplicates of one key on this replica wait for the first (`Coalescer`,
+//!   `Leader::follow`) and share its answer;
+//! - `lanes`: the write side's per-account lane (the gate one writer holds, and the queue),
+//!   and batching (`Lane::join`, `Lane::turn`, `Lane::take_batch`): a writer takes the
+//!   queue out as one batch;
 //! - `run`: one run of the loop over one request or one batch: each member's `Phase`,
 //!   `SeqHold` and `EarlierAttempts`, and the `drive` function that owns every branch;
-//! - `lanes`: the write side's per-account lane (the gate one writer holds, and the queue),
-//!   and batching (`submit_batched`, `take_batch`): a writer takes the queue out as one batch;
 //! - `decide`: the business rules over a run's members, as a pure function;
 //! - `classify`: what a store outcome means for the run, as a pure function;
-//! - [`verify`]: who owns a contested sequence (the 2002 arm's point read).
+//! - [`verify`]: who owns a contested sequence (the 2002 arm's point read);
+//! - leaves that use no other part: `error` ([`WriteError`], and what a broken invariant
+//!   answers) and `arm` (the arm a step took, with its metric label).
 
+mod arm;
 mod classify;
 mod coalesce;
 pub mod config;
 mod decide;
+mod error;
 mod lanes;
 mod run;
 pub mod service;
@@ -43,11 +49,11 @@ pub mod verify;
 
 use std::time::Duration;
 
-use crate::account::{AccountId, AccountsMode, Operation, RuleError};
-use crate::projection::ProjectionError;
-use crate::store::StoreError;
+use crate::account::{AccountId, AccountsMode, Operation};
 
-pub use service::{AnsweringAttempt, WriteService};
+pub use coalesce::AnsweringAttempt;
+pub use error::WriteError;
+pub use service::WriteService;
 
 /// Store writes one request may make before it gives up with a retryable error.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 12;
@@ -122,90 +128,5 @@ pub struct WriteOutcome {
     pub replayed: bool,
 }
 
-/// Why a write did not produce an outcome.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum WriteError {
-    #[error(transparent)]
-    Rule(#[from] RuleError),
-    #[error("this idempotency key was used for a different operation or payload")]
-    KeyReused,
-    /// Could not prove whether an earlier attempt landed. Retryable.
-    #[error("the write's outcome could not be verified ({reason}); retry the request")]
-    Unverifiable { reason: String },
-    /// The store could not be reached on the run's last attempt. An earlier attempt may have
-    /// landed, so a retry with the same key settles it. Retryable.
-    #[error(
-        "the event store cannot be reached; retry the request with the same Idempotency-Key after Retry-After"
-    )]
-    StoreUnavailable,
-    /// Attempts or deadline exhausted. Retryable.
-    #[error("{}", gave_up_message(*attempts, last))]
-    GaveUp { attempts: u32, last: String },
-    #[error(transparent)]
-    Account(#[from] ProjectionError),
-    #[error(
-        "the accounts of this transfer are on different store shards; route every account to one shard"
-    )]
-    CrossShard,
-    #[error("store error: {0}")]
-    Store(StoreError),
-    /// Refused before anything was sent: the write side is at a limit (live writes, the
-    /// account's queue, a deadline passed while queued). Retryable.
-    #[error("not written: {reason}; retry shortly")]
-    Overloaded { reason: String },
-    /// A state the loop's invariants rule out. Never answered as success; the request may
-    /// or may not have landed, so a retry with the same key settles it.
-    #[error("internal invariant broken: {what}")]
-    Invariant { what: String },
-}
-
 /// What a request gets back from the write loop.
 pub type Answer = Result<WriteOutcome, WriteError>;
-
-/// A give-up's message. Zero attempts is a run whose time ran out before one was counted
-/// (a first touch's bounce is not an attempt): it says so rather than "after 0 attempts".
-fn gave_up_message(attempts: u32, last: &str) -> String {
-    let detail = if last.is_empty() {
-        "no store answer"
-    } else {
-        last
-    };
-    if attempts == 0 {
-        format!(
-            "the write ran out of time before its first attempt ended ({detail}); retry the request"
-        )
-    } else {
-        format!(
-            "the write did not complete after {attempts} attempts ({detail}); retry the request"
-        )
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Rule: a give-up names what happened; a run whose time ran out before an attempt was
-    /// counted (a late first touch) does not claim "after 0 attempts".
-    #[test]
-    fn a_give_up_message_says_what_ran_out() {
-        let late = WriteError::GaveUp {
-            attempts: 0,
-            last: "version conflict: expected 0, current 4".into(),
-        };
-        assert_eq!(
-            late.to_string(),
-            "the write ran out of time before its first attempt ended \
-             (version conflict: expected 0, current 4); retry the request"
-        );
-        let spent = WriteError::GaveUp {
-            attempts: 12,
-            last: String::new(),
-        };
-        assert!(
-            spent
-                .to_string()
-                .contains("after 12 attempts (no store answer)")
-        );
-    }
-}

@@ -1,5 +1,6 @@
 //! The write side's entry point, one per replica: [`WriteService::execute`] runs a request
-//! to a proven outcome or a typed error.
+//! to a proven outcome or a typed error. A request goes down this file, top to bottom:
+//! `execute` → coalescing → its account's lane → the run.
 //!
 //! Three things happen before the loop itself ([`super::run`]):
 //! - **admission**: a request holds one of [`WriteConfig::max_live_writes`] permits for as
@@ -15,29 +16,20 @@
 //!   while it queued is answered without being sent.
 
 use std::sync::Arc;
-use std::time::Duration;
 use tokio::time::Instant;
 
-use dashmap::DashMap;
 use tokio::sync::Semaphore;
 
-pub use super::coalesce::AnsweringAttempt;
-use super::coalesce::{LeaderMap, coalesce_key};
-use super::lanes::Lanes;
+use super::coalesce::{AnsweringAttempt, Coalescer, Followed, Role};
+use super::error::{WriteError, invariant};
+use super::lanes::{Lanes, NoPlace, QueuedWrite, Turn};
 use super::run::{Run, RunContext};
-use super::{Answer, LegResult, WriteConfig, WriteError, WriteOutcome, WriteRequest};
-use crate::account::Operation;
-use crate::backoff::Backoff;
+use super::{Answer, LegResult, WriteConfig, WriteOutcome, WriteRequest};
+use crate::account::{AccountId, Operation};
 use crate::metrics::{Metrics, refused};
 use crate::projection::Projection;
 use crate::store::SharedLog;
 use crate::store::health::StoreHealth;
-
-/// First backoff between attempts; doubles per attempt up to [`MAX_BACKOFF`].
-const BASE_BACKOFF: Duration = Duration::from_millis(2);
-const MAX_BACKOFF: Duration = Duration::from_millis(200);
-/// The waits between attempts (see [`backoff_wait`]).
-const ATTEMPT_BACKOFF: Backoff = Backoff::new(BASE_BACKOFF, MAX_BACKOFF);
 
 /// Counts a request on the live-writes gauge for as long as it lives on the write side.
 struct LiveGauge<'a>(&'a prometheus::IntGauge);
@@ -57,13 +49,13 @@ impl Drop for LiveGauge<'_> {
 
 /// The write side of Tally: one instance per replica.
 pub struct WriteService {
-    pub(super) projection: Arc<Projection>,
+    projection: Arc<Projection>,
     /// The store the runs write through: the projection's, or a combining layer over it
     /// ([`WriteService::with_log`]). Catch-ups, start-up and checkpoints use the projection's.
     log: SharedLog,
-    pub(super) config: WriteConfig,
-    pub(super) leaders: LeaderMap,
-    pub(super) lanes: Lanes,
+    config: WriteConfig,
+    coalescer: Coalescer,
+    lanes: Lanes,
     /// One permit per live request; see [`WriteConfig::max_live_writes`].
     live: Semaphore,
     /// Whether the store answers, as the replica's store calls find it.
@@ -76,7 +68,7 @@ impl WriteService {
             log: projection.log().clone(),
             projection,
             config,
-            leaders: DashMap::default(),
+            coalescer: Coalescer::default(),
             lanes: Lanes::new(config.max_queued_per_account),
             live: Semaphore::new(config.max_live_writes.max(1)),
             health: Arc::default(),
@@ -99,7 +91,7 @@ impl WriteService {
         &self.projection
     }
 
-    pub(super) fn metrics(&self) -> &Metrics {
+    fn metrics(&self) -> &Metrics {
         self.projection.metrics()
     }
 
@@ -125,13 +117,134 @@ impl WriteService {
                 return answer;
             }
             // The refusal speaks for a duplicate already running here too, if there is one.
-            if let Some(running) = self.leaders.get(&coalesce_key(&req)) {
-                attempt.note(running.arrived);
+            if let Some(running) = self.coalescer.running_since(&req) {
+                attempt.note(running);
             }
             return Err(self.refuse(refused::LIVE_WRITES, "too many writes in flight"));
         };
         let _live = LiveGauge::enter(&self.metrics().write_live);
         self.execute_admitted(req, arrived, attempt).await
+    }
+
+    /// Coalescing: runs the request as the first of its key on this replica, or waits for
+    /// the first already running and shares its answer.
+    async fn execute_admitted(
+        &self,
+        req: WriteRequest,
+        arrived: Instant,
+        attempt: &AnsweringAttempt,
+    ) -> Answer {
+        // Each round waits for a first request to end, so the rounds are as many as the
+        // requests racing under this key at most; a loop, not a recursion, so no number of
+        // them can grow the stack.
+        loop {
+            match self.coalescer.join(&req, arrived) {
+                Role::First(first) => {
+                    let answer = self.execute_uncoalesced(req, arrived).await;
+                    first.share(&answer);
+                    return answer;
+                }
+                Role::Duplicate(running) => {
+                    // Before waiting: the first may run on past any deadline of ours.
+                    attempt.note(running.arrived);
+                    match running.follow(&req, self.metrics()).await {
+                        Followed::Shared(answer) => return answer,
+                        Followed::OnItsOwn => self.coalescer.forget(&req, &running),
+                    }
+                }
+            }
+        }
+    }
+
+    /// A single-account request goes through its account's lane when batching is on; any
+    /// other request runs alone.
+    async fn execute_uncoalesced(&self, req: WriteRequest, arrived: Instant) -> Answer {
+        match req.op {
+            Operation::Deposit { account, .. } | Operation::Withdraw { account, .. }
+                if self.config.batching =>
+            {
+                self.submit_batched(account, req, arrived).await
+            }
+            _ => match self.run(vec![req], arrived).await.pop() {
+                Some(answer) => answer,
+                None => Err(invariant("a run of one request gave no answer")),
+            },
+        }
+    }
+
+    /// Queues a single-account request in its account's lane on this replica. Whoever holds
+    /// the lane's gate writes everything queued, in arrival order, as one batch.
+    async fn submit_batched(
+        &self,
+        account: AccountId,
+        req: WriteRequest,
+        arrived: Instant,
+    ) -> Answer {
+        let lane = self.lanes.enter(account);
+        let deadline = arrived + self.config.deadline;
+        let mut queued = match lane.join(req, arrived, deadline).await {
+            Ok(queued) => queued,
+            Err(NoPlace::RoomClosed) => {
+                return Err(invariant("a lane's room semaphore was closed"));
+            }
+            Err(NoPlace::DeadlinePassed) => {
+                return Err(self.refuse(
+                    refused::ACCOUNT_QUEUE,
+                    "the write waited its whole deadline for room in the account's queue",
+                ));
+            }
+        };
+        loop {
+            let _gate = match lane.turn(&mut queued).await {
+                Turn::Answered(answer) => return answer,
+                Turn::Write(gate) => gate,
+            };
+            let taken = lane.take_batch(self.config.max_batch_events, self.config.deadline);
+            for expired in taken.expired {
+                let err = self.refuse(
+                    refused::QUEUED_PAST_DEADLINE,
+                    "the write waited its whole deadline in the account's queue",
+                );
+                let _ = expired.reply.send(Err(err));
+            }
+            if taken.batch.is_empty() {
+                // Our request was taken by a writer that has not answered yet: its answer
+                // comes to us (or the writer's task ended before sending anything of ours).
+                return queued.answer().await;
+            }
+            self.write_batch(taken.batch, arrived).await;
+        }
+    }
+
+    /// Runs a batch taken out of a lane, within the deadline of its earliest arrival, and
+    /// answers each request of it.
+    async fn write_batch(&self, batch: Vec<QueuedWrite>, arrived: Instant) {
+        let started = batch.iter().map(|q| q.arrived).min().unwrap_or(arrived);
+        let (reqs, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|q| (q.req, q.reply)).unzip();
+        let answers = self.run(reqs, started).await;
+        for (reply, answer) in replies.into_iter().zip(answers) {
+            let _ = reply.send(answer);
+        }
+    }
+
+    /// The loop itself, over one or more requests written together (one request, or several
+    /// single-account requests on one account), within the deadline counted from `started`
+    /// (the earliest arrival among them). Returns one answer per request, in order.
+    async fn run(&self, reqs: Vec<WriteRequest>, started: Instant) -> Vec<Answer> {
+        let n = reqs.len();
+        let cx = RunContext {
+            projection: &self.projection,
+            log: &self.log,
+            identity: *self.projection.identity(),
+            metrics: self.metrics(),
+            health: &self.health,
+            config: self.config,
+        };
+        let mut run = Run::new(cx, reqs);
+        run.drive(started + self.config.deadline).await;
+        let answers = run.finish();
+        debug_assert_eq!(answers.len(), n, "one answer per request");
+        answers
     }
 
     /// The answer the recent-writes index already holds for this request, looked up in
@@ -171,7 +284,7 @@ impl WriteService {
         }))
     }
 
-    pub(super) fn refuse(&self, reason: &'static str, message: &str) -> WriteError {
+    fn refuse(&self, reason: &'static str, message: &str) -> WriteError {
         self.metrics()
             .write_refused
             .with_label_values(&[reason])
@@ -180,101 +293,19 @@ impl WriteService {
             reason: message.into(),
         }
     }
-
-    pub(super) async fn execute_uncoalesced(&self, req: WriteRequest, arrived: Instant) -> Answer {
-        match req.op {
-            Operation::Deposit { account, .. } | Operation::Withdraw { account, .. }
-                if self.config.batching =>
-            {
-                self.submit_batched(account, req, arrived).await
-            }
-            _ => match self.run(vec![req], arrived).await.pop() {
-                Some(answer) => answer,
-                None => Err(invariant("a run of one request gave no answer")),
-            },
-        }
-    }
-
-    /// The loop itself, over one or more requests written together (one request, or several
-    /// single-account requests on one account), within the deadline counted from `started`
-    /// (the earliest arrival among them). Returns one answer per request, in order.
-    pub(super) async fn run(&self, reqs: Vec<WriteRequest>, started: Instant) -> Vec<Answer> {
-        let n = reqs.len();
-        let cx = RunContext {
-            projection: &self.projection,
-            log: &self.log,
-            identity: *self.projection.identity(),
-            metrics: self.metrics(),
-            health: &self.health,
-            config: self.config,
-        };
-        let mut run = Run::new(cx, reqs);
-        run.drive(started + self.config.deadline).await;
-        let answers = run.finish();
-        debug_assert_eq!(answers.len(), n, "one answer per request");
-        answers
-    }
-}
-
-/// Sleeps before attempt `attempt` (the second and later), growing per attempt.
-pub(super) async fn backoff(attempt: u32, salt: u128) {
-    tokio::time::sleep(backoff_wait(attempt, salt)).await;
-}
-
-/// The wait before attempt `attempt`: attempt 2 is the first retry. The jitter is drawn
-/// from the salt (the run's first event id) and the attempt, deterministic, so siblings
-/// spread apart without a global RNG and the simulation replays every wait.
-fn backoff_wait(attempt: u32, salt: u128) -> Duration {
-    let draw = (salt as u64 ^ (salt >> 64) as u64 ^ u64::from(attempt))
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    ATTEMPT_BACKOFF.wait(attempt.saturating_sub(1), draw)
-}
-
-/// An invariant the loop relies on did not hold: asserted in tests, a 500 (never a 2xx) in
-/// production.
-pub(super) fn invariant(what: &str) -> WriteError {
-    debug_assert!(false, "write-loop invariant broken: {what}");
-    tracing::error!(what, "write-loop invariant broken");
-    WriteError::Invariant { what: what.into() }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use tokio::sync::watch;
 
     use super::super::coalesce::Leader;
     use super::*;
-    use crate::account::AccountId;
     use crate::account::{AmountCents, Identity};
     use crate::projection::{ManualClock, ProjectionConfig};
     use crate::store::memory::MemoryLog;
-
-    /// Rule: the waits between attempts are pinned: 2 ms doubling per attempt to 200 ms,
-    /// jittered into the upper half by the salt and attempt. The simulation's traces run
-    /// through these waits, so a change to any of them is a change of behaviour.
-    #[test]
-    fn the_waits_between_attempts_are_pinned() {
-        let salt: u128 = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210;
-        let waits: Vec<u128> = (2..=10).map(|a| backoff_wait(a, salt).as_nanos()).collect();
-        assert_eq!(
-            waits,
-            [
-                1_507_777,
-                3_860_908,
-                6_214_039,
-                11_015_554,
-                21_368_685,
-                42_170_200,
-                124_523_331,
-                134_876_462,
-                111_677_977
-            ]
-        );
-        for attempt in 2..40 {
-            let wait = backoff_wait(attempt, salt);
-            assert!(wait >= ATTEMPT_BACKOFF.bound(attempt - 1) / 2 && wait < MAX_BACKOFF);
-        }
-    }
 
     fn service() -> WriteService {
         let projection = Arc::new(Projection::new(
@@ -357,7 +388,7 @@ mod tests {
             account,
             amount: amount(500),
         };
-        svc.leaders.insert(
+        svc.coalescer.leaders.insert(
             (9, account),
             Arc::new(Leader {
                 op: first,
@@ -378,7 +409,10 @@ mod tests {
             .expect("decided on its own, and landed");
         assert_eq!(answer.legs[0].balance, 30);
         assert!(!answer.replayed);
-        assert!(svc.leaders.is_empty(), "the stale entry was taken out");
+        assert!(
+            svc.coalescer.leaders.is_empty(),
+            "the stale entry was taken out"
+        );
     }
 
     /// A first request under `event_id` running on `svc` now, unanswered: where its answer
@@ -396,7 +430,9 @@ mod tests {
             answer: running,
         };
         let account = op.legs().as_slice()[0].account;
-        svc.leaders.insert((event_id, account), Arc::new(first));
+        svc.coalescer
+            .leaders
+            .insert((event_id, account), Arc::new(first));
         (answer, arrived)
     }
 

@@ -5,11 +5,11 @@ use super::member::{Member, Phase};
 use super::{FirstTouch, Next, Run};
 use crate::account::rules::Leg;
 use crate::account::{AccountEvent, AccountsMode};
-use crate::metrics::arm;
 use crate::projection::RecordedWrite;
 use crate::store::{AggregateWrite, Event};
-use crate::write_loop::classify::{self, Behind, Failure, Settlement, Step};
-use crate::write_loop::service::invariant;
+use crate::write_loop::arm::Arm;
+use crate::write_loop::classify::{self, Behind, Failure, Settlement, Step, ThisWrite};
+use crate::write_loop::error::invariant;
 use crate::write_loop::verify::{self, SeqOwnership};
 use crate::write_loop::{LegResult, WriteOutcome};
 
@@ -37,11 +37,11 @@ impl Run<'_> {
             Step::Hold {
                 arm,
                 failure,
-                sent_unknown,
+                this_write,
             } => {
                 self.arm(arm);
                 self.last_failure = failure;
-                self.hold(batch, sent_unknown, now_ms);
+                self.hold(batch, this_write, now_ms);
                 Next::Backoff
             }
             Step::Retry { arm, failure } => {
@@ -89,21 +89,15 @@ impl Run<'_> {
     }
 
     /// The write was rejected (nothing appended): release what it alone held.
-    fn rejected(
-        &mut self,
-        arm: &'static str,
-        failure: Failure,
-        store_behind: Option<Behind>,
-    ) -> Next {
+    fn rejected(&mut self, arm: Arm, failure: Failure, store_behind: Option<Behind>) -> Next {
         let bounced = self.first_touch == FirstTouch::ThisAttempt;
         // A first touch's bounce says only that the account exists: not contention, so an
         // alert on the conflict rate does not count it.
-        self.arm(if bounced && arm == arm::CONFLICT {
-            arm::FIRST_TOUCH_BOUNCE
-        } else {
-            arm
+        self.arm(match arm {
+            Arm::Conflict if bounced => Arm::FirstTouchBounce,
+            arm => arm,
         });
-        if arm == arm::CONFLICT {
+        if arm == Arm::Conflict {
             self.copies.behind();
         }
         self.last_failure = failure;
@@ -121,13 +115,14 @@ impl Run<'_> {
         }
     }
 
-    /// The write may have landed (`sent_unknown`), or an earlier one is not durable yet:
-    /// `batch` keeps its sequences, and a refusal on later state is no longer final.
-    fn hold(&mut self, batch: &[usize], sent_unknown: bool, now_ms: u64) {
+    /// The write may have landed ([`ThisWrite::MayHaveLanded`]), or an earlier one is not
+    /// durable yet: `batch` keeps its sequences, and a refusal on later state is no longer
+    /// final.
+    fn hold(&mut self, batch: &[usize], this_write: ThisWrite, now_ms: u64) {
         for &mi in batch {
             let m = &mut self.members[mi];
             m.earlier.note_may_have_landed();
-            if sent_unknown {
+            if this_write == ThisWrite::MayHaveLanded {
                 m.sent_unknown(now_ms);
             }
         }
@@ -185,7 +180,7 @@ impl Run<'_> {
         }
         // The batch's sequences are used; a member still open takes fresh ones.
         self.release_seqs();
-        self.arm(arm::SUCCESS);
+        self.arm(Arm::Success);
     }
 
     /// What is wrong with an applied write's versions, if anything: one per aggregate, each
@@ -267,7 +262,7 @@ impl Run<'_> {
         };
         match classify::settle(verify::combine(verdicts.iter().map(|v| v.2))) {
             Settlement::Ours => {
-                self.arm(arm::SEQ_OURS);
+                self.arm(Arm::SeqOurs);
                 for &(mi, li, v) in &verdicts {
                     if let SeqOwnership::Ours { version } = v {
                         self.members[mi].mark_proven(li, version);
@@ -285,13 +280,13 @@ impl Run<'_> {
                 }
             }
             Settlement::Sibling { failure } => {
-                self.arm(arm::SEQ_SIBLING);
+                self.arm(Arm::SeqSibling);
                 self.last_failure = failure;
                 self.release_seqs();
                 Next::Backoff
             }
             Settlement::Unverifiable { error } => {
-                self.arm(arm::UNVERIFIABLE);
+                self.arm(Arm::Unverifiable);
                 for &mi in batch {
                     self.members[mi].phase = Phase::Done(Err(error.clone()));
                 }

@@ -7,8 +7,27 @@ use tokio::time::Instant;
 use super::{Copies, FirstTouch, Run, Touched};
 use crate::account::{AccountsMode, Operation};
 use crate::projection::{Loaded, ProjectionError};
-use crate::write_loop::WriteError;
 use crate::write_loop::classify::{Behind, Failure};
+use crate::write_loop::error::WriteError;
+
+/// Where an attempt may take its state from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum LoadFrom {
+    /// The replica's copy (or a first touch) when it can vouch for every account, else the
+    /// store.
+    CopyFirst,
+    /// The store: a catch-up per account.
+    Store,
+}
+
+/// Where an attempt's state came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum StateFrom {
+    /// The replica's copy (or a first touch), without a store read: maybe behind the store.
+    Copy,
+    /// A catch-up from the store.
+    CatchUp,
+}
 
 /// Why an attempt's state could not be loaded.
 pub(super) enum LoadFailure {
@@ -48,46 +67,67 @@ impl Run<'_> {
             .collect()
     }
 
-    /// Loads each account's state: `Ok(true)` from a catch-up, `Ok(false)` from the
-    /// projection's current state without a store read (only when `try_local` and the
-    /// projection can vouch for every account).
-    pub(super) async fn load_state(&mut self, try_local: bool) -> Result<bool, LoadFailure> {
-        let projection = self.cx.projection;
-        if try_local {
-            let mut local: Vec<Loaded> = Vec::with_capacity(self.accounts.len());
-            for ai in 0..self.accounts.len() {
-                let lookups = self.lookups(ai);
-                match projection
-                    .current(self.accounts[ai].account, &lookups)
-                    .await
-                {
-                    Ok(Some(loaded)) => {
-                        self.db_round_trips += loaded.db_statements;
-                        local.push(loaded);
-                    }
-                    Ok(None)
-                        if self.first_touch == FirstTouch::Unused && self.first_touch_fits() =>
-                    {
-                        match projection.first_touch(self.accounts[ai].account) {
-                            Some(loaded) => {
-                                self.first_touch = FirstTouch::ThisAttempt;
-                                local.push(loaded);
-                            }
-                            None => break,
-                        }
-                    }
-                    Ok(None) => break,
-                    Err(e) => return Err(self.load_failure(e)),
-                }
+    /// Where this attempt takes its state from: the replica's copy first on the first
+    /// attempt (with `--one-round-trip`), else the store.
+    pub(super) fn load_from(&self) -> LoadFrom {
+        if self.cx.config.one_round_trip && self.attempt == 1 {
+            LoadFrom::CopyFirst
+        } else {
+            LoadFrom::Store
+        }
+    }
+
+    /// Loads each account's state: from the projection's current state without a store read
+    /// when `from` allows it and the projection can vouch for every account, else from a
+    /// catch-up.
+    pub(super) async fn load_state(&mut self, from: LoadFrom) -> Result<StateFrom, LoadFailure> {
+        if from == LoadFrom::CopyFirst
+            && let Some(local) = self.load_copies().await?
+        {
+            for (t, loaded) in self.accounts.iter_mut().zip(local) {
+                t.view = Some(loaded.view);
+                t.snap = loaded.snap;
             }
-            if local.len() == self.accounts.len() {
-                for (t, loaded) in self.accounts.iter_mut().zip(local) {
-                    t.view = Some(loaded.view);
-                    t.snap = loaded.snap;
+            return Ok(StateFrom::Copy);
+        }
+        self.catch_up().await?;
+        Ok(StateFrom::CatchUp)
+    }
+
+    /// Every account's state from the projection's copy, or a first touch (one a run):
+    /// `None` when the projection cannot vouch for one of them.
+    async fn load_copies(&mut self) -> Result<Option<Vec<Loaded>>, LoadFailure> {
+        let projection = self.cx.projection;
+        let mut local: Vec<Loaded> = Vec::with_capacity(self.accounts.len());
+        for ai in 0..self.accounts.len() {
+            let lookups = self.lookups(ai);
+            match projection
+                .current(self.accounts[ai].account, &lookups)
+                .await
+            {
+                Ok(Some(loaded)) => {
+                    self.db_round_trips += loaded.db_statements;
+                    local.push(loaded);
                 }
-                return Ok(false);
+                Ok(None) if self.first_touch == FirstTouch::Unused && self.first_touch_fits() => {
+                    match projection.first_touch(self.accounts[ai].account) {
+                        Some(loaded) => {
+                            self.first_touch = FirstTouch::ThisAttempt;
+                            local.push(loaded);
+                        }
+                        None => return Ok(None),
+                    }
+                }
+                Ok(None) => return Ok(None),
+                Err(e) => return Err(self.load_failure(e)),
             }
         }
+        Ok(Some(local))
+    }
+
+    /// A catch-up per account, each from the store.
+    async fn catch_up(&mut self) -> Result<(), LoadFailure> {
+        let projection = self.cx.projection;
         for i in 0..self.accounts.len() {
             let lookups = self.lookups(i);
             self.round_trips += 1;
@@ -100,7 +140,7 @@ impl Run<'_> {
                 Err(e) => return Err(self.load_failure(e)),
             }
         }
-        Ok(true)
+        Ok(())
     }
 
     /// What a failed load means: a store (or projection database) failure is transient;
@@ -134,7 +174,7 @@ impl Run<'_> {
         if self.copies != Copies::UnreadBehind || Instant::now() >= deadline {
             return;
         }
-        let _ = tokio::time::timeout_at(deadline, self.load_state(false)).await;
+        let _ = tokio::time::timeout_at(deadline, self.load_state(LoadFrom::Store)).await;
     }
 
     /// Whether the caught-up state reaches each account's tip, so a rule rejection decided on

@@ -14,6 +14,7 @@
 //! What a member is and holds lives in `member`.
 
 mod append;
+mod backoff;
 mod load;
 mod member;
 mod readback;
@@ -21,14 +22,16 @@ mod seqs;
 
 use tokio::time::Instant;
 
-use self::load::LoadFailure;
+use self::load::{LoadFailure, StateFrom};
 use self::member::{Member, Phase, SeqHold};
+use self::readback::Scanned;
+use super::arm::Arm;
 use super::classify::{Cause, Failure};
-use super::decide::{self, Candidate, Landing, NeedsCurrentState, Verdict};
-use super::service::{backoff, invariant};
-use super::{Answer, WriteConfig, WriteError, WriteRequest};
+use super::decide::{self, Candidate, Freshness, Landing, NeedsCurrentState, Verdict};
+use super::error::{WriteError, invariant};
+use super::{Answer, WriteConfig, WriteRequest};
 use crate::account::{AccountId, Identity, Standing};
-use crate::metrics::{Metrics, arm};
+use crate::metrics::Metrics;
 use crate::projection::{AccountView, Projection, Snapshot};
 use crate::request_note::{RequestNote, RunNote};
 use crate::store::SharedLog;
@@ -168,8 +171,8 @@ impl<'a> Run<'a> {
         }
     }
 
-    fn arm(&self, arm: &str) {
-        self.cx.metrics.arm(self.op_label, arm);
+    fn arm(&self, arm: Arm) {
+        self.cx.metrics.arm(self.op_label, arm.label());
     }
 
     /// Members not answered yet (open or landed), by index.
@@ -195,7 +198,7 @@ impl<'a> Run<'a> {
             self.attempt += 1;
             if self.attempt > 1 && next == Next::Backoff {
                 let salt = self.members[0].req.event_id;
-                backoff(self.attempt, salt).await;
+                backoff::sleep(self.attempt, salt).await;
             }
             if self.first_touch == FirstTouch::ThisAttempt {
                 self.first_touch = FirstTouch::Spent;
@@ -227,12 +230,12 @@ impl<'a> Run<'a> {
         let failure = std::mem::take(&mut self.last_failure);
         if failure.cause == Cause::StoreUnreachable {
             // No catch-up either: it would only add a read to the outage.
-            self.arm(arm::STORE_UNREACHABLE);
+            self.arm(Arm::StoreUnreachable);
             self.answer_unanswered(WriteError::StoreUnavailable);
             return;
         }
         self.refresh_unread_copies(deadline).await;
-        self.arm(arm::GAVE_UP);
+        self.arm(Arm::GaveUp);
         let err = WriteError::GaveUp {
             attempts: self.attempt,
             last: failure.what,
@@ -244,17 +247,13 @@ impl<'a> Run<'a> {
     /// bounce backs off before the next attempt; a failure that cannot be retried answers
     /// every unanswered member, which ends the run.
     async fn attempt_once(&mut self, deadline: Instant) -> Next {
-        let cfg = self.cx.config;
         // 1. State: the local fold on a warm account's first attempt, else a catch-up.
-        let caught_up = match self
-            .load_state(cfg.one_round_trip && self.attempt == 1)
-            .await
-        {
-            Ok(caught_up) => {
-                if caught_up {
+        let state = match self.load_state(self.load_from()).await {
+            Ok(state) => {
+                if state == StateFrom::CatchUp {
                     self.copies = Copies::Read;
                 }
-                caught_up
+                state
             }
             Err(LoadFailure::Retry) => return Next::Backoff,
             Err(LoadFailure::Fail(err)) => {
@@ -265,11 +264,11 @@ impl<'a> Run<'a> {
         // 2. Did it already land? (On a catch-up, this is the read-back.) Then, when
         // configured, scan the stream for what the index missed.
         self.answer_from_index().await;
-        if !self.scan_misses().await {
+        if self.scan_misses().await == Scanned::Failed {
             return Next::Backoff;
         }
         // 3. Decide on this state.
-        let Some(batch) = self.decide(caught_up).await else {
+        let Some(batch) = self.decide(state).await else {
             return Next::Backoff;
         };
         let batch = self.admit_new(batch);
@@ -317,10 +316,33 @@ impl<'a> Run<'a> {
     /// Decides every unanswered member on this attempt's state and applies the verdicts.
     /// Returns the members to write, or `None` when a rule said no on a state not known to
     /// be current and it could not be made sure of (try again with a catch-up).
-    async fn decide(&mut self, caught_up: bool) -> Option<Vec<usize>> {
+    async fn decide(&mut self, state: StateFrom) -> Option<Vec<usize>> {
         let open: Vec<usize> = self.unanswered().collect();
-        let candidates: Vec<Candidate> = open
-            .iter()
+        let candidates = self.candidates(&open);
+        let standings = self.standings();
+        let mode = self.cx.config.accounts;
+        let verdicts = match decide::decide(&standings, &candidates, Freshness::MaybeBehind, mode) {
+            Ok(verdicts) => verdicts,
+            Err(NeedsCurrentState) => {
+                // Only a catch-up that reached the store's tip is current: not the local
+                // fold, and not a read a lagging replica left behind (it may hide this very
+                // request, landed by an earlier attempt).
+                if state == StateFrom::Copy {
+                    self.copies.behind();
+                    return None;
+                }
+                if !self.reached_tip().await {
+                    return None;
+                }
+                decide::decide(&standings, &candidates, Freshness::AtTip, mode).ok()?
+            }
+        };
+        Some(self.apply_verdicts(open, verdicts))
+    }
+
+    /// What [`decide::decide`] needs of each of the `open` members.
+    fn candidates(&self, open: &[usize]) -> Vec<Candidate> {
+        open.iter()
             .map(|&mi| {
                 let m = &self.members[mi];
                 Candidate {
@@ -335,31 +357,22 @@ impl<'a> Run<'a> {
                     },
                 }
             })
-            .collect();
-        let standings: Vec<Standing> = self
-            .accounts
+            .collect()
+    }
+
+    /// Each account's standing in this attempt's state.
+    fn standings(&self) -> Vec<Standing> {
+        self.accounts
             .iter()
             .map(|t| Standing {
                 balance: t.snap.balance,
                 exists: t.snap.version > 0,
             })
-            .collect();
-        let mode = self.cx.config.accounts;
-        let verdicts = match decide::decide(&standings, &candidates, false, mode) {
-            Ok(verdicts) => verdicts,
-            Err(NeedsCurrentState) => {
-                // Only a catch-up that reached the store's tip is current: not the local
-                // fold, and not a read a lagging replica left behind (it may hide this very
-                // request, landed by an earlier attempt).
-                if !caught_up {
-                    self.copies.behind();
-                }
-                if !caught_up || !self.reached_tip().await {
-                    return None;
-                }
-                decide::decide(&standings, &candidates, true, mode).ok()?
-            }
-        };
+            .collect()
+    }
+
+    /// Applies each `open` member's verdict; returns the members to write.
+    fn apply_verdicts(&mut self, open: Vec<usize>, verdicts: Vec<Verdict>) -> Vec<usize> {
         let mut batch = Vec::with_capacity(open.len());
         for (mi, verdict) in open.into_iter().zip(verdicts) {
             let m = &mut self.members[mi];
@@ -376,11 +389,11 @@ impl<'a> Run<'a> {
                 }
                 Verdict::Refused(e) => {
                     m.phase = Phase::Done(Err(WriteError::Rule(e)));
-                    self.arm(arm::REJECTED);
+                    self.arm(Arm::Rejected);
                 }
             }
         }
-        Some(batch)
+        batch
     }
 
     /// Keeps the recent-writes index within its cap: a member never sent before (no held

@@ -3,10 +3,21 @@
 
 use super::Run;
 use super::member::{EarlierAttempts, Phase, SeqHold};
-use crate::metrics::arm;
+use crate::account::rules::Leg;
 use crate::projection::{RecentWrite, ScanHit};
+use crate::write_loop::arm::Arm;
 use crate::write_loop::classify::Failure;
-use crate::write_loop::{LegResult, WriteError, WriteOutcome};
+use crate::write_loop::error::WriteError;
+use crate::write_loop::{LegResult, WriteOutcome};
+
+/// Whether an attempt's scan on miss looked everywhere it had to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Scanned {
+    /// Every scan answered (or scanning is off): the attempt goes on.
+    Complete,
+    /// A scan failed: the attempt must not write on a guess.
+    Failed,
+}
 
 impl Run<'_> {
     /// Answers every unanswered member that the index (or a proven landing) shows as done.
@@ -81,7 +92,7 @@ impl Run<'_> {
         }
         if replays > 0 {
             self.cx.metrics.idem_replays.inc_by(replays);
-            self.arm(arm::REPLAYED);
+            self.arm(Arm::Replayed);
         }
     }
 
@@ -145,6 +156,21 @@ impl Run<'_> {
     }
 }
 
+/// A scanned member's answer, when the scan found it on every leg.
+fn found_on_every_leg(legs: &[Leg], hits: &[Option<ScanHit>]) -> Option<Vec<LegResult>> {
+    legs.iter()
+        .zip(hits)
+        .map(|(leg, hit)| {
+            let h = (*hit)?;
+            Some(LegResult {
+                account: leg.account,
+                balance: h.balance,
+                version: h.version,
+            })
+        })
+        .collect()
+}
+
 /// Whether the index shows the landing as a write this run never sent with an unknown
 /// outcome (another write tag: another replica's, or an earlier request's): then the answer
 /// is a replay. Only when every hit's tag is known; otherwise the landing may be this run's
@@ -165,12 +191,12 @@ impl Run<'_> {
     /// batches. Found on every leg: answered like any replay, with the balance right after
     /// it (read from the state, below or above it); found on some legs only:
     /// [`Phase::Proven`], answered after a later catch-up; found under a different operation:
-    /// a reused key. Returns false when a scan failed: the attempt must not write on a guess
-    /// (the caller tries again).
-    pub(super) async fn scan_misses(&mut self) -> bool {
+    /// a reused key. [`Scanned::Failed`] when a scan failed: the attempt must not write on a
+    /// guess (the caller tries again).
+    pub(super) async fn scan_misses(&mut self) -> Scanned {
         let cx = self.cx;
         if cx.projection.config().scan_window.is_none() {
-            return true;
+            return Scanned::Complete;
         }
         let mut replays = 0u64;
         for mi in 0..self.members.len() {
@@ -182,7 +208,7 @@ impl Run<'_> {
             let legs = m.legs;
             let legs = legs.as_slice();
             let Some(hits) = self.scan_member(mi).await else {
-                return false;
+                return Scanned::Failed;
             };
             if hits.iter().all(Option::is_none) {
                 continue;
@@ -197,19 +223,7 @@ impl Run<'_> {
                 m.phase = Phase::Done(Err(WriteError::KeyReused));
                 continue;
             }
-            let answered: Option<Vec<LegResult>> = legs
-                .iter()
-                .zip(&hits)
-                .map(|(leg, hit)| {
-                    let h = (*hit)?;
-                    Some(LegResult {
-                        account: leg.account,
-                        balance: h.balance,
-                        version: h.version,
-                    })
-                })
-                .collect();
-            match answered {
+            match found_on_every_leg(legs, &hits) {
                 Some(legs) => {
                     replays += 1;
                     m.phase = Phase::Done(Ok(WriteOutcome {
@@ -228,9 +242,9 @@ impl Run<'_> {
         }
         if replays > 0 {
             cx.metrics.idem_replays.inc_by(replays);
-            self.arm(arm::REPLAYED);
+            self.arm(Arm::Replayed);
         }
-        true
+        Scanned::Complete
     }
 
     /// Scans each leg's account for member `mi`'s event. `None` when a scan failed.

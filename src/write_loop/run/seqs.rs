@@ -4,8 +4,7 @@
 use super::Run;
 use super::member::SeqHold;
 use crate::projection::{MAX_OWN_CLIENT_SEQ, ProjectionError};
-use crate::write_loop::WriteError;
-use crate::write_loop::service::invariant;
+use crate::write_loop::error::{WriteError, invariant};
 
 impl Run<'_> {
     /// Sequences for this write. A member that holds sequences keeps them; every other member
