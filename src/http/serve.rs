@@ -17,13 +17,9 @@ use tower::Service;
 
 use super::admission::Edge;
 use super::config::HEADER_READ_TIMEOUT;
+use super::peer::Peer;
 use super::{gate, head, layer};
 use crate::app::App;
-
-/// The address a request's connection came from, on the request for the layers (the
-/// access line, the per-peer failure limit). The TCP peer: behind a proxy, the proxy's.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Peer(pub std::net::SocketAddr);
 
 /// hyper's smallest read buffer cap (its `max_buf_size` panics below this).
 const MIN_READ_BUFFER_BYTES: usize = 8192;
