@@ -11,7 +11,7 @@ use hyper::{HeaderMap, Request};
 use serde::de::DeserializeOwned;
 
 use super::admission::InFlight;
-use super::error::ApiError;
+use super::error::{ApiError, ErrorCode};
 use super::gate::ConnSlot;
 use super::headers::at_most_one;
 // `accounts.rs` still names these here; they live in `response`.
@@ -66,7 +66,10 @@ pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T,
                 limit: MAX_BODY_BYTES,
             }
         } else {
-            ApiError::bad_request("BAD_REQUEST", format!("could not read the body: {e}"))
+            ApiError::bad_request(
+                ErrorCode::BadRequest,
+                format!("could not read the body: {e}"),
+            )
         }
     })?;
     decode_json(&bytes)
@@ -78,7 +81,10 @@ fn check_json_framing(headers: &HeaderMap) -> Result<(), ApiError> {
     // Content-Type is a singleton field (RFC 9110): two of them name no one type, and
     // taking the first would read a body its sender may have meant as the other.
     let content_type = at_most_one(headers, CONTENT_TYPE).map_err(|_| {
-        ApiError::bad_request("BAD_REQUEST", "send one Content-Type header, not several")
+        ApiError::bad_request(
+            ErrorCode::BadRequest,
+            "send one Content-Type header, not several",
+        )
     })?;
     let is_json = content_type
         .and_then(|v| v.to_str().ok())
@@ -132,7 +138,7 @@ fn check_transfer_codings(headers: &HeaderMap) -> Result<(), ApiError> {
     // would hand over chunk framing as the body.
     if codings().count() > 1 {
         return Err(ApiError::bad_request(
-            "BAD_REQUEST",
+            ErrorCode::BadRequest,
             "chunked is applied at most once: send one Transfer-Encoding: chunked",
         ));
     }
@@ -174,7 +180,7 @@ where
 /// field, not an object) is a 422.
 pub fn decode_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let malformed = |e: serde_json::Error| {
-        ApiError::bad_request("INVALID_JSON", format!("malformed JSON: {e}"))
+        ApiError::bad_request(ErrorCode::InvalidJson, format!("malformed JSON: {e}"))
     };
     let not_an_object = || ApiError::Validation("the body must be a JSON object".into());
     match serde_json::from_slice::<T>(bytes) {

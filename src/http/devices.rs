@@ -11,7 +11,7 @@ use hyper::body::Incoming;
 use uuid::Uuid;
 
 use super::body::read_json;
-use super::error::ApiError;
+use super::error::{ApiError, ErrorCode};
 use super::response::{Resp, json_response};
 use crate::app::App;
 use crate::auth::Caller;
@@ -73,7 +73,7 @@ fn refuse_over_limit(limit: u64, run: &SyncRequest) -> Result<(), ApiError> {
         return Ok(());
     }
     Err(ApiError::Unprocessable {
-        code: "DEVICE_RUN_OVER_LIMIT",
+        code: ErrorCode::DeviceRunOverLimit,
         message: format!(
             "this run withdraws {withdrawn} cents, more than a device run may ({limit}, --device-max-run-withdrawal-cents); nothing was written"
         ),

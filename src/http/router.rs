@@ -13,7 +13,7 @@ use hyper::{Method, Request, Response};
 use uuid::Uuid;
 
 use super::auth::{Access, Named};
-use super::error::ApiError;
+use super::error::{ApiError, ErrorCode};
 use super::response::Resp;
 use super::watch::{self, HttpBody};
 use super::{accounts, console, devices, openapi, ops, writes};
@@ -206,7 +206,7 @@ impl Route {
         let id = |s: &str| -> Result<AccountId, ApiError> {
             s.parse().map_err(|_| {
                 ApiError::bad_request(
-                    "INVALID_ID",
+                    ErrorCode::InvalidId,
                     format!("{s:?} is not a valid account id (a UUID)"),
                 )
             })
@@ -227,7 +227,7 @@ impl Route {
                 Route::DeviceSync(Uuid::nil()).check_method(method)?;
                 Route::DeviceSync(device.parse().map_err(|_| {
                     ApiError::bad_request(
-                        "INVALID_DEVICE_ID",
+                        ErrorCode::InvalidDeviceId,
                         format!("{device:?} is not a valid device id (a UUID)"),
                     )
                 })?)
@@ -300,7 +300,7 @@ pub async fn dispatch(
         // must not move money), as reads refuse theirs. A query of separators alone
         // (`?&`) names none, on a write as on a read (else 200 and 400).
         return Err(ApiError::bad_request(
-            "BAD_QUERY",
+            ErrorCode::BadQuery,
             format!("{} takes no query parameters", route.template()),
         ));
     }
@@ -321,7 +321,7 @@ pub async fn dispatch(
         Route::Console => Ok(console::page()),
         // `Endpoint` serves the streams before it dispatches; reaching here is a bug.
         Route::AccountEvents(_) | Route::WatchStream => Err(ApiError::Internal {
-            code: "STREAM_ROUTE",
+            code: ErrorCode::StreamRoute,
             message: "an event-stream route reached the JSON dispatcher".into(),
         }),
     }
@@ -447,7 +447,7 @@ mod tests {
         assert!(matches!(
             Route::resolve(&Method::POST, "/api/accounts/nope/deposit"),
             Err(ApiError::BadRequest {
-                code: "INVALID_ID",
+                code: ErrorCode::InvalidId,
                 ..
             })
         ));
@@ -512,7 +512,7 @@ mod tests {
         assert!(matches!(
             Route::resolve(&Method::POST, "/api/devices/nope/sync"),
             Err(ApiError::BadRequest {
-                code: "INVALID_DEVICE_ID",
+                code: ErrorCode::InvalidDeviceId,
                 ..
             })
         ));

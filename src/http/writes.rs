@@ -18,7 +18,7 @@ use super::accounts::BalanceBody;
 use super::body::read_json;
 use super::deadline::{request_deadline, took_too_long};
 use super::detach::{Detached, WritePanicked};
-use super::error::ApiError;
+use super::error::{ApiError, ErrorCode};
 use super::idempotency::{self, IdempotencyKey};
 use super::response::{Resp, json_response};
 use crate::account::{AccountId, AmountCents, Operation};
@@ -398,7 +398,7 @@ fn outcome_response(outcome: &WriteOutcome, shown: Shown) -> Resp {
         [one] => json_response(StatusCode::OK, &BalanceBody::from(one)),
         _ => {
             return ApiError::Internal {
-                code: "INTERNAL",
+                code: ErrorCode::Internal,
                 message: "a write produced no legs".into(),
             }
             .into_response();

@@ -382,9 +382,10 @@ mod tests {
 
     use super::*;
     use crate::account::Identity;
+    use crate::device::error::SyncCode;
     use crate::device::ingest::DeviceSync;
     use crate::device::ingest::tests::{ACCOUNT, DEVICE, event, request};
-    use crate::device::protocol::{SyncStatus, codes};
+    use crate::device::protocol::SyncStatus;
     use crate::store::memory::MemoryLog;
 
     /// The memory store, bent one way: 2002s that leave out the committed sequence, or
@@ -454,7 +455,7 @@ mod tests {
         core.handle(DEVICE, &run).await.unwrap();
         let started = tokio::time::Instant::now();
         let err = core.handle(DEVICE, &run).await.unwrap_err();
-        assert_eq!(err.code(), codes::SYNC_UNVERIFIED, "{err}");
+        assert_eq!(err.code(), SyncCode::SyncUnverified, "{err}");
         assert_eq!(started.elapsed(), READ_BACK_BUDGET);
     }
 
