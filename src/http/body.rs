@@ -1,8 +1,6 @@
 //! JSON in: content-type and size checks, decoding that tells malformed JSON (400) from a
 //! well-formed body with wrong fields or types (422).
 
-use std::sync::Arc;
-
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
@@ -10,9 +8,8 @@ use hyper::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, TRANSFER_ENC
 use hyper::{HeaderMap, Request};
 use serde::de::DeserializeOwned;
 
-use super::admission::InFlight;
+use super::admission::RequestSlots;
 use super::error::{ApiError, ErrorCode};
-use super::gate::ConnSlot;
 use super::headers::at_most_one;
 // `accounts.rs` still names these here; they live in `response`.
 pub use super::response::{Resp, json_response};
@@ -43,20 +40,21 @@ fn is_utf8_json(content_type: &str) -> bool {
         })
 }
 
-/// Reads and decodes a JSON body of at most [`MAX_BODY_BYTES`].
-pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, ApiError> {
+/// Reads and decodes a JSON body of at most [`MAX_BODY_BYTES`]. A client slow to send it
+/// holds neither of the request's `slots` meanwhile: the gate's nor the in-flight one.
+pub async fn read_json<T: DeserializeOwned>(
+    req: Request<Incoming>,
+    slots: &RequestSlots,
+) -> Result<T, ApiError> {
     check_json_framing(req.headers())?;
-    // A client slow to send its body holds neither the gate's slot nor the in-flight one.
-    let slot = req.extensions().get::<Arc<ConnSlot>>().cloned();
-    let in_flight = req.extensions().get::<Arc<InFlight>>().cloned();
     let collect = read_capped(Limited::new(req.into_body(), MAX_BODY_BYTES));
     let gated = async {
-        match slot {
+        match &slots.conn {
             Some(slot) => slot.while_client_sends(collect).await,
             None => collect.await,
         }
     };
-    let collected = match in_flight {
+    let collected = match &slots.in_flight {
         Some(in_flight) => in_flight.while_client_sends(gated).await?,
         None => gated.await,
     };

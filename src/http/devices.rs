@@ -10,6 +10,7 @@ use hyper::StatusCode;
 use hyper::body::Incoming;
 use uuid::Uuid;
 
+use super::admission::RequestSlots;
 use super::body::read_json;
 use super::error::{ApiError, ErrorCode};
 use super::response::{Resp, json_response};
@@ -18,10 +19,15 @@ use crate::auth::Caller;
 use crate::device::protocol::{SyncRequest, SyncStatus};
 use crate::metrics::device_outcome;
 
-pub async fn sync(app: &Arc<App>, device: Uuid, req: Request<Incoming>) -> Result<Resp, ApiError> {
+pub async fn sync(
+    app: &Arc<App>,
+    device: Uuid,
+    req: Request<Incoming>,
+    slots: &RequestSlots,
+) -> Result<Resp, ApiError> {
     // A token that lists accounts may sync only runs of those.
     let caller = req.extensions().get::<Caller>().cloned();
-    let body: SyncRequest = read_json(req).await?;
+    let body: SyncRequest = read_json(req, slots).await?;
     if let Ok(account) = Uuid::try_parse(&body.account_id) {
         super::auth::authorize_account(app, caller.as_ref(), account)?;
     }

@@ -32,8 +32,9 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use super::accounts::history_event;
+use super::admission::RequestSlots;
 use super::error::{ApiError, ErrorCode};
-use super::gate::{ConnSlot, Streaming};
+use super::gate::Streaming;
 use crate::account::AccountId;
 use crate::app::App;
 use crate::auth::Caller;
@@ -58,13 +59,20 @@ pub async fn account_events(
     app: &Arc<App>,
     account: AccountId,
     req: &Request<Incoming>,
+    slots: &RequestSlots,
 ) -> Result<Response<HttpBody>, ApiError> {
     let resume = resume_point(req)?;
     let sub = app
         .watch
         .subscribe_account(caller_id(req), account, resume)
         .await?;
-    Ok(stream_response(app, sub.items, req, resumed_after(resume)))
+    Ok(stream_response(
+        app,
+        sub.items,
+        req,
+        slots,
+        resumed_after(resume),
+    ))
 }
 
 /// The last version a resumed stream's client holds. A stream that falls behind before it
@@ -79,7 +87,11 @@ fn resumed_after(resume: Resume) -> Option<u64> {
 }
 
 /// `GET /api/watch/stream`
-pub async fn all(app: &Arc<App>, req: &Request<Incoming>) -> Result<Response<HttpBody>, ApiError> {
+pub async fn all(
+    app: &Arc<App>,
+    req: &Request<Incoming>,
+    slots: &RequestSlots,
+) -> Result<Response<HttpBody>, ApiError> {
     if let Some(q) = req.uri().query().filter(|q| !q.is_empty()) {
         return Err(ApiError::bad_request(
             ErrorCode::BadQuery,
@@ -87,7 +99,7 @@ pub async fn all(app: &Arc<App>, req: &Request<Incoming>) -> Result<Response<Htt
         ));
     }
     let sub = app.watch.subscribe_all(caller_id(req)).await?;
-    Ok(stream_response(app, sub.items, req, None))
+    Ok(stream_response(app, sub.items, req, slots, None))
 }
 
 /// Where to start: after `Last-Event-ID` (what a browser sends when it reconnects, so it
@@ -193,13 +205,11 @@ fn stream_response(
     app: &App,
     items: mpsc::Receiver<Item>,
     req: &Request<Incoming>,
+    slots: &RequestSlots,
     resumed_after: Option<u64>,
 ) -> Response<HttpBody> {
     // Rule 6 of the gate: the stream gives its slot back and its reads take none.
-    let streaming = req
-        .extensions()
-        .get::<Arc<ConnSlot>>()
-        .map(|conn| conn.stream_started());
+    let streaming = slots.conn.as_ref().map(|conn| conn.stream_started());
     let mut resp = Response::new(Either::Right(SseBody {
         items,
         preamble: true,
