@@ -22,6 +22,63 @@ pub enum RetryReason {
     Unverified,
 }
 
+/// The error code a device sync's answer carries, one per kind of failure; its wire string
+/// is the protocol's ([`codes`]), which the device reads back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SyncCode {
+    InvalidDeviceId,
+    DeviceIdReserved,
+    InvalidAccount,
+    EmptyRun,
+    RunTooLong,
+    BadSequence,
+    UnknownEventType,
+    InvalidAmount,
+    InvalidEventId,
+    RunStraddlesMark,
+    RunConflictsWithStore,
+    RunTrimmed,
+    SyncInFlight,
+    SyncOutcomeUnknown,
+    SyncNotApplied,
+    SyncUnverified,
+    AccountNotFound,
+    StoreError,
+}
+
+impl SyncCode {
+    /// The code as the answer's `error` field spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SyncCode::InvalidDeviceId => codes::INVALID_DEVICE_ID,
+            SyncCode::DeviceIdReserved => codes::DEVICE_ID_RESERVED,
+            SyncCode::InvalidAccount => codes::INVALID_ACCOUNT,
+            SyncCode::EmptyRun => codes::EMPTY_RUN,
+            SyncCode::RunTooLong => codes::RUN_TOO_LONG,
+            SyncCode::BadSequence => codes::BAD_SEQUENCE,
+            SyncCode::UnknownEventType => codes::UNKNOWN_EVENT_TYPE,
+            SyncCode::InvalidAmount => codes::INVALID_AMOUNT,
+            SyncCode::InvalidEventId => codes::INVALID_EVENT_ID,
+            SyncCode::RunStraddlesMark => codes::RUN_STRADDLES_MARK,
+            SyncCode::RunConflictsWithStore => codes::RUN_CONFLICTS_WITH_STORE,
+            SyncCode::RunTrimmed => codes::RUN_TRIMMED,
+            SyncCode::SyncInFlight => codes::SYNC_IN_FLIGHT,
+            SyncCode::SyncOutcomeUnknown => codes::SYNC_OUTCOME_UNKNOWN,
+            SyncCode::SyncNotApplied => codes::SYNC_NOT_APPLIED,
+            SyncCode::SyncUnverified => codes::SYNC_UNVERIFIED,
+            SyncCode::AccountNotFound => codes::ACCOUNT_NOT_FOUND,
+            SyncCode::StoreError => codes::STORE_ERROR,
+        }
+    }
+}
+
+/// Written as its wire string.
+impl serde::Serialize for SyncCode {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
 /// Every way a device sync can fail, for this layer. The HTTP mapping lives with the routes.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum DeviceSyncError {
@@ -97,31 +154,31 @@ pub enum DeviceSyncError {
 
 impl DeviceSyncError {
     /// The error code of the response body.
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> SyncCode {
         match self {
-            DeviceSyncError::InvalidDeviceId(_) => codes::INVALID_DEVICE_ID,
-            DeviceSyncError::ReservedDeviceId(_) => codes::DEVICE_ID_RESERVED,
-            DeviceSyncError::InvalidAccount(_) => codes::INVALID_ACCOUNT,
-            DeviceSyncError::EmptyRun => codes::EMPTY_RUN,
-            DeviceSyncError::RunTooLong { .. } => codes::RUN_TOO_LONG,
-            DeviceSyncError::BadSequence(_) => codes::BAD_SEQUENCE,
-            DeviceSyncError::UnknownEventType { .. } => codes::UNKNOWN_EVENT_TYPE,
-            DeviceSyncError::InvalidAmount { .. } => codes::INVALID_AMOUNT,
+            DeviceSyncError::InvalidDeviceId(_) => SyncCode::InvalidDeviceId,
+            DeviceSyncError::ReservedDeviceId(_) => SyncCode::DeviceIdReserved,
+            DeviceSyncError::InvalidAccount(_) => SyncCode::InvalidAccount,
+            DeviceSyncError::EmptyRun => SyncCode::EmptyRun,
+            DeviceSyncError::RunTooLong { .. } => SyncCode::RunTooLong,
+            DeviceSyncError::BadSequence(_) => SyncCode::BadSequence,
+            DeviceSyncError::UnknownEventType { .. } => SyncCode::UnknownEventType,
+            DeviceSyncError::InvalidAmount { .. } => SyncCode::InvalidAmount,
             DeviceSyncError::InvalidEventId { .. } | DeviceSyncError::RepeatedEventId { .. } => {
-                codes::INVALID_EVENT_ID
+                SyncCode::InvalidEventId
             }
-            DeviceSyncError::RunStraddlesMark { .. } => codes::RUN_STRADDLES_MARK,
+            DeviceSyncError::RunStraddlesMark { .. } => SyncCode::RunStraddlesMark,
             DeviceSyncError::RunConflictsWithStore { .. }
-            | DeviceSyncError::RunNeverLanded { .. } => codes::RUN_CONFLICTS_WITH_STORE,
-            DeviceSyncError::RunTrimmed { .. } => codes::RUN_TRIMMED,
+            | DeviceSyncError::RunNeverLanded { .. } => SyncCode::RunConflictsWithStore,
+            DeviceSyncError::RunTrimmed { .. } => SyncCode::RunTrimmed,
             DeviceSyncError::Retry { reason, .. } => match reason {
-                RetryReason::InFlight => codes::SYNC_IN_FLIGHT,
-                RetryReason::OutcomeUnknown => codes::SYNC_OUTCOME_UNKNOWN,
-                RetryReason::NotApplied => codes::SYNC_NOT_APPLIED,
-                RetryReason::Unverified => codes::SYNC_UNVERIFIED,
+                RetryReason::InFlight => SyncCode::SyncInFlight,
+                RetryReason::OutcomeUnknown => SyncCode::SyncOutcomeUnknown,
+                RetryReason::NotApplied => SyncCode::SyncNotApplied,
+                RetryReason::Unverified => SyncCode::SyncUnverified,
             },
-            DeviceSyncError::AccountNotFound(_) => codes::ACCOUNT_NOT_FOUND,
-            DeviceSyncError::Store(_) => codes::STORE_ERROR,
+            DeviceSyncError::AccountNotFound(_) => SyncCode::AccountNotFound,
+            DeviceSyncError::Store(_) => SyncCode::StoreError,
         }
     }
 

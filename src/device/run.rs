@@ -247,7 +247,7 @@ mod tests {
         twice[2].event_id = Some(id.into());
         let err = refused(&request(twice));
         assert_eq!(err, DeviceSyncError::RepeatedEventId { index: 2, first: 0 });
-        assert_eq!(err.code(), crate::device::protocol::codes::INVALID_EVENT_ID);
+        assert_eq!(err.code(), crate::device::error::SyncCode::InvalidEventId);
         let mut bad_account = request(vec![event(1, "deposit", 1)]);
         bad_account.account_id = "acc-1".into();
         assert!(matches!(

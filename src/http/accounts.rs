@@ -11,7 +11,7 @@ use serde_json::json;
 use uuid::Uuid;
 
 use super::body::{Resp, json_response};
-use super::error::ApiError;
+use super::error::{ApiError, ErrorCode};
 use crate::account::{AccountEvent, AccountId};
 use crate::app::App;
 use crate::auth::Caller;
@@ -120,7 +120,7 @@ pub(super) fn history_event(entry: &HistoryEntry) -> serde_json::Value {
 /// `allowed` (a typo never silently changes what is read), each at most once, each plain
 /// decimal digits.
 fn query_u64s(query: Option<&str>, allowed: &[&str]) -> Result<Vec<(String, u64)>, ApiError> {
-    let bad = |message: String| ApiError::bad_request("BAD_QUERY", message);
+    let bad = |message: String| ApiError::bad_request(ErrorCode::BadQuery, message);
     let mut out: Vec<(String, u64)> = Vec::new();
     for (name, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
         if !allowed.contains(&name.as_ref()) {

@@ -10,6 +10,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
+use super::admission::RequestSlots;
 use super::error::ApiError;
 use super::head::HeadGuard;
 use super::router::{self, Route};
@@ -58,7 +59,7 @@ pub async fn serve_admin(app: Arc<App>, listener: TcpListener, shutdown: impl Fu
             async move {
                 let resp = match Route::resolve(req.method(), req.uri().path()) {
                     Ok(route @ (Route::Metrics | Route::Healthz | Route::Readyz)) => {
-                        router::dispatch(&app, route, req).await
+                        router::dispatch(&app, route, req, &RequestSlots::default()).await
                     }
                     Ok(route) => Err(ApiError::NotFound {
                         path: route.template().into(),

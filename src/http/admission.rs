@@ -167,6 +167,27 @@ impl Edge {
     }
 }
 
+/// What a request holds at the edge, handed down explicitly from the accept loop through
+/// the layers to the handlers: its connection's side of the gate (none on the admin
+/// listener) and, once admitted, its in-flight slot. The body read gives both back while
+/// its client is slow (`body::read_json`); an event stream gives the gate's back for as
+/// long as it lasts.
+#[derive(Clone, Default)]
+pub struct RequestSlots {
+    pub conn: Option<Arc<ConnSlot>>,
+    pub in_flight: Option<Arc<InFlight>>,
+}
+
+impl RequestSlots {
+    /// A request's slots on `conn`, before its admission.
+    pub fn on(conn: Arc<ConnSlot>) -> Self {
+        RequestSlots {
+            conn: Some(conn),
+            in_flight: None,
+        }
+    }
+}
+
 /// An admitted API request's in-flight slot. Like the gate's slot (rule 5), it is given back
 /// while the handler waits on its client for the rest of the body, and taken again after, so
 /// clients that trickle their bodies cannot hold the in-flight limit against everyone else.

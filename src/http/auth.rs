@@ -22,7 +22,7 @@ use hyper::HeaderMap;
 use hyper::header::AUTHORIZATION;
 use uuid::Uuid;
 
-use super::error::ApiError;
+use super::error::{ApiError, ErrorCode};
 use super::headers::at_most_one;
 use crate::account::{AccountId, Operation};
 use crate::app::App;
@@ -78,7 +78,7 @@ pub fn check(
                 .with_label_values(&[auth_outcome::PEER_LIMITED])
                 .inc();
             return Err(ApiError::Limited {
-                code: "TOO_MANY_AUTH_FAILURES",
+                code: ErrorCode::TooManyAuthFailures,
                 message: "too many requests without a valid token from this address; retry later"
                     .into(),
                 retry_after_secs: whole_secs(wait),

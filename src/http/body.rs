@@ -1,8 +1,6 @@
 //! JSON in: content-type and size checks, decoding that tells malformed JSON (400) from a
 //! well-formed body with wrong fields or types (422).
 
-use std::sync::Arc;
-
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
@@ -10,9 +8,8 @@ use hyper::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, TRANSFER_ENC
 use hyper::{HeaderMap, Request};
 use serde::de::DeserializeOwned;
 
-use super::admission::InFlight;
-use super::error::ApiError;
-use super::gate::ConnSlot;
+use super::admission::RequestSlots;
+use super::error::{ApiError, ErrorCode};
 use super::headers::at_most_one;
 // `accounts.rs` still names these here; they live in `response`.
 pub use super::response::{Resp, json_response};
@@ -43,20 +40,21 @@ fn is_utf8_json(content_type: &str) -> bool {
         })
 }
 
-/// Reads and decodes a JSON body of at most [`MAX_BODY_BYTES`].
-pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, ApiError> {
+/// Reads and decodes a JSON body of at most [`MAX_BODY_BYTES`]. A client slow to send it
+/// holds neither of the request's `slots` meanwhile: the gate's nor the in-flight one.
+pub async fn read_json<T: DeserializeOwned>(
+    req: Request<Incoming>,
+    slots: &RequestSlots,
+) -> Result<T, ApiError> {
     check_json_framing(req.headers())?;
-    // A client slow to send its body holds neither the gate's slot nor the in-flight one.
-    let slot = req.extensions().get::<Arc<ConnSlot>>().cloned();
-    let in_flight = req.extensions().get::<Arc<InFlight>>().cloned();
     let collect = read_capped(Limited::new(req.into_body(), MAX_BODY_BYTES));
     let gated = async {
-        match slot {
+        match &slots.conn {
             Some(slot) => slot.while_client_sends(collect).await,
             None => collect.await,
         }
     };
-    let collected = match in_flight {
+    let collected = match &slots.in_flight {
         Some(in_flight) => in_flight.while_client_sends(gated).await?,
         None => gated.await,
     };
@@ -66,7 +64,10 @@ pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T,
                 limit: MAX_BODY_BYTES,
             }
         } else {
-            ApiError::bad_request("BAD_REQUEST", format!("could not read the body: {e}"))
+            ApiError::bad_request(
+                ErrorCode::BadRequest,
+                format!("could not read the body: {e}"),
+            )
         }
     })?;
     decode_json(&bytes)
@@ -78,7 +79,10 @@ fn check_json_framing(headers: &HeaderMap) -> Result<(), ApiError> {
     // Content-Type is a singleton field (RFC 9110): two of them name no one type, and
     // taking the first would read a body its sender may have meant as the other.
     let content_type = at_most_one(headers, CONTENT_TYPE).map_err(|_| {
-        ApiError::bad_request("BAD_REQUEST", "send one Content-Type header, not several")
+        ApiError::bad_request(
+            ErrorCode::BadRequest,
+            "send one Content-Type header, not several",
+        )
     })?;
     let is_json = content_type
         .and_then(|v| v.to_str().ok())
@@ -132,7 +136,7 @@ fn check_transfer_codings(headers: &HeaderMap) -> Result<(), ApiError> {
     // would hand over chunk framing as the body.
     if codings().count() > 1 {
         return Err(ApiError::bad_request(
-            "BAD_REQUEST",
+            ErrorCode::BadRequest,
             "chunked is applied at most once: send one Transfer-Encoding: chunked",
         ));
     }
@@ -174,7 +178,7 @@ where
 /// field, not an object) is a 422.
 pub fn decode_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let malformed = |e: serde_json::Error| {
-        ApiError::bad_request("INVALID_JSON", format!("malformed JSON: {e}"))
+        ApiError::bad_request(ErrorCode::InvalidJson, format!("malformed JSON: {e}"))
     };
     let not_an_object = || ApiError::Validation("the body must be a JSON object".into());
     match serde_json::from_slice::<T>(bytes) {

@@ -10,18 +10,24 @@ use hyper::StatusCode;
 use hyper::body::Incoming;
 use uuid::Uuid;
 
+use super::admission::RequestSlots;
 use super::body::read_json;
-use super::error::ApiError;
+use super::error::{ApiError, ErrorCode};
 use super::response::{Resp, json_response};
 use crate::app::App;
 use crate::auth::Caller;
 use crate::device::protocol::{SyncRequest, SyncStatus};
 use crate::metrics::device_outcome;
 
-pub async fn sync(app: &Arc<App>, device: Uuid, req: Request<Incoming>) -> Result<Resp, ApiError> {
+pub async fn sync(
+    app: &Arc<App>,
+    device: Uuid,
+    req: Request<Incoming>,
+    slots: &RequestSlots,
+) -> Result<Resp, ApiError> {
     // A token that lists accounts may sync only runs of those.
     let caller = req.extensions().get::<Caller>().cloned();
-    let body: SyncRequest = read_json(req).await?;
+    let body: SyncRequest = read_json(req, slots).await?;
     if let Ok(account) = Uuid::try_parse(&body.account_id) {
         super::auth::authorize_account(app, caller.as_ref(), account)?;
     }
@@ -73,7 +79,7 @@ fn refuse_over_limit(limit: u64, run: &SyncRequest) -> Result<(), ApiError> {
         return Ok(());
     }
     Err(ApiError::Unprocessable {
-        code: "DEVICE_RUN_OVER_LIMIT",
+        code: ErrorCode::DeviceRunOverLimit,
         message: format!(
             "this run withdraws {withdrawn} cents, more than a device run may ({limit}, --device-max-run-withdrawal-cents); nothing was written"
         ),

@@ -9,7 +9,7 @@ use uuid::Uuid;
 use super::response::{Resp, json_response};
 use crate::account::RuleError;
 use crate::auth::{AuthError, REALM};
-use crate::device::error::DeviceSyncError;
+use crate::device::error::{DeviceSyncError, SyncCode};
 use crate::log_limit::{LogLimit, REPORT_INTERVAL};
 use crate::projection::ProjectionError;
 use crate::reader::ReadError;
@@ -30,10 +30,241 @@ const STORE_RETRY_AFTER_SECS: &str = "2";
 /// interval; the answer itself carries a fixed phrase.
 static STORE_FAILURE_LINES: LogLimit = LogLimit::new(REPORT_INTERVAL);
 
+/// Every code an error answer's `error` field carries. An answer's status is its code's
+/// ([`ErrorCode::status`]), the one table from codes to HTTP; the [`ApiError`] variant that
+/// carries the code adds the headers and fields that go with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorCode {
+    // 400: the request is malformed.
+    BadRequest,
+    InvalidJson,
+    InvalidId,
+    InvalidDeviceId,
+    InvalidIdempotencyKey,
+    BadQuery,
+    MinVersionBeyondTip,
+    BadLastEventId,
+    ResumeBeyondTip,
+    ResumeTooFarBack,
+    // 401 and 403: who is asking, and for what.
+    Unauthorized,
+    InvalidToken,
+    Forbidden,
+    InsufficientScope,
+    HostNotAllowed,
+    // 404, 405, 413, 414, 415 and 431: no such thing, or not in this shape.
+    NotFound,
+    AccountNotFound,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    UriTooLong,
+    UnsupportedMediaType,
+    HeadersTooLarge,
+    // 409: retryable, or final (`AccountExists`).
+    Conflict,
+    AccountExists,
+    // 422: well-formed, but against a rule.
+    ValidationError,
+    InsufficientFunds,
+    IdempotencyKeyReused,
+    DeviceRunOverLimit,
+    // 429: the caller is over a limit.
+    RateLimited,
+    TooManyAuthFailures,
+    TooManyStreams,
+    // 500: a bug, or an account the replica cannot read.
+    Internal,
+    StreamRoute,
+    AccountUnreadable,
+    AccountTrimmed,
+    CrossShard,
+    // 503: retryable.
+    ServiceUnavailable,
+    StoreUnavailable,
+    /// A device sync's own code (the device protocol's); its status follows its kind.
+    Sync(SyncCode),
+}
+
+impl ErrorCode {
+    /// Every code, once.
+    pub const ALL: [ErrorCode; 56] = [
+        ErrorCode::BadRequest,
+        ErrorCode::InvalidJson,
+        ErrorCode::InvalidId,
+        ErrorCode::InvalidDeviceId,
+        ErrorCode::InvalidIdempotencyKey,
+        ErrorCode::BadQuery,
+        ErrorCode::MinVersionBeyondTip,
+        ErrorCode::BadLastEventId,
+        ErrorCode::ResumeBeyondTip,
+        ErrorCode::ResumeTooFarBack,
+        ErrorCode::Unauthorized,
+        ErrorCode::InvalidToken,
+        ErrorCode::Forbidden,
+        ErrorCode::InsufficientScope,
+        ErrorCode::HostNotAllowed,
+        ErrorCode::NotFound,
+        ErrorCode::AccountNotFound,
+        ErrorCode::MethodNotAllowed,
+        ErrorCode::PayloadTooLarge,
+        ErrorCode::UriTooLong,
+        ErrorCode::UnsupportedMediaType,
+        ErrorCode::HeadersTooLarge,
+        ErrorCode::Conflict,
+        ErrorCode::AccountExists,
+        ErrorCode::ValidationError,
+        ErrorCode::InsufficientFunds,
+        ErrorCode::IdempotencyKeyReused,
+        ErrorCode::DeviceRunOverLimit,
+        ErrorCode::RateLimited,
+        ErrorCode::TooManyAuthFailures,
+        ErrorCode::TooManyStreams,
+        ErrorCode::Internal,
+        ErrorCode::StreamRoute,
+        ErrorCode::AccountUnreadable,
+        ErrorCode::AccountTrimmed,
+        ErrorCode::CrossShard,
+        ErrorCode::ServiceUnavailable,
+        ErrorCode::StoreUnavailable,
+        ErrorCode::Sync(SyncCode::InvalidDeviceId),
+        ErrorCode::Sync(SyncCode::DeviceIdReserved),
+        ErrorCode::Sync(SyncCode::InvalidAccount),
+        ErrorCode::Sync(SyncCode::EmptyRun),
+        ErrorCode::Sync(SyncCode::RunTooLong),
+        ErrorCode::Sync(SyncCode::BadSequence),
+        ErrorCode::Sync(SyncCode::UnknownEventType),
+        ErrorCode::Sync(SyncCode::InvalidAmount),
+        ErrorCode::Sync(SyncCode::InvalidEventId),
+        ErrorCode::Sync(SyncCode::RunStraddlesMark),
+        ErrorCode::Sync(SyncCode::RunConflictsWithStore),
+        ErrorCode::Sync(SyncCode::RunTrimmed),
+        ErrorCode::Sync(SyncCode::SyncInFlight),
+        ErrorCode::Sync(SyncCode::SyncOutcomeUnknown),
+        ErrorCode::Sync(SyncCode::SyncNotApplied),
+        ErrorCode::Sync(SyncCode::SyncUnverified),
+        ErrorCode::Sync(SyncCode::AccountNotFound),
+        ErrorCode::Sync(SyncCode::StoreError),
+    ];
+
+    /// The code as the answer's `error` field spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::BadRequest => "BAD_REQUEST",
+            ErrorCode::InvalidJson => "INVALID_JSON",
+            ErrorCode::InvalidId => "INVALID_ID",
+            ErrorCode::InvalidDeviceId => "INVALID_DEVICE_ID",
+            ErrorCode::InvalidIdempotencyKey => "INVALID_IDEMPOTENCY_KEY",
+            ErrorCode::BadQuery => "BAD_QUERY",
+            ErrorCode::MinVersionBeyondTip => "MIN_VERSION_BEYOND_TIP",
+            ErrorCode::BadLastEventId => "BAD_LAST_EVENT_ID",
+            ErrorCode::ResumeBeyondTip => "RESUME_BEYOND_TIP",
+            ErrorCode::ResumeTooFarBack => "RESUME_TOO_FAR_BACK",
+            ErrorCode::Unauthorized => "UNAUTHORIZED",
+            ErrorCode::InvalidToken => "INVALID_TOKEN",
+            ErrorCode::Forbidden => "FORBIDDEN",
+            ErrorCode::InsufficientScope => "INSUFFICIENT_SCOPE",
+            ErrorCode::HostNotAllowed => "HOST_NOT_ALLOWED",
+            ErrorCode::NotFound => "NOT_FOUND",
+            ErrorCode::AccountNotFound => "ACCOUNT_NOT_FOUND",
+            ErrorCode::MethodNotAllowed => "METHOD_NOT_ALLOWED",
+            ErrorCode::PayloadTooLarge => "PAYLOAD_TOO_LARGE",
+            ErrorCode::UriTooLong => "URI_TOO_LONG",
+            ErrorCode::UnsupportedMediaType => "UNSUPPORTED_MEDIA_TYPE",
+            ErrorCode::HeadersTooLarge => "HEADERS_TOO_LARGE",
+            ErrorCode::Conflict => "CONFLICT",
+            ErrorCode::AccountExists => "ACCOUNT_EXISTS",
+            ErrorCode::ValidationError => "VALIDATION_ERROR",
+            ErrorCode::InsufficientFunds => "INSUFFICIENT_FUNDS",
+            ErrorCode::IdempotencyKeyReused => "IDEMPOTENCY_KEY_REUSED",
+            ErrorCode::DeviceRunOverLimit => "DEVICE_RUN_OVER_LIMIT",
+            ErrorCode::RateLimited => "RATE_LIMITED",
+            ErrorCode::TooManyAuthFailures => "TOO_MANY_AUTH_FAILURES",
+            ErrorCode::TooManyStreams => "TOO_MANY_STREAMS",
+            ErrorCode::Internal => "INTERNAL",
+            ErrorCode::StreamRoute => "STREAM_ROUTE",
+            ErrorCode::AccountUnreadable => "ACCOUNT_UNREADABLE",
+            ErrorCode::AccountTrimmed => "ACCOUNT_TRIMMED",
+            ErrorCode::CrossShard => "CROSS_SHARD",
+            ErrorCode::ServiceUnavailable => "SERVICE_UNAVAILABLE",
+            ErrorCode::StoreUnavailable => "STORE_UNAVAILABLE",
+            ErrorCode::Sync(code) => code.as_str(),
+        }
+    }
+
+    /// The status of an answer with this code: the one table from codes to HTTP.
+    pub fn status(self) -> StatusCode {
+        match self {
+            ErrorCode::BadRequest
+            | ErrorCode::InvalidJson
+            | ErrorCode::InvalidId
+            | ErrorCode::InvalidDeviceId
+            | ErrorCode::InvalidIdempotencyKey
+            | ErrorCode::BadQuery
+            | ErrorCode::MinVersionBeyondTip
+            | ErrorCode::BadLastEventId
+            | ErrorCode::ResumeBeyondTip
+            | ErrorCode::ResumeTooFarBack => StatusCode::BAD_REQUEST,
+            ErrorCode::Unauthorized | ErrorCode::InvalidToken => StatusCode::UNAUTHORIZED,
+            ErrorCode::Forbidden | ErrorCode::InsufficientScope | ErrorCode::HostNotAllowed => {
+                StatusCode::FORBIDDEN
+            }
+            ErrorCode::NotFound | ErrorCode::AccountNotFound => StatusCode::NOT_FOUND,
+            ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorCode::UriTooLong => StatusCode::URI_TOO_LONG,
+            ErrorCode::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ErrorCode::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            ErrorCode::Conflict | ErrorCode::AccountExists => StatusCode::CONFLICT,
+            ErrorCode::ValidationError
+            | ErrorCode::InsufficientFunds
+            | ErrorCode::IdempotencyKeyReused
+            | ErrorCode::DeviceRunOverLimit => StatusCode::UNPROCESSABLE_ENTITY,
+            ErrorCode::RateLimited | ErrorCode::TooManyAuthFailures | ErrorCode::TooManyStreams => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
+            ErrorCode::Internal
+            | ErrorCode::StreamRoute
+            | ErrorCode::AccountUnreadable
+            | ErrorCode::AccountTrimmed
+            | ErrorCode::CrossShard => StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::ServiceUnavailable | ErrorCode::StoreUnavailable => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            ErrorCode::Sync(code) => sync_status(code),
+        }
+    }
+}
+
+/// A device sync's status, by what its code says of the run: refused as sent (422), against
+/// what the store holds (409, final), to be resent (503), its account never opened (404),
+/// or a store failure of no known kind (500).
+fn sync_status(code: SyncCode) -> StatusCode {
+    match code {
+        SyncCode::InvalidDeviceId
+        | SyncCode::DeviceIdReserved
+        | SyncCode::InvalidAccount
+        | SyncCode::EmptyRun
+        | SyncCode::RunTooLong
+        | SyncCode::BadSequence
+        | SyncCode::UnknownEventType
+        | SyncCode::InvalidAmount
+        | SyncCode::InvalidEventId => StatusCode::UNPROCESSABLE_ENTITY,
+        SyncCode::RunStraddlesMark | SyncCode::RunConflictsWithStore | SyncCode::RunTrimmed => {
+            StatusCode::CONFLICT
+        }
+        SyncCode::SyncInFlight
+        | SyncCode::SyncOutcomeUnknown
+        | SyncCode::SyncNotApplied
+        | SyncCode::SyncUnverified => StatusCode::SERVICE_UNAVAILABLE,
+        SyncCode::AccountNotFound => StatusCode::NOT_FOUND,
+        SyncCode::StoreError => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ApiError {
     #[error("{message}")]
-    BadRequest { code: &'static str, message: String },
+    BadRequest { code: ErrorCode, message: String },
     #[error("request body exceeds {limit} bytes")]
     PayloadTooLarge { limit: usize },
     /// 414: a request line over the head limit (`--max-header-bytes`). Answered in place of
@@ -69,11 +300,11 @@ pub enum ApiError {
     /// 422 with a code of its own: the request is well-formed JSON but breaks a rule of its
     /// endpoint (a device run with a gap, an unknown event type, ...). Final; nothing written.
     #[error("{message}")]
-    Unprocessable { code: &'static str, message: String },
+    Unprocessable { code: ErrorCode, message: String },
     /// 409 with a code of its own, final (no Retry-After): the request contradicts what the
     /// store already holds, and resending it cannot help.
     #[error("{message}")]
-    StoreConflict { code: &'static str, message: String },
+    StoreConflict { code: ErrorCode, message: String },
     /// Retryable: the write gave up or could not be verified. Nothing is known to be wrong
     /// with the request.
     #[error("{0}")]
@@ -91,7 +322,7 @@ pub enum ApiError {
     /// Retryable, 503 with a code of its own (a device sync's `SYNC_*`): resend the same
     /// request after `Retry-After`.
     #[error("{message}")]
-    RetryLater { code: &'static str, message: String },
+    RetryLater { code: ErrorCode, message: String },
     /// Retryable: the replica is shedding load (no in-flight slot came free in time). At
     /// the connection cap it also closes the connection, so the client reconnects behind
     /// the clients waiting in the accept queue instead of keeping its place.
@@ -99,12 +330,12 @@ pub enum ApiError {
     Shed { close_connection: bool },
     /// A bug, a poisoned stream, or a configuration the operator must fix.
     #[error("{message}")]
-    Internal { code: &'static str, message: String },
+    Internal { code: ErrorCode, message: String },
     /// 401: no bearer token (`UNAUTHORIZED`) or one that was refused
     /// (`INVALID_TOKEN`, with a fixed reason, never the token). Nothing was read or written.
     #[error("{message}")]
     Unauthorized {
-        code: &'static str,
+        code: ErrorCode,
         message: String,
         /// The fixed reason a token was refused, for `WWW-Authenticate`.
         reason: Option<&'static str>,
@@ -113,7 +344,7 @@ pub enum ApiError {
     /// naming the scope, or `FORBIDDEN` for an account or device it does not cover).
     #[error("{message}")]
     Forbidden {
-        code: &'static str,
+        code: ErrorCode,
         message: String,
         scope: Option<&'static str>,
     },
@@ -124,14 +355,14 @@ pub enum ApiError {
     /// rate (`TOO_MANY_STREAMS`, `TOO_MANY_AUTH_FAILURES`); retry after the seconds given.
     #[error("{message}")]
     Limited {
-        code: &'static str,
+        code: ErrorCode,
         message: String,
         retry_after_secs: u64,
     },
 }
 
 impl ApiError {
-    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+    pub fn bad_request(code: ErrorCode, message: impl Into<String>) -> Self {
         ApiError::BadRequest {
             code,
             message: message.into(),
@@ -151,34 +382,12 @@ impl ApiError {
         })
     }
 
+    /// The answer's status: its code's ([`ErrorCode::status`]).
     pub fn status(&self) -> StatusCode {
-        match self {
-            ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
-            ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::UriTooLong(_) => StatusCode::URI_TOO_LONG,
-            ApiError::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            ApiError::NotFound { .. } | ApiError::AccountNotFound(_) => StatusCode::NOT_FOUND,
-            ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            ApiError::Validation(_)
-            | ApiError::InsufficientFunds { .. }
-            | ApiError::KeyReused
-            | ApiError::Unprocessable { .. } => StatusCode::UNPROCESSABLE_ENTITY,
-            ApiError::Conflict(_) | ApiError::StoreConflict { .. } => StatusCode::CONFLICT,
-            ApiError::Unavailable(_)
-            | ApiError::StoreUnavailable
-            | ApiError::RetryLater { .. }
-            | ApiError::Shed { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
-            ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
-            ApiError::Forbidden { .. } => StatusCode::FORBIDDEN,
-            ApiError::RateLimited { .. } | ApiError::Limited { .. } => {
-                StatusCode::TOO_MANY_REQUESTS
-            }
-        }
+        self.code().status()
     }
 
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
             ApiError::BadRequest { code, .. }
             | ApiError::Internal { code, .. }
@@ -187,21 +396,21 @@ impl ApiError {
             | ApiError::Unauthorized { code, .. }
             | ApiError::Forbidden { code, .. }
             | ApiError::Limited { code, .. }
-            | ApiError::RetryLater { code, .. } => code,
-            ApiError::RateLimited { .. } => "RATE_LIMITED",
-            ApiError::PayloadTooLarge { .. } => "PAYLOAD_TOO_LARGE",
-            ApiError::UriTooLong(_) => "URI_TOO_LONG",
-            ApiError::HeadersTooLarge(_) => "HEADERS_TOO_LARGE",
-            ApiError::NotFound { .. } => "NOT_FOUND",
-            ApiError::AccountNotFound(_) => "ACCOUNT_NOT_FOUND",
-            ApiError::MethodNotAllowed { .. } => "METHOD_NOT_ALLOWED",
-            ApiError::UnsupportedMediaType(_) => "UNSUPPORTED_MEDIA_TYPE",
-            ApiError::Validation(_) => "VALIDATION_ERROR",
-            ApiError::InsufficientFunds { .. } => "INSUFFICIENT_FUNDS",
-            ApiError::KeyReused => "IDEMPOTENCY_KEY_REUSED",
-            ApiError::Conflict(_) => "CONFLICT",
-            ApiError::Unavailable(_) | ApiError::Shed { .. } => "SERVICE_UNAVAILABLE",
-            ApiError::StoreUnavailable => "STORE_UNAVAILABLE",
+            | ApiError::RetryLater { code, .. } => *code,
+            ApiError::RateLimited { .. } => ErrorCode::RateLimited,
+            ApiError::PayloadTooLarge { .. } => ErrorCode::PayloadTooLarge,
+            ApiError::UriTooLong(_) => ErrorCode::UriTooLong,
+            ApiError::HeadersTooLarge(_) => ErrorCode::HeadersTooLarge,
+            ApiError::NotFound { .. } => ErrorCode::NotFound,
+            ApiError::AccountNotFound(_) => ErrorCode::AccountNotFound,
+            ApiError::MethodNotAllowed { .. } => ErrorCode::MethodNotAllowed,
+            ApiError::UnsupportedMediaType(_) => ErrorCode::UnsupportedMediaType,
+            ApiError::Validation(_) => ErrorCode::ValidationError,
+            ApiError::InsufficientFunds { .. } => ErrorCode::InsufficientFunds,
+            ApiError::KeyReused => ErrorCode::IdempotencyKeyReused,
+            ApiError::Conflict(_) => ErrorCode::Conflict,
+            ApiError::Unavailable(_) | ApiError::Shed { .. } => ErrorCode::ServiceUnavailable,
+            ApiError::StoreUnavailable => ErrorCode::StoreUnavailable,
         }
     }
 
@@ -209,13 +418,13 @@ impl ApiError {
     pub fn into_response(self) -> Resp {
         let status = self.status();
         let mut body =
-            json!({ "error": self.code(), "message": bounded_message(self.to_string()) });
+            json!({ "error": self.code().as_str(), "message": bounded_message(self.to_string()) });
         if let ApiError::InsufficientFunds { balance } = &self {
             body["balanceCents"] = json!(balance);
         }
         if status == StatusCode::INTERNAL_SERVER_ERROR {
             let error_id = Uuid::new_v4();
-            tracing::error!(%error_id, code = self.code(), message = %self, "request failed");
+            tracing::error!(%error_id, code = self.code().as_str(), message = %self, "request failed");
             body["errorId"] = json!(error_id.to_string());
         }
         let mut resp = json_response(status, &body);
@@ -277,22 +486,22 @@ impl From<AuthError> for ApiError {
         let message = e.to_string();
         match e {
             AuthError::Missing => ApiError::Unauthorized {
-                code: "UNAUTHORIZED",
+                code: ErrorCode::Unauthorized,
                 message,
                 reason: None,
             },
             AuthError::Invalid(reason) => ApiError::Unauthorized {
-                code: "INVALID_TOKEN",
+                code: ErrorCode::InvalidToken,
                 message,
                 reason: Some(reason),
             },
             AuthError::Scope(scope) => ApiError::Forbidden {
-                code: "INSUFFICIENT_SCOPE",
+                code: ErrorCode::InsufficientScope,
                 message,
                 scope: Some(scope.as_str()),
             },
             AuthError::Resource(_) => ApiError::Forbidden {
-                code: "FORBIDDEN",
+                code: ErrorCode::Forbidden,
                 message,
                 scope: None,
             },
@@ -302,7 +511,7 @@ impl From<AuthError> for ApiError {
 
 impl From<DeviceSyncError> for ApiError {
     fn from(e: DeviceSyncError) -> Self {
-        let code = e.code();
+        let code = ErrorCode::Sync(e.code());
         let message = e.to_string();
         if let DeviceSyncError::AccountNotFound(_) = e {
             ApiError::AccountNotFound(message)
@@ -327,7 +536,7 @@ impl From<RuleError> for ApiError {
             // Final: the open is decided on state that reached the store's tip, and a retry
             // of the open that landed is replayed before anything is decided.
             RuleError::AccountExists { .. } => ApiError::StoreConflict {
-                code: "ACCOUNT_EXISTS",
+                code: ErrorCode::AccountExists,
                 message: e.to_string(),
             },
         }
@@ -338,11 +547,11 @@ impl From<ProjectionError> for ApiError {
     fn from(e: ProjectionError) -> Self {
         match e {
             ProjectionError::Poisoned { .. } => ApiError::Internal {
-                code: "ACCOUNT_UNREADABLE",
+                code: ErrorCode::AccountUnreadable,
                 message: e.to_string(),
             },
             ProjectionError::Trimmed { .. } => ApiError::Internal {
-                code: "ACCOUNT_TRIMMED",
+                code: ErrorCode::AccountTrimmed,
                 message: e.to_string(),
             },
             ProjectionError::Store(s) => s.into(),
@@ -361,16 +570,18 @@ impl From<ReadError> for ApiError {
             | ReadError::HistoryTipUnknown(_)
             | ReadError::StoreHidesEvents { .. }
             | ReadError::Database => ApiError::Unavailable(e.to_string()),
-            ReadError::LimitOutOfRange { .. } => ApiError::bad_request("BAD_QUERY", e.to_string()),
+            ReadError::LimitOutOfRange { .. } => {
+                ApiError::bad_request(ErrorCode::BadQuery, e.to_string())
+            }
             ReadError::MinVersionBeyondTip { .. } => {
-                ApiError::bad_request("MIN_VERSION_BEYOND_TIP", e.to_string())
+                ApiError::bad_request(ErrorCode::MinVersionBeyondTip, e.to_string())
             }
             ReadError::Unreadable { .. } => ApiError::Internal {
-                code: "ACCOUNT_UNREADABLE",
+                code: ErrorCode::AccountUnreadable,
                 message: e.to_string(),
             },
             ReadError::Trimmed { .. } => ApiError::Internal {
-                code: "ACCOUNT_TRIMMED",
+                code: ErrorCode::AccountTrimmed,
                 message: e.to_string(),
             },
             ReadError::Store(s) => s.into(),
@@ -383,7 +594,7 @@ impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::CrossShard => ApiError::Internal {
-                code: "CROSS_SHARD",
+                code: ErrorCode::CrossShard,
                 message: WriteError::CrossShard.to_string(),
             },
             e if e.is_unreachable() => ApiError::StoreUnavailable,
@@ -414,7 +625,7 @@ impl From<WriteError> for ApiError {
             WriteError::Store(s) => s.into(),
             WriteError::Overloaded { .. } => ApiError::Unavailable(e.to_string()),
             WriteError::Invariant { .. } => ApiError::Internal {
-                code: "INTERNAL",
+                code: ErrorCode::Internal,
                 message: e.to_string(),
             },
         }
@@ -442,6 +653,7 @@ fn bounded_message(mut message: String) -> String {
 mod tests {
     use super::*;
     use crate::account::AccountId;
+    use crate::device::error::RetryReason;
 
     /// Rule: an error answer never echoes a request back whole: its message is cut at
     /// [`MAX_ERROR_MESSAGE_BYTES`], on a character boundary.
@@ -570,7 +782,11 @@ mod tests {
         ];
         for (e, status, code) in cases {
             let api = ApiError::from(e.clone());
-            assert_eq!((api.status().as_u16(), api.code()), (status, code), "{e:?}");
+            assert_eq!(
+                (api.status().as_u16(), api.code().as_str()),
+                (status, code),
+                "{e:?}"
+            );
         }
     }
 
@@ -651,10 +867,75 @@ mod tests {
             reason: crate::device::error::RetryReason::Unverified,
             detail: "x".into(),
         });
-        assert_eq!(e.code(), "SYNC_UNVERIFIED");
+        assert_eq!(e.code().as_str(), "SYNC_UNVERIFIED");
         let r = e.into_response();
         assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(r.headers()[RETRY_AFTER], "1");
+    }
+
+    /// Rule: a device sync error answers the status of its kind (the device layer's
+    /// classification, which picks the variant and so the headers), through its code's one
+    /// entry in the status table: the two cannot disagree.
+    #[test]
+    fn a_device_errors_status_follows_its_kind() {
+        let cases = [
+            DeviceSyncError::InvalidDeviceId("x".into()),
+            DeviceSyncError::ReservedDeviceId(crate::device::DeviceId(Uuid::from_u128(1))),
+            DeviceSyncError::InvalidAccount("x".into()),
+            DeviceSyncError::EmptyRun,
+            DeviceSyncError::RunTooLong { len: 2, max: 1 },
+            DeviceSyncError::BadSequence("x".into()),
+            DeviceSyncError::UnknownEventType {
+                index: 0,
+                kind: "x".into(),
+            },
+            DeviceSyncError::InvalidAmount {
+                index: 0,
+                reason: "x".into(),
+            },
+            DeviceSyncError::InvalidEventId {
+                index: 0,
+                value: "x".into(),
+            },
+            DeviceSyncError::RepeatedEventId { index: 1, first: 0 },
+            DeviceSyncError::RunStraddlesMark {
+                mark: 2,
+                first_seq: 1,
+                last_seq: 3,
+            },
+            DeviceSyncError::RunConflictsWithStore { seq: 1 },
+            DeviceSyncError::RunNeverLanded { seq: 1 },
+            DeviceSyncError::RunTrimmed { seq: 1 },
+            DeviceSyncError::AccountNotFound(AccountId(Uuid::from_u128(1))),
+            DeviceSyncError::Store(StoreError::CrossShard),
+        ];
+        let retries = [
+            RetryReason::InFlight,
+            RetryReason::OutcomeUnknown,
+            RetryReason::NotApplied,
+            RetryReason::Unverified,
+        ]
+        .map(|reason| DeviceSyncError::Retry {
+            reason,
+            detail: "x".into(),
+        });
+        for e in cases.into_iter().chain(retries) {
+            let kind = if let DeviceSyncError::AccountNotFound(_) = e {
+                StatusCode::NOT_FOUND
+            } else if e.is_invalid_request() {
+                StatusCode::UNPROCESSABLE_ENTITY
+            } else if e.is_conflict() {
+                StatusCode::CONFLICT
+            } else if e.is_retryable() {
+                StatusCode::SERVICE_UNAVAILABLE
+            } else {
+                StatusCode::INTERNAL_SERVER_ERROR
+            };
+            let code = e.code();
+            let api = ApiError::from(e.clone());
+            assert_eq!(api.status(), kind, "{e:?}");
+            assert_eq!(api.code().as_str(), code.as_str(), "{e:?}");
+        }
     }
 
     /// A shed request is told when to retry, in the usual JSON shape; its connection is

@@ -15,7 +15,7 @@
 use hyper::HeaderMap;
 use uuid::Uuid;
 
-use super::error::ApiError;
+use super::error::{ApiError, ErrorCode};
 
 pub const HEADER: &str = "idempotency-key";
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
@@ -137,7 +137,7 @@ fn unquote(raw: &str) -> Result<String, ApiError> {
 }
 
 fn invalid(message: &str) -> ApiError {
-    ApiError::bad_request("INVALID_IDEMPOTENCY_KEY", message)
+    ApiError::bad_request(ErrorCode::InvalidIdempotencyKey, message)
 }
 
 #[cfg(test)]

@@ -24,6 +24,7 @@ pub mod idempotency;
 mod layer;
 pub mod openapi;
 mod ops;
+mod peer;
 pub mod response;
 pub mod router;
 mod serve;

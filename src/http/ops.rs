@@ -56,7 +56,8 @@ pub async fn readyz(app: &Arc<App>) -> Result<Resp, ApiError> {
 /// The error's own response (status, JSON error body, `Retry-After`), with `status` (and,
 /// while starting, `waiting`) added to the body.
 fn not_ready(status: &'static str, err: ApiError, waiting: Option<Vec<String>>) -> Resp {
-    let mut body = json!({ "status": status, "error": err.code(), "message": err.to_string() });
+    let mut body =
+        json!({ "status": status, "error": err.code().as_str(), "message": err.to_string() });
     if let Some(waiting) = waiting {
         body["waiting"] = json!(waiting);
     }

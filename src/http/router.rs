@@ -12,8 +12,9 @@ use hyper::body::Incoming;
 use hyper::{Method, Request, Response};
 use uuid::Uuid;
 
+use super::admission::RequestSlots;
 use super::auth::{Access, Named};
-use super::error::ApiError;
+use super::error::{ApiError, ErrorCode};
 use super::response::Resp;
 use super::watch::{self, HttpBody};
 use super::{accounts, console, devices, openapi, ops, writes};
@@ -206,7 +207,7 @@ impl Route {
         let id = |s: &str| -> Result<AccountId, ApiError> {
             s.parse().map_err(|_| {
                 ApiError::bad_request(
-                    "INVALID_ID",
+                    ErrorCode::InvalidId,
                     format!("{s:?} is not a valid account id (a UUID)"),
                 )
             })
@@ -227,7 +228,7 @@ impl Route {
                 Route::DeviceSync(Uuid::nil()).check_method(method)?;
                 Route::DeviceSync(device.parse().map_err(|_| {
                     ApiError::bad_request(
-                        "INVALID_DEVICE_ID",
+                        ErrorCode::InvalidDeviceId,
                         format!("{device:?} is not a valid device id (a UUID)"),
                     )
                 })?)
@@ -293,6 +294,7 @@ pub async fn dispatch(
     app: &Arc<App>,
     route: Route,
     req: Request<Incoming>,
+    slots: &RequestSlots,
 ) -> Result<Resp, ApiError> {
     let names_a_parameter = |q: &str| form_urlencoded::parse(q.as_bytes()).next().is_some();
     if route.refuses_query() && req.uri().query().is_some_and(names_a_parameter) {
@@ -300,7 +302,7 @@ pub async fn dispatch(
         // must not move money), as reads refuse theirs. A query of separators alone
         // (`?&`) names none, on a write as on a read (else 200 and 400).
         return Err(ApiError::bad_request(
-            "BAD_QUERY",
+            ErrorCode::BadQuery,
             format!("{} takes no query parameters", route.template()),
         ));
     }
@@ -309,19 +311,19 @@ pub async fn dispatch(
         Route::Readyz => ops::readyz(app).await,
         Route::Metrics => Ok(ops::metrics(app)),
         Route::Accounts => Ok(accounts::list(app, req.extensions().get())),
-        Route::OpenAccount => writes::open_account(app, req).await,
+        Route::OpenAccount => writes::open_account(app, req, slots).await,
         Route::Balance(account) => accounts::balance(app, account, req.uri().query()).await,
         Route::History(account) => accounts::history(app, account, req.uri().query()).await,
-        Route::Deposit(account) => writes::deposit(app, account, req).await,
-        Route::Withdraw(account) => writes::withdraw(app, account, req).await,
-        Route::AccountTransfer(from) => writes::account_transfer(app, from, req).await,
-        Route::Transfers => writes::transfer(app, req).await,
-        Route::DeviceSync(device) => devices::sync(app, device, req).await,
+        Route::Deposit(account) => writes::deposit(app, account, req, slots).await,
+        Route::Withdraw(account) => writes::withdraw(app, account, req, slots).await,
+        Route::AccountTransfer(from) => writes::account_transfer(app, from, req, slots).await,
+        Route::Transfers => writes::transfer(app, req, slots).await,
+        Route::DeviceSync(device) => devices::sync(app, device, req, slots).await,
         Route::OpenApi => Ok(openapi::document()),
         Route::Console => Ok(console::page()),
         // `Endpoint` serves the streams before it dispatches; reaching here is a bug.
         Route::AccountEvents(_) | Route::WatchStream => Err(ApiError::Internal {
-            code: "STREAM_ROUTE",
+            code: ErrorCode::StreamRoute,
             message: "an event-stream route reached the JSON dispatcher".into(),
         }),
     }
@@ -341,6 +343,12 @@ pub fn refused(e: ApiError) -> BoxFuture {
     Box::pin(std::future::ready(Err(e)))
 }
 
+/// A request as the accept loop hands it to the edge's stack, with what it holds there.
+pub struct Handed {
+    pub req: Request<Incoming>,
+    pub slots: RequestSlots,
+}
+
 /// A request and its route, resolved once, first (`layer::route`): every layer after reads
 /// the route here, and the handlers get it with the request.
 pub struct Routed {
@@ -348,6 +356,8 @@ pub struct Routed {
     /// [`Endpoint`], after the `Host` check.
     pub route: Result<Route, ApiError>,
     pub req: Request<Incoming>,
+    /// What the request holds at the edge: the admission layer adds its in-flight slot.
+    pub slots: RequestSlots,
 }
 
 impl Routed {
@@ -398,7 +408,7 @@ impl tower::Service<Routed> for Endpoint {
 /// (none of which acts on a request without one). Event streams answer a body that never
 /// ends by itself; every other route a whole one.
 async fn answer(app: &Arc<App>, routed: Routed) -> Answer {
-    let Routed { route, req } = routed;
+    let Routed { route, req, slots } = routed;
     let route = route?;
     // With --admin-listen, /metrics is served there only.
     if route == Route::Metrics && app.config.admin_listen.is_some() {
@@ -407,9 +417,9 @@ async fn answer(app: &Arc<App>, routed: Routed) -> Answer {
         });
     }
     match route {
-        Route::AccountEvents(account) => watch::account_events(app, account, &req).await,
-        Route::WatchStream => watch::all(app, &req).await,
-        _ => Ok(dispatch(app, route, req).await?.map(Either::Left)),
+        Route::AccountEvents(account) => watch::account_events(app, account, &req, &slots).await,
+        Route::WatchStream => watch::all(app, &req, &slots).await,
+        _ => Ok(dispatch(app, route, req, &slots).await?.map(Either::Left)),
     }
 }
 
@@ -447,7 +457,7 @@ mod tests {
         assert!(matches!(
             Route::resolve(&Method::POST, "/api/accounts/nope/deposit"),
             Err(ApiError::BadRequest {
-                code: "INVALID_ID",
+                code: ErrorCode::InvalidId,
                 ..
             })
         ));
@@ -512,7 +522,7 @@ mod tests {
         assert!(matches!(
             Route::resolve(&Method::POST, "/api/devices/nope/sync"),
             Err(ApiError::BadRequest {
-                code: "INVALID_DEVICE_ID",
+                code: ErrorCode::InvalidDeviceId,
                 ..
             })
         ));

@@ -15,15 +15,12 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tower::Service;
 
-use super::admission::Edge;
+use super::admission::{Edge, RequestSlots};
 use super::config::HEADER_READ_TIMEOUT;
+use super::peer::Peer;
+use super::router::Handed;
 use super::{gate, head, layer};
 use crate::app::App;
-
-/// The address a request's connection came from, on the request for the layers (the
-/// access line, the per-peer failure limit). The TCP peer: behind a proxy, the proxy's.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Peer(pub std::net::SocketAddr);
 
 /// hyper's smallest read buffer cap (its `max_buf_size` panics below this).
 const MIN_READ_BUFFER_BYTES: usize = 8192;
@@ -91,11 +88,12 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
                     let (gated, mut stack) = (gated.clone(), stack.clone());
                     async move {
                         serving.hold_slot().await;
-                        // For the body read, which gives the slot back while its client is slow.
-                        req.extensions_mut().insert(gated);
                         req.extensions_mut().insert(peer);
                         poll_fn(|cx| stack.poll_ready(cx)).await?;
-                        stack.call(req).await
+                        // The connection's side of the gate goes with the request: for the
+                        // body read, which gives the slot back while its client is slow.
+                        let slots = RequestSlots::on(gated);
+                        stack.call(Handed { req, slots }).await
                     }
                 });
                 let conn = graceful.watch(builder.serve_connection(io, svc));

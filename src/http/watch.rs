@@ -32,8 +32,9 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use super::accounts::history_event;
-use super::error::ApiError;
-use super::gate::{ConnSlot, Streaming};
+use super::admission::RequestSlots;
+use super::error::{ApiError, ErrorCode};
+use super::gate::Streaming;
 use crate::account::AccountId;
 use crate::app::App;
 use crate::auth::Caller;
@@ -58,13 +59,20 @@ pub async fn account_events(
     app: &Arc<App>,
     account: AccountId,
     req: &Request<Incoming>,
+    slots: &RequestSlots,
 ) -> Result<Response<HttpBody>, ApiError> {
     let resume = resume_point(req)?;
     let sub = app
         .watch
         .subscribe_account(caller_id(req), account, resume)
         .await?;
-    Ok(stream_response(app, sub.items, req, resumed_after(resume)))
+    Ok(stream_response(
+        app,
+        sub.items,
+        req,
+        slots,
+        resumed_after(resume),
+    ))
 }
 
 /// The last version a resumed stream's client holds. A stream that falls behind before it
@@ -79,15 +87,19 @@ fn resumed_after(resume: Resume) -> Option<u64> {
 }
 
 /// `GET /api/watch/stream`
-pub async fn all(app: &Arc<App>, req: &Request<Incoming>) -> Result<Response<HttpBody>, ApiError> {
+pub async fn all(
+    app: &Arc<App>,
+    req: &Request<Incoming>,
+    slots: &RequestSlots,
+) -> Result<Response<HttpBody>, ApiError> {
     if let Some(q) = req.uri().query().filter(|q| !q.is_empty()) {
         return Err(ApiError::bad_request(
-            "BAD_QUERY",
+            ErrorCode::BadQuery,
             format!("this stream takes no query parameters, got {q:?}"),
         ));
     }
     let sub = app.watch.subscribe_all(caller_id(req)).await?;
-    Ok(stream_response(app, sub.items, req, None))
+    Ok(stream_response(app, sub.items, req, slots, None))
 }
 
 /// Where to start: after `Last-Event-ID` (what a browser sends when it reconnects, so it
@@ -98,7 +110,7 @@ fn resume_point(req: &Request<Incoming>) -> Result<Resume, ApiError> {
     let last_event_id =
         super::headers::at_most_one(req.headers(), "last-event-id").map_err(|_| {
             ApiError::bad_request(
-                "BAD_LAST_EVENT_ID",
+                ErrorCode::BadLastEventId,
                 "send one Last-Event-ID header, not several",
             )
         })?;
@@ -114,7 +126,7 @@ fn resume_point(req: &Request<Incoming>) -> Result<Resume, ApiError> {
             .and_then(|s| s.parse::<u64>().ok())
             .ok_or_else(|| {
                 ApiError::bad_request(
-                    "BAD_LAST_EVENT_ID",
+                    ErrorCode::BadLastEventId,
                     "Last-Event-ID must be a version this stream sent (a non-negative integer)",
                 )
             })?;
@@ -129,13 +141,13 @@ fn from_version(req: &Request<Incoming>) -> Result<Option<u64>, ApiError> {
     for (name, value) in form_urlencoded::parse(req.uri().query().unwrap_or("").as_bytes()) {
         if name != "fromVersion" {
             return Err(ApiError::bad_request(
-                "BAD_QUERY",
+                ErrorCode::BadQuery,
                 format!("unknown query parameter {name:?}; allowed: fromVersion"),
             ));
         }
         if from.is_some() {
             return Err(ApiError::bad_request(
-                "BAD_QUERY",
+                ErrorCode::BadQuery,
                 "fromVersion is given more than once",
             ));
         }
@@ -144,7 +156,7 @@ fn from_version(req: &Request<Incoming>) -> Result<Option<u64>, ApiError> {
             .and_then(|v| v.parse::<u64>().ok())
             .ok_or_else(|| {
                 ApiError::bad_request(
-                    "BAD_QUERY",
+                    ErrorCode::BadQuery,
                     format!("fromVersion must be a non-negative integer, got {value:?}"),
                 )
             })?;
@@ -157,13 +169,13 @@ impl From<WatchError> for ApiError {
     fn from(e: WatchError) -> Self {
         match e {
             WatchError::BeyondTip { .. } => {
-                ApiError::bad_request("RESUME_BEYOND_TIP", e.to_string())
+                ApiError::bad_request(ErrorCode::ResumeBeyondTip, e.to_string())
             }
             WatchError::TooFarBack { .. } => {
-                ApiError::bad_request("RESUME_TOO_FAR_BACK", e.to_string())
+                ApiError::bad_request(ErrorCode::ResumeTooFarBack, e.to_string())
             }
             WatchError::CallerFull { .. } => ApiError::Limited {
-                code: "TOO_MANY_STREAMS",
+                code: ErrorCode::TooManyStreams,
                 message: e.to_string(),
                 retry_after_secs: crate::watch::CALLER_FULL_RETRY_AFTER_SECS,
             },
@@ -193,13 +205,11 @@ fn stream_response(
     app: &App,
     items: mpsc::Receiver<Item>,
     req: &Request<Incoming>,
+    slots: &RequestSlots,
     resumed_after: Option<u64>,
 ) -> Response<HttpBody> {
     // Rule 6 of the gate: the stream gives its slot back and its reads take none.
-    let streaming = req
-        .extensions()
-        .get::<Arc<ConnSlot>>()
-        .map(|conn| conn.stream_started());
+    let streaming = slots.conn.as_ref().map(|conn| conn.stream_started());
     let mut resp = Response::new(Either::Right(SseBody {
         items,
         preamble: true,
@@ -449,11 +459,11 @@ fn end(reason: &EndReason) -> (&'static str, serde_json::Value) {
         ),
         EndReason::StoreError(message) => (
             "error",
-            json!({"error": "STORE_UNAVAILABLE", "message": message}),
+            json!({"error": ErrorCode::StoreUnavailable.as_str(), "message": message}),
         ),
         EndReason::Unreadable { version, reason } => (
             "error",
-            json!({"error": "ACCOUNT_UNREADABLE", "message": format!("version {version}: {reason}")}),
+            json!({"error": ErrorCode::AccountUnreadable.as_str(), "message": format!("version {version}: {reason}")}),
         ),
     }
 }

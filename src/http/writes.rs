@@ -15,10 +15,11 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use super::accounts::BalanceBody;
+use super::admission::RequestSlots;
 use super::body::read_json;
 use super::deadline::{request_deadline, took_too_long};
 use super::detach::{Detached, WritePanicked};
-use super::error::ApiError;
+use super::error::{ApiError, ErrorCode};
 use super::idempotency::{self, IdempotencyKey};
 use super::response::{Resp, json_response};
 use crate::account::{AccountId, AmountCents, Operation};
@@ -106,8 +107,12 @@ struct TransferBody {
 
 /// `POST /api/accounts`: opens the account the body names, or one whose id is derived from
 /// the request's key. `201` with the account; a retry under the same key replays it.
-pub async fn open_account(app: &Arc<App>, req: Request<Incoming>) -> Result<Resp, ApiError> {
-    write(app, req, |b: OpenBody, event_id| {
+pub async fn open_account(
+    app: &Arc<App>,
+    req: Request<Incoming>,
+    slots: &RequestSlots,
+) -> Result<Resp, ApiError> {
+    write(app, req, slots, |b: OpenBody, event_id| {
         Ok(Operation::Open {
             account: b
                 .account_id
@@ -122,8 +127,9 @@ pub async fn deposit(
     app: &Arc<App>,
     account: AccountId,
     req: Request<Incoming>,
+    slots: &RequestSlots,
 ) -> Result<Resp, ApiError> {
-    write(app, req, move |b: AmountBody, _| {
+    write(app, req, slots, move |b: AmountBody, _| {
         Ok(Operation::Deposit {
             account,
             amount: AmountCents::new(b.amount_cents)?,
@@ -137,8 +143,9 @@ pub async fn withdraw(
     app: &Arc<App>,
     account: AccountId,
     req: Request<Incoming>,
+    slots: &RequestSlots,
 ) -> Result<Resp, ApiError> {
-    write(app, req, move |b: AmountBody, _| {
+    write(app, req, slots, move |b: AmountBody, _| {
         Ok(Operation::Withdraw {
             account,
             amount: AmountCents::new(b.amount_cents)?,
@@ -152,8 +159,9 @@ pub async fn account_transfer(
     app: &Arc<App>,
     from: AccountId,
     req: Request<Incoming>,
+    slots: &RequestSlots,
 ) -> Result<Resp, ApiError> {
-    write(app, req, move |b: AccountTransferBody, _| {
+    write(app, req, slots, move |b: AccountTransferBody, _| {
         Ok(Operation::transfer(
             from,
             AccountId(b.to_account_id),
@@ -164,8 +172,12 @@ pub async fn account_transfer(
 }
 
 /// `POST /api/transfers`
-pub async fn transfer(app: &Arc<App>, req: Request<Incoming>) -> Result<Resp, ApiError> {
-    write(app, req, |b: TransferBody, _| {
+pub async fn transfer(
+    app: &Arc<App>,
+    req: Request<Incoming>,
+    slots: &RequestSlots,
+) -> Result<Resp, ApiError> {
+    write(app, req, slots, |b: TransferBody, _| {
         Ok(Operation::transfer(
             AccountId(b.from_account_id),
             AccountId(b.to_account_id),
@@ -214,7 +226,12 @@ impl From<&LegResult> for BalanceBody {
 /// that it outlives the connection if it must ([`Detached`]: a client that disconnects must
 /// not cancel a store write half-way; its outcome is recorded for the retry that follows),
 /// and answer with the window and key headers.
-async fn write<B, F>(app: &Arc<App>, req: Request<Incoming>, build: F) -> Result<Resp, ApiError>
+async fn write<B, F>(
+    app: &Arc<App>,
+    req: Request<Incoming>,
+    slots: &RequestSlots,
+    build: F,
+) -> Result<Resp, ApiError>
 where
     B: DeserializeOwned,
     F: FnOnce(B, Uuid) -> Result<Operation, ApiError>,
@@ -223,7 +240,7 @@ where
     // landing, so at least from here.
     let started = std::time::Instant::now();
     let caller = req.extensions().get::<Caller>().cloned();
-    let (key, op) = parse_write(app, req, build).await?;
+    let (key, op) = parse_write(app, req, slots, build).await?;
     refuse_if_stood_still(app)?;
     if key.minted {
         app.metrics.idem_keys_minted.inc();
@@ -276,6 +293,7 @@ impl Shown {
 async fn parse_write<B, F>(
     app: &Arc<App>,
     req: Request<Incoming>,
+    slots: &RequestSlots,
     build: F,
 ) -> Result<(IdempotencyKey, Operation), ApiError>
 where
@@ -286,7 +304,7 @@ where
     let key = IdempotencyKey::from_headers(req.headers(), caller.as_ref().map(|c| c.id.as_str()))?;
     RequestNote::key_hash(|| key.short_hash());
     // The body read is bounded as any request is; the write is bounded below.
-    let body: B = tokio::time::timeout(request_deadline(app), read_json(req))
+    let body: B = tokio::time::timeout(request_deadline(app), read_json(req, slots))
         .await
         .map_err(|_| took_too_long())??;
     let op = build(body, key.event_id)?;
@@ -398,7 +416,7 @@ fn outcome_response(outcome: &WriteOutcome, shown: Shown) -> Resp {
         [one] => json_response(StatusCode::OK, &BalanceBody::from(one)),
         _ => {
             return ApiError::Internal {
-                code: "INTERNAL",
+                code: ErrorCode::Internal,
                 message: "a write produced no legs".into(),
             }
             .into_response();

@@ -154,7 +154,7 @@ async fn a_device_resend_meeting_its_write_in_flight_is_told_to_retry() {
     });
     assert!(hold.held().await);
     let err = core.handle(DEVICE, &run(1, 2, 10)).await.unwrap_err();
-    assert_eq!(err.code(), "SYNC_IN_FLIGHT");
+    assert_eq!(err.code().as_str(), "SYNC_IN_FLIGHT");
     assert!(matches!(
         err,
         DeviceSyncError::Retry {
@@ -261,7 +261,7 @@ async fn a_reissued_sequence_is_never_answered_as_already_synced() {
     let err = core.handle(DEVICE, &reissued).await.unwrap_err();
     assert_eq!(err, DeviceSyncError::RunConflictsWithStore { seq: 2 });
     assert!(err.is_conflict() && !err.resend_may_help());
-    assert_eq!(err.code(), "DEVICE_RUN_CONFLICTS_WITH_STORE");
+    assert_eq!(err.code().as_str(), "DEVICE_RUN_CONFLICTS_WITH_STORE");
     // Without event ids the payload still tells them apart.
     let (_, _, bare) = faulty();
     bare.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
@@ -306,7 +306,7 @@ async fn a_covered_run_whose_batches_were_trimmed_is_never_answered_synced() {
     for resent in [run(1, 2, 10), run(1, 2, 999)] {
         let err = core.handle(DEVICE, &resent).await.unwrap_err();
         assert_eq!(err, DeviceSyncError::RunTrimmed { seq: 1 });
-        assert_eq!(err.code(), "DEVICE_RUN_TRIMMED");
+        assert_eq!(err.code().as_str(), "DEVICE_RUN_TRIMMED");
         assert!(err.is_conflict() && !err.is_retryable());
     }
     assert_eq!(memory.batch_count(key), 1, "nothing written");
@@ -329,7 +329,7 @@ async fn a_lagging_read_never_turns_a_landed_run_into_a_final_refusal() {
 
     faulty.lag_next_read(1);
     let lagged = core.handle(DEVICE, &run(1, 2, 10)).await.unwrap_err();
-    assert_eq!(lagged.code(), "SYNC_UNVERIFIED", "{lagged:?}");
+    assert_eq!(lagged.code().as_str(), "SYNC_UNVERIFIED", "{lagged:?}");
     let again = core.handle(DEVICE, &run(1, 2, 10)).await.unwrap();
     assert_eq!(again.status, SyncStatus::AlreadySynced);
 }
@@ -490,7 +490,7 @@ async fn a_resend_far_below_the_top_is_found_above_the_devices_hint() {
     assert_eq!(windowed.reads(), 1, "the window right above the hint");
 
     let err = core.handle(DEVICE, &run(3, 4, 10)).await.unwrap_err();
-    assert_eq!(err.code(), "SYNC_UNVERIFIED", "{err:?}");
+    assert_eq!(err.code().as_str(), "SYNC_UNVERIFIED", "{err:?}");
 }
 
 /// Rule: the hint only orders the read. A hint above the run (a buggy or restored device)
@@ -563,7 +563,7 @@ async fn a_run_beyond_the_read_back_page_cap_is_unverified_not_a_verdict() {
         ),
         "{err:?}"
     );
-    assert_eq!(err.code(), "SYNC_UNVERIFIED");
+    assert_eq!(err.code().as_str(), "SYNC_UNVERIFIED");
     assert_eq!(windowed.reads(), MAX_RUN_READ_PAGES);
     let key = Identity::default().key(account());
     let written = MAX_RUN_READ_PAGES as u64 * CELERIANT_WINDOW + 1;

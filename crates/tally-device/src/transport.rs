@@ -256,7 +256,7 @@ pub fn classify_core(
     match result {
         Ok(answer) => Ok(answer),
         Err(e) if !e.resend_may_help() => Err(TransportError::Refused {
-            code: e.code().into(),
+            code: e.code().as_str().into(),
             detail: e.to_string(),
         }),
         Err(e) => Err(TransportError::Retry {

@@ -72,14 +72,14 @@ fn check_event(read: &RunRead, device: DeviceId, want: &Event) -> Result<(), Dev
         }
         // Trimmed away: the mark says some event of this device's held the sequence,
         // not that it was this one. Never answered as synced on the mark alone.
-        None if read.trimmed => {
+        None if read.reach == Reach::Trimmed => {
             tracing::warn!(device = %device, seq, "device run below its mark was trimmed away");
             Err(DeviceSyncError::RunTrimmed { seq })
         }
         // The read shows a later sequence of this device's and every version where
         // this one could stand below it (see `read_run`): it is not there. The device
         // synced out of order (or skipped ahead), and resending cannot help.
-        None if read.max_seen > seq => {
+        None if read.seen.is_some_and(|seen| seen.highest > seq) => {
             tracing::warn!(device = %device, seq, "device run below its mark never landed");
             Err(DeviceSyncError::RunNeverLanded { seq })
         }
@@ -131,7 +131,11 @@ async fn read_run(
         key,
         read: RunRead::new(run),
         floor: details.min_available_version.max(1),
-        trimmed: details.min_available_version > 1,
+        reach: if details.min_available_version > 1 {
+            Reach::Trimmed
+        } else {
+            Reach::Whole
+        },
         pages: 0,
     };
     let hint = run
@@ -149,7 +153,9 @@ async fn read_run(
     }
     let mut read = scan.read;
     // A trim only hides the run if nothing read places the run above it.
-    read.trimmed = scan.trimmed && !read.earlier;
+    if !read.saw_earlier() {
+        read.reach = scan.reach;
+    }
     Ok(read)
 }
 
@@ -158,33 +164,37 @@ impl Scan<'_> {
     /// in turn, bottom first (above a hint, the run is the device's next batch), until the
     /// answer is decided (true) or the range is read (false).
     async fn read_range(&mut self, mut low: u64, mut high: u64, ends: Ends) -> StoreResult<bool> {
-        let mut from_top = ends == Ends::Top;
+        let mut side = match ends {
+            Ends::Top => Side::Top,
+            Ends::Both => Side::Bottom,
+        };
         while low <= high {
-            let (from, to) = if from_top {
-                (high.saturating_sub(READ_BACK_WINDOW - 1).max(low), high)
-            } else {
-                (low, low.saturating_add(READ_BACK_WINDOW - 1).min(high))
+            let (from, to) = match side {
+                Side::Top => (high.saturating_sub(READ_BACK_WINDOW - 1).max(low), high),
+                Side::Bottom => (low, low.saturating_add(READ_BACK_WINDOW - 1).min(high)),
             };
             match self.read_window(from, to).await {
                 Ok(()) => {}
                 // Trimmed while we read: what is left starts higher up.
                 Err(StoreError::Trimmed { min_available }) if min_available > low => {
-                    self.trimmed = true;
+                    self.reach = Reach::Trimmed;
                     self.floor = self.floor.max(min_available);
                     low = min_available;
                     continue;
                 }
                 Err(e) => return Err(e),
             }
-            if self.read.decided(from_top) {
+            if self.read.decided(side) {
                 return Ok(true);
             }
-            if from_top {
-                high = from - 1;
-            } else {
-                low = to + 1;
+            match side {
+                Side::Top => high = from - 1,
+                Side::Bottom => low = to + 1,
             }
-            from_top = ends == Ends::Top || !from_top;
+            side = match (ends, side) {
+                (Ends::Top, _) | (Ends::Both, Side::Bottom) => Side::Top,
+                (Ends::Both, Side::Top) => Side::Bottom,
+            };
         }
         Ok(false)
     }
@@ -234,8 +244,8 @@ struct Scan<'l> {
     read: RunRead,
     /// The lowest version still readable.
     floor: u64,
-    /// Part of the stream was trimmed away.
-    trimmed: bool,
+    /// Whether part of the stream was trimmed away.
+    reach: Reach,
     /// Pages read so far, against [`MAX_RUN_READ_PAGES`].
     pages: usize,
 }
@@ -245,6 +255,44 @@ struct Scan<'l> {
 enum Ends {
     Top,
     Both,
+}
+
+/// The end of the unread range a window is taken from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Side {
+    Top,
+    Bottom,
+}
+
+/// Whether a read can reach every version where the run could stand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reach {
+    Whole,
+    /// Part of the stream was trimmed away below what was read.
+    Trimmed,
+}
+
+/// The lowest and highest sequence of this device's among the events read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SeqSpan {
+    lowest: u64,
+    highest: u64,
+}
+
+impl SeqSpan {
+    /// The span widened to take in `seq` (the span of `seq` alone from none).
+    fn with(span: Option<SeqSpan>, seq: u64) -> SeqSpan {
+        match span {
+            None => SeqSpan {
+                lowest: seq,
+                highest: seq,
+            },
+            Some(s) => SeqSpan {
+                lowest: s.lowest.min(seq),
+                highest: s.highest.max(seq),
+            },
+        }
+    }
 }
 
 /// Versions one step of a device run's read-back covers: one Celeriant page.
@@ -272,17 +320,16 @@ struct RunRead {
     last: u64,
     /// The run's sequences found, each with its event.
     found: BTreeMap<u64, Event>,
-    /// Part of the stream was trimmed away and nothing read places the run above the trim.
-    trimmed: bool,
-    /// The highest sequence of this device's read (0: none). A missing sequence of the run
-    /// below it never landed, once the read covers every version where it could stand.
-    max_seen: u64,
-    /// An event of this device's with a sequence below the run's was read.
-    earlier: bool,
-    /// The last window read held a later (or earlier) event than the run's: set per window
-    /// by [`RunRead::absorb`], read by [`RunRead::decided`].
-    window_later: bool,
-    window_earlier: bool,
+    /// `Trimmed` once the read is done if part of the stream was trimmed away and nothing
+    /// read places the run above the trim.
+    reach: Reach,
+    /// The sequences of this device's read (`None`: none). A missing sequence of the run
+    /// below the highest never landed, once the read covers every version where it could
+    /// stand. One below the run's places the run above it.
+    seen: Option<SeqSpan>,
+    /// The sequences of this device's in the window being read: taken in by
+    /// [`RunRead::absorb`], read and cleared by [`RunRead::decided`].
+    window: Option<SeqSpan>,
 }
 
 impl RunRead {
@@ -291,11 +338,9 @@ impl RunRead {
             first: run.first_seq(),
             last: run.last_seq(),
             found: BTreeMap::new(),
-            trimmed: false,
-            max_seen: 0,
-            earlier: false,
-            window_later: false,
-            window_earlier: false,
+            reach: Reach::Whole,
+            seen: None,
+            window: None,
         }
     }
 
@@ -305,27 +350,28 @@ impl RunRead {
             if (self.first..=self.last).contains(&e.client_seq) {
                 self.found.entry(e.client_seq).or_insert_with(|| e.clone());
             }
-            self.max_seen = self.max_seen.max(e.client_seq);
-            self.window_later |= e.client_seq > self.last;
-            self.window_earlier |= e.client_seq < self.first;
+            self.seen = Some(SeqSpan::with(self.seen, e.client_seq));
+            self.window = Some(SeqSpan::with(self.window, e.client_seq));
         }
-        self.earlier |= self.window_earlier;
     }
 
-    /// Whether reading on can no longer change the verdict, after a window from the top
-    /// (`from_top`) or the bottom of the unread range: every sequence of the run was found
-    /// (runs have no gaps); or, from the top, an earlier sequence was, above which every
-    /// version is read and below which none of the run's can stand; or, from the bottom
-    /// (above the device's hint), a later one was, once an earlier one was read above the
-    /// hint too: until then the run may stand below the hint, which says nothing for sure.
-    fn decided(&mut self, from_top: bool) -> bool {
-        let placed = if from_top {
-            self.window_earlier
-        } else {
-            self.window_later && self.earlier
+    /// Whether an event of this device's with a sequence below the run's was read.
+    fn saw_earlier(&self) -> bool {
+        self.seen.is_some_and(|s| s.lowest < self.first)
+    }
+
+    /// Whether reading on can no longer change the verdict, after a window from the `side`
+    /// of the unread range: every sequence of the run was found (runs have no gaps); or,
+    /// from the top, an earlier sequence was, above which every version is read and below
+    /// which none of the run's can stand; or, from the bottom (above the device's hint), a
+    /// later one was, once an earlier one was read above the hint too: until then the run
+    /// may stand below the hint, which says nothing for sure.
+    fn decided(&mut self, side: Side) -> bool {
+        let window = self.window.take();
+        let placed = match side {
+            Side::Top => window.is_some_and(|w| w.lowest < self.first),
+            Side::Bottom => window.is_some_and(|w| w.highest > self.last) && self.saw_earlier(),
         };
-        self.window_later = false;
-        self.window_earlier = false;
         placed || self.found.len() as u64 > self.last - self.first
     }
 }
@@ -336,9 +382,10 @@ mod tests {
 
     use super::*;
     use crate::account::Identity;
+    use crate::device::error::SyncCode;
     use crate::device::ingest::DeviceSync;
     use crate::device::ingest::tests::{ACCOUNT, DEVICE, event, request};
-    use crate::device::protocol::{SyncStatus, codes};
+    use crate::device::protocol::SyncStatus;
     use crate::store::memory::MemoryLog;
 
     /// The memory store, bent one way: 2002s that leave out the committed sequence, or
@@ -408,7 +455,7 @@ mod tests {
         core.handle(DEVICE, &run).await.unwrap();
         let started = tokio::time::Instant::now();
         let err = core.handle(DEVICE, &run).await.unwrap_err();
-        assert_eq!(err.code(), codes::SYNC_UNVERIFIED, "{err}");
+        assert_eq!(err.code(), SyncCode::SyncUnverified, "{err}");
         assert_eq!(started.elapsed(), READ_BACK_BUDGET);
     }
 

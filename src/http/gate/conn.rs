@@ -74,45 +74,100 @@ pub struct ConnSlot {
     pub(super) state: Mutex<State>,
 }
 
-#[derive(Default)]
+/// A connection's state: its phase, and the waker of its task.
 pub(super) struct State {
-    slot: Option<Slot>,
-    /// The current request may be read without a slot (rules 2 and 3).
-    pass: bool,
-    /// In the gate's queue, to be handed a slot or let through.
-    pub(super) queued: bool,
-    /// A request's handler is running: reads are for its body or hyper's check that the
-    /// client is still there, and take no slot of their own.
-    serving: bool,
-    /// An event stream's body is being sent (rule 6): reads take no slot.
-    streaming: bool,
-    /// The socket wrapper is gone: nothing is handed to this connection any more.
-    closed: bool,
-    /// When the connection began waiting for its next request, and hyper's head-read timer
-    /// with it (rule 2); `None` while a request is being served.
-    idle_since: Option<Instant>,
+    phase: Phase,
     /// The connection task's waker, woken when it may read.
     waker: Option<Waker>,
 }
 
+/// What a connection is doing, with what each phase holds.
+enum Phase {
+    /// Waiting for its next request since `since`, and hyper's head-read timer with it
+    /// (rule 2). Its next read goes on with `access`.
+    Idle { since: Instant, access: Access },
+    /// A request's handler is running: reads are for its body or hyper's check that the
+    /// client is still there, and take no slot of their own. `access` is what the handler
+    /// holds (rule 4).
+    Serving { access: Access },
+    /// A handler is running that started an event stream: its slot went back (rule 6), and
+    /// the stream's body outlives the handler.
+    ServingStream,
+    /// An event stream's body is being sent (rule 6): reads take no slot.
+    Streaming,
+    /// The socket wrapper is gone: nothing is handed to this connection any more.
+    Closed,
+}
+
+/// What a connection's reads go on with, from the gate.
+pub(super) enum Access {
+    /// Nothing yet: an idle connection's next read waits at the gate (rule 1).
+    Nothing,
+    /// A slot of the gate, held until this is dropped or replaced.
+    Slot(#[expect(dead_code, reason = "held for its drop, which gives the slot back")] Slot),
+    /// The current request may be read without a slot (rules 2 and 3).
+    Pass,
+    /// In the gate's queue, to be handed a slot or let through.
+    Queued,
+}
+
 impl State {
-    pub(super) fn may_read(&self) -> bool {
-        self.serving || self.streaming || self.slot.is_some() || self.pass
+    /// What the connection's reads go on with, in the phases that hold it.
+    fn access(&self) -> Option<&Access> {
+        match &self.phase {
+            Phase::Idle { access, .. } | Phase::Serving { access } => Some(access),
+            Phase::ServingStream | Phase::Streaming | Phase::Closed => None,
+        }
     }
 
-    /// Whether a request read now could wait `wait` (and a tick of the gate, which lets
-    /// waits that ran out through) before hyper's head-read timer, running since the
-    /// connection went idle, closes the connection (rule 2).
-    fn may_wait(&self, wait: Duration) -> bool {
-        self.idle_since
-            .is_none_or(|idle| idle.elapsed() + wait + HEAD_TIMER_MARGIN < HEADER_READ_TIMEOUT)
+    fn access_mut(&mut self) -> Option<&mut Access> {
+        match &mut self.phase {
+            Phase::Idle { access, .. } | Phase::Serving { access } => Some(access),
+            Phase::ServingStream | Phase::Streaming | Phase::Closed => None,
+        }
+    }
+
+    pub(super) fn may_read(&self) -> bool {
+        match &self.phase {
+            Phase::Idle { access, .. } => matches!(access, Access::Slot(_) | Access::Pass),
+            Phase::Serving { .. } | Phase::ServingStream | Phase::Streaming => true,
+            Phase::Closed => false,
+        }
+    }
+
+    pub(super) fn is_queued(&self) -> bool {
+        matches!(self.access(), Some(Access::Queued))
+    }
+
+    /// An idle connection with nothing to read with: what rule 1 decides for. `None` when
+    /// it may read, is queued, or is closed.
+    pub(super) fn undecided(&mut self) -> Option<(Instant, &mut Access)> {
+        match &mut self.phase {
+            Phase::Idle {
+                since,
+                access: access @ Access::Nothing,
+            } => Some((*since, access)),
+            _ => None,
+        }
     }
 
     pub(super) fn keep_waker(&mut self, waker: &Waker) {
-        if !self.waker.as_ref().is_some_and(|w| w.will_wake(waker)) {
-            self.waker = Some(waker.clone());
-        }
+        keep_waker(&mut self.waker, waker);
     }
+}
+
+fn keep_waker(kept: &mut Option<Waker>, waker: &Waker) {
+    if !kept.as_ref().is_some_and(|w| w.will_wake(waker)) {
+        *kept = Some(waker.clone());
+    }
+}
+
+/// Whether a request read now could wait `wait` (and a tick of the gate, which lets waits
+/// that ran out through) before hyper's head-read timer, running since the connection went
+/// idle (`idle_since`; `None` while a request is being served), closes the connection
+/// (rule 2).
+fn may_wait(idle_since: Option<Instant>, wait: Duration) -> bool {
+    idle_since.is_none_or(|idle| idle.elapsed() + wait + HEAD_TIMER_MARGIN < HEADER_READ_TIMEOUT)
 }
 
 /// What rule 1 decided for a readable socket.
@@ -153,10 +208,19 @@ impl Serving {
 impl Drop for Serving {
     fn drop(&mut self) {
         let mut s = self.conn.state.lock();
-        s.serving = false;
-        s.pass = false;
-        // hyper starts its head-read timer once the answer is written: no earlier than now.
-        s.idle_since = Some(Instant::now());
+        s.phase = match std::mem::replace(&mut s.phase, Phase::Closed) {
+            // hyper starts its head-read timer once the answer is written: no earlier than
+            // now. A slot is kept (see above); a pass was for this request only.
+            Phase::Serving { access } => Phase::Idle {
+                since: Instant::now(),
+                access: match access {
+                    Access::Pass => Access::Nothing,
+                    other => other,
+                },
+            },
+            Phase::ServingStream => Phase::Streaming,
+            other => other,
+        };
     }
 }
 
@@ -180,8 +244,16 @@ impl Streaming {
 impl Drop for Streaming {
     fn drop(&mut self) {
         let mut s = self.conn.state.lock();
-        s.streaming = false;
-        s.idle_since = Some(Instant::now());
+        s.phase = match std::mem::replace(&mut s.phase, Phase::Closed) {
+            Phase::Streaming => Phase::Idle {
+                since: Instant::now(),
+                access: Access::Nothing,
+            },
+            Phase::ServingStream => Phase::Serving {
+                access: Access::Nothing,
+            },
+            other => other,
+        };
     }
 }
 
@@ -198,43 +270,47 @@ impl ConnSlot {
             gate,
             stream,
             state: Mutex::new(State {
-                idle_since: Some(Instant::now()),
-                ..State::default()
+                phase: Phase::Idle {
+                    since: Instant::now(),
+                    access: Access::Nothing,
+                },
+                waker: None,
             }),
         })
     }
 
     #[cfg(test)]
     pub(super) fn holds(&self) -> bool {
-        self.state.lock().slot.is_some()
+        matches!(self.state.lock().access(), Some(Access::Slot(_)))
     }
 
-    /// Rule 1 for a readable socket, under the connection's lock: a free slot, else a pass
-    /// for a probe or a closed connection, else the queue.
+    /// Rule 1 for a readable socket, under the connection's lock, for an idle connection
+    /// with nothing to read with ([`State::undecided`]): a free slot, else a pass for a
+    /// probe or a closed connection, else the queue.
     pub(super) fn decide(
         self: &Arc<Self>,
-        s: &mut State,
+        idle_since: Instant,
+        access: &mut Access,
         peek: impl FnOnce() -> Peeked,
     ) -> Decision {
-        debug_assert!(!s.may_read() && !s.queued && !s.closed);
         if let Some(slot) = self.gate.try_take() {
-            s.slot = Some(slot);
+            *access = Access::Slot(slot);
             return Decision::Read;
         }
         match peek() {
             Peeked::Nothing => Decision::Stale,
             Peeked::Ungated => {
-                s.pass = true;
+                *access = Access::Pass;
                 Decision::Read
             }
-            Peeked::Request => self.wait(s),
+            Peeked::Request => self.wait(Some(idle_since), access),
         }
     }
 
     /// A slot if one is free, or else the back of the gate's queue (rule 2 bounds the wait).
-    fn wait(self: &Arc<Self>, s: &mut State) -> Decision {
-        if self.gate.max_wait.is_zero() || !s.may_wait(self.gate.max_wait) {
-            self.wait_ran_out(s);
+    fn wait(self: &Arc<Self>, idle_since: Option<Instant>, access: &mut Access) -> Decision {
+        if self.gate.max_wait.is_zero() || !may_wait(idle_since, self.gate.max_wait) {
+            self.wait_ran_out(access);
             return Decision::Read;
         }
         match self
@@ -242,11 +318,11 @@ impl ConnSlot {
             .take_or_wait(Arc::downgrade(self) as Weak<dyn Waiting>)
         {
             Some(slot) => {
-                s.slot = Some(slot);
+                *access = Access::Slot(slot);
                 Decision::Read
             }
             None => {
-                s.queued = true;
+                *access = Access::Queued;
                 Decision::Wait
             }
         }
@@ -254,18 +330,27 @@ impl ConnSlot {
 
     /// Holds a slot, or goes on without one once its wait ran out (rules 2 and 4). The
     /// connection stays queued if this future is dropped: it takes the slot when handed one
-    /// and gives it back at its next empty read.
+    /// and gives it back at its next empty read. A stream's reads need none (rule 6), and a
+    /// closed connection is handed none.
     pub(super) async fn take(self: &Arc<Self>) {
         poll_fn(|cx| {
             let mut s = self.state.lock();
-            if s.slot.is_some() || s.pass {
+            let State { phase, waker } = &mut *s;
+            let (idle_since, access) = match phase {
+                Phase::Idle { since, access } => (Some(*since), access),
+                Phase::Serving { access } => (None, access),
+                Phase::ServingStream | Phase::Streaming | Phase::Closed => {
+                    return Poll::Ready(());
+                }
+            };
+            if matches!(access, Access::Slot(_) | Access::Pass) {
                 return Poll::Ready(());
             }
-            s.keep_waker(cx.waker());
-            if s.queued {
+            keep_waker(waker, cx.waker());
+            if matches!(access, Access::Queued) {
                 return Poll::Pending;
             }
-            match self.wait(&mut s) {
+            match self.wait(idle_since, access) {
                 Decision::Read => Poll::Ready(()),
                 Decision::Wait | Decision::Stale => Poll::Pending,
             }
@@ -298,9 +383,9 @@ impl ConnSlot {
     }
 
     /// Rule 2's outcome, counted: the request is read without a slot.
-    fn wait_ran_out(&self, s: &mut State) {
+    fn wait_ran_out(&self, access: &mut Access) {
         self.gate.metrics.http_gate_waits_expired.inc();
-        s.pass = true;
+        *access = Access::Pass;
     }
 
     /// Wakes the connection's task, after the lock is released.
@@ -315,11 +400,11 @@ impl ConnSlot {
     /// The socket became readable while the connection was idle (see `OnReadable` in [`super::io`]).
     pub(super) fn on_readable(self: &Arc<Self>) {
         let mut s = self.state.lock();
-        if s.closed || s.queued {
+        if matches!(s.phase, Phase::Closed) || s.is_queued() {
             return;
         }
-        if !s.may_read() {
-            let decision = self.decide(&mut s, || match self.stream.upgrade() {
+        if let Some((idle_since, access)) = s.undecided() {
+            let decision = self.decide(idle_since, access, || match self.stream.upgrade() {
                 // The task re-registers readiness on its next poll if this finds nothing.
                 Some(stream) => peek(&stream, &mut Context::from_waker(Waker::noop())),
                 None => Peeked::Ungated,
@@ -335,25 +420,36 @@ impl ConnSlot {
     /// connection is idle again and its slot or pass goes back.
     pub(super) fn go_idle(&self) -> bool {
         let mut s = self.state.lock();
-        if s.serving || s.streaming {
-            return false;
-        }
-        let slot = s.slot.take();
-        s.pass = false;
+        let released = match &mut s.phase {
+            Phase::Idle { access, .. } => match access {
+                Access::Slot(_) | Access::Pass => std::mem::replace(access, Access::Nothing),
+                Access::Nothing | Access::Queued => Access::Nothing,
+            },
+            Phase::Closed => Access::Nothing,
+            Phase::Serving { .. } | Phase::ServingStream | Phase::Streaming => return false,
+        };
         drop(s);
-        drop(slot);
+        drop(released);
         true
     }
 
     /// The connection is gone: gives back its slot and leaves the queue.
     pub(super) fn close(self: &Arc<Self>) {
         let mut s = self.state.lock();
-        s.closed = true;
+        let was = std::mem::replace(&mut s.phase, Phase::Closed);
         s.waker = None;
-        let slot = s.slot.take();
-        let queued = std::mem::take(&mut s.queued);
         drop(s);
-        drop(slot);
+        let queued = matches!(
+            was,
+            Phase::Idle {
+                access: Access::Queued,
+                ..
+            } | Phase::Serving {
+                access: Access::Queued
+            }
+        );
+        // Gives back a slot it held.
+        drop(was);
         if queued {
             self.gate.forget(self);
         }
@@ -364,8 +460,11 @@ impl ConnSlot {
     /// comes in between, and must not give the slot back.
     pub fn serve(self: &Arc<Self>) -> Serving {
         let mut s = self.state.lock();
-        s.serving = true;
-        s.idle_since = None;
+        s.phase = match std::mem::replace(&mut s.phase, Phase::Closed) {
+            Phase::Idle { access, .. } => Phase::Serving { access },
+            Phase::Streaming => Phase::ServingStream,
+            other => other,
+        };
         drop(s);
         Serving { conn: self.clone() }
     }
@@ -375,22 +474,29 @@ impl ConnSlot {
     /// request takes one again (rules 1 and 4).
     pub(super) fn write_blocked(&self) {
         let mut s = self.state.lock();
-        if s.serving {
-            return;
-        }
-        let slot = s.slot.take();
+        let released = match &mut s.phase {
+            Phase::Idle {
+                access: access @ Access::Slot(_),
+                ..
+            } => std::mem::replace(access, Access::Nothing),
+            _ => return,
+        };
         drop(s);
-        drop(slot);
+        drop(released);
     }
 
     /// Rule 6: an event stream starts on this connection. Its slot goes back now, and its
     /// reads take none until the returned guard (kept by the stream's body) is dropped.
     pub fn stream_started(self: &Arc<Self>) -> Streaming {
         let mut s = self.state.lock();
-        s.streaming = true;
-        let slot = s.slot.take();
+        let (phase, released) = match std::mem::replace(&mut s.phase, Phase::Closed) {
+            Phase::Serving { access } => (Phase::ServingStream, Some(access)),
+            Phase::Idle { access, .. } => (Phase::Streaming, Some(access)),
+            other => (other, None),
+        };
+        s.phase = phase;
         drop(s);
-        drop(slot);
+        drop(released);
         Streaming { conn: self.clone() }
     }
 
@@ -401,9 +507,12 @@ impl ConnSlot {
         if let Poll::Ready(done) = poll_fn(|cx| Poll::Ready(body.as_mut().poll(cx))).await {
             return done;
         }
-        let slot = self.state.lock().slot.take();
-        let had = slot.is_some();
-        drop(slot);
+        let released = match self.state.lock().access_mut() {
+            Some(access @ Access::Slot(_)) => Some(std::mem::replace(access, Access::Nothing)),
+            _ => None,
+        };
+        let had = released.is_some();
+        drop(released);
         let done = body.await;
         if had {
             self.take().await;
@@ -432,26 +541,23 @@ impl Waiting for ConnSlot {
     /// The gate hands this queued connection a slot.
     fn hand(&self, slot: Slot) {
         let mut s = self.state.lock();
-        if s.closed || !s.queued {
-            drop(s);
-            // Released again, to the next in line.
-            drop(slot);
+        if let Some(access @ Access::Queued) = s.access_mut() {
+            *access = Access::Slot(slot);
+            Self::wake(s);
             return;
         }
-        debug_assert!(s.slot.is_none(), "a queued connection holds no slot");
-        s.queued = false;
-        s.slot = Some(slot);
-        Self::wake(s);
+        drop(s);
+        // Closed, or no longer queued: released again, to the next in line.
+        drop(slot);
     }
 
     /// Rule 2: this queued connection waited its full time; it reads without a slot.
     fn let_through(&self) {
         let mut s = self.state.lock();
-        if s.closed || !s.queued {
+        let Some(access @ Access::Queued) = s.access_mut() else {
             return;
-        }
-        s.queued = false;
-        self.wait_ran_out(&mut s);
+        };
+        self.wait_ran_out(access);
         Self::wake(s);
     }
 }

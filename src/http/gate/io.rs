@@ -104,7 +104,7 @@ impl GatedIo {
                     return Poll::Ready(Ok(()));
                 }
                 s.keep_waker(cx.waker());
-                if s.queued {
+                if s.is_queued() {
                     return Poll::Pending;
                 }
             }
@@ -114,11 +114,14 @@ impl GatedIo {
                     .poll_read_ready(&mut Context::from_waker(&self.readable))
             )?;
             let mut s = self.conn.state.lock();
-            if s.may_read() || s.queued {
+            let Some((idle_since, access)) = s.undecided() else {
                 // The callback decided first.
                 continue;
-            }
-            match self.conn.decide(&mut s, || peek(&self.stream, cx)) {
+            };
+            match self
+                .conn
+                .decide(idle_since, access, || peek(&self.stream, cx))
+            {
                 Decision::Read => return Poll::Ready(Ok(())),
                 Decision::Wait => return Poll::Pending,
                 // The peek found nothing and cleared the readiness: register again.

@@ -40,7 +40,7 @@ struct Slots {
     /// Slots held now; above `limit` for a while after the limit shrinks.
     taken: usize,
     /// Connections waiting for a slot, oldest first. A connection is here at most once
-    /// (its `queued` flag), so the queue is bounded by the open connections.
+    /// (queued is one of its states), so the queue is bounded by the open connections.
     waiting: VecDeque<Waiter>,
 }
 

@@ -82,7 +82,7 @@ impl<T: AsyncWrite + Unpin> HeadGuard<T> {
                 return Poll::Ready(Ok(false));
             };
             let status = error.status().as_u16();
-            tracing::info!(status, code = error.code(), "request head refused");
+            tracing::info!(status, code = error.code().as_str(), "request head refused");
             self.refusal = Some(Refusal {
                 answer: raw_answer(error),
                 sent: 0,
@@ -197,7 +197,7 @@ mod tests {
     #[test]
     fn hyper_refusals_are_recognised_and_nothing_else() {
         let guard = HeadGuard::new((), LIMIT);
-        let refused = |written: &[u8]| guard.refused(written).map(|e| e.code());
+        let refused = |written: &[u8]| guard.refused(written).map(|e| e.code().as_str());
         let hyper_431 =
             b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\n\r\n";
         assert_eq!(refused(hyper_431), Some("HEADERS_TOO_LARGE"));

@@ -21,8 +21,8 @@ use tower::{Layer, Service};
 use tracing::Instrument;
 
 use crate::http::error::ApiError;
+use crate::http::peer::Peer;
 use crate::http::router::{BoxFuture, Routed, method_label};
-use crate::http::serve::Peer;
 use crate::http::watch::HttpBody;
 use crate::request_note::RequestNote;
 

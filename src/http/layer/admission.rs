@@ -2,8 +2,8 @@
 //! read, so a request that is refused costs no more than its head: it waits for one at most
 //! `--max-queue-wait-ms`, else it is shed with 503 and `Retry-After`
 //! ([`Edge::admit`](crate::http::admission::Edge::admit) says why, and counts it). The
-//! permit rides on the request, for the body read to give back while its client is slow
-//! (`body::read_json`), and is held until the answer. Probes, scrapes, the console and the
+//! permit goes with the request in its slots (`RequestSlots`), for the body read to give
+//! back while its client is slow (`body::read_json`), and is held until the answer. Probes, scrapes, the console and the
 //! contract take none.
 
 use std::sync::Arc;
@@ -15,7 +15,6 @@ use tower::{Layer, Service};
 use crate::app::App;
 use crate::http::admission::{Edge, InFlight};
 use crate::http::error::ApiError;
-use crate::http::gate::ConnSlot;
 use crate::http::router::{BoxFuture, Routed};
 use crate::http::watch::HttpBody;
 
@@ -74,9 +73,8 @@ where
         let mut inner = std::mem::replace(&mut self.inner, ready);
         let (app, edge) = (self.app.clone(), self.edge.clone());
         Box::pin(async move {
-            let conn = routed.req.extensions().get::<Arc<ConnSlot>>().cloned();
-            let in_flight = InFlight::admit(&edge, &app, conn.as_ref()).await?;
-            routed.req.extensions_mut().insert(in_flight.clone());
+            let in_flight = InFlight::admit(&edge, &app, routed.slots.conn.as_ref()).await?;
+            routed.slots.in_flight = Some(in_flight.clone());
             let answer = inner.call(routed).await;
             drop(in_flight);
             answer

@@ -10,8 +10,8 @@ use super::check::Check;
 use crate::app::App;
 use crate::http::auth;
 use crate::http::error::ApiError;
+use crate::http::peer::Peer;
 use crate::http::router::Routed;
-use crate::http::serve::Peer;
 use crate::request_note::RequestNote;
 
 /// The caller's token against what the route asks; the admitted caller rides on the request.

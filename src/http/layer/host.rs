@@ -17,7 +17,7 @@ use hyper::body::Incoming;
 
 use crate::app::App;
 use crate::auth::AuthMode;
-use crate::http::error::ApiError;
+use crate::http::error::{ApiError, ErrorCode};
 use crate::http::headers::at_most_one;
 use crate::http::router::{Route, Routed};
 
@@ -67,7 +67,7 @@ impl Check for HostRules {
         match (&*self.served, host.filter(|_| api)) {
             (Served::LocalAnd(listed), Some(host)) if !serves(listed, host) => {
                 Err(ApiError::Forbidden {
-                    code: "HOST_NOT_ALLOWED",
+                    code: ErrorCode::HostNotAllowed,
                     message:
                         "this replica does not serve that host name; list it in --allowed-hosts"
                             .into(),
@@ -96,7 +96,8 @@ fn serves(listed: &[String], host: &str) -> bool {
 /// RFC 9112, 3.2: an HTTP/1.1 request names its host, and no request names two; a server
 /// must answer either with 400 (else both would be served). The `Host` value, if any.
 fn check_host(req: &Request<Incoming>) -> Result<Option<&str>, ApiError> {
-    let several = || ApiError::bad_request("BAD_REQUEST", "send one Host header, not several");
+    let several =
+        || ApiError::bad_request(ErrorCode::BadRequest, "send one Host header, not several");
     let host = at_most_one(req.headers(), hyper::header::HOST).map_err(|_| several())?;
     // A proxy that joined two Host fields into one list sent two hosts.
     if host.is_some_and(|h| h.as_bytes().contains(&b',')) {
@@ -106,13 +107,13 @@ fn check_host(req: &Request<Incoming>) -> Result<Option<&str>, ApiError> {
     // no user, no path, no spaces (else `Host: a b/c@d` would be served).
     if host.is_some_and(|h| !is_host_and_port(h.as_bytes())) {
         return Err(ApiError::bad_request(
-            "BAD_REQUEST",
+            ErrorCode::BadRequest,
             "the Host header is not a host with an optional port",
         ));
     }
     if host.is_none() && req.version() == hyper::Version::HTTP_11 {
         return Err(ApiError::bad_request(
-            "BAD_REQUEST",
+            ErrorCode::BadRequest,
             "an HTTP/1.1 request must carry a Host header",
         ));
     }

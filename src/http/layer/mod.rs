@@ -34,13 +34,11 @@ mod timeout;
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use hyper::Request;
-use hyper::body::Incoming;
 use tower::{Service, ServiceBuilder};
 
 use self::check::CheckLayer;
 use super::admission::Edge;
-use super::router::{BoxFuture, Endpoint};
+use super::router::{BoxFuture, Endpoint, Handed};
 use super::watch::HttpBody;
 use crate::app::App;
 
@@ -49,7 +47,7 @@ pub fn stack(
     app: &Arc<App>,
     edge: &Arc<Edge>,
 ) -> impl Service<
-    Request<Incoming>,
+    Handed,
     Response = hyper::Response<HttpBody>,
     Error = Infallible,
     Future = BoxFuture<Infallible>,

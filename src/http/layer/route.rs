@@ -6,11 +6,10 @@
 use std::convert::Infallible;
 use std::task::{Context, Poll};
 
-use hyper::body::Incoming;
-use hyper::{Request, Response};
+use hyper::Response;
 use tower::{Layer, Service};
 
-use crate::http::router::{BoxFuture, Route, Routed};
+use crate::http::router::{BoxFuture, Handed, Route, Routed};
 use crate::http::watch::HttpBody;
 
 #[derive(Clone, Copy)]
@@ -29,7 +28,7 @@ pub struct ResolveRoute<S> {
     inner: S,
 }
 
-impl<S> Service<Request<Incoming>> for ResolveRoute<S>
+impl<S> Service<Handed> for ResolveRoute<S>
 where
     S: Service<
             Routed,
@@ -46,8 +45,9 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+    fn call(&mut self, handed: Handed) -> Self::Future {
+        let Handed { req, slots } = handed;
         let route = Route::resolve(req.method(), req.uri().path());
-        self.inner.call(Routed { route, req })
+        self.inner.call(Routed { route, req, slots })
     }
 }
