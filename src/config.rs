@@ -3,15 +3,13 @@
 //! Each concern's flags live beside the module that owns them and are flattened in here:
 //! [`HttpConfig`] (listening and limits), [`StoreFlags`] (with Celeriant's),
 //! [`ProjectionFlags`], [`AuthConfig`], [`WatchConfig`] and [`WriteFlags`]; each is one
-//! heading of `tally --help`. A flag's range is its parser's ([`count`], or clap's own
-//! ranged parsers); [`Config::validate`] checks only what no single flag can: settings that
+//! heading of `tally --help`. A flag's range is its parser's ([`crate::flag::count`], or clap's
+//! own ranged parsers); [`Config::validate`] checks only what no single flag can: settings that
 //! do not fit together, and what a replica must have before it serves.
 
 use std::net::SocketAddr;
-use std::ops::RangeInclusive;
 use std::time::Duration;
 
-use clap::builder::RangedU64ValueParser;
 use clap::{Parser, ValueEnum};
 use uuid::Uuid;
 
@@ -104,18 +102,6 @@ pub struct Config {
     pub admin_listen: Option<SocketAddr>,
 }
 
-/// The parser of a count flag: `1..=max`. Nothing is unbounded, and a value no replica could
-/// use is a typo clap refuses at start, naming the flag (several of these size a semaphore,
-/// which panics past its own maximum).
-pub fn count(max: usize) -> RangedU64ValueParser<usize> {
-    usize_in(1..=max)
-}
-
-/// The parser of a `usize` flag accepted in `range`.
-pub fn usize_in(range: RangeInclusive<usize>) -> RangedU64ValueParser<usize> {
-    RangedU64ValueParser::new().range(*range.start() as u64..=*range.end() as u64)
-}
-
 /// A configuration that cannot run.
 #[derive(Debug, thiserror::Error)]
 #[error("invalid configuration: {0}")]
@@ -129,7 +115,7 @@ impl Config {
 
     /// Checks what the flags' own parsers cannot: settings that are each in range but do not
     /// fit together, and the files and URLs a replica needs before it serves. Each flag's
-    /// range is its parser's (see [`count`]): a value no replica could use is refused by
+    /// range is its parser's (see [`crate::flag::count`]): a value no replica could use is refused by
     /// clap, naming the flag, before this runs.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.check_gate_floor_under_ceiling()?;
@@ -357,6 +343,7 @@ mod tests {
     use crate::projection::DEFAULT_MAX_INDEX_ENTRIES;
     use crate::projection::config::*;
     use crate::store::faults::FaultConfig;
+    use crate::watch::DEFAULT_KEEPALIVE_SECS;
     use crate::write_loop::config::*;
 
     #[test]
@@ -406,6 +393,41 @@ mod tests {
     }
 
     #[test]
+    fn watch_flags_reach_the_config_and_are_refused_out_of_range_by_name() {
+        let d = Config::defaults();
+        assert_eq!(
+            d.watch.keepalive(),
+            Duration::from_secs(DEFAULT_KEEPALIVE_SECS)
+        );
+        let c = Config::parse_from([
+            "tally",
+            "--watch-buffer",
+            "7",
+            "--watch-max-per-account",
+            "3",
+            "--watch-max-replay",
+            "9",
+            "--watch-max-per-caller",
+            "4",
+        ]);
+        assert_eq!((c.watch.buffer, c.watch.max_per_account), (7, 3));
+        assert_eq!(c.watch.max_per_caller, 4);
+        assert_eq!(c.watch.max_replay, 9);
+        for bad in [
+            ["--watch-max-subscribers", "0"],
+            ["--watch-max-per-account", "0"],
+            ["--watch-max-per-caller", "0"],
+            ["--watch-buffer", "0"],
+            ["--watch-max-replay", "0"],
+            ["--watch-keepalive-secs", "0"],
+            ["--watch-keepalive-secs", "301"],
+        ] {
+            let e = Config::refusal(&bad);
+            assert!(e.contains(bad[0]), "{e}");
+        }
+    }
+
+    #[test]
     fn the_bounds_flags_reach_their_configs_and_are_refused_out_of_range() {
         let c = Config::parse_from([
             "tally",
@@ -448,7 +470,7 @@ mod tests {
             ("--max-live-writes", "0".into()),
             (
                 "--max-queued-writes-per-account",
-                past(MAX_ACTIVE_REQUESTS as u64),
+                past(MAX_QUEUED_WRITES_PER_ACCOUNT as u64),
             ),
             ("--max-batch-events", past(MAX_BATCH_EVENTS as u64)),
             (

@@ -18,6 +18,7 @@ pub mod auth;
 pub mod backoff;
 pub mod config;
 pub mod device;
+pub mod flag;
 pub mod http;
 pub mod log_limit;
 pub mod log_writer;

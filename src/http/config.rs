@@ -3,8 +3,9 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use crate::config::{count, usize_in};
+use crate::flag::{count, usize_in};
 use crate::write_loop::DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT;
+use crate::write_loop::config::MAX_QUEUED_WRITES_PER_ACCOUNT;
 
 /// How long a client may take to send a request's headers.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -49,8 +50,9 @@ pub const DEFAULT_MIN_ACTIVE_REQUESTS: usize = 16;
 /// The gate's ceiling, unless configured: no more than the in-flight limit behind it, so a
 /// request that passed the gate is never the one shed there.
 pub const DEFAULT_MAX_ACTIVE_REQUESTS: usize = DEFAULT_MAX_CONCURRENT_REQUESTS;
-/// The largest `--max-active-requests` accepted.
-pub const MAX_ACTIVE_REQUESTS: usize = 65_536;
+/// The largest `--max-active-requests` accepted (and `--max-concurrent-requests`): as many
+/// as one account's write queue may hold.
+pub const MAX_ACTIVE_REQUESTS: usize = MAX_QUEUED_WRITES_PER_ACCOUNT;
 /// The longest `--max-queue-wait-ms` accepted (the write deadline's order of magnitude).
 pub const MAX_QUEUE_WAIT_MS: u64 = 10_000;
 /// The most runtime worker threads `--worker-threads` accepts.

@@ -2,7 +2,7 @@
 
 use clap::ValueEnum;
 
-use crate::config::count;
+use crate::flag::count;
 use crate::projection::checkpoint_writer::{
     DEFAULT_CHECKPOINT_EVERY_EVENTS, DEFAULT_CHECKPOINT_IN_FLIGHT, DEFAULT_CHECKPOINT_INTERVAL,
 };

@@ -7,10 +7,12 @@ use super::{
     DEFAULT_DEADLINE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BATCH_EVENTS, DEFAULT_MAX_LIVE_WRITES,
     DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT,
 };
-use crate::config::count;
-use crate::http::config::MAX_ACTIVE_REQUESTS;
+use crate::flag::count;
 use crate::store::combine;
 
+/// The most writes `--max-queued-writes-per-account` accepts. The HTTP edge's limits on
+/// requests at once go no higher: one account's queue could take them all.
+pub const MAX_QUEUED_WRITES_PER_ACCOUNT: usize = 65_536;
 /// The most live writes `--max-live-writes` accepts.
 pub const MAX_LIVE_WRITES: usize = 1 << 20;
 /// The most operations `--max-batch-events` accepts in one store write.
@@ -44,7 +46,7 @@ pub struct WriteFlags {
 
     /// Most writes waiting in one account's queue; beyond it a write waits for a place in
     /// arrival order, and answers a retryable 503 if its deadline passes first.
-    #[arg(long, env = "TALLY_MAX_QUEUED_WRITES_PER_ACCOUNT", default_value_t = DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT, value_parser = count(MAX_ACTIVE_REQUESTS))]
+    #[arg(long, env = "TALLY_MAX_QUEUED_WRITES_PER_ACCOUNT", default_value_t = DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT, value_parser = count(MAX_QUEUED_WRITES_PER_ACCOUNT))]
     pub max_queued_writes_per_account: usize,
 
     /// The most operations written together in one batch.
