@@ -1,21 +1,26 @@
 //! One typed configuration, from flags and environment, validated at start.
 //!
-//! Each concern's flags live beside the module that owns them and are flattened in here:
-//! [`HttpConfig`] (listening and limits), [`StoreFlags`] (with Celeriant's),
-//! [`ProjectionFlags`], [`AuthConfig`], [`WatchConfig`] and [`WriteFlags`]; each is one
-//! heading of `tally --help`. A flag's range is its parser's ([`crate::flag::count`], or clap's
-//! own ranged parsers); [`Config::validate`] checks only what no single flag can: settings that
-//! do not fit together, and what a replica must have before it serves.
+//! Each concern's flags are flattened in here, and each is one heading of `tally --help`:
+//! - [`HttpConfig`] (listening and limits), in [`http`] here;
+//! - [`StoreFlags`] (with Celeriant's), [`ProjectionFlags`], [`AuthConfig`], [`WatchConfig`]
+//!   and [`WriteFlags`], each beside the module that owns it.
+//!
+//! The HTTP edge's flags live here, not in `crate::http`. The edge sits above the
+//! configuration (it reads it through `App`), and a layer uses only the layers below it.
+//!
+//! A flag's range is its parser's ([`crate::flag::count`], or clap's own ranged parsers).
+//! [`Config::validate`] checks only what no single flag can: settings that do not fit
+//! together, and what a replica must have before it serves.
+
+pub mod http;
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use uuid::Uuid;
 
-use crate::account::{AccountsMode, Identity, named_id};
+use crate::account::{AccountsMode, Identity};
 use crate::auth::{AuthConfig, Authenticator};
-use crate::http::config::{HttpConfig, MAX_ACTIVE_REQUESTS};
 use crate::projection::ProjectionConfig;
 use crate::projection::config::{ProjectionFlags, ProjectionKind};
 use crate::store::combine::CombineConfig;
@@ -23,6 +28,7 @@ use crate::store::config::{StoreFlags, StoreKind};
 use crate::watch::WatchConfig;
 use crate::write_loop::WriteConfig;
 use crate::write_loop::config::WriteFlags;
+use http::{HttpConfig, MAX_ACTIVE_REQUESTS};
 
 /// The longest idempotency window accepted, in seconds (one day).
 pub const MAX_WINDOW_SECS: u64 = 86_400;
@@ -120,10 +126,10 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.check_gate_floor_under_ceiling()?;
         self.check_time_relations()?;
-        if self.http.allowed_hosts.len() > crate::http::config::MAX_ALLOWED_HOSTS {
+        if self.http.allowed_hosts.len() > http::MAX_ALLOWED_HOSTS {
             return Err(ConfigError(format!(
                 "--allowed-hosts takes at most {} names",
-                crate::http::config::MAX_ALLOWED_HOSTS
+                http::MAX_ALLOWED_HOSTS
             )));
         }
         // A token must be checkable before the replica serves.
@@ -325,21 +331,15 @@ impl Config {
     }
 }
 
-/// The demo accounts seeded on the embedded store: (name, opening balance in cents). Their
-/// ids are UUIDv5 of the name, in the shared identity namespace.
-pub const DEMO_ACCOUNTS: [(&str, i64); 3] =
-    [("Alice", 50_000), ("Bob", 25_000), ("Charlie", 10_000)];
-
-/// The id of a demo account.
-pub fn demo_account_id(name: &str) -> Uuid {
-    named_id(name)
-}
+/// The demo accounts, defined where they are seeded (`--seed-demo-accounts`).
+pub use crate::startup::seed::{DEMO_ACCOUNTS, demo_account_id};
 
 #[cfg(test)]
 mod tests {
+    use super::http::*;
     use super::*;
+    use crate::account::named_id;
     use crate::auth::MAX_RATE_PER_CALLER;
-    use crate::http::config::*;
     use crate::projection::DEFAULT_MAX_INDEX_ENTRIES;
     use crate::projection::config::*;
     use crate::store::faults::FaultConfig;
