@@ -51,22 +51,15 @@ pub struct Config {
     #[command(flatten)]
     pub store: StoreFlags,
 
-    /// Which ids take writes. `implicit`: every id is an account, created by its first
-    /// write, as in the replaced service (keep it while that service shares the fleet).
-    /// `explicit`: an account must exist (opened with `POST /api/accounts`, or written
-    /// before); a write, transfer leg, device run, balance or history of any other id is a
-    /// 404 `ACCOUNT_NOT_FOUND` and writes nothing.
-    #[arg(help_heading = "Accounts", long = "accounts", env = "TALLY_ACCOUNTS", value_enum, default_value_t = AccountsMode::Implicit)]
+    /// Whether a first write creates an account (`implicit`) or needs it opened (`explicit`).
+    #[arg(help_heading = "Accounts", long = "accounts", env = "TALLY_ACCOUNTS", value_enum, value_parser = crate::flag::named::<AccountsMode>(), default_value_t = AccountsMode::Implicit)]
     pub accounts: AccountsMode,
 
-    /// Seed the demo accounts (Alice, Bob, Charlie) at start, create-only. Default: true on
-    /// the memory store, false on Celeriant.
+    /// Seed the demo accounts (Alice, Bob, Charlie) at start. Default: on the memory store only.
     #[arg(help_heading = "Accounts", long, env = "TALLY_SEED_DEMO_ACCOUNTS")]
     pub seed_demo_accounts: Option<bool>,
 
-    /// The most one device sync run may withdraw in total, in cents; a run above it is
-    /// refused whole (422 `DEVICE_RUN_OVER_LIMIT`) and nothing of it is written. 0 is no
-    /// limit: offline, a device's withdrawals may take an account below zero.
+    /// The most one device sync run may withdraw in total, in cents (0: no limit).
     #[arg(help_heading = "Accounts", long, env = "TALLY_DEVICE_MAX_RUN_WITHDRAWAL_CENTS", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=crate::account::MAX_AMOUNT_CENTS as u64))]
     pub device_max_run_withdrawal_cents: u64,
 
@@ -74,15 +67,11 @@ pub struct Config {
     #[command(flatten)]
     pub projection: ProjectionFlags,
 
-    /// How long a write's response can be replayed for a retry with the same Idempotency-Key,
-    /// in seconds. A stated API property: sent on every write response.
+    /// How long a write's response is replayed for a retry with its key, in seconds.
     #[arg(help_heading = "Idempotency", long, env = "TALLY_IDEMPOTENCY_WINDOW", default_value_t = 90, value_parser = clap::value_parser!(u64).range(1..=MAX_WINDOW_SECS))]
     pub idempotency_window: u64,
 
-    /// Scan on miss: when the recent-writes index misses a request, look for it among the
-    /// account's own batches committed this many seconds back (server time), and replay it
-    /// if found. 0 (the default) is off. Costs one store read per account of every new
-    /// request. Both projections.
+    /// On an index miss, look for the write this many seconds back in the store (0: off).
     #[arg(help_heading = "Idempotency", long, env = "TALLY_IDEMPOTENCY_SCAN_WINDOW", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=MAX_WINDOW_SECS))]
     pub idempotency_scan_window: u64,
 
@@ -102,8 +91,7 @@ pub struct Config {
     #[arg(help_heading = "Observability", long, env = "TALLY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Human)]
     pub log_format: LogFormat,
 
-    /// Serve `/metrics` (with `/healthz` and `/readyz`) on this address instead of the
-    /// API's; the API's `/metrics` then answers 404.
+    /// Serve `/metrics`, `/healthz` and `/readyz` on this address instead of the API's.
     #[arg(help_heading = "Observability", long, env = "TALLY_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
 }

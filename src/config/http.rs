@@ -75,32 +75,23 @@ pub struct HttpConfig {
     #[arg(long, env = "TALLY_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
 
-    /// Client connections open at once; at the cap the server stops accepting until one
-    /// closes (clients wait in the kernel's accept queue).
+    /// Client connections open at once; beyond it, clients wait to be accepted.
     #[arg(long, env = "TALLY_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS, value_parser = count(MAX_CONNECTIONS))]
     pub max_connections: usize,
 
-    /// Requests served at once; beyond it a request waits up to `--max-queue-wait-ms` for a
-    /// slot, then gets a 503.
+    /// Requests served at once; beyond it, a request waits for a slot.
     #[arg(long, env = "TALLY_MAX_CONCURRENT_REQUESTS", default_value_t = DEFAULT_MAX_CONCURRENT_REQUESTS, value_parser = count(MAX_ACTIVE_REQUESTS))]
     pub max_concurrent_requests: usize,
 
-    /// How long a request over `--max-concurrent-requests` waits for a slot (first come,
-    /// first served) before it is refused with 503, in ms; 0 refuses at once. At the
-    /// `--max-connections` cap the refusal also closes its connection, so a client waiting
-    /// to be accepted takes its place.
+    /// How long a request waits for a slot before a 503, in ms (0: refuse at once).
     #[arg(long, env = "TALLY_MAX_QUEUE_WAIT_MS", default_value_t = DEFAULT_MAX_QUEUE_WAIT_MS, value_parser = clap::value_parser!(u64).range(0..=MAX_QUEUE_WAIT_MS))]
     pub max_queue_wait_ms: u64,
 
-    /// Most bytes of a request's line and headers; a longer head is answered 414 (the request
-    /// line alone passes it) or 431.
+    /// Most bytes of a request's line and headers; a longer head gets a 414 or 431.
     #[arg(long, env = "TALLY_MAX_HEADER_BYTES", default_value_t = DEFAULT_MAX_HEADER_BYTES, value_parser = usize_in(HEADER_BYTES_RANGE))]
     pub max_header_bytes: usize,
 
-    /// Seconds an answer may wait for its client to read any of it (the connection's send
-    /// buffer full) before the connection is closed: a client that stops reading holds no
-    /// connection for ever. An event stream's client too: keep this above twice
-    /// `--watch-keepalive-secs`, after which a stalled stream ends and can tell its client.
+    /// Seconds an answer waits for a client that reads nothing before its connection closes.
     #[arg(long, env = "TALLY_WRITE_STALL_SECS", default_value_t = DEFAULT_WRITE_STALL_SECS, value_parser = clap::value_parser!(u64).range(1..=MAX_WRITE_STALL_SECS))]
     pub write_stall_secs: u64,
 
@@ -108,17 +99,11 @@ pub struct HttpConfig {
     #[arg(long, env = "TALLY_SHUTDOWN_GRACE_SECS", default_value_t = DEFAULT_SHUTDOWN_GRACE_SECS, value_parser = clap::value_parser!(u64).range(0..=MAX_SHUTDOWN_GRACE_SECS))]
     pub shutdown_grace_secs: u64,
 
-    /// Host names the API is served under beyond local ones (`localhost`, `*.localhost`, IP
-    /// addresses), comma-separated; `*` serves any. Without it, a replica on `--auth none`
-    /// serves its API under local names only (a web page cannot rebind its own name to this
-    /// replica and send it requests), and one on `--auth jwt` under any.
+    /// Host names served beyond local ones (`*`: any). Unset: local only, any on `--auth jwt`.
     #[arg(long, env = "TALLY_ALLOWED_HOSTS", value_delimiter = ',', num_args = 1.., value_parser = allowed_host)]
     pub allowed_hosts: Vec<String>,
 
-    /// Runtime worker threads; by default one per core this process may use. Give a
-    /// replica fewer than the machine's cores when it shares them (with a load generator,
-    /// a sidecar, the store): workers then contend for the same cores and move connections
-    /// between them (Envoy's `--concurrency`, nginx's `worker_processes`).
+    /// Runtime worker threads. Default: one per core this process may use.
     #[arg(long, env = "TALLY_WORKER_THREADS", value_parser = count(MAX_WORKER_THREADS))]
     pub worker_threads: Option<usize>,
 

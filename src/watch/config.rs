@@ -45,7 +45,7 @@ pub const KEEPALIVE_RANGE: std::ops::RangeInclusive<u64> = 1..=300;
 #[derive(Clone, Debug, clap::Args)]
 #[command(next_help_heading = "Watch")]
 pub struct WatchConfig {
-    /// Watch streams this replica serves at once (both watch routes); beyond it, 503.
+    /// Watch streams this replica serves at once; beyond it, 503.
     #[arg(long = "watch-max-subscribers", env = "TALLY_WATCH_MAX_SUBSCRIBERS", default_value_t = DEFAULT_MAX_SUBSCRIBERS, value_parser = usize_in(COUNT_RANGE))]
     pub max_subscribers: usize,
 
@@ -53,18 +53,15 @@ pub struct WatchConfig {
     #[arg(long = "watch-max-per-account", env = "TALLY_WATCH_MAX_PER_ACCOUNT", default_value_t = DEFAULT_MAX_PER_ACCOUNT, value_parser = usize_in(COUNT_RANGE))]
     pub max_per_account: usize,
 
-    /// With `--auth jwt`: watch streams one caller (`sub`) holds on this replica at once;
-    /// beyond it, 429 with Retry-After.
+    /// With `--auth jwt`: watch streams one caller holds on this replica; beyond it, 429.
     #[arg(long = "watch-max-per-caller", env = "TALLY_WATCH_MAX_PER_CALLER", default_value_t = DEFAULT_MAX_PER_CALLER, value_parser = usize_in(COUNT_RANGE))]
     pub max_per_caller: usize,
 
-    /// Batches buffered for one watch stream; a stream that falls further behind gets a
-    /// final `lagged` event and is closed.
+    /// Batches buffered for one watch stream; further behind, it is closed as lagged.
     #[arg(long = "watch-buffer", env = "TALLY_WATCH_BUFFER", default_value_t = DEFAULT_BUFFER, value_parser = usize_in(COUNT_RANGE))]
     pub buffer: usize,
 
-    /// Versions a resume (`Last-Event-ID`, `?fromVersion=`) may replay; a resume point
-    /// further back is refused with 400 `RESUME_TOO_FAR_BACK`.
+    /// Versions a resume may replay; a resume from further back is refused (400).
     #[arg(long = "watch-max-replay", env = "TALLY_WATCH_MAX_REPLAY", default_value_t = DEFAULT_MAX_REPLAY, value_parser = usize_in(COUNT_RANGE))]
     pub max_replay: usize,
 

@@ -28,15 +28,9 @@ const ROWS: &[(&str, &[&str])] = &[
     ("the metrics", &["metrics"]),
     (
         "the leaves",
-        &[
-            "auth",
-            "backoff",
-            "flag",
-            "log_limit",
-            "log_writer",
-            "request_note",
-        ],
+        &["auth", "backoff", "log_limit", "log_writer", "request_note"],
     ),
+    ("the flags' parsers", &["flag"]),
 ];
 
 /// Uses within one row that the section names: the watch hub reads the reader's history
