@@ -57,8 +57,8 @@ unit-suites:
 # these binaries joins its rerun unless it is skipped here. See what one selects with
 # `cargo test --test api -- $(API_SUITE) --list`.
 # tests/api/: the black-box API suite, without the edge's other suites beside it.
-API_SUITE := --skip architecture_doc:: --skip auth:: --skip front_end_limits:: --skip metrics:: \
-	--skip openapi:: --skip overload:: --skip write_side_limits:: --skip store_outage::
+API_SUITE := --skip architecture_doc:: --skip auth:: --skip front_end_limits:: --skip layers:: \
+	--skip metrics:: --skip openapi:: --skip overload:: --skip write_side_limits:: --skip store_outage::
 # tests/fleet/: the in-process fleet (fleet.rs), without the process fleets and the mixed fleet.
 # Skips only (no positive filter), so that it also passes over the simulation's tests.
 FLEET_SUITE := --skip fleet_processes:: --skip fleet_script:: --skip mixed_fleet::

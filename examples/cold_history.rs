@@ -71,14 +71,14 @@ enum Cmd {
 struct FillArgs {
     #[command(flatten)]
     celeriant: CeleriantConfig,
-    #[arg(long, default_value_t = DEFAULT_BATCH_EVENTS, value_parser = tally::config::count(MAX_BATCH_EVENTS))]
+    #[arg(long, default_value_t = DEFAULT_BATCH_EVENTS, value_parser = tally::flag::count(MAX_BATCH_EVENTS))]
     batch_events: usize,
     /// Seed of the event ids.
     #[arg(long, default_value_t = 7)]
     seed: u64,
     /// Accounts written at once (each one write at a time); below the store client's pool
     /// size, whose connections are waited for only so long.
-    #[arg(long, default_value_t = 16, value_parser = tally::config::count(MAX_FILL_CONCURRENCY))]
+    #[arg(long, default_value_t = 16, value_parser = tally::flag::count(MAX_FILL_CONCURRENCY))]
     concurrency: usize,
     /// ACCOUNT=EVENTS pairs.
     #[arg(required = true, value_parser = parse_fill)]
@@ -103,7 +103,7 @@ struct EmbeddedArgs {
     /// Fresh replicas per figure.
     #[arg(long, default_value_t = 3)]
     runs: usize,
-    #[arg(long, default_value_t = DEFAULT_BATCH_EVENTS, value_parser = tally::config::count(MAX_BATCH_EVENTS))]
+    #[arg(long, default_value_t = DEFAULT_BATCH_EVENTS, value_parser = tally::flag::count(MAX_BATCH_EVENTS))]
     batch_events: usize,
     /// The replicas' `--idempotency-window`, in seconds.
     #[arg(long, default_value_t = 90)]

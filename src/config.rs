@@ -1,23 +1,26 @@
 //! One typed configuration, from flags and environment, validated at start.
 //!
-//! Each concern's flags live beside the module that owns them and are flattened in here:
-//! [`HttpConfig`] (listening and limits), [`StoreFlags`] (with Celeriant's),
-//! [`ProjectionFlags`], [`AuthConfig`], [`WatchConfig`] and [`WriteFlags`]; each is one
-//! heading of `tally --help`. A flag's range is its parser's ([`count`], or clap's own
-//! ranged parsers); [`Config::validate`] checks only what no single flag can: settings that
-//! do not fit together, and what a replica must have before it serves.
+//! Each concern's flags are flattened in here, and each is one heading of `tally --help`:
+//! - [`HttpConfig`] (listening and limits), in [`http`] here;
+//! - [`StoreFlags`] (with Celeriant's), [`ProjectionFlags`], [`AuthConfig`], [`WatchConfig`]
+//!   and [`WriteFlags`], each beside the module that owns it.
+//!
+//! The HTTP edge's flags live here, not in `crate::http`. The edge sits above the
+//! configuration (it reads it through `App`), and a layer uses only the layers below it.
+//!
+//! A flag's range is its parser's ([`crate::flag::count`], or clap's own ranged parsers).
+//! [`Config::validate`] checks only what no single flag can: settings that do not fit
+//! together, and what a replica must have before it serves.
+
+pub mod http;
 
 use std::net::SocketAddr;
-use std::ops::RangeInclusive;
 use std::time::Duration;
 
-use clap::builder::RangedU64ValueParser;
 use clap::{Parser, ValueEnum};
-use uuid::Uuid;
 
-use crate::account::{AccountsMode, Identity, named_id};
+use crate::account::{AccountsMode, Identity};
 use crate::auth::{AuthConfig, Authenticator};
-use crate::http::config::{HttpConfig, MAX_ACTIVE_REQUESTS};
 use crate::projection::ProjectionConfig;
 use crate::projection::config::{ProjectionFlags, ProjectionKind};
 use crate::store::combine::CombineConfig;
@@ -25,6 +28,7 @@ use crate::store::config::{StoreFlags, StoreKind};
 use crate::watch::WatchConfig;
 use crate::write_loop::WriteConfig;
 use crate::write_loop::config::WriteFlags;
+use http::{HttpConfig, MAX_ACTIVE_REQUESTS};
 
 /// The longest idempotency window accepted, in seconds (one day).
 pub const MAX_WINDOW_SECS: u64 = 86_400;
@@ -47,22 +51,15 @@ pub struct Config {
     #[command(flatten)]
     pub store: StoreFlags,
 
-    /// Which ids take writes. `implicit`: every id is an account, created by its first
-    /// write, as in the replaced service (keep it while that service shares the fleet).
-    /// `explicit`: an account must exist (opened with `POST /api/accounts`, or written
-    /// before); a write, transfer leg, device run, balance or history of any other id is a
-    /// 404 `ACCOUNT_NOT_FOUND` and writes nothing.
-    #[arg(help_heading = "Accounts", long = "accounts", env = "TALLY_ACCOUNTS", value_enum, default_value_t = AccountsMode::Implicit)]
+    /// Whether a first write creates an account (`implicit`) or needs it opened (`explicit`).
+    #[arg(help_heading = "Accounts", long = "accounts", env = "TALLY_ACCOUNTS", value_enum, value_parser = crate::flag::named::<AccountsMode>(), default_value_t = AccountsMode::Implicit)]
     pub accounts: AccountsMode,
 
-    /// Seed the demo accounts (Alice, Bob, Charlie) at start, create-only. Default: true on
-    /// the memory store, false on Celeriant.
+    /// Seed the demo accounts (Alice, Bob, Charlie) at start. Default: on the memory store only.
     #[arg(help_heading = "Accounts", long, env = "TALLY_SEED_DEMO_ACCOUNTS")]
     pub seed_demo_accounts: Option<bool>,
 
-    /// The most one device sync run may withdraw in total, in cents; a run above it is
-    /// refused whole (422 `DEVICE_RUN_OVER_LIMIT`) and nothing of it is written. 0 is no
-    /// limit: offline, a device's withdrawals may take an account below zero.
+    /// The most one device sync run may withdraw in total, in cents (0: no limit).
     #[arg(help_heading = "Accounts", long, env = "TALLY_DEVICE_MAX_RUN_WITHDRAWAL_CENTS", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=crate::account::MAX_AMOUNT_CENTS as u64))]
     pub device_max_run_withdrawal_cents: u64,
 
@@ -70,15 +67,11 @@ pub struct Config {
     #[command(flatten)]
     pub projection: ProjectionFlags,
 
-    /// How long a write's response can be replayed for a retry with the same Idempotency-Key,
-    /// in seconds. A stated API property: sent on every write response.
+    /// How long a write's response is replayed for a retry with its key, in seconds.
     #[arg(help_heading = "Idempotency", long, env = "TALLY_IDEMPOTENCY_WINDOW", default_value_t = 90, value_parser = clap::value_parser!(u64).range(1..=MAX_WINDOW_SECS))]
     pub idempotency_window: u64,
 
-    /// Scan on miss: when the recent-writes index misses a request, look for it among the
-    /// account's own batches committed this many seconds back (server time), and replay it
-    /// if found. 0 (the default) is off. Costs one store read per account of every new
-    /// request. Both projections.
+    /// On an index miss, look for the write this many seconds back in the store (0: off).
     #[arg(help_heading = "Idempotency", long, env = "TALLY_IDEMPOTENCY_SCAN_WINDOW", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=MAX_WINDOW_SECS))]
     pub idempotency_scan_window: u64,
 
@@ -98,22 +91,9 @@ pub struct Config {
     #[arg(help_heading = "Observability", long, env = "TALLY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Human)]
     pub log_format: LogFormat,
 
-    /// Serve `/metrics` (with `/healthz` and `/readyz`) on this address instead of the
-    /// API's; the API's `/metrics` then answers 404.
+    /// Serve `/metrics`, `/healthz` and `/readyz` on this address instead of the API's.
     #[arg(help_heading = "Observability", long, env = "TALLY_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
-}
-
-/// The parser of a count flag: `1..=max`. Nothing is unbounded, and a value no replica could
-/// use is a typo clap refuses at start, naming the flag (several of these size a semaphore,
-/// which panics past its own maximum).
-pub fn count(max: usize) -> RangedU64ValueParser<usize> {
-    usize_in(1..=max)
-}
-
-/// The parser of a `usize` flag accepted in `range`.
-pub fn usize_in(range: RangeInclusive<usize>) -> RangedU64ValueParser<usize> {
-    RangedU64ValueParser::new().range(*range.start() as u64..=*range.end() as u64)
 }
 
 /// A configuration that cannot run.
@@ -129,15 +109,15 @@ impl Config {
 
     /// Checks what the flags' own parsers cannot: settings that are each in range but do not
     /// fit together, and the files and URLs a replica needs before it serves. Each flag's
-    /// range is its parser's (see [`count`]): a value no replica could use is refused by
+    /// range is its parser's (see [`crate::flag::count`]): a value no replica could use is refused by
     /// clap, naming the flag, before this runs.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.check_gate_floor_under_ceiling()?;
         self.check_time_relations()?;
-        if self.http.allowed_hosts.len() > crate::http::config::MAX_ALLOWED_HOSTS {
+        if self.http.allowed_hosts.len() > http::MAX_ALLOWED_HOSTS {
             return Err(ConfigError(format!(
                 "--allowed-hosts takes at most {} names",
-                crate::http::config::MAX_ALLOWED_HOSTS
+                http::MAX_ALLOWED_HOSTS
             )));
         }
         // A token must be checkable before the replica serves.
@@ -339,24 +319,19 @@ impl Config {
     }
 }
 
-/// The demo accounts seeded on the embedded store: (name, opening balance in cents). Their
-/// ids are UUIDv5 of the name, in the shared identity namespace.
-pub const DEMO_ACCOUNTS: [(&str, i64); 3] =
-    [("Alice", 50_000), ("Bob", 25_000), ("Charlie", 10_000)];
-
-/// The id of a demo account.
-pub fn demo_account_id(name: &str) -> Uuid {
-    named_id(name)
-}
+/// The demo accounts, defined where they are seeded (`--seed-demo-accounts`).
+pub use crate::startup::seed::{DEMO_ACCOUNTS, demo_account_id};
 
 #[cfg(test)]
 mod tests {
+    use super::http::*;
     use super::*;
+    use crate::account::named_id;
     use crate::auth::MAX_RATE_PER_CALLER;
-    use crate::http::config::*;
     use crate::projection::DEFAULT_MAX_INDEX_ENTRIES;
     use crate::projection::config::*;
     use crate::store::faults::FaultConfig;
+    use crate::watch::DEFAULT_KEEPALIVE_SECS;
     use crate::write_loop::config::*;
 
     #[test]
@@ -406,6 +381,41 @@ mod tests {
     }
 
     #[test]
+    fn watch_flags_reach_the_config_and_are_refused_out_of_range_by_name() {
+        let d = Config::defaults();
+        assert_eq!(
+            d.watch.keepalive(),
+            Duration::from_secs(DEFAULT_KEEPALIVE_SECS)
+        );
+        let c = Config::parse_from([
+            "tally",
+            "--watch-buffer",
+            "7",
+            "--watch-max-per-account",
+            "3",
+            "--watch-max-replay",
+            "9",
+            "--watch-max-per-caller",
+            "4",
+        ]);
+        assert_eq!((c.watch.buffer, c.watch.max_per_account), (7, 3));
+        assert_eq!(c.watch.max_per_caller, 4);
+        assert_eq!(c.watch.max_replay, 9);
+        for bad in [
+            ["--watch-max-subscribers", "0"],
+            ["--watch-max-per-account", "0"],
+            ["--watch-max-per-caller", "0"],
+            ["--watch-buffer", "0"],
+            ["--watch-max-replay", "0"],
+            ["--watch-keepalive-secs", "0"],
+            ["--watch-keepalive-secs", "301"],
+        ] {
+            let e = Config::refusal(&bad);
+            assert!(e.contains(bad[0]), "{e}");
+        }
+    }
+
+    #[test]
     fn the_bounds_flags_reach_their_configs_and_are_refused_out_of_range() {
         let c = Config::parse_from([
             "tally",
@@ -448,7 +458,7 @@ mod tests {
             ("--max-live-writes", "0".into()),
             (
                 "--max-queued-writes-per-account",
-                past(MAX_ACTIVE_REQUESTS as u64),
+                past(MAX_QUEUED_WRITES_PER_ACCOUNT as u64),
             ),
             ("--max-batch-events", past(MAX_BATCH_EVENTS as u64)),
             (

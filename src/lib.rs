@@ -10,7 +10,8 @@
 //! walks one write through them. Small leaves any layer may use: [`stall`] watches for a
 //! replica that stood still; [`log_limit`] keeps a failure every request meets to one log line
 //! per second; [`log_writer`] writes log lines in batches; [`request_note`] gathers what a
-//! request's access-log line says; [`backoff`] is the retry loops' one wait.
+//! request's access-log line says; [`backoff`] is the retry loops' one wait; [`flag`] parses
+//! the flags' values.
 
 pub mod account;
 pub mod app;
@@ -18,6 +19,7 @@ pub mod auth;
 pub mod backoff;
 pub mod config;
 pub mod device;
+pub mod flag;
 pub mod http;
 pub mod log_limit;
 pub mod log_writer;

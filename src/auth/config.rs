@@ -11,9 +11,8 @@ use clap::builder::RangedU64ValueParser;
 #[derive(Clone, Debug, PartialEq, Eq, clap::Args)]
 #[command(next_help_heading = "Auth")]
 pub struct AuthConfig {
-    /// Whether API requests must carry a bearer token (JWT): `none` lets anyone who reaches
-    /// the replica do anything (development), `jwt` checks every API request.
-    #[arg(long = "auth", value_name = "AUTH", env = "TALLY_AUTH", value_enum, default_value_t = AuthMode::None)]
+    /// Whether API requests must carry a bearer token (JWT); `none` is for development.
+    #[arg(long = "auth", value_name = "AUTH", env = "TALLY_AUTH", value_enum, value_parser = crate::flag::named::<AuthMode>(), default_value_t = AuthMode::None)]
     pub mode: AuthMode,
 
     /// With `--auth jwt`: a file holding the HS256 shared secret (at least 32 bytes).
@@ -24,8 +23,7 @@ pub struct AuthConfig {
     )]
     pub secret_file: Option<std::path::PathBuf>,
 
-    /// With `--auth jwt`: a JWKS file of RS256, ES256 or EdDSA public keys (each with a
-    /// kid), reread when it changes.
+    /// With `--auth jwt`: a JWKS file of public keys, reread when it changes.
     #[arg(
         long = "auth-jwks-file",
         value_name = "AUTH_JWKS_FILE",
@@ -45,19 +43,15 @@ pub struct AuthConfig {
     #[arg(long = "auth-leeway-secs", value_name = "AUTH_LEEWAY_SECS", env = "TALLY_AUTH_LEEWAY_SECS", default_value_t = DEFAULT_LEEWAY_SECS)]
     pub leeway_secs: u64,
 
-    /// With `--auth jwt`: requests a second each caller may make on this replica (beyond
-    /// it, 429 with Retry-After); 0 is no limit.
+    /// With `--auth jwt`: requests a second per caller on this replica (0: no limit).
     #[arg(long = "rate-limit-per-caller", value_name = "RATE_LIMIT_PER_CALLER", env = "TALLY_RATE_LIMIT_PER_CALLER", default_value_t = DEFAULT_RATE_PER_CALLER, value_parser = RangedU64ValueParser::<u32>::new().range(0..=u64::from(MAX_RATE_PER_CALLER)))]
     pub rate_per_caller: u32,
 
-    /// The burst each caller may make at once; a value below the per-second rate is raised
-    /// to it.
+    /// The burst each caller may make at once (raised to the per-second rate if below).
     #[arg(long = "rate-limit-burst", value_name = "RATE_LIMIT_BURST", env = "TALLY_RATE_LIMIT_BURST", default_value_t = DEFAULT_BURST_PER_CALLER, value_parser = RangedU64ValueParser::<u32>::new().range(0..=u64::from(MAX_RATE_PER_CALLER)))]
     pub rate_burst: u32,
 
-    /// With `--auth jwt`: failed authentications (a missing or refused token) each peer
-    /// address may make a minute on this replica (beyond it, 429 with Retry-After); 0 is no
-    /// limit.
+    /// With `--auth jwt`: failed authentications a minute per peer address (0: no limit).
     #[arg(long = "auth-failures-per-minute", value_name = "AUTH_FAILURES_PER_MINUTE", env = "TALLY_AUTH_FAILURES_PER_MINUTE", default_value_t = DEFAULT_AUTH_FAILURES_PER_MINUTE, value_parser = RangedU64ValueParser::<u32>::new().range(0..=u64::from(MAX_RATE_PER_CALLER)))]
     pub failures_per_minute: u32,
 }

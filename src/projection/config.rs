@@ -2,7 +2,7 @@
 
 use clap::ValueEnum;
 
-use crate::config::count;
+use crate::flag::count;
 use crate::projection::checkpoint_writer::{
     DEFAULT_CHECKPOINT_EVERY_EVENTS, DEFAULT_CHECKPOINT_IN_FLIGHT, DEFAULT_CHECKPOINT_INTERVAL,
 };
@@ -45,14 +45,11 @@ pub const MAX_POSTGRES_STATEMENT_TIMEOUT_MS: u64 = 600_000;
 #[derive(Clone, Debug, clap::Args)]
 #[command(next_help_heading = "Projection")]
 pub struct ProjectionFlags {
-    /// Where the projection lives: its cursor, balance, highest own sequence AND its
-    /// recent-writes index, always together. `memory`: each replica folds the stream itself;
-    /// `postgres`: one database shared by every replica (needs --postgres-url).
+    /// Where the projection (cursor, balance and recent-writes index, together) lives.
     #[arg(id = "projection", long = "projection", value_name = "PROJECTION_KIND", env = "TALLY_PROJECTION", value_enum, default_value_t = ProjectionKind::Memory)]
     pub kind: ProjectionKind,
 
-    /// The Postgres projection's database URL (`postgres://user:password@host:5432/db`).
-    /// Never logged; in Kubernetes it comes from a Secret.
+    /// The Postgres projection's database URL. Never logged.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub postgres_url: Option<String>,
 
@@ -60,18 +57,15 @@ pub struct ProjectionFlags {
     #[arg(long, env = "TALLY_POSTGRES_POOL_SIZE", default_value_t = crate::projection::postgres::DEFAULT_POOL_SIZE, value_parser = count(MAX_POSTGRES_POOL_SIZE))]
     pub postgres_pool_size: usize,
 
-    /// The longest one Postgres statement may run, and the longest a request waits for a
-    /// pooled connection, in ms.
+    /// The longest a Postgres statement, or a wait for a connection, may take, in ms.
     #[arg(long, env = "TALLY_POSTGRES_STATEMENT_TIMEOUT_MS", default_value_t = crate::projection::postgres::DEFAULT_STATEMENT_TIMEOUT.as_millis() as u64, value_parser = clap::value_parser!(u64).range(1..=MAX_POSTGRES_STATEMENT_TIMEOUT_MS))]
     pub postgres_statement_timeout_ms: u64,
 
-    /// Most accounts kept folded in memory; the least recently used beyond it are dropped.
+    /// Most accounts kept folded in memory; the least recently used go first.
     #[arg(long, env = "TALLY_MAX_RESIDENT_ACCOUNTS", default_value_t = DEFAULT_MAX_RESIDENT_ACCOUNTS, value_parser = count(MAX_RESIDENT_ACCOUNTS))]
     pub max_resident_accounts: usize,
 
-    /// Most recent-writes index entries this replica holds (over all its accounts); at the
-    /// cap, new writes are refused with a retryable 503 until expiry frees room. Entries are
-    /// never dropped early: the idempotency window stays whole.
+    /// Most recent-writes index entries on this replica; at the cap, new writes get a 503.
     #[arg(long, env = "TALLY_MAX_INDEX_ENTRIES", default_value_t = DEFAULT_MAX_INDEX_ENTRIES, value_parser = count(MAX_INDEX_ENTRIES))]
     pub max_index_entries: usize,
 
@@ -79,8 +73,7 @@ pub struct ProjectionFlags {
     #[arg(long, env = "TALLY_IDLE_TIMEOUT_SECS", default_value_t = DEFAULT_IDLE_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(0..=MAX_IDLE_TIMEOUT_SECS))]
     pub idle_timeout_secs: u64,
 
-    /// Write an account's checkpoint once this many events lie past its last one (0: never
-    /// write; cold folds still use the checkpoints they find). Off the write path.
+    /// Events past an account's last checkpoint that call for the next (0: never write).
     #[arg(long, env = "TALLY_CHECKPOINT_EVERY_EVENTS", default_value_t = DEFAULT_CHECKPOINT_EVERY_EVENTS, value_parser = clap::value_parser!(u64).range(0..=MAX_CHECKPOINT_EVERY_EVENTS))]
     pub checkpoint_every_events: u64,
 
@@ -88,14 +81,11 @@ pub struct ProjectionFlags {
     #[arg(long, env = "TALLY_CHECKPOINT_INTERVAL_SECS", default_value_t = DEFAULT_CHECKPOINT_INTERVAL.as_secs(), value_parser = clap::value_parser!(u64).range(1..=MAX_CHECKPOINT_INTERVAL_SECS))]
     pub checkpoint_interval_secs: u64,
 
-    /// Checkpoints this replica writes at once: their own budget, never the client write
-    /// limits.
+    /// Checkpoints this replica writes at once.
     #[arg(long, env = "TALLY_CHECKPOINT_IN_FLIGHT", default_value_t = DEFAULT_CHECKPOINT_IN_FLIGHT, value_parser = count(MAX_CHECKPOINT_IN_FLIGHT))]
     pub checkpoint_in_flight: usize,
 
-    /// Retention: after writing a checkpoint, trim the account's stream below its newest
-    /// checkpoint older than the idempotency window plus this many seconds. Unset: never
-    /// trim. A trimmed account cannot be read by the replaced service.
+    /// Trim history older than the window plus this many seconds. Unset: never trim.
     #[arg(long, env = "TALLY_RETAIN_HISTORY_SECS", value_parser = clap::value_parser!(u64).range(0..=MAX_RETAIN_HISTORY_SECS))]
     pub retain_history_secs: Option<u64>,
 }

@@ -21,12 +21,11 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::backoff::Backoff;
-use crate::config::DEMO_ACCOUNTS;
 use crate::metrics::Metrics;
 use crate::projection::postgres::PgError;
 use crate::projection::{Backend, Projection, SERVER_CLOCK_RESYNC};
 use crate::store::StoreError;
-use seed::{DemoSeed, SeedOutcome, SeedPending};
+use seed::{DEMO_ACCOUNTS, DemoSeed, SeedOutcome, SeedPending};
 
 /// First wait before a failed step is tried again; doubles per attempt up to
 /// [`STEP_RETRY_MAX`]. Each wait is jittered within its upper half.

@@ -20,11 +20,20 @@
 //! never land on it: `Occupied`, logged, and never retried. Nothing visible is not a verdict
 //! (a lagging read hides the newest batch): the step stays pending and looks again.
 
-use crate::account::{AccountEvent, AccountId, Identity};
-use crate::config::demo_account_id;
+use crate::account::{AccountEvent, AccountId, Identity, named_id};
 use crate::store::{
     AggregateKey, AggregateWrite, Batch, ClientId, Event, EventLog, ReadFilter, StoreError,
 };
+
+/// The demo accounts seeded on the embedded store: (name, opening balance in cents). Their
+/// ids are UUIDv5 of the name, in the shared identity namespace.
+pub const DEMO_ACCOUNTS: [(&str, i64); 3] =
+    [("Alice", 50_000), ("Bob", 25_000), ("Charlie", 10_000)];
+
+/// The id of a demo account.
+pub fn demo_account_id(name: &str) -> uuid::Uuid {
+    named_id(name)
+}
 
 /// The client sequence of a demo account's opening deposit: its stream's first own event.
 const SEED_CLIENT_SEQ: u64 = 1;

@@ -19,11 +19,10 @@ pub enum StoreKind {
 #[command(next_help_heading = "Store")]
 pub struct StoreFlags {
     /// Event store backend.
-    #[arg(id = "store", long = "store", value_name = "STORE", env = "TALLY_STORE", value_enum, default_value_t = StoreKind::Memory)]
+    #[arg(id = "store", long = "store", value_name = "STORE", env = "TALLY_STORE", value_enum, value_parser = crate::flag::named::<StoreKind>(), default_value_t = StoreKind::Memory)]
     pub kind: StoreKind,
 
-    /// The service's Celeriant client id (a UUID). One id for the whole service, shared by
-    /// every replica; never per replica or per request. Default: UUIDv5 of "Tally".
+    /// The service's Celeriant client id, one for every replica. Default: UUIDv5 of "Tally".
     #[arg(long, env = "TALLY_CLIENT_ID")]
     pub client_id: Option<Uuid>,
 
@@ -35,8 +34,7 @@ pub struct StoreFlags {
     #[arg(long, env = "TALLY_ACCOUNT_TYPE_ID")]
     pub account_type_id: Option<Uuid>,
 
-    /// Wrap the store in the fault injector, for demos and black-box tests, e.g.
-    /// `lost-ack=0.1,lost-request=0.05,refused=0.05,inflight=0.1,read-lag=0.2,seed=7`.
+    /// Wrap the store in the fault injector (demos and tests), e.g. `lost-ack=0.1,seed=7`.
     // Parsed once, by clap through `FaultConfig`'s `FromStr`: a bad spec is refused at start.
     #[arg(long, env = "TALLY_FAULTS")]
     pub faults: Option<FaultConfig>,

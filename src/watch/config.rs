@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::flag::usize_in;
+
 /// Watch streams (both routes together) one replica serves at once, unless configured.
 /// An open stream costs a task, two small channels and a connection (measured in
 /// BENCHMARKS.md, the watch rows); the connection cap (`--max-connections`) bounds it too.
@@ -43,27 +45,24 @@ pub const KEEPALIVE_RANGE: std::ops::RangeInclusive<u64> = 1..=300;
 #[derive(Clone, Debug, clap::Args)]
 #[command(next_help_heading = "Watch")]
 pub struct WatchConfig {
-    /// Watch streams this replica serves at once (both watch routes); beyond it, 503.
-    #[arg(long = "watch-max-subscribers", env = "TALLY_WATCH_MAX_SUBSCRIBERS", default_value_t = DEFAULT_MAX_SUBSCRIBERS, value_parser = crate::config::usize_in(COUNT_RANGE))]
+    /// Watch streams this replica serves at once; beyond it, 503.
+    #[arg(long = "watch-max-subscribers", env = "TALLY_WATCH_MAX_SUBSCRIBERS", default_value_t = DEFAULT_MAX_SUBSCRIBERS, value_parser = usize_in(COUNT_RANGE))]
     pub max_subscribers: usize,
 
     /// Watch streams on one account at once; beyond it, 503.
-    #[arg(long = "watch-max-per-account", env = "TALLY_WATCH_MAX_PER_ACCOUNT", default_value_t = DEFAULT_MAX_PER_ACCOUNT, value_parser = crate::config::usize_in(COUNT_RANGE))]
+    #[arg(long = "watch-max-per-account", env = "TALLY_WATCH_MAX_PER_ACCOUNT", default_value_t = DEFAULT_MAX_PER_ACCOUNT, value_parser = usize_in(COUNT_RANGE))]
     pub max_per_account: usize,
 
-    /// With `--auth jwt`: watch streams one caller (`sub`) holds on this replica at once;
-    /// beyond it, 429 with Retry-After.
-    #[arg(long = "watch-max-per-caller", env = "TALLY_WATCH_MAX_PER_CALLER", default_value_t = DEFAULT_MAX_PER_CALLER, value_parser = crate::config::usize_in(COUNT_RANGE))]
+    /// With `--auth jwt`: watch streams one caller holds on this replica; beyond it, 429.
+    #[arg(long = "watch-max-per-caller", env = "TALLY_WATCH_MAX_PER_CALLER", default_value_t = DEFAULT_MAX_PER_CALLER, value_parser = usize_in(COUNT_RANGE))]
     pub max_per_caller: usize,
 
-    /// Batches buffered for one watch stream; a stream that falls further behind gets a
-    /// final `lagged` event and is closed.
-    #[arg(long = "watch-buffer", env = "TALLY_WATCH_BUFFER", default_value_t = DEFAULT_BUFFER, value_parser = crate::config::usize_in(COUNT_RANGE))]
+    /// Batches buffered for one watch stream; further behind, it is closed as lagged.
+    #[arg(long = "watch-buffer", env = "TALLY_WATCH_BUFFER", default_value_t = DEFAULT_BUFFER, value_parser = usize_in(COUNT_RANGE))]
     pub buffer: usize,
 
-    /// Versions a resume (`Last-Event-ID`, `?fromVersion=`) may replay; a resume point
-    /// further back is refused with 400 `RESUME_TOO_FAR_BACK`.
-    #[arg(long = "watch-max-replay", env = "TALLY_WATCH_MAX_REPLAY", default_value_t = DEFAULT_MAX_REPLAY, value_parser = crate::config::usize_in(COUNT_RANGE))]
+    /// Versions a resume may replay; a resume from further back is refused (400).
+    #[arg(long = "watch-max-replay", env = "TALLY_WATCH_MAX_REPLAY", default_value_t = DEFAULT_MAX_REPLAY, value_parser = usize_in(COUNT_RANGE))]
     pub max_replay: usize,
 
     /// Seconds between keep-alive comments on an idle watch stream.
@@ -92,48 +91,5 @@ impl WatchConfig {
     /// How long one item may wait for a client that takes nothing ([`STALL_KEEPALIVES`]).
     pub fn stall_limit(&self) -> Duration {
         self.keepalive() * STALL_KEEPALIVES
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use clap::Parser;
-
-    use super::*;
-    use crate::config::Config;
-
-    #[test]
-    fn watch_flags_reach_the_config_and_are_refused_out_of_range_by_name() {
-        let d = Config::defaults();
-        assert_eq!(
-            d.watch.keepalive(),
-            Duration::from_secs(DEFAULT_KEEPALIVE_SECS)
-        );
-        let c = Config::parse_from([
-            "tally",
-            "--watch-buffer",
-            "7",
-            "--watch-max-per-account",
-            "3",
-            "--watch-max-replay",
-            "9",
-            "--watch-max-per-caller",
-            "4",
-        ]);
-        assert_eq!((c.watch.buffer, c.watch.max_per_account), (7, 3));
-        assert_eq!(c.watch.max_per_caller, 4);
-        assert_eq!(c.watch.max_replay, 9);
-        for bad in [
-            ["--watch-max-subscribers", "0"],
-            ["--watch-max-per-account", "0"],
-            ["--watch-max-per-caller", "0"],
-            ["--watch-buffer", "0"],
-            ["--watch-max-replay", "0"],
-            ["--watch-keepalive-secs", "0"],
-            ["--watch-keepalive-secs", "301"],
-        ] {
-            let e = Config::refusal(&bad);
-            assert!(e.contains(bad[0]), "{e}");
-        }
     }
 }

@@ -7,10 +7,12 @@ use super::{
     DEFAULT_DEADLINE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BATCH_EVENTS, DEFAULT_MAX_LIVE_WRITES,
     DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT,
 };
-use crate::config::count;
-use crate::http::config::MAX_ACTIVE_REQUESTS;
+use crate::flag::count;
 use crate::store::combine;
 
+/// The most writes `--max-queued-writes-per-account` accepts. The HTTP edge's limits on
+/// requests at once go no higher: one account's queue could take them all.
+pub const MAX_QUEUED_WRITES_PER_ACCOUNT: usize = 65_536;
 /// The most live writes `--max-live-writes` accepts.
 pub const MAX_LIVE_WRITES: usize = 1 << 20;
 /// The most operations `--max-batch-events` accepts in one store write.
@@ -26,25 +28,20 @@ pub const MAX_WRITE_ATTEMPTS: u64 = 1_000;
 #[derive(Clone, Debug, clap::Args)]
 #[command(next_help_heading = "Writes")]
 pub struct WriteFlags {
-    /// How long one write may spend retrying before it answers a retryable 409, in ms.
+    /// How long one write may retry before a retryable 409, in ms.
     #[arg(long, env = "TALLY_WRITE_DEADLINE_MS", default_value_t = DEFAULT_DEADLINE.as_millis() as u64, value_parser = clap::value_parser!(u64).range(1..=MAX_WRITE_DEADLINE_MS))]
     pub write_deadline_ms: u64,
 
-    /// Turns of the write loop one request may take (each ends in a store write, or earlier
-    /// when a catch-up, scan or decision sends it round again) before it answers a
-    /// retryable 409.
+    /// Turns of the write loop one request may take before a retryable 409.
     #[arg(long, env = "TALLY_WRITE_MAX_ATTEMPTS", default_value_t = DEFAULT_MAX_ATTEMPTS, value_parser = RangedU64ValueParser::<u32>::new().range(1..=MAX_WRITE_ATTEMPTS))]
     pub write_max_attempts: u32,
 
-    /// Most requests alive on the write side at once (running, queued or coalesced); beyond
-    /// it, 503 at once. Unlike --max-concurrent-requests, a write whose client disconnected
-    /// still counts until it ends.
+    /// Most requests alive on the write side at once; beyond it, 503.
     #[arg(long, env = "TALLY_MAX_LIVE_WRITES", default_value_t = DEFAULT_MAX_LIVE_WRITES, value_parser = count(MAX_LIVE_WRITES))]
     pub max_live_writes: usize,
 
-    /// Most writes waiting in one account's queue; beyond it a write waits for a place in
-    /// arrival order, and answers a retryable 503 if its deadline passes first.
-    #[arg(long, env = "TALLY_MAX_QUEUED_WRITES_PER_ACCOUNT", default_value_t = DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT, value_parser = count(MAX_ACTIVE_REQUESTS))]
+    /// Most writes queued on one account; beyond it, a write waits for a place.
+    #[arg(long, env = "TALLY_MAX_QUEUED_WRITES_PER_ACCOUNT", default_value_t = DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT, value_parser = count(MAX_QUEUED_WRITES_PER_ACCOUNT))]
     pub max_queued_writes_per_account: usize,
 
     /// The most operations written together in one batch.
@@ -60,10 +57,7 @@ pub struct WriteFlags {
     #[arg(hide = true, long, env = "TALLY_BATCHING", default_value_t = true, action = clap::ArgAction::Set)]
     pub batching: bool,
 
-    /// Send writes of different accounts that are ready at once as one store request (group
-    /// commit). Needs a store that keeps every account on one shard (Celeriant's
-    /// `--routing-rule aggregate_type_id`); on any other it turns itself off at the first
-    /// refusal.
+    /// Send ready writes of different accounts as one store request (group commit).
     #[arg(long, env = "TALLY_COMBINE_WRITES", default_value_t = true, action = clap::ArgAction::Set)]
     pub combine_writes: bool,
 

@@ -264,14 +264,9 @@ impl Drop for Server {
     }
 }
 
-#[test]
-fn binary_help_lists_every_flag_with_its_env_name() {
-    let out = tally_command(&["--help"], &[])
-        .output()
-        .expect("tally runs");
-    assert!(out.status.success());
-    let help = String::from_utf8(out.stdout).expect("UTF-8 help");
-    // One block per option, from its `--flag` line to the next option.
+/// `--help` cut into one block per option, from its `--flag` line (which may carry the
+/// description too, when it fits beside the name) to the next option: (name, block).
+fn flag_blocks(help: &str) -> Vec<(String, String)> {
     let mut blocks: Vec<(String, String)> = Vec::new();
     for line in help.lines() {
         let trimmed = line.trim_start();
@@ -282,7 +277,7 @@ fn binary_help_lists_every_flag_with_its_env_name() {
         match flag {
             Some(rest) if line.starts_with("  ") && !line.starts_with("          ") => {
                 let name = rest.split([' ', '<']).next().unwrap_or("").to_owned();
-                blocks.push((name, String::new()));
+                blocks.push((name, format!("{line}\n")));
             }
             _ => {
                 if let Some((_, body)) = blocks.last_mut() {
@@ -292,6 +287,17 @@ fn binary_help_lists_every_flag_with_its_env_name() {
             }
         }
     }
+    blocks
+}
+
+#[test]
+fn binary_help_lists_every_flag_with_its_env_name() {
+    let out = tally_command(&["--help"], &[])
+        .output()
+        .expect("tally runs");
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).expect("UTF-8 help");
+    let blocks = flag_blocks(&help);
     let names: Vec<&str> = blocks.iter().map(|(n, _)| n.as_str()).collect();
     for flag in FLAGS {
         assert!(
@@ -327,6 +333,33 @@ fn binary_help_lists_every_flag_with_its_env_name() {
         .filter(|l| l.ends_with(':') && !l.starts_with(' '))
         .collect();
     assert_eq!(headings, HEADINGS);
+}
+
+/// Rule: `tally --help` is a page to scan, not a manual. Each flag gets one line saying what
+/// it is, with its environment variable and default beside it: the flag's name, then that
+/// line (or both on one line where they fit). What each flag does in full is in
+/// `docs/operations.md`, "Every flag".
+#[test]
+fn binary_help_gives_each_flag_one_line() {
+    let out = tally_command(&["--help"], &[])
+        .output()
+        .expect("tally runs");
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).expect("UTF-8 help");
+    let lines = help.lines().count();
+    assert!(lines < 200, "--help is {lines} lines:\n{help}");
+    for (name, block) in flag_blocks(&help) {
+        // The flag's own lines: indented, unlike the heading that may follow it.
+        let shown: Vec<&str> = block
+            .lines()
+            .filter(|l| l.starts_with(' ') && !l.trim().is_empty())
+            .collect();
+        assert!(
+            shown.len() <= 2,
+            "--{name} takes {} lines:\n{block}",
+            shown.len()
+        );
+    }
 }
 
 /// Rule: `tally --help` names the subcommands (`trim`, `token`) in its usage and lists them

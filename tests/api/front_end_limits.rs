@@ -10,7 +10,7 @@ use std::sync::Arc;
 use clap::Parser;
 use tally::app::App;
 use tally::config::Config;
-use tally::http::config::DEFAULT_MAX_HEADER_BYTES;
+use tally::config::http::DEFAULT_MAX_HEADER_BYTES;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;

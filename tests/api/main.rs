@@ -23,7 +23,8 @@
 //! - [`write_side_limits`]: the write side's permits, queue cap, deadlines and key scope;
 //! - [`metrics`]: exact counter deltas after a scripted sequence;
 //! - [`openapi`]: `docs/openapi.json` against the code;
-//! - [`architecture_doc`]: every name `docs/architecture.md` quotes still exists.
+//! - [`architecture_doc`]: every name `docs/architecture.md` quotes still exists;
+//! - [`layers`]: every `crate::` path in `src/` follows that page's layer table.
 //!
 //! The harness, the raw HTTP client and the checks the modules share live in `tests/common/`,
 //! where the other suites use them too. Every server a test starts is its own (its own
@@ -47,6 +48,7 @@ mod store_outage;
 mod architecture_doc;
 mod auth;
 mod front_end_limits;
+mod layers;
 mod metrics;
 mod openapi;
 mod overload;

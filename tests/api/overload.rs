@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::{TestApp, metric_sum, new_account, spawn, test_config};
 use reqwest::StatusCode;
-use tally::http::config::DEFAULT_MAX_CONCURRENT_REQUESTS;
+use tally::config::http::DEFAULT_MAX_CONCURRENT_REQUESTS;
 use tally::store::faults::FaultyLog;
 use tally::write_loop::DEFAULT_MAX_QUEUED_WRITES_PER_ACCOUNT;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

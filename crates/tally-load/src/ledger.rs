@@ -5,7 +5,7 @@ use bytes::Bytes;
 use uuid::Uuid;
 
 use crate::http::Outcome;
-use crate::workload::Op;
+use crate::op::Op;
 
 /// Status recorded for an attempt that got no answer (or, behind `tally-client`, none that
 /// was a success or final).

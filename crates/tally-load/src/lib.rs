@@ -7,6 +7,7 @@ pub mod cli;
 pub mod conn;
 pub mod http;
 pub mod ledger;
+pub mod op;
 pub mod report;
 pub mod rng;
 pub mod runner;

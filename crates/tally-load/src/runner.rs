@@ -19,8 +19,9 @@ use crate::cli::{Config, On503, Scenario};
 use crate::conn::WorkerConn;
 use crate::http::{Answer, Outcome};
 use crate::ledger::KeyRecord;
+use crate::op::{Op, send_op_on};
 use crate::rng::Rng;
-use crate::workload::{Op, Workload, send_op_on};
+use crate::workload::Workload;
 
 /// Highest latency the histogram tracks, in microseconds; larger values are clamped.
 pub const MAX_TRACKED_LATENCY_US: u64 = 3_600_000_000;

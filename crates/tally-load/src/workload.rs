@@ -1,10 +1,9 @@
-//! Operations, the per-scenario mix, and the setup phase (account choice and pre-funding).
+//! The per-scenario mix of operations, and the setup phase (account choice and pre-funding).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use hyper::Method;
 use serde::Deserialize;
 use tokio::task::JoinSet;
@@ -12,9 +11,9 @@ use uuid::Uuid;
 
 use crate::LoadError;
 use crate::cli::{Config, Scenario};
-use crate::conn::WorkerConn;
-use crate::http::{Client, Outcome, Target, TransportError, exchange};
+use crate::http::{Client, Target, exchange};
 use crate::ledger::KeyRecord;
+use crate::op::{Op, OpKind};
 use crate::rng::Rng;
 
 /// Accounts the hot scenario writes to.
@@ -37,99 +36,6 @@ pub const SETUP_MAX_TIME: Duration = Duration::from_secs(30);
 pub const MAX_QUOTED_BODY: usize = 200;
 /// RNG stream for account ids (ticket streams use the ticket number, far below this).
 const ACCOUNT_STREAM: u64 = u64::MAX;
-
-/// What one operation does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OpKind {
-    Deposit,
-    Withdraw,
-    Transfer,
-    Balance,
-}
-
-/// One API operation; `to` is set for transfers only.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Op {
-    pub kind: OpKind,
-    pub account: Uuid,
-    pub to: Option<Uuid>,
-    pub amount_cents: i64,
-}
-
-impl Op {
-    /// A deposit of `amount_cents` into `account`.
-    pub fn deposit(account: Uuid, amount_cents: i64) -> Self {
-        Op {
-            kind: OpKind::Deposit,
-            account,
-            to: None,
-            amount_cents,
-        }
-    }
-
-    /// True for operations that carry an idempotency key.
-    pub fn is_write(&self) -> bool {
-        self.kind != OpKind::Balance
-    }
-
-    fn method(&self) -> Method {
-        if self.is_write() {
-            Method::POST
-        } else {
-            Method::GET
-        }
-    }
-
-    fn path(&self) -> String {
-        let suffix = match self.kind {
-            OpKind::Deposit => "deposit",
-            OpKind::Withdraw => "withdraw",
-            OpKind::Transfer => "transfers",
-            OpKind::Balance => "balance",
-        };
-        format!("/api/accounts/{}/{suffix}", self.account)
-    }
-
-    fn body(&self) -> Option<Bytes> {
-        let value = match (self.kind, self.to) {
-            (OpKind::Balance, _) => return None,
-            (OpKind::Transfer, Some(to)) => serde_json::json!({
-                "toAccountId": to.to_string(),
-                "amountCents": self.amount_cents,
-            }),
-            _ => serde_json::json!({ "amountCents": self.amount_cents }),
-        };
-        Some(Bytes::from(value.to_string()))
-    }
-}
-
-/// Sends `op` to `target`, with `key` as its Idempotency-Key when given.
-pub async fn send_op(
-    client: &Client,
-    target: &Target,
-    op: &Op,
-    key: Option<Uuid>,
-    timeout: Duration,
-) -> Outcome {
-    let uri = target.uri(&op.path()).map_err(|detail| TransportError {
-        kind: "request",
-        detail,
-    })?;
-    let key = key.map(|k| k.to_string());
-    exchange(client, op.method(), uri, key.as_deref(), op.body(), timeout).await
-}
-
-/// Sends `op` over a worker's own connection, with `key` as its Idempotency-Key when given.
-pub async fn send_op_on(
-    conn: &mut WorkerConn,
-    op: &Op,
-    key: Option<Uuid>,
-    timeout: Duration,
-) -> Outcome {
-    let key = key.map(|k| k.to_string());
-    conn.exchange(op.method(), &op.path(), key.as_deref(), op.body(), timeout)
-        .await
-}
 
 /// The accounts and mix of the measured phase.
 #[derive(Debug, Clone)]
@@ -465,20 +371,5 @@ mod tests {
             ..w
         };
         assert!(all_fresh.next_draw(&mut Rng::derive(5, 1)).first_touch);
-    }
-
-    #[test]
-    fn bodies_are_camel_case_json() {
-        let a = Uuid::nil();
-        let t = Op {
-            kind: OpKind::Transfer,
-            account: a,
-            to: Some(a),
-            amount_cents: 7,
-        };
-        let v: serde_json::Value = serde_json::from_slice(&t.body().unwrap()).unwrap();
-        assert_eq!(v["amountCents"], 7);
-        assert_eq!(v["toAccountId"], a.to_string());
-        assert_eq!(t.path(), format!("/api/accounts/{a}/transfers"));
     }
 }

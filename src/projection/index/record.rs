@@ -1,5 +1,5 @@
 //! How one [`RecentWrite`] is kept: packed into a 56-byte [`Record`] on append, unpacked on
-//! lookup. The packing is what keeps a cold catch-up's index small and sequential; nothing
+//! lookup. It knows nothing of the table that holds the records. The packing is what keeps a cold catch-up's index small and sequential; nothing
 //! outside this file reads a record's bits.
 
 use uuid::Uuid;
@@ -8,7 +8,6 @@ use crate::account::{AccountEvent, AccountId};
 
 use super::RecentWrite;
 use super::WRITE_TAG_BITS;
-use super::table::{Inner, MAX_RECORDS};
 
 /// A record: what one event answers, in 56 bytes. The id is kept as two words (no 16-byte
 /// alignment), and the event as its kind and amount; a transfer's counterparty lives in
@@ -55,13 +54,16 @@ impl Record {
     }
 }
 
-impl Inner {
-    /// Appends a record to be indexed by the next [`Inner::commit`].
+impl Record {
+    /// Packs `write` under `event_id`. A transfer's counterparty is handed back, to be kept
+    /// at sequence `party_seq` of `Inner::parties`; the record keeps that sequence's low 32
+    /// bits.
     #[inline]
-    pub(super) fn append(&mut self, event_id: u128, write: RecentWrite) {
-        // The hard check runs once per commit; here only in debug builds (the hot path).
-        debug_assert!((self.records.len() as u64) < MAX_RECORDS);
-        self.pending_tags.push(self.tag(event_id));
+    pub(super) fn pack(
+        event_id: u128,
+        write: RecentWrite,
+        party_seq: u64,
+    ) -> (Self, Option<[u8; 16]>) {
         let (kind, amount, party) = match write.event {
             AccountEvent::Opened => (KIND_DEPOSITED | OPENED, 0, None),
             AccountEvent::Deposited { amount } => (KIND_DEPOSITED, amount, None),
@@ -76,14 +78,10 @@ impl Inner {
             debug_assert!(tag < 1 << WRITE_TAG_BITS, "a write tag fits its bits");
             meta |= TAG_KNOWN | (u64::from(tag & ((1 << WRITE_TAG_BITS) - 1)) << TAG_SHIFT);
         }
-        if let Some(party) = party {
-            let seq = self
-                .parties_front_seq
-                .wrapping_add(self.parties.len() as u64);
-            meta |= (seq & u64::from(u32::MAX)) << 32;
-            self.parties.push_back(*party.0.as_bytes());
+        if party.is_some() {
+            meta |= (party_seq & u64::from(u32::MAX)) << 32;
         }
-        self.records.push_back(Record {
+        let record = Record {
             id_lo: event_id as u64,
             id_hi: (event_id >> 64) as u64,
             balance: write.balance,
@@ -91,18 +89,17 @@ impl Inner {
             expires_at_ms: write.expires_at_ms,
             amount,
             meta,
-        });
+        };
+        (record, party.map(|p| *p.0.as_bytes()))
     }
 
-    /// What `record` answers.
-    pub(super) fn write_of(&self, record: &Record) -> RecentWrite {
-        let amount = record.amount;
-        let party = || {
-            let at = ((record.meta >> 32) as u32).wrapping_sub(self.parties_front_seq as u32);
-            AccountId(Uuid::from_bytes(self.parties[at as usize]))
-        };
-        let event = match record.meta & KIND_MASK {
-            KIND_DEPOSITED if record.meta & OPENED != 0 => AccountEvent::Opened,
+    /// What the record answers. `party_at` gives the counterparty kept at the sequence whose
+    /// low 32 bits it is passed.
+    pub(super) fn unpack(&self, party_at: impl Fn(u32) -> [u8; 16]) -> RecentWrite {
+        let amount = self.amount;
+        let party = || AccountId(Uuid::from_bytes(party_at((self.meta >> 32) as u32)));
+        let event = match self.meta & KIND_MASK {
+            KIND_DEPOSITED if self.meta & OPENED != 0 => AccountEvent::Opened,
             KIND_DEPOSITED => AccountEvent::Deposited { amount },
             KIND_WITHDRAWN => AccountEvent::Withdrawn { amount },
             KIND_TRANSFERRED_OUT => AccountEvent::TransferredOut {
@@ -114,25 +111,14 @@ impl Inner {
                 from: party(),
             },
         };
-        let write_tag = (record.meta & TAG_KNOWN != 0)
-            .then(|| ((record.meta & u64::from(u32::MAX)) >> TAG_SHIFT) as u32);
+        let write_tag = (self.meta & TAG_KNOWN != 0)
+            .then(|| ((self.meta & u64::from(u32::MAX)) >> TAG_SHIFT) as u32);
         RecentWrite {
-            balance: record.balance,
-            version: record.version,
-            expires_at_ms: record.expires_at_ms,
+            balance: self.balance,
+            version: self.version,
+            expires_at_ms: self.expires_at_ms,
             event,
             write_tag,
-        }
-    }
-
-    /// Drops the oldest record (and its counterparty, for a transfer).
-    pub(super) fn pop_front(&mut self) {
-        if let Some(popped) = self.records.pop_front() {
-            self.front_seq = self.front_seq.wrapping_add(1);
-            if popped.is_transfer() {
-                self.parties.pop_front();
-                self.parties_front_seq = self.parties_front_seq.wrapping_add(1);
-            }
         }
     }
 }

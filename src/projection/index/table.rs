@@ -5,8 +5,6 @@ use std::collections::VecDeque;
 use std::hash::BuildHasher;
 
 use super::RecentWrite;
-#[cfg(doc)]
-use super::bulk::Bulk;
 use super::prefetch;
 use super::record::Record;
 
@@ -64,8 +62,8 @@ pub(super) struct Inner {
     pub(super) slots: Vec<u64>,
     /// Used slots: distinct ids indexed.
     pub(super) live: usize,
-    /// Records with a sequence below this are indexed; later ones were appended by a
-    /// [`Bulk`] that has not committed yet.
+    /// Records with a sequence below this are indexed; later ones were appended by a bulk
+    /// ([`super::RecentIndex::bulk`]) that has not committed yet.
     pub(super) indexed_seq: u64,
     /// The tags of those pending records, in order, computed as they were appended.
     pub(super) pending_tags: Vec<u32>,
@@ -156,6 +154,38 @@ impl Inner {
                 i = (i + 1) & mask;
             }
             self.slots[i] = slot;
+        }
+    }
+
+    /// Appends a record to be indexed by the next [`Inner::commit`].
+    #[inline]
+    pub(super) fn append(&mut self, event_id: u128, write: RecentWrite) {
+        // The hard check runs once per commit; here only in debug builds (the hot path).
+        debug_assert!((self.records.len() as u64) < MAX_RECORDS);
+        self.pending_tags.push(self.tag(event_id));
+        let party_seq = self
+            .parties_front_seq
+            .wrapping_add(self.parties.len() as u64);
+        let (record, party) = Record::pack(event_id, write, party_seq);
+        if let Some(party) = party {
+            self.parties.push_back(party);
+        }
+        self.records.push_back(record);
+    }
+
+    /// What `record` answers.
+    pub(super) fn write_of(&self, record: &Record) -> RecentWrite {
+        record.unpack(|seq| self.parties[seq.wrapping_sub(self.parties_front_seq as u32) as usize])
+    }
+
+    /// Drops the oldest record (and its counterparty, for a transfer).
+    pub(super) fn pop_front(&mut self) {
+        if let Some(popped) = self.records.pop_front() {
+            self.front_seq = self.front_seq.wrapping_add(1);
+            if popped.is_transfer() {
+                self.parties.pop_front();
+                self.parties_front_seq = self.parties_front_seq.wrapping_add(1);
+            }
         }
     }
 

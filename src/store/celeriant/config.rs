@@ -89,7 +89,7 @@ pub struct CeleriantConfig {
     )]
     pub request_timeout_ms: u64,
 
-    /// Deadline for dialling a node (and its TLS and identify handshakes), in milliseconds.
+    /// Deadline for dialling a node, handshakes included, in milliseconds.
     #[arg(
         long = "celeriant-connect-timeout-ms",
         env = "TALLY_CELERIANT_CONNECT_TIMEOUT_MS",
@@ -105,7 +105,7 @@ pub struct CeleriantConfig {
     )]
     pub pool_size: usize,
 
-    /// CA bundle (PEM) that signs the nodes' certificates. Setting it turns TLS on.
+    /// CA bundle (PEM) that signs the nodes' certificates; setting it turns TLS on.
     #[arg(long = "celeriant-tls-ca", env = "TALLY_CELERIANT_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
 
@@ -117,7 +117,7 @@ pub struct CeleriantConfig {
     #[arg(long = "celeriant-tls-key", env = "TALLY_CELERIANT_TLS_KEY")]
     pub tls_key: Option<PathBuf>,
 
-    /// Name to verify the nodes' certificates against. Defaults to the host of the address.
+    /// Name to verify the nodes' certificates against. Default: the address's host.
     #[arg(
         long = "celeriant-tls-server-name",
         env = "TALLY_CELERIANT_TLS_SERVER_NAME"

@@ -8,7 +8,8 @@ use uuid::Uuid;
 use super::findings::{ExactlyOnce, Violation, ViolationKind};
 use super::history::{HistoryEvent, Streams};
 use crate::ledger::{Fate, KeyRecord};
-use crate::workload::{OpKind, quote};
+use crate::op::OpKind;
+use crate::workload::quote;
 
 /// One event a key is expected to produce: account, type, counterparty.
 struct ExpectedEvent {
@@ -268,7 +269,7 @@ mod tests {
     use super::*;
     use crate::audit::history::StreamRead;
     use crate::http::Answer;
-    use crate::workload::Op;
+    use crate::op::Op;
     use bytes::Bytes;
 
     fn ok(record: &mut KeyRecord, status: u16) {
