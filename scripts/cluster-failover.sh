@@ -27,8 +27,10 @@ fi
 [[ -f $CLUSTER_SH ]] || { echo "no cluster script at $CLUSTER_SH (set CLUSTER_SH)" >&2; exit 2; }
 CLUSTER_SH=$(cd "$(dirname -- "$CLUSTER_SH")" && pwd)/$(basename -- "$CLUSTER_SH")
 
-# Once: moto in a venv and the role probe (each a no-op when already there).
-bash "$CLUSTER_SH" setup || exit 1
+# Once: moto in a venv and the role probe (each a no-op when already there). The probe is
+# built into its own directory, where cluster.sh looks for it, whatever target dir this
+# build uses.
+env -u CARGO_TARGET_DIR bash "$CLUSTER_SH" setup || exit 1
 
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/tally-cluster-failover.XXXXXX")
 runs=0 violated=0 failed=0

@@ -26,7 +26,7 @@
 
 use crate::common;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -144,6 +144,9 @@ impl ClusterSh {
         cmd.arg(&self.script)
             .arg(sub)
             .stdin(std::process::Stdio::null())
+            // cluster.sh builds its probe on first use: into the probe's own directory, where
+            // it looks for it, not into this build's target directory.
+            .env_remove("CARGO_TARGET_DIR")
             .kill_on_drop(true);
         let out = tokio::time::timeout(bound, cmd.output())
             .await
@@ -645,11 +648,40 @@ struct Event {
     id: String,
 }
 
-/// One account's whole history, with the balance after each version (version 0: nothing).
+/// One account's whole history, and its states: the version and balance after each event, with
+/// the empty account first (state `i` follows event `i`, counted from 1). Requests batched on a
+/// hot account share one version, so a version can hold several events, and several states.
 #[derive(Debug, PartialEq)]
 struct History {
     events: Vec<Event>,
-    balance_at: BTreeMap<u64, i64>,
+    states: Vec<(u64, i64)>,
+}
+
+impl History {
+    /// The first state of `version` or later: no decision on a state below it can know of a
+    /// request acknowledged at that version. A request in the middle of a batch is later
+    /// still, so the check never blames a refusal that saw it.
+    fn first_state_at(&self, version: u64) -> Option<usize> {
+        self.states.iter().position(|&(v, _)| v >= version)
+    }
+
+    /// The versions whose states hold `balance`.
+    fn versions_holding(&self, balance: i64) -> Vec<u64> {
+        let mut out: Vec<u64> = self
+            .states
+            .iter()
+            .filter(|&&(_, b)| b == balance)
+            .map(|&(v, _)| v)
+            .collect();
+        out.dedup();
+        out
+    }
+
+    /// The state after this key's event.
+    fn state_of(&self, key: &str) -> Option<(u64, i64)> {
+        let at = self.events.iter().position(|e| e.id == key)?;
+        self.states.get(at + 1).copied()
+    }
 }
 
 /// Every event of the account as one replica reads it, page by page; `Err` says why not.
@@ -686,14 +718,13 @@ async fn read_history(
             None => break,
         }
     }
-    let mut balance_at = BTreeMap::from([(0, 0)]);
+    let mut states = vec![(0, 0)];
     let mut balance = 0i64;
-    for (i, e) in events.iter().enumerate() {
-        // One event per version: every write here touches an account once.
-        assert_eq!(
-            e.version,
-            i as u64 + 1,
-            "versions rise by one in {account}: {e:?}"
+    for e in &events {
+        let last = states.last().map_or(0, |&(v, _)| v);
+        assert!(
+            e.version > 0 && (e.version == last || e.version == last + 1),
+            "versions rise by one batch at a time in {account}: {e:?} after version {last}"
         );
         balance += match e.kind.as_str() {
             "Deposited" | "TransferredIn" => e.cents,
@@ -706,14 +737,14 @@ async fn read_history(
             "{account} below zero at version {}: {balance}",
             e.version
         );
-        balance_at.insert(e.version, balance);
+        states.push((e.version, balance));
     }
     assert_eq!(
         reported,
         Some(balance),
         "the history's balance of {account} is the sum of its events"
     );
-    Ok(History { events, balance_at })
+    Ok(History { events, states })
 }
 
 /// Each account's history, read on both replicas, which must agree. A read that fails is
@@ -792,10 +823,10 @@ fn check(writes: &[Write], histories: &[History], accounts: &[String]) -> Verdic
                     ));
                 }
                 for &(account, balance, version) in legs {
-                    let at = histories[account].balance_at.get(&version);
-                    if at != Some(&balance) {
+                    let at = histories[account].state_of(&w.key);
+                    if at != Some((version, balance)) {
                         v.breaches.push(format!(
-                            "key {} answered account {account} balance {balance} at version {version}; the history has {at:?} there",
+                            "key {} answered account {account} balance {balance} at version {version}; the history has (version, balance) {at:?} after its event",
                             w.key
                         ));
                     }
@@ -823,14 +854,10 @@ fn check(writes: &[Write], histories: &[History], accounts: &[String]) -> Verdic
                 {
                     let (account, cents) = w.op.debit().unwrap_or((0, 0));
                     let h = &histories[account];
-                    let holding: Vec<u64> = h
-                        .balance_at
-                        .iter()
-                        .filter(|&(_, b)| Some(*b) == *balance)
-                        .map(|(ver, _)| *ver)
-                        .collect();
+                    let holding = balance.map(|b| h.versions_holding(b)).unwrap_or_default();
+                    let at_floor = h.first_state_at(w.floor.version).map(|i| h.states[i]);
                     v.violations.push(format!(
-                        "account {account} ({}), key {} ({:?}, client {:?}): first sent at {} when version {} (balance {}) was acknowledged (at {}, key {}); refused 422 INSUFFICIENT_FUNDS at {} by replica {} (attempt {}, replayed {replayed}) with balanceCents {balance:?}, aggregateVersion {version:?}, amount {cents}; versions holding that balance: {holding:?}; balance at version {} in the history: {:?}, at the tip (version {}): {:?}; {why}",
+                        "account {account} ({}), key {} ({:?}, client {:?}): first sent at {} when version {} (balance {}) was acknowledged (at {}, key {}); refused 422 INSUFFICIENT_FUNDS at {} by replica {} (attempt {}, replayed {replayed}) with balanceCents {balance:?}, aggregateVersion {version:?}, amount {cents}; versions holding that balance: {holding:?}; first (version, balance) at or above the acknowledged version: {at_floor:?}; tip: {:?}; {why}",
                         accounts[account],
                         w.key,
                         w.op,
@@ -843,10 +870,7 @@ fn check(writes: &[Write], histories: &[History], accounts: &[String]) -> Verdic
                         secs(w.answered_ms),
                         REPLICA_NAMES[w.replica],
                         w.attempts,
-                        w.floor.version,
-                        h.balance_at.get(&w.floor.version),
-                        h.events.len(),
-                        h.balance_at.values().last(),
+                        h.states.last(),
                     ));
                 }
             }
@@ -894,17 +918,19 @@ fn stale_refusal(
         return Some(format!("its balance {balance} covers the amount {cents}"));
     }
     let floor = w.floor.version;
+    let Some(first) = h.first_state_at(floor) else {
+        return Some(format!("the history never reaches version {floor}"));
+    };
+    let later = &h.states[first..];
     match version {
         Some(at) if at < floor => Some(format!("decided at version {at}, below {floor}")),
-        Some(at) if h.balance_at.get(&at) != Some(&balance) => Some(format!(
-            "the history's balance at version {at} is {:?}",
-            h.balance_at.get(&at)
+        Some(at) if !later.contains(&(at, balance)) => Some(format!(
+            "no state of version {at} holds balance {balance} (versions holding it: {:?})",
+            h.versions_holding(balance)
         )),
         Some(_) => None,
-        None => {
-            let seen = h.balance_at.range(floor..).any(|(_, &b)| b == balance);
-            (!seen).then(|| format!("no version at or above {floor} holds balance {balance}"))
-        }
+        None => (!later.iter().any(|&(_, b)| b == balance))
+            .then(|| format!("no state at or above version {floor} holds balance {balance}")),
     }
 }
 
