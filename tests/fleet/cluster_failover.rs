@@ -5,7 +5,9 @@
 //! Twelve clients send keyed deposits, withdrawals and transfers over twenty accounts, and
 //! balance reads, to either replica. Every unanswered, 409 or 5xx write is retried with its key,
 //! alternating replicas, within a bound in attempts and time. About 30 s in, the cluster's
-//! leader is SIGKILLed. The clients go on for 20 s after the survivor takes writes. At the end
+//! leader is SIGKILLed. The clients go on for 20 s after the survivor takes writes. Around the
+//! kill they storm: withdrawals of exactly the last acknowledged balance, sent first to the
+//! replica that did not acknowledge it, where a decision on stale state is refused. At the end
 //! every account's whole history is read on both replicas, which must agree, and checked:
 //! - exactly once: a key answered 2xx is in the histories once (a transfer once per leg), with
 //!   its amount, and each 2xx answer's version and balance are the history's;
@@ -69,6 +71,15 @@ const DEBIT_CENTS: std::ops::RangeInclusive<i64> = 100..=2_000;
 
 /// Load before the kill (the cluster is up a few seconds longer: its lease needs 30 s).
 const LOAD_BEFORE_KILL: Duration = Duration::from_secs(30);
+/// The storm: from this long before the kill until [`STORM_TAIL`] after the failover, the
+/// clients press where a decision on stale state would show. Half the operations withdraw
+/// exactly the balance last acknowledged for the account, sent first to the replica that did
+/// not answer that acknowledgement. Deposits move the balances in between, and the rest are
+/// reads.
+const STORM_LEAD: Duration = Duration::from_secs(3);
+const STORM_TAIL: Duration = Duration::from_secs(5);
+const STORM_DEPOSIT_SHARE: f64 = 0.35;
+const STORM_WITHDRAW_SHARE: f64 = 0.5;
 /// Load after the survivor first takes a write.
 const LOAD_AFTER_FAILOVER: Duration = Duration::from_secs(20);
 /// Operations per client, a bound the clock should reach first.
@@ -318,12 +329,16 @@ struct Ack {
     balance: i64,
     at_ms: u64,
     key: String,
+    /// The replica that answered it.
+    replica: usize,
 }
 
-/// What the clients share: the clock, the acknowledged versions, the stop signal.
+/// What the clients share: the clock, the acknowledged versions, the phase, the stop signal.
 struct Shared {
     t0: Instant,
     acked: Mutex<Vec<Ack>>,
+    storm: AtomicBool,
+    storm_writes: AtomicU64,
     stop: AtomicBool,
     retries: AtomicU64,
 }
@@ -337,7 +352,7 @@ impl Shared {
         self.acked.lock().expect("acks")[account].clone()
     }
 
-    fn ack(&self, account: usize, version: u64, balance: i64, key: &str) {
+    fn ack(&self, account: usize, version: u64, balance: i64, key: &str, replica: usize) {
         let at_ms = self.now_ms();
         let mut acked = self.acked.lock().expect("acks");
         if version > acked[account].version {
@@ -346,6 +361,7 @@ impl Shared {
                 balance,
                 at_ms,
                 key: key.to_owned(),
+                replica,
             };
         }
     }
@@ -504,7 +520,7 @@ async fn write(
             Ok(a) if a.status.is_success() => match landed_legs(&op, &a.body) {
                 Some(legs) => {
                     for &(account, balance, version) in &legs {
-                        shared.ack(account, version, balance, &key);
+                        shared.ack(account, version, balance, &key, replica);
                     }
                     Outcome::Landed(legs)
                 }
@@ -615,7 +631,29 @@ async fn client(
             break;
         }
         let roll: f64 = rng.r#gen();
-        if roll < DEPOSIT_SHARE + WITHDRAW_SHARE + TRANSFER_SHARE {
+        if shared.storm.load(Ordering::Relaxed) {
+            if roll < STORM_DEPOSIT_SHARE + STORM_WITHDRAW_SHARE {
+                let account = rng.gen_range(0..ACCOUNTS);
+                let floor = shared.floor(account);
+                let op = if roll < STORM_DEPOSIT_SHARE {
+                    Op::Deposit {
+                        account,
+                        cents: rng.gen_range(DEPOSIT_CENTS),
+                    }
+                } else {
+                    Op::Withdraw {
+                        account,
+                        cents: floor.balance.max(*DEBIT_CENTS.start()),
+                    }
+                };
+                let key = new_key(&mut rng);
+                let first = (floor.replica + 1) % target.replicas.len();
+                shared.storm_writes.fetch_add(1, Ordering::Relaxed);
+                writes.push(write(&target, &shared, Some(id), first, key, op).await);
+            } else {
+                read(&target, &shared, &mut rng, &mut reads).await;
+            }
+        } else if roll < DEPOSIT_SHARE + WITHDRAW_SHARE + TRANSFER_SHARE {
             let op = Op::random(&mut rng, roll);
             let key = new_key(&mut rng);
             let first = rng.gen_range(0..target.replicas.len());
@@ -1013,6 +1051,8 @@ async fn no_final_refusal_rests_on_a_version_below_an_acknowledged_one_across_a_
     let shared = Arc::new(Shared {
         t0: Instant::now(),
         acked: Mutex::new(vec![Ack::default(); ACCOUNTS]),
+        storm: AtomicBool::new(false),
+        storm_writes: AtomicU64::new(0),
         stop: AtomicBool::new(false),
         retries: AtomicU64::new(0),
     });
@@ -1040,7 +1080,9 @@ async fn no_final_refusal_rests_on_a_version_below_an_acknowledged_one_across_a_
         secs(millis(cluster_up.elapsed()))
     );
     // The schedule of the run, not a wait for an event.
-    tokio::time::sleep(LOAD_BEFORE_KILL).await;
+    tokio::time::sleep(LOAD_BEFORE_KILL - STORM_LEAD).await;
+    shared.storm.store(true, Ordering::Relaxed);
+    tokio::time::sleep(STORM_LEAD).await;
     let failover = cluster.kill_leader(shared.t0).await;
     eprintln!(
         "killed {} at about {}; the survivor took a write at {} ({} s)",
@@ -1049,7 +1091,9 @@ async fn no_final_refusal_rests_on_a_version_below_an_acknowledged_one_across_a_
         secs(failover.failed_over_at_ms),
         failover.seconds
     );
-    tokio::time::sleep(LOAD_AFTER_FAILOVER).await;
+    tokio::time::sleep(STORM_TAIL).await;
+    shared.storm.store(false, Ordering::Relaxed);
+    tokio::time::sleep(LOAD_AFTER_FAILOVER - STORM_TAIL).await;
     shared.stop.store(true, Ordering::Relaxed);
 
     let mut reads = Reads::default();
@@ -1100,11 +1144,12 @@ async fn no_final_refusal_rests_on_a_version_below_an_acknowledged_one_across_a_
         .filter(|l| l.contains("restarting it"))
         .count();
     let summary = format!(
-        "cluster-failover summary: seed={seed} keys={} keys_2xx={} final_422={} final_422_other={} \
+        "cluster-failover summary: seed={seed} keys={} storm_keys={} keys_2xx={} final_422={} final_422_other={} \
          violations={} exactly_once_breaches={} unresolved={} retries={} failover_s={} killed={} \
          killed_at_s={:.1} load_s={:.1} reads={} reads_not_ok={} reads_unanswered={} \
          stale_plain_reads={} max_plain_lag={} behind_min_version={} replica_restarts={restarts}",
         writes.len(),
+        shared.storm_writes.load(Ordering::Relaxed),
         verdict.landed,
         verdict.refused_funds,
         verdict.refused_other,
