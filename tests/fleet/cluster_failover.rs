@@ -6,8 +6,9 @@
 //! balance reads, to either replica. Every unanswered, 409 or 5xx write is retried with its key,
 //! alternating replicas, within a bound in attempts and time. About 30 s in, the cluster's
 //! leader is SIGKILLed. The clients go on for 20 s after the survivor takes writes. Around the
-//! kill they storm: withdrawals of exactly the last acknowledged balance, sent first to the
-//! replica that did not acknowledge it, where a decision on stale state is refused. At the end
+//! kill they storm, joined by 24 more: withdrawals of exactly the last acknowledged balance,
+//! sent first to the replica that did not acknowledge it, where a decision on stale state is
+//! refused. At the end
 //! every account's whole history is read on both replicas, which must agree, and checked:
 //! - exactly once: a key answered 2xx is in the histories once (a transfer once per leg), with
 //!   its amount, and each 2xx answer's version and balance are the history's;
@@ -79,6 +80,9 @@ const LOAD_BEFORE_KILL: Duration = Duration::from_secs(30);
 const STORM_LEAD: Duration = Duration::from_secs(3);
 const STORM_TAIL: Duration = Duration::from_secs(5);
 const STORM_DEPOSIT_SHARE: f64 = 0.35;
+/// Clients that join for the storm only: more requests in flight when the leader dies, each
+/// a chance for a retry to land on the replica that is behind.
+const STORM_CLIENTS: u64 = 24;
 const STORM_WITHDRAW_SHARE: f64 = 0.5;
 /// Load after the survivor first takes a write.
 const LOAD_AFTER_FAILOVER: Duration = Duration::from_secs(20);
@@ -617,17 +621,21 @@ fn new_key(rng: &mut ChaCha8Rng) -> String {
         .to_string()
 }
 
-/// One client: random operations until told to stop (or its count bound).
+/// One client: random operations until told to stop (or its count bound); a storm client
+/// only while the storm lasts.
 async fn client(
     id: u64,
     seed: u64,
     target: Arc<Target>,
     shared: Arc<Shared>,
+    storm_only: bool,
 ) -> (Vec<Write>, Reads) {
     let mut rng = ChaCha8Rng::seed_from_u64(client_seed(seed, id));
     let (mut writes, mut reads) = (Vec::new(), Reads::default());
     for _ in 0..MAX_OPS_PER_CLIENT {
-        if shared.stop.load(Ordering::Relaxed) {
+        if shared.stop.load(Ordering::Relaxed)
+            || storm_only && !shared.storm.load(Ordering::Relaxed)
+        {
             break;
         }
         let roll: f64 = rng.r#gen();
@@ -972,6 +980,69 @@ fn stale_refusal(
     }
 }
 
+/// The check itself, on a made-up history: the case (a deposit acknowledged at version 2,
+/// a withdrawal it covers refused with the balance of version 1) is a violation; the same
+/// refusal with the balance of a later state is not. Needs no cluster, so it always runs.
+#[test]
+fn a_refusal_on_the_balance_before_an_acknowledged_deposit_is_a_violation() {
+    let event = |version, kind: &str, cents, id: &str| Event {
+        version,
+        kind: kind.to_owned(),
+        cents,
+        id: id.to_owned(),
+    };
+    // Versions: 1 deposit 569, 2 deposit 462 (1,031), 3 withdraw 1,000 (31), with version 3
+    // holding a second event: a batch.
+    let history = History {
+        events: vec![
+            event(1, "Deposited", 569, "k1"),
+            event(2, "Deposited", 462, "k2"),
+            event(3, "Withdrawn", 1_000, "k3"),
+            event(3, "Deposited", 7, "k4"),
+        ],
+        states: vec![(0, 0), (1, 569), (2, 1_031), (3, 31), (3, 38)],
+    };
+    let refused = |floor_version| Write {
+        client: Some(0),
+        key: String::from("k5"),
+        op: Op::Withdraw {
+            account: 0,
+            cents: 779,
+        },
+        floor: Ack {
+            version: floor_version,
+            balance: 1_031,
+            at_ms: 0,
+            key: String::from("k2"),
+            replica: 0,
+        },
+        first_sent_ms: 0,
+        answered_ms: 0,
+        attempts: 2,
+        replica: 1,
+        outcome: Outcome::Unresolved {
+            last: String::new(),
+        },
+    };
+    let histories = [history];
+    let check = |floor, balance, version| {
+        stale_refusal(&refused(floor), Some(balance), version, &histories)
+    };
+    // Decided on version 1 after version 2 was acknowledged: the balance alone shows it.
+    assert!(check(2, 569, None).is_some());
+    // A later state with a balance that does not cover the amount (31, or 38 mid-batch).
+    assert!(check(2, 31, None).is_none());
+    assert!(check(2, 38, None).is_none());
+    // Nothing acknowledged yet when it was sent: version 1's balance was fair.
+    assert!(check(0, 569, None).is_none());
+    // With the version named: below the floor, or a balance that version never held.
+    assert!(check(2, 569, Some(1)).is_some());
+    assert!(check(2, 569, Some(3)).is_some());
+    assert!(check(2, 31, Some(3)).is_none());
+    // A balance that covers the amount is no reason to refuse.
+    assert!(check(0, 1_031, None).is_some());
+}
+
 // --- The test --------------------------------------------------------------------------------
 
 /// Polls /readyz on every replica until each answers 200, within a bound.
@@ -1073,7 +1144,7 @@ async fn no_final_refusal_rests_on_a_version_below_an_acknowledged_one_across_a_
 
     let mut clients = tokio::task::JoinSet::new();
     for id in 0..CLIENTS {
-        clients.spawn(client(id, seed, target.clone(), shared.clone()));
+        clients.spawn(client(id, seed, target.clone(), shared.clone(), false));
     }
     eprintln!(
         "{CLIENTS} clients over {ACCOUNTS} accounts from {} after the cluster came up",
@@ -1082,6 +1153,9 @@ async fn no_final_refusal_rests_on_a_version_below_an_acknowledged_one_across_a_
     // The schedule of the run, not a wait for an event.
     tokio::time::sleep(LOAD_BEFORE_KILL - STORM_LEAD).await;
     shared.storm.store(true, Ordering::Relaxed);
+    for id in CLIENTS..CLIENTS + STORM_CLIENTS {
+        clients.spawn(client(id, seed, target.clone(), shared.clone(), true));
+    }
     tokio::time::sleep(STORM_LEAD).await;
     let failover = cluster.kill_leader(shared.t0).await;
     eprintln!(
