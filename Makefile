@@ -96,8 +96,9 @@ soak:
 ## two release `tally` replicas over a real 2-node Celeriant cluster whose leader is killed
 ## under keyed load; no final 422 may rest on a version below an acknowledged one.
 ## Prints each run's counts and a tally of the runs; exits 1 if any run failed.
-# Not in `make test`: each run takes 1.5 to 2 minutes. The cluster's S3 lease keeps the first
-# leader for 30 s, so no kill comes sooner, and the failover and 20 s of load after it follow.
+# Not in `make test`: each run takes over a minute (about 70 s on a 2-core machine). The
+# cluster's S3 lease keeps the first leader for 30 s, so no kill comes sooner, and the failover
+# and 20 s of load after it follow.
 # Without TALLY_CLUSTER_TEST=1 (which only this target sets) the test says it skipped.
 TRIALS ?= 1
 cluster-failover:
