@@ -891,8 +891,14 @@ fn check(writes: &[Write], histories: &[History], accounts: &[String]) -> Verdic
                 }
                 if !got.is_empty() {
                     v.breaches.push(format!(
-                        "key {} ({:?}) answered a final 422 {code}: history holds {got:?}",
-                        w.key, w.op
+                        "key {} ({:?}, client {:?}) answered a final 422 {code} (balanceCents {balance:?}, replayed {replayed}) by replica {} on attempt {}, first sent at {}, answered at {}: history holds {got:?}",
+                        w.key,
+                        w.op,
+                        w.client,
+                        REPLICA_NAMES[w.replica],
+                        w.attempts,
+                        secs(w.first_sent_ms),
+                        secs(w.answered_ms),
                     ));
                 }
                 if code == "INSUFFICIENT_FUNDS"
