@@ -3,6 +3,8 @@
 //! this package's `tally`; `cargo test --workspace` (what `make test` runs) builds them before
 //! any suite starts. A suite run on its own (`cargo test --test NAME`) does not: then a
 //! missing or out-of-date binary is a failure that names the command, never a stale run.
+//! The same goes for this package's own `tally` from the release profile, which no test
+//! command builds.
 
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
@@ -29,6 +31,30 @@ pub fn path(package: &str, uses: &[&str]) -> PathBuf {
             bin.display()
         );
     }
+    bin
+}
+
+/// This package's `tally` from the release profile, checked to exist and to be newer than
+/// every file under `src/`. For suites that run the binary as deployed, where its speed
+/// shapes the load they put on the store.
+pub fn release_tally() -> PathBuf {
+    let target = Path::new(env!("CARGO_BIN_EXE_tally"))
+        .parent()
+        .and_then(Path::parent)
+        .expect("a binary lives in a profile's directory under the target directory");
+    let bin = target
+        .join("release")
+        .join(format!("tally{}", std::env::consts::EXE_SUFFIX));
+    let build = "cargo build --release --locked --bin tally";
+    let built = std::fs::metadata(&bin)
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|e| panic!("no {} ({e}): build it first: {build}", bin.display()));
+    let newest = newest_source(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"));
+    assert!(
+        newest <= built,
+        "{} is older than the sources under src/: rebuild it: {build}",
+        bin.display()
+    );
     bin
 }
 

@@ -8,13 +8,16 @@
 //! - [`fleet_processes`]: real `tally` processes behind nginx (`deploy/fleet.sh`) on the
 //!   real server, and a `tally-load` exactly-once run;
 //! - [`fleet_script`]: `deploy/fleet.sh` on the embedded store, a replica's death and restart;
-//! - [`mixed_fleet`]: the replaced service and a Tally replica on one real server.
+//! - [`mixed_fleet`]: the replaced service and a Tally replica on one real server;
+//! - [`cluster_failover`]: two `tally` processes over a real 2-node cluster whose leader is
+//!   killed under keyed load (opt-in: `make cluster-failover`).
 //!
 //! Shared helpers live in `tests/common/`.
 
 #[path = "../common/mod.rs"]
 mod common;
 
+mod cluster_failover;
 mod fleet;
 mod fleet_processes;
 mod fleet_script;
