@@ -21,7 +21,8 @@
 //! the balance must not cover the amount. A refusal that passes may still be stale by chance
 //! (an equal balance later on), so the check never blames a correct one.
 //!
-//! Opt-in: it runs only with `TALLY_CLUSTER_TEST=1` and otherwise says it skipped. It is not in
+//! Opt-in: it is ignored (so CI reports it as ignored, never as passed), and run with
+//! `--ignored` and `TALLY_CLUSTER_TEST=1`; without the switch it says it skipped. It is not in
 //! `make test`, because one run takes well over a minute. The cluster's S3 lease keeps the
 //! first leader for 30 s, so no kill comes sooner, and a failover takes up to 8 s more.
 //! `make cluster-failover` builds the release binary and runs it `TRIALS` times.
@@ -1074,6 +1075,7 @@ async fn wait_ready(http: &reqwest::Client, replicas: &[String]) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real 2-node cluster and about 70 s a run: make cluster-failover runs it"]
 async fn no_final_refusal_rests_on_a_version_below_an_acknowledged_one_across_a_leader_failover() {
     if std::env::var(SWITCH).as_deref() != Ok("1") {
         // An opt-in run, not a missing part: `make test` never provides this cluster.
