@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use crate::binary::Server;
-use crate::common::{new_account, required};
+use crate::common::{self, new_account, required};
 
 /// The variable naming the Celeriant server binary (`scripts/with-celeriant.sh` sets it), so
 /// a test can start, kill and restart a server of its own.
@@ -133,15 +133,8 @@ async fn deposit(http: &reqwest::Client, tally: &Server, account: &str, key: &st
 }
 
 async fn wait_ready(http: &reqwest::Client, tally: &Server) {
-    let deadline = Instant::now() + READY_BOUND;
-    loop {
-        let ready = http.get(tally.url("/readyz")).send().await;
-        if ready.is_ok_and(|r| r.status().is_success()) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "the replica never became ready");
-        tokio::time::sleep(PROBE_INTERVAL).await;
-    }
+    let base = tally.url("");
+    common::wait_ready(http, &[base.as_str()], READY_BOUND, PROBE_INTERVAL).await;
 }
 
 /// The newest `served` line of the deposit route.

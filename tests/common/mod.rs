@@ -377,6 +377,34 @@ pub fn new_account() -> String {
     uuid::Uuid::new_v4().to_string()
 }
 
+/// Polls `{base}/readyz` on each base URL until it answers 200, every `interval`, and fails
+/// the test once `bound` has passed since the call.
+pub async fn wait_ready(
+    http: &reqwest::Client,
+    bases: &[&str],
+    bound: std::time::Duration,
+    interval: std::time::Duration,
+) {
+    let deadline = tokio::time::Instant::now() + bound;
+    for base in bases {
+        loop {
+            let status = http
+                .get(format!("{base}/readyz"))
+                .send()
+                .await
+                .map(|r| r.status());
+            if matches!(status, Ok(StatusCode::OK)) {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{base} not ready within {bound:?}: {status:?}"
+            );
+            tokio::time::sleep(interval).await;
+        }
+    }
+}
+
 /// The value of the sample whose name and labels are exactly `series` (labels in the
 /// exposition's order), or 0 when absent.
 pub fn metric_sample(text: &str, series: &str) -> f64 {

@@ -1052,28 +1052,6 @@ fn a_refusal_on_the_balance_before_an_acknowledged_deposit_is_a_violation() {
 
 // --- The test --------------------------------------------------------------------------------
 
-/// Polls /readyz on every replica until each answers 200, within a bound.
-async fn wait_ready(http: &reqwest::Client, replicas: &[String]) {
-    let deadline = Instant::now() + READY_BOUND;
-    for base in replicas {
-        loop {
-            let status = http
-                .get(format!("{base}/readyz"))
-                .send()
-                .await
-                .map(|r| r.status());
-            if matches!(status, Ok(StatusCode::OK)) {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{base} not ready within {READY_BOUND:?}: {status:?}"
-            );
-            tokio::time::sleep(READY_PROBE_INTERVAL).await;
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real 2-node cluster and about 70 s a run: make cluster-failover runs it"]
 async fn no_final_refusal_rests_on_a_version_below_an_acknowledged_one_across_a_leader_failover() {
@@ -1113,7 +1091,8 @@ async fn no_final_refusal_rests_on_a_version_below_an_acknowledged_one_across_a_
         .no_proxy()
         .build()
         .expect("client");
-    wait_ready(&http, &fleet.replicas).await;
+    let bases: Vec<&str> = fleet.replicas.iter().map(String::as_str).collect();
+    common::wait_ready(&http, &bases, READY_BOUND, READY_PROBE_INTERVAL).await;
     eprintln!(
         "replicas A {} and B {} ({}) over {NODE_ADDRESS} and {SEED_NODE_ADDRESS}; logs in {:?}",
         fleet.replicas[0],

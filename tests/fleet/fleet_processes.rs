@@ -806,26 +806,8 @@ impl Session {
 
 /// Polls /readyz on nginx and every replica until each answers 200, within a bound.
 async fn wait_ready(c: &Cluster) {
-    let deadline = tokio::time::Instant::now() + READY_BOUND;
-    for remote in c.all() {
-        loop {
-            let status = remote
-                .client
-                .get(format!("{}/readyz", remote.base))
-                .send()
-                .await
-                .map(|r| r.status());
-            if matches!(status, Ok(StatusCode::OK)) {
-                break;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{} not ready within {READY_BOUND:?}: {status:?}",
-                remote.base
-            );
-            tokio::time::sleep(READY_PROBE_INTERVAL).await;
-        }
-    }
+    let bases: Vec<&str> = c.all().map(|r| r.base.as_str()).collect();
+    common::wait_ready(&c.lb.client, &bases, READY_BOUND, READY_PROBE_INTERVAL).await;
 }
 
 /// Scenarios 1 to 8, through nginx and on the replicas directly.
