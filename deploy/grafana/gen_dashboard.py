@@ -213,6 +213,10 @@ def build():
           t(f"sum by (instance) ({rate('tally_idempotency_keys_minted_total')})", "minted {{instance}}")], "ops")
 
     L.row("Store (Celeriant)")
+    L.ts("Store reachable, by replica", [t(f"min by (instance) (tally_store_reachable{sel()})", "{{instance}}")], "short",
+         "1 while the store answers; 0 from a call that reached no node until the next answer. Writes and reads answer 503 STORE_UNAVAILABLE meanwhile (TallyStoreUnreachable).")
+    L.ts("Store lost, by replica", [t(f"sum by (instance) (increase(tally_store_outages_total{sel()}[{RI}]))", "{{instance}}")], "short",
+         "Times the replica lost the store. The replica's log has one WARN for each, naming the store and the error.")
     L.ts("Store requests by operation", [t(f"sum by (operation) ({rate('tally_store_requests_total')})", "{{operation}}")], "reqps")
     L.ts("Store requests by result", [t(f"sum by (operation, result) ({rate('tally_store_requests_total')})", "{{operation}} {{result}}")], "reqps")
     L.ts("Store requests not ok, by replica",
