@@ -112,11 +112,15 @@ mod trim {
     use tally::store::config::StoreKind;
 
     /// Trims account streams below a checkpoint (retention)
-    ///
-    /// Each account is trimmed below its newest checkpoint older than the window and the
-    /// retention. The server's flags name the store, the window and the retention.
+    // The detail goes after the flags, not in a second paragraph: a long "about" would turn
+    // `--help` into clap's long layout, a paragraph for each of the server's flags.
     #[derive(Parser)]
-    #[command(name = "tally trim")]
+    #[command(
+        name = "tally trim",
+        after_help = "Each account is trimmed below its newest checkpoint older than the window \
+                      and the retention. The server's flags name the store, the window and the \
+                      retention."
+    )]
     pub(super) struct TrimArgs {
         /// The accounts to trim (UUIDs).
         #[arg(id = "account_ids", required = true, value_name = "ACCOUNT_ID")]
