@@ -498,6 +498,7 @@ async fn write(
     let mut last = String::new();
     let mut attempts = 0;
     let mut replica = first_replica;
+    let mut settled = None;
     while attempts < MAX_ATTEMPTS {
         if attempts > 0 {
             if started.elapsed() >= RETRY_BOUND {
@@ -552,17 +553,8 @@ async fn write(
                 text: a.text,
             },
         };
-        return Write {
-            client,
-            key,
-            op,
-            floor,
-            first_sent_ms,
-            answered_ms: shared.now_ms(),
-            attempts,
-            replica,
-            outcome,
-        };
+        settled = Some(outcome);
+        break;
     }
     Write {
         client,
@@ -573,7 +565,7 @@ async fn write(
         answered_ms: shared.now_ms(),
         attempts,
         replica,
-        outcome: Outcome::Unresolved { last },
+        outcome: settled.unwrap_or(Outcome::Unresolved { last }),
     }
 }
 
