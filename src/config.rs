@@ -21,6 +21,7 @@ use clap::{Parser, ValueEnum};
 
 use crate::account::{AccountsMode, Identity};
 use crate::auth::{AuthConfig, Authenticator};
+use crate::flag::count;
 use crate::projection::ProjectionConfig;
 use crate::projection::config::{ProjectionFlags, ProjectionKind};
 use crate::store::combine::CombineConfig;
@@ -32,6 +33,10 @@ use http::{HttpConfig, MAX_ACTIVE_REQUESTS};
 
 /// The longest idempotency window accepted, in seconds (one day).
 pub const MAX_WINDOW_SECS: u64 = 86_400;
+/// The longest idempotency retention accepted, in seconds (thirty days).
+pub const MAX_RETENTION_SECS: u64 = 30 * 86_400;
+/// How long a landed write's key is remembered, unless configured (a day).
+pub const DEFAULT_RETENTION_SECS: u64 = 86_400;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
@@ -70,6 +75,18 @@ pub struct Config {
     /// How long a write's response is replayed for a retry with its key, in seconds.
     #[arg(help_heading = "Idempotency", long, env = "TALLY_IDEMPOTENCY_WINDOW", default_value_t = 90, value_parser = clap::value_parser!(u64).range(1..=MAX_WINDOW_SECS))]
     pub idempotency_window: u64,
+
+    /// How long a landed write's key is remembered on any replica, in seconds (at least the window).
+    #[arg(help_heading = "Idempotency", long, env = "TALLY_IDEMPOTENCY_RETENTION", default_value_t = DEFAULT_RETENTION_SECS, value_parser = clap::value_parser!(u64).range(1..=MAX_RETENTION_SECS))]
+    pub idempotency_retention: u64,
+
+    /// Most keys one account remembers past the window; the oldest go first.
+    #[arg(help_heading = "Idempotency", long, env = "TALLY_IDEMPOTENCY_MAX_KEYS_PER_ACCOUNT", default_value_t = crate::projection::DEFAULT_MAX_KEYS_PER_ACCOUNT, value_parser = count(crate::projection::MAX_KEYS))]
+    pub idempotency_max_keys_per_account: usize,
+
+    /// Most keys this replica remembers past the window, over all accounts; the oldest go first.
+    #[arg(help_heading = "Idempotency", long, env = "TALLY_IDEMPOTENCY_MAX_KEYS", default_value_t = crate::projection::DEFAULT_MAX_KEYS, value_parser = count(crate::projection::MAX_KEYS))]
+    pub idempotency_max_keys: usize,
 
     /// On an index miss, look for the write this many seconds back in the store (0: off).
     #[arg(help_heading = "Idempotency", long, env = "TALLY_IDEMPOTENCY_SCAN_WINDOW", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=MAX_WINDOW_SECS))]
@@ -192,6 +209,14 @@ impl Config {
                 self.write_life_shown()
             )));
         }
+        // The window is the part of the retention answered from memory alone: a key is
+        // never forgotten while its full entry still answers.
+        if self.idempotency_retention < self.idempotency_window {
+            return Err(ConfigError(format!(
+                "--idempotency-retention ({} s) must be at least --idempotency-window ({} s)",
+                self.idempotency_retention, self.idempotency_window
+            )));
+        }
         // A stalled event stream ends itself first, so it can still tell its client why.
         if self.http.write_stall_secs <= self.watch.stall_limit().as_secs() {
             return Err(ConfigError(format!(
@@ -273,9 +298,16 @@ impl Config {
         Duration::from_secs(self.idempotency_window)
     }
 
+    pub fn retention(&self) -> Duration {
+        Duration::from_secs(self.idempotency_retention)
+    }
+
     pub fn projection(&self) -> ProjectionConfig {
         ProjectionConfig {
             window: self.window(),
+            retention: self.retention(),
+            max_keys_per_account: self.idempotency_max_keys_per_account,
+            max_keys: self.idempotency_max_keys,
             max_resident_accounts: self.projection.max_resident_accounts,
             idle_timeout: Duration::from_secs(self.projection.idle_timeout_secs),
             max_index_entries: self.projection.max_index_entries,

@@ -191,6 +191,11 @@ pub struct Metrics {
     pub projection_db_rows_replayed: IntCounter,
     pub projection_db_rows_swept: IntCounter,
     pub idem_scans: IntCounterVec,
+    // The key memory past the window (`projection/keys/`)
+    pub remembered_keys: IntGauge,
+    pub remembered_keys_cap: IntGauge,
+    pub keys_forgotten: IntCounterVec,
+    pub remembered_looks: IntCounterVec,
     // Checkpoints (`projection/checkpoint.rs`)
     pub checkpoint_writes: IntCounterVec,
     pub checkpoint_loads: IntCounterVec,
@@ -222,6 +227,19 @@ pub mod checkpoint_load {
     /// The checkpoint stream could not be read: the whole stream was folded.
     pub const UNAVAILABLE: &str = "unavailable";
     pub const ALL: [&str; 4] = [USED, NONE, REJECTED, UNAVAILABLE];
+}
+
+/// Labels of the key memory's metrics (`tally_idempotency_keys_forgotten_total{cap}`,
+/// `tally_idempotency_remembered_reads_total{result}`).
+pub mod remembered {
+    pub const CAP_ACCOUNT: &str = "account";
+    pub const CAP_REPLICA: &str = "replica";
+    pub const CAPS: [&str; 2] = [CAP_ACCOUNT, CAP_REPLICA];
+    pub const HIT: &str = "hit";
+    pub const COLLISION: &str = "collision";
+    pub const EXPIRED: &str = "expired";
+    pub const COLLIDED: &str = "collided";
+    pub const RESULTS: [&str; 4] = [HIT, COLLISION, EXPIRED, COLLIDED];
 }
 
 /// Outcomes of a trim by retention (`tally_trims_total{outcome}`).
@@ -271,6 +289,12 @@ impl Metrics {
         }
         for outcome in trim::ALL {
             self.trims.with_label_values(&[outcome]);
+        }
+        for cap in remembered::CAPS {
+            self.keys_forgotten.with_label_values(&[cap]);
+        }
+        for result in remembered::RESULTS {
+            self.remembered_looks.with_label_values(&[result]);
         }
         for statement in DB_STATEMENTS {
             for outcome in DB_OUTCOMES {
@@ -640,6 +664,28 @@ impl Metrics {
                 r,
                 "tally_idempotency_scans_total",
                 "Scans on miss (--idempotency-scan-window) by result: hit, miss, bounded (gave up at the page bound).",
+                &["result"],
+            ),
+            remembered_keys: gauge(
+                r,
+                "tally_idempotency_remembered_keys",
+                "Keys remembered past the window, over all resident accounts.",
+            ),
+            remembered_keys_cap: gauge(
+                r,
+                "tally_idempotency_remembered_keys_cap",
+                "The most keys this replica remembers past the window (--idempotency-max-keys).",
+            ),
+            keys_forgotten: counter_vec(
+                r,
+                "tally_idempotency_keys_forgotten_total",
+                "Keys forgotten inside the retention to keep a cap, by cap: account or replica. The horizon stated on that account's answers shrinks.",
+                &["cap"],
+            ),
+            remembered_looks: counter_vec(
+                r,
+                "tally_idempotency_remembered_reads_total",
+                "Store reads of a batch a remembered key points at, by result: hit, collision (another key's batch), expired (past the retention), collided (too many keys share the fingerprint; retryable).",
                 &["result"],
             ),
             checkpoint_writes: counter_vec(

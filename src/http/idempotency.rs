@@ -20,6 +20,8 @@ use super::error::{ApiError, ErrorCode};
 pub const HEADER: &str = "idempotency-key";
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 pub const WINDOW_HEADER: &str = "idempotency-window";
+/// How long a landed write's key is remembered, stated on every write answer as the window is.
+pub const RETENTION_HEADER: &str = "idempotency-retention";
 /// The longest key accepted, in characters.
 pub const MAX_KEY_LEN: usize = 255;
 /// The namespace opaque keys are hashed in: a fixed UUID chosen for Tally. Never change it:

@@ -258,7 +258,9 @@ where
         .map_or(Duration::ZERO, |a| a.elapsed())
         .max(started.elapsed());
     let shown = Shown::to(caller.as_ref(), &op);
-    Ok(keyed_answer(app, &key, answer, shown, since))
+    let accounts: Vec<_> = op.legs().as_slice().iter().map(|l| l.account).collect();
+    let horizon = app.projection.key_horizon(&accounts);
+    Ok(keyed_answer(app, &key, answer, shown, (since, horizon)))
 }
 
 /// What a landed write's answer shows its caller. A transfer's destination is not the
@@ -365,25 +367,31 @@ fn keyed_answer(
     key: &IdempotencyKey,
     answer: Result<WriteOutcome, WriteError>,
     shown: Shown,
-    since: Duration,
+    (since, horizon): (Duration, Duration),
 ) -> Resp {
+    let horizon_secs = horizon.as_secs();
     let rule_refusal = matches!(answer, Err(WriteError::Rule(_)));
     let mut resp = match answer {
         Ok(outcome) => outcome_response(&outcome, shown),
         Err(e) => ApiError::from(e).into_response(),
     };
+    let (status, lookup) = (resp.status(), app.config.retry_lookup_room());
     let window = window_header(
-        resp.status(),
+        status,
         rule_refusal,
         app.config.idempotency_window,
         since,
-        app.config.retry_lookup_room(),
+        lookup,
     );
+    // The retention follows the window's rule, from the horizon the written accounts keep
+    // now: a cap that made an account forget sooner is stated, never hidden.
+    let retention = window_header(status, rule_refusal, horizon_secs, since, lookup);
     let h = resp.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&key.echo) {
         h.insert(idempotency::HEADER, v);
     }
     h.insert(idempotency::WINDOW_HEADER, HeaderValue::from(window));
+    h.insert(idempotency::RETENTION_HEADER, HeaderValue::from(retention));
     resp
 }
 

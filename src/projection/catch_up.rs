@@ -150,9 +150,10 @@ impl Projection {
         let ctx = self.fold_context();
         let mut st = slot.state.lock();
         same_fold(&st, generation)?;
-        let before = st.recent.len();
+        let (before, keys_before) = (st.recent.len(), st.keys.len());
         let result = st.fold(page, &ctx);
         self.add_index_entries(st.recent.len() as i64 - before as i64);
+        self.keys_changed(&mut st, keys_before);
         match result {
             Ok(applied) => {
                 self.metrics.events_folded.inc_by(applied);
@@ -197,6 +198,7 @@ impl Projection {
         FoldContext {
             client_id: self.identity.client(),
             window_ms: self.window_ms(),
+            retention_ms: self.retention_ms(),
             tip_ms: self.server_tip_ms(),
             now_ms: self.now_ms(),
         }

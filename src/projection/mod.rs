@@ -35,10 +35,13 @@ pub mod config;
 mod existed;
 pub mod index;
 mod index_room;
+pub mod keys;
 mod own_write;
 mod port;
 pub mod postgres;
 mod regress;
+mod remember;
+mod remembered;
 mod resident;
 mod scan;
 mod state;
@@ -84,9 +87,27 @@ pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 /// accounts hold a few entries or more.
 pub const DEFAULT_MAX_INDEX_ENTRIES: usize = 3_000_000;
 
+/// How long a landed write's key is remembered past the window, unless configured.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(86_400);
+/// The keys one account remembers past the window, unless configured: a day of a write every
+/// 0.1 s, about 12 MB.
+pub const DEFAULT_MAX_KEYS_PER_ACCOUNT: usize = 1_000_000;
+/// The keys one replica remembers past the window over all its accounts, unless configured:
+/// a day of 185 writes/s, about 200 MB at 12-13 bytes a key.
+pub const DEFAULT_MAX_KEYS: usize = 16_000_000;
+/// The most either key cap accepts.
+pub const MAX_KEYS: usize = 1_000_000_000;
+
 #[derive(Clone, Copy, Debug)]
 pub struct ProjectionConfig {
     pub window: Duration,
+    /// How long a landed write's key is remembered (at least the window): past the window,
+    /// in the account's key memory (`keys/`).
+    pub retention: Duration,
+    /// Most keys one account's key memory holds; the oldest go first.
+    pub max_keys_per_account: usize,
+    /// Most keys this replica's key memories hold together; the oldest go first.
+    pub max_keys: usize,
     pub max_resident_accounts: usize,
     pub idle_timeout: Duration,
     /// See [`DEFAULT_MAX_INDEX_ENTRIES`] and [`Projection::check_index_room`].
@@ -102,6 +123,9 @@ impl Default for ProjectionConfig {
     fn default() -> Self {
         Self {
             window: DEFAULT_WINDOW,
+            retention: DEFAULT_RETENTION,
+            max_keys_per_account: DEFAULT_MAX_KEYS_PER_ACCOUNT,
+            max_keys: DEFAULT_MAX_KEYS,
             max_resident_accounts: DEFAULT_MAX_RESIDENT_ACCOUNTS,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             max_index_entries: DEFAULT_MAX_INDEX_ENTRIES,
@@ -161,6 +185,8 @@ pub struct Projection {
     /// `i64::MIN` until the first observation.
     server_offset_ms: AtomicI64,
     index_entries: AtomicI64,
+    /// Keys in the key memories of every resident account (`remember.rs`).
+    remembered_keys: AtomicI64,
     evict_signal: tokio::sync::Notify,
     /// Accounts evicted while they held events: a first touch reads them first.
     existed: existed::Existed,
@@ -201,6 +227,9 @@ impl Projection {
         metrics
             .index_entries_cap
             .set(i64::try_from(config.max_index_entries).unwrap_or(i64::MAX));
+        metrics
+            .remembered_keys_cap
+            .set(i64::try_from(config.max_keys).unwrap_or(i64::MAX));
         Self {
             log,
             identity,
@@ -210,6 +239,7 @@ impl Projection {
             accounts: DashMap::default(),
             server_offset_ms: AtomicI64::new(i64::MIN),
             index_entries: AtomicI64::new(0),
+            remembered_keys: AtomicI64::new(0),
             evict_signal: tokio::sync::Notify::new(),
             existed: existed::Existed::default(),
             probe_version: AtomicU64::new(0),

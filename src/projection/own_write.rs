@@ -62,6 +62,18 @@ impl Projection {
             st.recent.insert(event_id, w);
         }
         if st.version == write.expected_version && st.broken.is_none() {
+            // Keys follow the cursor: the fold that moves it past this version later skips
+            // the batch, so this is the one place its keys are remembered here. Its commit
+            // time is not in the store's answer; the estimate never runs ahead of it.
+            // On Postgres the database keeps them, beside the row.
+            if !self.uses_database() {
+                let (keys_before, commit_ms) = (st.keys.len(), self.server_tip_ms());
+                for &(event_id, balance, _) in write.events {
+                    st.keys
+                        .push(event_id, write.new_version, balance, commit_ms);
+                }
+                self.keys_changed(st, keys_before);
+            }
             st.version = write.new_version;
             st.balance = write.balance_after;
             st.max_client_seq = st.max_client_seq.max(write.max_client_seq);

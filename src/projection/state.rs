@@ -6,6 +6,7 @@ use crate::account::fold;
 use crate::store::Batch;
 
 use super::index::{self, Bulk, RecentIndex, RecentWrite};
+use super::keys::KeyMemory;
 
 /// How many batches ahead of the one being folded the fold prefetches payloads (and twice
 /// as far, events).
@@ -42,6 +43,8 @@ pub struct FoldContext {
     /// Only batches of this client id raise the account's max client sequence.
     pub client_id: u128,
     pub window_ms: u64,
+    /// Batches younger than this (server time) have their keys remembered past the window.
+    pub retention_ms: u64,
     /// The server's now as this replica estimates it ([`Projection::server_tip_ms`]).
     pub tip_ms: u64,
     /// Local monotonic now.
@@ -60,6 +63,8 @@ pub struct AccountState {
     pub warm: bool,
     pub broken: Option<Box<Broken>>,
     pub recent: RecentIndex,
+    /// Every key that landed within the retention, a few bytes each (`keys/`).
+    pub keys: KeyMemory,
     pub last_touch_ms: u64,
     /// Postgres projection only: no warm copy of this account is built before this local
     /// time, because the last one had too many rows (see `postgres/warm.rs`).
@@ -113,6 +118,7 @@ impl AccountState {
             self.recent.reserve(batches.len() - old);
         }
         let mut applied = 0u64;
+        let mut landed: Vec<(u128, i64)> = Vec::new();
         // Records are appended as the fold goes and indexed in one pass when `index` drops,
         // on every return path.
         let mut index = self.recent.bulk();
@@ -138,7 +144,11 @@ impl AccountState {
             // every event applied, or they would answer for events the state never took.
             let mark = index.mark();
             let start = (self.balance, self.max_client_seq);
-            let (balance, max_seq) = match fold_batch(&mut index, batch, start, expires, own) {
+            let remember = age < ctx.retention_ms;
+            landed.clear();
+            let keys = remember.then_some(&mut landed);
+            let (balance, max_seq) = match fold_batch(&mut index, batch, start, expires, own, keys)
+            {
                 Ok(after) => after,
                 Err(reason) => {
                     index.rollback(mark);
@@ -151,6 +161,10 @@ impl AccountState {
             self.balance = balance;
             self.max_client_seq = max_seq;
             self.version = batch.version;
+            for &(event_id, balance) in &landed {
+                self.keys
+                    .push(event_id, batch.version, balance, batch.server_timestamp_ms);
+            }
             applied += batch.events.len() as u64;
         }
         Ok(applied)
@@ -177,7 +191,8 @@ fn prefetch_ahead(batches: &[Batch], at: usize) {
 }
 
 /// Applies one batch's events on top of `(balance, highest own sequence)` and appends an
-/// index record for each when the batch `expires` at all (it is younger than the window).
+/// index record for each when the batch `expires` at all (it is younger than the window),
+/// and each keyed event's balance to `keys` when given (it is younger than the retention).
 /// Returns the pair after the batch, or why one of its events cannot be applied; the
 /// records appended before that event are the caller's to roll back.
 #[inline]
@@ -187,6 +202,7 @@ fn fold_batch(
     (mut balance, mut max_seq): (i64, u64),
     expires: Option<u64>,
     own: bool,
+    mut keys: Option<&mut Vec<(u128, i64)>>,
 ) -> Result<(i64, u64), String> {
     for e in batch.events.iter() {
         let event =
@@ -200,6 +216,9 @@ fn fold_batch(
         }
         if own && e.client_seq > max_seq {
             max_seq = e.client_seq;
+        }
+        if let (Some(keys), Some(eid)) = (keys.as_deref_mut(), e.event_id) {
+            keys.push((eid, balance));
         }
         if let (Some(expires_at_ms), Some(eid)) = (expires, e.event_id) {
             index.push(

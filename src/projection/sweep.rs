@@ -17,6 +17,10 @@ pub struct SweepStats {
     pub index_entries_expired: usize,
     pub evicted_idle: usize,
     pub evicted_capacity: usize,
+    /// Keys past the retention dropped from key memories.
+    pub keys_expired: usize,
+    /// Keys dropped inside the retention to keep the replica's cap.
+    pub keys_forgotten: usize,
 }
 
 impl Projection {
@@ -51,6 +55,7 @@ impl Projection {
             }
         }
         self.add_index_entries(-(stats.index_entries_expired as i64));
+        (stats.keys_expired, stats.keys_forgotten) = self.sweep_keys();
         for account in idle {
             if self.evict(account) {
                 stats.evicted_idle += 1;
@@ -102,6 +107,7 @@ impl Projection {
     /// account that held events is read before it is written (never a blind create).
     pub(super) fn forget_fold(&self, account: AccountId, st: &super::AccountState) {
         self.add_index_entries(-(st.recent.len() as i64));
+        self.add_remembered(-(st.keys.len() as i64));
         if st.version > 0 {
             self.existed.remember(account);
         }

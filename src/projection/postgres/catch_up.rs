@@ -229,6 +229,8 @@ impl Projection {
         let ctx = FoldContext {
             client_id: self.identity.client(),
             window_ms: self.window_ms(),
+            // The database keeps the keys (its index rows); the warm copy needs none.
+            retention_ms: 0,
             tip_ms: tip,
             now_ms: tip,
         };

@@ -1,0 +1,295 @@
+//! The key memory of one account: every key that landed on it within the retention, a few
+//! bytes each, enough to find the write again with one store read.
+//!
+//! The recent-writes index (`index/`) answers a retry from memory alone, for the window. Past
+//! the window a key is only remembered here: a 32-bit fingerprint of its event id, and the
+//! version and balance its event left. A retry that matches a fingerprint reads the batch at
+//! that version and looks for its own event id there (`Projection::confirm_remembered`), so
+//! a collision costs one read and never replays a wrong answer. A new key that matches no
+//! fingerprint costs nothing but the look.
+//!
+//! Layout: keys are appended in version order to a tail of at most [`TAIL_KEYS`]. A full
+//! tail is sorted by fingerprint and sealed into a run; two neighbouring runs of like size
+//! merge (as a binary counter carries) up to [`MAX_RUN_KEYS`]. So a look is a short scan of
+//! the tail and a binary search in each of a few dozen runs, and the oldest keys sit in the
+//! oldest run, dropped whole when they age past the retention or a cap needs room.
+//!
+//! Files: this one (the memory and its rules), `run` (one run's packed columns), `segment`
+//! (the keys of a version range as a checkpoint carries them) and `tests`.
+
+mod run;
+mod segment;
+#[cfg(test)]
+mod tests;
+
+use std::collections::VecDeque;
+
+use run::Run;
+pub use segment::{Segment, SegmentKey};
+
+/// The keys the unsorted tail holds before it is sealed into a run: a look scans them all.
+pub const TAIL_KEYS: usize = 1_024;
+/// The largest run a merge makes: what a cap or the retention drops at once, at most.
+pub const MAX_RUN_KEYS: usize = 65_536;
+/// The most keys one look returns; more matches than that are refused as unanswerable.
+pub const MAX_CANDIDATES: usize = 8;
+
+/// A key's 32-bit fingerprint: a fixed mix of its event id, the same in every build (the
+/// checkpoints carry fingerprints from one release to the next).
+pub fn fingerprint(event_id: u128) -> u32 {
+    let folded = (event_id as u64) ^ ((event_id >> 64) as u64).rotate_left(29);
+    (folded.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as u32
+}
+
+/// What a remembered key points at: the batch that carried its event, and the balance right
+/// after that event. Unconfirmed until that batch is read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Remembered {
+    pub version: u64,
+    pub balance: i64,
+}
+
+/// The keys one account remembers. Empty, it costs one pointer.
+#[derive(Default)]
+pub struct KeyMemory {
+    inner: Option<Box<Inner>>,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Sealed runs, oldest first, each sorted by fingerprint.
+    runs: VecDeque<Run>,
+    /// The newest keys, in version order.
+    tail: Run,
+    len: usize,
+    /// Every key of a version above this that the fold took is here: a cap dropped the keys
+    /// up to it, or the memory was loaded from a segment that starts there.
+    floor: u64,
+    /// The newest commit time (server ms) of a key a cap dropped (0: none). Keys committed
+    /// after it are remembered for the whole retention.
+    forgotten_ms: u64,
+}
+
+impl KeyMemory {
+    /// Remembers `event_id`, whose event in the batch at `version` (committed at server time
+    /// `commit_ms`) left `balance`. Keys come in version order.
+    pub fn push(&mut self, event_id: u128, version: u64, balance: i64, commit_ms: u64) {
+        let inner = self.inner.get_or_insert_with(Box::default);
+        debug_assert!(
+            version >= inner.newest_version(),
+            "keys are remembered in version order"
+        );
+        if !inner.tail.fits(version, balance) {
+            inner.seal();
+        }
+        inner
+            .tail
+            .push(fingerprint(event_id), version, balance, commit_ms);
+        inner.len += 1;
+        if inner.tail.len() == TAIL_KEYS {
+            inner.seal();
+        }
+    }
+
+    /// Every remembered key whose fingerprint matches `event_id`'s, at most
+    /// [`MAX_CANDIDATES`] (`Err` with how many matched beyond that: an account whose keys
+    /// were made to collide is refused, never answered on a guess).
+    pub fn candidates(&self, event_id: u128) -> Result<Vec<Remembered>, usize> {
+        let Some(inner) = self.inner.as_ref() else {
+            return Ok(Vec::new());
+        };
+        let fp = fingerprint(event_id);
+        let mut out = Vec::new();
+        for run in &inner.runs {
+            run.matches_sorted(fp, &mut out);
+        }
+        inner.tail.matches_scan(fp, &mut out);
+        if out.len() > MAX_CANDIDATES {
+            return Err(out.len());
+        }
+        Ok(out)
+    }
+
+    pub fn len(&self) -> usize {
+        self.inner.as_ref().map_or(0, |i| i.len)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The newest version a key was remembered at (0: none).
+    pub fn newest_version(&self) -> u64 {
+        self.inner.as_ref().map_or(0, |i| i.newest_version())
+    }
+
+    /// See [`Inner::floor`].
+    pub fn floor(&self) -> u64 {
+        self.inner.as_ref().map_or(0, |i| i.floor)
+    }
+
+    /// The newest commit time of a key a cap made this account forget (0: none).
+    pub fn forgotten_ms(&self) -> u64 {
+        self.inner.as_ref().map_or(0, |i| i.forgotten_ms)
+    }
+
+    /// Bytes held on the heap (what a remembered key costs, measured).
+    pub fn heap_bytes(&self) -> usize {
+        self.inner.as_ref().map_or(0, |i| {
+            std::mem::size_of::<Inner>()
+                + i.runs.capacity() * std::mem::size_of::<Run>()
+                + i.runs.iter().map(Run::heap_bytes).sum::<usize>()
+                + i.tail.heap_bytes()
+        })
+    }
+
+    /// Drops the runs whose every key was committed before `oldest_ms` (past the retention).
+    /// Returns how many keys went. Not a cap: nothing is forgotten that was promised.
+    pub fn expire(&mut self, oldest_ms: u64) -> usize {
+        let Some(inner) = self.inner.as_mut() else {
+            return 0;
+        };
+        let mut dropped = 0;
+        while inner.oldest_ms().is_some_and(|ms| ms < oldest_ms) {
+            dropped += inner.drop_oldest().len();
+        }
+        inner.len -= dropped;
+        self.clear_if_empty();
+        dropped
+    }
+
+    /// Drops the oldest runs until at most `max` keys are left; the forgotten horizon moves.
+    /// Returns how many keys went.
+    pub fn cap(&mut self, max: usize) -> usize {
+        let mut dropped = 0;
+        while self.len() > max {
+            dropped += self.forget_oldest();
+        }
+        dropped
+    }
+
+    /// Drops the oldest run (a replica-wide cap's step); the forgotten horizon moves.
+    /// Returns how many keys went.
+    pub fn forget_oldest(&mut self) -> usize {
+        let Some(inner) = self.inner.as_mut() else {
+            return 0;
+        };
+        let run = inner.drop_oldest();
+        inner.floor = inner.floor.max(run.max_version());
+        inner.forgotten_ms = inner.forgotten_ms.max(run.newest_ms());
+        inner.len -= run.len();
+        run.len()
+    }
+
+    /// Commit time of the newest key in the oldest run (`None`: no keys): what a
+    /// replica-wide cap compares accounts by.
+    pub fn oldest_ms(&self) -> Option<u64> {
+        self.inner.as_ref().and_then(|i| i.oldest_ms())
+    }
+
+    /// The keys of versions in `(after, through]`, in version order, for a checkpoint to carry.
+    /// `None` when this memory does not hold all of them (a cap dropped some, or it was
+    /// loaded from a later segment): the checkpoint then starts its segment at the floor.
+    pub fn segment(&self, after: u64, through: u64) -> Option<Segment> {
+        let floor = self.floor();
+        if after < floor {
+            return None;
+        }
+        let mut keys = Vec::new();
+        if let Some(inner) = self.inner.as_ref() {
+            for run in inner.runs.iter().chain(std::iter::once(&inner.tail)) {
+                run.keys_between(after, through, &mut keys);
+            }
+        }
+        keys.sort_by_key(|k: &SegmentKey| k.version);
+        Some(Segment { after, keys })
+    }
+
+    /// Loads a segment's keys, oldest segment first, into an empty memory or after its
+    /// newest key. The first segment loaded sets the floor: nothing below it is known here.
+    pub fn load(&mut self, segment: &Segment, commit_ms: u64) {
+        if self.is_empty() && self.floor() == 0 {
+            self.inner.get_or_insert_with(Box::default).floor = segment.after;
+        }
+        let inner = self.inner.get_or_insert_with(Box::default);
+        for k in &segment.keys {
+            if k.version <= inner.newest_version() && inner.len > 0 {
+                continue;
+            }
+            if !inner.tail.fits(k.version, k.balance) {
+                inner.seal();
+            }
+            inner
+                .tail
+                .push(k.fingerprint, k.version, k.balance, commit_ms);
+            inner.len += 1;
+            if inner.tail.len() == TAIL_KEYS {
+                inner.seal();
+            }
+        }
+    }
+
+    /// Marks versions up to `version` as not remembered here (a fold that started above
+    /// keys it never saw).
+    pub fn raise_floor(&mut self, version: u64) {
+        let inner = self.inner.get_or_insert_with(Box::default);
+        inner.floor = inner.floor.max(version);
+    }
+
+    fn clear_if_empty(&mut self) {
+        if self
+            .inner
+            .as_ref()
+            .is_some_and(|i| i.len == 0 && i.floor == 0 && i.forgotten_ms == 0)
+        {
+            self.inner = None;
+        }
+    }
+}
+
+impl Inner {
+    fn newest_version(&self) -> u64 {
+        if self.tail.len() > 0 {
+            return self.tail.max_version();
+        }
+        self.runs.back().map_or(0, Run::max_version)
+    }
+
+    fn oldest_ms(&self) -> Option<u64> {
+        match self.runs.front() {
+            Some(run) => Some(run.newest_ms()),
+            None => (self.tail.len() > 0).then(|| self.tail.newest_ms()),
+        }
+    }
+
+    /// Takes the oldest run (the tail when no run is sealed).
+    fn drop_oldest(&mut self) -> Run {
+        match self.runs.pop_front() {
+            Some(run) => run,
+            None => std::mem::take(&mut self.tail),
+        }
+    }
+
+    /// Sorts the tail into a run, then merges like-sized neighbours.
+    fn seal(&mut self) {
+        if self.tail.len() == 0 {
+            return;
+        }
+        let mut run = std::mem::take(&mut self.tail);
+        run.sort_sealed();
+        self.runs.push_back(run);
+        while self.runs.len() >= 2 {
+            let n = self.runs.len();
+            let (older, newer) = (&self.runs[n - 2], &self.runs[n - 1]);
+            if older.len() > newer.len() || older.len() + newer.len() > MAX_RUN_KEYS {
+                break;
+            }
+            let Some(merged) = Run::merge(older, newer) else {
+                break;
+            };
+            self.runs.pop_back();
+            self.runs.pop_back();
+            self.runs.push_back(merged);
+        }
+    }
+}
