@@ -196,8 +196,28 @@ impl Config {
         self.http.max_queue_wait() * 3 + crate::stall::THRESHOLD + self.write_life()
     }
 
+    /// Retention never trims what a remembered key points at: history is kept for the window
+    /// and `--retain-history-secs` (0 when unset, as `tally trim` takes it), and that must
+    /// reach back as far as `--idempotency-retention`.
+    pub fn check_trim_keeps_keys(&self) -> Result<(), ConfigError> {
+        let retain = self.projection.retain_history_secs.unwrap_or(0);
+        let kept = self.idempotency_window.saturating_add(retain);
+        if kept < self.idempotency_retention {
+            return Err(ConfigError(format!(
+                "--retain-history-secs ({retain} s) plus --idempotency-window ({} s) keeps {kept} s of history, less than --idempotency-retention ({} s): a retry of a remembered key would find its write trimmed away. Set --retain-history-secs to at least {} s, or shorten the retention.",
+                self.idempotency_window,
+                self.idempotency_retention,
+                self.idempotency_retention - self.idempotency_window,
+            )));
+        }
+        Ok(())
+    }
+
     /// Settings that are each in range but do not fit together.
     fn check_time_relations(&self) -> Result<(), ConfigError> {
+        if self.projection.retain_history_secs.is_some() {
+            self.check_trim_keeps_keys()?;
+        }
         // A write's whole life (its deadline, and the last store request it may still have
         // out when the deadline passes) fits in the window: what it wrote is in the
         // recent-writes index for as long as the write itself can look for it there.

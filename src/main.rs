@@ -153,6 +153,10 @@ mod trim {
 
     async fn run(args: TrimArgs) -> ExitCode {
         let config = &args.config;
+        if let Err(why) = config.check_trim_keeps_keys() {
+            eprintln!("tally trim: {why}");
+            return ExitCode::from(2);
+        }
         let log: SharedLog = match CeleriantLog::connect(&config.store.celeriant) {
             Ok(log) => Arc::new(log),
             Err(e) => {

@@ -9,11 +9,13 @@
 //!   our client id there, and that version's commit time and batch fingerprint. It is built
 //!   only from a fold's state at a version whose batch the writer has just read back from the
 //!   store ([`Projection::write_checkpoint`]), never from a decision not yet written;
-//! - it carries no recent-writes entries: a cold fold uses only a checkpoint whose commit time
-//!   is at least one window older than the server's now ([`pick`]), so every event the index
-//!   must hold lies after it and is replayed and indexed exactly as a full fold would. Ages are
-//!   server time against the replica's estimate of the server's now, which never runs ahead of
-//!   it: an underestimate only makes fewer checkpoints eligible;
+//! - it carries no recent-writes entries. A keyed one carries the keys landed since the
+//!   checkpoint before it ([`Segment`]): a cold fold takes the newest whose chain of keys
+//!   reaches back through the retention (`key_chain.rs`), at any age. Without such a chain it
+//!   uses only a checkpoint whose commit time is at least a retention older than the server's
+//!   now ([`pick`]), so every key the fold must hold lies after it and is folded. Ages are
+//!   server time against the replica's estimate of the server's now, which never runs ahead
+//!   of it: an underestimate only makes fewer checkpoints eligible;
 //! - existence (explicit accounts) needs nothing more: a checkpoint covers a version of at
 //!   least 1, so the stream it stands for exists;
 //! - before it is used it is checked against the stream ([`Checkpoint::check`]): the batch at
@@ -24,6 +26,8 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
+use super::key_chain::Chain;
+use super::keys::Segment;
 use super::{AccountSlot, Projection};
 use crate::account::AccountId;
 use crate::metrics::checkpoint_load;
@@ -33,6 +37,9 @@ use crate::store::{Batch, Event, EventType, StoreError, read_whole};
 pub const CHECKPOINT_EVENT: EventType = EventType { major: 1, minor: 0 };
 /// The payload layout's version; a payload of any other is ignored (counted as rejected).
 const FORMAT: u8 = 1;
+/// The layout that carries the keys of the versions since the checkpoint before
+/// ([`Segment`]) after the same fixed part.
+const FORMAT_KEYED: u8 = 2;
 const ENCODED_LEN: usize = 1 + 5 * 8;
 /// The newest checkpoints a cold fold reads to pick from (one read). The writer spaces
 /// checkpoints at least a quarter window apart, so these span at least four windows.
@@ -50,6 +57,9 @@ pub struct Checkpoint {
     pub commit_ms: u64,
     /// [`fingerprint`] of the batch at `version`.
     pub fingerprint: u64,
+    /// A keyed checkpoint's segment starts after this version: it carries every key the
+    /// fold took above it. `None`: it carries no keys (written by an older release).
+    pub keys_after: Option<u64>,
 }
 
 /// Why a checkpoint was not used.
@@ -72,45 +82,84 @@ impl Checkpoint {
             max_client_seq,
             commit_ms: batch.server_timestamp_ms,
             fingerprint: fingerprint(batch),
+            keys_after: None,
         }
     }
 
     pub fn encode(&self) -> Bytes {
         let mut b = BytesMut::with_capacity(ENCODED_LEN);
         b.put_u8(FORMAT);
+        self.encode_fixed(&mut b);
+        b.freeze()
+    }
+
+    /// It, carrying `keys` (the keys of the versions after `keys.after`).
+    pub fn keyed(mut self, keys: &Segment) -> (Self, Bytes) {
+        self.keys_after = Some(keys.after);
+        let mut b = BytesMut::with_capacity(ENCODED_LEN + 24 + keys.keys.len() * 8);
+        b.put_u8(FORMAT_KEYED);
+        self.encode_fixed(&mut b);
+        keys.encode(&mut b);
+        (self, b.freeze())
+    }
+
+    fn encode_fixed(&self, b: &mut BytesMut) {
         b.put_u64_le(self.version);
         b.put_i64_le(self.balance);
         b.put_u64_le(self.max_client_seq);
         b.put_u64_le(self.commit_ms);
         b.put_u64_le(self.fingerprint);
-        b.freeze()
     }
 
     /// The checkpoint an event of the checkpoint stream carries; `None` for anything else.
+    /// A keyed one's segment is read apart ([`Checkpoint::segment`]).
     pub fn decode(event: &Event) -> Option<Self> {
         let mut p = event.payload.as_ref();
-        if event.event_type != CHECKPOINT_EVENT || p.len() != ENCODED_LEN || p.get_u8() != FORMAT {
+        if event.event_type != CHECKPOINT_EVENT || p.len() < ENCODED_LEN {
             return None;
         }
-        let cp = Self {
+        let keyed = match p.get_u8() {
+            FORMAT if p.len() == ENCODED_LEN - 1 => false,
+            FORMAT_KEYED if p.len() >= ENCODED_LEN - 1 + 8 => true,
+            _ => return None,
+        };
+        let mut cp = Self {
             version: p.get_u64_le(),
             balance: p.get_i64_le(),
             max_client_seq: p.get_u64_le(),
             commit_ms: p.get_u64_le(),
             fingerprint: p.get_u64_le(),
+            keys_after: None,
         };
+        if keyed {
+            let after = p.get_u64_le();
+            cp.keys_after = (after < cp.version).then_some(after);
+            cp.keys_after?;
+        }
         (cp.version > 0).then_some(cp)
     }
 
-    /// The event that writes it.
+    /// The keys a keyed checkpoint's event carries; `None` for an unkeyed or malformed one.
+    pub fn segment(&self, event: &Event) -> Option<Segment> {
+        self.keys_after?;
+        let keys = event.payload.get(ENCODED_LEN..)?;
+        Segment::decode(keys, self.version)
+    }
+
+    /// The event that writes it, unkeyed.
     pub fn event(&self) -> Event {
+        Self::event_of(self.encode())
+    }
+
+    /// The event that writes a checkpoint's payload.
+    pub fn event_of(payload: Bytes) -> Event {
         Event {
             // Not an idempotent write: the stream's version guard decides, and a checkpoint
             // landing twice is harmless.
             client_seq: 0,
             event_id: None,
             event_type: CHECKPOINT_EVENT,
-            payload: self.encode(),
+            payload,
             timestamp_ms: 0,
         }
     }
@@ -197,6 +246,8 @@ pub struct Tail {
     /// Every checkpoint read that decodes, with its position in the checkpoint stream,
     /// oldest first.
     pub checkpoints: Vec<(u64, Checkpoint)>,
+    /// The event each of them was read from (a keyed one's segment is read from it).
+    pub events: Vec<Event>,
     /// Events read that are not checkpoints of this format.
     pub undecodable: u64,
 }
@@ -240,13 +291,40 @@ impl Projection {
         for b in &batches {
             for event in b.events.iter() {
                 match Checkpoint::decode(event) {
-                    Some(cp) => tail.checkpoints.push((b.version, cp)),
+                    Some(cp) => {
+                        tail.checkpoints.push((b.version, cp));
+                        tail.events.push(event.clone());
+                    }
                     None => tail.undecodable += 1,
                 }
             }
         }
         tail.newest_version = tail.iter().map(|c| c.version).max().unwrap_or(0);
         Ok(tail)
+    }
+
+    /// The checkpoint stream's version and its newest checkpoint (by position): where the
+    /// next one's guard and keys start. One details call, and one read when it exists.
+    pub async fn newest_checkpoint(
+        &self,
+        account: AccountId,
+    ) -> Result<(u64, Option<Checkpoint>), StoreError> {
+        let key = self.identity.checkpoint_key(account);
+        let details = match self.log.details(key).await {
+            Ok(d) => d,
+            Err(StoreError::AggregateNotFound) => return Ok((0, None)),
+            Err(e) => return Err(e),
+        };
+        let top = details.max_version;
+        if top == 0 {
+            return Ok((0, None));
+        }
+        let batches = read_whole(self.log.as_ref(), key, top, top).await?;
+        let newest = batches
+            .iter()
+            .flat_map(|b| b.events.iter())
+            .find_map(Checkpoint::decode);
+        Ok((top, newest))
     }
 
     /// Checks `cp` against the account stream: reads the batch at its version.
@@ -286,7 +364,7 @@ impl Projection {
         generation: u64,
         trimmed_at: Option<u64>,
     ) -> (u64, bool) {
-        let (result, tail, used) = self.usable_checkpoint(account, trimmed_at).await;
+        let (result, tail, used, chain) = self.usable_checkpoint(account, trimmed_at, true).await;
         self.metrics
             .checkpoint_loads
             .with_label_values(&[result])
@@ -299,6 +377,12 @@ impl Projection {
         if let Some(tail) = tail {
             st.checkpoint.stream_version = Some(tail.stream_version);
             st.checkpoint.covered_version = st.checkpoint.covered_version.max(tail.newest_version);
+            // The next checkpoint's keys start at the newest in the stream (by position).
+            st.checkpoint.keys_from = Some(
+                tail.checkpoints
+                    .last()
+                    .map_or((0, 0), |(_, c)| (c.version, c.commit_ms)),
+            );
             // Spacing counts from a checkpoint known to exist; with none, the first is due
             // as soon as the events are.
             st.checkpoint.last_ms = if tail.newest_version > 0 {
@@ -314,6 +398,12 @@ impl Projection {
                 st.balance = cp.balance;
                 st.version = cp.version;
                 st.max_client_seq = st.max_client_seq.max(cp.max_client_seq);
+                // The keys at and below it come with it (a keyed chain), or are past the
+                // retention (a checkpoint a retention old): none is folded.
+                match chain.filter(|_| st.keys.is_empty()) {
+                    Some(chain) => self.load_chain(&mut st, &chain),
+                    None => st.keys.raise_floor(cp.version, cp.commit_ms, false),
+                }
                 (cp.version + 1, true)
             }
             // Another catch-up moved it past the checkpoint meanwhile: on from there.
@@ -332,7 +422,7 @@ impl Projection {
         st: &mut super::AccountState,
         trimmed_at: Option<u64>,
     ) -> bool {
-        let (result, _, used) = self.usable_checkpoint(account, trimmed_at).await;
+        let (result, _, used, _) = self.usable_checkpoint(account, trimmed_at, false).await;
         self.metrics
             .checkpoint_loads
             .with_label_values(&[result])
@@ -346,32 +436,65 @@ impl Projection {
     }
 
     /// What [`Projection::start_from_checkpoint`] starts from, and the metric's result.
+    /// With `keyed` (the memory fold, which keeps keys from segments): the newest keyed
+    /// checkpoint whose chain of keys is whole or capped, at any age. Otherwise, or when the
+    /// chain is broken: the newest checkpoint a retention old (every key the fold must hold
+    /// lies after it).
     async fn usable_checkpoint(
         &self,
         account: AccountId,
         trimmed_at: Option<u64>,
-    ) -> (&'static str, Option<Tail>, Option<Checkpoint>) {
+        keyed: bool,
+    ) -> (
+        &'static str,
+        Option<Tail>,
+        Option<Checkpoint>,
+        Option<Chain>,
+    ) {
         let tail = match self.checkpoint_tail(account).await {
             Ok(t) => t,
             Err(e) => {
                 tracing::debug!(%account, error = %e, "checkpoint stream unreadable; folding the whole stream");
-                return (checkpoint_load::UNAVAILABLE, None, None);
+                return (checkpoint_load::UNAVAILABLE, None, None, None);
             }
         };
-        let Some(cp) = pick_readable(&tail, self.server_tip_ms(), self.window_ms(), trimmed_at)
+        let readable = |c: &Checkpoint| trimmed_at.is_none_or(|t| c.version >= t);
+        let newest_keyed = tail
+            .checkpoints
+            .iter()
+            .rposition(|(_, c)| c.keys_after.is_some() && readable(c))
+            .filter(|_| keyed);
+        let mut chain = None;
+        let mut pick = None;
+        if let Some(at) = newest_keyed {
+            match self.key_chain(account, &tail, at).await {
+                Ok(Chain::Broken) => {}
+                Ok(c) => {
+                    chain = Some(c);
+                    pick = Some(tail.checkpoints[at].1);
+                }
+                Err(e) => {
+                    tracing::debug!(%account, error = %e, "could not read the keys' checkpoints; folding the whole stream");
+                    return (checkpoint_load::UNAVAILABLE, Some(tail), None, None);
+                }
+            }
+        }
+        let retention = self.retention_ms();
+        let Some(cp) =
+            pick.or_else(|| pick_readable(&tail, self.server_tip_ms(), retention, trimmed_at))
         else {
-            return (checkpoint_load::NONE, Some(tail), None);
+            return (checkpoint_load::NONE, Some(tail), None, None);
         };
         match self.check_checkpoint(account, &cp).await {
-            Ok(Ok(())) => (checkpoint_load::USED, Some(tail), Some(cp)),
+            Ok(Ok(())) => (checkpoint_load::USED, Some(tail), Some(cp), chain),
             Ok(Err(mismatch)) => {
                 tracing::warn!(%account, version = cp.version, ?mismatch,
                     "a checkpoint contradicts the account stream; ignored, folding the whole stream");
-                (checkpoint_load::REJECTED, Some(tail), None)
+                (checkpoint_load::REJECTED, Some(tail), None, None)
             }
             Err(e) => {
                 tracing::debug!(%account, error = %e, "could not check a checkpoint; folding the whole stream");
-                (checkpoint_load::UNAVAILABLE, Some(tail), None)
+                (checkpoint_load::UNAVAILABLE, Some(tail), None, None)
             }
         }
     }

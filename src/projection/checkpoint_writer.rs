@@ -3,8 +3,10 @@
 //! - When: an account this replica folds or writes is due once [`CheckpointConfig::every_events`]
 //!   events lie past its newest known checkpoint, or [`CheckpointConfig::interval`] has passed
 //!   with at least [`CHECKPOINT_INTERVAL_MIN_EVENTS`] of them; never sooner than a quarter
-//!   window after the last one it wrote or loaded ([`CHECKPOINTS_PER_WINDOW`]), so the
-//!   [`CHECKPOINT_TAIL`](super::CHECKPOINT_TAIL) a cold fold reads spans several windows.
+//!   window after the last one it wrote or loaded ([`CHECKPOINTS_PER_WINDOW`]), unless
+//!   [`HOT_CHECKPOINT_FACTOR`] thresholds lie past it (a cold fold reads what follows).
+//! - Keyed: it carries the keys since the newest checkpoint in the stream, read first when
+//!   this replica does not know it exactly (`keys_from`).
 //!   Only an account that moves is ever checked: an idle one costs nothing.
 //! - Off the write path: the fold and the write path only note the account in a bounded
 //!   queue ([`CHECKPOINT_QUEUE`]); a background task ([`Projection::run_checkpoint_writer`])
@@ -24,6 +26,7 @@ use parking_lot::Mutex;
 use tokio::sync::{Semaphore, mpsc};
 
 use super::checkpoint::{Checkpoint, pick};
+use super::keys::{MAX_SEGMENT_KEYS, Segment, UNKNOWN_MS};
 use super::state::AccountState;
 use super::{AccountSlot, Projection, Snapshot};
 use crate::account::AccountId;
@@ -45,6 +48,11 @@ pub const CHECKPOINT_QUEUE: usize = 1_024;
 /// At most this many checkpoints per window from one replica's view (spacing: a window over
 /// this).
 pub const CHECKPOINTS_PER_WINDOW: u64 = 4;
+
+/// An account this many times `--checkpoint-every-events` past its checkpoint gets the next
+/// at once, however recent the last: so a cold fold of an account written right now reads
+/// at most about this many thresholds of events.
+pub const HOT_CHECKPOINT_FACTOR: u64 = 4;
 
 /// When checkpoints are written and what retention keeps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,7 +116,10 @@ pub fn due(
         return false;
     }
     let since = now_ms.saturating_sub(mark.last_ms);
-    let spaced = mark.last_ms == 0 || since >= window_ms / CHECKPOINTS_PER_WINDOW;
+    // A hot account is not held to the spacing: a cold fold reads every event past the
+    // newest checkpoint, and a checkpoint's keys must fit one segment.
+    let hot = mark.events_since >= cfg.every_events.saturating_mul(HOT_CHECKPOINT_FACTOR);
+    let spaced = mark.last_ms == 0 || since >= window_ms / CHECKPOINTS_PER_WINDOW || hot;
     let interval_ms = u64::try_from(cfg.interval.as_millis()).unwrap_or(u64::MAX);
     let by_events = mark.events_since >= cfg.every_events;
     let by_time = mark.events_since >= CHECKPOINT_INTERVAL_MIN_EVENTS && since >= interval_ms;
@@ -117,8 +128,13 @@ pub fn due(
 
 /// How a checkpoint write ended.
 enum Wrote {
-    /// Landed at this position of the checkpoint stream, covering this account version.
-    Landed { stream_version: u64, covered: u64 },
+    /// Landed at this position of the checkpoint stream, covering this account version,
+    /// committed then.
+    Landed {
+        stream_version: u64,
+        covered: u64,
+        commit_ms: u64,
+    },
     /// Another replica wrote one at that position; the stream is at `current`.
     Conflict { current: u64 },
 }
@@ -170,23 +186,41 @@ impl Projection {
         }
     }
 
-    /// Writes one checkpoint of a resident account at its current state, and trims it when
-    /// retention is on. Every outcome is counted; none is an error to anyone.
+    /// Writes one checkpoint of a resident account at its current state, carrying the keys
+    /// the fold took since the newest checkpoint in the stream, and trims it when retention
+    /// is on. Every outcome is counted; none is an error to anyone.
     pub async fn write_checkpoint(&self, account: AccountId) {
         let Some(slot) = self.resident_slot(account) else {
             return self.count_write(checkpoint_write::SKIPPED);
         };
-        let (snap, stream_version) = {
+        let known = {
+            let st = slot.state.lock();
+            st.checkpoint.stream_version.zip(st.checkpoint.keys_from)
+        };
+        // Where the stream stands: known here, or read (the keys start at its newest).
+        let (stream_version, keys_from) = match known {
+            Some((v, from)) => (v, Some(from)),
+            None => match self.newest_checkpoint(account).await {
+                Ok((v, newest)) => (v, newest.map(|c| (c.version, c.commit_ms))),
+                Err(e) => {
+                    tracing::debug!(%account, error = %e, "checkpoint stream unreadable; the next threshold tries again");
+                    slot.state.lock().checkpoint.pending = false;
+                    return self.count_write(checkpoint_write::FAILED);
+                }
+            },
+        };
+        let (snap, keys) = {
             let mut st = slot.state.lock();
-            if st.broken.is_some() || !st.warm || st.version == 0 {
+            let covered = keys_from.map_or(0, |(v, _)| v);
+            if st.broken.is_some() || !st.warm || st.version == 0 || st.version <= covered {
                 st.checkpoint.pending = false;
                 drop(st);
                 return self.count_write(checkpoint_write::SKIPPED);
             }
-            (st.snapshot(), st.checkpoint.stream_version)
+            (st.snapshot(), segment_since(&st, keys_from))
         };
         let result = self
-            .try_write_checkpoint(account, snap, stream_version)
+            .try_write_checkpoint(account, snap, stream_version, &keys)
             .await;
         let outcome = self.finish_checkpoint(account, &slot, snap, result);
         self.count_write(outcome);
@@ -212,23 +246,28 @@ impl Projection {
             Ok(Wrote::Landed {
                 stream_version,
                 covered,
+                commit_ms,
             }) => {
                 if same {
                     self.mark_covered(&mut st, Some(stream_version), covered, snap.version);
+                    st.checkpoint.keys_from = Some((covered, commit_ms));
                 }
                 checkpoint_write::WRITTEN
             }
             Ok(Wrote::Conflict { current }) => {
                 if same {
                     // Another replica wrote one, at a version this replica does not know:
-                    // taken as covering this state (the next threshold counts from here).
+                    // taken as covering this state (the next threshold counts from here);
+                    // the next one's keys start where the stream says.
                     self.mark_covered(&mut st, Some(current), snap.version, snap.version);
+                    st.checkpoint.keys_from = None;
                 }
                 checkpoint_write::CONFLICT
             }
             Err(e) => {
                 // An unknown outcome may have moved the stream: read its version next time.
                 st.checkpoint.stream_version = None;
+                st.checkpoint.keys_from = None;
                 tracing::debug!(%account, error = %e, "checkpoint write failed; the next threshold tries again");
                 checkpoint_write::FAILED
             }
@@ -253,31 +292,23 @@ impl Projection {
     }
 
     /// Reads the batch at the state's version back (the state is at a landed version), then
-    /// writes the checkpoint guarded on the checkpoint stream's version.
+    /// writes the checkpoint, with `keys`, guarded on the checkpoint stream's version.
     async fn try_write_checkpoint(
         &self,
         account: AccountId,
         snap: Snapshot,
-        stream_version: Option<u64>,
+        expected: u64,
+        keys: &Segment,
     ) -> Result<Wrote, StoreError> {
         let key = self.identity.key(account);
         let batches = read_whole(self.log.as_ref(), key, snap.version, snap.version).await?;
         let batch = batches
             .first()
             .ok_or_else(|| StoreError::shed("the checkpointed version was not read back"))?;
-        let cp = Checkpoint::at(batch, snap.balance, snap.max_client_seq);
-        let ckpt_key = self.identity.checkpoint_key(account);
-        let expected = match stream_version {
-            Some(v) => v,
-            None => match self.log.details(ckpt_key).await {
-                Ok(d) => d.max_version,
-                Err(StoreError::AggregateNotFound) => 0,
-                Err(e) => return Err(e),
-            },
-        };
+        let (cp, payload) = Checkpoint::at(batch, snap.balance, snap.max_client_seq).keyed(keys);
         let write = AggregateWrite {
-            key: ckpt_key,
-            events: vec![cp.event()],
+            key: self.identity.checkpoint_key(account),
+            events: vec![Checkpoint::event_of(payload)],
             expected_version: Some(expected),
             allow_create: true,
             enforce_client_idempotency: false,
@@ -286,6 +317,7 @@ impl Projection {
             Ok(versions) => Ok(Wrote::Landed {
                 stream_version: versions.first().copied().unwrap_or(expected + 1),
                 covered: cp.version,
+                commit_ms: cp.commit_ms,
             }),
             Err(StoreError::Conflict { current, .. }) => Ok(Wrote::Conflict { current }),
             Err(e) => Err(e),
@@ -327,7 +359,12 @@ impl Projection {
         };
         let tail = self.checkpoint_tail(account).await?;
         let retain_ms = u64::try_from(retain.as_millis()).unwrap_or(u64::MAX);
-        let age = self.window_ms().saturating_add(retain_ms);
+        // Never below the idempotency retention: every batch a remembered key points at
+        // stays readable (configuration refuses less; this holds it whatever the caller).
+        let age = self
+            .window_ms()
+            .saturating_add(retain_ms)
+            .max(self.retention_ms());
         let Some(cp) = pick(tail.iter(), self.server_tip_ms(), age) else {
             return Ok(kept);
         };
@@ -353,4 +390,27 @@ impl Projection {
             first_available: cp.version,
         })
     }
+}
+
+/// The keys a checkpoint of `st` carries: those since the newest checkpoint in the stream
+/// (`keys_from`: its version and commit time), or since the key memory's floor when it does
+/// not reach that far back; at most [`MAX_SEGMENT_KEYS`], the newest (the loader then finds
+/// the chain broken below them and folds instead).
+fn segment_since(st: &AccountState, keys_from: Option<(u64, u64)>) -> Segment {
+    let (after, after_ms) = keys_from.unwrap_or((0, 0));
+    let mut seg = st
+        .keys
+        .segment(after, after_ms, st.version)
+        .or_else(|| {
+            st.keys
+                .segment(st.keys.floor(), st.keys.floor_ms(), st.version)
+        })
+        .unwrap_or_default();
+    if seg.keys.len() > MAX_SEGMENT_KEYS {
+        let cut = seg.keys[seg.keys.len() - MAX_SEGMENT_KEYS - 1].version;
+        seg.keys.retain(|k| k.version > cut);
+        seg.after = cut;
+        seg.after_ms = UNKNOWN_MS;
+    }
+    seg
 }

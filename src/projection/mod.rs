@@ -35,6 +35,7 @@ pub mod config;
 mod existed;
 pub mod index;
 mod index_room;
+mod key_chain;
 pub mod keys;
 mod own_write;
 mod port;

@@ -47,8 +47,11 @@ impl Projection {
                 self.count_look(remembered::COLLISION);
                 continue;
             };
-            let oldest_ms = self.server_tip_ms().saturating_sub(self.retention_ms());
-            if batch.server_timestamp_ms < oldest_ms {
+            // Aged as the index ages its entries: at the retention exactly, forgotten.
+            let age = self
+                .server_tip_ms()
+                .saturating_sub(batch.server_timestamp_ms);
+            if age >= self.retention_ms() {
                 self.count_look(remembered::EXPIRED);
                 return Ok(None);
             }

@@ -92,6 +92,10 @@ pub struct CheckpointMark {
     pub last_ms: u64,
     /// One is queued or being written for this account.
     pub pending: bool,
+    /// The newest checkpoint in the stream as this replica last read or wrote it: its
+    /// account version and commit time, where the next one's keys start. `None`: not known
+    /// exactly (another replica wrote one, or a write's outcome is unknown): read it first.
+    pub keys_from: Option<(u64, u64)>,
 }
 
 impl AccountState {

@@ -40,7 +40,7 @@ const HEADINGS: [&str; 11] = [
 ];
 
 /// Every flag `--help` shows, each settable from the environment.
-const FLAGS: [&str; 63] = [
+const FLAGS: [&str; 66] = [
     // Authentication, rate limits and the admin listener.
     "auth",
     "auth-secret-file",
@@ -105,6 +105,9 @@ const FLAGS: [&str; 63] = [
     "postgres-pool-size",
     "postgres-statement-timeout-ms",
     "idempotency-scan-window",
+    "idempotency-retention",
+    "idempotency-max-keys-per-account",
+    "idempotency-max-keys",
     "accounts",
     "device-max-run-withdrawal-cents",
 ];

@@ -388,8 +388,21 @@ async fn a_replay_is_honoured_for_the_stated_window_measured_in_server_time() {
         ..MemoryOptions::default()
     }));
     let (clock_a, clock_b) = (Arc::new(ManualClock::new(0)), Arc::new(ManualClock::new(0)));
-    let a = spawn(test_config(&[]), Some(store.clone()), Some(clock_a.clone())).await;
-    let b = spawn(test_config(&[]), Some(store.clone()), Some(clock_b.clone())).await;
+    // The retention equal to the window: nothing is remembered past it, as in a fleet
+    // that still runs the replaced service.
+    let flags = ["--idempotency-retention", "90"];
+    let a = spawn(
+        test_config(&flags),
+        Some(store.clone()),
+        Some(clock_a.clone()),
+    )
+    .await;
+    let b = spawn(
+        test_config(&flags),
+        Some(store.clone()),
+        Some(clock_b.clone()),
+    )
+    .await;
     let (account, other, late) = (new_account(), new_account(), new_account());
     let first = a.deposit(&account, 100, Some("window-1")).await;
     let first_other = a.deposit(&other, 100, Some("window-2")).await;
@@ -434,6 +447,73 @@ async fn a_replay_is_honoured_for_the_stated_window_measured_in_server_time() {
     let r = b.deposit(&other, 100, Some("window-2")).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     assert!(!r.replayed());
+    assert_eq!(leg(&r.body), (200, 2));
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// Rule: past the window and inside the retention a retry still gets its original answer, on
+/// the replica that wrote and on one that never held the account, and the same key with
+/// another body is still refused; past the retention the key is forgotten and a retry
+/// writes again. Every answer states the retention.
+#[tokio::test]
+async fn a_retry_past_the_window_inside_the_retention_replays_on_any_replica_and_past_it_writes_again()
+ {
+    if common::pg::suite_on_postgres() {
+        // The Postgres projection keeps keys in its rows: pinned in tests/store/postgres.rs.
+        return;
+    }
+    let server_clock = Arc::new(ServerClock::new(1_000_000));
+    let store: SharedLog = Arc::new(MemoryLog::with_options(MemoryOptions {
+        clock: server_clock.clone(),
+        ..MemoryOptions::default()
+    }));
+    let (clock_a, clock_b) = (Arc::new(ManualClock::new(0)), Arc::new(ManualClock::new(0)));
+    let flags = ["--idempotency-retention", "600"];
+    let a = spawn(
+        test_config(&flags),
+        Some(store.clone()),
+        Some(clock_a.clone()),
+    )
+    .await;
+    let b = spawn(
+        test_config(&flags),
+        Some(store.clone()),
+        Some(clock_b.clone()),
+    )
+    .await;
+    let account = new_account();
+    let first = a.deposit(&account, 100, Some("day-1")).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text);
+    assert_eq!(first.header("idempotency-retention"), Some("600"));
+    assert_eq!(first.header("idempotency-window"), Some("90"));
+
+    // Two windows later: past the window, inside the retention.
+    let later = |ms| {
+        server_clock.advance(ms);
+        clock_a.advance_ms(ms);
+        clock_b.advance_ms(ms);
+    };
+    later(200_000);
+    let r = a.deposit(&account, 100, Some("day-1")).await;
+    assert!(r.replayed(), "the writer remembers the key: {}", r.text);
+    assert_eq!(r.body, first.body);
+    let r = b.deposit(&account, 100, Some("day-1")).await;
+    assert!(
+        r.replayed(),
+        "a replica that never held the account too: {}",
+        r.text
+    );
+    assert_eq!(r.body, first.body);
+    let r = b.deposit(&account, 101, Some("day-1")).await;
+    assert_error(&r, 422, "IDEMPOTENCY_KEY_REUSED");
+    assert_eq!(a.history(&account).await.len(), 1, "one write");
+
+    // Past the retention: forgotten, a new write.
+    later(401_000);
+    let r = b.deposit(&account, 100, Some("day-1")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert!(!r.replayed(), "past the retention the key is forgotten");
     assert_eq!(leg(&r.body), (200, 2));
     a.shutdown().await;
     b.shutdown().await;

@@ -15,7 +15,8 @@ use std::time::Duration;
 use tally::account::{AccountEvent, AccountId, Identity};
 use tally::metrics::Metrics;
 use tally::projection::checkpoint_writer::CheckpointConfig;
-use tally::projection::{Checkpoint, ManualClock, Projection, ProjectionConfig};
+use tally::projection::keys::Segment;
+use tally::projection::{AccountView, Checkpoint, ManualClock, Projection, ProjectionConfig};
 use tally::reader::AccountReader;
 use tally::store::faults::{Fault, FaultConfig, FaultyLog};
 use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock};
@@ -80,6 +81,8 @@ impl World {
             self.identity,
             ProjectionConfig {
                 window: WINDOW,
+                // Nothing remembered past the window unless a test says so.
+                retention: WINDOW,
                 checkpoints,
                 ..ProjectionConfig::default()
             },
@@ -104,9 +107,13 @@ impl World {
 
     /// Appends a raw event to the checkpoint stream (a forged or stale checkpoint).
     fn append_checkpoint(&self, cp: &Checkpoint) {
+        self.append_event(cp.event());
+    }
+
+    fn append_event(&self, event: Event) {
         let w = AggregateWrite {
             key: self.identity.checkpoint_key(self.account),
-            events: vec![cp.event()],
+            events: vec![event],
             expected_version: None,
             allow_create: true,
             enforce_client_idempotency: false,
@@ -161,10 +168,10 @@ async fn a_cold_fold_starts_from_a_checkpoint_older_than_the_window_and_reads_on
     );
 }
 
-/// Rule: a checkpoint inside the window is not used, so every write inside the window is
-/// replayed and indexed, exactly as on a warm replica.
+/// Rule: a keyed checkpoint is used at any age, even inside the window, and every write it
+/// covers still answers, from the keys it carries: nothing before it is folded.
 #[tokio::test]
-async fn a_checkpoint_inside_the_window_is_not_used_and_every_write_in_it_replays() {
+async fn a_keyed_checkpoint_inside_the_window_is_used_and_every_write_it_covers_still_answers() {
     let mut w = World::new();
     for amount in 1..=20 {
         w.deposit(amount);
@@ -172,14 +179,87 @@ async fn a_checkpoint_inside_the_window_is_not_used_and_every_write_in_it_replay
     w.checkpoint().await;
     let cold = w.cold();
     assert_eq!(fold(&cold, w.account).await, ((1..=20).sum(), 20));
-    assert_eq!(loads(&cold, "none"), 1);
-    let slot = cold.resident_slot(w.account).expect("resident");
+    assert_eq!(loads(&cold, "used"), 1);
+    assert_eq!(cold.metrics().events_folded.get(), 0, "nothing was folded");
+    let view = AccountView::Memory(cold.resident_slot(w.account).expect("resident"));
     for seq in 1..=20u64 {
-        assert!(
-            slot.state.lock().recent.get(u128::from(seq), 0).is_some(),
-            "the write of sequence {seq} is inside the window and must answer"
+        let hit = cold
+            .remembered(w.account, &view, u128::from(seq))
+            .await
+            .expect("read")
+            .unwrap_or_else(|| panic!("the write of sequence {seq} must answer"));
+        let balance: i64 = (1..=seq as i64).sum();
+        assert_eq!((hit.version, hit.balance), (seq, balance));
+    }
+    assert!(
+        cold.remembered(w.account, &view, 21)
+            .await
+            .expect("read")
+            .is_none(),
+        "a key never written is not remembered"
+    );
+}
+
+/// Rule: a cold replica whose keyed chain is whole loads every key within the retention
+/// from the checkpoints, however many, and folds only the events after the newest; a key
+/// past the retention is not remembered.
+#[tokio::test]
+async fn a_cold_replica_loads_the_keys_of_every_checkpoint_back_through_the_retention() {
+    let mut w = World::new();
+    let retention = Duration::from_secs(3_600);
+    let replica = |w: &World| {
+        Arc::new(Projection::new(
+            w.log.clone(),
+            w.identity,
+            ProjectionConfig {
+                window: WINDOW,
+                retention,
+                ..ProjectionConfig::default()
+            },
+            Arc::new(ManualClock::new(0)),
+            Arc::new(Metrics::new()),
+        ))
+    };
+    let writer = replica(&w);
+    writer.sync_server_clock().await.expect("anchor");
+    // Five checkpoints, 200 events apart, two minutes apart in server time.
+    for round in 0..5u64 {
+        for amount in 1..=200 {
+            w.deposit(amount);
+        }
+        w.server.advance(120_000);
+        writer.sync_server_clock().await.expect("anchor");
+        writer.catch_up(w.account).await.expect("fold");
+        writer.write_checkpoint(w.account).await;
+        assert_eq!(written(&writer), round + 1);
+    }
+    for amount in 1..=7 {
+        w.deposit(amount);
+    }
+    let cold = replica(&w);
+    let total: i64 = 5 * (1..=200).sum::<i64>() + (1..=7).sum::<i64>();
+    assert_eq!(fold(&cold, w.account).await, (total, 1_007));
+    assert_eq!(loads(&cold, "used"), 1);
+    assert_eq!(cold.metrics().events_folded.get(), 7, "only what follows");
+    let view = AccountView::Memory(cold.resident_slot(w.account).expect("resident"));
+    for seq in [1u64, 199, 200, 201, 650, 1_000, 1_003] {
+        let hit = cold.remembered(w.account, &view, u128::from(seq)).await;
+        assert_eq!(
+            hit.expect("read").map(|h| h.version),
+            Some(seq),
+            "key {seq} is remembered"
         );
     }
+    // An hour later the first 200 (committed before the first two minutes) are past it.
+    w.server.advance(3_600_000 - 5 * 120_000 + 1_000);
+    cold.sync_server_clock().await.expect("anchor");
+    assert!(
+        cold.remembered(w.account, &view, 1)
+            .await
+            .expect("read")
+            .is_none(),
+        "past the retention"
+    );
 }
 
 /// Rule: a checkpoint past the account's tip (a store restored from an older copy) is
@@ -196,6 +276,7 @@ async fn a_checkpoint_past_the_tip_is_ignored_counted_and_the_whole_stream_folde
         max_client_seq: 9,
         commit_ms: 1,
         fingerprint: 0,
+        keys_after: None,
     });
     w.server.advance(WINDOW_MS + 1);
     let cold = w.cold();
@@ -215,12 +296,14 @@ async fn a_checkpoint_whose_commit_time_does_not_match_is_ignored() {
     let tail = p.checkpoint_tail(w.account).await.expect("tail");
     let (_, real) = tail.checkpoints[0];
     // A forged checkpoint at the same version, another commit time and balance, newer in
-    // the stream than the real one.
-    w.append_checkpoint(&Checkpoint {
+    // the stream than the real one, keyed so that a cold fold takes it first.
+    let (_, payload) = Checkpoint {
         commit_ms: real.commit_ms - 1,
         balance: 999,
         ..real
-    });
+    }
+    .keyed(&Segment::default());
+    w.append_event(Checkpoint::event_of(payload));
     w.server.advance(WINDOW_MS + 1);
     let cold = w.cold();
     assert_eq!(fold(&cold, w.account).await, (15, 5));
@@ -467,6 +550,7 @@ async fn tally_trim_on_a_real_server_trims_below_the_checkpoint_and_a_cold_repli
             identity,
             ProjectionConfig {
                 window: Duration::from_secs(1),
+                retention: Duration::from_secs(1),
                 ..ProjectionConfig::default()
             },
             Arc::new(tally::projection::MonotonicClock::new()),

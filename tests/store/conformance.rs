@@ -103,6 +103,7 @@ macro_rules! conformance_suite {
             watch_reports_only_the_aggregates_its_filter_admits,
             // Checkpoints (`projection/checkpoint.rs`) and the trims retention makes.
             a_checkpoint_round_trips_through_its_stream_and_one_position_takes_one,
+            a_keyed_checkpoint_carrying_the_largest_segment_round_trips,
             a_read_at_the_trim_point_returns_that_batch_unchanged_and_details_say_where_history_begins,
         ]);
     };
@@ -1283,6 +1284,7 @@ mod checkpoint_rules {
             max_client_seq: 999_999,
             commit_ms: 1_700_000_000_123,
             fingerprint: 0xfeed_f00d,
+            keys_after: None,
         };
         assert_eq!(
             log.write(c, vec![checkpoint_write(key, &cp, 0)]).await,
@@ -1310,6 +1312,61 @@ mod checkpoint_rules {
             .map(Checkpoint::decode)
             .collect();
         assert_eq!(read, vec![Some(cp)]);
+    }
+
+    /// A checkpoint carrying the most keys a segment may hold (the largest event Tally
+    /// writes, about half a megabyte) is taken and reads back byte for byte, with every key.
+    pub async fn a_keyed_checkpoint_carrying_the_largest_segment_round_trips(
+        log: SharedLog,
+        k: Keys,
+    ) {
+        use tally::projection::keys::{MAX_SEGMENT_KEYS, Segment, SegmentKey};
+        let (key, c) = (k.key(), k.client());
+        let keys: Vec<SegmentKey> = (0..MAX_SEGMENT_KEYS as u64)
+            .map(|i| SegmentKey {
+                fingerprint: (i as u32).wrapping_mul(0x9E37_79B9),
+                version: 1_000 + i,
+                // Large, alternating balances: the widest varints.
+                balance: if i % 2 == 0 {
+                    i64::MAX - i as i64
+                } else {
+                    i64::MIN + i as i64
+                },
+            })
+            .collect();
+        let segment = Segment {
+            after: 999,
+            after_ms: 1_700_000_000_000,
+            keys,
+        };
+        let top = 1_000 + MAX_SEGMENT_KEYS as u64 - 1;
+        let cp = Checkpoint {
+            version: top,
+            balance: 7,
+            max_client_seq: 3,
+            commit_ms: 1_700_000_000_500,
+            fingerprint: 1,
+            keys_after: None,
+        };
+        let (cp, payload) = cp.keyed(&segment);
+        let bytes = payload.len();
+        assert!(bytes > 400_000, "the largest segment is {bytes} bytes");
+        let w = AggregateWrite {
+            key,
+            events: vec![Checkpoint::event_of(payload.clone())],
+            expected_version: Some(0),
+            allow_create: true,
+            enforce_client_idempotency: false,
+        };
+        assert_eq!(log.write(c, vec![w]).await, Ok(vec![1]));
+        let page = log
+            .read(key, &ReadFilter::from_version(1))
+            .await
+            .expect("read");
+        let event = &page.batches[0].events[0];
+        assert_eq!(event.payload, payload, "read back byte for byte");
+        assert_eq!(Checkpoint::decode(event), Some(cp));
+        assert_eq!(cp.segment(event), Some(segment));
     }
 
     /// What a checkpoint is checked against survives a trim at its version: the batch there

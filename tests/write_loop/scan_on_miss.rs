@@ -44,7 +44,9 @@ fn store_and_clocks() -> (SharedLog, Clocks) {
 async fn replica(projection_flags: &[String], scan: bool) -> (TestApp, Clocks) {
     let (store, clocks) = store_and_clocks();
     let mut flags: Vec<String> = projection_flags.to_vec();
+    // Nothing remembered past the window: the scan is what finds a late retry.
     flags.extend(["--idempotency-window".into(), "60".into()]);
+    flags.extend(["--idempotency-retention".into(), "60".into()]);
     if scan {
         flags.extend(["--idempotency-scan-window".into(), "600".into()]);
     }
@@ -324,6 +326,8 @@ impl InProcess {
             Identity::default(),
             ProjectionConfig {
                 window: Duration::from_secs(60),
+                // Nothing remembered past the window: the scan is what finds a late retry.
+                retention: Duration::from_secs(60),
                 scan_window: Some(Duration::from_secs(600)),
                 ..ProjectionConfig::default()
             },

@@ -84,7 +84,19 @@ fn first_touch_bounces(n: usize) -> Vec<(u64, Vec<u64>, &'static str)> {
 fn no_window() -> ProjectionConfig {
     ProjectionConfig {
         window: Duration::ZERO,
+        retention: Duration::ZERO,
         ..ProjectionConfig::default()
+    }
+}
+
+/// The default window, with nothing remembered past it (the retention equal to the window):
+/// these tests pin the window's rules. The retention's are pinned by `tests/api`'s
+/// `a_retry_past_the_window_inside_the_retention_*` and `tests/store/checkpoints.rs`.
+fn window_only() -> ProjectionConfig {
+    let d = ProjectionConfig::default();
+    ProjectionConfig {
+        retention: d.window,
+        ..d
     }
 }
 
@@ -162,7 +174,7 @@ impl Env {
 
     /// A replica writing through the scripted, faulty path.
     async fn replica(&self) -> Arc<Replica> {
-        self.replica_with(ProjectionConfig::default(), WriteConfig::default())
+        self.replica_with(window_only(), WriteConfig::default())
             .await
     }
 
@@ -189,7 +201,7 @@ impl Env {
         // As in `Env::postgres`: a database socket on a paused clock fires deadlines at once.
         resume_real_time();
         let url = common::pg::fresh_url().await.expect("the test Postgres");
-        let config = (ProjectionConfig::default(), WriteConfig::default());
+        let config = (window_only(), WriteConfig::default());
         let anchor = Some(self.server_clock.now_ms());
         let script = self.script.clone();
         Replica::build(
@@ -205,7 +217,7 @@ impl Env {
 
     /// A sibling replica straight on the store (same client id, no faults, not recorded).
     async fn sibling(&self) -> Arc<Replica> {
-        self.sibling_with(ProjectionConfig::default()).await
+        self.sibling_with(window_only()).await
     }
 
     async fn sibling_with(&self, projection: ProjectionConfig) -> Arc<Replica> {
@@ -991,7 +1003,7 @@ async fn no_write_is_sent_after_the_deadline_when_a_catch_up_outlasts_it() {
     let a = Replica::build(
         script.clone(),
         env.identity,
-        ProjectionConfig::default(),
+        window_only(),
         write,
         pg,
         anchor,
@@ -1393,7 +1405,7 @@ async fn refolding_an_evicted_account_after_the_window_does_not_revive_its_own_w
         .replica_with(
             ProjectionConfig {
                 idle_timeout: Duration::from_secs(1),
-                ..ProjectionConfig::default()
+                ..window_only()
             },
             WriteConfig::default(),
         )
@@ -1438,9 +1450,7 @@ async fn a_first_touch_writes_at_version_zero_and_a_bounce_costs_no_attempt() {
         max_attempts: 1,
         ..WriteConfig::default()
     };
-    let a = env
-        .replica_with(ProjectionConfig::default(), one_attempt)
-        .await;
+    let a = env.replica_with(window_only(), one_attempt).await;
     let x = acct(1);
     let round_trips = |r: &Replica| {
         let h = &r.projection.metrics().store_round_trips_per_write;
@@ -1458,9 +1468,7 @@ async fn a_first_touch_writes_at_version_zero_and_a_bounce_costs_no_attempt() {
     );
     assert_eq!(round_trips(&a), (2, 2.0));
 
-    let b = env
-        .replica_with(ProjectionConfig::default(), one_attempt)
-        .await;
+    let b = env.replica_with(window_only(), one_attempt).await;
     assert_eq!(
         b.ok(deposit(x, 50, E2)).await,
         outcome(&[(x, 155, 3)], false)
@@ -1493,7 +1501,7 @@ async fn a_first_touch_writes_at_version_zero_and_a_bounce_costs_no_attempt() {
     assert_eq!(events_with_id(&env.stream(x), E2).len(), 1);
 
     // An account evicted while it held events is known to exist: it is read first again.
-    let idle_ms = ProjectionConfig::default().idle_timeout.as_millis() as u64;
+    let idle_ms = window_only().idle_timeout.as_millis() as u64;
     b.clock.advance_ms(idle_ms + 1);
     assert_eq!(b.projection.sweep().evicted_idle, 1);
     assert!(b.projection.resident_slot(x).is_none());
@@ -1719,7 +1727,7 @@ async fn bounded_attempts_give_up_retryably_when_every_write_is_refused() {
     );
     let a = env
         .replica_with(
-            ProjectionConfig::default(),
+            window_only(),
             WriteConfig {
                 max_attempts: 4,
                 ..WriteConfig::default()
@@ -1758,7 +1766,7 @@ async fn the_deadline_gives_up_retryably_before_the_attempts_run_out() {
     );
     let a = env
         .replica_with(
-            ProjectionConfig::default(),
+            window_only(),
             WriteConfig {
                 max_attempts: 1_000,
                 deadline: Duration::from_millis(40),
@@ -2252,9 +2260,7 @@ fn not_found(account: AccountId) -> Result<WriteOutcome, WriteError> {
 async fn with_explicit_accounts_a_write_to_an_account_never_opened_is_refused_and_nothing_is_sent()
 {
     let env = Env::new();
-    let a = env
-        .replica_with(ProjectionConfig::default(), explicit())
-        .await;
+    let a = env.replica_with(window_only(), explicit()).await;
     let (x, y) = (acct(1), acct(2));
     assert_eq!(a.run(deposit(x, 100, E0)).await, not_found(x));
     assert_eq!(a.run(withdraw(x, 100, E1)).await, not_found(x));
@@ -2288,9 +2294,7 @@ async fn with_explicit_accounts_a_write_to_an_account_never_opened_is_refused_an
 #[tokio::test(start_paused = true)]
 async fn with_explicit_accounts_only_an_open_may_create_an_accounts_stream() {
     let env = Env::new();
-    let a = env
-        .replica_with(ProjectionConfig::default(), explicit())
-        .await;
+    let a = env.replica_with(window_only(), explicit()).await;
     let b = env.replica().await;
     let (x, y) = (acct(1), acct(2));
     a.ok(open(x, E0)).await;
@@ -2311,9 +2315,7 @@ async fn with_explicit_accounts_only_an_open_may_create_an_accounts_stream() {
 #[tokio::test(start_paused = true)]
 async fn a_write_the_store_finds_no_account_for_is_decided_again_on_fresh_state() {
     let env = Env::new();
-    let a = env
-        .replica_with(ProjectionConfig::default(), explicit())
-        .await;
+    let a = env.replica_with(window_only(), explicit()).await;
     let x = acct(1);
     a.ok(open(x, E0)).await;
     env.script.push(Step::Reject(StoreError::AggregateNotFound));
@@ -2339,9 +2341,7 @@ async fn a_write_the_store_finds_no_account_for_is_decided_again_on_fresh_state(
 #[tokio::test(start_paused = true)]
 async fn a_retried_open_whose_ack_was_lost_replays_the_same_account_and_opens_it_once() {
     let env = Env::new();
-    let a = env
-        .replica_with(ProjectionConfig::default(), explicit())
-        .await;
+    let a = env.replica_with(window_only(), explicit()).await;
     let b = env.sibling().await;
     let x = acct(1);
     env.faulty.fail_next_write(Fault::LostAck);
@@ -2375,9 +2375,7 @@ async fn with_one_attempt_a_refusal_on_the_replicas_copy_leaves_the_copy_caught_
         max_attempts: 1,
         ..explicit()
     };
-    let a = env
-        .replica_with(ProjectionConfig::default(), one_attempt)
-        .await;
+    let a = env.replica_with(window_only(), one_attempt).await;
     let b = env.sibling().await;
     let x = acct(1);
     assert_eq!(a.run(deposit(x, 10, E0)).await, not_found(x));

@@ -25,7 +25,7 @@ mod tests;
 use std::collections::VecDeque;
 
 use run::Run;
-pub use segment::{Segment, SegmentKey};
+pub use segment::{MAX_SEGMENT_KEYS, Segment, SegmentKey, UNKNOWN_MS};
 
 /// The keys the unsorted tail holds before it is sealed into a run: a look scans them all.
 pub const TAIL_KEYS: usize = 1_024;
@@ -65,6 +65,8 @@ struct Inner {
     /// Every key of a version above this that the fold took is here: a cap dropped the keys
     /// up to it, or the memory was loaded from a segment that starts there.
     floor: u64,
+    /// The commit time (server ms) of the batch at the floor, or [`UNKNOWN_MS`].
+    floor_ms: u64,
     /// The newest commit time (server ms) of a key a cap dropped (0: none). Keys committed
     /// after it are remembered for the whole retention.
     forgotten_ms: u64,
@@ -128,6 +130,12 @@ impl KeyMemory {
         self.inner.as_ref().map_or(0, |i| i.floor)
     }
 
+    /// The commit time of the batch at the floor ([`UNKNOWN_MS`] when not known; 0 with no
+    /// floor).
+    pub fn floor_ms(&self) -> u64 {
+        self.inner.as_ref().map_or(0, |i| i.floor_ms)
+    }
+
     /// The newest commit time of a key a cap made this account forget (0: none).
     pub fn forgotten_ms(&self) -> u64 {
         self.inner.as_ref().map_or(0, |i| i.forgotten_ms)
@@ -175,7 +183,10 @@ impl KeyMemory {
             return 0;
         };
         let run = inner.drop_oldest();
-        inner.floor = inner.floor.max(run.max_version());
+        if run.max_version() >= inner.floor {
+            inner.floor = run.max_version();
+            inner.floor_ms = run.newest_ms();
+        }
         inner.forgotten_ms = inner.forgotten_ms.max(run.newest_ms());
         inner.len -= run.len();
         run.len()
@@ -187,10 +198,11 @@ impl KeyMemory {
         self.inner.as_ref().and_then(|i| i.oldest_ms())
     }
 
-    /// The keys of versions in `(after, through]`, in version order, for a checkpoint to carry.
-    /// `None` when this memory does not hold all of them (a cap dropped some, or it was
-    /// loaded from a later segment): the checkpoint then starts its segment at the floor.
-    pub fn segment(&self, after: u64, through: u64) -> Option<Segment> {
+    /// The keys of versions in `(after, through]`, in version order, for a checkpoint to carry
+    /// (`after_ms`: the commit time at `after`). `None` when this memory does not hold all of
+    /// them (a cap dropped some, or it was loaded from a later segment): the checkpoint then
+    /// starts its segment at the floor.
+    pub fn segment(&self, after: u64, after_ms: u64, through: u64) -> Option<Segment> {
         let floor = self.floor();
         if after < floor {
             return None;
@@ -202,16 +214,22 @@ impl KeyMemory {
             }
         }
         keys.sort_by_key(|k: &SegmentKey| k.version);
-        Some(Segment { after, keys })
+        Some(Segment {
+            after,
+            after_ms,
+            keys,
+        })
     }
 
     /// Loads a segment's keys, oldest segment first, into an empty memory or after its
-    /// newest key. The first segment loaded sets the floor: nothing below it is known here.
+    /// newest key (`commit_ms`: the commit time of its checkpoint's version). The first
+    /// segment loaded sets the floor: nothing below it is known here.
     pub fn load(&mut self, segment: &Segment, commit_ms: u64) {
-        if self.is_empty() && self.floor() == 0 {
-            self.inner.get_or_insert_with(Box::default).floor = segment.after;
-        }
         let inner = self.inner.get_or_insert_with(Box::default);
+        if inner.len == 0 && inner.floor == 0 {
+            inner.floor = segment.after;
+            inner.floor_ms = segment.after_ms;
+        }
         for k in &segment.keys {
             if k.version <= inner.newest_version() && inner.len > 0 {
                 continue;
@@ -229,11 +247,17 @@ impl KeyMemory {
         }
     }
 
-    /// Marks versions up to `version` as not remembered here (a fold that started above
-    /// keys it never saw).
-    pub fn raise_floor(&mut self, version: u64) {
+    /// Marks versions up to `version` (committed at `commit_ms`) as not remembered here: a
+    /// fold that started above keys it never saw, or a cap that forgot them.
+    pub fn raise_floor(&mut self, version: u64, commit_ms: u64, forgotten: bool) {
         let inner = self.inner.get_or_insert_with(Box::default);
-        inner.floor = inner.floor.max(version);
+        if version >= inner.floor {
+            inner.floor = version;
+            inner.floor_ms = commit_ms;
+        }
+        if forgotten {
+            inner.forgotten_ms = inner.forgotten_ms.max(commit_ms);
+        }
     }
 
     fn clear_if_empty(&mut self) {

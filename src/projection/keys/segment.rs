@@ -19,12 +19,19 @@ pub struct SegmentKey {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Segment {
     pub after: u64,
+    /// The commit time (server ms) of the batch at `after`; [`UNKNOWN_MS`] when not known.
+    /// Once it is past the retention, no key below the segment is needed.
+    pub after_ms: u64,
     pub keys: Vec<SegmentKey>,
 }
+
+/// A commit time not known: taken as never past the retention.
+pub const UNKNOWN_MS: u64 = u64::MAX;
 
 impl Segment {
     pub fn encode(&self, out: &mut impl BufMut) {
         out.put_u64_le(self.after);
+        out.put_u64_le(self.after_ms);
         put_varint(out, self.keys.len() as u64);
         let (mut version, mut balance) = (self.after, 0i64);
         for k in &self.keys {
@@ -38,10 +45,11 @@ impl Segment {
     /// The segment `buf` holds; `None` when it is malformed (versions out of order, too many
     /// keys, cut short, or anything left over).
     pub fn decode(mut buf: &[u8], through: u64) -> Option<Self> {
-        if buf.remaining() < 8 {
+        if buf.remaining() < 16 {
             return None;
         }
         let after = buf.get_u64_le();
+        let after_ms = buf.get_u64_le();
         let n = usize::try_from(get_varint(&mut buf)?).ok()?;
         if n > MAX_SEGMENT_KEYS || after > through {
             return None;
@@ -64,7 +72,11 @@ impl Segment {
                 balance,
             });
         }
-        buf.is_empty().then_some(Self { after, keys })
+        buf.is_empty().then_some(Self {
+            after,
+            after_ms,
+            keys,
+        })
     }
 }
 

@@ -97,7 +97,7 @@ fn retention_expires_old_runs_and_a_cap_forgets_the_oldest() {
     assert_eq!(m.candidates(id(newest)).unwrap().len(), 1);
     assert!(m.floor() > 0, "a cap raises the floor");
     assert!(
-        m.segment(0, newest).is_none(),
+        m.segment(0, 0, newest).is_none(),
         "a segment below the floor is not whole"
     );
 }
@@ -110,7 +110,7 @@ fn a_segment_round_trips_and_loads() {
     for v in 1..=5_000u64 {
         m.push(id(v), v, -(v as i64) * 1_000, v);
     }
-    let seg = m.segment(1_000, 4_000).unwrap();
+    let seg = m.segment(1_000, 1_000, 4_000).unwrap();
     assert_eq!(seg.keys.len(), 3_000);
     assert!(seg.keys.windows(2).all(|w| w[0].version <= w[1].version));
     let mut buf = Vec::new();

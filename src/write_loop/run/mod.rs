@@ -263,8 +263,9 @@ impl<'a> Run<'a> {
         };
         // 2. Did it already land? (On a catch-up, this is the read-back.) Then, when
         // configured, scan the stream for what the index missed.
-        self.answer_from_index().await;
-        if self.scan_misses().await == Scanned::Failed {
+        if self.answer_from_index().await == Scanned::Failed
+            || self.scan_misses().await == Scanned::Failed
+        {
             return Next::Backoff;
         }
         // 3. Decide on this state.

@@ -20,32 +20,27 @@ pub(super) enum Scanned {
 }
 
 impl Run<'_> {
-    /// Answers every unanswered member that the index (or a proven landing) shows as done.
+    /// Answers every unanswered member that the index, the key memory past the window (or a
+    /// proven landing) shows as done.
     /// An index hit on any leg proves the whole request landed (writes are all or nothing);
     /// a leg without a hit is rebuilt from current state, but only once that state is known
     /// to hold the write: its fold is past the proven landing, or at the store's tip (then
     /// the leg's entry has expired). Until then the member is [`Phase::Proven`], never
     /// written again, and answered after a later catch-up. A hit for a different operation
     /// is a reused key.
-    pub(super) async fn answer_from_index(&mut self) {
-        let projection = self.cx.projection;
+    pub(super) async fn answer_from_index(&mut self) -> Scanned {
         let mut replays = 0u64;
         for mi in 0..self.members.len() {
-            let m = &self.members[mi];
-            if m.is_done() {
+            if self.members[mi].is_done() {
                 continue;
             }
+            let Some(hits) = self.look_up_legs(mi).await else {
+                return Scanned::Failed;
+            };
+            let m = &self.members[mi];
             let proven_at = m.proven_at();
             let legs = m.legs;
             let legs = legs.as_slice();
-            let hits: Vec<Option<RecentWrite>> = (0..legs.len())
-                .map(|li| {
-                    let t = &self.accounts[m.accounts[li]];
-                    t.view
-                        .as_ref()
-                        .and_then(|v| projection.lookup(v, m.req.event_id))
-                })
-                .collect();
             let replayed = match &m.earlier {
                 EarlierAttempts::SentUnknown { tags } => landed_by_another(&hits, tags),
                 _ => true,
@@ -94,6 +89,36 @@ impl Run<'_> {
             self.cx.metrics.idem_replays.inc_by(replays);
             self.arm(Arm::Replayed);
         }
+        Scanned::Complete
+    }
+
+    /// Member `mi`'s entry on each leg: the window's index entry, or past the window a key
+    /// the account remembers, confirmed by one read of the batch it points at. `None` when
+    /// such a read failed: the attempt must not write on a guess.
+    async fn look_up_legs(&mut self, mi: usize) -> Option<Vec<Option<RecentWrite>>> {
+        let projection = self.cx.projection;
+        let m = &self.members[mi];
+        let (legs, accounts, event_id) = (m.legs, m.accounts, m.req.event_id);
+        let mut hits = Vec::with_capacity(legs.as_slice().len());
+        for &at in accounts.iter().take(legs.as_slice().len()) {
+            let t = &self.accounts[at];
+            let Some(view) = t.view.as_ref() else {
+                hits.push(None);
+                continue;
+            };
+            if let Some(hit) = projection.lookup(view, event_id) {
+                hits.push(Some(hit));
+                continue;
+            }
+            match projection.remembered(t.account, view, event_id).await {
+                Ok(hit) => hits.push(hit),
+                Err(e) => {
+                    self.last_failure = Failure::store("a remembered key: ", &e);
+                    return None;
+                }
+            }
+        }
+        Some(hits)
     }
 
     /// A landed member's answer, leg by leg: the index entry's, or, for a leg without one,
