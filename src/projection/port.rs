@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::postgres::{RecordRow, WarmUpdate};
+use super::postgres::{RecordRow, RowLife, WarmUpdate};
 use super::state::Snapshot;
 use super::{AccountSlot, Backend, Projection, ProjectionError, RecentWrite, RecordedWrite};
 use crate::account::AccountId;
@@ -46,9 +46,14 @@ impl Projection {
 
     /// The account's state without reading the store, when the backend can vouch for it:
     /// the memory fold's resident, warm and readable account; on Postgres, the replica's
-    /// complete warm copy of the row (no statement), else the shared database's row (with
-    /// the index rows of `lookups`), when there is one and it is readable. `None`: catch up
-    /// instead ([`Projection::refresh`]).
+    /// complete warm copy of the row (no statement) when it can answer every key of
+    /// `lookups`, else the shared database's row (with the index rows of `lookups`), when
+    /// there is one and it is readable. `None`: catch up instead ([`Projection::refresh`]).
+    ///
+    /// A warm copy's index holds the window only, and the database keeps rows for the
+    /// retention. A key past the window is only a fingerprint in the copy, so a key that
+    /// matches one is looked up in the database, never taken as "never landed"
+    /// ([`Projection::pg_warm_answer`]).
     pub async fn current(
         &self,
         account: AccountId,
@@ -61,9 +66,11 @@ impl Projection {
                 db_statements: 0,
             })),
             Backend::Postgres(pg) => {
-                if let Some((slot, snap)) = self.warm_snapshot(account) {
+                if let Some((slot, snap)) = self.warm_snapshot(account)
+                    && let Some(hits) = self.pg_warm_answer(&slot, lookups)
+                {
                     return Ok(Some(Loaded {
-                        view: AccountView::Postgres(self.pg_warm_hits(&slot, lookups)),
+                        view: AccountView::Postgres(hits),
                         snap,
                         db_statements: 0,
                     }));
@@ -150,7 +157,8 @@ impl Projection {
 
     /// The live index entry of `event_id` on an account that is warm here, from memory alone:
     /// no store or database call, so it can answer when nothing else may run. `None` when the
-    /// account is not warm here or holds no live entry (which proves nothing).
+    /// account is not warm here or holds no live entry (which proves nothing: on Postgres a
+    /// warm copy holds the window, and the key may sit in the database past it).
     pub fn warm_lookup(&self, account: AccountId, event_id: u128) -> Option<RecentWrite> {
         let (slot, _) = self.warm_snapshot(account)?;
         let view = match &self.backend {
@@ -200,13 +208,18 @@ impl Projection {
                         write,
                     })
                     .collect();
-                // The full window from now, in server time: this write's own commit time is
-                // not in the store's answer, and the estimate never runs ahead of the
-                // server, so the row outlives its window by a round trip at most.
-                let expires = self.server_tip_ms().saturating_add(self.window_ms());
-                // The warm copy first: the store holds the write whatever the database says.
+                // The full window and retention from now, in server time: this write's own
+                // commit time is not in the store's answer, and the estimate never runs
+                // ahead of the server, so the row outlives each by a round trip at most.
+                let tip = self.server_tip_ms();
+                let life = RowLife {
+                    window_ends_ms: tip.saturating_add(self.window_ms()),
+                    expires_at_ms: tip.saturating_add(self.retention_ms().max(self.window_ms())),
+                };
+                // The warm copy first (it holds the window): the store holds the write
+                // whatever the database says.
                 for (account, _, write) in writes {
-                    self.pg_record_warm(*account, write, expires);
+                    self.pg_record_warm(*account, write, life.window_ends_ms);
                 }
                 // Where the database is now behind this replica's copy, the copy goes. Kept,
                 // it would send every later write down the fast path, whose records are
@@ -214,7 +227,7 @@ impl Projection {
                 // stale for as long as only this replica wrote. Without it, the next write
                 // loads the row and catches up, which persists what was missed.
                 let mut rows_behind = Vec::new();
-                match pg.record(&rows, expires).await {
+                match pg.record(&rows, life).await {
                     Ok(behind) => {
                         // The row stood below the version this write expected: the database
                         // lost a commit the copy had counted on (asynchronous

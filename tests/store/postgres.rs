@@ -15,7 +15,7 @@ use common::{TestApp, new_account, pg, spawn, test_config};
 use reqwest::StatusCode;
 use tally::account::{AccountEvent, AccountId, Identity};
 use tally::metrics::Metrics;
-use tally::projection::postgres::WARM_MAX_ROWS_PER_ACCOUNT;
+use tally::projection::postgres::{RowLife, WARM_MAX_KEYS_PER_ACCOUNT};
 use tally::projection::{
     Backend, ManualClock, PgProjection, PostgresSettings, Projection, ProjectionConfig,
     RecentWrite, RecordedWrite, Snapshot,
@@ -86,6 +86,21 @@ async fn index_row(
     .map(|r| (r.get(0), r.get(1), r.get(2)))
 }
 
+/// A row's lifetimes ending together at `ms`: a row as the window alone would keep it.
+fn until(ms: u64) -> RowLife {
+    RowLife {
+        window_ends_ms: ms,
+        expires_at_ms: ms,
+    }
+}
+
+/// Rows to persist, each living until its own `expires_at_ms`.
+fn lived(rows: Vec<(u128, RecentWrite)>) -> Vec<(u128, RecentWrite, RowLife)> {
+    rows.into_iter()
+        .map(|(id, w)| (id, w, until(w.expires_at_ms)))
+        .collect()
+}
+
 fn key() -> String {
     Uuid::new_v4().to_string()
 }
@@ -125,7 +140,7 @@ async fn migrations_apply_once_when_replicas_start_together() {
         .await
         .expect("count")
         .get(0);
-    assert_eq!(applied, 2, "each migration once (0001, 0002)");
+    assert_eq!(applied, 3, "each migration once (0001 to 0003)");
     // And again later: nothing to do.
     PgProjection::connect(&settings(&url), Arc::new(Metrics::new()))
         .await
@@ -499,62 +514,260 @@ async fn a_fresh_replica_on_a_warm_database_answers_a_retry_without_refolding() 
     );
 }
 
-/// Rule (server time): an index row's expiry is the store's server time plus the window,
-/// never a replica's clock (here at 0) nor the database's (today's date); past it the
-/// row stops answering, and the bounded sweep deletes it.
-#[tokio::test]
-async fn index_rows_expire_in_server_time_and_the_sweep_deletes_them() {
-    let Some(url) = pg::fresh_url().await else {
-        return;
-    };
-    const T0: u64 = 5_000_000_000;
-    let server = Arc::new(ServerClock::new(T0));
+/// The index row of `key`: (window end, expiry), both server time.
+async fn row_life(db: &tokio_postgres::Client, account: &str, key: &str) -> Option<(i64, i64)> {
+    let id: Uuid = account.parse().expect("uuid");
+    let event: Uuid = key.parse().expect("uuid key");
+    db.query_opt(
+        "SELECT window_ends_ms, expires_at_ms FROM tally_recent_writes
+         WHERE account_id = $1 AND event_id = $2",
+        &[&id, &event],
+    )
+    .await
+    .expect("index query")
+    .map(|r| (r.get(0), r.get(1)))
+}
+
+/// A store on a server clock at `t0`, a replica-side clock at 0, and the flags of a replica
+/// on `url` with a 60-second window and a 180-second retention.
+fn retention_setup(url: &str, t0: u64) -> (Arc<ServerClock>, SharedLog, Vec<String>) {
+    let server = Arc::new(ServerClock::new(t0));
     let mem: SharedLog = Arc::new(MemoryLog::with_options(MemoryOptions {
         clock: server.clone(),
         ..MemoryOptions::default()
     }));
+    let mut flags = pg::flags(url);
+    flags.extend(
+        [
+            "--idempotency-window",
+            "60",
+            "--idempotency-retention",
+            "180",
+        ]
+        .map(String::from),
+    );
+    (server, mem, flags)
+}
+
+/// Rule (server time): an index row lives for the retention, not the window: its expiry is
+/// the store's server time plus the retention and its window end the server time plus the
+/// window, never a replica's clock (here at 0) nor the database's (today's date). Two
+/// windows later its key still replays (a reused key is 422) on the replica that wrote it,
+/// whose warm copy holds only the window; past the retention it is a new write, and the
+/// bounded sweep deletes a row only past its retention.
+#[tokio::test]
+async fn index_rows_live_for_the_retention_in_server_time_and_the_sweep_keeps_them_until_then() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    const T0: u64 = 5_000_000_000;
+    let (server, mem, flags) = retention_setup(&url, T0);
     let local = Arc::new(ManualClock::new(0));
-    let mut flags = pg::flags(&url);
-    flags.extend(["--idempotency-window".into(), "60".into()]);
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let t = spawn(test_config(&flags), Some(mem), Some(local.clone())).await;
     t.app.started().await;
     let db = pg::connect(&url).await;
     let account = new_account();
     let k = key();
-    created(&t.deposit(&account, 5, Some(&k)).await);
-    let (_, _, expires) = index_row(&db, &account, &k).await.expect("row");
+    let first = created(&t.deposit(&account, 5, Some(&k)).await);
+    let (window_ends, expires) = row_life(&db, &account, &k).await.expect("row");
     assert!(
-        (T0 + 60_000..=T0 + 61_000).contains(&(expires as u64)),
-        "expiry {expires} is server time + window"
+        (T0 + 60_000..=T0 + 61_000).contains(&(window_ends as u64)),
+        "window end {window_ends} is server time + window"
     );
-    // Inside the window: replayed. Past it (both clocks moved on): a new write.
-    server.advance(59_000);
-    local.advance_ms(59_000);
-    assert!(t.deposit(&account, 5, Some(&k)).await.replayed());
-    server.advance(2_000);
-    local.advance_ms(2_000);
-    let late = t.deposit(&account, 5, Some(&k)).await;
     assert!(
-        !late.replayed(),
-        "past the window the key is forgotten: {}",
-        late.text
+        (T0 + 180_000..=T0 + 181_000).contains(&(expires as u64)),
+        "expiry {expires} is server time + retention"
     );
     let Backend::Postgres(pg) = t.app.projection.backend() else {
         panic!("on Postgres")
     };
-    // The late write's row took the key's place with a raised expiry: nothing to sweep yet.
     let tip = || t.app.projection.server_tip_ms();
-    assert_eq!(pg.sweep(tip()).await.expect("sweep"), 0);
+    // Two windows later (both clocks moved on): replayed from the row, and a reused key
+    // refused, on the replica whose warm copy no longer holds the key.
+    server.advance(120_000);
+    local.advance_ms(120_000);
+    let retry = t.deposit(&account, 5, Some(&k)).await;
+    assert_replay_of(&retry, first);
+    let reused = t.deposit(&account, 6, Some(&k)).await;
+    assert_eq!(
+        reused.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        reused.text
+    );
+    assert_eq!(t.balance(&account).await, (5, 1), "nothing written again");
+    assert_eq!(
+        pg.sweep(tip()).await.expect("sweep"),
+        0,
+        "inside the retention"
+    );
     assert!(index_row(&db, &account, &k).await.is_some());
+    // Past the retention: a new write, whose row takes the key's place with raised times.
     server.advance(61_000);
     local.advance_ms(61_000);
+    let late = t.deposit(&account, 5, Some(&k)).await;
+    assert!(
+        !late.replayed(),
+        "past the retention the key is forgotten: {}",
+        late.text
+    );
+    assert_eq!(pg.sweep(tip()).await.expect("sweep"), 0);
+    server.advance(181_000);
+    local.advance_ms(181_000);
     assert_eq!(
         pg.sweep(tip()).await.expect("sweep"),
         1,
-        "expired in server time"
+        "past its retention in server time"
     );
     assert_eq!(index_row(&db, &account, &k).await, None);
+}
+
+/// Rule: a retry two windows later on a fresh replica over the same database is answered
+/// from the rows (its original answer, replayed; a reused key 422) and never writes again;
+/// past the retention it is a new write.
+#[tokio::test]
+async fn a_retry_two_windows_later_on_a_fresh_replica_replays_from_the_rows_and_never_writes_again()
+{
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    const T0: u64 = 7_000_000_000;
+    let (server, mem, flags) = retention_setup(&url, T0);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let a = spawn(
+        test_config(&flags),
+        Some(mem.clone()),
+        Some(Arc::new(ManualClock::new(0))),
+    )
+    .await;
+    let account = new_account();
+    let k = key();
+    let first = created(&a.deposit(&account, 40, Some(&k)).await);
+    created(&a.deposit(&account, 2, Some(&key())).await);
+    a.shutdown().await;
+    server.advance(120_000);
+    let local = Arc::new(ManualClock::new(0));
+    let b = spawn(test_config(&flags), Some(mem.clone()), Some(local.clone())).await;
+    b.app.started().await;
+    let retry = b.deposit(&account, 40, Some(&k)).await;
+    assert_replay_of(&retry, first);
+    let reused = b.deposit(&account, 41, Some(&k)).await;
+    assert_eq!(
+        reused.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        reused.text
+    );
+    // Warm now: the key is past its window, so the warm copy sends it to the rows.
+    assert_replay_of(&b.deposit(&account, 40, Some(&k)).await, first);
+    assert_eq!(b.balance(&account).await, (42, 2), "nothing written again");
+    let details = mem
+        .details(Identity::default().key(AccountId(account.parse().expect("uuid"))))
+        .await
+        .expect("details");
+    assert_eq!(
+        details.max_version, 2,
+        "the store holds two batches, no more"
+    );
+    server.advance(61_000);
+    local.advance_ms(61_000);
+    let late = b.deposit(&account, 40, Some(&k)).await;
+    assert!(!late.replayed(), "past the retention: {}", late.text);
+    assert_eq!(created(&late), (82, 3));
+}
+
+/// Rule: a catch-up persists a row for every keyed event it folds within the retention
+/// (not only the window), each living from its batch's commit time: window end = commit +
+/// window, expiry = commit + retention; an event past the retention gets none.
+#[tokio::test]
+async fn a_catch_up_persists_every_key_within_the_retention_aged_from_its_commit_time() {
+    let Some(url) = pg::fresh_url().await else {
+        return;
+    };
+    const T0: u64 = 9_000_000_000;
+    let server = Arc::new(ServerClock::new(T0));
+    let log = Arc::new(MemoryLog::with_options(MemoryOptions {
+        clock: server.clone(),
+        ..MemoryOptions::default()
+    }));
+    let identity = Identity::default();
+    let account = AccountId(Uuid::new_v4());
+    let deposit = |seq: u64| {
+        let e = AccountEvent::Deposited { amount: 10 };
+        AggregateWrite {
+            key: identity.key(account),
+            events: vec![Event {
+                client_seq: seq,
+                event_id: Some(u128::from(seq)),
+                event_type: e.event_type(),
+                payload: e.encode(),
+                timestamp_ms: 0,
+            }],
+            expected_version: None,
+            allow_create: true,
+            enforce_client_idempotency: true,
+        }
+    };
+    // Committed at T0 (past the retention by the end), T0 + 100 s (past the window, inside
+    // the retention) and T0 + 190 s (inside the window); the tip ends at T0 + 200 s.
+    for (seq, after) in [(1, 0), (2, 100_000), (3, 90_000)] {
+        server.advance(after);
+        log.write_now(identity.client(), vec![deposit(seq)])
+            .expect("write");
+    }
+    server.advance(10_000);
+    let metrics = Arc::new(Metrics::new());
+    let pg = PgProjection::connect(&settings(&url), metrics.clone())
+        .await
+        .expect("database");
+    let config = ProjectionConfig {
+        window: Duration::from_secs(60),
+        retention: Duration::from_secs(180),
+        ..ProjectionConfig::default()
+    };
+    let fresh = Projection::with_postgres(
+        log.clone(),
+        identity,
+        config,
+        Arc::new(ManualClock::new(0)),
+        metrics,
+        pg,
+    );
+    fresh.sync_server_clock().await.expect("anchor");
+    let loaded = fresh.refresh(account, &[1, 2, 3]).await.expect("caught up");
+    assert_eq!(loaded.snap.version, 3);
+    assert!(
+        fresh.lookup(&loaded.view, 1).is_none(),
+        "past the retention"
+    );
+    assert!(
+        fresh.lookup(&loaded.view, 2).is_some(),
+        "past the window, inside the retention"
+    );
+    assert!(fresh.lookup(&loaded.view, 3).is_some());
+    let db = pg::connect(&url).await;
+    let mut lives: Vec<(Uuid, i64, i64)> = db
+        .query(
+            "SELECT event_id, window_ends_ms, expires_at_ms FROM tally_recent_writes
+             WHERE account_id = $1 ORDER BY version",
+            &[&account.0],
+        )
+        .await
+        .expect("rows")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let at = |ms: u64| (T0 + ms) as i64;
+    let expected = vec![
+        (Uuid::from_u128(2), at(160_000), at(280_000)),
+        (Uuid::from_u128(3), at(250_000), at(370_000)),
+    ];
+    lives.sort();
+    assert_eq!(
+        lives, expected,
+        "one row a key inside the retention, from its commit time"
+    );
 }
 
 /// Rule: the cursor never moves backwards: a catch-up persisting an older fold and a
@@ -597,7 +810,7 @@ async fn the_shared_cursor_never_moves_backwards() {
             account,
             write: &stale,
         }],
-        1_000,
+        until(1_000),
     )
     .await
     .expect("record");
@@ -637,7 +850,7 @@ async fn a_late_record_never_takes_an_index_row_back_to_an_older_landing() {
         max_client_seq: 10,
         generation: 0,
     };
-    pg.persist(account, snap, None, &[(key, newer)], 0)
+    pg.persist(account, snap, None, &lived(vec![(key, newer)]), 0)
         .await
         .expect("persist");
     let late = RecordedWrite {
@@ -654,7 +867,7 @@ async fn a_late_record_never_takes_an_index_row_back_to_an_older_landing() {
                 account,
                 write: &late,
             }],
-            9_000,
+            until(9_000),
         )
         .await
         .expect("record");
@@ -685,7 +898,7 @@ async fn a_late_record_never_takes_an_index_row_back_to_an_older_landing() {
                 account,
                 write: &above,
             }],
-            9_000,
+            until(9_000),
         )
         .await
         .expect("record");
@@ -740,7 +953,7 @@ async fn queued_records_share_a_statement_and_never_repeat_an_account() {
                     account,
                     write: &write,
                 };
-                pg.record(&[row], 1_000).await
+                pg.record(&[row], until(1_000)).await
             })
         })
         .collect();
@@ -769,9 +982,9 @@ async fn queued_records_share_a_statement_and_never_repeat_an_account() {
     );
 }
 
-/// Rule: a load asked for the rows above a version returns every live one, so a warm copy
-/// built from it is complete; past [`WARM_MAX_ROWS_PER_ACCOUNT`] it returns none, and
-/// the replica reads that account from the database instead of holding a copy.
+/// Rule: a load asked for the rows above a version returns every one inside its retention,
+/// so a warm copy built from it is complete; past [`WARM_MAX_KEYS_PER_ACCOUNT`] it returns
+/// none, and the replica reads that account from the database instead of holding a copy.
 #[tokio::test]
 async fn a_load_returns_every_live_row_above_since_or_none_past_the_cap() {
     let Some(url) = pg::fresh_url().await else {
@@ -804,7 +1017,7 @@ async fn a_load_returns_every_live_row_above_since_or_none_past_the_cap() {
     // Ten live rows and two expired ones (at tip 1_000).
     let mut ten = rows(1, 10, 5_000);
     ten.extend(rows(11, 12, 900));
-    pg.persist(account, snap(12), None, &ten, 0)
+    pg.persist(account, snap(12), None, &lived(ten), 0)
         .await
         .expect("persist");
     let all = pg.load(account, &[], 1_000, Some(0)).await.expect("load");
@@ -814,7 +1027,7 @@ async fn a_load_returns_every_live_row_above_since_or_none_past_the_cap() {
         .delta
         .expect("delta")
         .iter()
-        .map(|(_, w)| w.version)
+        .map(|(_, w, _)| w.version)
         .collect();
     versions.sort_unstable();
     assert_eq!(versions, vec![8, 9, 10]);
@@ -827,8 +1040,9 @@ async fn a_load_returns_every_live_row_above_since_or_none_past_the_cap() {
         (1, true)
     );
     // Past the cap: no delta, and the lookups still answered.
-    let cap = WARM_MAX_ROWS_PER_ACCOUNT as u64;
-    pg.persist(account, snap(12 + cap), None, &rows(13, 12 + cap, 5_000), 0)
+    let cap = WARM_MAX_KEYS_PER_ACCOUNT as u64;
+    let more = lived(rows(13, 12 + cap, 5_000));
+    pg.persist(account, snap(12 + cap), None, &more, 0)
         .await
         .expect("persist");
     let big = pg

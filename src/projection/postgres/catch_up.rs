@@ -1,12 +1,12 @@
 //! Catch-up on the Postgres projection: read the account row (with the index rows asked
 //! for), read the store from the row's cursor, fold what is new exactly as the memory fold
-//! does, and persist the fold (index rows inside the window, and the cursor) in one
+//! does, and persist the fold (index rows inside the retention, and the cursor) in one
 //! statement.
 
 use std::time::Instant;
 
 use super::warm::WarmUpdate;
-use super::{PgError, PgProjection, PgRow};
+use super::{PgError, PgProjection, PgRow, RowLife};
 use crate::account::AccountId;
 use crate::log_limit::{LogLimit, REPORT_INTERVAL};
 use crate::projection::state::{AccountState, Broken, FoldContext, Snapshot};
@@ -120,7 +120,7 @@ impl Projection {
             .catchup_duration
             .observe(started.elapsed().as_secs_f64());
         let snap = st.snapshot();
-        let replayed = st.recent.live_entries();
+        let replayed = self.pg_row_lives(st.recent.live_entries());
         if st.version > start || broken.is_some() {
             statements += 1;
             pg.persist(account, snap, broken.as_ref(), &replayed, newest_ts)
@@ -222,14 +222,35 @@ impl Projection {
         Ok((broken, newest_ts))
     }
 
-    /// Folds one page into `st`, ageing in server time: a batch's row expires at its commit
-    /// time plus the window (the fold computes `now + window - age`, and now = tip here).
+    /// The rows a catch-up persists, from its scratch index: each entry expires at its
+    /// batch's commit time plus the retention (see [`Projection::pg_fold_page`]), and its
+    /// window ends that much earlier than the retention does.
+    fn pg_row_lives(&self, folded: Vec<(u128, RecentWrite)>) -> Vec<(u128, RecentWrite, RowLife)> {
+        let past_window = self.retention_ms().saturating_sub(self.window_ms());
+        folded
+            .into_iter()
+            .map(|(id, w)| {
+                let life = RowLife {
+                    window_ends_ms: w.expires_at_ms.saturating_sub(past_window),
+                    expires_at_ms: w.expires_at_ms,
+                };
+                (id, w, life)
+            })
+            .collect()
+    }
+
+    /// Folds one page into `st`, ageing in server time by the retention: a batch's entry
+    /// expires at its commit time plus the retention (the fold computes `now + window -
+    /// age` with the retention as its window, and now = tip here). So the scratch index
+    /// holds every keyed event younger than the retention, each a row to persist, and its
+    /// lookups answer a retry from anywhere in the retention.
     fn pg_fold_page(&self, st: &mut AccountState, page: &[Batch]) -> Result<(), Broken> {
         let tip = self.server_tip_ms();
         let ctx = FoldContext {
             client_id: self.identity.client(),
-            window_ms: self.window_ms(),
-            // The database keeps the keys (its index rows); the warm copy needs none.
+            window_ms: self.retention_ms().max(self.window_ms()),
+            // The database keeps the keys (its index rows); the scratch state needs no
+            // compact memory of them.
             retention_ms: 0,
             tip_ms: tip,
             now_ms: tip,

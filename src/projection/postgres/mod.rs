@@ -3,18 +3,23 @@
 //! shares, and move together, one statement at a time.
 //!
 //! - the write path's record ([`PgProjection::record`]) is ONE statement: the index rows
-//!   upserted (`expires_at_ms` only ever raised) and the cursor bumped, guarded on the
+//!   upserted (their times only ever raised) and the cursor bumped, guarded on the
 //!   version the write expected. No replica can see the bump without the rows;
 //! - catch-up ([`super::Projection::refresh`]) persists what it replays, index rows inside the
-//!   window and the cursor, in one statement per catch-up, guarded so the cursor never
+//!   retention and the cursor, in one statement per catch-up, guarded so the cursor never
 //!   moves backwards ([`PgProjection::persist`]);
 //! - the index lookup rides the read of the account row as a LEFT JOIN
 //!   ([`PgProjection::load`]): never an extra round trip.
 //!
-//! Expiry is in the store's server time (its commit timestamps), never a replica's or the
-//! database's clock: a replayed row expires at its batch's commit time plus the window, a
-//! recorded write at the replica's server-time estimate plus the window, and lookups and
-//! the sweep compare against that same estimate (see `anchor.rs`).
+//! An index row lives for the retention (`--idempotency-retention`), not only the window:
+//! a retry of its key is answered from it, on any replica, until its expiry. Its window end
+//! is kept beside the expiry. Only rows inside the window go into a replica's warm copy
+//! (`warm.rs`), so a copy stays as small as the window makes it.
+//!
+//! Both times are in the store's server time (its commit timestamps), never a replica's or
+//! the database's clock: a replayed row lives from its batch's commit time, a recorded
+//! write from the replica's server-time estimate, and lookups and the sweep compare against
+//! that same estimate (see `anchor.rs`).
 //!
 //! Files: this one (settings, pool, migrations, statements), `rows` (row <-> value
 //! conversions), `catch_up` (the catch-up over the store that persists what it folds),
@@ -27,6 +32,7 @@ mod rows;
 mod warm;
 
 pub use records::{MAX_RECORD_ACCOUNTS, RECORD_QUEUE_CAPACITY, RECORD_STATEMENTS_IN_FLIGHT};
+pub use rows::RowLife;
 pub(crate) use warm::WarmUpdate;
 
 use std::sync::Arc;
@@ -49,7 +55,7 @@ pub const DEFAULT_POOL_SIZE: usize = 16;
 /// The longest any one statement may run (server side), and the longest a request waits for
 /// a pooled connection, unless configured.
 pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(2);
-/// The most expired index rows one sweep statement deletes, so a sweep never holds locks or
+/// The most index rows past their retention one sweep statement deletes, so a sweep never holds locks or
 /// runs long: a backlog is cleared over several statements.
 pub const SWEEP_BATCH_ROWS: i64 = 10_000;
 /// The most sweep statements one sweep pass runs (so at most this x [`SWEEP_BATCH_ROWS`]
@@ -60,6 +66,11 @@ pub const SWEEP_MAX_STATEMENTS: usize = 20;
 /// with a long window) is read from the database on every write instead, where batching
 /// already spreads the round trip over many requests.
 pub const WARM_MAX_ROWS_PER_ACCOUNT: usize = 1_024;
+/// The most index rows inside the retention an account may have for this replica to keep
+/// a warm copy of it: the copy remembers each key past the window as a fingerprint (a few
+/// bytes, `keys/`), so a new key costs no row read. A load asks for at most one more. An
+/// account with more is read from the database on every write instead.
+pub const WARM_MAX_KEYS_PER_ACCOUNT: usize = 65_536;
 /// How long migrations may wait for the migration lock and run, at start.
 const MIGRATION_TIMEOUT: Duration = Duration::from_secs(60);
 /// The advisory lock that serialises migrations when several replicas start at once.
@@ -69,6 +80,10 @@ const MIGRATION_LOCK: i64 = 0x7461_6c6c_795f_3134; // "tally_14"
 const MIGRATIONS: &[(i32, &str)] = &[
     (1, include_str!("../../../migrations/0001_projection.sql")),
     (2, include_str!("../../../migrations/0002_store_epoch.sql")),
+    (
+        3,
+        include_str!("../../../migrations/0003_key_retention.sql"),
+    ),
 ];
 
 /// How to reach the database.
@@ -154,10 +169,13 @@ pub struct PgRow {
     pub state: Option<(Snapshot, Option<Broken>)>,
     /// The commit time of the newest batch folded into the row (0 without one).
     pub server_ts_ms: u64,
+    /// The rows of the keys looked up, inside their retention; each expires at the end of
+    /// its retention.
     pub hits: Vec<(u128, RecentWrite)>,
-    /// Every live index row above the `since` version the load was given, when it asked
-    /// and there were at most [`WARM_MAX_ROWS_PER_ACCOUNT`]; `None` otherwise.
-    pub delta: Option<Vec<(u128, RecentWrite)>>,
+    /// Every index row inside its retention above the `since` version the load was given,
+    /// with its lifetimes, when it asked and there were at most
+    /// [`WARM_MAX_KEYS_PER_ACCOUNT`]; `None` otherwise.
+    pub delta: Option<Vec<(u128, RecentWrite, RowLife)>>,
 }
 
 /// One account's part of a recorded write: the row's new state and its index rows.
@@ -323,11 +341,11 @@ impl PgProjection {
         Ok(())
     }
 
-    /// The account row and, in the same statement (a LEFT JOIN), the live index rows of
-    /// `lookups` (the ones whose server-time expiry is after `tip_ms`) and, when `since` is
-    /// given, every live index row of the account above version `since`, at most
-    /// [`WARM_MAX_ROWS_PER_ACCOUNT`] of them (more: [`PgRow::delta`] is `None`). The delta
-    /// is what keeps a replica's warm copy of the account complete (see `warm.rs`).
+    /// The account row and, in the same statement (a LEFT JOIN), the index rows of
+    /// `lookups` still inside their retention at `tip_ms` (server time) and, when `since` is
+    /// given, every index row of the account inside its retention above version `since`,
+    /// at most [`WARM_MAX_KEYS_PER_ACCOUNT`] of them (more: [`PgRow::delta`] is `None`). The
+    /// delta is what keeps a replica's warm copy of the account complete (see `warm.rs`).
     pub async fn load(
         &self,
         account: AccountId,
@@ -342,18 +360,21 @@ impl PgProjection {
                     "SELECT a.balance_cents, a.version, a.max_client_seq,
                         a.broken_version, a.broken_reason, a.trimmed_min_available,
                         a.server_ts_ms, r.event_id, r.balance_cents, r.version, r.event_kind,
-                        r.amount_cents, r.counterparty, r.expires_at_ms, r.delta
+                        r.amount_cents, r.counterparty, r.expires_at_ms, r.delta,
+                        r.window_ends_ms
                  FROM (SELECT $1::uuid AS id) k
                  LEFT JOIN tally_accounts a ON a.account_id = k.id
                  LEFT JOIN LATERAL (
                      SELECT w.event_id, w.balance_cents, w.version, w.event_kind,
-                            w.amount_cents, w.counterparty, w.expires_at_ms, false AS delta
+                            w.amount_cents, w.counterparty, w.expires_at_ms, false AS delta,
+                            COALESCE(w.window_ends_ms, w.expires_at_ms) AS window_ends_ms
                      FROM tally_recent_writes w
                      WHERE w.account_id = k.id AND w.event_id = ANY($2::uuid[])
                        AND w.expires_at_ms > $3
                      UNION ALL
                      (SELECT w.event_id, w.balance_cents, w.version, w.event_kind,
-                             w.amount_cents, w.counterparty, w.expires_at_ms, true
+                             w.amount_cents, w.counterparty, w.expires_at_ms, true,
+                             COALESCE(w.window_ends_ms, w.expires_at_ms)
                       FROM tally_recent_writes w
                       WHERE $4::int8 >= 0 AND w.account_id = k.id AND w.version > $4
                         AND w.expires_at_ms > $3
@@ -363,7 +384,7 @@ impl PgProjection {
                 .await?;
             let ids: Vec<Uuid> = lookups.iter().map(|&id| Uuid::from_u128(id)).collect();
             let since_param = since.map_or(-1, rows::to_i64);
-            let limit = i64::try_from(WARM_MAX_ROWS_PER_ACCOUNT + 1).unwrap_or(i64::MAX);
+            let limit = i64::try_from(WARM_MAX_KEYS_PER_ACCOUNT + 1).unwrap_or(i64::MAX);
             let rows = client
                 .query(
                     &stmt,
@@ -381,7 +402,7 @@ impl PgProjection {
                 (None, _) => None,
                 (Some(_), delta) => {
                     let delta = delta.unwrap_or_default();
-                    (delta.len() <= WARM_MAX_ROWS_PER_ACCOUNT).then_some(delta)
+                    (delta.len() <= WARM_MAX_KEYS_PER_ACCOUNT).then_some(delta)
                 }
             };
             Ok(row)
@@ -392,35 +413,33 @@ impl PgProjection {
 
     /// The write path's record, for every account a write touched, in ONE statement
     /// (shared with other writes' records under load: `records.rs`): each account's index
-    /// rows upserted (a row's `expires_at_ms` only ever raised), and its cursor bumped only
+    /// rows upserted to live for `life` (a row's times only ever raised), and its cursor bumped only
     /// where it still stands at the version the write expected (a row is created only by a
     /// write that expected version 0). Returns the accounts whose row stood below the
     /// version the write expected (see `execute_record`).
     pub async fn record(
         &self,
         rows: &[RecordRow<'_>],
-        expires_at_ms: u64,
+        life: RowLife,
     ) -> Result<Vec<AccountId>, PgError> {
-        self.records
-            .record(StatementRows::of(rows, expires_at_ms))
-            .await
+        self.records.record(StatementRows::of(rows, life)).await
     }
 
     /// Catch-up's persistence, as ONE statement: the index rows it replayed inside the
-    /// window, and the account row at the fold's state, moved only forward (or marked broken
-    /// at the version it already holds).
+    /// retention, each with its lifetimes, and the account row at the fold's state, moved
+    /// only forward (or marked broken at the version it already holds).
     pub async fn persist(
         &self,
         account: AccountId,
         snap: Snapshot,
         broken: Option<&Broken>,
-        replayed: &[(u128, RecentWrite)],
+        replayed: &[(u128, RecentWrite, RowLife)],
         server_ts_ms: u64,
     ) -> Result<(), PgError> {
         let persisted = within(self.answer_limit, async {
             let mut index = IndexRows::default();
-            for (event_id, w) in replayed {
-                index.push(account, *event_id, w);
+            for (event_id, w, life) in replayed {
+                index.push(account, *event_id, w, *life);
             }
             let (broken_version, broken_reason, trimmed) = rows::broken_columns(broken);
             let (version, max_client_seq, server_ts) = (
@@ -435,7 +454,7 @@ impl PgProjection {
                  INSERT INTO tally_accounts AS a (account_id, balance_cents, version,
                         max_client_seq, broken_version, broken_reason, trimmed_min_available,
                         server_ts_ms)
-                 VALUES ($9, $10, $11, $12, $13, $14, $15, $16)
+                 VALUES ($10, $11, $12, $13, $14, $15, $16, $17)
                  ON CONFLICT (account_id) DO UPDATE
                     SET balance_cents = EXCLUDED.balance_cents,
                         version = EXCLUDED.version,
@@ -471,7 +490,7 @@ impl PgProjection {
         self.counted("persist", persisted)
     }
 
-    /// Deletes index rows expired at `tip_ms` (server time), at most
+    /// Deletes index rows past their retention at `tip_ms` (server time), at most
     /// [`SWEEP_BATCH_ROWS`] per statement and [`SWEEP_MAX_STATEMENTS`] statements. Returns
     /// how many rows went.
     pub async fn sweep(&self, tip_ms: u64) -> Result<u64, PgError> {
@@ -539,7 +558,7 @@ async fn execute_record(
              moved AS (
              INSERT INTO tally_accounts AS a (account_id, balance_cents, version, max_client_seq)
              SELECT u.id, u.balance, u.version, u.seq
-             FROM unnest($9::uuid[], $10::int8[], $11::int8[], $12::int8[], $13::int8[])
+             FROM unnest($10::uuid[], $11::int8[], $12::int8[], $13::int8[], $14::int8[])
                   AS u(id, balance, version, seq, expected)
              WHERE u.version = u.expected + 1
                AND (u.expected = 0 OR EXISTS
@@ -551,7 +570,7 @@ async fn execute_record(
               WHERE a.version = EXCLUDED.version - 1 AND a.broken_reason IS NULL
              RETURNING a.account_id)
              SELECT u.id
-             FROM unnest($9::uuid[], $13::int8[]) AS u(id, expected)
+             FROM unnest($10::uuid[], $14::int8[]) AS u(id, expected)
              LEFT JOIN tally_accounts x ON x.account_id = u.id
              WHERE u.id NOT IN (SELECT account_id FROM moved)
                AND x.broken_reason IS NULL

@@ -29,7 +29,7 @@ use deadpool_postgres::Pool;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use uuid::Uuid;
 
-use super::rows::{self, IndexRows};
+use super::rows::{self, IndexRows, RowLife};
 use super::{PgError, RecordRow};
 use crate::account::AccountId;
 use crate::metrics::Metrics;
@@ -59,13 +59,12 @@ struct AccountRow {
 #[derive(Default)]
 pub(super) struct StatementRows {
     accounts: Vec<AccountRow>,
-    index: Vec<(AccountId, u128, RecentWrite)>,
+    index: Vec<(AccountId, u128, RecentWrite, RowLife)>,
 }
 
 impl StatementRows {
-    /// The record of one write's rows; its index rows expire at `expires_at_ms` (server
-    /// time).
-    pub fn of(rows: &[RecordRow<'_>], expires_at_ms: u64) -> Self {
+    /// The record of one write's rows; its index rows live for `life` (server time).
+    pub fn of(rows: &[RecordRow<'_>], life: RowLife) -> Self {
         let mut record = StatementRows::default();
         for r in rows {
             let w = r.write;
@@ -73,11 +72,11 @@ impl StatementRows {
                 let write = RecentWrite {
                     balance,
                     version: w.new_version,
-                    expires_at_ms,
+                    expires_at_ms: life.expires_at_ms,
                     event,
                     write_tag: None,
                 };
-                record.index.push((r.account, event_id, write));
+                record.index.push((r.account, event_id, write, life));
             }
             record.accounts.push(AccountRow {
                 id: r.account.0,
@@ -106,10 +105,10 @@ impl StatementRows {
     pub fn columns(mut self) -> Columns {
         self.accounts.sort_by_key(|a| a.id);
         self.index
-            .sort_by_key(|(account, event_id, _)| (account.0, *event_id));
+            .sort_by_key(|(account, event_id, _, _)| (account.0, *event_id));
         let mut index = IndexRows::default();
-        for (account, event_id, w) in &self.index {
-            index.push(*account, *event_id, w);
+        for (account, event_id, w, life) in &self.index {
+            index.push(*account, *event_id, w, *life);
         }
         let col = |f: fn(&AccountRow) -> i64| self.accounts.iter().map(f).collect();
         Columns {
@@ -123,8 +122,8 @@ impl StatementRows {
     }
 }
 
-/// A record statement's parameters: the index rows (`$1..$8`), then one column per
-/// account-row field (`$9..$13`).
+/// A record statement's parameters: the index rows (`$1..$9`), then one column per
+/// account-row field (`$10..$14`).
 pub(super) struct Columns {
     pub index: IndexRows,
     pub ids: Vec<Uuid>,

@@ -10,24 +10,38 @@ use crate::projection::RecentWrite;
 use crate::projection::state::{Broken, Snapshot};
 
 /// The index rows' upsert, the first half of every statement that moves a cursor. Arrays
-/// `$1..$8` are one row each: account, event id, balance, version, kind, amount,
-/// counterparty, expiry. A row already there keeps the later of the two expiries, and is
-/// never taken back to an older landing of its key (a record that ran late, after the key
-/// was written again past its window, would otherwise answer later retries with the old
-/// response).
+/// `$1..$9` are one row each: account, event id, balance, version, kind, amount,
+/// counterparty, expiry (the end of the retention), end of the window. A row already there
+/// keeps the later of each pair of times, and is never taken back to an older landing of
+/// its key (a record that ran late, after the key was written again past its retention,
+/// would otherwise answer later retries with the old response). A row an older release
+/// wrote has no window end: its expiry was its window's end.
 pub(super) const INDEX_UPSERT: &str = "INSERT INTO tally_recent_writes AS r
         (account_id, event_id, balance_cents, version, event_kind, amount_cents,
-         counterparty, expires_at_ms)
+         counterparty, expires_at_ms, window_ends_ms)
      SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int8[], $4::int8[], $5::int2[],
-                          $6::int8[], $7::uuid[], $8::int8[])
+                          $6::int8[], $7::uuid[], $8::int8[], $9::int8[])
      ON CONFLICT (account_id, event_id) DO UPDATE
         SET balance_cents = EXCLUDED.balance_cents,
             version = EXCLUDED.version,
             event_kind = EXCLUDED.event_kind,
             amount_cents = EXCLUDED.amount_cents,
             counterparty = EXCLUDED.counterparty,
-            expires_at_ms = GREATEST(r.expires_at_ms, EXCLUDED.expires_at_ms)
+            expires_at_ms = GREATEST(r.expires_at_ms, EXCLUDED.expires_at_ms),
+            window_ends_ms = GREATEST(COALESCE(r.window_ends_ms, r.expires_at_ms),
+                                      EXCLUDED.window_ends_ms)
       WHERE r.version <= EXCLUDED.version";
+
+/// The two lifetimes of an index row, in server time (epoch ms of the store's clock).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowLife {
+    /// The end of the window: until then the row is one of the account's recent writes,
+    /// which a replica may hold in its warm copy.
+    pub window_ends_ms: u64,
+    /// The end of the retention: until then a retry of its key is answered from it, and
+    /// then the sweep deletes it.
+    pub expires_at_ms: u64,
+}
 
 /// The reason stored for a stream trimmed above the cursor.
 const TRIMMED: &str = "trimmed";
@@ -62,10 +76,12 @@ pub(super) struct IndexRows {
     pub amounts: Vec<i64>,
     pub parties: Vec<Option<Uuid>>,
     pub expires: Vec<i64>,
+    pub window_ends: Vec<i64>,
 }
 
 impl IndexRows {
-    pub fn push(&mut self, account: AccountId, event_id: u128, w: &RecentWrite) {
+    /// One row: `w`'s answer (its own expiry is not used), living for `life`.
+    pub fn push(&mut self, account: AccountId, event_id: u128, w: &RecentWrite, life: RowLife) {
         let (kind, amount, party) = match w.event {
             AccountEvent::Deposited { amount } => (1, amount, None),
             AccountEvent::Withdrawn { amount } => (2, amount, None),
@@ -82,11 +98,12 @@ impl IndexRows {
         self.kinds.push(kind);
         self.amounts.push(amount);
         self.parties.push(party);
-        self.expires.push(to_i64(w.expires_at_ms));
+        self.expires.push(to_i64(life.expires_at_ms));
+        self.window_ends.push(to_i64(life.window_ends_ms));
     }
 
-    /// The parameters `$1..$8` of [`INDEX_UPSERT`], in its column order, then `rest`: the
-    /// embedding statement's own, from `$9`.
+    /// The parameters `$1..$9` of [`INDEX_UPSERT`], in its column order, then `rest`: the
+    /// embedding statement's own, from `$10`.
     pub fn params_then<'a>(
         &'a self,
         rest: &[&'a (dyn ToSql + Sync)],
@@ -100,6 +117,7 @@ impl IndexRows {
             &self.amounts,
             &self.parties,
             &self.expires,
+            &self.window_ends,
         ];
         params.extend_from_slice(rest);
         params
@@ -137,7 +155,7 @@ pub(super) fn broken_columns(b: Option<&Broken>) -> (Option<i64>, Option<String>
 }
 
 /// The rows of the load query: one per index row (a lookup hit, or a delta row when column
-/// 14 says so), or one with NULL index columns.
+/// 14 says so; column 15 is its window's end), or one with NULL index columns.
 pub(super) fn loaded(rows: &[Row]) -> Result<PgRow, String> {
     let mut out = PgRow::default();
     let Some(first) = rows.first() else {
@@ -183,7 +201,12 @@ pub(super) fn loaded(rows: &[Row]) -> Result<PgRow, String> {
             },
         );
         if col::<Option<bool>>(row, 14)? == Some(true) {
-            out.delta.get_or_insert_with(Vec::new).push(entry);
+            let life = RowLife {
+                window_ends_ms: to_u64(col(row, 15)?, "index window end")?,
+                expires_at_ms: entry.1.expires_at_ms,
+            };
+            let (id, w) = entry;
+            out.delta.get_or_insert_with(Vec::new).push((id, w, life));
         } else {
             out.hits.push(entry);
         }
@@ -222,7 +245,11 @@ mod tests {
                 event,
                 write_tag: None,
             };
-            rows.push(party, i as u128, &w);
+            let life = RowLife {
+                window_ends_ms: 1,
+                expires_at_ms: 2,
+            };
+            rows.push(party, i as u128, &w, life);
         }
         for (i, &event) in events.iter().enumerate() {
             assert_eq!(

@@ -19,9 +19,19 @@
 //! The database holds every live row at or below its cursor (cursor and rows move in one
 //! statement), so a load's rows are complete up to the row's version. A copy that would
 //! pass [`super::WARM_MAX_ROWS_PER_ACCOUNT`] is dropped and not rebuilt for one window.
-//! Index entries keep the database's expiry (server time) and are aged against the
+//! Index entries keep the database's window end (server time) and are aged against the
 //! server-time estimate, as the database's own lookups are.
+//!
+//! The database keeps a row for the retention, the copy's index only for the window. So
+//! the copy also remembers every key inside the retention in the account's key memory
+//! (`keys/`: a fingerprint, a few bytes), built from the same three sources. A key the
+//! index misses and no fingerprint matches never landed within the retention: the write
+//! goes ahead on the copy. A fingerprint that matches, or a key memory that has forgotten
+//! keys still inside the retention (a cap), sends the lookup to the database
+//! ([`Projection::pg_warm_answer`]). A copy with more than
+//! [`super::WARM_MAX_KEYS_PER_ACCOUNT`] keys is dropped as one with too many rows is.
 
+use super::RowLife;
 use crate::account::AccountId;
 use crate::projection::state::{AccountState, Snapshot};
 use crate::projection::{AccountSlot, Projection, RecentWrite, RecordedWrite};
@@ -37,13 +47,39 @@ pub(crate) struct WarmUpdate<'a> {
     pub since: Option<u64>,
     /// The state the rows (and replay) are complete up to.
     pub snap: Snapshot,
-    /// Every live row above `since`, from the load; `None`: too many, or not asked.
-    pub delta: Option<&'a [(u128, RecentWrite)]>,
-    /// What a catch-up replayed from the store above the row's cursor (server-time expiry).
-    pub replayed: &'a [(u128, RecentWrite)],
+    /// Every row inside its retention above `since`, from the load; `None`: too many, or
+    /// not asked.
+    pub delta: Option<&'a [(u128, RecentWrite, RowLife)]>,
+    /// What a catch-up replayed from the store above the row's cursor.
+    pub replayed: &'a [(u128, RecentWrite, RowLife)],
 }
 
 impl Projection {
+    /// What a warm copy answers for `lookups` without the database: the index entries
+    /// (`Some`) when every key either has one or matches no remembered fingerprint (it never
+    /// landed within the retention). `None`: some key may sit in the database past the
+    /// window; load the row with it.
+    pub(crate) fn pg_warm_answer(
+        &self,
+        slot: &AccountSlot,
+        lookups: &[u128],
+    ) -> Option<Vec<(u128, RecentWrite)>> {
+        let tip = self.server_tip_ms();
+        let st = slot.state.lock();
+        // Keys committed after this are all in the key memory: a cap forgot none of them.
+        let forgotten = st.keys.forgotten_ms();
+        let complete = forgotten == 0 || forgotten < tip.saturating_sub(self.retention_ms());
+        let mut hits = Vec::with_capacity(lookups.len());
+        for &id in lookups {
+            match st.recent.get(id, tip) {
+                Some(w) => hits.push((id, w)),
+                None if complete && st.keys.candidates(id).is_ok_and(|c| c.is_empty()) => {}
+                None => return None,
+            }
+        }
+        Some(hits)
+    }
+
     /// The index entries of `lookups` in a warm copy, aged against the server-time estimate.
     pub(crate) fn pg_warm_hits(
         &self,
@@ -102,10 +138,27 @@ impl Projection {
         if since > 0 && !(st.warm && st.version >= since) {
             return;
         }
-        let before = st.recent.len();
-        for &(id, w) in delta.iter().chain(update.replayed) {
-            st.recent.insert(id, w);
+        let (before, keys_before) = (st.recent.len(), st.keys.len());
+        let mut rows: Vec<&(u128, RecentWrite, RowLife)> =
+            delta.iter().chain(update.replayed).collect();
+        // The key memory takes keys in version order, each once: the copy already holds
+        // every key at or below the newest it has.
+        rows.sort_by_key(|(_, w, _)| w.version);
+        let (tip, known) = (self.server_tip_ms(), st.keys.newest_version());
+        for &&(id, w, life) in &rows {
+            if life.window_ends_ms > tip {
+                let w = RecentWrite {
+                    expires_at_ms: life.window_ends_ms,
+                    ..w
+                };
+                st.recent.insert(id, w);
+            }
+            if w.version > known {
+                let committed_ms = life.expires_at_ms.saturating_sub(self.retention_ms());
+                st.keys.push(id, w.version, w.balance, committed_ms);
+            }
         }
+        self.add_remembered(st.keys.len() as i64 - keys_before as i64);
         if !st.warm || update.snap.version > st.version {
             st.balance = update.snap.balance;
             st.version = update.snap.version;
@@ -133,7 +186,20 @@ impl Projection {
         if !st.warm || self.rows_refused().is_some() {
             return;
         }
+        let applies = st.generation == write.generation
+            && st.version == write.expected_version
+            && st.broken.is_none();
         self.apply_own_write(&mut st, write, expires_at_ms);
+        if applies {
+            // The copy's key memory, as the database's rows: its commit time is not in the
+            // store's answer, and the estimate never runs ahead of it.
+            let (keys_before, committed_ms) = (st.keys.len(), self.server_tip_ms());
+            for &(event_id, balance, _) in write.events {
+                st.keys
+                    .push(event_id, write.new_version, balance, committed_ms);
+            }
+            self.add_remembered(st.keys.len() as i64 - keys_before as i64);
+        }
         self.cap_copy(&mut st);
     }
 
@@ -144,9 +210,12 @@ impl Projection {
         }
     }
 
-    /// Drops a copy grown past [`super::WARM_MAX_ROWS_PER_ACCOUNT`] live entries.
+    /// Drops a copy grown past [`super::WARM_MAX_ROWS_PER_ACCOUNT`] live entries or
+    /// [`super::WARM_MAX_KEYS_PER_ACCOUNT`] remembered keys.
     fn cap_copy(&self, st: &mut AccountState) {
-        if st.recent.len() > super::WARM_MAX_ROWS_PER_ACCOUNT {
+        if st.recent.len() > super::WARM_MAX_ROWS_PER_ACCOUNT
+            || st.keys.len() > super::WARM_MAX_KEYS_PER_ACCOUNT
+        {
             self.drop_copy(st);
             st.cold_until_ms = self.now_ms().saturating_add(self.window_ms());
         }
@@ -155,11 +224,12 @@ impl Projection {
     /// Forgets the copy entirely (state too: a copy rebuilt later must not start from a
     /// version whose rows it no longer holds).
     fn drop_copy(&self, st: &mut AccountState) {
-        let n = st.recent.len();
+        let (n, keys) = (st.recent.len(), st.keys.len());
         *st = AccountState {
             last_touch_ms: st.last_touch_ms,
             ..AccountState::default()
         };
         self.add_index_entries(-(n as i64));
+        self.add_remembered(-(keys as i64));
     }
 }
