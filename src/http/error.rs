@@ -55,6 +55,7 @@ pub enum ErrorCode {
     // 404, 405, 413, 414, 415 and 431: no such thing, or not in this shape.
     NotFound,
     AccountNotFound,
+    KeyNotFound,
     MethodNotAllowed,
     PayloadTooLarge,
     UriTooLong,
@@ -87,7 +88,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, once.
-    pub const ALL: [ErrorCode; 56] = [
+    pub const ALL: [ErrorCode; 57] = [
         ErrorCode::BadRequest,
         ErrorCode::InvalidJson,
         ErrorCode::InvalidId,
@@ -105,6 +106,7 @@ impl ErrorCode {
         ErrorCode::HostNotAllowed,
         ErrorCode::NotFound,
         ErrorCode::AccountNotFound,
+        ErrorCode::KeyNotFound,
         ErrorCode::MethodNotAllowed,
         ErrorCode::PayloadTooLarge,
         ErrorCode::UriTooLong,
@@ -166,6 +168,7 @@ impl ErrorCode {
             ErrorCode::HostNotAllowed => "HOST_NOT_ALLOWED",
             ErrorCode::NotFound => "NOT_FOUND",
             ErrorCode::AccountNotFound => "ACCOUNT_NOT_FOUND",
+            ErrorCode::KeyNotFound => "KEY_NOT_FOUND",
             ErrorCode::MethodNotAllowed => "METHOD_NOT_ALLOWED",
             ErrorCode::PayloadTooLarge => "PAYLOAD_TOO_LARGE",
             ErrorCode::UriTooLong => "URI_TOO_LONG",
@@ -208,7 +211,9 @@ impl ErrorCode {
             ErrorCode::Forbidden | ErrorCode::InsufficientScope | ErrorCode::HostNotAllowed => {
                 StatusCode::FORBIDDEN
             }
-            ErrorCode::NotFound | ErrorCode::AccountNotFound => StatusCode::NOT_FOUND,
+            ErrorCode::NotFound | ErrorCode::AccountNotFound | ErrorCode::KeyNotFound => {
+                StatusCode::NOT_FOUND
+            }
             ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorCode::UriTooLong => StatusCode::URI_TOO_LONG,
@@ -282,6 +287,11 @@ pub enum ApiError {
     /// opened. Nothing was written.
     #[error("{0}")]
     AccountNotFound(String),
+    /// 404 `KEY_NOT_FOUND`: a key looked up on an account names no write that landed there
+    /// within the retention, proven on a fold at the store's tip. A write sent under it now
+    /// would be a new write.
+    #[error("{0}")]
+    KeyNotFound(String),
     /// `route` is the path's template, for the request's metrics and log line.
     #[error("method not allowed; allowed: {allow}")]
     MethodNotAllowed {
@@ -403,6 +413,7 @@ impl ApiError {
             ApiError::HeadersTooLarge(_) => ErrorCode::HeadersTooLarge,
             ApiError::NotFound { .. } => ErrorCode::NotFound,
             ApiError::AccountNotFound(_) => ErrorCode::AccountNotFound,
+            ApiError::KeyNotFound(_) => ErrorCode::KeyNotFound,
             ApiError::MethodNotAllowed { .. } => ErrorCode::MethodNotAllowed,
             ApiError::UnsupportedMediaType(_) => ErrorCode::UnsupportedMediaType,
             ApiError::Validation(_) => ErrorCode::ValidationError,

@@ -8,6 +8,7 @@
 mod accounts;
 mod admin;
 mod admission;
+mod answer;
 pub mod auth;
 pub mod body;
 pub mod config;
@@ -29,6 +30,7 @@ pub mod response;
 pub mod router;
 mod serve;
 pub mod watch;
+mod write_lookup;
 mod write_stall;
 mod writes;
 

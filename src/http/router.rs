@@ -17,7 +17,7 @@ use super::auth::{Access, Named};
 use super::error::{ApiError, ErrorCode};
 use super::response::Resp;
 use super::watch::{self, HttpBody};
-use super::{accounts, console, devices, openapi, ops, writes};
+use super::{accounts, console, devices, openapi, ops, write_lookup, writes};
 use crate::account::AccountId;
 use crate::app::App;
 use crate::auth::Scope;
@@ -45,6 +45,9 @@ pub enum Route {
     WatchStream,
     /// `POST /api/accounts`: opens an account.
     OpenAccount,
+    /// A write on the account looked up by its idempotency key (the path's last segment,
+    /// read by the handler: it is no part of the route's identity).
+    WriteLookup(AccountId),
 }
 
 /// The nil id, for the listing below.
@@ -54,7 +57,7 @@ impl Route {
     /// Every route once (ids nil): what `docs/openapi.json` is checked against. A new route
     /// is added here and in [`Route::listed_at`] (whose exhaustive match fails to compile
     /// until it is), then to the spec.
-    pub const ALL: [Route; 16] = [
+    pub const ALL: [Route; 17] = [
         Route::Healthz,
         Route::Readyz,
         Route::Metrics,
@@ -71,6 +74,7 @@ impl Route {
         Route::AccountEvents(NIL),
         Route::WatchStream,
         Route::OpenAccount,
+        Route::WriteLookup(NIL),
     ];
 
     /// The route's place in [`Route::ALL`].
@@ -92,6 +96,7 @@ impl Route {
             Route::AccountEvents(_) => 13,
             Route::WatchStream => 14,
             Route::OpenAccount => 15,
+            Route::WriteLookup(_) => 16,
         }
     }
 
@@ -121,6 +126,7 @@ impl Route {
             Route::Console => "/",
             Route::AccountEvents(_) => "/api/accounts/{id}/events",
             Route::WatchStream => "/api/watch/stream",
+            Route::WriteLookup(_) => "/api/accounts/{id}/writes/{idempotencyKey}",
         }
     }
 
@@ -173,9 +179,11 @@ impl Route {
                 return None;
             }
             Route::Accounts => (Scope::AccountsRead, Nothing),
-            Route::Balance(a) | Route::History(a) | Route::AccountEvents(a) => {
-                (Scope::AccountsRead, Account(a))
-            }
+            // A write looked up by its key shows what the account's balance read shows.
+            Route::Balance(a)
+            | Route::History(a)
+            | Route::AccountEvents(a)
+            | Route::WriteLookup(a) => (Scope::AccountsRead, Account(a)),
             Route::WatchStream => (Scope::AccountsRead, EveryAccount),
             Route::Deposit(a) | Route::Withdraw(a) | Route::AccountTransfer(a) => {
                 (Scope::AccountsWrite, Account(a))
@@ -197,6 +205,7 @@ impl Route {
                 | Route::AccountTransfer(_)
                 | Route::Transfers
                 | Route::DeviceSync(_)
+                | Route::WriteLookup(_)
         )
     }
 
@@ -246,6 +255,12 @@ impl Route {
                 // Resolve the method before the id, so a wrong method is 405 either way.
                 make(AccountId(Uuid::nil())).check_method(method)?;
                 return Ok(make(id(acct)?));
+            }
+            // The key is read by the handler, after the caller is known (keys are the
+            // caller's own): any segment is the route, and a malformed key its 400.
+            ["api", "accounts", acct, "writes", _key] => {
+                Route::WriteLookup(NIL).check_method(method)?;
+                return Ok(Route::WriteLookup(id(acct)?));
             }
             _ => return Err(not_found(path)),
         };
@@ -318,6 +333,7 @@ pub async fn dispatch(
         Route::Withdraw(account) => writes::withdraw(app, account, req, slots).await,
         Route::AccountTransfer(from) => writes::account_transfer(app, from, req, slots).await,
         Route::Transfers => writes::transfer(app, req, slots).await,
+        Route::WriteLookup(account) => write_lookup::find(app, account, &req).await,
         Route::DeviceSync(device) => devices::sync(app, device, req, slots).await,
         Route::OpenApi => Ok(openapi::document()),
         Route::Console => Ok(console::page()),

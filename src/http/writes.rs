@@ -10,23 +10,22 @@ use hyper::header::HeaderValue;
 use hyper::{Request, StatusCode};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
-use serde_json::json;
 use tracing::Instrument;
 use uuid::Uuid;
 
-use super::accounts::BalanceBody;
 use super::admission::RequestSlots;
+use super::answer::{Shown, outcome_response};
 use super::body::read_json;
 use super::deadline::{request_deadline, took_too_long};
 use super::detach::{Detached, WritePanicked};
-use super::error::{ApiError, ErrorCode};
+use super::error::ApiError;
 use super::idempotency::{self, IdempotencyKey};
-use super::response::{Resp, json_response};
+use super::response::Resp;
 use crate::account::{AccountId, AmountCents, Operation};
 use crate::app::App;
 use crate::auth::Caller;
 use crate::request_note::RequestNote;
-use crate::write_loop::{AnsweringAttempt, LegResult, WriteError, WriteOutcome, WriteRequest};
+use crate::write_loop::{AnsweringAttempt, WriteError, WriteOutcome, WriteRequest};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -213,15 +212,6 @@ fn window_header(
     window_secs.saturating_mul(1000).saturating_sub(gone_ms) / 1000
 }
 
-impl From<&LegResult> for BalanceBody {
-    fn from(l: &LegResult) -> Self {
-        Self {
-            balance_cents: l.balance,
-            aggregate_version: l.version,
-        }
-    }
-}
-
 /// A write: parse the key and body (changing nothing on bad input), run the write loop so
 /// that it outlives the connection if it must ([`Detached`]: a client that disconnects must
 /// not cancel a store write half-way; its outcome is recorded for the retry that follows),
@@ -261,32 +251,6 @@ where
     let accounts: Vec<_> = op.legs().as_slice().iter().map(|l| l.account).collect();
     let horizon = app.projection.key_horizon(&accounts);
     Ok(keyed_answer(app, &key, answer, shown, (since, horizon)))
-}
-
-/// What a landed write's answer shows its caller. A transfer's destination is not the
-/// caller's to read unless its token could read that balance: paying into an account is
-/// allowed, learning its balance is not. Decided from the caller at each answer, so a
-/// replay under the same key shows the same caller the same shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Shown {
-    /// An open: 201 with the account's id.
-    Opened,
-    /// Every leg's balance.
-    EveryLeg,
-    /// A transfer's source leg only: its caller may not read the destination.
-    SourceLeg,
-}
-
-impl Shown {
-    fn to(caller: Option<&Caller>, op: &Operation) -> Shown {
-        match op {
-            Operation::Open { .. } => Shown::Opened,
-            Operation::Transfer { to, .. } if caller.is_some_and(|c| !c.may_read(to.0)) => {
-                Shown::SourceLeg
-            }
-            _ => Shown::EveryLeg,
-        }
-    }
 }
 
 /// The write's key and operation, from the request's headers and body (changing nothing on
@@ -392,50 +356,6 @@ fn keyed_answer(
     }
     h.insert(idempotency::WINDOW_HEADER, HeaderValue::from(window));
     h.insert(idempotency::RETENTION_HEADER, HeaderValue::from(retention));
-    resp
-}
-
-/// A landed write's answer: 200 with the balance (each leg's for a transfer, or the source's
-/// alone, [`Shown`]), or for an open 201 with the account's id and where its balance is read.
-fn outcome_response(outcome: &WriteOutcome, shown: Shown) -> Resp {
-    let mut resp = match outcome.legs.as_slice() {
-        [from, _] if shown == Shown::SourceLeg => {
-            json_response(StatusCode::OK, &json!({ "from": BalanceBody::from(from) }))
-        }
-        [from, to] => json_response(
-            StatusCode::OK,
-            &json!({ "from": BalanceBody::from(from), "to": BalanceBody::from(to) }),
-        ),
-        [one] if shown == Shown::Opened => {
-            let mut r = json_response(
-                StatusCode::CREATED,
-                &json!({
-                    "accountId": one.account.to_string(),
-                    "balanceCents": one.balance,
-                    "aggregateVersion": one.version,
-                }),
-            );
-            let location = format!("/api/accounts/{}/balance", one.account);
-            if let Ok(v) = HeaderValue::from_str(&location) {
-                r.headers_mut().insert(hyper::header::LOCATION, v);
-            }
-            r
-        }
-        [one] => json_response(StatusCode::OK, &BalanceBody::from(one)),
-        _ => {
-            return ApiError::Internal {
-                code: ErrorCode::Internal,
-                message: "a write produced no legs".into(),
-            }
-            .into_response();
-        }
-    };
-    if outcome.replayed {
-        resp.headers_mut().insert(
-            idempotency::REPLAYED_HEADER,
-            HeaderValue::from_static("true"),
-        );
-    }
     resp
 }
 

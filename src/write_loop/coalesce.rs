@@ -103,6 +103,16 @@ impl Coalescer {
         }
     }
 
+    /// Whether a request under `event_id` that writes to `account` (on any of its legs) is
+    /// running here: a transfer is listed under its source only, so its destination is
+    /// looked for among every running request.
+    pub fn writing(&self, event_id: u128, account: AccountId) -> bool {
+        self.leaders.contains_key(&(event_id, account))
+            || self.leaders.iter().any(|e| {
+                e.key().0 == event_id && e.op.legs().as_slice().iter().any(|l| l.account == account)
+            })
+    }
+
     /// When the first request of `req`'s key arrived, if one is running here.
     pub fn running_since(&self, req: &WriteRequest) -> Option<Instant> {
         self.leaders.get(&coalesce_key(req)).map(|l| l.arrived)

@@ -32,6 +32,8 @@
 //!   `SeqHold` and `EarlierAttempts`, and the `drive` function that owns every branch;
 //! - `decide`: the business rules over a run's members, as a pure function;
 //! - `classify`: what a store outcome means for the run, as a pure function;
+//! - `find`: a write found by its key without resending it ([`WriteService::find_write`]),
+//!   proven landed, proven absent, or a retryable error;
 //! - [`verify`]: who owns a contested sequence (the 2002 arm's point read);
 //! - leaves that use no other part: `error` ([`WriteError`], and what a broken invariant
 //!   answers) and `arm` (the arm a step took, with its metric label).
@@ -42,6 +44,7 @@ mod coalesce;
 pub mod config;
 mod decide;
 mod error;
+mod find;
 mod lanes;
 mod run;
 pub mod service;
@@ -53,6 +56,7 @@ use crate::account::{AccountId, AccountsMode, Operation};
 
 pub use coalesce::AnsweringAttempt;
 pub use error::WriteError;
+pub use find::Found;
 pub use service::WriteService;
 
 /// Store writes one request may make before it gives up with a retryable error.

@@ -54,7 +54,7 @@ pub struct WriteService {
     /// ([`WriteService::with_log`]). Catch-ups, start-up and checkpoints use the projection's.
     log: SharedLog,
     config: WriteConfig,
-    coalescer: Coalescer,
+    pub(super) coalescer: Coalescer,
     lanes: Lanes,
     /// One permit per live request; see [`WriteConfig::max_live_writes`].
     live: Semaphore,

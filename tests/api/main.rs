@@ -13,6 +13,7 @@
 //! - [`store_failures`]: retryable 409s and the poisoned stream's 500;
 //! - [`store_outage`]: a real server SIGKILLed under the binary: 503s, the log, the retry;
 //! - [`idempotency_keys`]: replays, key syntax, minted keys, reuse, concurrent duplicates;
+//! - [`write_lookup`]: a write looked up by its key, without resending it;
 //! - [`accounts`]: opening accounts, and explicit accounts (`--accounts explicit`);
 //! - [`binary`]: the `tally` process itself.
 //!
@@ -44,6 +45,7 @@ mod routes;
 mod startup;
 mod store_failures;
 mod store_outage;
+mod write_lookup;
 
 mod architecture_doc;
 mod auth;

@@ -72,6 +72,7 @@ fn one_of_each() -> Vec<ApiError> {
         ApiError::HeadersTooLarge("x".into()),
         ApiError::NotFound { path: "/x".into() },
         ApiError::AccountNotFound("x".into()),
+        ApiError::KeyNotFound("x".into()),
         ApiError::MethodNotAllowed {
             allow: "GET",
             route: "/healthz",
@@ -140,6 +141,7 @@ fn variant(e: &ApiError) -> usize {
         ApiError::AccountNotFound(_) => 20,
         ApiError::StoreUnavailable => 21,
         ApiError::Limited { .. } => 22,
+        ApiError::KeyNotFound(_) => 23,
     }
 }
 
@@ -219,7 +221,7 @@ fn status_of_response(r: &Value) -> u16 {
 fn every_status_the_code_answers_is_documented_and_no_other() {
     let errors = one_of_each();
     let listed: BTreeSet<usize> = errors.iter().map(variant).collect();
-    assert_eq!(listed.len(), 23, "one sample of each ApiError variant");
+    assert_eq!(listed.len(), 24, "one sample of each ApiError variant");
     let mut code: BTreeSet<u16> = errors.iter().map(|e| e.status().as_u16()).collect();
     code.insert(200);
     // An open's answer (`POST /api/accounts`).
