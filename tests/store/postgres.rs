@@ -1581,7 +1581,11 @@ async fn a_fresh_database_starts_an_account_from_its_checkpoint_and_serves_it_tr
     let memory = Projection::new(
         log.clone(),
         identity,
-        ProjectionConfig::default(),
+        ProjectionConfig {
+            // Nothing remembered past the window: the trim may cut right behind it.
+            retention: ProjectionConfig::default().window,
+            ..ProjectionConfig::default()
+        },
         Arc::new(ManualClock::new(0)),
         Arc::new(Metrics::new()),
     );
@@ -1607,7 +1611,11 @@ async fn a_fresh_database_starts_an_account_from_its_checkpoint_and_serves_it_tr
     let fresh = Projection::with_postgres(
         log.clone(),
         identity,
-        ProjectionConfig::default(),
+        ProjectionConfig {
+            // Nothing remembered past the window: the trim may cut right behind it.
+            retention: ProjectionConfig::default().window,
+            ..ProjectionConfig::default()
+        },
         Arc::new(ManualClock::new(0)),
         metrics.clone(),
         pg,
