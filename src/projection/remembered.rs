@@ -30,6 +30,10 @@ impl Projection {
                 "{n} remembered keys share this key's fingerprint (at most {MAX_CANDIDATES} are read)"
             ))
         })?;
+        // Newest first: a key that landed again after its first landing aged out answers
+        // with its latest landing, and once the newest is past the retention all are.
+        let mut candidates = candidates;
+        candidates.sort_unstable_by_key(|c| std::cmp::Reverse(c.version));
         for c in candidates {
             let key = self.identity.key(account);
             let batch = match read_whole(self.log.as_ref(), key, c.version, c.version).await {

@@ -577,6 +577,8 @@ async fn tally_trim_on_a_real_server_trims_below_the_checkpoint_and_a_cold_repli
             &address,
             "--idempotency-window",
             "1",
+            "--idempotency-retention",
+            "1",
             &account.to_string(),
         ])
         .output()
