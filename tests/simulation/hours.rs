@@ -17,9 +17,9 @@
 //!
 //! A retry goes to a random replica, often to one restarted since (cold: it loads the
 //! account from checkpoints and the stream), sometimes to two at once. Between moments the
-//! fleet restarts replicas, sweeps, re-anchors, writes checkpoints and trims accounts (with
-//! a random history kept, zero included), all drawn from the seed, with the fleet runs'
-//! store faults on most seeds.
+//! fleet restarts replicas, sweeps, re-anchors, writes checkpoints and trims accounts (by
+//! hand with a random history kept, zero included, which must never cut a remembered key's
+//! batch), all drawn from the seed, with the fleet runs' store faults on most seeds.
 //!
 //! The rules, checked per key and moment against the streams read back at the end:
 //! - a retry inside the retention of the key's latest landing writes nothing and answers
@@ -104,10 +104,12 @@ impl HoursPlan {
         });
         let window_s = rng.gen_range(2..=5);
         let retention_s = rng.gen_range(20..=60) * 60;
+        // The history kept must cover the retention (a shorter one is refused at start); a
+        // trim by hand may ask for less (see `upkeep`).
         let retain_history_s = match rng.gen_range(0..3) {
             0 => None,
-            1 => Some(0),
-            _ => Some(rng.gen_range(0..retention_s)),
+            1 => Some(retention_s - window_s),
+            _ => Some(retention_s + rng.gen_range(0..600)),
         };
         // New keys over one and a half retentions, so the last are retried past it too.
         let span = retention_s * 1_500;
