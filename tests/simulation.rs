@@ -37,6 +37,8 @@
 //! seed.
 
 mod common;
+#[path = "simulation/hours.rs"]
+mod hours;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -153,6 +155,13 @@ impl Plan {
             // write's life must).
             "--write-deadline-ms".into(),
             "60000".into(),
+            // The window as it was before keys were remembered past it, and a retention of
+            // the same length: the run ends by ageing every stream past the window and
+            // trimming below a checkpoint, which only forgotten keys allow.
+            "--idempotency-window".into(),
+            "90".into(),
+            "--idempotency-retention".into(),
+            "90".into(),
             "--batching".into(),
             self.batching.to_string(),
             "--one-round-trip".into(),
@@ -449,8 +458,11 @@ struct Store {
     shared: SharedLog,
 }
 
+/// The store's server clock when a run starts (epoch ms).
+const STORE_START_MS: u64 = 1_700_000_000_000;
+
 fn store(plan: &Plan) -> Store {
-    let server = Arc::new(memory::ServerClock::new(1_700_000_000_000));
+    let server = Arc::new(memory::ServerClock::new(STORE_START_MS));
     let mem = Arc::new(MemoryLog::with_options(MemoryOptions {
         page_size: plan.page_size,
         clock: server.clone(),
@@ -506,8 +518,11 @@ struct Landed {
     /// The account's balance right after this event.
     balance: i64,
     event: AccountEvent,
+    /// The server time its batch committed at.
+    at_ms: u64,
 }
 
+#[derive(Default)]
 struct Truth {
     /// Per account: final balance, version, highest own client sequence, and every balance
     /// it ever had (0 before its first event, then after each event).
@@ -524,70 +539,84 @@ async fn read_truth(
     client: ClientId,
     key_of: impl Fn(AccountId) -> AggregateKey,
 ) -> Result<Truth, String> {
-    let mut truth = Truth {
-        accounts: BTreeMap::new(),
-        by_key: BTreeMap::new(),
-        dump: String::new(),
-    };
-    for &account in &plan.accounts {
-        let mut balance = 0i64;
-        let mut version = 0;
-        let mut max_seq = 0;
-        let mut seen = BTreeSet::from([0]);
-        let mut stream = BatchStream::new(mem, key_of(account), ReadFilter::from_version(1));
-        loop {
-            let page = match stream.next_page().await {
-                Ok(Some(page)) => page,
-                Ok(None) | Err(tally::store::StoreError::AggregateNotFound) => break,
-                Err(e) => return Err(format!("reading {account}: {e}")),
-            };
-            for batch in &page {
-                if batch.version != version + 1 {
-                    return Err(format!(
-                        "{account}: version {} after {version}",
-                        batch.version
-                    ));
-                }
-                version = batch.version;
-                for e in batch.events.iter() {
-                    let event = AccountEvent::decode(e.event_type, &e.payload)
-                        .map_err(|err| format!("{account} v{version}: {err}"))?;
-                    balance = if event.is_credit() {
-                        balance + event.amount()
-                    } else {
-                        balance - event.amount()
-                    };
-                    if balance < 0 {
+    let mut truth = Truth::default();
+    truth.read_on(plan, mem, client, key_of).await?;
+    Ok(truth)
+}
+
+impl Truth {
+    /// Reads what every stream gained since the last read, and folds it in: a run that trims
+    /// reads on before each trim can reach what it has not read yet.
+    async fn read_on(
+        &mut self,
+        plan: &Plan,
+        mem: &MemoryLog,
+        client: ClientId,
+        key_of: impl Fn(AccountId) -> AggregateKey,
+    ) -> Result<(), String> {
+        let truth = self;
+        for &account in &plan.accounts {
+            let (mut balance, mut version, mut max_seq, mut seen) = truth
+                .accounts
+                .remove(&account)
+                .unwrap_or_else(|| (0, 0, 0, BTreeSet::from([0])));
+            let mut stream =
+                BatchStream::new(mem, key_of(account), ReadFilter::from_version(version + 1));
+            loop {
+                let page = match stream.next_page().await {
+                    Ok(Some(page)) => page,
+                    Ok(None) | Err(tally::store::StoreError::AggregateNotFound) => break,
+                    Err(e) => return Err(format!("reading {account}: {e}")),
+                };
+                for batch in &page {
+                    if batch.version != version + 1 {
                         return Err(format!(
-                            "{account} goes below zero at version {version}: {balance}"
+                            "{account}: version {} after {version}",
+                            batch.version
                         ));
                     }
-                    seen.insert(balance);
-                    if batch.client_id == client {
-                        max_seq = max_seq.max(e.client_seq);
+                    version = batch.version;
+                    for e in batch.events.iter() {
+                        let event = AccountEvent::decode(e.event_type, &e.payload)
+                            .map_err(|err| format!("{account} v{version}: {err}"))?;
+                        balance = if event.is_credit() {
+                            balance + event.amount()
+                        } else {
+                            balance - event.amount()
+                        };
+                        if balance < 0 {
+                            return Err(format!(
+                                "{account} goes below zero at version {version}: {balance}"
+                            ));
+                        }
+                        seen.insert(balance);
+                        if batch.client_id == client {
+                            max_seq = max_seq.max(e.client_seq);
+                        }
+                        let _ = writeln!(
+                            truth.dump,
+                            "{account} v{version} seq{} {:?} {event:?} ={balance}",
+                            e.client_seq, e.event_id
+                        );
+                        let Some(id) = e.event_id else {
+                            return Err(format!("{account} v{version}: an event without an id"));
+                        };
+                        truth.by_key.entry(id).or_default().push(Landed {
+                            account,
+                            version,
+                            balance,
+                            event,
+                            at_ms: batch.server_timestamp_ms,
+                        });
                     }
-                    let _ = writeln!(
-                        truth.dump,
-                        "{account} v{version} seq{} {:?} {event:?} ={balance}",
-                        e.client_seq, e.event_id
-                    );
-                    let Some(id) = e.event_id else {
-                        return Err(format!("{account} v{version}: an event without an id"));
-                    };
-                    truth.by_key.entry(id).or_default().push(Landed {
-                        account,
-                        version,
-                        balance,
-                        event,
-                    });
                 }
             }
+            truth
+                .accounts
+                .insert(account, (balance, version, max_seq, seen));
         }
-        truth
-            .accounts
-            .insert(account, (balance, version, max_seq, seen));
+        Ok(())
     }
-    Ok(truth)
 }
 
 // --- The rules ---
@@ -985,24 +1014,30 @@ fn seeds() -> Vec<u64> {
     seeds
 }
 
-#[test]
-fn seeded_fleet_runs_keep_every_write_exactly_once_with_one_answer() {
-    let seeds = seeds();
+/// Each seed's result, in seed order.
+type SeedResults<R> = Vec<(u64, Result<R, String>)>;
+
+/// Runs `run` on every seed, on every core. At the first failure no more seeds are handed
+/// out (the others finish theirs), unless `TALLY_SIM_KEEP_GOING` is set; when more than one
+/// failed, each is listed. Returns the results in seed order, the time taken and the threads.
+fn run_seeds<R: Send>(
+    seeds: &[u64],
+    run: impl Fn(u64) -> Result<R, String> + Sync,
+) -> (SeedResults<R>, Duration, usize) {
     let workers = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(seeds.len().max(1));
     let next = AtomicUsize::new(0);
     let keep_going = std::env::var_os("TALLY_SIM_KEEP_GOING").is_some();
-    let print_hashes = std::env::var_os("TALLY_SIM_HASHES").is_some();
     let started = Instant::now();
-    let results: Mutex<Vec<(u64, Result<RunResult, String>)>> = Mutex::new(Vec::new());
+    let results: Mutex<SeedResults<R>> = Mutex::new(Vec::new());
     std::thread::scope(|s| {
         for _ in 0..workers {
             s.spawn(|| {
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(&seed) = seeds.get(i) else { break };
-                    let result = run_seed(seed);
+                    let result = run(seed);
                     let failed = result.is_err();
                     results.lock().push((seed, result));
                     if failed && !keep_going {
@@ -1016,16 +1051,23 @@ fn seeded_fleet_runs_keep_every_write_exactly_once_with_one_answer() {
     let elapsed = started.elapsed();
     let mut results = results.into_inner();
     results.sort_by_key(|(seed, _)| *seed);
-    let failed: Vec<&(u64, Result<RunResult, String>)> =
-        results.iter().filter(|(_, r)| r.is_err()).collect();
+    let failed: Vec<(u64, &str)> = results
+        .iter()
+        .filter_map(|(seed, r)| r.as_ref().err().map(|v| (*seed, v.as_str())))
+        .collect();
     if failed.len() > 1 {
         println!("{} of {} seeds failed:", failed.len(), results.len());
-        for (seed, r) in &failed {
-            if let Err(v) = r {
-                println!("  seed {seed}: {}", v.lines().next().unwrap_or(""));
-            }
+        for (seed, v) in &failed {
+            println!("  seed {seed}: {}", v.lines().next().unwrap_or(""));
         }
     }
+    (results, elapsed, workers)
+}
+
+#[test]
+fn seeded_fleet_runs_keep_every_write_exactly_once_with_one_answer() {
+    let print_hashes = std::env::var_os("TALLY_SIM_HASHES").is_some();
+    let (results, elapsed, workers) = run_seeds(&seeds(), run_seed);
     let mut total = Stats::default();
     let mut faults = FaultCounts::default();
     let mut arms: BTreeMap<&str, u64> = BTreeMap::new();
@@ -1064,6 +1106,78 @@ fn seeded_fleet_runs_keep_every_write_exactly_once_with_one_answer() {
         elapsed,
         results.len() as f64 / elapsed.as_secs_f64()
     );
+}
+
+/// The seeds the run across hours takes: `TALLY_SIM_SEED` alone, or
+/// `TALLY_SIM_FIRST_SEED` onwards, `TALLY_SIM_HOURS_SEEDS` of them (default
+/// [`hours::DEFAULT_HOURS_SEEDS`]).
+fn hours_seeds() -> Vec<u64> {
+    if let Some(seed) = env_u64("TALLY_SIM_SEED") {
+        return vec![seed];
+    }
+    let first = env_u64("TALLY_SIM_FIRST_SEED").unwrap_or(0);
+    let count = env_u64("TALLY_SIM_HOURS_SEEDS").unwrap_or(hours::DEFAULT_HOURS_SEEDS);
+    (first..first + count).collect()
+}
+
+/// Simulated hours of a fleet (`simulation/hours.rs`): a key retried inside the retention,
+/// on any replica, warm or restarted, through checkpoints, trims, sweeps and faults, answers
+/// its landing and writes nothing; past the retention it lands again.
+#[test]
+fn retries_across_hours_replay_inside_the_retention_and_land_again_past_it() {
+    let print_hashes = std::env::var_os("TALLY_SIM_HASHES").is_some();
+    let (results, elapsed, workers) = run_seeds(&hours_seeds(), hours::run_hours_seed);
+    let mut total = hours::HoursStats::default();
+    for (seed, result) in &results {
+        match result {
+            Err(violation) => panic!(
+                "simulation seed {seed} across hours broke a rule: {violation}\n  reproduce: TALLY_SIM_SEED={seed} cargo test --test simulation retries_across_hours -- --nocapture"
+            ),
+            Ok(r) => {
+                total.add(&r.stats);
+                if results.len() == 1 || print_hashes {
+                    println!(
+                        "seed {seed} (hours): trace {} {:?} {:?}",
+                        r.trace_hash, r.stats, r.faults
+                    );
+                }
+            }
+        }
+    }
+    println!(
+        "{} seeds across hours in {:.2?} on {workers} threads: {total:?}",
+        results.len(),
+        elapsed
+    );
+    // A run whose retries never reached a band proves nothing about it.
+    if results.len() >= 10 {
+        assert!(
+            total.window_replays > 0
+                && total.remembered_replays > 0
+                && total.remembered_replays_cold > 0
+                && total.past_retention_landed > 0,
+            "the retries did not cover every band: {total:?}"
+        );
+    }
+}
+
+/// The same seed across hours gives the same run: the same answers, streams and upkeep, or
+/// the same violation.
+#[test]
+fn a_seed_across_hours_reproduces_the_same_run() {
+    let seed = 0;
+    match (hours::run_hours_seed(seed), hours::run_hours_seed(seed)) {
+        (Ok(a), Ok(b)) => assert_eq!(
+            a.trace_hash, b.trace_hash,
+            "seed {seed} across hours is not reproducible"
+        ),
+        (Err(a), Err(b)) => assert_eq!(a, b, "seed {seed} across hours is not reproducible"),
+        (a, b) => panic!(
+            "seed {seed} across hours is not reproducible: one run {}, the other {}",
+            if a.is_ok() { "passed" } else { "failed" },
+            if b.is_ok() { "passed" } else { "failed" }
+        ),
+    }
 }
 
 /// Seeds run on the Postgres projection unless `TALLY_SIM_PG_SEEDS` says otherwise.
