@@ -230,8 +230,15 @@ impl KeyMemory {
             inner.floor = segment.after;
             inner.floor_ms = segment.after_ms;
         }
+        // Segments may overlap one another, never themselves: a batch's keys share its
+        // version, so only what an earlier segment already gave is skipped.
+        let loaded = if inner.len > 0 {
+            inner.newest_version()
+        } else {
+            0
+        };
         for k in &segment.keys {
-            if k.version <= inner.newest_version() && inner.len > 0 {
+            if k.version <= loaded {
                 continue;
             }
             if !inner.tail.fits(k.version, k.balance) {

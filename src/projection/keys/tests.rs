@@ -135,6 +135,31 @@ fn a_segment_round_trips_and_loads() {
     assert!(cold.candidates(id(999)).unwrap().is_empty());
 }
 
+/// Rule: a batch's keys share its version, and a memory loaded from a segment finds every
+/// one of them; a second segment that overlaps the first adds only what is newer.
+#[test]
+fn a_loaded_segment_keeps_every_key_of_a_batch() {
+    let mut m = KeyMemory::default();
+    for v in 1..=10u64 {
+        for e in 0..3 {
+            m.push(id(v * 10 + e), v, (v * 10 + e) as i64, v);
+        }
+    }
+    let mut cold = KeyMemory::default();
+    cold.load(&m.segment(0, 0, 6).unwrap(), 6);
+    cold.load(&m.segment(4, 4, 10).unwrap(), 10);
+    assert_eq!(cold.len(), 30, "every key once");
+    for v in 1..=10u64 {
+        for e in 0..3 {
+            let want = Remembered {
+                version: v,
+                balance: (v * 10 + e) as i64,
+            };
+            assert_eq!(cold.candidates(id(v * 10 + e)).unwrap(), vec![want]);
+        }
+    }
+}
+
 fn sorted(mut v: Vec<Remembered>) -> Vec<Remembered> {
     v.sort_by_key(|r| (r.version, r.balance));
     v
