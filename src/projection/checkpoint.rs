@@ -327,6 +327,46 @@ impl Projection {
         Ok((top, newest))
     }
 
+    /// The newest checkpoint whose commit is at least `age_ms` older than the server's now,
+    /// with its position: from the tail when it holds one, else by a binary search over the
+    /// older positions of the checkpoint stream (a busy account's tail spans seconds, and a
+    /// trim looks a retention back). Commit times rise with positions, so the search reads
+    /// about log2(positions) checkpoints, one each.
+    pub async fn checkpoint_older_than(
+        &self,
+        account: AccountId,
+        tail: &Tail,
+        age_ms: u64,
+    ) -> Result<Option<(u64, Checkpoint)>, StoreError> {
+        let tip = self.server_tip_ms();
+        if let Some(cp) = pick(tail.iter(), tip, age_ms) {
+            return Ok(tail.position_of(&cp).map(|at| (at, cp)));
+        }
+        let Some(&(lowest, _)) = tail.checkpoints.first() else {
+            return Ok(None);
+        };
+        let key = self.identity.checkpoint_key(account);
+        let mut lo = self.log.details(key).await?.min_available_version.max(1);
+        let mut hi = lowest.saturating_sub(1);
+        let mut found = None;
+        while lo <= hi {
+            let mid = lo + (hi - lo) / 2;
+            let cp = read_whole(self.log.as_ref(), key, mid, mid)
+                .await?
+                .iter()
+                .flat_map(|b| b.events.iter())
+                .find_map(Checkpoint::decode);
+            match cp {
+                Some(cp) if cp.outside_window(tip, age_ms) => {
+                    found = Some((mid, cp));
+                    lo = mid + 1;
+                }
+                _ => hi = mid - 1,
+            }
+        }
+        Ok(found)
+    }
+
     /// Checks `cp` against the account stream: reads the batch at its version.
     pub async fn check_checkpoint(
         &self,

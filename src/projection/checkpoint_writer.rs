@@ -25,7 +25,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::sync::{Semaphore, mpsc};
 
-use super::checkpoint::{Checkpoint, pick};
+use super::checkpoint::Checkpoint;
 use super::keys::{MAX_SEGMENT_KEYS, Segment, UNKNOWN_MS};
 use super::state::AccountState;
 use super::{AccountSlot, Projection, Snapshot};
@@ -365,7 +365,7 @@ impl Projection {
             .window_ms()
             .saturating_add(retain_ms)
             .max(self.retention_ms());
-        let Some(cp) = pick(tail.iter(), self.server_tip_ms(), age) else {
+        let Some((at, cp)) = self.checkpoint_older_than(account, &tail, age).await? else {
             return Ok(kept);
         };
         if let Err(mismatch) = self.check_checkpoint(account, &cp).await? {
@@ -376,9 +376,7 @@ impl Projection {
             return Ok(kept);
         }
         self.log.trim_start(key, cp.version).await?;
-        if let Some(at) = tail.position_of(&cp)
-            && at > 1
-        {
+        if at > 1 {
             // Older checkpoints cover versions no longer readable: useless from now on.
             let ckpt_key = self.identity.checkpoint_key(account);
             if let Err(e) = self.log.trim_start(ckpt_key, at).await {

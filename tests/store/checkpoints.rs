@@ -19,7 +19,7 @@ use tally::projection::keys::Segment;
 use tally::projection::{AccountView, Checkpoint, ManualClock, Projection, ProjectionConfig};
 use tally::reader::AccountReader;
 use tally::store::faults::{Fault, FaultConfig, FaultyLog};
-use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock};
+use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock, ServerTime};
 use tally::store::{AggregateWrite, Event, EventLog, SharedLog, StoreError};
 use uuid::Uuid;
 
@@ -504,6 +504,41 @@ async fn retention_trims_after_a_checkpoint_only_below_one_older_than_window_and
         50
     );
     assert_eq!(fold(&w.cold(), w.account).await, ((1..=51).sum(), 51));
+}
+
+/// Rule: a trim finds the newest checkpoint old enough even when it lies far below the tail
+/// a cold fold reads (a busy account checkpoints every few seconds), and never one younger
+/// than the idempotency retention.
+#[tokio::test]
+async fn a_trim_finds_a_checkpoint_a_retention_back_beyond_the_tail() {
+    let mut w = World::new();
+    let writer = w.cold();
+    writer.sync_server_clock().await.expect("anchor");
+    // 40 checkpoints a window apart: the tail (16) spans the last 16 windows only.
+    let mut versions = Vec::new();
+    for _ in 0..40 {
+        w.deposit(1);
+        let v = w.deposit(1);
+        writer.sync_server_clock().await.expect("anchor");
+        writer.catch_up(w.account).await.expect("fold");
+        writer.write_checkpoint(w.account).await;
+        versions.push((v, w.server.now_ms()));
+        w.server.advance(WINDOW_MS);
+    }
+    assert_eq!(written(&writer), 40);
+    writer.sync_server_clock().await.expect("anchor");
+    // Keep 30 windows: the newest checkpoint at least that old is the 10th.
+    let retain = Duration::from_millis(29 * WINDOW_MS);
+    let report = writer.trim_account(w.account, retain).await.expect("trim");
+    let tip = w.server.now_ms();
+    let want = versions
+        .iter()
+        .filter(|(_, at)| tip - at >= 30 * WINDOW_MS)
+        .map(|(v, _)| *v)
+        .max();
+    assert_eq!(want, Some(versions[10].0));
+    assert_eq!(report.trimmed_at, want);
+    assert_eq!(fold(&w.cold(), w.account).await, (80, 80));
 }
 
 /// Rule (real server): `tally trim` trims an account below its newest checkpoint older than
