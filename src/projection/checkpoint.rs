@@ -28,6 +28,7 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use super::key_chain::Chain;
 use super::keys::Segment;
+use super::state::NewestCheckpoint;
 use super::{AccountSlot, Projection};
 use crate::account::AccountId;
 use crate::metrics::checkpoint_load;
@@ -421,7 +422,7 @@ impl Projection {
             st.checkpoint.keys_from = Some(
                 tail.checkpoints
                     .last()
-                    .map_or((0, 0), |(_, c)| (c.version, c.commit_ms)),
+                    .map_or_else(NewestCheckpoint::default, |(_, c)| NewestCheckpoint::of(c)),
             );
             // Spacing counts from a checkpoint known to exist; with none, the first is due
             // as soon as the events are.

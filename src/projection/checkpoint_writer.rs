@@ -27,7 +27,7 @@ use tokio::sync::{Semaphore, mpsc};
 
 use super::checkpoint::Checkpoint;
 use super::keys::{MAX_SEGMENT_KEYS, Segment, UNKNOWN_MS};
-use super::state::AccountState;
+use super::state::{AccountState, NewestCheckpoint};
 use super::{AccountSlot, Projection, Snapshot};
 use crate::account::AccountId;
 use crate::metrics::{checkpoint_write, trim};
@@ -201,7 +201,7 @@ impl Projection {
         let (stream_version, keys_from) = match known {
             Some((v, from)) => (v, Some(from)),
             None => match self.newest_checkpoint(account).await {
-                Ok((v, newest)) => (v, newest.map(|c| (c.version, c.commit_ms))),
+                Ok((v, newest)) => (v, newest.map(|c| NewestCheckpoint::of(&c))),
                 Err(e) => {
                     tracing::debug!(%account, error = %e, "checkpoint stream unreadable; the next threshold tries again");
                     slot.state.lock().checkpoint.pending = false;
@@ -211,7 +211,7 @@ impl Projection {
         };
         let (snap, keys) = {
             let mut st = slot.state.lock();
-            let covered = keys_from.map_or(0, |(v, _)| v);
+            let covered = keys_from.map_or(0, |c| c.version);
             if st.broken.is_some() || !st.warm || st.version == 0 || st.version <= covered {
                 st.checkpoint.pending = false;
                 drop(st);
@@ -250,7 +250,11 @@ impl Projection {
             }) => {
                 if same {
                     self.mark_covered(&mut st, Some(stream_version), covered, snap.version);
-                    st.checkpoint.keys_from = Some((covered, commit_ms));
+                    st.checkpoint.keys_from = Some(NewestCheckpoint {
+                        version: covered,
+                        commit_ms,
+                        keyed: true,
+                    });
                 }
                 checkpoint_write::WRITTEN
             }
@@ -391,19 +395,25 @@ impl Projection {
 }
 
 /// The keys a checkpoint of `st` carries: those since the newest checkpoint in the stream
-/// (`keys_from`: its version and commit time), or since the key memory's floor when it does
-/// not reach that far back; at most [`MAX_SEGMENT_KEYS`], the newest (the loader then finds
-/// the chain broken below them and folds instead).
-fn segment_since(st: &AccountState, keys_from: Option<(u64, u64)>) -> Segment {
-    let (after, after_ms) = keys_from.unwrap_or((0, 0));
-    let mut seg = st
-        .keys
-        .segment(after, after_ms, st.version)
-        .or_else(|| {
-            st.keys
-                .segment(st.keys.floor(), st.keys.floor_ms(), st.version)
-        })
-        .unwrap_or_default();
+/// (`keys_from`), or since the key memory's floor when it does not reach that far back, or
+/// when that checkpoint carries no keys (written by an older release: a chain through it is
+/// broken, so this one carries all the memory holds and starts a whole chain); at most
+/// [`MAX_SEGMENT_KEYS`], the newest (the loader then finds the chain broken below them and
+/// folds instead).
+fn segment_since(st: &AccountState, keys_from: Option<NewestCheckpoint>) -> Segment {
+    let from_floor = || {
+        st.keys
+            .segment(st.keys.floor(), st.keys.floor_ms(), st.version)
+    };
+    let mut seg = match keys_from {
+        Some(c) if c.keyed || c.version == 0 => st
+            .keys
+            .segment(c.version, c.commit_ms, st.version)
+            .or_else(from_floor),
+        Some(_) => from_floor(),
+        None => st.keys.segment(0, 0, st.version).or_else(from_floor),
+    }
+    .unwrap_or_default();
     if seg.keys.len() > MAX_SEGMENT_KEYS {
         let cut = seg.keys[seg.keys.len() - MAX_SEGMENT_KEYS - 1].version;
         seg.keys.retain(|k| k.version > cut);

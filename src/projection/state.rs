@@ -92,10 +92,31 @@ pub struct CheckpointMark {
     pub last_ms: u64,
     /// One is queued or being written for this account.
     pub pending: bool,
-    /// The newest checkpoint in the stream as this replica last read or wrote it: its
-    /// account version and commit time, where the next one's keys start. `None`: not known
-    /// exactly (another replica wrote one, or a write's outcome is unknown): read it first.
-    pub keys_from: Option<(u64, u64)>,
+    /// The newest checkpoint in the stream as this replica last read or wrote it: where the
+    /// next one's keys start. `None`: not known exactly (another replica wrote one, or a
+    /// write's outcome is unknown): read it first.
+    pub keys_from: Option<NewestCheckpoint>,
+}
+
+/// The newest checkpoint in an account's checkpoint stream, as the next writer needs it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NewestCheckpoint {
+    /// Its account version (0: the stream holds none).
+    pub version: u64,
+    /// Its commit time, server ms.
+    pub commit_ms: u64,
+    /// It carries keys: a chain through it can be whole.
+    pub keyed: bool,
+}
+
+impl NewestCheckpoint {
+    pub fn of(cp: &super::Checkpoint) -> Self {
+        Self {
+            version: cp.version,
+            commit_ms: cp.commit_ms,
+            keyed: cp.keys_after.is_some(),
+        }
+    }
 }
 
 impl AccountState {

@@ -506,6 +506,56 @@ async fn retention_trims_after_a_checkpoint_only_below_one_older_than_window_and
     assert_eq!(fold(&w.cold(), w.account).await, ((1..=51).sum(), 51));
 }
 
+/// Rule: after an upgrade, whose checkpoints carry no keys, the first keyed checkpoint
+/// carries every key its writer holds, so the next cold replica's chain is whole at once
+/// and it folds nothing before it.
+#[tokio::test]
+async fn after_an_upgrade_the_first_keyed_checkpoint_makes_the_chain_whole() {
+    let mut w = World::new();
+    let replica = |w: &World| {
+        Arc::new(Projection::new(
+            w.log.clone(),
+            w.identity,
+            ProjectionConfig {
+                window: WINDOW,
+                retention: Duration::from_secs(3_600),
+                ..ProjectionConfig::default()
+            },
+            Arc::new(ManualClock::new(0)),
+            Arc::new(Metrics::new()),
+        ))
+    };
+    for amount in 1..=20 {
+        w.deposit(amount);
+    }
+    // An older release's checkpoint at 20: no keys, younger than the retention.
+    let key = w.identity.key(w.account);
+    let batch = w
+        .log
+        .read(key, &tally::store::ReadFilter::from_version(20))
+        .await;
+    let batch = batch.expect("read").batches[0].clone();
+    w.append_checkpoint(&Checkpoint::at(&batch, (1..=20).sum(), 20));
+    w.server.advance(WINDOW_MS + 1);
+    for amount in 21..=30 {
+        w.deposit(amount);
+    }
+    let upgraded = replica(&w);
+    assert_eq!(fold(&upgraded, w.account).await, ((1..=30).sum(), 30));
+    upgraded.write_checkpoint(w.account).await;
+    assert_eq!(written(&upgraded), 1);
+
+    let cold = replica(&w);
+    assert_eq!(fold(&cold, w.account).await, ((1..=30).sum(), 30));
+    assert_eq!(loads(&cold, "used"), 1);
+    assert_eq!(cold.metrics().events_folded.get(), 0, "nothing folded");
+    let view = AccountView::Memory(cold.resident_slot(w.account).expect("resident"));
+    for seq in [1u64, 20, 25] {
+        let hit = cold.remembered(w.account, &view, u128::from(seq)).await;
+        assert_eq!(hit.expect("read").map(|h| h.version), Some(seq));
+    }
+}
+
 /// Rule: a trim finds the newest checkpoint old enough even when it lies far below the tail
 /// a cold fold reads (a busy account checkpoints every few seconds), and never one younger
 /// than the idempotency retention.
