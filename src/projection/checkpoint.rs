@@ -443,7 +443,7 @@ impl Projection {
                 // retention (a checkpoint a retention old): none is folded.
                 match chain.filter(|_| st.keys.is_empty()) {
                     Some(chain) => self.load_chain(&mut st, &chain),
-                    None => st.keys.raise_floor(cp.version, cp.commit_ms, false),
+                    None => st.keys.raise_floor(cp.version, cp.commit_ms),
                 }
                 (cp.version + 1, true)
             }

@@ -121,7 +121,7 @@ impl Projection {
             st.keys.load(seg, *commit_ms);
         }
         if capped && let Some((last, _)) = segments.last() {
-            st.keys.raise_floor(last.after, last.after_ms, true);
+            st.keys.forget_below(last.after, last.after_ms);
         }
         self.keys_changed(st, before);
     }

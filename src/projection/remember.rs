@@ -77,14 +77,16 @@ impl Projection {
     /// the oldest runs, across accounts, while the replica is over its cap. Returns the keys
     /// expired and forgotten.
     pub(super) fn sweep_keys(&self) -> (usize, usize) {
-        let oldest_ms = self.server_tip_ms().saturating_sub(self.retention_ms());
+        let tip = self.server_tip_ms();
+        let oldest_ms = tip.saturating_sub(self.retention_ms());
         let mut expired = 0;
         let mut runs: Vec<(u64, AccountId)> = Vec::new();
         for entry in self.accounts.iter() {
             let Some(mut st) = entry.value().state.try_lock() else {
                 continue;
             };
-            if self.server_tip_ms() > 0 {
+            // Before the first anchor nothing is known to be old.
+            if tip > 0 {
                 expired += st.keys.expire(oldest_ms);
             }
             if let Some(ms) = st.keys.oldest_ms() {

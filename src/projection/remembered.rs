@@ -34,8 +34,8 @@ impl Projection {
         // with its latest landing, and once the newest is past the retention all are.
         let mut candidates = candidates;
         candidates.sort_unstable_by_key(|c| std::cmp::Reverse(c.version));
+        let key = self.identity.key(account);
         for c in candidates {
-            let key = self.identity.key(account);
             let batch = match read_whole(self.log.as_ref(), key, c.version, c.version).await {
                 Ok(batches) => batches.into_iter().next(),
                 // Trimmed away: a trim keeps every batch a remembered key points at, so this

@@ -81,16 +81,7 @@ impl KeyMemory {
             version >= inner.newest_version(),
             "keys are remembered in version order"
         );
-        if !inner.tail.fits(version, balance) {
-            inner.seal();
-        }
-        inner
-            .tail
-            .push(fingerprint(event_id), version, balance, commit_ms);
-        inner.len += 1;
-        if inner.tail.len() == TAIL_KEYS {
-            inner.seal();
-        }
+        inner.append(fingerprint(event_id), version, balance, commit_ms);
     }
 
     /// Every remembered key whose fingerprint matches `event_id`'s, at most
@@ -241,28 +232,25 @@ impl KeyMemory {
             if k.version <= loaded {
                 continue;
             }
-            if !inner.tail.fits(k.version, k.balance) {
-                inner.seal();
-            }
-            inner
-                .tail
-                .push(k.fingerprint, k.version, k.balance, commit_ms);
-            inner.len += 1;
-            if inner.tail.len() == TAIL_KEYS {
-                inner.seal();
-            }
+            inner.append(k.fingerprint, k.version, k.balance, commit_ms);
         }
     }
 
     /// Marks versions up to `version` (committed at `commit_ms`) as not remembered here: a
-    /// fold that started above keys it never saw, or a cap that forgot them.
-    pub fn raise_floor(&mut self, version: u64, commit_ms: u64, forgotten: bool) {
+    /// fold that started above keys past the retention.
+    pub fn raise_floor(&mut self, version: u64, commit_ms: u64) {
         let inner = self.inner.get_or_insert_with(Box::default);
         if version >= inner.floor {
             inner.floor = version;
             inner.floor_ms = commit_ms;
         }
-        if forgotten {
+    }
+
+    /// As [`KeyMemory::raise_floor`], for keys inside the retention that a cap made this
+    /// account forget: the horizon its answers state moves too.
+    pub fn forget_below(&mut self, version: u64, commit_ms: u64) {
+        self.raise_floor(version, commit_ms);
+        if let Some(inner) = self.inner.as_mut() {
             inner.forgotten_ms = inner.forgotten_ms.max(commit_ms);
         }
     }
@@ -279,6 +267,19 @@ impl KeyMemory {
 }
 
 impl Inner {
+    /// Appends one key to the tail, sealing it first when the key does not fit its offsets
+    /// and after when it is full.
+    fn append(&mut self, fp: u32, version: u64, balance: i64, commit_ms: u64) {
+        if !self.tail.fits(version, balance) {
+            self.seal();
+        }
+        self.tail.push(fp, version, balance, commit_ms);
+        self.len += 1;
+        if self.tail.len() == TAIL_KEYS {
+            self.seal();
+        }
+    }
+
     fn newest_version(&self) -> u64 {
         if self.tail.len() > 0 {
             return self.tail.max_version();

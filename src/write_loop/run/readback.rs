@@ -10,12 +10,13 @@ use crate::write_loop::classify::Failure;
 use crate::write_loop::error::WriteError;
 use crate::write_loop::{LegResult, WriteOutcome};
 
-/// Whether an attempt's scan on miss looked everywhere it had to.
+/// Whether an attempt's looks past the index (a remembered key's read, a scan on miss)
+/// looked everywhere they had to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Scanned {
-    /// Every scan answered (or scanning is off): the attempt goes on.
+    /// Every look answered (or there was nothing to look at): the attempt goes on.
     Complete,
-    /// A scan failed: the attempt must not write on a guess.
+    /// A look failed: the attempt must not write on a guess.
     Failed,
 }
 
