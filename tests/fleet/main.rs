@@ -9,6 +9,8 @@
 //!   real server, and a `tally-load` exactly-once run;
 //! - [`fleet_script`]: `deploy/fleet.sh` on the embedded store, a replica's death and restart;
 //! - [`mixed_fleet`]: the replaced service and a Tally replica on one real server;
+//! - [`aged_keys`]: real `tally` processes with a short window on the real server, a
+//!   key retried two windows later on a fresh replica and looked up on every replica;
 //! - [`cluster_failover`]: two `tally` processes over a real 2-node cluster whose leader is
 //!   killed under keyed load (opt-in: `make cluster-failover`).
 //!
@@ -17,6 +19,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod aged_keys;
 mod cluster_failover;
 mod fleet;
 mod fleet_processes;
