@@ -191,6 +191,9 @@ pub struct Metrics {
     pub projection_db_rows_replayed: IntCounter,
     pub projection_db_rows_swept: IntCounter,
     pub idem_scans: IntCounterVec,
+    // Batches (`http/batch.rs`)
+    pub batch_items: Histogram,
+    pub batch_item_results: IntCounterVec,
     // The key memory past the window (`projection/keys/`)
     pub remembered_keys: IntGauge,
     pub remembered_keys_cap: IntGauge,
@@ -289,6 +292,9 @@ impl Metrics {
         }
         for outcome in trim::ALL {
             self.trims.with_label_values(&[outcome]);
+        }
+        for class in ["2xx", "4xx", "409", "503", "5xx"] {
+            self.batch_item_results.with_label_values(&[class]);
         }
         for cap in remembered::CAPS {
             self.keys_forgotten.with_label_values(&[cap]);
@@ -665,6 +671,20 @@ impl Metrics {
                 "tally_idempotency_scans_total",
                 "Scans on miss (--idempotency-scan-window) by result: hit, miss, bounded (gave up at the page bound).",
                 &["result"],
+            ),
+            batch_items: histogram(
+                r,
+                "tally_batch_items",
+                "Items in one POST /api/batch that passed the batch's own checks.",
+                &[
+                    1.0, 10.0, 50.0, 100.0, 250.0, 500.0, 1_000.0, 2_500.0, 10_000.0,
+                ],
+            ),
+            batch_item_results: counter_vec(
+                r,
+                "tally_batch_item_results_total",
+                "Batch items by the status of their result: 2xx, 4xx (a refusal), 409 and 503 (retryable), 5xx.",
+                &["status"],
             ),
             remembered_keys: gauge(
                 r,

@@ -65,6 +65,22 @@ pub const MAX_ALLOWED_HOSTS: usize = 256;
 /// The longest `--shutdown-grace-secs` accepted (an hour).
 pub const MAX_SHUTDOWN_GRACE_SECS: u64 = 3_600;
 
+/// The most items one `POST /api/batch` carries, unless configured.
+pub const DEFAULT_BATCH_MAX_ITEMS: usize = 1_000;
+/// The most `--batch-max-items` accepts.
+pub const MAX_BATCH_MAX_ITEMS: usize = 10_000;
+/// The most bytes one batch's body carries, unless configured: a thousand items of about
+/// 200 bytes each, with room to spare.
+pub const DEFAULT_BATCH_MAX_BYTES: usize = 1 << 20;
+/// The most `--batch-max-bytes` accepts.
+pub const MAX_BATCH_MAX_BYTES: usize = 16 << 20;
+/// Items of one batch in the write loop at once, unless configured. Each holds a live-write
+/// permit as a single request does, so 32 of the 1,024 leave room for singles beside
+/// batches.
+pub const DEFAULT_BATCH_ITEMS_IN_FLIGHT: usize = 32;
+/// The most `--batch-items-in-flight` accepts.
+pub const MAX_BATCH_ITEMS_IN_FLIGHT: usize = 1_024;
+
 /// Where the HTTP edge listens and its limits (admission at the edge). The gate's
 /// floor and ceiling are hidden from `--help`: they are for measuring the design
 /// (BENCHMARKS.md, "Flags for measuring the design").
@@ -102,6 +118,18 @@ pub struct HttpConfig {
     /// Host names served beyond local ones (`*`: any). Unset: local only, any on `--auth jwt`.
     #[arg(long, env = "TALLY_ALLOWED_HOSTS", value_delimiter = ',', num_args = 1.., value_parser = allowed_host)]
     pub allowed_hosts: Vec<String>,
+
+    /// Most items one `POST /api/batch` carries; a larger batch is refused whole.
+    #[arg(long, env = "TALLY_BATCH_MAX_ITEMS", default_value_t = DEFAULT_BATCH_MAX_ITEMS, value_parser = count(MAX_BATCH_MAX_ITEMS))]
+    pub batch_max_items: usize,
+
+    /// Most bytes of one batch's body; a larger batch is refused whole (413).
+    #[arg(long, env = "TALLY_BATCH_MAX_BYTES", default_value_t = DEFAULT_BATCH_MAX_BYTES, value_parser = count(MAX_BATCH_MAX_BYTES))]
+    pub batch_max_bytes: usize,
+
+    /// Items of one batch written at once; each holds a live-write permit as a request does.
+    #[arg(long, env = "TALLY_BATCH_ITEMS_IN_FLIGHT", default_value_t = DEFAULT_BATCH_ITEMS_IN_FLIGHT, value_parser = count(MAX_BATCH_ITEMS_IN_FLIGHT))]
+    pub batch_items_in_flight: usize,
 
     /// Runtime worker threads. Default: one per core this process may use.
     #[arg(long, env = "TALLY_WORKER_THREADS", value_parser = count(MAX_WORKER_THREADS))]

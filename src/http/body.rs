@@ -46,8 +46,17 @@ pub async fn read_json<T: DeserializeOwned>(
     req: Request<Incoming>,
     slots: &RequestSlots,
 ) -> Result<T, ApiError> {
-    check_json_framing(req.headers())?;
-    let collect = read_capped(Limited::new(req.into_body(), MAX_BODY_BYTES));
+    read_json_within(req, slots, MAX_BODY_BYTES).await
+}
+
+/// [`read_json`] with a limit of its own (a batch's, `--batch-max-bytes`).
+pub async fn read_json_within<T: DeserializeOwned>(
+    req: Request<Incoming>,
+    slots: &RequestSlots,
+    limit: usize,
+) -> Result<T, ApiError> {
+    check_json_framing(req.headers(), limit)?;
+    let collect = read_capped(Limited::new(req.into_body(), limit));
     let gated = async {
         match &slots.conn {
             Some(slot) => slot.while_client_sends(collect).await,
@@ -60,9 +69,7 @@ pub async fn read_json<T: DeserializeOwned>(
     };
     let bytes = collected.map_err(|e| {
         if e.is::<http_body_util::LengthLimitError>() {
-            ApiError::PayloadTooLarge {
-                limit: MAX_BODY_BYTES,
-            }
+            ApiError::PayloadTooLarge { limit }
         } else {
             ApiError::bad_request(
                 ErrorCode::BadRequest,
@@ -75,7 +82,7 @@ pub async fn read_json<T: DeserializeOwned>(
 
 /// What the headers say of the body, checked before a byte of it is read: one JSON content
 /// type, no content or transfer coding but chunked once, a declared length within the limit.
-fn check_json_framing(headers: &HeaderMap) -> Result<(), ApiError> {
+fn check_json_framing(headers: &HeaderMap, limit: usize) -> Result<(), ApiError> {
     // Content-Type is a singleton field (RFC 9110): two of them name no one type, and
     // taking the first would read a body its sender may have meant as the other.
     let content_type = at_most_one(headers, CONTENT_TYPE).map_err(|_| {
@@ -107,10 +114,8 @@ fn check_json_framing(headers: &HeaderMap) -> Result<(), ApiError> {
         .get(CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
-        return Err(ApiError::PayloadTooLarge {
-            limit: MAX_BODY_BYTES,
-        });
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::PayloadTooLarge { limit });
     }
     Ok(())
 }

@@ -10,6 +10,7 @@ mod admin;
 mod admission;
 mod answer;
 pub mod auth;
+mod batch;
 pub mod body;
 pub mod config;
 mod console;

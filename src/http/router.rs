@@ -17,7 +17,7 @@ use super::auth::{Access, Named};
 use super::error::{ApiError, ErrorCode};
 use super::response::Resp;
 use super::watch::{self, HttpBody};
-use super::{accounts, console, devices, openapi, ops, write_lookup, writes};
+use super::{accounts, batch, console, devices, openapi, ops, write_lookup, writes};
 use crate::account::AccountId;
 use crate::app::App;
 use crate::auth::Scope;
@@ -48,6 +48,8 @@ pub enum Route {
     /// A write on the account looked up by its idempotency key (the path's last segment,
     /// read by the handler: it is no part of the route's identity).
     WriteLookup(AccountId),
+    /// `POST /api/batch`: many writes, each item under its own key.
+    Batch,
 }
 
 /// The nil id, for the listing below.
@@ -57,7 +59,7 @@ impl Route {
     /// Every route once (ids nil): what `docs/openapi.json` is checked against. A new route
     /// is added here and in [`Route::listed_at`] (whose exhaustive match fails to compile
     /// until it is), then to the spec.
-    pub const ALL: [Route; 17] = [
+    pub const ALL: [Route; 18] = [
         Route::Healthz,
         Route::Readyz,
         Route::Metrics,
@@ -75,6 +77,7 @@ impl Route {
         Route::WatchStream,
         Route::OpenAccount,
         Route::WriteLookup(NIL),
+        Route::Batch,
     ];
 
     /// The route's place in [`Route::ALL`].
@@ -97,6 +100,7 @@ impl Route {
             Route::WatchStream => 14,
             Route::OpenAccount => 15,
             Route::WriteLookup(_) => 16,
+            Route::Batch => 17,
         }
     }
 
@@ -127,6 +131,7 @@ impl Route {
             Route::AccountEvents(_) => "/api/accounts/{id}/events",
             Route::WatchStream => "/api/watch/stream",
             Route::WriteLookup(_) => "/api/accounts/{id}/writes/{idempotencyKey}",
+            Route::Batch => "/api/batch",
         }
     }
 
@@ -137,7 +142,8 @@ impl Route {
             | Route::AccountTransfer(_)
             | Route::Transfers
             | Route::DeviceSync(_)
-            | Route::OpenAccount => Method::POST,
+            | Route::OpenAccount
+            | Route::Batch => Method::POST,
             _ => Method::GET,
         }
     }
@@ -156,7 +162,8 @@ impl Route {
         )
     }
 
-    /// The routes that run the write loop under an idempotency key.
+    /// The routes that run the write loop under an idempotency key (a batch, under one per
+    /// item): each bounds its own wait, so its late answer still names its keys.
     pub fn is_keyed_write(&self) -> bool {
         matches!(
             self,
@@ -165,6 +172,7 @@ impl Route {
                 | Route::AccountTransfer(_)
                 | Route::Transfers
                 | Route::OpenAccount
+                | Route::Batch
         )
     }
 
@@ -188,7 +196,9 @@ impl Route {
             Route::Deposit(a) | Route::Withdraw(a) | Route::AccountTransfer(a) => {
                 (Scope::AccountsWrite, Account(a))
             }
-            Route::Transfers | Route::OpenAccount => (Scope::AccountsWrite, Nothing),
+            // A batch's items name their accounts: each is checked on its own
+            // (`http::batch`), and one the token may not write is that item's 403.
+            Route::Transfers | Route::OpenAccount | Route::Batch => (Scope::AccountsWrite, Nothing),
             Route::DeviceSync(device) => (Scope::DevicesSync, Device(device)),
         };
         Some(Access { scope, names })
@@ -206,6 +216,7 @@ impl Route {
                 | Route::Transfers
                 | Route::DeviceSync(_)
                 | Route::WriteLookup(_)
+                | Route::Batch
         )
     }
 
@@ -230,6 +241,7 @@ impl Route {
             ["api", "accounts"] if *method == Method::POST => Route::OpenAccount,
             ["api", "accounts"] => Route::Accounts,
             ["api", "transfers"] => Route::Transfers,
+            ["api", "batch"] => Route::Batch,
             [""] => Route::Console,
             ["api", "watch", "stream"] => Route::WatchStream,
             ["api", "devices", device, "sync"] => {
@@ -333,6 +345,7 @@ pub async fn dispatch(
         Route::Withdraw(account) => writes::withdraw(app, account, req, slots).await,
         Route::AccountTransfer(from) => writes::account_transfer(app, from, req, slots).await,
         Route::Transfers => writes::transfer(app, req, slots).await,
+        Route::Batch => batch::batch(app, req, slots).await,
         Route::WriteLookup(account) => write_lookup::find(app, account, &req).await,
         Route::DeviceSync(device) => devices::sync(app, device, req, slots).await,
         Route::OpenApi => Ok(openapi::document()),

@@ -40,18 +40,21 @@ fn named_uuid<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Uuid>, D:
     account_id_field(d, "accountId").map(Some)
 }
 
-fn to_account_id<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Uuid, D::Error> {
+pub(super) fn to_account_id<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Uuid, D::Error> {
     account_id_field(d, "toAccountId")
 }
 
-fn from_account_id<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Uuid, D::Error> {
+pub(super) fn from_account_id<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Uuid, D::Error> {
     account_id_field(d, "fromAccountId")
 }
 
 /// Reads an account id field, refused in the API's words: the field's name and what was
 /// sent. The derived reading answers in the uuid crate's words (`UUID parsing failed:
 /// invalid character ...`), which name neither the field nor what it takes.
-fn account_id_field<'de, D: serde::Deserializer<'de>>(d: D, field: &str) -> Result<Uuid, D::Error> {
+pub(super) fn account_id_field<'de, D: serde::Deserializer<'de>>(
+    d: D,
+    field: &str,
+) -> Result<Uuid, D::Error> {
     use serde::de::Error;
     let value = serde_json::Value::deserialize(d)?;
     value
@@ -280,7 +283,7 @@ where
 
 /// Read just after the replica stood still, the request may have waited unread through the
 /// stall, longer than a write may live (`stall.rs`): nothing is decided on it.
-fn refuse_if_stood_still(app: &App) -> Result<(), ApiError> {
+pub(super) fn refuse_if_stood_still(app: &App) -> Result<(), ApiError> {
     let Some(stalled_ms) = app.stall.fenced() else {
         return Ok(());
     };
@@ -296,7 +299,7 @@ fn refuse_if_stood_still(app: &App) -> Result<(), ApiError> {
 /// Runs the write loop within the request's deadline. The loop stops trying at its deadline,
 /// but a store call under way then runs to its own timeout: past this backstop the answer is
 /// "not known yet", and the write goes on, detached, to record the outcome for the retry.
-async fn run_write(
+pub(super) async fn run_write(
     app: &Arc<App>,
     request: WriteRequest,
     attempt: &Arc<AnsweringAttempt>,
@@ -326,7 +329,7 @@ async fn run_write(
 }
 
 /// The write's answer with its key echoed and the window its client may still retry in.
-fn keyed_answer(
+pub(super) fn keyed_answer(
     app: &App,
     key: &IdempotencyKey,
     answer: Result<WriteOutcome, WriteError>,

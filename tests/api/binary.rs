@@ -40,7 +40,7 @@ const HEADINGS: [&str; 11] = [
 ];
 
 /// Every flag `--help` shows, each settable from the environment.
-const FLAGS: [&str; 66] = [
+const FLAGS: [&str; 69] = [
     // Authentication, rate limits and the admin listener.
     "auth",
     "auth-secret-file",
@@ -106,6 +106,9 @@ const FLAGS: [&str; 66] = [
     "postgres-statement-timeout-ms",
     "idempotency-scan-window",
     "idempotency-retention",
+    "batch-max-items",
+    "batch-max-bytes",
+    "batch-items-in-flight",
     "idempotency-max-keys-per-account",
     "idempotency-max-keys",
     "accounts",

@@ -38,6 +38,7 @@ mod common;
 
 mod accounts;
 mod bad_input;
+mod batch;
 mod binary;
 mod idempotency_keys;
 mod limits;

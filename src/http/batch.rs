@@ -1,0 +1,269 @@
+//! `POST /api/batch`: many writes in one request. Each item is one write of the single
+//! routes, under its own key, through the same write loop: the batch is a way to send
+//! writes, never a second way to write.
+//!
+//! The rules (docs/api.md, "Batches"):
+//! - The batch is checked whole before anything runs: JSON, at most `--batch-max-bytes`, 1 to
+//!   `--batch-max-items` items. Otherwise it is refused whole, and nothing is written.
+//! - Each item is then on its own: bad input, a refused account, a rule's refusal or a
+//!   retryable answer is that item's result, and the others run.
+//! - Items on one account run in the order given: an item waits for the item before it on
+//!   each of its accounts. So a key sent twice on one account is as if sent again after the
+//!   first answered: a replay, or 422 for another body.
+//! - At most `--batch-items-in-flight` items of one batch run at once. Each holds a
+//!   live-write permit as a single request does (`--max-live-writes`), so batches and single
+//!   requests share that limit item by item.
+//! - The answer comes once every item has its result: for each, exactly the status and body
+//!   the single route would have answered, with its key, whether it was a replay, and the
+//!   window and retention it states.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::{Request, StatusCode};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::{Semaphore, watch};
+use uuid::Uuid;
+
+use super::admission::RequestSlots;
+use super::answer::Shown;
+use super::body::read_json_within;
+use super::deadline::{request_deadline, took_too_long};
+use super::error::{ApiError, ErrorCode};
+use super::idempotency::{self, IdempotencyKey};
+use super::response::{Resp, json_response};
+use super::writes::{
+    from_account_id, keyed_answer, refuse_if_stood_still, run_write, to_account_id,
+};
+use crate::account::{AccountId, AmountCents, Operation};
+use crate::app::App;
+use crate::auth::Caller;
+use crate::write_loop::{AnsweringAttempt, WriteRequest};
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchBody {
+    items: Vec<Value>,
+}
+
+/// One item, as the single routes' bodies with a type and the key.
+#[derive(Deserialize)]
+#[serde(tag = "type", rename_all = "camelCase")]
+enum Item {
+    Deposit(AccountItem),
+    Withdraw(AccountItem),
+    Transfer(TransferItem),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct AccountItem {
+    #[serde(deserialize_with = "account_id")]
+    account_id: Uuid,
+    #[serde(deserialize_with = "crate::account::deserialize_amount_cents")]
+    amount_cents: i64,
+    idempotency_key: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct TransferItem {
+    #[serde(deserialize_with = "from_account_id")]
+    from_account_id: Uuid,
+    #[serde(deserialize_with = "to_account_id")]
+    to_account_id: Uuid,
+    #[serde(deserialize_with = "crate::account::deserialize_amount_cents")]
+    amount_cents: i64,
+    idempotency_key: String,
+}
+
+fn account_id<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Uuid, D::Error> {
+    super::writes::account_id_field(d, "accountId")
+}
+
+/// An item ready to run: its key, its write, and what its answer shows the caller.
+struct Ready {
+    key: IdempotencyKey,
+    op: Operation,
+}
+
+/// `POST /api/batch`.
+pub async fn batch(
+    app: &Arc<App>,
+    req: Request<Incoming>,
+    slots: &RequestSlots,
+) -> Result<Resp, ApiError> {
+    let caller = req.extensions().get::<Caller>().cloned();
+    let limits = &app.config.http;
+    let body: BatchBody = tokio::time::timeout(
+        request_deadline(app),
+        read_json_within(req, slots, limits.batch_max_bytes),
+    )
+    .await
+    .map_err(|_| took_too_long())??;
+    let n = body.items.len();
+    if n == 0 || n > limits.batch_max_items {
+        return Err(ApiError::bad_request(
+            ErrorCode::BadRequest,
+            format!(
+                "a batch carries 1 to {} items; this one has {n}, and nothing was written",
+                limits.batch_max_items
+            ),
+        ));
+    }
+    refuse_if_stood_still(app)?;
+    app.metrics.batch_items.observe(n as f64);
+    let items: Vec<Result<Ready, ApiError>> = body
+        .items
+        .into_iter()
+        .map(|item| prepare(app, caller.as_ref(), item))
+        .collect();
+    let results = run_in_order(app, caller.as_ref(), items).await;
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({ "results": results }),
+    ))
+}
+
+/// An item's key and write, or why it is refused (its own 400, 422 or 403).
+fn prepare(app: &App, caller: Option<&Caller>, item: Value) -> Result<Ready, ApiError> {
+    let item: Item =
+        serde_json::from_value(item).map_err(|e| ApiError::Validation(e.to_string()))?;
+    let (raw_key, op) = match item {
+        Item::Deposit(i) => (
+            i.idempotency_key,
+            Operation::Deposit {
+                account: AccountId(i.account_id),
+                amount: AmountCents::new(i.amount_cents)?,
+            },
+        ),
+        Item::Withdraw(i) => (
+            i.idempotency_key,
+            Operation::Withdraw {
+                account: AccountId(i.account_id),
+                amount: AmountCents::new(i.amount_cents)?,
+            },
+        ),
+        Item::Transfer(i) => (
+            i.idempotency_key,
+            Operation::transfer(
+                AccountId(i.from_account_id),
+                AccountId(i.to_account_id),
+                AmountCents::new(i.amount_cents)?,
+            )?,
+        ),
+    };
+    let key = IdempotencyKey::parse(&raw_key, caller.map(|c| c.id.as_str()))?;
+    super::auth::authorize_operation(app, caller, &op)?;
+    Ok(Ready { key, op })
+}
+
+/// Runs the ready items, each after the item before it on each of its accounts and at most
+/// `--batch-items-in-flight` at once, and gives every item its result, in item order.
+async fn run_in_order(
+    app: &Arc<App>,
+    caller: Option<&Caller>,
+    items: Vec<Result<Ready, ApiError>>,
+) -> Vec<Value> {
+    let mut last_on: HashMap<AccountId, usize> = HashMap::new();
+    let mut after: Vec<Vec<usize>> = vec![Vec::new(); items.len()];
+    for (i, item) in items.iter().enumerate() {
+        let Ok(ready) = item else { continue };
+        for leg in ready.op.legs().as_slice() {
+            if let Some(j) = last_on.insert(leg.account, i) {
+                after[i].push(j);
+            }
+        }
+    }
+    let done: Vec<watch::Sender<bool>> = items.iter().map(|_| watch::Sender::new(false)).collect();
+    let in_flight = Semaphore::new(app.config.http.batch_items_in_flight);
+    let runs = items.into_iter().enumerate().map(|(i, item)| {
+        let (after, done, in_flight) = (&after[i], &done, &in_flight);
+        async move {
+            let result = match item {
+                Err(e) => result_of(e.into_response()).await,
+                Ok(ready) => {
+                    for &j in after {
+                        // Never dropped while this batch runs: the wait ends when it is set.
+                        let _ = done[j].subscribe().wait_for(|d| *d).await;
+                    }
+                    let _permit = in_flight.acquire().await;
+                    result_of(run_item(app, caller, ready).await).await
+                }
+            };
+            done[i].send_replace(true);
+            result
+        }
+    });
+    let results = futures_util::future::join_all(runs).await;
+    for r in &results {
+        let class = r["status"].as_u64().map_or("5xx", status_class);
+        app.metrics
+            .batch_item_results
+            .with_label_values(&[class])
+            .inc();
+    }
+    results
+}
+
+/// One item through the write loop, answered as its single route answers.
+async fn run_item(app: &Arc<App>, caller: Option<&Caller>, ready: Ready) -> Resp {
+    let started = Instant::now();
+    let Ready { key, op } = ready;
+    let attempt = Arc::new(AnsweringAttempt::default());
+    let request = WriteRequest {
+        op,
+        event_id: key.event_id.as_u128(),
+    };
+    let answer = run_write(app, request, &attempt).await;
+    let since = attempt
+        .arrived()
+        .map_or(Duration::ZERO, |a| a.elapsed())
+        .max(started.elapsed());
+    let accounts: Vec<_> = op.legs().as_slice().iter().map(|l| l.account).collect();
+    let horizon = app.projection.key_horizon(&accounts);
+    keyed_answer(app, &key, answer, Shown::to(caller, &op), (since, horizon))
+}
+
+/// An item's result: the status and body its single route answered, and what that answer's
+/// headers said of its key.
+async fn result_of(resp: Resp) -> Value {
+    let (parts, body) = resp.into_parts();
+    let bytes = match body.collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(never) => match never {},
+    };
+    let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    let header = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok());
+    let number = |name: &str| header(name).and_then(|v| v.parse::<u64>().ok());
+    let mut result = json!({
+        "status": parts.status.as_u16(),
+        "body": body,
+        "replayed": header(idempotency::REPLAYED_HEADER) == Some("true"),
+    });
+    if let Some(key) = header(idempotency::HEADER) {
+        result["idempotencyKey"] = json!(key);
+    }
+    if let Some(w) = number(idempotency::WINDOW_HEADER) {
+        result["idempotencyWindow"] = json!(w);
+    }
+    if let Some(r) = number(idempotency::RETENTION_HEADER) {
+        result["idempotencyRetention"] = json!(r);
+    }
+    result
+}
+
+/// The label an item's status is counted under.
+fn status_class(status: u64) -> &'static str {
+    match status {
+        200..=299 => "2xx",
+        409 => "409",
+        503 => "503",
+        400..=499 => "4xx",
+        _ => "5xx",
+    }
+}
