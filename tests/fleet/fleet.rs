@@ -81,6 +81,8 @@ fleet_scenarios! {
     #[tokio::test] a_transfer_whose_ack_was_lost_lands_once_and_replays_both_legs,
     #[tokio::test] an_open_whose_answer_was_lost_is_replayed_by_another_replica_with_the_same_account,
     #[tokio::test] with_explicit_accounts_a_refusal_on_one_replica_does_not_outlive_an_open_on_another,
+    #[tokio::test] a_batch_resent_to_another_replica_replays_item_by_item,
+    #[tokio::test] a_batch_item_and_a_single_request_with_the_same_key_are_one_write,
 }
 
 /// A fresh in-process store.
@@ -1078,4 +1080,75 @@ async fn with_explicit_accounts_a_refusal_on_one_replica_does_not_outlive_an_ope
         &[("AccountOpened", 0, &k1), ("Deposited", 10, &k2)],
     )
     .await;
+}
+
+/// Posts a batch of `items` to replica `at`; its results.
+async fn post_batch(f: &Fleet, at: usize, items: &[Value]) -> Vec<Value> {
+    let r = f.apps[at]
+        .post("/api/batch", &json!({ "items": items }), None)
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    r.body["results"].as_array().expect("results").clone()
+}
+
+fn deposit_item(account: &str, cents: i64, key: &str) -> Value {
+    json!({"type": "deposit", "accountId": account, "amountCents": cents, "idempotencyKey": key})
+}
+
+/// Rule: a batch resent whole to another replica writes nothing again: each item that
+/// landed replays its original result there, a transfer's both legs included.
+async fn a_batch_resent_to_another_replica_replays_item_by_item(base: SharedLog) {
+    let f = Fleet::plain(base, 2).await;
+    let (a, b) = (new_account(), new_account());
+    let (k1, k2, k3) = (idem_key(), idem_key(), idem_key());
+    let items = vec![
+        deposit_item(&a, 500, &k1),
+        deposit_item(&b, 70, &k2),
+        json!({"type": "transfer", "fromAccountId": a, "toAccountId": b,
+               "amountCents": 200, "idempotencyKey": k3}),
+    ];
+    let first = post_batch(&f, 0, &items).await;
+    let statuses: Vec<_> = first.iter().map(|r| r["status"].clone()).collect();
+    assert_eq!(statuses, vec![json!(200), json!(200), json!(200)]);
+    assert_eq!(first[2]["body"]["from"]["balanceCents"], 300);
+    assert_eq!(first[2]["body"]["to"]["balanceCents"], 270);
+    let again = post_batch(&f, 1, &items).await;
+    for (i, (was, now)) in first.iter().zip(&again).enumerate() {
+        assert_eq!(now["status"], was["status"], "item {i}");
+        assert_eq!(now["body"], was["body"], "item {i}");
+        assert_eq!(now["replayed"], true, "item {i}");
+    }
+    f.assert_stream(
+        1,
+        &a,
+        &[("Deposited", 500, &k1), ("TransferredOut", 200, &k3)],
+    )
+    .await;
+    f.assert_stream(
+        1,
+        &b,
+        &[("Deposited", 70, &k2), ("TransferredIn", 200, &k3)],
+    )
+    .await;
+}
+
+/// Rule: items share the single routes' keys: a single request and a batch item with the
+/// same key and body are one write, whichever comes first and on whichever replica.
+async fn a_batch_item_and_a_single_request_with_the_same_key_are_one_write(base: SharedLog) {
+    let f = Fleet::plain(base, 2).await;
+    let acct = new_account();
+    let (k1, k2) = (idem_key(), idem_key());
+    let single = f.apps[0].deposit(&acct, 40, Some(&k1)).await;
+    assert_balance(&single, &k1, 40, 1, false);
+    let items = vec![deposit_item(&acct, 40, &k1), deposit_item(&acct, 2, &k2)];
+    let results = post_batch(&f, 1, &items).await;
+    assert_eq!(results[0]["replayed"], true);
+    assert_eq!(results[0]["body"], single.body);
+    assert_eq!(results[1]["replayed"], false);
+    assert_eq!(results[1]["body"]["balanceCents"], 42);
+    let single = f.apps[0].deposit(&acct, 2, Some(&k2)).await;
+    assert_balance(&single, &k2, 42, 2, true);
+    assert_eq!(single.body, results[1]["body"]);
+    f.assert_stream(0, &acct, &[("Deposited", 40, &k1), ("Deposited", 2, &k2)])
+        .await;
 }
