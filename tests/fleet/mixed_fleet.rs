@@ -307,6 +307,70 @@ async fn a_retry_on_either_service_answers_the_first_response_and_lands_once() {
     assert_each_key_once_and_balances_agree(&m, &accounts, &landed).await;
 }
 
+/// Rule: a batch item shares the single routes' keys across the mixed fleet: the replaced
+/// service's single write of a key and a Tally batch item with that key and body are one
+/// write, whichever comes first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_item_and_the_replaced_services_write_of_its_key_are_one_write() {
+    let Some(m) = Mixed::start().await else {
+        return;
+    };
+    let seed = seed();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let accounts = accounts();
+    let mut landed = Vec::new();
+    for i in 0..OPERATIONS {
+        let op = Op::random(&mut rng);
+        let (path, body) = op.request(&accounts);
+        let key = uuid::Uuid::new_v4().to_string();
+        let mut item = body.clone();
+        match op {
+            Op::Deposit(a, _) | Op::Withdraw(a, _) => {
+                let kind = if matches!(op, Op::Deposit(..)) {
+                    "deposit"
+                } else {
+                    "withdraw"
+                };
+                item["type"] = json!(kind);
+                item["accountId"] = json!(accounts[a]);
+            }
+            Op::Transfer(..) => item["type"] = json!("transfer"),
+        }
+        item["idempotencyKey"] = json!(key);
+        let batch = json!({ "items": [item] });
+        let single_first = rng.gen_bool(0.5);
+        let single = || m.services[0].post(&path, &body, &key);
+        let in_batch = || async {
+            let r = m.tally.post("/api/batch", &batch, None).await;
+            assert_eq!(
+                r.status,
+                StatusCode::OK,
+                "seed {seed} operation {i}: {}",
+                r.text
+            );
+            r.body["results"][0].clone()
+        };
+        let (a, b) = if single_first {
+            let a = single().await;
+            (a, in_batch().await)
+        } else {
+            let b = in_batch().await;
+            (single().await, b)
+        };
+        let context = format!(
+            "seed {seed}, operation {i} {op:?}, single first {single_first}: the replaced service answered {} {}, the item {b}",
+            a.status, a.text
+        );
+        assert_eq!(u64::from(a.status.as_u16()), b["status"], "{context}");
+        if a.status == StatusCode::OK {
+            assert_eq!(a.body, b["body"], "{context}");
+            landed.push(key);
+        }
+    }
+    assert!(!landed.is_empty(), "seed {seed} landed nothing");
+    assert_each_key_once_and_balances_agree(&m, &accounts, &landed).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_sent_to_both_services_at_once_lands_once() {
     let Some(m) = Mixed::start().await else {
