@@ -76,6 +76,14 @@ const GIVE_UP: f64 = 0.15;
 const DUPLICATE: f64 = 0.15;
 /// Sending a key again after its success (the success was lost on the way back).
 const REPLAY_AFTER_SUCCESS: f64 = 0.3;
+/// The most each store fault's probability may be in a fleet run.
+const FAULT_CEILINGS: FaultCeilings = FaultCeilings {
+    lost_ack: 0.15,
+    lost_request: 0.1,
+    refused: 0.1,
+    inflight: 0.1,
+    read_lag: 0.3,
+};
 
 // --- The plan a seed expands to ---
 
@@ -88,14 +96,7 @@ struct Plan {
     ops_per_caller: usize,
     /// `None`: no faults at all (retryable errors are then violations).
     faults: Option<FaultConfig>,
-    /// Probability that a store call is delayed (virtual time) or yields.
-    latency: f64,
-    page_size: usize,
-    batching: bool,
-    one_round_trip: bool,
-    /// Store writes one request may make; small ones (only with faults on) make replicas give
-    /// up with a retryable error, so callers retry keys whose fate is unknown.
-    max_attempts: u32,
+    tuning: Tuning,
     /// The Postgres projection's schema the fleet shares; `None`: memory.
     postgres: Option<String>,
     /// `--checkpoint-every-events` of the replicas; `None`: the default (never reached by a
@@ -116,16 +117,7 @@ impl Plan {
             .map(|_| AccountId(Uuid::from_u128(rng.r#gen())))
             .collect();
         let faults_on = !rng.gen_bool(0.2);
-        let faults = faults_on.then(|| FaultConfig {
-            lost_ack: rng.gen_range(0.0..0.15),
-            lost_request: rng.gen_range(0.0..0.1),
-            refused: rng.gen_range(0.0..0.1),
-            inflight: rng.gen_range(0.0..0.1),
-            read_lag: rng.gen_range(0.0..0.3),
-            read_lag_batches: rng.gen_range(1..=2),
-            seed,
-            inflight_hold: Duration::from_millis(rng.gen_range(1..=30)),
-        });
+        let faults = faults_on.then(|| FAULT_CEILINGS.draw(&mut rng, seed));
         Self {
             seed,
             replicas,
@@ -133,15 +125,7 @@ impl Plan {
             callers: rng.gen_range(2..=5),
             ops_per_caller: rng.gen_range(4..=10),
             faults,
-            latency: rng.gen_range(0.0..0.5),
-            page_size: [1, 2, 3, memory::DEFAULT_PAGE_SIZE][rng.gen_range(0..4)],
-            batching: rng.gen_bool(0.7),
-            one_round_trip: rng.gen_bool(0.7),
-            max_attempts: if faults_on && rng.gen_bool(0.3) {
-                rng.gen_range(1..=4)
-            } else {
-                12
-            },
+            tuning: Tuning::draw(&mut rng, faults_on),
             postgres: None,
             checkpoint_every: checkpoint_plan(seed),
             combine_in_flight: combine_plan(seed),
@@ -149,7 +133,7 @@ impl Plan {
     }
 
     fn flags(&self) -> Vec<String> {
-        vec![
+        let mut flags: Vec<String> = vec![
             // The loop's deadline runs on the real clock; the attempt cap is the bound here.
             // A minute never runs out in a simulated run, and fits in the 90 s window (a
             // write's life must).
@@ -162,19 +146,88 @@ impl Plan {
             "90".into(),
             "--idempotency-retention".into(),
             "90".into(),
-            "--batching".into(),
-            self.batching.to_string(),
-            "--one-round-trip".into(),
-            self.one_round_trip.to_string(),
-            "--write-max-attempts".into(),
-            self.max_attempts.to_string(),
             "--checkpoint-every-events".into(),
             self.checkpoint_every
                 .unwrap_or(DEFAULT_CHECKPOINT_EVERY_EVENTS)
                 .to_string(),
-            "--combine-max-in-flight".into(),
-            self.combine_in_flight.to_string(),
+        ];
+        flags.extend(self.write_loop_flags());
+        flags
+    }
+
+    /// The write loop's flags the seed drew: every simulated fleet passes these.
+    fn write_loop_flags(&self) -> Vec<String> {
+        let t = &self.tuning;
+        [
+            ("--batching", t.batching.to_string()),
+            ("--one-round-trip", t.one_round_trip.to_string()),
+            ("--write-max-attempts", t.max_attempts.to_string()),
+            (
+                "--combine-max-in-flight",
+                self.combine_in_flight.to_string(),
+            ),
         ]
+        .into_iter()
+        .flat_map(|(name, value)| [name.to_string(), value])
+        .collect()
+    }
+}
+
+/// The most each fault's probability may be; a seed draws each below its ceiling.
+struct FaultCeilings {
+    lost_ack: f64,
+    lost_request: f64,
+    refused: f64,
+    inflight: f64,
+    read_lag: f64,
+}
+
+impl FaultCeilings {
+    /// A seed's store faults, drawn from its generator. The order of the draws is part of
+    /// every seed's run: another order changes what each seed does, regression seeds too.
+    fn draw(&self, rng: &mut ChaCha8Rng, seed: u64) -> FaultConfig {
+        FaultConfig {
+            lost_ack: rng.gen_range(0.0..self.lost_ack),
+            lost_request: rng.gen_range(0.0..self.lost_request),
+            refused: rng.gen_range(0.0..self.refused),
+            inflight: rng.gen_range(0.0..self.inflight),
+            read_lag: rng.gen_range(0.0..self.read_lag),
+            read_lag_batches: rng.gen_range(1..=2),
+            seed,
+            inflight_hold: Duration::from_millis(rng.gen_range(1..=30)),
+        }
+    }
+}
+
+/// How a seed sets up the store's pace and pages and the write loop, drawn right after its
+/// faults.
+#[derive(Clone, Debug)]
+struct Tuning {
+    /// Probability that a store call is delayed (virtual time) or yields.
+    latency: f64,
+    page_size: usize,
+    batching: bool,
+    one_round_trip: bool,
+    /// Store writes one request may make; small ones (only with faults on) make replicas give
+    /// up with a retryable error, so callers retry keys whose fate is unknown.
+    max_attempts: u32,
+}
+
+impl Tuning {
+    /// Drawn from the seed's generator right after its faults, in an order that is part of
+    /// every seed's run (as in [`FaultCeilings::draw`]).
+    fn draw(rng: &mut ChaCha8Rng, faults_on: bool) -> Self {
+        Self {
+            latency: rng.gen_range(0.0..0.5),
+            page_size: [1, 2, 3, memory::DEFAULT_PAGE_SIZE][rng.gen_range(0..4)],
+            batching: rng.gen_bool(0.7),
+            one_round_trip: rng.gen_bool(0.7),
+            max_attempts: if faults_on && rng.gen_bool(0.3) {
+                rng.gen_range(1..=4)
+            } else {
+                12
+            },
+        }
     }
 }
 
@@ -458,13 +511,20 @@ struct Store {
     shared: SharedLog,
 }
 
+impl Store {
+    /// The faults the store injected so far (none without faults).
+    fn fault_counts(&self) -> FaultCounts {
+        self.faults.as_ref().map(|f| f.counts()).unwrap_or_default()
+    }
+}
+
 /// The store's server clock when a run starts (epoch ms).
 const STORE_START_MS: u64 = 1_700_000_000_000;
 
 fn store(plan: &Plan) -> Store {
     let server = Arc::new(memory::ServerClock::new(STORE_START_MS));
     let mem = Arc::new(MemoryLog::with_options(MemoryOptions {
-        page_size: plan.page_size,
+        page_size: plan.tuning.page_size,
         clock: server.clone(),
     }));
     let faults = plan
@@ -476,7 +536,7 @@ fn store(plan: &Plan) -> Store {
         None => mem.clone(),
     };
     let latency = Latency {
-        p: plan.latency,
+        p: plan.tuning.latency,
         rng: Mutex::new(ChaCha8Rng::seed_from_u64(plan.seed ^ 0x001a_7ec7)),
     };
     let shared: SharedLog =
@@ -499,10 +559,15 @@ async fn replica_on(plan: &Plan, log: SharedLog, postgres: Option<&str>) -> Arc<
     if let Some(url) = postgres {
         flags.extend(common::pg::flags(url));
     }
+    build_replica(&flags, log, Arc::new(ManualClock::new(1_000_000))).await
+}
+
+/// A replica with `flags` over `log`, on a local clock the run moves (or leaves alone).
+async fn build_replica(flags: &[String], log: SharedLog, clock: Arc<ManualClock>) -> Arc<App> {
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     App::builder(common::test_config(&flags))
         .store(log)
-        .clock(Arc::new(ManualClock::new(1_000_000)))
+        .clock(clock)
         .build()
         .await
         .expect("replica builds")
@@ -875,11 +940,7 @@ async fn run_in_process(plan: &Plan) -> Result<RunResult, String> {
             replica_on(plan, store.mem.clone(), Some(&url)).await
         }
     };
-    let faults = store
-        .faults
-        .as_ref()
-        .map(|f| f.counts())
-        .unwrap_or_default();
+    let faults = store.fault_counts();
     let (stats, trace_hash) = {
         let journal = journal.lock();
         let stats = check(plan, &journal, &truth).map_err(|v| with_trace(v, &journal, &truth))?;

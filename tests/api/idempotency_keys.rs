@@ -6,17 +6,17 @@ use std::sync::Arc;
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use tally::account::AccountId;
-use tally::projection::ManualClock;
 use tally::store::SharedLog;
 use tally::store::faults::Fault;
-use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock};
+use tally::store::memory::MemoryLog;
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
+use crate::common::hand_clocks;
 use crate::common::raw_http::send;
 use crate::common::{
     self, Reply, account_transfer_path, assert_error, deposit_path, faults, funded, leg,
-    new_account, observe, spawn, spawn_default, spawn_fleet,
+    new_account, observe, spawn, spawn_default, spawn_fleet_in_memory,
     spawn_one_attempt_with_scripted_faults, test_config, withdraw_path,
 };
 
@@ -329,8 +329,7 @@ async fn a_409_without_a_key_returns_the_minted_key_and_a_retry_with_it_replays_
 
 #[tokio::test]
 async fn a_retry_on_another_replica_is_a_replay_of_the_original() {
-    let store: SharedLog = Arc::new(MemoryLog::new());
-    let fleet = spawn_fleet(2, store, &[]).await;
+    let fleet = spawn_fleet_in_memory(2, &[]).await;
     let (a, b) = (&fleet[0], &fleet[1]);
     let (account, payee) = (new_account(), new_account());
     let first = a.deposit(&account, 500, Some("fleet-1")).await;
@@ -355,8 +354,7 @@ async fn a_retry_on_another_replica_is_a_replay_of_the_original() {
 
 #[tokio::test]
 async fn a_retry_on_a_replica_that_folded_the_account_earlier_is_marked_replayed() {
-    let store: SharedLog = Arc::new(MemoryLog::new());
-    let fleet = spawn_fleet(2, store, &[]).await;
+    let fleet = spawn_fleet_in_memory(2, &[]).await;
     let (a, b) = (&fleet[0], &fleet[1]);
     let account = new_account();
     // b folds the account (warm at version 0), then a serves the original request.
@@ -382,27 +380,12 @@ async fn a_retry_on_a_replica_that_folded_the_account_earlier_is_marked_replayed
 
 #[tokio::test]
 async fn a_replay_is_honoured_for_the_stated_window_measured_in_server_time() {
-    let server_clock = Arc::new(ServerClock::new(1_000_000));
-    let store: SharedLog = Arc::new(MemoryLog::with_options(MemoryOptions {
-        clock: server_clock.clone(),
-        ..MemoryOptions::default()
-    }));
-    let (clock_a, clock_b) = (Arc::new(ManualClock::new(0)), Arc::new(ManualClock::new(0)));
+    let (server_clock, store) = hand_clocks::store_at(hand_clocks::SERVER_START_MS);
     // The retention equal to the window: nothing is remembered past it, as in a fleet
     // that still runs the replaced service.
     let flags = ["--idempotency-retention", "90"];
-    let a = spawn(
-        test_config(&flags),
-        Some(store.clone()),
-        Some(clock_a.clone()),
-    )
-    .await;
-    let b = spawn(
-        test_config(&flags),
-        Some(store.clone()),
-        Some(clock_b.clone()),
-    )
-    .await;
+    let (a, clock_a) = hand_clocks::spawn_on_hand_clock(&flags, store.clone()).await;
+    let (b, clock_b) = hand_clocks::spawn_on_hand_clock(&flags, store.clone()).await;
     let (account, other, late) = (new_account(), new_account(), new_account());
     let first = a.deposit(&account, 100, Some("window-1")).await;
     let first_other = a.deposit(&other, 100, Some("window-2")).await;
@@ -463,25 +446,10 @@ async fn a_retry_past_the_window_inside_the_retention_replays_on_any_replica_and
         // The Postgres projection keeps keys in its rows: pinned in tests/store/postgres.rs.
         return;
     }
-    let server_clock = Arc::new(ServerClock::new(1_000_000));
-    let store: SharedLog = Arc::new(MemoryLog::with_options(MemoryOptions {
-        clock: server_clock.clone(),
-        ..MemoryOptions::default()
-    }));
-    let (clock_a, clock_b) = (Arc::new(ManualClock::new(0)), Arc::new(ManualClock::new(0)));
+    let (server_clock, store) = hand_clocks::store_at(hand_clocks::SERVER_START_MS);
     let flags = ["--idempotency-retention", "600"];
-    let a = spawn(
-        test_config(&flags),
-        Some(store.clone()),
-        Some(clock_a.clone()),
-    )
-    .await;
-    let b = spawn(
-        test_config(&flags),
-        Some(store.clone()),
-        Some(clock_b.clone()),
-    )
-    .await;
+    let (a, clock_a) = hand_clocks::spawn_on_hand_clock(&flags, store.clone()).await;
+    let (b, clock_b) = hand_clocks::spawn_on_hand_clock(&flags, store.clone()).await;
     let account = new_account();
     let first = a.deposit(&account, 100, Some("day-1")).await;
     assert_eq!(first.status, StatusCode::OK, "{}", first.text);

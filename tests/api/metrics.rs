@@ -3,16 +3,11 @@
 
 use crate::common;
 
-use std::sync::Arc;
-
-use common::{metric_sample as sample, new_account, spawn_fleet};
-use tally::store::SharedLog;
-use tally::store::memory::MemoryLog;
+use common::{metric_sample as sample, new_account, spawn_fleet_in_memory};
 
 #[tokio::test]
 async fn counters_move_by_exactly_what_the_scripted_sequence_did() {
-    let store: SharedLog = Arc::new(MemoryLog::new());
-    let fleet = spawn_fleet(2, store, &[]).await;
+    let fleet = spawn_fleet_in_memory(2, &[]).await;
     let (a, b) = (&fleet[0], &fleet[1]);
     let acct = new_account();
     // The start-up store checks (the epoch's create-only write, or its read) are done before

@@ -12,7 +12,7 @@ use uuid::Uuid;
 
 use crate::common::{
     self, Reply, account_transfer_path, assert_error, funded, leg, new_account, observe,
-    scripted_faults, spawn, spawn_default, spawn_fleet, test_config,
+    scripted_faults, spawn, spawn_default, spawn_fleet_in_memory, test_config,
 };
 
 #[tokio::test]
@@ -62,8 +62,7 @@ async fn deposit_and_withdraw_answer_the_new_balance_and_version() {
 
 #[tokio::test]
 async fn balance_with_min_version_reads_your_writes_on_any_replica() {
-    let store: SharedLog = Arc::new(MemoryLog::new());
-    let fleet = spawn_fleet(2, store, &[]).await;
+    let fleet = spawn_fleet_in_memory(2, &[]).await;
     let (a, b) = (&fleet[0], &fleet[1]);
     let account = new_account();
     // Replica b folds the account while it is still empty.

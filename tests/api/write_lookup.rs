@@ -11,8 +11,7 @@ use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tally::account::AccountId;
-use tally::projection::ManualClock;
-use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock};
+use tally::store::memory::MemoryLog;
 use tally::store::{
     AggregateDetails, AggregateKey, AggregateWrite, ClientId, EventLog, ReadFilter, ReadPage,
     SharedLog, StoreResult,
@@ -20,10 +19,11 @@ use tally::store::{
 use tokio::sync::{Notify, Semaphore};
 use uuid::Uuid;
 
+use crate::common::hand_clocks;
 use crate::common::hooked_log::{Around, HookedLog};
 use crate::common::{
-    Reply, TestApp, assert_error, funded, new_account, read, spawn, spawn_default, spawn_fleet,
-    test_auth, test_config,
+    Reply, TestApp, assert_error, funded, new_account, read, spawn, spawn_default,
+    spawn_fleet_in_memory, test_auth, test_config,
 };
 
 /// The lookup's path for `key` on `account`, the key percent-encoded whole.
@@ -55,8 +55,7 @@ fn assert_found(r: &Reply, original: &Reply) {
 /// is found with its 201.
 #[tokio::test]
 async fn a_landed_write_is_found_with_its_original_answer_on_any_replica() {
-    let store: SharedLog = Arc::new(MemoryLog::new());
-    let fleet = spawn_fleet(2, store, &[]).await;
+    let fleet = spawn_fleet_in_memory(2, &[]).await;
     let (a, b) = (&fleet[0], &fleet[1]);
     let account = new_account();
     let key = "order-42/payment#1?";
@@ -86,8 +85,7 @@ async fn a_landed_write_is_found_with_its_original_answer_on_any_replica() {
 /// Rule: a transfer is found from either of its accounts, with both legs as it answered.
 #[tokio::test]
 async fn a_transfer_is_found_from_either_account() {
-    let store: SharedLog = Arc::new(MemoryLog::new());
-    let fleet = spawn_fleet(2, store, &[]).await;
+    let fleet = spawn_fleet_in_memory(2, &[]).await;
     let (a, b) = (&fleet[0], &fleet[1]);
     let (from, to) = (funded(a, 1_000).await, funded(a, 50).await);
     let transfer = a.transfer(&from, &to, 300, Some("pay-7")).await;
@@ -111,8 +109,7 @@ async fn a_transfer_is_found_from_either_account() {
 /// refused (it wrote nothing). On the replica that wrote and on one that never saw it.
 #[tokio::test]
 async fn a_key_that_never_landed_on_the_account_is_404_once_caught_up() {
-    let store: SharedLog = Arc::new(MemoryLog::new());
-    let fleet = spawn_fleet(2, store, &[]).await;
+    let fleet = spawn_fleet_in_memory(2, &[]).await;
     let (a, b) = (&fleet[0], &fleet[1]);
     let (account, elsewhere) = (funded(a, 100).await, new_account());
     let landed = a.deposit(&account, 5, Some("here")).await;
@@ -305,13 +302,8 @@ async fn a_lookup_on_a_read_that_lags_the_tip_is_retryable_never_404() {
 /// that wrote it and on a fresh one, a transfer from either account.
 #[tokio::test]
 async fn a_key_past_the_window_inside_the_retention_is_found() {
-    let server_clock = Arc::new(ServerClock::new(1_000_000));
-    let store: SharedLog = Arc::new(MemoryLog::with_options(MemoryOptions {
-        clock: server_clock.clone(),
-        ..MemoryOptions::default()
-    }));
-    let clock = Arc::new(ManualClock::new(0));
-    let a = spawn(test_config(&[]), Some(store.clone()), Some(clock.clone())).await;
+    let (server_clock, store) = hand_clocks::store_at(hand_clocks::SERVER_START_MS);
+    let (a, clock) = hand_clocks::spawn_on_hand_clock(&[], store.clone()).await;
     let (from, to) = (funded(&a, 1_000).await, funded(&a, 10).await);
     let deposit = a.deposit(&from, 25, Some("early-deposit")).await;
     let transfer = a.transfer(&from, &to, 100, Some("early-transfer")).await;
@@ -344,14 +336,9 @@ async fn a_key_past_the_window_inside_the_retention_is_found() {
 /// balance now, read at the store's tip. On the account that forgot, the key is not found.
 #[tokio::test]
 async fn a_transfer_leg_whose_account_forgot_the_key_is_its_balance_now() {
-    let server_clock = Arc::new(ServerClock::new(1_000_000));
-    let store: SharedLog = Arc::new(MemoryLog::with_options(MemoryOptions {
-        clock: server_clock.clone(),
-        ..MemoryOptions::default()
-    }));
-    let clock = Arc::new(ManualClock::new(0));
+    let (server_clock, store) = hand_clocks::store_at(hand_clocks::SERVER_START_MS);
     let flags = ["--idempotency-max-keys-per-account", "3"];
-    let a = spawn(test_config(&flags), Some(store), Some(clock.clone())).await;
+    let (a, clock) = hand_clocks::spawn_on_hand_clock(&flags, store).await;
     let (from, to) = (funded(&a, 1_000).await, new_account());
     let transfer = a.transfer(&from, &to, 100, Some("then-forgotten")).await;
     assert_eq!(transfer.status, StatusCode::OK, "{}", transfer.text);

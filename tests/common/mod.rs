@@ -6,6 +6,8 @@
 //!   [`observe`], [`funded`], ...);
 //! - [`raw_http`]: requests a well-behaved client cannot send (raw headers and bodies, raw
 //!   bytes over one TCP connection);
+//! - [`hand_clocks`]: an embedded store on a server clock the test moves, and replicas on
+//!   local clocks it moves, for the rules that age writes;
 //! - [`hooked_log`]: one store decorator that hooks, scripts and records a replica's store
 //!   calls, for the suites that steer the store from inside;
 //! - [`fleet_script`]: `deploy/fleet.sh` as a child process, read line by line;
@@ -17,6 +19,7 @@
 #![allow(dead_code)]
 
 pub mod fleet_script;
+pub mod hand_clocks;
 pub mod hooked_log;
 pub mod pg;
 pub mod raw_http;
@@ -227,6 +230,11 @@ pub async fn spawn_fleet(n: usize, store: SharedLog, extra: &[&str]) -> Vec<Test
         fleet.push(spawn(test_config(extra), Some(store.clone()), None).await);
     }
     fleet
+}
+
+/// `n` instances sharing one fresh embedded store.
+pub async fn spawn_fleet_in_memory(n: usize, extra: &[&str]) -> Vec<TestApp> {
+    spawn_fleet(n, Arc::new(MemoryLog::new()), extra).await
 }
 
 /// A response, read whole.

@@ -6,7 +6,7 @@
 //! (`READ_PAGE_MAX_VERSIONS`), whatever the filters keep, and goes on after it. A read whose
 //! filters drop most batches is one page here and many there; this decorator makes it many
 //! here too, so a bound on pages is tested against the store that pays for them.
-//! [`one_deposit`] is the one-event batch those suites fill long streams with.
+//! [`one_deposit`] is the one-event batch these suites, and the store suites, fill streams with.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 

@@ -42,13 +42,14 @@ use tally::account::{AccountId, Operation};
 use tally::app::App;
 use tally::projection::ManualClock;
 use tally::store::SharedLog;
-use tally::store::faults::{FaultConfig, FaultCounts};
+use tally::store::faults::FaultCounts;
 use tally::store::memory;
 use tally::write_loop::WriteRequest;
 use uuid::Uuid;
 
 use super::{
-    MAX_TRIES, Plan, Seen, Truth, check_replicas, common, random_op, store, virtual_pause,
+    FaultCeilings, MAX_TRIES, Plan, Seen, Truth, Tuning, build_replica, check_replicas, random_op,
+    store, virtual_pause,
 };
 
 /// Seeds a plain `cargo test` runs across hours (`TALLY_SIM_HOURS_SEEDS` overrides).
@@ -69,6 +70,14 @@ const DEADLINE_MS: u64 = 1_000;
 const SETTLE: Duration = Duration::from_millis(200);
 /// The oldest a retry past the retention gets, beyond the retention.
 const PAST_RETENTION_MS: u64 = 30 * 60_000;
+/// The most each store fault's probability may be across hours (a fleet run's are higher).
+const HOURS_FAULT_CEILINGS: FaultCeilings = FaultCeilings {
+    lost_ack: 0.1,
+    lost_request: 0.05,
+    refused: 0.05,
+    inflight: 0.05,
+    read_lag: 0.2,
+};
 
 // --- The plan ---
 
@@ -92,16 +101,7 @@ impl HoursPlan {
             .map(|_| AccountId(Uuid::from_u128(rng.r#gen())))
             .collect();
         let faults_on = !rng.gen_bool(0.25);
-        let faults = faults_on.then(|| FaultConfig {
-            lost_ack: rng.gen_range(0.0..0.1),
-            lost_request: rng.gen_range(0.0..0.05),
-            refused: rng.gen_range(0.0..0.05),
-            inflight: rng.gen_range(0.0..0.05),
-            read_lag: rng.gen_range(0.0..0.2),
-            read_lag_batches: rng.gen_range(1..=2),
-            seed,
-            inflight_hold: Duration::from_millis(rng.gen_range(1..=30)),
-        });
+        let faults = faults_on.then(|| HOURS_FAULT_CEILINGS.draw(&mut rng, seed));
         let window_s = rng.gen_range(2..=5);
         let retention_s = rng.gen_range(20..=60) * 60;
         // The history kept must cover the retention (a shorter one is refused at start); a
@@ -126,15 +126,7 @@ impl HoursPlan {
             callers: 0,
             ops_per_caller: 0,
             faults,
-            latency: rng.gen_range(0.0..0.5),
-            page_size: [1, 2, 3, memory::DEFAULT_PAGE_SIZE][rng.gen_range(0..4)],
-            batching: rng.gen_bool(0.7),
-            one_round_trip: rng.gen_bool(0.7),
-            max_attempts: if faults_on && rng.gen_bool(0.3) {
-                rng.gen_range(1..=4)
-            } else {
-                12
-            },
+            tuning: Tuning::draw(&mut rng, faults_on),
             postgres: None,
             checkpoint_every: None,
             combine_in_flight: [1, 2, 4, super::DEFAULT_MAX_IN_FLIGHT][rng.gen_range(0..4)],
@@ -158,7 +150,6 @@ impl HoursPlan {
     }
 
     fn flags(&self) -> Vec<String> {
-        let b = &self.base;
         let mut flags: Vec<String> = [
             "--write-deadline-ms",
             &DEADLINE_MS.to_string(),
@@ -166,20 +157,13 @@ impl HoursPlan {
             &self.window_s.to_string(),
             "--idempotency-retention",
             &self.retention_s.to_string(),
-            "--batching",
-            &b.batching.to_string(),
-            "--one-round-trip",
-            &b.one_round_trip.to_string(),
-            "--write-max-attempts",
-            &b.max_attempts.to_string(),
             "--checkpoint-every-events",
             &self.checkpoint_every.to_string(),
-            "--combine-max-in-flight",
-            &b.combine_in_flight.to_string(),
         ]
         .iter()
         .map(|s| s.to_string())
         .collect();
+        flags.extend(self.base.write_loop_flags());
         if let Some(secs) = self.retain_history_s {
             flags.extend(["--retain-history-secs".into(), secs.to_string()]);
         }
@@ -200,16 +184,9 @@ struct Node {
 }
 
 async fn start_node(plan: &HoursPlan, log: SharedLog, now: u64) -> Node {
-    let flags = plan.flags();
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     // Any origin: the replica anchors its estimate of the server's now at start.
     let clock = Arc::new(ManualClock::new(1_000_000 + now));
-    let app = App::builder(common::test_config(&flags))
-        .store(log)
-        .clock(clock.clone())
-        .build()
-        .await
-        .expect("replica builds");
+    let app = build_replica(&plan.flags(), log, clock.clone()).await;
     Node {
         app,
         clock,
@@ -410,6 +387,19 @@ async fn run_hours(plan: &HoursPlan) -> Result<HoursResult, String> {
                 .map(|n| (n.app.clone(), n.started_ms))
                 .collect(),
         );
+        // Each key's sends run as a task of their own, recorded against this moment.
+        let send_at_now = |key, op, retry, prefer, task_rng| {
+            tokio::spawn(send_key(
+                apps.clone(),
+                journal.clone(),
+                now,
+                key,
+                op,
+                retry,
+                prefer,
+                task_rng,
+            ))
+        };
         let mut tasks = Vec::new();
         let mut new_keys = Vec::new();
         if writes.next_if_eq(&now).is_some() {
@@ -419,16 +409,7 @@ async fn run_hours(plan: &HoursPlan) -> Result<HoursResult, String> {
                 journal.lock().ops.insert(key, op);
                 new_keys.push(key);
                 let task_rng = ChaCha8Rng::seed_from_u64(rng.r#gen());
-                tasks.push(tokio::spawn(send_key(
-                    apps.clone(),
-                    journal.clone(),
-                    now,
-                    key,
-                    op,
-                    None,
-                    None,
-                    task_rng,
-                )));
+                tasks.push(send_at_now(key, op, None, None, task_rng));
             }
         }
         for (key, band) in due.remove(&now).unwrap_or_default() {
@@ -436,16 +417,7 @@ async fn run_hours(plan: &HoursPlan) -> Result<HoursResult, String> {
             // Often the replica restarted last, which knows the key only from the store.
             let prefer = restarted.filter(|_| rng.gen_bool(0.4));
             let task_rng = ChaCha8Rng::seed_from_u64(rng.r#gen());
-            tasks.push(tokio::spawn(send_key(
-                apps.clone(),
-                journal.clone(),
-                now,
-                key,
-                op,
-                Some(band),
-                prefer,
-                task_rng,
-            )));
+            tasks.push(send_at_now(key, op, Some(band), prefer, task_rng));
         }
         for t in tasks {
             t.await.expect("sender task");
@@ -469,11 +441,7 @@ async fn run_hours(plan: &HoursPlan) -> Result<HoursResult, String> {
         }
     }
     let apps: Vec<Arc<App>> = nodes.iter().map(|n| n.app.clone()).collect();
-    let faults = store
-        .faults
-        .as_ref()
-        .map(|f| f.counts())
-        .unwrap_or_default();
+    let faults = store.fault_counts();
     let (stats, trace_hash) = {
         let journal = journal.lock();
         let stats = check_hours(plan, &journal, &truth).map_err(|v| story(v, &journal, &truth))?;

@@ -7,7 +7,8 @@
 //! (ageing past the window needs server time), and asserts against the whole fold of the
 //! stream. The last runs `tally trim` against the real server `CELERIANT_ADDRESS` names.
 
-use crate::common::required;
+use crate::common::windowed_log::one_deposit;
+use crate::common::{hand_clocks, required};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,10 +17,10 @@ use tally::account::{AccountEvent, AccountId, Identity};
 use tally::metrics::Metrics;
 use tally::projection::checkpoint_writer::CheckpointConfig;
 use tally::projection::keys::Segment;
-use tally::projection::{AccountView, Checkpoint, ManualClock, Projection, ProjectionConfig};
+use tally::projection::{AccountView, Checkpoint, Projection, ProjectionConfig};
 use tally::reader::AccountReader;
 use tally::store::faults::{Fault, FaultConfig, FaultyLog};
-use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock, ServerTime};
+use tally::store::memory::{MemoryLog, ServerClock, ServerTime};
 use tally::store::{AggregateWrite, Event, EventLog, SharedLog, StoreError};
 use uuid::Uuid;
 
@@ -36,11 +37,7 @@ struct World {
 
 impl World {
     fn new() -> Self {
-        let server = Arc::new(ServerClock::new(1_000_000));
-        let log = Arc::new(MemoryLog::with_options(MemoryOptions {
-            page_size: 64,
-            clock: server.clone(),
-        }));
+        let (server, log) = hand_clocks::paged_store_at(hand_clocks::SERVER_START_MS, 64);
         Self {
             server,
             log,
@@ -55,20 +52,7 @@ impl World {
         let key = self.identity.key(self.account);
         let seq = self.next_seq;
         self.next_seq += 1;
-        let e = AccountEvent::Deposited { amount };
-        let w = AggregateWrite {
-            key,
-            events: vec![Event {
-                client_seq: seq,
-                event_id: Some(u128::from(seq)),
-                event_type: e.event_type(),
-                payload: e.encode(),
-                timestamp_ms: 0,
-            }],
-            expected_version: None,
-            allow_create: true,
-            enforce_client_idempotency: true,
-        };
+        let w = one_deposit(key, seq, Some(u128::from(seq)), amount);
         self.log
             .write_now(self.identity.client(), vec![w])
             .expect("write")[0]
@@ -76,7 +60,7 @@ impl World {
 
     /// A fresh replica (cold: nothing resident) over `log`.
     fn replica(&self, log: SharedLog, checkpoints: CheckpointConfig) -> Arc<Projection> {
-        Arc::new(Projection::new(
+        Arc::new(hand_clocks::replica(
             log,
             self.identity,
             ProjectionConfig {
@@ -86,8 +70,19 @@ impl World {
                 checkpoints,
                 ..ProjectionConfig::default()
             },
-            Arc::new(ManualClock::new(0)),
-            Arc::new(Metrics::new()),
+        ))
+    }
+
+    /// A fresh replica over the world's store that remembers keys for `retention`.
+    fn remembering_for(&self, retention: Duration) -> Arc<Projection> {
+        Arc::new(hand_clocks::replica(
+            self.log.clone(),
+            self.identity,
+            ProjectionConfig {
+                window: WINDOW,
+                retention,
+                ..ProjectionConfig::default()
+            },
         ))
     }
 
@@ -207,20 +202,7 @@ async fn a_keyed_checkpoint_inside_the_window_is_used_and_every_write_it_covers_
 async fn a_cold_replica_loads_the_keys_of_every_checkpoint_back_through_the_retention() {
     let mut w = World::new();
     let retention = Duration::from_secs(3_600);
-    let replica = |w: &World| {
-        Arc::new(Projection::new(
-            w.log.clone(),
-            w.identity,
-            ProjectionConfig {
-                window: WINDOW,
-                retention,
-                ..ProjectionConfig::default()
-            },
-            Arc::new(ManualClock::new(0)),
-            Arc::new(Metrics::new()),
-        ))
-    };
-    let writer = replica(&w);
+    let writer = w.remembering_for(retention);
     writer.sync_server_clock().await.expect("anchor");
     // Five checkpoints, 200 events apart, two minutes apart in server time.
     for round in 0..5u64 {
@@ -236,7 +218,7 @@ async fn a_cold_replica_loads_the_keys_of_every_checkpoint_back_through_the_rete
     for amount in 1..=7 {
         w.deposit(amount);
     }
-    let cold = replica(&w);
+    let cold = w.remembering_for(retention);
     let total: i64 = 5 * (1..=200).sum::<i64>() + (1..=7).sum::<i64>();
     assert_eq!(fold(&cold, w.account).await, (total, 1_007));
     assert_eq!(loads(&cold, "used"), 1);
@@ -512,19 +494,7 @@ async fn retention_trims_after_a_checkpoint_only_below_one_older_than_window_and
 #[tokio::test]
 async fn after_an_upgrade_the_first_keyed_checkpoint_makes_the_chain_whole() {
     let mut w = World::new();
-    let replica = |w: &World| {
-        Arc::new(Projection::new(
-            w.log.clone(),
-            w.identity,
-            ProjectionConfig {
-                window: WINDOW,
-                retention: Duration::from_secs(3_600),
-                ..ProjectionConfig::default()
-            },
-            Arc::new(ManualClock::new(0)),
-            Arc::new(Metrics::new()),
-        ))
-    };
+    let retention = Duration::from_secs(3_600);
     for amount in 1..=20 {
         w.deposit(amount);
     }
@@ -540,12 +510,12 @@ async fn after_an_upgrade_the_first_keyed_checkpoint_makes_the_chain_whole() {
     for amount in 21..=30 {
         w.deposit(amount);
     }
-    let upgraded = replica(&w);
+    let upgraded = w.remembering_for(retention);
     assert_eq!(fold(&upgraded, w.account).await, ((1..=30).sum(), 30));
     upgraded.write_checkpoint(w.account).await;
     assert_eq!(written(&upgraded), 1);
 
-    let cold = replica(&w);
+    let cold = w.remembering_for(retention);
     assert_eq!(fold(&cold, w.account).await, ((1..=30).sum(), 30));
     assert_eq!(loads(&cold, "used"), 1);
     assert_eq!(cold.metrics().events_folded.get(), 0, "nothing folded");

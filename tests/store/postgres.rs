@@ -11,7 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::{TestApp, new_account, pg, spawn, test_config};
+use common::windowed_log::one_deposit;
+use common::{TestApp, hand_clocks, new_account, pg, spawn, test_config};
 use reqwest::StatusCode;
 use tally::account::{AccountEvent, AccountId, Identity};
 use tally::metrics::Metrics;
@@ -20,10 +21,10 @@ use tally::projection::{
     Backend, ManualClock, PgProjection, PostgresSettings, Projection, ProjectionConfig,
     RecentWrite, RecordedWrite, Snapshot,
 };
-use tally::store::memory::{MemoryLog, MemoryOptions, ServerClock};
+use tally::store::memory::{MemoryLog, ServerClock};
 use tally::store::{
-    AggregateDetails, AggregateKey, AggregateWrite, ClientId, Event, EventLog, ReadFilter,
-    ReadPage, SharedLog, StoreResult,
+    AggregateDetails, AggregateKey, AggregateWrite, ClientId, EventLog, ReadFilter, ReadPage,
+    SharedLog, StoreResult,
 };
 use tokio::sync::Notify;
 use uuid::Uuid;
@@ -531,11 +532,7 @@ async fn row_life(db: &tokio_postgres::Client, account: &str, key: &str) -> Opti
 /// A store on a server clock at `t0`, a replica-side clock at 0, and the flags of a replica
 /// on `url` with a 60-second window and a 180-second retention.
 fn retention_setup(url: &str, t0: u64) -> (Arc<ServerClock>, SharedLog, Vec<String>) {
-    let server = Arc::new(ServerClock::new(t0));
-    let mem: SharedLog = Arc::new(MemoryLog::with_options(MemoryOptions {
-        clock: server.clone(),
-        ..MemoryOptions::default()
-    }));
+    let (server, mem) = hand_clocks::store_at(t0);
     let mut flags = pg::flags(url);
     flags.extend(
         [
@@ -562,9 +559,8 @@ async fn index_rows_live_for_the_retention_in_server_time_and_the_sweep_keeps_th
     };
     const T0: u64 = 5_000_000_000;
     let (server, mem, flags) = retention_setup(&url, T0);
-    let local = Arc::new(ManualClock::new(0));
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let t = spawn(test_config(&flags), Some(mem), Some(local.clone())).await;
+    let (t, local) = hand_clocks::spawn_on_hand_clock(&flags, mem).await;
     t.app.started().await;
     let db = pg::connect(&url).await;
     let account = new_account();
@@ -635,20 +631,14 @@ async fn a_retry_two_windows_later_on_a_fresh_replica_replays_from_the_rows_and_
     const T0: u64 = 7_000_000_000;
     let (server, mem, flags) = retention_setup(&url, T0);
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let a = spawn(
-        test_config(&flags),
-        Some(mem.clone()),
-        Some(Arc::new(ManualClock::new(0))),
-    )
-    .await;
+    let (a, _) = hand_clocks::spawn_on_hand_clock(&flags, mem.clone()).await;
     let account = new_account();
     let k = key();
     let first = created(&a.deposit(&account, 40, Some(&k)).await);
     created(&a.deposit(&account, 2, Some(&key())).await);
     a.shutdown().await;
     server.advance(120_000);
-    let local = Arc::new(ManualClock::new(0));
-    let b = spawn(test_config(&flags), Some(mem.clone()), Some(local.clone())).await;
+    let (b, local) = hand_clocks::spawn_on_hand_clock(&flags, mem.clone()).await;
     b.app.started().await;
     let retry = b.deposit(&account, 40, Some(&k)).await;
     assert_replay_of(&retry, first);
@@ -686,29 +676,10 @@ async fn a_catch_up_persists_every_key_within_the_retention_aged_from_its_commit
         return;
     };
     const T0: u64 = 9_000_000_000;
-    let server = Arc::new(ServerClock::new(T0));
-    let log = Arc::new(MemoryLog::with_options(MemoryOptions {
-        clock: server.clone(),
-        ..MemoryOptions::default()
-    }));
+    let (server, log) = hand_clocks::store_at(T0);
     let identity = Identity::default();
     let account = AccountId(Uuid::new_v4());
-    let deposit = |seq: u64| {
-        let e = AccountEvent::Deposited { amount: 10 };
-        AggregateWrite {
-            key: identity.key(account),
-            events: vec![Event {
-                client_seq: seq,
-                event_id: Some(u128::from(seq)),
-                event_type: e.event_type(),
-                payload: e.encode(),
-                timestamp_ms: 0,
-            }],
-            expected_version: None,
-            allow_create: true,
-            enforce_client_idempotency: true,
-        }
-    };
+    let deposit = |seq: u64| one_deposit(identity.key(account), seq, Some(u128::from(seq)), 10);
     // Committed at T0 (past the retention by the end), T0 + 100 s (past the window, inside
     // the retention) and T0 + 190 s (inside the window); the tip ends at T0 + 200 s.
     for (seq, after) in [(1, 0), (2, 100_000), (3, 90_000)] {
@@ -1549,36 +1520,17 @@ async fn a_fresh_database_starts_an_account_from_its_checkpoint_and_serves_it_tr
     let Some(url) = pg::fresh_url().await else {
         return;
     };
-    let server = Arc::new(ServerClock::new(1_000_000));
-    let log = Arc::new(MemoryLog::with_options(MemoryOptions {
-        page_size: 16,
-        clock: server.clone(),
-    }));
+    let (server, log) = hand_clocks::paged_store_at(hand_clocks::SERVER_START_MS, 16);
     let identity = Identity::default();
     let account = AccountId(Uuid::new_v4());
-    let deposit = |seq: u64| {
-        let e = AccountEvent::Deposited { amount: 10 };
-        AggregateWrite {
-            key: identity.key(account),
-            events: vec![Event {
-                client_seq: seq,
-                event_id: Some(u128::from(seq)),
-                event_type: e.event_type(),
-                payload: e.encode(),
-                timestamp_ms: 0,
-            }],
-            expected_version: None,
-            allow_create: true,
-            enforce_client_idempotency: true,
-        }
-    };
+    let deposit = |seq: u64| one_deposit(identity.key(account), seq, Some(u128::from(seq)), 10);
     for seq in 1..=40 {
         log.write_now(identity.client(), vec![deposit(seq)])
             .expect("write");
     }
     // A memory replica folds it and writes a checkpoint at version 40; it ages past the
     // window, the stream goes on, and is trimmed below the checkpoint.
-    let memory = Projection::new(
+    let memory = hand_clocks::replica(
         log.clone(),
         identity,
         ProjectionConfig {
@@ -1586,8 +1538,6 @@ async fn a_fresh_database_starts_an_account_from_its_checkpoint_and_serves_it_tr
             retention: ProjectionConfig::default().window,
             ..ProjectionConfig::default()
         },
-        Arc::new(ManualClock::new(0)),
-        Arc::new(Metrics::new()),
     );
     memory.sync_server_clock().await.expect("anchor");
     memory.catch_up(account).await.expect("fold");
