@@ -47,7 +47,7 @@ unit:
 # time on the Postgres projection.
 unit-suites:
 	$(CARGO) test --workspace --locked --no-fail-fast
-	TALLY_TEST_PROJECTION=postgres $(CARGO) test --workspace --locked --test api -- $(API_SUITE)
+	TALLY_TEST_PROJECTION=postgres $(CARGO) test --workspace --locked --test api -- $(API_SUITE) $(API_SKIPS_ON_POSTGRES)
 	TALLY_TEST_PROJECTION=postgres $(CARGO) test --workspace --locked --test fleet -- $(FLEET_SUITE)
 	TALLY_TEST_PROJECTION=postgres $(CARGO) test --workspace --locked --test write_loop -- $(WRITE_LOOP_SUITE)
 
@@ -59,6 +59,9 @@ unit-suites:
 # tests/api/: the black-box API suite, without the edge's other suites beside it.
 API_SUITE := --skip architecture_doc:: --skip auth:: --skip front_end_limits:: --skip layers:: \
 	--skip metrics:: --skip openapi:: --skip overload:: --skip write_side_limits:: --skip store_outage::
+# On the Postgres projection a cap makes no account forget keys (the database keeps every row
+# for the retention), so the test of what a forgotten leg answers has nothing to pin there.
+API_SKIPS_ON_POSTGRES := --skip write_lookup::a_transfer_leg_whose_account_forgot_the_key_is_its_balance_now
 # tests/fleet/: the in-process fleet (fleet.rs), without the process fleets (aged keys among
 # them: their replicas take no projection or auth setting from the harness), the mixed fleet and
 # the cluster failover (its own target, below).
