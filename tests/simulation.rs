@@ -1330,40 +1330,168 @@ impl Fleet for OverHttp {
                 app.post("/api/accounts", &body, Some(&k)).await
             }
         };
-        let leg = |v: &serde_json::Value, account: AccountId| {
-            Some((
-                account,
-                v["balanceCents"].as_i64()?,
-                v["aggregateVersion"].as_u64()?,
-            ))
-        };
-        let legs: Option<Vec<_>> = match op {
-            Operation::Deposit { account, .. }
-            | Operation::Withdraw { account, .. }
-            | Operation::Open { account } => leg(&r.body, account).map(|l| vec![l]),
-            Operation::Transfer { from, to, .. } => leg(&r.body["from"], from)
-                .zip(leg(&r.body["to"], to))
-                .map(|(a, b)| vec![a, b]),
-        };
-        match (r.status, r.error_code()) {
-            (StatusCode::OK | StatusCode::CREATED, _) => match legs {
-                Some(legs) => Seen::Ok {
-                    legs,
-                    replayed: r.replayed(),
-                },
-                None => Seen::Unexpected(r.text),
-            },
-            (StatusCode::UNPROCESSABLE_ENTITY, "INSUFFICIENT_FUNDS") => {
-                match r.body["balanceCents"].as_i64() {
-                    Some(balance) => Seen::Refused { balance },
-                    None => Seen::Unexpected(r.text),
-                }
+        seen_over_http(
+            op,
+            r.status,
+            &r.body,
+            r.replayed(),
+            r.header("retry-after") == Some("1"),
+            &r.text,
+        )
+    }
+}
+
+/// What a caller over HTTP saw: an answer's status and body (a single route's, or a batch
+/// item's result), mapped as the in-process answer is.
+fn seen_over_http(
+    op: Operation,
+    status: StatusCode,
+    body: &serde_json::Value,
+    replayed: bool,
+    retry_soon: bool,
+    text: &str,
+) -> Seen {
+    let leg = |v: &serde_json::Value, account: AccountId| {
+        Some((
+            account,
+            v["balanceCents"].as_i64()?,
+            v["aggregateVersion"].as_u64()?,
+        ))
+    };
+    let legs: Option<Vec<_>> = match op {
+        Operation::Deposit { account, .. }
+        | Operation::Withdraw { account, .. }
+        | Operation::Open { account } => leg(body, account).map(|l| vec![l]),
+        Operation::Transfer { from, to, .. } => leg(&body["from"], from)
+            .zip(leg(&body["to"], to))
+            .map(|(a, b)| vec![a, b]),
+    };
+    let code = body["error"].as_str().unwrap_or("");
+    match (status, code) {
+        (StatusCode::OK | StatusCode::CREATED, _) => match legs {
+            Some(legs) => Seen::Ok { legs, replayed },
+            None => Seen::Unexpected(text.to_owned()),
+        },
+        (StatusCode::UNPROCESSABLE_ENTITY, "INSUFFICIENT_FUNDS") => {
+            match body["balanceCents"].as_i64() {
+                Some(balance) => Seen::Refused { balance },
+                None => Seen::Unexpected(text.to_owned()),
             }
-            (StatusCode::CONFLICT, "CONFLICT") if r.header("retry-after") == Some("1") => {
-                Seen::Retryable(r.text)
-            }
-            _ => Seen::Unexpected(format!("{} {}", r.status, r.text)),
         }
+        (StatusCode::CONFLICT, "CONFLICT") if retry_soon => Seen::Retryable(text.to_owned()),
+        _ => Seen::Unexpected(format!("{status} {text}")),
+    }
+}
+
+/// A fleet over HTTP whose callers' writes go out in batches (`POST /api/batch`): a send
+/// joins the replica's open batch, and the first to join sends it once the others queued
+/// behind it have had their turn, with up to [`BATCH_ITEMS`] items. Each item's result is
+/// read as the single route's answer would be.
+/// A write waiting in a batch not yet sent, and where its caller waits for its result.
+type Queued = (u128, Operation, tokio::sync::oneshot::Sender<Seen>);
+
+struct OverHttpBatches {
+    apps: Vec<common::TestApp>,
+    open: Vec<Mutex<Vec<Queued>>>,
+    /// The most items one batch carried: the run must have sent some with several.
+    largest: std::sync::atomic::AtomicUsize,
+}
+
+/// The most items one simulated batch carries.
+const BATCH_ITEMS: usize = 8;
+
+#[async_trait]
+impl Fleet for OverHttpBatches {
+    fn replicas(&self) -> usize {
+        self.apps.len()
+    }
+
+    async fn send(&self, replica: usize, key: u128, op: Operation) -> Seen {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let leads = {
+            let mut open = self.open[replica].lock();
+            open.push((key, op, tx));
+            open.len() == 1
+        };
+        if leads {
+            // Let the callers that run meanwhile join this batch.
+            for _ in 0..BATCH_ITEMS {
+                tokio::task::yield_now().await;
+            }
+            let items: Vec<_> = {
+                let mut open = self.open[replica].lock();
+                let n = open.len().min(BATCH_ITEMS);
+                open.drain(..n).collect()
+            };
+            self.post(replica, items).await;
+        }
+        rx.await
+            .unwrap_or_else(|_| Seen::Unexpected("the batch was never sent".into()))
+    }
+}
+
+impl OverHttpBatches {
+    /// Sends one batch and hands each item's result to its caller. Items left queued behind
+    /// a full batch go in the next one.
+    async fn post(
+        &self,
+        replica: usize,
+        items: Vec<(u128, Operation, tokio::sync::oneshot::Sender<Seen>)>,
+    ) {
+        let body: Vec<serde_json::Value> = items
+            .iter()
+            .map(|(key, op, _)| batch_item(*key, *op))
+            .collect();
+        self.largest
+            .fetch_max(items.len(), std::sync::atomic::Ordering::Relaxed);
+        let app = &self.apps[replica];
+        let r = app
+            .post("/api/batch", &serde_json::json!({ "items": body }), None)
+            .await;
+        let results = r.body["results"].as_array().cloned().unwrap_or_default();
+        for (i, (_, op, tx)) in items.into_iter().enumerate() {
+            let seen = match results.get(i) {
+                Some(res) if r.status == StatusCode::OK => {
+                    let status = res["status"]
+                        .as_u64()
+                        .and_then(|s| StatusCode::from_u16(s as u16).ok())
+                        .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+                    let replayed = res["replayed"] == true;
+                    seen_over_http(op, status, &res["body"], replayed, true, &res.to_string())
+                }
+                _ => Seen::Unexpected(format!("batch {} {}", r.status, r.text)),
+            };
+            let _ = tx.send(seen);
+        }
+        // A batch that filled up may have left callers queued behind it: send theirs too.
+        let rest: Vec<_> = {
+            let mut open = self.open[replica].lock();
+            let n = open.len().min(BATCH_ITEMS);
+            open.drain(..n).collect()
+        };
+        if !rest.is_empty() {
+            Box::pin(self.post(replica, rest)).await;
+        }
+    }
+}
+
+/// One item of a batch for `op` under `key`.
+fn batch_item(key: u128, op: Operation) -> serde_json::Value {
+    let k = Uuid::from_u128(key).to_string();
+    match op {
+        Operation::Deposit { account, amount } => serde_json::json!({
+            "type": "deposit", "accountId": account.to_string(),
+            "amountCents": amount.get(), "idempotencyKey": k,
+        }),
+        Operation::Withdraw { account, amount } => serde_json::json!({
+            "type": "withdraw", "accountId": account.to_string(),
+            "amountCents": amount.get(), "idempotencyKey": k,
+        }),
+        Operation::Transfer { from, to, amount } => serde_json::json!({
+            "type": "transfer", "fromAccountId": from.to_string(), "toAccountId": to.to_string(),
+            "amountCents": amount.get(), "idempotencyKey": k,
+        }),
+        Operation::Open { .. } => unreachable!("the simulation opens no account in a batch"),
     }
 }
 
@@ -1372,7 +1500,21 @@ impl Fleet for OverHttp {
 /// seed here may need a few runs to reproduce.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seeded_runs_over_http_keep_every_write_exactly_once_with_one_answer() {
-    for seed in [3u64, 11, 29] {
+    run_over_http(&[3, 11, 29], false).await;
+}
+
+/// The same, every write sent as an item of a batch (`POST /api/batch`, several callers'
+/// writes in one), under the seed's faults: every rule holds per item.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_runs_in_batches_keep_every_item_exactly_once_with_one_answer() {
+    run_over_http(&[5, 13, 31], true).await;
+}
+
+/// Runs `seeds` through real HTTP servers, each write alone or as a batch item.
+async fn run_over_http(seeds: &[u64], batches: bool) {
+    let how = if batches { "HTTP batch" } else { "HTTP" };
+    let mut largest_batch = 0;
+    for &seed in seeds {
         let mut plan = Plan::new(seed);
         plan.ops_per_caller = plan.ops_per_caller.min(5);
         let store = store(&plan);
@@ -1381,13 +1523,24 @@ async fn seeded_runs_over_http_keep_every_write_exactly_once_with_one_answer() {
         let servers = common::spawn_fleet(plan.replicas, store.shared.clone(), &flags).await;
         let replicas: Vec<Arc<App>> = servers.iter().map(|s| s.app.clone()).collect();
         let journal = Arc::new(Mutex::new(Journal::default()));
-        let fleet = Arc::new(OverHttp(servers));
-        drive(fleet, &plan, &journal).await;
+        if batches {
+            let open = servers.iter().map(|_| Mutex::new(Vec::new())).collect();
+            let fleet = Arc::new(OverHttpBatches {
+                apps: servers,
+                open,
+                largest: Default::default(),
+            });
+            drive(fleet.clone(), &plan, &journal).await;
+            largest_batch =
+                largest_batch.max(fleet.largest.load(std::sync::atomic::Ordering::Relaxed));
+        } else {
+            drive(Arc::new(OverHttp(servers)), &plan, &journal).await;
+        }
         let fresh = replica(&plan, store.mem.clone()).await;
         let identity = fresh.identity;
         let mut truth = read_truth(&plan, &store.mem, identity.client(), |a| identity.key(a))
             .await
-            .unwrap_or_else(|v| panic!("HTTP seed {seed}: {v}"));
+            .unwrap_or_else(|v| panic!("{how} seed {seed}: {v}"));
         // With the harness's authentication on, an event's id derives from
         // (caller, key); name each landed event by the key that was sent.
         if common::test_auth::on() {
@@ -1406,9 +1559,13 @@ async fn seeded_runs_over_http_keep_every_write_exactly_once_with_one_answer() {
                 .collect();
         }
         check(&plan, &journal.lock(), &truth)
-            .unwrap_or_else(|v| panic!("HTTP seed {seed}: {v}\n  plan: {plan:?}"));
+            .unwrap_or_else(|v| panic!("{how} seed {seed}: {v}\n  plan: {plan:?}"));
         check_replicas(&replicas, &fresh, &truth)
             .await
-            .unwrap_or_else(|v| panic!("HTTP seed {seed}: {v}"));
+            .unwrap_or_else(|v| panic!("{how} seed {seed}: {v}"));
     }
+    assert!(
+        !batches || largest_batch > 1,
+        "no simulated batch carried more than one item"
+    );
 }
