@@ -212,6 +212,23 @@ def build():
           t(f"sum by (instance) ({rate('tally_idempotency_key_reuse_total')})", "reuse {{instance}}"),
           t(f"sum by (instance) ({rate('tally_idempotency_keys_minted_total')})", "minted {{instance}}")], "ops")
 
+    L.ts("Keys remembered past the window",
+         [t(f"sum by (instance) (tally_idempotency_remembered_keys{sel()})", "keys {{instance}}"),
+          t(f"max(tally_idempotency_remembered_keys_cap{sel()})", "cap (a replica)")], "short",
+         "Keys each replica's key memory holds past the window (--idempotency-retention), and the replica-wide cap (--idempotency-max-keys).")
+    L.ts("Keys forgotten by a cap, and remembered keys read",
+         [t(f"sum by (cap) ({rate('tally_idempotency_keys_forgotten_total')})", "forgotten ({{cap}} cap)"),
+          t(f"sum by (result) ({rate('tally_idempotency_remembered_reads_total')})", "read: {{result}}")], "ops",
+         "Forgotten: keys dropped inside the retention to keep a cap; that account's answers state the shorter horizon. Read: the batch a remembered key points at (hit, collision with another key, expired, collided: too many keys share one fingerprint).")
+    L.ts("Batches: items per batch",
+         [t(quantile(0.5, "tally_batch_items", []), "p50"),
+          t(quantile(0.99, "tally_batch_items", []), "p99"),
+          t(f"sum({rate('tally_batch_items_count')})", "batches/s")], "short",
+         "Items in one POST /api/batch, and batches a second.")
+    L.ts("Batch items by result",
+         [t(f"sum by (status) ({rate('tally_batch_item_results_total')})", "{{status}}")], "ops",
+         "Each item's result status: 2xx, 4xx (a refusal), 409 and 503 (retryable: resend the item with its key), 5xx.")
+
     L.row("Store (Celeriant)")
     L.ts("Store reachable, by replica", [t(f"min by (instance) (tally_store_reachable{sel()})", "{{instance}}")], "short",
          "1 while the store answers; 0 from a call that reached no node until the next answer. Writes and reads answer 503 STORE_UNAVAILABLE meanwhile (TallyStoreUnreachable).")
