@@ -11,8 +11,9 @@
 //!   each of its accounts. So a key sent twice on one account is as if sent again after the
 //!   first answered: a replay, or 422 for another body.
 //! - At most `--batch-items-in-flight` items of one batch run at once. Each holds a
-//!   live-write permit as a single request does (`--max-live-writes`), so batches and single
-//!   requests share that limit item by item.
+//!   live-write permit as a single request does (`--max-live-writes`), and batch items
+//!   together hold at most half of them (`WriteService::execute_batch_item`): an item waits
+//!   for that share rather than being refused, and single requests keep the other half.
 //! - The answer comes once every item has its result: for each, exactly the status and body
 //!   the single route would have answered, with its key, whether it was a replay, and the
 //!   window and retention it states.
@@ -37,7 +38,7 @@ use super::error::{ApiError, ErrorCode};
 use super::idempotency::{self, IdempotencyKey};
 use super::response::{Resp, json_response};
 use super::writes::{
-    from_account_id, keyed_answer, refuse_if_stood_still, run_write, to_account_id,
+    Admission, from_account_id, keyed_answer, refuse_if_stood_still, run_write, to_account_id,
 };
 use crate::account::{AccountId, AmountCents, Operation};
 use crate::app::App;
@@ -219,7 +220,10 @@ async fn run_item(app: &Arc<App>, caller: Option<&Caller>, ready: Ready) -> Resp
         op,
         event_id: key.event_id.as_u128(),
     };
-    let answer = run_write(app, request, &attempt).await;
+    // As long as a write may live: a batch admitted whole waits its turn rather than
+    // refuse items a moment later.
+    let wait = app.config.write().deadline;
+    let answer = run_write(app, request, &attempt, Admission::BatchItem { wait }).await;
     let since = attempt
         .arrived()
         .map_or(Duration::ZERO, |a| a.elapsed())

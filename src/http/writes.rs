@@ -243,7 +243,7 @@ where
         op,
         event_id: key.event_id.as_u128(),
     };
-    let answer = run_write(app, request, &attempt).await;
+    let answer = run_write(app, request, &attempt, Admission::Single).await;
     // How long ago what this answer speaks for can have landed: since this request began,
     // or since the attempt it waits on arrived, known even when that one has not answered.
     let since = attempt
@@ -296,13 +296,25 @@ pub(super) fn refuse_if_stood_still(app: &App) -> Result<(), ApiError> {
     )))
 }
 
+/// How a write gets onto the write side.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Admission {
+    /// A request of its own: a live-write permit now, or a refusal.
+    Single,
+    /// A batch's item: it may wait this long for its batch share first.
+    BatchItem { wait: Duration },
+}
+
 /// Runs the write loop within the request's deadline. The loop stops trying at its deadline,
 /// but a store call under way then runs to its own timeout: past this backstop the answer is
-/// "not known yet", and the write goes on, detached, to record the outcome for the retry.
+/// "not known yet", and the write goes on, detached, to record the outcome for the retry. A
+/// batch item's backstop is later by the wait for its share: its write's deadline starts
+/// after it.
 pub(super) async fn run_write(
     app: &Arc<App>,
     request: WriteRequest,
     attempt: &Arc<AnsweringAttempt>,
+    admission: Admission,
 ) -> Result<WriteOutcome, WriteError> {
     let writes = app.writes.clone();
     let (span, note) = (
@@ -311,10 +323,21 @@ pub(super) async fn run_write(
     );
     let write = Detached::new({
         let attempt = attempt.clone();
-        note.scope(async move { writes.execute_tracked(request, &attempt).await })
-            .instrument(span)
+        note.scope(async move {
+            match admission {
+                Admission::Single => writes.execute_tracked(request, &attempt).await,
+                Admission::BatchItem { wait } => {
+                    writes.execute_batch_item(request, &attempt, wait).await
+                }
+            }
+        })
+        .instrument(span)
     });
-    match tokio::time::timeout(request_deadline(app), write).await {
+    let backstop = match admission {
+        Admission::Single => request_deadline(app),
+        Admission::BatchItem { wait } => request_deadline(app) + wait,
+    };
+    match tokio::time::timeout(backstop, write).await {
         Ok(Ok(answer)) => answer,
         Ok(Err(WritePanicked)) => Err(WriteError::Invariant {
             what: "the write panicked".into(),

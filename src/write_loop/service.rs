@@ -58,6 +58,9 @@ pub struct WriteService {
     lanes: Lanes,
     /// One permit per live request; see [`WriteConfig::max_live_writes`].
     live: Semaphore,
+    /// The share of `live` batch items may hold together: half, so single requests always
+    /// have the other half ([`WriteService::execute_batch_item`]).
+    batch_share: Semaphore,
     /// Whether the store answers, as the replica's store calls find it.
     health: Arc<StoreHealth>,
 }
@@ -71,6 +74,7 @@ impl WriteService {
             coalescer: Coalescer::default(),
             lanes: Lanes::new(config.max_queued_per_account),
             live: Semaphore::new(config.max_live_writes.max(1)),
+            batch_share: Semaphore::new((config.max_live_writes / 2).max(1)),
             health: Arc::default(),
         }
     }
@@ -124,6 +128,26 @@ impl WriteService {
         };
         let _live = LiveGauge::enter(&self.metrics().write_live);
         self.execute_admitted(req, arrived, attempt).await
+    }
+
+    /// A batch's item: as [`Self::execute_tracked`], once the item holds a place in the batch
+    /// share (half the live-write permits, over all batches). An item waits for that place
+    /// instead of being refused, since its batch was admitted whole, but no longer than
+    /// `wait`: then it is refused, with nothing sent. So batch items never hold more than
+    /// half the permits, and single requests are never starved by batches.
+    pub async fn execute_batch_item(
+        &self,
+        req: WriteRequest,
+        attempt: &AnsweringAttempt,
+        wait: std::time::Duration,
+    ) -> Answer {
+        let Ok(Ok(_place)) = tokio::time::timeout(wait, self.batch_share.acquire()).await else {
+            return Err(self.refuse(
+                refused::LIVE_WRITES,
+                "too many batch items in flight on this replica; resend the item",
+            ));
+        };
+        self.execute_tracked(req, attempt).await
     }
 
     /// Coalescing: runs the request as the first of its key on this replica, or waits for
@@ -518,5 +542,40 @@ mod tests {
             "{refused:?}"
         );
         assert_eq!(attempt.arrived(), Some(first_arrived));
+    }
+
+    /// Rule: batch items together hold at most half the live-write permits. An item waits
+    /// for its share and is refused, with nothing sent, only past its wait; a single request
+    /// meanwhile still lands on the other half.
+    #[tokio::test(start_paused = true)]
+    async fn batch_items_hold_at_most_half_the_permits_and_singles_keep_the_rest() {
+        let svc = service();
+        let total = svc.live.available_permits();
+        assert_eq!(svc.batch_share.available_permits(), total / 2);
+        let _batches = svc
+            .batch_share
+            .try_acquire_many(svc.batch_share.available_permits() as u32)
+            .expect("the whole batch share");
+        let account = AccountId(uuid::Uuid::from_u128(21));
+        let op = Operation::Deposit {
+            account,
+            amount: amount(5),
+        };
+        let attempt = AnsweringAttempt::default();
+        let item = svc.execute_batch_item(
+            WriteRequest { op, event_id: 21 },
+            &attempt,
+            Duration::from_millis(50),
+        );
+        let refused = item.await;
+        assert!(
+            matches!(refused, Err(WriteError::Overloaded { .. })),
+            "{refused:?}"
+        );
+        let single = svc.execute(WriteRequest { op, event_id: 22 }).await;
+        assert!(single.is_ok(), "{single:?}");
+        let snap = svc.projection.current(account, &[]).await;
+        let version = snap.ok().flatten().map(|l| l.snap.version);
+        assert_eq!(version, Some(1), "only the single request wrote");
     }
 }
