@@ -68,6 +68,7 @@ pub enum ErrorCode {
     ValidationError,
     InsufficientFunds,
     IdempotencyKeyReused,
+    LinkedItemFailed,
     DeviceRunOverLimit,
     // 429: the caller is over a limit.
     RateLimited,
@@ -88,7 +89,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, once.
-    pub const ALL: [ErrorCode; 57] = [
+    pub const ALL: [ErrorCode; 58] = [
         ErrorCode::BadRequest,
         ErrorCode::InvalidJson,
         ErrorCode::InvalidId,
@@ -117,6 +118,7 @@ impl ErrorCode {
         ErrorCode::ValidationError,
         ErrorCode::InsufficientFunds,
         ErrorCode::IdempotencyKeyReused,
+        ErrorCode::LinkedItemFailed,
         ErrorCode::DeviceRunOverLimit,
         ErrorCode::RateLimited,
         ErrorCode::TooManyAuthFailures,
@@ -179,6 +181,7 @@ impl ErrorCode {
             ErrorCode::ValidationError => "VALIDATION_ERROR",
             ErrorCode::InsufficientFunds => "INSUFFICIENT_FUNDS",
             ErrorCode::IdempotencyKeyReused => "IDEMPOTENCY_KEY_REUSED",
+            ErrorCode::LinkedItemFailed => "LINKED_ITEM_FAILED",
             ErrorCode::DeviceRunOverLimit => "DEVICE_RUN_OVER_LIMIT",
             ErrorCode::RateLimited => "RATE_LIMITED",
             ErrorCode::TooManyAuthFailures => "TOO_MANY_AUTH_FAILURES",
@@ -223,6 +226,7 @@ impl ErrorCode {
             ErrorCode::ValidationError
             | ErrorCode::InsufficientFunds
             | ErrorCode::IdempotencyKeyReused
+            | ErrorCode::LinkedItemFailed
             | ErrorCode::DeviceRunOverLimit => StatusCode::UNPROCESSABLE_ENTITY,
             ErrorCode::RateLimited | ErrorCode::TooManyAuthFailures | ErrorCode::TooManyStreams => {
                 StatusCode::TOO_MANY_REQUESTS
@@ -637,6 +641,10 @@ impl From<WriteError> for ApiError {
             WriteError::Overloaded { .. } => ApiError::Unavailable(e.to_string()),
             WriteError::Invariant { .. } => ApiError::Internal {
                 code: ErrorCode::Internal,
+                message: e.to_string(),
+            },
+            WriteError::LinkedItemFailed => ApiError::Unprocessable {
+                code: ErrorCode::LinkedItemFailed,
                 message: e.to_string(),
             },
         }

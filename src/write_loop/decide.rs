@@ -54,15 +54,27 @@ pub(super) enum Freshness {
 #[derive(Debug, PartialEq, Eq)]
 pub(super) struct NeedsCurrentState;
 
+/// How a run's members stand to one another.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Members {
+    /// Each lands on its own (a lane's batch): a refusal on top of earlier members that have
+    /// not landed is no verdict on the account, only deferred.
+    Independent,
+    /// A linked group, landing together or not at all: a refusal on top of earlier members
+    /// is the group's, and as final as any refusal on current state.
+    Together,
+}
+
 /// Decides every candidate in order, each on top of the ones before it (`accounts` is each
 /// account in the loaded state). A refusal is final only on a state at the store's tip
 /// ([`Freshness::AtTip`]), and only on a state the account really had: one decided on top
-/// of unlanded batch members is deferred.
+/// of unlanded batch members is deferred, unless the members land together.
 pub(super) fn decide(
     accounts: &[Standing],
     candidates: &[Candidate],
     freshness: Freshness,
     mode: AccountsMode,
+    members: Members,
 ) -> Result<Vec<Verdict>, NeedsCurrentState> {
     let mut running = accounts.to_vec();
     // `running` includes requests that have not landed (or not visibly).
@@ -97,7 +109,7 @@ pub(super) fn decide(
             }
             Some(_) if c.landing == Landing::Proven => Verdict::AlreadyLanded,
             Some(_) if freshness == Freshness::MaybeBehind => return Err(NeedsCurrentState),
-            Some(_) if speculative => Verdict::Deferred,
+            Some(_) if speculative && members == Members::Independent => Verdict::Deferred,
             Some(_) if c.landing == Landing::Possible => Verdict::Unverifiable,
             Some(e) => Verdict::Refused(e),
         };
@@ -126,7 +138,13 @@ mod tests {
                 exists: true,
             })
             .collect();
-        super::decide(&accounts, candidates, freshness, AccountsMode::Implicit)
+        super::decide(
+            &accounts,
+            candidates,
+            freshness,
+            AccountsMode::Implicit,
+            Members::Independent,
+        )
     }
 
     fn withdraw(cents: i64) -> Candidate {
@@ -218,18 +236,70 @@ mod tests {
             }
         };
         assert_eq!(
-            super::decide(&missing, &[deposit()], Freshness::MaybeBehind, explicit),
+            super::decide(
+                &missing,
+                &[deposit()],
+                Freshness::MaybeBehind,
+                explicit,
+                Members::Independent
+            ),
             Err(NeedsCurrentState)
         );
         assert_eq!(
-            super::decide(&missing, &[deposit()], Freshness::AtTip, explicit),
+            super::decide(
+                &missing,
+                &[deposit()],
+                Freshness::AtTip,
+                explicit,
+                Members::Independent
+            ),
             Ok(vec![Verdict::Refused(not_found)])
         );
         let mut held = deposit();
         held.landing = Landing::Possible;
         assert_eq!(
-            super::decide(&missing, &[held], Freshness::AtTip, explicit),
+            super::decide(
+                &missing,
+                &[held],
+                Freshness::AtTip,
+                explicit,
+                Members::Independent
+            ),
             Ok(vec![Verdict::Unverifiable])
         );
+    }
+
+    /// Rule: in a linked group a refusal on top of earlier members is the group's own and
+    /// final on current state; in a lane's batch it is only deferred.
+    #[test]
+    fn a_linked_groups_refusal_on_top_of_its_earlier_members_is_final() {
+        let accounts = vec![
+            Standing {
+                balance: 10,
+                exists: true,
+            };
+            1
+        ];
+        let candidates = [withdraw(5), withdraw(6)];
+        let mode = AccountsMode::Implicit;
+        let apart = super::decide(
+            &accounts,
+            &candidates,
+            Freshness::AtTip,
+            mode,
+            Members::Independent,
+        );
+        assert_eq!(apart.unwrap()[1], Verdict::Deferred);
+        let together = super::decide(
+            &accounts,
+            &candidates,
+            Freshness::AtTip,
+            mode,
+            Members::Together,
+        );
+        assert!(matches!(
+            together.unwrap()[1],
+            Verdict::Refused(RuleError::InsufficientFunds { .. })
+        ));
     }
 }

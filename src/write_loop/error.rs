@@ -41,6 +41,26 @@ pub enum WriteError {
     /// or may not have landed, so a retry with the same key settles it.
     #[error("internal invariant broken: {what}")]
     Invariant { what: String },
+    /// Another item of its linked group was refused for good, so nothing of the group was
+    /// written. Final, as that refusal is.
+    #[error("another item of this linked group was refused; nothing of the group was written")]
+    LinkedItemFailed,
+}
+
+impl WriteError {
+    /// Whether the same request may land if sent again (nothing is known to be wrong with
+    /// it); the others are final refusals.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            WriteError::Unverifiable { .. }
+                | WriteError::StoreUnavailable
+                | WriteError::GaveUp { .. }
+                | WriteError::Overloaded { .. }
+                | WriteError::Invariant { .. }
+                | WriteError::Store(_)
+        )
+    }
 }
 
 /// A give-up's message. Zero attempts is a run whose time ran out before one was counted

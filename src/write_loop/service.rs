@@ -150,6 +150,50 @@ impl WriteService {
         self.execute_tracked(req, attempt).await
     }
 
+    /// A linked group of a batch: one run whose members land in one store write, or none
+    /// does ([`Run::linked`]). Each member holds a place in the batch share and a live-write
+    /// permit, as a batch item does, waiting up to `wait` for the share. Its members are not
+    /// coalesced with duplicates running here: the store's guards keep a key from landing
+    /// twice, and the loser's read-back answers it.
+    pub async fn execute_linked(
+        &self,
+        reqs: Vec<WriteRequest>,
+        wait: std::time::Duration,
+    ) -> Vec<Answer> {
+        let n = u32::try_from(reqs.len()).unwrap_or(u32::MAX);
+        let refused = |why: &str| {
+            let err = self.refuse(refused::LIVE_WRITES, why);
+            reqs.iter().map(|_| Err(err.clone())).collect()
+        };
+        let Ok(Ok(_places)) = tokio::time::timeout(wait, self.batch_share.acquire_many(n)).await
+        else {
+            return refused("too many batch items in flight on this replica; resend the group");
+        };
+        let Ok(_permits) = self.live.try_acquire_many(n) else {
+            return refused("too many writes in flight; resend the group");
+        };
+        let _live = LiveGauge::enter(&self.metrics().write_live);
+        let started = Instant::now();
+        let n = reqs.len();
+        let mut run = Run::linked(self.run_context(), reqs);
+        run.drive(started + self.config.deadline).await;
+        let answers = run.finish();
+        debug_assert_eq!(answers.len(), n, "one answer per request");
+        answers
+    }
+
+    /// What a run needs of this replica.
+    fn run_context(&self) -> RunContext<'_> {
+        RunContext {
+            projection: &self.projection,
+            log: &self.log,
+            identity: *self.projection.identity(),
+            metrics: self.metrics(),
+            health: &self.health,
+            config: self.config,
+        }
+    }
+
     /// Coalescing: runs the request as the first of its key on this replica, or waits for
     /// the first already running and shares its answer.
     async fn execute_admitted(
@@ -256,15 +300,7 @@ impl WriteService {
     /// (the earliest arrival among them). Returns one answer per request, in order.
     async fn run(&self, reqs: Vec<WriteRequest>, started: Instant) -> Vec<Answer> {
         let n = reqs.len();
-        let cx = RunContext {
-            projection: &self.projection,
-            log: &self.log,
-            identity: *self.projection.identity(),
-            metrics: self.metrics(),
-            health: &self.health,
-            config: self.config,
-        };
-        let mut run = Run::new(cx, reqs);
+        let mut run = Run::new(self.run_context(), reqs);
         run.drive(started + self.config.deadline).await;
         let answers = run.finish();
         debug_assert_eq!(answers.len(), n, "one answer per request");

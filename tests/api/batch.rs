@@ -186,3 +186,108 @@ async fn an_item_for_an_account_the_token_may_not_write_is_refused_alone() {
     assert_eq!(results[1]["replayed"], false);
     t.shutdown().await;
 }
+
+fn linked(mut item: Value, group: &str) -> Value {
+    item["group"] = json!(group);
+    item
+}
+
+/// Rule: a linked group's items land together, in one store write: every item on one
+/// account answers that write's version, each with the balance right after its own event.
+#[tokio::test]
+async fn a_linked_group_lands_whole_in_one_store_write() {
+    let t = spawn(test_config(&[]), None, None).await;
+    let (a, b) = (new_account(), new_account());
+    let results = batch(
+        &t,
+        vec![
+            linked(deposit(&a, 100, "g1-dep"), "g1"),
+            deposit(&b, 1, "alone"),
+            linked(transfer(&a, &b, 30, "g1-pay"), "g1"),
+            linked(withdraw(&a, 10, "g1-fee"), "g1"),
+        ],
+    )
+    .await;
+    assert_eq!(statuses(&results), vec![200, 200, 200, 200]);
+    assert_eq!(
+        results[0]["body"],
+        json!({"balanceCents": 100, "aggregateVersion": 1})
+    );
+    assert_eq!(
+        results[2]["body"]["from"],
+        json!({"balanceCents": 70, "aggregateVersion": 1})
+    );
+    assert_eq!(
+        results[3]["body"],
+        json!({"balanceCents": 60, "aggregateVersion": 1})
+    );
+    let history = t.history(&a).await;
+    assert_eq!(history.len(), 3);
+    assert!(
+        history.iter().all(|e| e["aggregateVersion"] == 1),
+        "one batch: {history:?}"
+    );
+    // Resent whole: every item replays, nothing is written.
+    let again = batch(
+        &t,
+        vec![
+            linked(deposit(&a, 100, "g1-dep"), "g1"),
+            linked(transfer(&a, &b, 30, "g1-pay"), "g1"),
+            linked(withdraw(&a, 10, "g1-fee"), "g1"),
+        ],
+    )
+    .await;
+    assert_eq!(statuses(&again), vec![200, 200, 200]);
+    assert!(again.iter().all(|r| r["replayed"] == true), "{again:?}");
+    assert_eq!(t.balance(&a).await, (60, 1));
+    t.shutdown().await;
+}
+
+/// Rule: a linked group with an item refused for good writes nothing: that item answers its
+/// own refusal, the others 422 `LINKED_ITEM_FAILED`; an item refused before it runs (bad
+/// input) refuses its group the same way.
+#[tokio::test]
+async fn a_linked_group_with_a_refused_item_writes_nothing() {
+    let t = spawn(test_config(&[]), None, None).await;
+    let (a, b) = (new_account(), new_account());
+    let results = batch(
+        &t,
+        vec![
+            linked(deposit(&b, 50, "g2-dep"), "g2"),
+            linked(withdraw(&a, 1_000, "g2-poor"), "g2"),
+            linked(deposit(&a, 5, "g3-dep"), "g3"),
+            linked(deposit(&a, 0, "g3-zero"), "g3"),
+        ],
+    )
+    .await;
+    assert_eq!(statuses(&results), vec![422, 422, 422, 422]);
+    assert_eq!(results[0]["body"]["error"], "LINKED_ITEM_FAILED");
+    assert_eq!(results[1]["body"]["error"], "INSUFFICIENT_FUNDS");
+    assert_eq!(results[2]["body"]["error"], "LINKED_ITEM_FAILED");
+    assert_eq!(results[3]["body"]["error"], "VALIDATION_ERROR");
+    assert_eq!(t.balance(&a).await, (0, 0));
+    assert_eq!(t.balance(&b).await, (0, 0));
+    t.shutdown().await;
+}
+
+/// Rule: a linked group past its limits (16 items, 16 accounts) or with a key twice is
+/// refused whole, 400 on every item, and nothing is written.
+#[tokio::test]
+async fn a_linked_group_past_its_limits_is_refused_whole() {
+    let t = spawn(test_config(&[]), None, None).await;
+    let a = new_account();
+    let mut items: Vec<Value> = (0..17)
+        .map(|i| linked(deposit(&a, 1, &format!("big-{i}")), "big"))
+        .collect();
+    items.push(linked(deposit(&a, 1, "twice"), "dup"));
+    items.push(linked(deposit(&a, 1, "twice"), "dup"));
+    let results = batch(&t, items).await;
+    assert!(statuses(&results).iter().all(|&s| s == 400), "{results:?}");
+    let accounts: Vec<Value> = (0..17)
+        .map(|i| linked(deposit(&new_account(), 1, &format!("wide-{i}")), "wide"))
+        .collect();
+    let results = batch(&t, accounts).await;
+    assert!(statuses(&results).iter().all(|&s| s == 400), "{results:?}");
+    assert_eq!(t.balance(&a).await, (0, 0));
+    t.shutdown().await;
+}

@@ -83,6 +83,7 @@ fleet_scenarios! {
     #[tokio::test] with_explicit_accounts_a_refusal_on_one_replica_does_not_outlive_an_open_on_another,
     #[tokio::test] a_batch_resent_to_another_replica_replays_item_by_item,
     #[tokio::test] a_batch_item_and_a_single_request_with_the_same_key_are_one_write,
+    #[tokio::test] a_linked_group_lands_whole_or_not_at_all_and_replays_on_another_replica,
 }
 
 /// A fresh in-process store.
@@ -1151,4 +1152,84 @@ async fn a_batch_item_and_a_single_request_with_the_same_key_are_one_write(base:
     assert_eq!(single.body, results[1]["body"]);
     f.assert_stream(0, &acct, &[("Deposited", 40, &k1), ("Deposited", 2, &k2)])
         .await;
+}
+
+/// Rule: a linked group lands in one store write or not at all, on the real server too: a
+/// group one of whose items is refused writes nothing on any account, and a group that lands
+/// replays whole on another replica.
+async fn a_linked_group_lands_whole_or_not_at_all_and_replays_on_another_replica(base: SharedLog) {
+    let f = Fleet::plain(base, 2).await;
+    let (a, b) = (new_account(), new_account());
+    let (k1, k2, k3, k4) = (idem_key(), idem_key(), idem_key(), idem_key());
+    let group = |mut item: Value, g: &str| {
+        item["group"] = json!(g);
+        item
+    };
+    let refused = post_batch(
+        &f,
+        0,
+        &[
+            group(deposit_item(&b, 50, &k1), "g1"),
+            group(
+                json!({"type": "withdraw", "accountId": a, "amountCents": 1, "idempotencyKey": k2}),
+                "g1",
+            ),
+        ],
+    )
+    .await;
+    assert_eq!(
+        refused[0]["body"]["error"], "LINKED_ITEM_FAILED",
+        "{refused:?}"
+    );
+    assert_eq!(
+        refused[1]["body"]["error"], "INSUFFICIENT_FUNDS",
+        "{refused:?}"
+    );
+    let landed = [
+        group(deposit_item(&a, 100, &k3), "g2"),
+        group(
+            json!({"type": "transfer", "fromAccountId": a, "toAccountId": b,
+                   "amountCents": 40, "idempotencyKey": k4}),
+            "g2",
+        ),
+    ];
+    let first = post_batch(&f, 0, &landed).await;
+    assert_eq!(
+        first[0]["body"],
+        json!({"balanceCents": 100, "aggregateVersion": 1})
+    );
+    assert_eq!(
+        first[1]["body"]["from"],
+        json!({"balanceCents": 60, "aggregateVersion": 1})
+    );
+    assert_eq!(
+        first[1]["body"]["to"],
+        json!({"balanceCents": 40, "aggregateVersion": 1})
+    );
+    let again = post_batch(&f, 1, &landed).await;
+    for (was, now) in first.iter().zip(&again) {
+        assert_eq!(now["body"], was["body"]);
+        assert_eq!(now["replayed"], true);
+    }
+    // One store write: both of a's events in one batch, at version 1.
+    let history = f.apps[1].history(&a).await;
+    let seen: Vec<(Value, Value, Value)> = history
+        .iter()
+        .map(|e| {
+            (
+                e["aggregateVersion"].clone(),
+                e["type"].clone(),
+                e["eventId"].clone(),
+            )
+        })
+        .collect();
+    let id = |k: &str| json!(common::test_auth::event_id(k));
+    assert_eq!(
+        seen,
+        vec![
+            (json!(1), json!("Deposited"), id(&k3)),
+            (json!(1), json!("TransferredOut"), id(&k4)),
+        ]
+    );
+    f.assert_stream(1, &b, &[("TransferredIn", 40, &k4)]).await;
 }

@@ -27,7 +27,7 @@ use self::member::{Member, Phase, SeqHold};
 use self::readback::Scanned;
 use super::arm::Arm;
 use super::classify::{Cause, Failure};
-use super::decide::{self, Candidate, Freshness, Landing, NeedsCurrentState, Verdict};
+use super::decide::{self, Candidate, Freshness, Landing, Members, NeedsCurrentState, Verdict};
 use super::error::{WriteError, invariant};
 use super::{Answer, WriteConfig, WriteRequest};
 use crate::account::{AccountId, Identity, Standing};
@@ -68,6 +68,17 @@ enum FirstTouch {
     ThisAttempt,
     /// Taken on an earlier attempt: a run takes at most one.
     Spent,
+}
+
+/// Whether a run's members land together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Linkage {
+    /// Each member is answered on its own (a lane's batch, a lone request).
+    Independent,
+    /// A linked group: every member goes out in one store write, or none does; a final
+    /// refusal of one answers the others `LinkedItemFailed`, a retryable answer of one is
+    /// every member's.
+    Linked,
 }
 
 /// What the run knows of the replica's copies of its accounts, for a give-up
@@ -126,9 +137,19 @@ pub(super) struct Run<'a> {
     tips: Option<Vec<u64>>,
     first_touch: FirstTouch,
     copies: Copies,
+    linkage: Linkage,
 }
 
 impl<'a> Run<'a> {
+    /// A run of a linked group: see [`Linkage::Linked`].
+    pub(super) fn linked(cx: RunContext<'a>, reqs: Vec<WriteRequest>) -> Self {
+        Self {
+            op_label: "linked",
+            linkage: Linkage::Linked,
+            ..Self::new(cx, reqs)
+        }
+    }
+
     pub(super) fn new(cx: RunContext<'a>, reqs: Vec<WriteRequest>) -> Self {
         let op_label = match reqs.as_slice() {
             [one] => one.op.name(),
@@ -168,6 +189,7 @@ impl<'a> Run<'a> {
             tips: None,
             first_touch: FirstTouch::Unused,
             copies: Copies::Unread,
+            linkage: Linkage::Independent,
         }
     }
 
@@ -273,6 +295,7 @@ impl<'a> Run<'a> {
             return Next::Backoff;
         };
         let batch = self.admit_new(batch);
+        let batch = self.hold_together(batch);
         if batch.is_empty() {
             return Next::Backoff;
         }
@@ -322,7 +345,13 @@ impl<'a> Run<'a> {
         let candidates = self.candidates(&open);
         let standings = self.standings();
         let mode = self.cx.config.accounts;
-        let verdicts = match decide::decide(&standings, &candidates, Freshness::MaybeBehind, mode) {
+        let members = match self.linkage {
+            Linkage::Independent => Members::Independent,
+            Linkage::Linked => Members::Together,
+        };
+        let decide_on =
+            |freshness| decide::decide(&standings, &candidates, freshness, mode, members);
+        let verdicts = match decide_on(Freshness::MaybeBehind) {
             Ok(verdicts) => verdicts,
             Err(NeedsCurrentState) => {
                 // Only a catch-up that reached the store's tip is current: not the local
@@ -335,7 +364,7 @@ impl<'a> Run<'a> {
                 if !self.reached_tip().await {
                     return None;
                 }
-                decide::decide(&standings, &candidates, Freshness::AtTip, mode).ok()?
+                decide_on(Freshness::AtTip).ok()?
             }
         };
         Some(self.apply_verdicts(open, verdicts))
@@ -421,6 +450,35 @@ impl<'a> Run<'a> {
             }
         }
         kept
+    }
+
+    /// A linked group goes out whole or not at all. A member answered on this attempt's
+    /// state answers the others: a final refusal as `LinkedItemFailed`, a retryable answer
+    /// as itself. A member that already landed (found by the read-back: the group's write
+    /// landed) leaves the others unverifiable, their own keys no longer answering. A member
+    /// held back for now holds the whole group back.
+    fn hold_together(&mut self, batch: Vec<usize>) -> Vec<usize> {
+        if self.linkage == Linkage::Independent {
+            return batch;
+        }
+        let open = self.unanswered().count();
+        let answered = self.members.iter().find_map(|m| match &m.phase {
+            Phase::Done(answer) => Some(answer.clone()),
+            _ => None,
+        });
+        let rest = match answered {
+            None if batch.len() == open => return batch,
+            None => return Vec::new(),
+            Some(Err(e)) if e.is_retryable() => e,
+            Some(Err(_)) => WriteError::LinkedItemFailed,
+            Some(Ok(_)) => WriteError::Unverifiable {
+                reason:
+                    "its linked group's write landed, but this item's own key no longer answers"
+                        .into(),
+            },
+        };
+        self.answer_unanswered(rest);
+        Vec::new()
     }
 
     /// A one-word summary of the run for the request span.

@@ -14,36 +14,35 @@
 //!   live-write permit as a single request does (`--max-live-writes`), and batch items
 //!   together hold at most half of them (`WriteService::execute_batch_item`): an item waits
 //!   for that share rather than being refused, and single requests keep the other half.
+//! - Items that name one `group` are linked: they go out in one store write, or none does
+//!   (`WriteService::execute_linked`). At most 16 items on 16 accounts, each key once. A
+//!   final refusal of one is its own answer, and the others are 422 `LINKED_ITEM_FAILED`; a
+//!   retryable answer of one is every item's. A group runs where its first item stands.
 //! - The answer comes once every item has its result: for each, exactly the status and body
 //!   the single route would have answered, with its key, whether it was a replay, and the
 //!   window and retention it states.
 
-use std::collections::HashMap;
+mod run;
+
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::{Request, StatusCode};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use tokio::sync::{Semaphore, watch};
 use uuid::Uuid;
 
 use super::admission::RequestSlots;
-use super::answer::Shown;
 use super::body::read_json_within;
 use super::deadline::{request_deadline, took_too_long};
 use super::error::{ApiError, ErrorCode};
 use super::idempotency::{self, IdempotencyKey};
 use super::response::{Resp, json_response};
-use super::writes::{
-    Admission, from_account_id, keyed_answer, refuse_if_stood_still, run_write, to_account_id,
-};
+use super::writes::{from_account_id, refuse_if_stood_still, to_account_id};
 use crate::account::{AccountId, AmountCents, Operation};
 use crate::app::App;
 use crate::auth::Caller;
-use crate::write_loop::{AnsweringAttempt, WriteRequest};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -68,6 +67,10 @@ struct AccountItem {
     #[serde(deserialize_with = "crate::account::deserialize_amount_cents")]
     amount_cents: i64,
     idempotency_key: String,
+    /// Read from the raw item before this parse (`group_of`), so that an item refused here
+    /// still belongs to its group; here only its type is checked.
+    #[serde(default, rename = "group")]
+    _group: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -80,16 +83,26 @@ struct TransferItem {
     #[serde(deserialize_with = "crate::account::deserialize_amount_cents")]
     amount_cents: i64,
     idempotency_key: String,
+    /// Read from the raw item before this parse (`group_of`), so that an item refused here
+    /// still belongs to its group; here only its type is checked.
+    #[serde(default, rename = "group")]
+    _group: Option<String>,
 }
 
 fn account_id<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Uuid, D::Error> {
     super::writes::account_id_field(d, "accountId")
 }
 
-/// An item ready to run: its key, its write, and what its answer shows the caller.
+/// An item ready to run: its key and its write.
 struct Ready {
     key: IdempotencyKey,
     op: Operation,
+}
+
+/// An item as read: the linked group it names, and its write or why it is refused.
+struct Prepared {
+    group: Option<String>,
+    ready: Result<Ready, ApiError>,
 }
 
 /// `POST /api/batch`.
@@ -118,16 +131,30 @@ pub async fn batch(
     }
     refuse_if_stood_still(app)?;
     app.metrics.batch_items.observe(n as f64);
-    let items: Vec<Result<Ready, ApiError>> = body
+    let items: Vec<Prepared> = body
         .items
         .into_iter()
-        .map(|item| prepare(app, caller.as_ref(), item))
+        .map(|item| Prepared {
+            group: group_of(&item),
+            ready: prepare(app, caller.as_ref(), item),
+        })
         .collect();
-    let results = run_in_order(app, caller.as_ref(), items).await;
+    let results = run::run_in_order(app, caller.as_ref(), items).await;
     Ok(json_response(
         StatusCode::OK,
         &json!({ "results": results }),
     ))
+}
+
+/// The linked group an item names, whatever else is wrong with it (a group is refused whole
+/// when any of its items is).
+fn group_of(item: &Value) -> Option<String> {
+    match item.get("group")? {
+        Value::String(name) => Some(name.clone()),
+        Value::Null => None,
+        // Not a name: grouped under what it is, so the group's refusal still reaches it.
+        other => Some(other.to_string()),
+    }
 }
 
 /// An item's key and write, or why it is refused (its own 400, 422 or 403).
@@ -163,79 +190,9 @@ fn prepare(app: &App, caller: Option<&Caller>, item: Value) -> Result<Ready, Api
     Ok(Ready { key, op })
 }
 
-/// Runs the ready items, each after the item before it on each of its accounts and at most
-/// `--batch-items-in-flight` at once, and gives every item its result, in item order.
-async fn run_in_order(
-    app: &Arc<App>,
-    caller: Option<&Caller>,
-    items: Vec<Result<Ready, ApiError>>,
-) -> Vec<Value> {
-    let mut last_on: HashMap<AccountId, usize> = HashMap::new();
-    let mut after: Vec<Vec<usize>> = vec![Vec::new(); items.len()];
-    for (i, item) in items.iter().enumerate() {
-        let Ok(ready) = item else { continue };
-        for leg in ready.op.legs().as_slice() {
-            if let Some(j) = last_on.insert(leg.account, i) {
-                after[i].push(j);
-            }
-        }
-    }
-    let done: Vec<watch::Sender<bool>> = items.iter().map(|_| watch::Sender::new(false)).collect();
-    let in_flight = Semaphore::new(app.config.http.batch_items_in_flight);
-    let runs = items.into_iter().enumerate().map(|(i, item)| {
-        let (after, done, in_flight) = (&after[i], &done, &in_flight);
-        async move {
-            let result = match item {
-                Err(e) => result_of(e.into_response()).await,
-                Ok(ready) => {
-                    for &j in after {
-                        // Never dropped while this batch runs: the wait ends when it is set.
-                        let _ = done[j].subscribe().wait_for(|d| *d).await;
-                    }
-                    let _permit = in_flight.acquire().await;
-                    result_of(run_item(app, caller, ready).await).await
-                }
-            };
-            done[i].send_replace(true);
-            result
-        }
-    });
-    let results = futures_util::future::join_all(runs).await;
-    for r in &results {
-        let class = r["status"].as_u64().map_or("5xx", status_class);
-        app.metrics
-            .batch_item_results
-            .with_label_values(&[class])
-            .inc();
-    }
-    results
-}
-
-/// One item through the write loop, answered as its single route answers.
-async fn run_item(app: &Arc<App>, caller: Option<&Caller>, ready: Ready) -> Resp {
-    let started = Instant::now();
-    let Ready { key, op } = ready;
-    let attempt = Arc::new(AnsweringAttempt::default());
-    let request = WriteRequest {
-        op,
-        event_id: key.event_id.as_u128(),
-    };
-    // As long as a write may live: a batch admitted whole waits its turn rather than
-    // refuse items a moment later.
-    let wait = app.config.write().deadline;
-    let answer = run_write(app, request, &attempt, Admission::BatchItem { wait }).await;
-    let since = attempt
-        .arrived()
-        .map_or(Duration::ZERO, |a| a.elapsed())
-        .max(started.elapsed());
-    let accounts: Vec<_> = op.legs().as_slice().iter().map(|l| l.account).collect();
-    let horizon = app.projection.key_horizon(&accounts);
-    keyed_answer(app, &key, answer, Shown::to(caller, &op), (since, horizon))
-}
-
 /// An item's result: the status and body its single route answered, and what that answer's
 /// headers said of its key.
-async fn result_of(resp: Resp) -> Value {
+pub(super) async fn result_of(resp: Resp) -> Value {
     let (parts, body) = resp.into_parts();
     let bytes = match body.collect().await {
         Ok(collected) => collected.to_bytes(),
@@ -262,7 +219,7 @@ async fn result_of(resp: Resp) -> Value {
 }
 
 /// The label an item's status is counted under.
-fn status_class(status: u64) -> &'static str {
+pub(super) fn status_class(status: u64) -> &'static str {
     match status {
         200..=299 => "2xx",
         409 => "409",
