@@ -29,6 +29,9 @@ pub const MAX_ACCOUNTS: usize = 100_000;
 pub const MAX_AMOUNT_CENTS: i64 = 1_000_000_000;
 /// Longest per-request timeout.
 pub const MAX_TIMEOUT_MS: u64 = 120_000;
+/// Most items one `--batch` request may carry (the server's own cap, 1,000 unless its
+/// `--batch-max-items` says, refuses a larger batch whole with 413).
+pub const MAX_BATCH_ITEMS: usize = 10_000;
 /// Share of first-touch requests that go to a brand-new account unless `--fresh-ratio` says.
 pub const DEFAULT_FRESH_RATIO: f64 = 1.0;
 
@@ -121,6 +124,11 @@ pub struct Options {
     /// First-touch only: share of requests that go to a brand-new account (default 1).
     #[arg(long, env = "TALLY_LOAD_FRESH_RATIO")]
     pub fresh_ratio: Option<f64>,
+    /// Send the scenario's writes as `POST /api/batch` requests of this many items, each
+    /// item under its own key (`--requests` still counts operations, i.e. items). Every
+    /// scenario but balance, whose reads the batch endpoint does not take.
+    #[arg(long, env = "TALLY_LOAD_BATCH")]
+    pub batch: Option<usize>,
     /// Sample this local process (the server under test) from /proc: resident memory at the
     /// start and end of the measured phase (and its peak, sampled), and CPU time used.
     #[arg(long, env = "TALLY_LOAD_SERVER_PID")]
@@ -146,6 +154,8 @@ pub struct Config {
     pub failover: bool,
     /// Share of brand-new accounts; 0 for every scenario but first-touch.
     pub fresh_ratio: f64,
+    /// Items per request (`--batch`); None sends one operation per request.
+    pub batch: Option<usize>,
     pub server_pid: Option<u32>,
 }
 
@@ -191,6 +201,7 @@ impl Options {
             on_503: self.on_503,
             failover: self.failover,
             fresh_ratio,
+            batch: self.checked_batch()?,
             server_pid: self.server_pid,
         })
     }
@@ -255,6 +266,24 @@ impl Options {
             return Err(bad("--fresh-ratio must be within 0..=1"));
         }
         Ok(fresh_ratio)
+    }
+}
+
+impl Options {
+    /// Items per batch request, when asked for: 1 to [`MAX_BATCH_ITEMS`], writes only.
+    fn checked_batch(&self) -> Result<Option<usize>, LoadError> {
+        let Some(n) = self.batch else {
+            return Ok(None);
+        };
+        if !(1..=MAX_BATCH_ITEMS).contains(&n) {
+            return Err(bad(format!("--batch must be 1..={MAX_BATCH_ITEMS}")));
+        }
+        if self.scenario == Scenario::Balance {
+            return Err(bad(
+                "--batch takes writes; --scenario balance reads, which the batch endpoint does not take",
+            ));
+        }
+        Ok(Some(n))
     }
 }
 
@@ -323,5 +352,21 @@ mod tests {
         let me = std::process::id().to_string();
         assert!(parse(&["--server-pid", &me]).unwrap().server_pid.is_some());
         assert!(parse(&["--server-pid", "0"]).is_err());
+    }
+
+    #[test]
+    fn batch_sizes_are_checked_and_reads_are_refused() {
+        assert_eq!(parse(&[]).unwrap().batch, None);
+        assert_eq!(parse(&["--batch", "100"]).unwrap().batch, Some(100));
+        assert_eq!(
+            parse(&["--batch", "1", "--scenario", "mixed"])
+                .unwrap()
+                .batch,
+            Some(1)
+        );
+        assert!(parse(&["--batch", "0"]).is_err());
+        let over = (MAX_BATCH_ITEMS + 1).to_string();
+        assert!(parse(&["--batch", &over]).is_err());
+        assert!(parse(&["--batch", "10", "--scenario", "balance"]).is_err());
     }
 }

@@ -52,6 +52,24 @@ impl fmt::Display for Latency {
     }
 }
 
+/// `--batch`: what the batch requests carried and how their items were answered. The
+/// report's request latencies are per batch request.
+#[derive(Debug, Clone, Serialize)]
+pub struct BatchSummary {
+    /// Items per batch request asked for (the last one may carry fewer).
+    pub size: usize,
+    /// Batch requests issued (first sends).
+    pub batches: u64,
+    /// Items carried by every send, re-sends included.
+    pub items_sent: u64,
+    /// Item results 2xx per second of the measured phase.
+    pub items_per_sec: f64,
+    /// Each item's status per send that carried it (0: no answer, or one that could not be
+    /// matched to the items).
+    pub item_status_counts: BTreeMap<u16, u64>,
+    pub item_replays: u64,
+}
+
 /// The setup phase in brief.
 #[derive(Debug, Clone, Serialize)]
 pub struct SetupSummary {
@@ -112,6 +130,9 @@ pub struct Report {
     /// First-touch scenario: 2xx answers on accounts that already existed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub existing_account_latency_us: Option<Latency>,
+    /// `--batch`: the items, their answers and their rate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch: Option<BatchSummary>,
     /// The server's memory and CPU over the measured phase (`--server-pid`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server: Option<ServerUsage>,
@@ -152,7 +173,24 @@ impl Report {
             .map(|(&s, &n)| (s, per_sec(n)))
             .collect();
         let h = &stats.latency;
-        let first_touch = config.scenario == Scenario::FirstTouch;
+        // A batch mixes first touches and existing accounts: no split per request.
+        let first_touch = config.scenario == Scenario::FirstTouch && config.batch.is_none();
+        let batch = config.batch.map(|size| {
+            let items_ok: u64 = stats
+                .item_status_counts
+                .iter()
+                .filter(|(s, _)| (200..300).contains(*s))
+                .map(|(_, n)| n)
+                .sum();
+            BatchSummary {
+                size,
+                batches: stats.batches,
+                items_sent: stats.items_sent,
+                items_per_sec: per_sec(items_ok),
+                item_status_counts: stats.item_status_counts.clone(),
+                item_replays: stats.item_replays,
+            }
+        });
         Report {
             scenario: config.scenario,
             mode: if config.rate.is_some() {
@@ -184,6 +222,7 @@ impl Report {
             settled_latency_us: Latency::of(&h.settled),
             first_touch_latency_us: first_touch.then(|| Latency::of(&h.first_touch)),
             existing_account_latency_us: first_touch.then(|| Latency::of(&h.existing)),
+            batch,
             server: usage.server,
             client_cpu_secs: usage.client_cpu_secs,
             errors: stats.errors(),
@@ -205,6 +244,7 @@ impl Report {
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.write_run(f)?;
+        self.write_batch(f)?;
         self.write_latency(f)?;
         self.write_usage(f)?;
         self.write_answers(f)?;
@@ -233,11 +273,15 @@ impl Report {
             "setup:       {} accounts, {} requests in {:.2} s",
             self.setup.accounts, self.setup.requests, self.setup.elapsed_secs
         )?;
+        // With `--batch` a first send carries many operations: count the batches.
+        let first_sends = match &self.batch {
+            Some(b) => format!("{} batches of {} operations", b.batches, self.operations),
+            None => format!("{} operations", self.operations),
+        };
         writeln!(
             f,
-            "requests:    {} ({} operations + {} retries + {} re-sent after 503 + {} failed over) in {:.2} s = {:.1} req/s",
+            "requests:    {} ({first_sends} + {} retries + {} re-sent after 503 + {} failed over) in {:.2} s = {:.1} req/s",
             self.requests,
-            self.operations,
             self.retries,
             self.resends,
             self.failovers,
@@ -265,6 +309,20 @@ impl Report {
             "connections: {} opened ({connects_per_sec:.1}/s)",
             self.connects
         )
+    }
+
+    /// `--batch`: items per request, items per second, and how the items were answered.
+    fn write_batch(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Some(b) = &self.batch else {
+            return Ok(());
+        };
+        writeln!(
+            f,
+            "batches:     {} of up to {} items; {} items sent; {:.1} items 2xx/s; latencies below are per batch request",
+            b.batches, b.size, b.items_sent, b.items_per_sec
+        )?;
+        let statuses = joined(&b.item_status_counts, |s, n| format!("{s}={n}"));
+        writeln!(f, "items:       {statuses}; {} replays", b.item_replays)
     }
 
     /// Every latency the run measured: all answers, 2xx, settled and first touch.
