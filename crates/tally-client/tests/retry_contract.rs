@@ -1169,3 +1169,67 @@ async fn a_real_tally_shedding_load_lands_every_write_once() {
     let read = tally.balance(account, None).await.unwrap();
     assert_eq!(read.balance_cents, (1..=16).sum::<i64>());
 }
+
+/// Rule: against a real Tally losing store acknowledgements, each batch item answered 409 is
+/// resent under its key (with the other unsettled items only) and lands once: the balances
+/// and the history hold every item once, and the batch resent whole replays every item.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_acks_on_a_real_tally_land_each_batch_item_once() {
+    let faults = "lost-ack=0.3,seed=11";
+    let server = RealTally::start(&["--faults", faults, "--write-max-attempts", "1"]).await;
+    // An item's 409 states no Retry-After of its own: the backoff gives the replica time to
+    // settle what it does not know, as the single route's `Retry-After: 1` does.
+    let policy = RetryPolicy {
+        max_attempts: 20,
+        total: Duration::from_secs(60),
+        backoff: Duration::from_millis(100),
+        max_backoff: Duration::from_secs(1),
+        ..quick()
+    };
+    let tally = Client::builder(&server.base)
+        .policy(policy)
+        .build()
+        .unwrap();
+    let accounts: Vec<Uuid> = (0..4).map(|_| Uuid::new_v4()).collect();
+    // 40 deposits, ten on each account, interleaved.
+    let items: Vec<BatchItem> = (1..=40i64)
+        .map(|amount| {
+            let key = IdempotencyKey::new(format!("batch-lost-ack-{amount}")).unwrap();
+            BatchItem::deposit(accounts[(amount % 4) as usize], cents(amount)).key(key)
+        })
+        .collect();
+    let results = tally.batch(items.clone()).await.unwrap();
+    let attempts: u32 = results
+        .iter()
+        .map(|r| {
+            r.as_ref()
+                .unwrap_or_else(|e| panic!("{faults}: {e}"))
+                .attempts
+        })
+        .sum();
+    assert!(
+        attempts > 40,
+        "{faults} made the client resend items ({attempts})"
+    );
+    for (i, &account) in accounts.iter().enumerate() {
+        let deposits: Vec<i64> = (1..=40i64).filter(|a| (a % 4) as usize == i).collect();
+        let read = tally.balance(account, None).await.unwrap();
+        assert_eq!(
+            read.balance_cents,
+            deposits.iter().sum::<i64>(),
+            "account {i}: each item once"
+        );
+        let history = tally.history(account, None, Some(100)).await.unwrap();
+        let mut amounts: Vec<i64> = history.events.iter().map(|e| e.amount_cents).collect();
+        // An item answered 409 that had not landed lands on a later round, after the items
+        // behind it: once each, not in item order.
+        amounts.sort_unstable();
+        assert_eq!(amounts, deposits, "account {i}: each item once");
+    }
+    let again = tally.batch(items).await.unwrap();
+    for (first, second) in results.iter().zip(&again) {
+        let (first, second) = (first.as_ref().unwrap(), second.as_ref().unwrap());
+        assert!(second.replayed, "{}", second.key);
+        assert_eq!(first.value, second.value);
+    }
+}

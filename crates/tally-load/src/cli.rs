@@ -129,6 +129,12 @@ pub struct Options {
     /// scenario but balance, whose reads the batch endpoint does not take.
     #[arg(long, env = "TALLY_LOAD_BATCH")]
     pub batch: Option<usize>,
+    /// Read `tally_store_requests_total` from `URL/metrics` before and after the measured
+    /// phase, and report the store requests it cost per operation (per item with `--batch`).
+    /// Give each replica's base URL (or its `--admin-listen` address); repeat or
+    /// comma-separate for a fleet. Loopback only unless `--allow-remote`.
+    #[arg(long = "metrics", env = "TALLY_LOAD_METRICS", value_delimiter = ',')]
+    pub metrics: Vec<String>,
     /// Sample this local process (the server under test) from /proc: resident memory at the
     /// start and end of the measured phase (and its peak, sampled), and CPU time used.
     #[arg(long, env = "TALLY_LOAD_SERVER_PID")]
@@ -156,6 +162,8 @@ pub struct Config {
     pub fresh_ratio: f64,
     /// Items per request (`--batch`); None sends one operation per request.
     pub batch: Option<usize>,
+    /// Where to read the store's request counters (`--metrics`); empty: not read.
+    pub metrics: Vec<Target>,
     pub server_pid: Option<u32>,
 }
 
@@ -202,6 +210,7 @@ impl Options {
             failover: self.failover,
             fresh_ratio,
             batch: self.checked_batch()?,
+            metrics: self.checked_metrics()?,
             server_pid: self.server_pid,
         })
     }
@@ -270,6 +279,17 @@ impl Options {
 }
 
 impl Options {
+    /// The `/metrics` bases, parsed as targets are: at most [`MAX_TARGETS`].
+    fn checked_metrics(&self) -> Result<Vec<Target>, LoadError> {
+        if self.metrics.len() > MAX_TARGETS {
+            return Err(bad(format!("at most {MAX_TARGETS} --metrics URLs")));
+        }
+        self.metrics
+            .iter()
+            .map(|t| Target::parse(t, self.allow_remote))
+            .collect()
+    }
+
     /// Items per batch request, when asked for: 1 to [`MAX_BATCH_ITEMS`], writes only.
     fn checked_batch(&self) -> Result<Option<usize>, LoadError> {
         let Some(n) = self.batch else {
@@ -368,5 +388,14 @@ mod tests {
         let over = (MAX_BATCH_ITEMS + 1).to_string();
         assert!(parse(&["--batch", &over]).is_err());
         assert!(parse(&["--batch", "10", "--scenario", "balance"]).is_err());
+    }
+
+    #[test]
+    fn metrics_urls_are_checked_as_targets_are() {
+        assert!(parse(&[]).unwrap().metrics.is_empty());
+        let c = parse(&["--metrics", "http://127.0.0.1:9090,http://127.0.0.1:9091"]).unwrap();
+        assert_eq!(c.metrics.len(), 2);
+        assert!(parse(&["--metrics", "http://10.0.0.1:9090"]).is_err());
+        assert!(parse(&["--metrics", "ftp://127.0.0.1"]).is_err());
     }
 }

@@ -10,6 +10,7 @@ use crate::audit::{ExactlyOnce, Verdict};
 use crate::cli::{Config, On503, Scenario};
 use crate::runner::Stats;
 use crate::server::ServerUsage;
+use crate::store_metrics::StoreRequests;
 
 /// Most violations printed in the text report (the JSON report lists more).
 pub const MAX_PRINTED_VIOLATIONS: usize = 10;
@@ -85,6 +86,9 @@ pub struct Usage {
     pub server: Option<ServerUsage>,
     /// CPU seconds this generator used (Linux).
     pub client_cpu_secs: Option<f64>,
+    /// The store requests of the measured phase (`--metrics`), or why they could not be
+    /// read at its end.
+    pub store: Option<Result<StoreRequests, String>>,
 }
 
 /// Everything one run measured and concluded.
@@ -139,6 +143,12 @@ pub struct Report {
     /// CPU seconds this generator used in the measured phase (Linux; absent elsewhere).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub client_cpu_secs: Option<f64>,
+    /// The store requests of the measured phase, from the replicas' `/metrics` (`--metrics`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store_requests: Option<StoreRequests>,
+    /// Why `--metrics` could not be read at the end of the measured phase.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store_requests_error: Option<String>,
     pub status_counts: BTreeMap<u16, u64>,
     pub replays: u64,
     /// Transport errors (no answer).
@@ -225,6 +235,8 @@ impl Report {
             batch,
             server: usage.server,
             client_cpu_secs: usage.client_cpu_secs,
+            store_requests: usage.store.clone().and_then(Result::ok),
+            store_requests_error: usage.store.and_then(Result::err),
             errors: stats.errors(),
             status_counts: stats.status_counts,
             replays: stats.replays,
@@ -351,6 +363,22 @@ impl Report {
     fn write_usage(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if let Some(cpu) = self.client_cpu_secs {
             writeln!(f, "generator:   CPU {cpu:.2} s")?;
+        }
+        if let Some(s) = &self.store_requests {
+            let ops = joined(&s.by_operation, |op, n| format!("{op}={n}"));
+            let per = if self.batch.is_some() {
+                "item"
+            } else {
+                "operation"
+            };
+            writeln!(
+                f,
+                "store:       {} requests ({ops}) = {:.3} per {per}, {:.3} writes per {per}",
+                s.total, s.per_operation, s.writes_per_operation
+            )?;
+        }
+        if let Some(e) = &self.store_requests_error {
+            writeln!(f, "store:       not read: {e}")?;
         }
         if let Some(s) = &self.server {
             writeln!(

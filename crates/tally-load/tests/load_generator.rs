@@ -133,6 +133,18 @@ impl Fake {
     ) -> Reply {
         let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
         let is_history = matches!(parts.as_slice(), ["api", "accounts", _, "history"]);
+        if parts == ["metrics"] {
+            // Not load: the store request counters `--metrics` reads, one store write per
+            // write the fake took, and a fixed read count that never moves.
+            let writes = self.state.lock().unwrap().writes;
+            return Reply {
+                body: format!(
+                    "tally_store_requests_total{{operation=\"write\",result=\"ok\"}} {writes}\n\
+                     tally_store_requests_total{{operation=\"read\",result=\"ok\"}} 7\n"
+                ),
+                ..Reply::new(200, Value::Null)
+            };
+        }
         if !is_history {
             self.load_requests.fetch_add(1, Ordering::Relaxed);
         }
@@ -660,7 +672,8 @@ async fn on_503_resends_only_the_refused_items() {
     });
     let addr = serve(fake.clone()).await;
     let report = run_generator(&format!(
-        "--target {} --scenario spread --accounts 10 --requests 300 --batch 10 --connections 4 --on-503 resend --seed 5",
+        "--target {} --scenario spread --accounts 10 --requests 300 --batch 10 --connections 4 --on-503 resend --seed 5 --metrics {}",
+        target(addr),
         target(addr)
     ))
     .await;
@@ -675,6 +688,13 @@ async fn on_503_resends_only_the_refused_items() {
         "each re-send carries only the items shed"
     );
     assert_eq!(batch.item_status_counts.get(&200).copied(), Some(300));
+    // `--metrics`: the fake counts one store write per item it took, shed ones included.
+    let store = report.store_requests.as_ref().expect("--metrics read");
+    assert_eq!(store.by_operation.get("write"), Some(&batch.items_sent));
+    assert_eq!(store.by_operation.get("read"), Some(&0));
+    assert_eq!(store.total, batch.items_sent);
+    assert!((store.writes_per_operation - batch.items_sent as f64 / 300.0).abs() < 1e-9);
+    assert!(report.to_string().contains("writes per item"));
     let e = &report.exactly_once;
     assert_eq!(e.verdict, Verdict::Pass, "{:?}", e.violations);
     assert_eq!((e.succeeded, e.unknown), (e.checked, 0));
