@@ -89,7 +89,10 @@ async fn measure(config: &Config, workload: Workload) -> Result<(Stats, Usage), 
         Some(before) => Some(
             store_metrics::read(&metrics_client, &config.metrics, config.timeout)
                 .await
-                .map(|after| StoreRequests::between(&before, &after, stats.operations)),
+                .map(|after| {
+                    let successes = stats.successes(config.batch.is_some());
+                    StoreRequests::between(&before, &after, successes)
+                }),
         ),
     };
     // On one machine the generator competes with the server for CPU: report its share.

@@ -367,14 +367,14 @@ impl Report {
         if let Some(s) = &self.store_requests {
             let ops = joined(&s.by_operation, |op, n| format!("{op}={n}"));
             let per = if self.batch.is_some() {
-                "item"
+                "2xx item"
             } else {
-                "operation"
+                "2xx answer"
             };
             writeln!(
                 f,
-                "store:       {} requests ({ops}) = {:.3} per {per}, {:.3} writes per {per}",
-                s.total, s.per_operation, s.writes_per_operation
+                "store:       {} requests ({ops}) over {} {per}s = {:.3} per {per}, {:.3} writes per {per}",
+                s.total, s.successes, s.per_success, s.writes_per_success
             )?;
         }
         if let Some(e) = &self.store_requests_error {

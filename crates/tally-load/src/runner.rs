@@ -195,6 +195,20 @@ impl Stats {
         }
     }
 
+    /// 2xx answers: of the items when `items`, else of the requests.
+    pub fn successes(&self, items: bool) -> u64 {
+        let counts = if items {
+            &self.item_status_counts
+        } else {
+            &self.status_counts
+        };
+        counts
+            .iter()
+            .filter(|(s, _)| is_success(**s))
+            .map(|(_, n)| n)
+            .sum()
+    }
+
     /// Counts one item of a batch send, with the status it got.
     fn note_item(&mut self, status: u16, replayed: bool) {
         self.items_sent += 1;
