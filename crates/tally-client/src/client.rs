@@ -98,18 +98,18 @@ impl ClientBuilder {
 }
 
 /// One answer, read whole.
-struct Answer {
-    status: u16,
-    replayed: bool,
-    retry_after: Option<Duration>,
-    window: Option<Duration>,
-    body: Bytes,
+pub(crate) struct Answer {
+    pub(crate) status: u16,
+    pub(crate) replayed: bool,
+    pub(crate) retry_after: Option<Duration>,
+    pub(crate) window: Option<Duration>,
+    pub(crate) body: Bytes,
 }
 
 /// Whether any attempt of a call may have reached the server: only then can a write have
 /// landed although the call ends without an answer.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Reach {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reach {
     /// Every attempt so far failed to open its connection.
     Nothing,
     /// At least one request may have been sent (and may have landed).
@@ -117,11 +117,11 @@ enum Reach {
 }
 
 /// A request as every attempt sends it.
-struct Call<'a> {
-    method: Method,
-    uri: Uri,
-    body: Option<Bytes>,
-    key: Option<&'a IdempotencyKey>,
+pub(crate) struct Call<'a> {
+    pub(crate) method: Method,
+    pub(crate) uri: Uri,
+    pub(crate) body: Option<Bytes>,
+    pub(crate) key: Option<&'a IdempotencyKey>,
 }
 
 impl Client {
@@ -227,7 +227,7 @@ impl Client {
         decode(&answer)
     }
 
-    fn uri(&self, path_and_query: &str) -> Result<Uri, Error> {
+    pub(crate) fn uri(&self, path_and_query: &str) -> Result<Uri, Error> {
         format!("{}{path_and_query}", self.base)
             .parse()
             .map_err(|_| Error::InvalidUrl {
@@ -292,14 +292,18 @@ impl Client {
     /// asks for longer, plus a random share of the backoff, so that callers the server shed
     /// together (all told the same `Retry-After`) do not all come back at the same instant.
     fn wait_after(&self, attempt: u32, failure: &Failure) -> Duration {
-        let backoff = self.policy.backoff_after(attempt);
-        let base = match failure {
-            Failure::Answer {
-                retry_after: Some(asked),
-                ..
-            } => backoff.max(*asked),
-            _ => backoff,
+        let asked = match failure {
+            Failure::Answer { retry_after, .. } => *retry_after,
+            _ => None,
         };
+        self.wait_before_retry(attempt, asked)
+    }
+
+    /// The wait after attempt `attempt` when the server asked for `asked` (`Retry-After`):
+    /// the longer of that and the backoff, plus the jitter.
+    pub(crate) fn wait_before_retry(&self, attempt: u32, asked: Option<Duration>) -> Duration {
+        let backoff = self.policy.backoff_after(attempt);
+        let base = asked.map_or(backoff, |asked| backoff.max(asked));
         // A UUIDv4 is 122 random bits from the OS: enough for a jitter, without a crate.
         let draw = Uuid::new_v4().as_u64_pair().1 % 1024;
         base + backoff.mul_f64(draw as f64 / 1024.0)
@@ -347,7 +351,11 @@ impl Client {
     }
 
     /// One request and its whole answer within `limit`.
-    async fn attempt(&self, call: &Call<'_>, limit: Duration) -> Result<Answer, Failure> {
+    pub(crate) async fn attempt(
+        &self,
+        call: &Call<'_>,
+        limit: Duration,
+    ) -> Result<Answer, Failure> {
         let mut request = Request::builder()
             .method(call.method.clone())
             .uri(call.uri.clone());
@@ -417,7 +425,7 @@ impl<T: DeserializeOwned> WriteCall<'_, T> {
     }
 }
 
-fn decode<T: DeserializeOwned>(answer: &Answer) -> Result<T, Error> {
+pub(crate) fn decode<T: DeserializeOwned>(answer: &Answer) -> Result<T, Error> {
     serde_json::from_slice(&answer.body).map_err(|e| Error::Decode {
         status: answer.status,
         detail: e.to_string(),
@@ -425,7 +433,7 @@ fn decode<T: DeserializeOwned>(answer: &Answer) -> Result<T, Error> {
 }
 
 /// Tally's error body, or (from something else on the way, a proxy say) the text as message.
-fn api_error(body: &[u8]) -> ApiError {
+pub(crate) fn api_error(body: &[u8]) -> ApiError {
     serde_json::from_slice(body).unwrap_or_else(|_| ApiError {
         code: String::new(),
         message: String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned(),

@@ -97,4 +97,9 @@ pub enum Failure {
     /// read.
     #[error("connection: {0}")]
     Connection(String),
+    /// A batch answer that cannot be matched to its items (not the `results` shape, or not
+    /// one result per item sent). Its items may have landed, so they are resent under their
+    /// keys, as after a lost answer.
+    #[error("unreadable batch answer {status}: {detail}")]
+    Unreadable { status: u16, detail: String },
 }

@@ -29,6 +29,11 @@
 //!   [`MAX_AMOUNT_CENTS`], the API's range. An amount Tally would refuse fails at
 //!   [`AmountCents::new`], never at the server.
 //!
+//! - **Batches kept per item**: [`Client::batch`] sends many writes in one request, each
+//!   under its own key. Each round resends only the items not yet settled (retryable
+//!   answers, or a round the whole batch got no answer to), under the same keys, within each
+//!   item's window and the call's bounds. An item answered 2xx or final is never resent.
+//!
 //! After [`Error::Exhausted`] or [`Error::WindowClosed`] on a write
 //! ([`Error::outcome_unknown`]), the write may or may not have landed: never resend it under
 //! a new key; read the account, or resend under the same key while the window lasts.
@@ -80,6 +85,7 @@
 //! for byte as given.
 
 mod amount;
+mod batch;
 mod client;
 mod error;
 mod key;
@@ -87,6 +93,7 @@ mod policy;
 mod types;
 
 pub use amount::{AmountCents, MAX_AMOUNT_CENTS};
+pub use batch::{BatchItem, ItemOp, ItemResult, ItemValue};
 pub use client::{Client, ClientBuilder, MAX_ANSWER_BYTES, WriteCall};
 pub use error::{Error, Failure};
 pub use key::{IdempotencyKey, MAX_KEY_LEN};

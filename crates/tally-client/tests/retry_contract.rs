@@ -7,7 +7,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use clap::Parser;
-use tally_client::{AmountCents, Client, Error, EventKind, Failure, IdempotencyKey, RetryPolicy};
+use tally_client::{
+    AmountCents, BatchItem, Client, Error, EventKind, Failure, IdempotencyKey, ItemValue,
+    RetryPolicy,
+};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
@@ -600,6 +603,456 @@ async fn reads_are_retried_without_a_key() {
     );
 }
 
+/// One item's result as the batch endpoint answers it: `status` and `body` as the single
+/// route would answer, the item's key, and the window a resend of it stays safe.
+fn item(status: u16, body: &str, key: &str, replayed: bool, window: u64) -> serde_json::Value {
+    serde_json::json!({
+        "status": status,
+        "body": serde_json::from_str::<serde_json::Value>(body).unwrap(),
+        "idempotencyKey": key,
+        "replayed": replayed,
+        "idempotencyWindow": window,
+        "idempotencyRetention": 86_400,
+    })
+}
+
+fn item_ok(cents: i64, key: &str) -> serde_json::Value {
+    let body = format!(r#"{{"balanceCents":{cents},"aggregateVersion":1}}"#);
+    item(200, &body, key, false, 90)
+}
+
+fn item_refused(status: u16, code: &str, key: &str) -> serde_json::Value {
+    item(status, &error_body(code), key, false, 90)
+}
+
+/// A 200 batch answer holding `results`, with `headers`.
+fn batch_answer(results: Vec<serde_json::Value>, headers: Vec<(&'static str, String)>) -> Step {
+    Step::Answer {
+        status: 200,
+        headers,
+        body: serde_json::json!({ "results": results }).to_string(),
+    }
+}
+
+/// The keys of the items one batch request carried, in order.
+fn sent_keys(seen: &Seen) -> Vec<String> {
+    let body: serde_json::Value = serde_json::from_str(&seen.body).unwrap();
+    body["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["idempotencyKey"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Deposits of 1 cent each under the keys `k0`, `k1`, ...
+fn deposits(n: usize) -> Vec<BatchItem> {
+    (0..n)
+        .map(|i| {
+            BatchItem::deposit(Uuid::new_v4(), cents(1))
+                .key(IdempotencyKey::new(format!("k{i}")).unwrap())
+        })
+        .collect()
+}
+
+fn keys(names: &[&str]) -> Vec<String> {
+    names.iter().map(|k| k.to_string()).collect()
+}
+
+/// Rule: a batch is one `POST /api/batch` of typed items, each with its key; the results
+/// come back aligned with the items, decoded as each item's type answers.
+#[tokio::test]
+async fn a_batch_sends_each_item_with_its_key_and_answers_in_order() {
+    let transferred = r#"{"from":{"balanceCents":3,"aggregateVersion":2},"to":{"balanceCents":9,"aggregateVersion":4}}"#;
+    let server = Scripted::start(vec![batch_answer(
+        vec![item_ok(5, "d"), item(200, transferred, "t", true, 90)],
+        vec![],
+    )])
+    .await;
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    let items = vec![
+        BatchItem::deposit(a, cents(5)).key(IdempotencyKey::new("d").unwrap()),
+        BatchItem::transfer(a, b, cents(2)).key(IdempotencyKey::new("t").unwrap()),
+    ];
+    let results = client(&server, quick()).batch(items).await.unwrap();
+    let seen = server.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].request_line, "POST /api/batch HTTP/1.1");
+    assert_eq!(seen[0].key, None, "the keys travel in the items");
+    let body: serde_json::Value = serde_json::from_str(&seen[0].body).unwrap();
+    assert_eq!(
+        body,
+        serde_json::json!({"items": [
+            {"type": "deposit", "accountId": a, "amountCents": 5, "idempotencyKey": "d"},
+            {"type": "transfer", "fromAccountId": a, "toAccountId": b, "amountCents": 2,
+             "idempotencyKey": "t"},
+        ]})
+    );
+    let deposit = results[0].as_ref().unwrap();
+    assert!(matches!(deposit.value, ItemValue::Balance(b) if b.balance_cents == 5));
+    assert_eq!(
+        (deposit.key.as_str(), deposit.replayed, deposit.attempts),
+        ("d", false, 1)
+    );
+    let transfer = results[1].as_ref().unwrap();
+    assert!(
+        matches!(transfer.value, ItemValue::Transferred(t) if t.to.map(|l| l.balance_cents) == Some(9))
+    );
+    assert!(transfer.replayed);
+}
+
+/// Rule: only the items answered retryably (409 `CONFLICT`, 503, 500, 429) are resent, each
+/// under its own key; the items answered 2xx or final are settled and never sent again.
+#[tokio::test]
+async fn only_the_retryable_items_are_resent_under_their_keys() {
+    let first = batch_answer(
+        vec![
+            item_ok(1, "k0"),
+            item_refused(409, "CONFLICT", "k1"),
+            item_refused(503, "SERVICE_UNAVAILABLE", "k2"),
+            item_refused(422, "INSUFFICIENT_FUNDS", "k3"),
+            item_refused(500, "STORE_ERROR", "k4"),
+            item_refused(429, "TOO_MANY_REQUESTS", "k5"),
+            item_refused(409, "ACCOUNT_EXISTS", "k6"),
+            item_refused(403, "FORBIDDEN", "k7"),
+            item_refused(400, "VALIDATION_ERROR", "k8"),
+        ],
+        vec![("retry-after", "0".into())],
+    );
+    let second = batch_answer(
+        ["k1", "k2", "k4", "k5"]
+            .iter()
+            .map(|k| {
+                item(
+                    200,
+                    r#"{"balanceCents":1,"aggregateVersion":1}"#,
+                    k,
+                    true,
+                    90,
+                )
+            })
+            .collect(),
+        vec![],
+    );
+    let server = Scripted::start(vec![first, second]).await;
+    let results = client(&server, quick()).batch(deposits(9)).await.unwrap();
+    let seen = server.seen();
+    assert_eq!(seen.len(), 2, "one resend, of the retryable items only");
+    assert_eq!(sent_keys(&seen[1]), keys(&["k1", "k2", "k4", "k5"]));
+    let attempts: Vec<Option<u32>> = results
+        .iter()
+        .map(|r| r.as_ref().ok().map(|w| w.attempts))
+        .collect();
+    assert_eq!(
+        attempts,
+        [
+            Some(1),
+            Some(2),
+            Some(2),
+            None,
+            Some(2),
+            Some(2),
+            None,
+            None,
+            None
+        ]
+    );
+    for (i, (status, code)) in [
+        (3, (422, "INSUFFICIENT_FUNDS")),
+        (6, (409, "ACCOUNT_EXISTS")),
+        (7, (403, "FORBIDDEN")),
+        (8, (400, "VALIDATION_ERROR")),
+    ] {
+        match &results[i] {
+            Err(
+                e @ Error::Refused {
+                    status: s,
+                    error,
+                    key,
+                },
+            ) => {
+                assert_eq!((*s, error.code.as_str()), (status, code));
+                assert_eq!(key.as_ref().unwrap().as_str(), format!("k{i}"));
+                assert!(!e.outcome_unknown());
+            }
+            other => panic!("item {i}: {other:?}"),
+        }
+    }
+}
+
+/// Rule: the batch answer's `Retry-After` is honoured before its retryable items are resent.
+#[tokio::test]
+async fn a_batch_answers_retry_after_is_honoured_for_its_items() {
+    let first = batch_answer(
+        vec![
+            item_ok(1, "k0"),
+            item_refused(503, "SERVICE_UNAVAILABLE", "k1"),
+        ],
+        vec![("retry-after", "1".into())],
+    );
+    let server = Scripted::start(vec![first, batch_answer(vec![item_ok(1, "k1")], vec![])]).await;
+    let results = client(&server, quick()).batch(deposits(2)).await.unwrap();
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    let seen = server.seen();
+    let gap = seen[1].at - seen[0].at;
+    assert!(
+        gap >= Duration::from_secs(1),
+        "the resend came {gap:?} after the answer that asked for 1 s (the backoff alone is 10 ms)"
+    );
+}
+
+/// Rule: an item is not resent once its own `idempotencyWindow` has run out; the call ends
+/// for that item with `WindowClosed` (outcome unknown) while the others go on.
+#[tokio::test]
+async fn no_item_is_resent_after_its_window() {
+    let first = batch_answer(
+        vec![
+            item(409, &error_body("CONFLICT"), "k0", false, 0),
+            item(409, &error_body("CONFLICT"), "k1", false, 30),
+        ],
+        vec![],
+    );
+    let server = Scripted::start(vec![first, batch_answer(vec![item_ok(1, "k1")], vec![])]).await;
+    let results = client(&server, quick()).batch(deposits(2)).await.unwrap();
+    match &results[0] {
+        Err(
+            e @ Error::WindowClosed {
+                key, attempts: 1, ..
+            },
+        ) => {
+            assert_eq!(key.as_str(), "k0");
+            assert!(e.outcome_unknown());
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(results[1].as_ref().unwrap().attempts, 2);
+    let seen = server.seen();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(sent_keys(&seen[1]), keys(&["k1"]), "k0 was not resent");
+}
+
+/// Rule: the attempts bound holds per item: an item answered 503 every time ends
+/// `Exhausted` after `max_attempts` requests, while its neighbour settled at once.
+#[tokio::test]
+async fn item_attempts_are_bounded() {
+    let shed = |k: &str| item_refused(503, "SERVICE_UNAVAILABLE", k);
+    let mut steps = vec![batch_answer(vec![item_ok(1, "k0"), shed("k1")], vec![])];
+    steps.extend((0..5).map(|_| batch_answer(vec![shed("k1")], vec![])));
+    let server = Scripted::start(steps).await;
+    let policy = RetryPolicy {
+        max_attempts: 3,
+        ..quick()
+    };
+    let results = client(&server, policy).batch(deposits(2)).await.unwrap();
+    assert_eq!(results[0].as_ref().unwrap().attempts, 1);
+    assert!(
+        matches!(
+            &results[1],
+            Err(Error::Exhausted {
+                key: Some(k),
+                attempts: 3,
+                last: Failure::Answer { status: 503, .. },
+                ..
+            }) if k.as_str() == "k1"
+        ),
+        "{:?}",
+        results[1]
+    );
+    assert_eq!(server.seen().len(), 3);
+}
+
+/// Rule: a round the whole batch got no answer to (a broken connection, a timeout, a 502,
+/// a 503 or 504 of the whole) resends every item it carried that is not settled, under the
+/// same keys.
+#[tokio::test]
+async fn a_whole_batch_failure_resends_the_unsettled_items() {
+    let shed_whole = refusal(
+        503,
+        "SERVICE_UNAVAILABLE",
+        vec![("retry-after", "0".into())],
+    );
+    let steps = vec![
+        Step::Close,
+        batch_answer(
+            vec![
+                item_ok(1, "k0"),
+                item_refused(409, "CONFLICT", "k1"),
+                item_ok(1, "k2"),
+            ],
+            vec![],
+        ),
+        refusal(502, "", vec![]),
+        shed_whole,
+        Step::Hang,
+        refusal(504, "", vec![]),
+        batch_answer(vec![item_ok(1, "k1")], vec![]),
+    ];
+    let server = Scripted::start(steps).await;
+    let policy = RetryPolicy {
+        max_attempts: 10,
+        attempt_timeout: Duration::from_millis(300),
+        ..quick()
+    };
+    let results = client(&server, policy).batch(deposits(3)).await.unwrap();
+    let attempts: Vec<u32> = results
+        .iter()
+        .map(|r| r.as_ref().unwrap().attempts)
+        .collect();
+    assert_eq!(attempts, [2, 7, 2]);
+    let sent: Vec<Vec<String>> = server.seen().iter().map(sent_keys).collect();
+    let all = keys(&["k0", "k1", "k2"]);
+    let k1 = keys(&["k1"]);
+    assert_eq!(
+        sent,
+        [
+            all.clone(),
+            all,
+            k1.clone(),
+            k1.clone(),
+            k1.clone(),
+            k1.clone(),
+            k1
+        ]
+    );
+}
+
+/// Rule: a batch refused as a whole on its first send (over a limit, not JSON, not allowed)
+/// wrote nothing: the call ends with that refusal and sends nothing more.
+#[tokio::test]
+async fn a_batch_refused_whole_is_not_resent() {
+    for (status, code) in [
+        (413, "BATCH_TOO_LARGE"),
+        (400, "VALIDATION_ERROR"),
+        (415, "UNSUPPORTED_MEDIA_TYPE"),
+    ] {
+        let server = Scripted::start(vec![refusal(status, code, vec![]), Step::Hang]).await;
+        let err = client(&server, quick())
+            .batch(deposits(2))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::Refused { status: s, error, key: None } if *s == status && error.code == code),
+            "{err:?}"
+        );
+        assert!(!err.outcome_unknown());
+        assert_eq!(server.seen().len(), 1, "{status} was sent once");
+    }
+}
+
+/// Rule: a whole refusal after an earlier round may have written settles each unsettled item
+/// with it (the items already settled keep their results).
+#[tokio::test]
+async fn a_whole_refusal_on_a_resend_settles_the_open_items() {
+    let first = batch_answer(
+        vec![
+            item_ok(1, "k0"),
+            item_refused(503, "SERVICE_UNAVAILABLE", "k1"),
+        ],
+        vec![],
+    );
+    let server = Scripted::start(vec![first, refusal(401, "UNAUTHORIZED", vec![])]).await;
+    let results = client(&server, quick()).batch(deposits(2)).await.unwrap();
+    assert!(results[0].is_ok());
+    assert!(
+        matches!(&results[1], Err(Error::Refused { status: 401, key: Some(k), .. }) if k.as_str() == "k1"),
+        "{:?}",
+        results[1]
+    );
+    assert_eq!(server.seen().len(), 2);
+}
+
+/// Rule: a batch answer that cannot be matched to its items (here one result short) is no
+/// answer for them: the items may have landed, so they are resent under their keys.
+#[tokio::test]
+async fn an_unreadable_batch_answer_resends_its_items() {
+    let short = batch_answer(vec![item_ok(1, "k0")], vec![]);
+    let wrong_key = batch_answer(vec![item_ok(1, "k1"), item_ok(1, "k0")], vec![]);
+    let whole = batch_answer(vec![item_ok(1, "k0"), item_ok(2, "k1")], vec![]);
+    let server = Scripted::start(vec![short, wrong_key, whole]).await;
+    let results = client(&server, quick()).batch(deposits(2)).await.unwrap();
+    let attempts: Vec<u32> = results
+        .iter()
+        .map(|r| r.as_ref().unwrap().attempts)
+        .collect();
+    assert_eq!(attempts, [3, 3]);
+    let sent: Vec<Vec<String>> = server.seen().iter().map(sent_keys).collect();
+    assert_eq!(sent, vec![keys(&["k0", "k1"]); 3]);
+
+    // Every answer unreadable: the items end with their outcome unknown.
+    let server = Scripted::start((0..5).map(|_| batch_answer(vec![], vec![])).collect()).await;
+    let results = client(&server, quick()).batch(deposits(1)).await.unwrap();
+    assert!(
+        matches!(&results[0], Err(e @ Error::Exhausted { last: Failure::Unreadable { status: 200, .. }, .. }) if e.outcome_unknown()),
+        "{:?}",
+        results[0]
+    );
+}
+
+/// Rule: when no round ever opened a connection, nothing was sent: each item ends
+/// `Unreachable`, its outcome known.
+#[tokio::test]
+async fn a_batch_that_never_reached_the_server_is_known_to_have_written_nothing() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let tally = Client::builder(&format!("http://127.0.0.1:{port}"))
+        .policy(quick())
+        .build()
+        .unwrap();
+    let results = tally.batch(deposits(2)).await.unwrap();
+    for result in &results {
+        let err = result.as_ref().unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Unreachable {
+                    key: Some(_),
+                    attempts: 5,
+                    last: Failure::Connect(_),
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(!err.outcome_unknown());
+    }
+}
+
+/// Rule: the call's total time bounds every item: an item still open when it runs out ends
+/// `Exhausted` without waiting out a longer `Retry-After`.
+#[tokio::test]
+async fn a_batch_retry_after_beyond_the_total_time_ends_its_items() {
+    let first = batch_answer(
+        vec![
+            item_ok(1, "k0"),
+            item_refused(503, "SERVICE_UNAVAILABLE", "k1"),
+        ],
+        vec![("retry-after", "60".into())],
+    );
+    let server = Scripted::start(vec![first, Step::Hang]).await;
+    let started = Instant::now();
+    let results = client(&server, quick()).batch(deposits(2)).await.unwrap();
+    assert!(results[0].is_ok());
+    assert!(
+        matches!(&results[1], Err(Error::Exhausted { attempts: 1, .. })),
+        "{:?}",
+        results[1]
+    );
+    assert_eq!(server.seen().len(), 1);
+    assert!(started.elapsed() < quick().total);
+}
+
+#[tokio::test]
+async fn an_empty_batch_sends_nothing() {
+    let server = Scripted::start(vec![]).await;
+    let results = client(&server, quick()).batch(Vec::new()).await.unwrap();
+    assert!(results.is_empty());
+    assert!(server.seen().is_empty());
+}
+
 /// A real Tally in this process, on its embedded store and port 0; stopped when dropped.
 struct RealTally {
     base: String,
@@ -715,4 +1168,68 @@ async fn a_real_tally_shedding_load_lands_every_write_once() {
     );
     let read = tally.balance(account, None).await.unwrap();
     assert_eq!(read.balance_cents, (1..=16).sum::<i64>());
+}
+
+/// Rule: against a real Tally losing store acknowledgements, each batch item answered 409 is
+/// resent under its key (with the other unsettled items only) and lands once: the balances
+/// and the history hold every item once, and the batch resent whole replays every item.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_acks_on_a_real_tally_land_each_batch_item_once() {
+    let faults = "lost-ack=0.3,seed=11";
+    let server = RealTally::start(&["--faults", faults, "--write-max-attempts", "1"]).await;
+    // An item's 409 states no Retry-After of its own: the backoff gives the replica time to
+    // settle what it does not know, as the single route's `Retry-After: 1` does.
+    let policy = RetryPolicy {
+        max_attempts: 20,
+        total: Duration::from_secs(60),
+        backoff: Duration::from_millis(100),
+        max_backoff: Duration::from_secs(1),
+        ..quick()
+    };
+    let tally = Client::builder(&server.base)
+        .policy(policy)
+        .build()
+        .unwrap();
+    let accounts: Vec<Uuid> = (0..4).map(|_| Uuid::new_v4()).collect();
+    // 40 deposits, ten on each account, interleaved.
+    let items: Vec<BatchItem> = (1..=40i64)
+        .map(|amount| {
+            let key = IdempotencyKey::new(format!("batch-lost-ack-{amount}")).unwrap();
+            BatchItem::deposit(accounts[(amount % 4) as usize], cents(amount)).key(key)
+        })
+        .collect();
+    let results = tally.batch(items.clone()).await.unwrap();
+    let attempts: u32 = results
+        .iter()
+        .map(|r| {
+            r.as_ref()
+                .unwrap_or_else(|e| panic!("{faults}: {e}"))
+                .attempts
+        })
+        .sum();
+    assert!(
+        attempts > 40,
+        "{faults} made the client resend items ({attempts})"
+    );
+    for (i, &account) in accounts.iter().enumerate() {
+        let deposits: Vec<i64> = (1..=40i64).filter(|a| (a % 4) as usize == i).collect();
+        let read = tally.balance(account, None).await.unwrap();
+        assert_eq!(
+            read.balance_cents,
+            deposits.iter().sum::<i64>(),
+            "account {i}: each item once"
+        );
+        let history = tally.history(account, None, Some(100)).await.unwrap();
+        let mut amounts: Vec<i64> = history.events.iter().map(|e| e.amount_cents).collect();
+        // An item answered 409 that had not landed lands on a later round, after the items
+        // behind it: once each, not in item order.
+        amounts.sort_unstable();
+        assert_eq!(amounts, deposits, "account {i}: each item once");
+    }
+    let again = tally.batch(items).await.unwrap();
+    for (first, second) in results.iter().zip(&again) {
+        let (first, second) = (first.as_ref().unwrap(), second.as_ref().unwrap());
+        assert!(second.replayed, "{}", second.key);
+        assert_eq!(first.value, second.value);
+    }
 }

@@ -29,6 +29,9 @@ pub const MAX_ACCOUNTS: usize = 100_000;
 pub const MAX_AMOUNT_CENTS: i64 = 1_000_000_000;
 /// Longest per-request timeout.
 pub const MAX_TIMEOUT_MS: u64 = 120_000;
+/// Most items one `--batch` request may carry (the server's own cap, 1,000 unless its
+/// `--batch-max-items` says, refuses a larger batch whole with 413).
+pub const MAX_BATCH_ITEMS: usize = 10_000;
 /// Share of first-touch requests that go to a brand-new account unless `--fresh-ratio` says.
 pub const DEFAULT_FRESH_RATIO: f64 = 1.0;
 
@@ -121,6 +124,17 @@ pub struct Options {
     /// First-touch only: share of requests that go to a brand-new account (default 1).
     #[arg(long, env = "TALLY_LOAD_FRESH_RATIO")]
     pub fresh_ratio: Option<f64>,
+    /// Send the scenario's writes as `POST /api/batch` requests of this many items, each
+    /// item under its own key (`--requests` still counts operations, i.e. items). Every
+    /// scenario but balance, whose reads the batch endpoint does not take.
+    #[arg(long, env = "TALLY_LOAD_BATCH")]
+    pub batch: Option<usize>,
+    /// Read `tally_store_requests_total` from `URL/metrics` before and after the measured
+    /// phase, and report the store requests it cost per operation (per item with `--batch`).
+    /// Give each replica's base URL (or its `--admin-listen` address); repeat or
+    /// comma-separate for a fleet. Loopback only unless `--allow-remote`.
+    #[arg(long = "metrics", env = "TALLY_LOAD_METRICS", value_delimiter = ',')]
+    pub metrics: Vec<String>,
     /// Sample this local process (the server under test) from /proc: resident memory at the
     /// start and end of the measured phase (and its peak, sampled), and CPU time used.
     #[arg(long, env = "TALLY_LOAD_SERVER_PID")]
@@ -146,6 +160,10 @@ pub struct Config {
     pub failover: bool,
     /// Share of brand-new accounts; 0 for every scenario but first-touch.
     pub fresh_ratio: f64,
+    /// Items per request (`--batch`); None sends one operation per request.
+    pub batch: Option<usize>,
+    /// Where to read the store's request counters (`--metrics`); empty: not read.
+    pub metrics: Vec<Target>,
     pub server_pid: Option<u32>,
 }
 
@@ -191,6 +209,8 @@ impl Options {
             on_503: self.on_503,
             failover: self.failover,
             fresh_ratio,
+            batch: self.checked_batch()?,
+            metrics: self.checked_metrics()?,
             server_pid: self.server_pid,
         })
     }
@@ -255,6 +275,35 @@ impl Options {
             return Err(bad("--fresh-ratio must be within 0..=1"));
         }
         Ok(fresh_ratio)
+    }
+}
+
+impl Options {
+    /// The `/metrics` bases, parsed as targets are: at most [`MAX_TARGETS`].
+    fn checked_metrics(&self) -> Result<Vec<Target>, LoadError> {
+        if self.metrics.len() > MAX_TARGETS {
+            return Err(bad(format!("at most {MAX_TARGETS} --metrics URLs")));
+        }
+        self.metrics
+            .iter()
+            .map(|t| Target::parse(t, self.allow_remote))
+            .collect()
+    }
+
+    /// Items per batch request, when asked for: 1 to [`MAX_BATCH_ITEMS`], writes only.
+    fn checked_batch(&self) -> Result<Option<usize>, LoadError> {
+        let Some(n) = self.batch else {
+            return Ok(None);
+        };
+        if !(1..=MAX_BATCH_ITEMS).contains(&n) {
+            return Err(bad(format!("--batch must be 1..={MAX_BATCH_ITEMS}")));
+        }
+        if self.scenario == Scenario::Balance {
+            return Err(bad(
+                "--batch takes writes; --scenario balance reads, which the batch endpoint does not take",
+            ));
+        }
+        Ok(Some(n))
     }
 }
 
@@ -323,5 +372,30 @@ mod tests {
         let me = std::process::id().to_string();
         assert!(parse(&["--server-pid", &me]).unwrap().server_pid.is_some());
         assert!(parse(&["--server-pid", "0"]).is_err());
+    }
+
+    #[test]
+    fn batch_sizes_are_checked_and_reads_are_refused() {
+        assert_eq!(parse(&[]).unwrap().batch, None);
+        assert_eq!(parse(&["--batch", "100"]).unwrap().batch, Some(100));
+        assert_eq!(
+            parse(&["--batch", "1", "--scenario", "mixed"])
+                .unwrap()
+                .batch,
+            Some(1)
+        );
+        assert!(parse(&["--batch", "0"]).is_err());
+        let over = (MAX_BATCH_ITEMS + 1).to_string();
+        assert!(parse(&["--batch", &over]).is_err());
+        assert!(parse(&["--batch", "10", "--scenario", "balance"]).is_err());
+    }
+
+    #[test]
+    fn metrics_urls_are_checked_as_targets_are() {
+        assert!(parse(&[]).unwrap().metrics.is_empty());
+        let c = parse(&["--metrics", "http://127.0.0.1:9090,http://127.0.0.1:9091"]).unwrap();
+        assert_eq!(c.metrics.len(), 2);
+        assert!(parse(&["--metrics", "http://10.0.0.1:9090"]).is_err());
+        assert!(parse(&["--metrics", "ftp://127.0.0.1"]).is_err());
     }
 }

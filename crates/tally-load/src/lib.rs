@@ -12,6 +12,7 @@ pub mod report;
 pub mod rng;
 pub mod runner;
 pub mod server;
+pub mod store_metrics;
 pub mod workload;
 
 pub use cli::Options;
@@ -21,6 +22,7 @@ use audit::ExactlyOnce;
 use cli::Config;
 use report::{SetupSummary, Usage};
 use runner::Stats;
+use store_metrics::StoreRequests;
 use workload::Workload;
 
 /// Why a run could not produce a report.
@@ -71,9 +73,28 @@ async fn measure(config: &Config, workload: Workload) -> Result<(Stats, Usage), 
         })?),
         None => None,
     };
+    let metrics_client = http::client(config.metrics.len().max(1), config.timeout);
+    let store_before = if config.metrics.is_empty() {
+        None
+    } else {
+        let read = store_metrics::read(&metrics_client, &config.metrics, config.timeout).await;
+        Some(read.map_err(|e| LoadError::Setup(format!("--metrics: {e}")))?)
+    };
     let own_cpu_start = server::cpu_secs(std::process::id());
     let stats = runner::drive(config, workload).await?;
     let server = sampler.and_then(|s| s.finish(stats.requests));
+    // Read before the audit, whose history reads are not the run's cost.
+    let store = match store_before {
+        None => None,
+        Some(before) => Some(
+            store_metrics::read(&metrics_client, &config.metrics, config.timeout)
+                .await
+                .map(|after| {
+                    let successes = stats.successes(config.batch.is_some());
+                    StoreRequests::between(&before, &after, successes)
+                }),
+        ),
+    };
     // On one machine the generator competes with the server for CPU: report its share.
     let client_cpu_secs = own_cpu_start
         .zip(server::cpu_secs(std::process::id()))
@@ -81,6 +102,7 @@ async fn measure(config: &Config, workload: Workload) -> Result<(Stats, Usage), 
     let usage = Usage {
         server,
         client_cpu_secs,
+        store,
     };
     Ok((stats, usage))
 }

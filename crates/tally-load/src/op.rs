@@ -43,6 +43,32 @@ impl Op {
         self.kind != OpKind::Balance
     }
 
+    /// This write as an item of `POST /api/batch`: the single route's body plus its type
+    /// and `key`. None for a read, which the batch endpoint does not take.
+    pub fn batch_item(&self, key: Uuid) -> Option<serde_json::Value> {
+        let key = key.to_string();
+        let single = |kind: &str| {
+            serde_json::json!({
+                "type": kind,
+                "accountId": self.account.to_string(),
+                "amountCents": self.amount_cents,
+                "idempotencyKey": key,
+            })
+        };
+        match (self.kind, self.to) {
+            (OpKind::Deposit, _) => Some(single("deposit")),
+            (OpKind::Withdraw, _) => Some(single("withdraw")),
+            (OpKind::Transfer, Some(to)) => Some(serde_json::json!({
+                "type": "transfer",
+                "fromAccountId": self.account.to_string(),
+                "toAccountId": to.to_string(),
+                "amountCents": self.amount_cents,
+                "idempotencyKey": key,
+            })),
+            (OpKind::Transfer, None) | (OpKind::Balance, _) => None,
+        }
+    }
+
     fn method(&self) -> Method {
         if self.is_write() {
             Method::POST
@@ -119,5 +145,39 @@ mod tests {
         assert_eq!(v["amountCents"], 7);
         assert_eq!(v["toAccountId"], a.to_string());
         assert_eq!(t.path(), format!("/api/accounts/{a}/transfers"));
+    }
+
+    /// Rule: a batch item is the single route's body plus its type and key; a read is no item.
+    #[test]
+    fn batch_items_name_their_type_accounts_and_key() {
+        let (a, b, k) = (Uuid::from_u128(1), Uuid::from_u128(2), Uuid::from_u128(3));
+        let t = Op {
+            kind: OpKind::Transfer,
+            account: a,
+            to: Some(b),
+            amount_cents: 7,
+        };
+        assert_eq!(
+            t.batch_item(k).unwrap(),
+            serde_json::json!({"type": "transfer", "fromAccountId": a.to_string(),
+                "toAccountId": b.to_string(), "amountCents": 7, "idempotencyKey": k.to_string()})
+        );
+        let w = Op {
+            kind: OpKind::Withdraw,
+            to: None,
+            ..t
+        };
+        assert_eq!(
+            w.batch_item(k).unwrap(),
+            serde_json::json!({"type": "withdraw", "accountId": a.to_string(),
+                "amountCents": 7, "idempotencyKey": k.to_string()})
+        );
+        assert_eq!(Op::deposit(a, 7).batch_item(k).unwrap()["type"], "deposit");
+        let read = Op {
+            kind: OpKind::Balance,
+            to: None,
+            ..t
+        };
+        assert_eq!(read.batch_item(k), None);
     }
 }

@@ -10,6 +10,7 @@ use crate::audit::{ExactlyOnce, Verdict};
 use crate::cli::{Config, On503, Scenario};
 use crate::runner::Stats;
 use crate::server::ServerUsage;
+use crate::store_metrics::StoreRequests;
 
 /// Most violations printed in the text report (the JSON report lists more).
 pub const MAX_PRINTED_VIOLATIONS: usize = 10;
@@ -52,6 +53,24 @@ impl fmt::Display for Latency {
     }
 }
 
+/// `--batch`: what the batch requests carried and how their items were answered. The
+/// report's request latencies are per batch request.
+#[derive(Debug, Clone, Serialize)]
+pub struct BatchSummary {
+    /// Items per batch request asked for (the last one may carry fewer).
+    pub size: usize,
+    /// Batch requests issued (first sends).
+    pub batches: u64,
+    /// Items carried by every send, re-sends included.
+    pub items_sent: u64,
+    /// Item results 2xx per second of the measured phase.
+    pub items_per_sec: f64,
+    /// Each item's status per send that carried it (0: no answer, or one that could not be
+    /// matched to the items).
+    pub item_status_counts: BTreeMap<u16, u64>,
+    pub item_replays: u64,
+}
+
 /// The setup phase in brief.
 #[derive(Debug, Clone, Serialize)]
 pub struct SetupSummary {
@@ -67,6 +86,9 @@ pub struct Usage {
     pub server: Option<ServerUsage>,
     /// CPU seconds this generator used (Linux).
     pub client_cpu_secs: Option<f64>,
+    /// The store requests of the measured phase (`--metrics`), or why they could not be
+    /// read at its end.
+    pub store: Option<Result<StoreRequests, String>>,
 }
 
 /// Everything one run measured and concluded.
@@ -112,12 +134,21 @@ pub struct Report {
     /// First-touch scenario: 2xx answers on accounts that already existed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub existing_account_latency_us: Option<Latency>,
+    /// `--batch`: the items, their answers and their rate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch: Option<BatchSummary>,
     /// The server's memory and CPU over the measured phase (`--server-pid`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server: Option<ServerUsage>,
     /// CPU seconds this generator used in the measured phase (Linux; absent elsewhere).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub client_cpu_secs: Option<f64>,
+    /// The store requests of the measured phase, from the replicas' `/metrics` (`--metrics`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store_requests: Option<StoreRequests>,
+    /// Why `--metrics` could not be read at the end of the measured phase.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store_requests_error: Option<String>,
     pub status_counts: BTreeMap<u16, u64>,
     pub replays: u64,
     /// Transport errors (no answer).
@@ -152,7 +183,24 @@ impl Report {
             .map(|(&s, &n)| (s, per_sec(n)))
             .collect();
         let h = &stats.latency;
-        let first_touch = config.scenario == Scenario::FirstTouch;
+        // A batch mixes first touches and existing accounts: no split per request.
+        let first_touch = config.scenario == Scenario::FirstTouch && config.batch.is_none();
+        let batch = config.batch.map(|size| {
+            let items_ok: u64 = stats
+                .item_status_counts
+                .iter()
+                .filter(|(s, _)| (200..300).contains(*s))
+                .map(|(_, n)| n)
+                .sum();
+            BatchSummary {
+                size,
+                batches: stats.batches,
+                items_sent: stats.items_sent,
+                items_per_sec: per_sec(items_ok),
+                item_status_counts: stats.item_status_counts.clone(),
+                item_replays: stats.item_replays,
+            }
+        });
         Report {
             scenario: config.scenario,
             mode: if config.rate.is_some() {
@@ -184,8 +232,11 @@ impl Report {
             settled_latency_us: Latency::of(&h.settled),
             first_touch_latency_us: first_touch.then(|| Latency::of(&h.first_touch)),
             existing_account_latency_us: first_touch.then(|| Latency::of(&h.existing)),
+            batch,
             server: usage.server,
             client_cpu_secs: usage.client_cpu_secs,
+            store_requests: usage.store.clone().and_then(Result::ok),
+            store_requests_error: usage.store.and_then(Result::err),
             errors: stats.errors(),
             status_counts: stats.status_counts,
             replays: stats.replays,
@@ -205,6 +256,7 @@ impl Report {
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.write_run(f)?;
+        self.write_batch(f)?;
         self.write_latency(f)?;
         self.write_usage(f)?;
         self.write_answers(f)?;
@@ -233,11 +285,15 @@ impl Report {
             "setup:       {} accounts, {} requests in {:.2} s",
             self.setup.accounts, self.setup.requests, self.setup.elapsed_secs
         )?;
+        // With `--batch` a first send carries many operations: count the batches.
+        let first_sends = match &self.batch {
+            Some(b) => format!("{} batches of {} operations", b.batches, self.operations),
+            None => format!("{} operations", self.operations),
+        };
         writeln!(
             f,
-            "requests:    {} ({} operations + {} retries + {} re-sent after 503 + {} failed over) in {:.2} s = {:.1} req/s",
+            "requests:    {} ({first_sends} + {} retries + {} re-sent after 503 + {} failed over) in {:.2} s = {:.1} req/s",
             self.requests,
-            self.operations,
             self.retries,
             self.resends,
             self.failovers,
@@ -267,6 +323,20 @@ impl Report {
         )
     }
 
+    /// `--batch`: items per request, items per second, and how the items were answered.
+    fn write_batch(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Some(b) = &self.batch else {
+            return Ok(());
+        };
+        writeln!(
+            f,
+            "batches:     {} of up to {} items; {} items sent; {:.1} items 2xx/s; latencies below are per batch request",
+            b.batches, b.size, b.items_sent, b.items_per_sec
+        )?;
+        let statuses = joined(&b.item_status_counts, |s, n| format!("{s}={n}"));
+        writeln!(f, "items:       {statuses}; {} replays", b.item_replays)
+    }
+
     /// Every latency the run measured: all answers, 2xx, settled and first touch.
     fn write_latency(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "latency us:  {}", self.latency_us)?;
@@ -293,6 +363,22 @@ impl Report {
     fn write_usage(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if let Some(cpu) = self.client_cpu_secs {
             writeln!(f, "generator:   CPU {cpu:.2} s")?;
+        }
+        if let Some(s) = &self.store_requests {
+            let ops = joined(&s.by_operation, |op, n| format!("{op}={n}"));
+            let per = if self.batch.is_some() {
+                "2xx item"
+            } else {
+                "2xx answer"
+            };
+            writeln!(
+                f,
+                "store:       {} requests ({ops}) over {} {per}s = {:.3} per {per}, {:.3} writes per {per}",
+                s.total, s.successes, s.per_success, s.writes_per_success
+            )?;
+        }
+        if let Some(e) = &self.store_requests_error {
+            writeln!(f, "store:       not read: {e}")?;
         }
         if let Some(s) = &self.server {
             writeln!(

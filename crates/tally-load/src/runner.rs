@@ -23,6 +23,9 @@ use crate::op::{Op, send_op_on};
 use crate::rng::Rng;
 use crate::workload::Workload;
 
+mod batch;
+use batch::BatchSends;
+
 /// Highest latency the histogram tracks, in microseconds; larger values are clamped.
 pub const MAX_TRACKED_LATENCY_US: u64 = 3_600_000_000;
 /// Significant decimal digits kept by the histogram.
@@ -104,8 +107,19 @@ pub struct Stats {
     pub resends: u64,
     /// Re-sends with the same key to another target after no answer (`--failover`).
     pub failovers: u64,
-    /// Every request sent: operations plus retries, resends and failovers.
+    /// Every request sent: operations (or, with `--batch`, batches) plus retries, resends
+    /// and failovers.
     pub requests: u64,
+    /// `--batch`: batch requests issued (first sends; their re-sends are counted apart).
+    pub batches: u64,
+    /// `--batch`: items carried, every send counted (a re-sent item again).
+    pub items_sent: u64,
+    /// `--batch`: each item's status per send that carried it: its own result's, or the
+    /// whole answer's when the batch got no results ([`NO_ANSWER`](crate::ledger::NO_ANSWER)
+    /// when none came or they could not be read).
+    pub item_status_counts: BTreeMap<u16, u64>,
+    /// `--batch`: item results flagged as replays.
+    pub item_replays: u64,
     /// Connections opened by the workers.
     pub connects: u64,
     pub records: Vec<KeyRecord>,
@@ -130,6 +144,10 @@ impl Stats {
             resends: 0,
             failovers: 0,
             requests: 0,
+            batches: 0,
+            items_sent: 0,
+            item_status_counts: BTreeMap::new(),
+            item_replays: 0,
             connects: 0,
             records: Vec::new(),
             elapsed: Duration::ZERO,
@@ -177,6 +195,27 @@ impl Stats {
         }
     }
 
+    /// 2xx answers: of the items when `items`, else of the requests.
+    pub fn successes(&self, items: bool) -> u64 {
+        let counts = if items {
+            &self.item_status_counts
+        } else {
+            &self.status_counts
+        };
+        counts
+            .iter()
+            .filter(|(s, _)| is_success(**s))
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    /// Counts one item of a batch send, with the status it got.
+    fn note_item(&mut self, status: u16, replayed: bool) {
+        self.items_sent += 1;
+        *self.item_status_counts.entry(status).or_default() += 1;
+        self.item_replays += u64::from(replayed);
+    }
+
     fn merge(&mut self, other: Stats) {
         for (status, n) in other.status_counts {
             *self.status_counts.entry(status).or_default() += n;
@@ -194,6 +233,12 @@ impl Stats {
         self.failovers += other.failovers;
         self.connects += other.connects;
         self.requests += other.requests;
+        self.batches += other.batches;
+        self.items_sent += other.items_sent;
+        for (status, n) in other.item_status_counts {
+            *self.item_status_counts.entry(status).or_default() += n;
+        }
+        self.item_replays += other.item_replays;
         self.records.extend(other.records);
     }
 }
@@ -264,16 +309,29 @@ async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
             }
             tokio::time::sleep_until(until).await;
         }
+        // A ticket is one request: one operation, or with `--batch` the next N of them.
+        let per_ticket = config.batch.unwrap_or(1) as u64;
         let ticket = shared.next_ticket.fetch_add(1, Ordering::Relaxed);
-        if config.max_ops.is_some_and(|max| ticket >= max) || Instant::now() >= shared.deadline {
+        let first_op = ticket.saturating_mul(per_ticket);
+        if config.max_ops.is_some_and(|max| first_op >= max) || Instant::now() >= shared.deadline {
             break;
         }
-        let Some(intended) = intended_send(&shared, ticket).await else {
+        let Some(intended) = intended_send(&shared, first_op).await else {
             break;
         };
-        let sends = OpSends::draw(&shared, &mut conns, latency, ticket);
-        stats.operations += 1;
-        if !sends.run(&mut stats, intended).await {
+        let in_time = if config.batch.is_some() {
+            let end = first_op.saturating_add(per_ticket);
+            let ops = first_op..config.max_ops.map_or(end, |max| end.min(max));
+            let sends = BatchSends::draw(&shared, &mut conns, latency, ops);
+            stats.operations += sends.len() as u64;
+            stats.batches += 1;
+            sends.run(&mut stats, intended).await
+        } else {
+            let sends = OpSends::draw(&shared, &mut conns, latency, ticket);
+            stats.operations += 1;
+            sends.run(&mut stats, intended).await
+        };
+        if !in_time {
             break;
         }
     }
@@ -281,8 +339,8 @@ async fn worker(shared: Arc<Shared>, index: usize, mut stats: Stats) -> Stats {
     stats
 }
 
-/// When `ticket` is to be sent: now in a closed loop; in an open loop its slot in the
-/// schedule, waited for. Latency counts from then, so a stalled server is charged for the
+/// When the request whose first operation is `ticket` is to be sent: now in a closed loop;
+/// in an open loop that operation's slot in the schedule, waited for. Latency counts from then, so a stalled server is charged for the
 /// requests it delayed (no coordinated omission). None when the slot is past the run's end.
 async fn intended_send(shared: &Shared, ticket: u64) -> Option<Instant> {
     let Some(rate) = shared.config.rate else {

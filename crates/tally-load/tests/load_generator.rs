@@ -25,8 +25,10 @@ use tally_load::{Options, Report};
 
 /// Longest any single generator run may take in these tests.
 const RUN_LIMIT: Duration = Duration::from_secs(120);
-/// Largest request body the fake reads.
-const MAX_FAKE_BODY: usize = 64 * 1024;
+/// Largest request body the fake reads (a batch of 100 transfers fits).
+const MAX_FAKE_BODY: usize = 1024 * 1024;
+/// Most items the fake takes in one batch; a larger one is refused whole with 413.
+const MAX_FAKE_BATCH: usize = 50;
 /// The fake's demo accounts and their opening balances.
 const DEMO: [(u128, &str, i64); 3] = [
     (0xA11CE, "Alice", 50_000),
@@ -131,6 +133,18 @@ impl Fake {
     ) -> Reply {
         let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
         let is_history = matches!(parts.as_slice(), ["api", "accounts", _, "history"]);
+        if parts == ["metrics"] {
+            // Not load: the store request counters `--metrics` reads, one store write per
+            // write the fake took, and a fixed read count that never moves.
+            let writes = self.state.lock().unwrap().writes;
+            return Reply {
+                body: format!(
+                    "tally_store_requests_total{{operation=\"write\",result=\"ok\"}} {writes}\n\
+                     tally_store_requests_total{{operation=\"read\",result=\"ok\"}} 7\n"
+                ),
+                ..Reply::new(200, Value::Null)
+            };
+        }
         if !is_history {
             self.load_requests.fetch_add(1, Ordering::Relaxed);
         }
@@ -141,6 +155,7 @@ impl Fake {
                     "id": Uuid::from_u128(*id).to_string(), "name": name,
                 })).collect::<Vec<_>>() }),
             ),
+            (&Method::POST, ["api", "batch"]) => self.batch(body),
             (_, ["api", "accounts", id, action]) => {
                 let Ok(account) = Uuid::parse_str(id) else {
                     return Reply::error(422, "VALIDATION_ERROR");
@@ -195,6 +210,56 @@ impl Fake {
             body["nextFromVersion"] = json!(last + 1);
         }
         Reply::new(200, body)
+    }
+
+    /// `POST /api/batch`: each item through [`Fake::write`] as its single route's body, so
+    /// items and single requests share keys and faults; the whole batch hangs up when any
+    /// item would.
+    fn batch(&self, body: &[u8]) -> Reply {
+        let items = serde_json::from_slice::<Value>(body)
+            .ok()
+            .and_then(|v| v["items"].as_array().cloned())
+            .filter(|items| !items.is_empty());
+        let Some(items) = items else {
+            return Reply::error(400, "VALIDATION_ERROR");
+        };
+        if items.len() > MAX_FAKE_BATCH {
+            return Reply::error(413, "BATCH_TOO_LARGE");
+        }
+        let (mut results, mut hang_up, mut shed) = (Vec::new(), false, false);
+        for item in &items {
+            let key = item["idempotencyKey"].as_str();
+            let amount = item["amountCents"].clone();
+            let (account, action, single) = match item["type"].as_str() {
+                Some(kind @ ("deposit" | "withdraw")) => {
+                    (&item["accountId"], kind, json!({ "amountCents": amount }))
+                }
+                Some("transfer") => (
+                    &item["fromAccountId"],
+                    "transfers",
+                    json!({ "toAccountId": item["toAccountId"], "amountCents": amount }),
+                ),
+                _ => (&Value::Null, "", Value::Null),
+            };
+            let reply = match account.as_str().and_then(|a| Uuid::parse_str(a).ok()) {
+                Some(account) => self.write(account, action, key, single.to_string().as_bytes()),
+                None => Reply::error(400, "VALIDATION_ERROR"),
+            };
+            hang_up |= reply.hang_up;
+            shed |= reply.status == 503;
+            results.push(json!({
+                "status": reply.status,
+                "body": serde_json::from_str::<Value>(&reply.body).unwrap_or_default(),
+                "idempotencyKey": key,
+                "replayed": reply.replayed,
+                "idempotencyWindow": 90,
+            }));
+        }
+        Reply {
+            retry_after: shed,
+            hang_up,
+            ..Reply::new(200, json!({ "results": results }))
+        }
     }
 
     fn write(&self, account: Uuid, action: &str, key: Option<&str>, body: &[u8]) -> Reply {
@@ -462,6 +527,230 @@ async fn mixed_fleet_with_retries_and_faults_passes() {
         "shed and lost answers are unknown"
     );
     assert_eq!(e.violation_count, 0);
+}
+
+/// The counts a `--batch` report must satisfy: requests are batches and their re-sends,
+/// operations are items, and every item of every send is counted once by status.
+fn assert_batch_counts_add_up(report: &Report, fake: &Fake, size: u64) {
+    let answered: u64 = report.status_counts.values().sum();
+    let batch = report.batch.as_ref().expect("a batch summary");
+    assert_eq!(batch.size as u64, size);
+    assert_eq!(batch.batches, report.operations.div_ceil(size));
+    assert_eq!(
+        report.requests,
+        batch.batches + report.retries + report.resends + report.failovers
+    );
+    assert_eq!(answered + report.errors, report.requests);
+    assert_eq!(
+        report.latency_us.count, answered,
+        "latency is per batch request"
+    );
+    assert_eq!(
+        batch.item_status_counts.values().sum::<u64>(),
+        batch.items_sent
+    );
+    assert_eq!(
+        fake.load_requests.load(Ordering::Relaxed),
+        report.requests + report.setup.requests,
+        "the fake saw exactly the requests the generator counted"
+    );
+}
+
+/// Rule: with `--batch N` every write scenario sends its operations N to a request, each
+/// item under its own key, and the audit holds each item to exactly once (a retried batch
+/// replays item by item; shed and lost items are unknown and land at most once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_of_every_write_scenario_pass_the_audit_per_item() {
+    let fake = Fake::new(Faults {
+        shed_every: 13,
+        lost_answer_every: 17,
+        ..Faults::default()
+    });
+    let (a, b) = (serve(fake.clone()).await, serve(fake.clone()).await);
+    let report = run_generator(&format!(
+        "--target {} --target {} --scenario mixed --accounts 6 --requests 300 --batch 10 --connections 4 --retry-ratio 0.4 --seed 7 --amount-cents 250 --json",
+        target(a), target(b)
+    ))
+    .await;
+    print!("{report}");
+    assert_batch_counts_add_up(&report, &fake, 10);
+    assert_eq!(report.operations, 300);
+    assert!(report.retries > 0);
+    let batch = report.batch.as_ref().unwrap();
+    assert_eq!(
+        batch.items_sent,
+        300 + 10 * report.retries,
+        "a retry re-sends its whole batch"
+    );
+    let items = |status| batch.item_status_counts.get(&status).copied().unwrap_or(0);
+    assert!(items(503) > 0, "the fake sheds and loses items");
+    assert!(
+        batch.item_replays >= 10 * report.retries - items(503) - items(422),
+        "a retried batch replays its landed items"
+    );
+    {
+        let state = fake.state.lock().unwrap();
+        assert_eq!(
+            state.writes,
+            batch.items_sent + report.setup.accounts as u64,
+            "each item sent is one write"
+        );
+    }
+    let e = &report.exactly_once;
+    assert_eq!(e.verdict, Verdict::Pass, "{:?}", e.violations);
+    assert_eq!(e.checked, 300 + report.setup.accounts as u64);
+    assert!(
+        e.unknown > 0 && e.unknown_landed > 0,
+        "lost items landed once"
+    );
+    assert!(batch.items_per_sec > 0.0);
+    let json = serde_json::to_value(&report).unwrap();
+    assert_eq!(json["batch"]["size"], 10);
+    assert!(json["batch"]["items_per_sec"].as_f64().unwrap() > 0.0);
+    assert!(
+        report
+            .to_string()
+            .contains("batches:     30 of up to 10 items")
+    );
+
+    for scenario in ["spread", "hot", "first-touch"] {
+        let fake = Fake::new(Faults::default());
+        let addr = serve(fake.clone()).await;
+        let report = run_generator(&format!(
+            "--target {} --scenario {scenario} --accounts 5 --requests 95 --batch 20 --connections 2 --seed 3",
+            target(addr)
+        ))
+        .await;
+        assert_batch_counts_add_up(&report, &fake, 20);
+        let batch = report.batch.as_ref().unwrap();
+        assert_eq!(batch.batches, 5, "{scenario}: the last batch carries 15");
+        assert_eq!(batch.item_status_counts.get(&200).copied(), Some(95));
+        let e = &report.exactly_once;
+        assert_eq!(e.verdict, Verdict::Pass, "{scenario}: {:?}", e.violations);
+        assert_eq!(e.succeeded, e.checked, "{scenario}");
+    }
+}
+
+/// Rule: a batch re-sent whole whose items the server applies again is caught item by item.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_double_applied_batch_retry_fails_the_verdict_per_item() {
+    let fake = Fake::new(Faults {
+        double_apply_retries: true,
+        ..Faults::default()
+    });
+    let addr = serve(fake.clone()).await;
+    let report = run_generator(&format!(
+        "--target {} --scenario spread --accounts 20 --requests 200 --batch 5 --connections 4 --retry-ratio 0.5 --seed 11",
+        target(addr)
+    ))
+    .await;
+    assert_batch_counts_add_up(&report, &fake, 5);
+    assert!(report.retries > 0);
+    let e = &report.exactly_once;
+    assert_eq!(e.verdict, Verdict::Fail);
+    let duplicates = e
+        .violations
+        .iter()
+        .filter(|v| v.kind == ViolationKind::Duplicate)
+        .count();
+    assert!(duplicates > 0, "{:?}", e.violations);
+    assert!(
+        e.violation_count >= 5 * report.retries,
+        "every item of every retried batch is caught: {} violations, {} retries",
+        e.violation_count,
+        report.retries
+    );
+}
+
+/// Rule: `--on-503` re-sends only the items answered 503, under their keys, until each gets
+/// another answer; every item then lands once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_503_resends_only_the_refused_items() {
+    let fake = Fake::new(Faults {
+        shed_every: 7,
+        ..Faults::default()
+    });
+    let addr = serve(fake.clone()).await;
+    let report = run_generator(&format!(
+        "--target {} --scenario spread --accounts 10 --requests 300 --batch 10 --connections 4 --on-503 resend --seed 5 --metrics {}",
+        target(addr),
+        target(addr)
+    ))
+    .await;
+    print!("{report}");
+    assert_batch_counts_add_up(&report, &fake, 10);
+    let batch = report.batch.as_ref().unwrap();
+    let shed = batch.item_status_counts.get(&503).copied().unwrap_or(0);
+    assert!(shed > 0 && report.resends > 0);
+    assert_eq!(
+        batch.items_sent,
+        300 + shed,
+        "each re-send carries only the items shed"
+    );
+    assert_eq!(batch.item_status_counts.get(&200).copied(), Some(300));
+    // `--metrics`: the fake counts one store write per item it took, shed ones included.
+    let store = report.store_requests.as_ref().expect("--metrics read");
+    assert_eq!(store.by_operation.get("write"), Some(&batch.items_sent));
+    assert_eq!(store.by_operation.get("read"), Some(&0));
+    assert_eq!(store.total, batch.items_sent);
+    assert_eq!(store.successes, 300, "every item got its 2xx");
+    assert!((store.writes_per_success - batch.items_sent as f64 / 300.0).abs() < 1e-9);
+    assert!(report.to_string().contains("writes per 2xx item"));
+    let e = &report.exactly_once;
+    assert_eq!(e.verdict, Verdict::Pass, "{:?}", e.violations);
+    assert_eq!((e.succeeded, e.unknown), (e.checked, 0));
+}
+
+/// Rule: `--failover` re-sends a batch that got no answer to another target, and its items,
+/// applied before the hang-up, are replayed there and land once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_resends_an_unanswered_batch_and_its_items_land_once() {
+    let fake = Fake::new(Faults {
+        hang_up_every: 23,
+        ..Faults::default()
+    });
+    let (a, b) = (serve(fake.clone()).await, serve(fake.clone()).await);
+    let report = run_generator(&format!(
+        "--target {} --target {} --scenario mixed --accounts 8 --requests 300 --batch 5 --connections 4 --failover true --seed 13",
+        target(a),
+        target(b)
+    ))
+    .await;
+    print!("{report}");
+    assert_batch_counts_add_up(&report, &fake, 5);
+    assert!(
+        report.failovers > 0,
+        "a batch holding a 23rd write hangs up"
+    );
+    assert_eq!(report.failovers, report.errors);
+    let batch = report.batch.as_ref().unwrap();
+    assert!(
+        batch.item_replays > 0,
+        "the other target replays what landed"
+    );
+    let e = &report.exactly_once;
+    assert_eq!(e.verdict, Verdict::Pass, "{:?}", e.violations);
+    assert_eq!(e.unknown, 0, "every item settled after its failover");
+}
+
+/// Rule: a batch refused as a whole (413, over the server's cap) wrote nothing: each of its
+/// items is recorded as refused, and the audit finds none of them in history.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_refused_whole_is_rejected_item_by_item() {
+    let fake = Fake::new(Faults::default());
+    let addr = serve(fake.clone()).await;
+    let over = MAX_FAKE_BATCH + 1;
+    let report = run_generator(&format!(
+        "--target {} --scenario spread --accounts 4 --requests {} --batch {over} --connections 2 --seed 2",
+        target(addr),
+        2 * over
+    ))
+    .await;
+    assert_batch_counts_add_up(&report, &fake, over as u64);
+    assert_eq!(report.status_counts.get(&413).copied(), Some(2));
+    let e = &report.exactly_once;
+    assert_eq!(e.verdict, Verdict::Pass, "{:?}", e.violations);
+    assert_eq!((e.rejected, e.succeeded), (2 * over as u64, 4));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
