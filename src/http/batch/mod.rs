@@ -140,10 +140,20 @@ pub async fn batch(
         })
         .collect();
     let results = run::run_in_order(app, caller.as_ref(), items).await;
-    Ok(json_response(
-        StatusCode::OK,
-        &json!({ "results": results }),
-    ))
+    let mut resp = json_response(StatusCode::OK, &json!({ "results": results }));
+    // The longest wait any retryable item asks for, so a client that resends the open
+    // items together waits enough for each.
+    if let Some(after) = results
+        .iter()
+        .filter_map(|r| r["retryAfter"].as_u64())
+        .max()
+    {
+        resp.headers_mut().insert(
+            hyper::header::RETRY_AFTER,
+            hyper::header::HeaderValue::from(after),
+        );
+    }
+    Ok(resp)
 }
 
 /// The linked group an item names, whatever else is wrong with it (a group is refused whole
@@ -214,6 +224,9 @@ pub(super) async fn result_of(resp: Resp) -> Value {
     }
     if let Some(r) = number(idempotency::RETENTION_HEADER) {
         result["idempotencyRetention"] = json!(r);
+    }
+    if let Some(after) = number("retry-after") {
+        result["retryAfter"] = json!(after);
     }
     result
 }

@@ -29,6 +29,9 @@ pub const MAX_GROUP_ACCOUNTS: usize = 16;
 /// The longest name a linked group may have.
 pub const MAX_GROUP_NAME: usize = 64;
 
+/// A linked group's item as read: its place in the batch, and its write or refusal.
+type Member = (usize, Result<Ready, ApiError>);
+
 /// What runs as one: an item alone, or a linked group's items (in item order).
 enum Unit {
     Alone(usize, Ready),
@@ -138,8 +141,7 @@ pub(super) async fn run_in_order(
 /// (or all its items 400 when the group itself is malformed).
 fn units_of(items: Vec<Prepared>) -> (Vec<Unit>, Vec<(usize, ApiError)>) {
     let mut refused = Vec::new();
-    let mut groups: BTreeMap<usize, (String, Vec<(usize, Result<Ready, ApiError>)>)> =
-        BTreeMap::new();
+    let mut groups: BTreeMap<usize, (String, Vec<Member>)> = BTreeMap::new();
     let mut first_of: HashMap<String, usize> = HashMap::new();
     let mut alone = Vec::new();
     for (i, Prepared { group, ready: item }) in items.into_iter().enumerate() {
@@ -204,10 +206,7 @@ impl GroupRefused {
 
 /// A group runs only whole: at most [`MAX_GROUP_ITEMS`] items on [`MAX_GROUP_ACCOUNTS`]
 /// accounts, every key once, every item valid.
-fn check_group(
-    name: &str,
-    members: &[(usize, Result<Ready, ApiError>)],
-) -> Result<(), GroupRefused> {
+fn check_group(name: &str, members: &[Member]) -> Result<(), GroupRefused> {
     let shown = if name.len() <= MAX_GROUP_NAME {
         format!("{name:?}")
     } else {
