@@ -68,9 +68,11 @@ impl Run<'_> {
     }
 
     /// Where this attempt takes its state from: the replica's copy first on the first
-    /// attempt (with `--one-round-trip`), else the store.
+    /// attempt (with `--one-round-trip`), unless that copy is known behind the store; else
+    /// the store.
     pub(super) fn load_from(&self) -> LoadFrom {
-        if self.cx.config.one_round_trip && self.attempt == 1 {
+        if self.cx.config.one_round_trip && self.attempt == 1 && self.copies != Copies::UnreadBehind
+        {
             LoadFrom::CopyFirst
         } else {
             LoadFrom::Store

@@ -292,6 +292,12 @@ impl<'a> Run<'a> {
         }
         // 3. Decide on this state.
         let Some(batch) = self.decide(state).await else {
+            // A rule said no on the replica's copy, which cannot make a refusal final: the
+            // read the copy stood in for follows at once and does not count, so a run of
+            // one attempt still gives a final answer.
+            if state == StateFrom::Copy {
+                return Next::AtOnceUncounted;
+            }
             return Next::Backoff;
         };
         let batch = self.admit_new(batch);
