@@ -2,8 +2,10 @@
 //! this binary's own (so no other suite's allocations count; the tests here take turns).
 //! Unbounded, a 64 KiB body in 1-byte chunks would hold about 2.4 MiB, and a client
 //! pipelining requests would grow its connection's read buffer to hyper's ~400 KB for good.
+//! A remembered key is counted the same way: a day of keys must fit a replica's memory.
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -12,6 +14,7 @@ use std::time::Duration;
 use clap::Parser;
 use tally::app::App;
 use tally::config::Config;
+use tally::projection::keys::{KeyMemory, Segment, SegmentKey, fingerprint};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -20,6 +23,12 @@ static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
 
 struct Counting;
+
+thread_local! {
+    /// Bytes this thread allocated less those it freed: what synchronous code on one thread
+    /// holds, whatever other threads (an earlier test's tasks winding down) free meanwhile.
+    static MINE: Cell<isize> = const { Cell::new(0) };
+}
 
 // SAFETY: every call goes to `System` unchanged; only the counters are added.
 unsafe impl GlobalAlloc for Counting {
@@ -33,13 +42,13 @@ unsafe impl GlobalAlloc for Counting {
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        shrank(layout.size());
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if !p.is_null() {
-            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+            shrank(layout.size());
             grew(new_size);
         }
         p
@@ -49,6 +58,17 @@ unsafe impl GlobalAlloc for Counting {
 fn grew(bytes: usize) {
     let now = LIVE.fetch_add(bytes, Ordering::Relaxed) + bytes;
     PEAK.fetch_max(now, Ordering::Relaxed);
+    // A thread being torn down has no counter left; its bytes count only in LIVE.
+    let _ = MINE.try_with(|m| m.set(m.get() + bytes as isize));
+}
+
+fn shrank(bytes: usize) {
+    LIVE.fetch_sub(bytes, Ordering::Relaxed);
+    let _ = MINE.try_with(|m| m.set(m.get() - bytes as isize));
+}
+
+fn mine() -> isize {
+    MINE.with(Cell::get)
 }
 
 #[global_allocator]
@@ -199,4 +219,110 @@ async fn a_pipelining_client_leaves_its_connection_no_large_buffer() {
         "{CONNECTIONS} connections that pipelined {REQUESTS} requests each hold {held} bytes"
     );
     drop(open);
+}
+
+/// Accounts and keys per account for the key-memory bound: a million keys, as a busy day
+/// leaves them spread over a thousand accounts.
+const KEY_ACCOUNTS: u64 = 1_000;
+const KEYS_PER_ACCOUNT: u64 = 1_000;
+/// What the retention may cost per remembered key past the window.
+const MAX_BYTES_PER_KEY: f64 = 16.0;
+
+/// A fixed, well-mixed event id per (account, key): deterministic, so every run measures
+/// the same fingerprints.
+fn key_event_id(account: u64, n: u64) -> u128 {
+    let mut x = (account << 32 | n).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    u128::from(x ^ (x >> 31)) << 64 | u128::from(account)
+}
+
+/// The k-th key of an account: one deposit of 100 cents per version, committed 1 ms apart.
+fn key_at(k: u64) -> (u64, i64, u64) {
+    (k, k as i64 * 100, 1_000_000 + k)
+}
+
+/// Bytes per key, by the allocator's count (this thread's) and by the memories' own
+/// `heap_bytes`, for [`KEY_ACCOUNTS`] memories filled by `fill`; dropped before it returns.
+fn bytes_per_key(fill: impl Fn(u64, &mut KeyMemory)) -> (f64, f64) {
+    let keys = (KEY_ACCOUNTS * KEYS_PER_ACCOUNT) as f64;
+    let before = mine();
+    let mut memories: Vec<KeyMemory> = Vec::with_capacity(KEY_ACCOUNTS as usize);
+    for account in 0..KEY_ACCOUNTS {
+        let mut m = KeyMemory::default();
+        fill(account, &mut m);
+        assert_eq!(m.len() as u64, KEYS_PER_ACCOUNT, "every key is remembered");
+        memories.push(m);
+    }
+    // The vector of memories is the test's, not the key memory's: one pointer per account.
+    let counted =
+        (mine() - before) as usize - memories.capacity() * std::mem::size_of::<KeyMemory>();
+    let reported: usize = memories.iter().map(KeyMemory::heap_bytes).sum();
+    // Each memory still answers for its keys (the measurement is of a working memory).
+    for (account, m) in memories.iter().enumerate() {
+        let (version, balance, _) = key_at(KEYS_PER_ACCOUNT);
+        let found = m
+            .candidates(key_event_id(account as u64, KEYS_PER_ACCOUNT))
+            .expect("few candidates");
+        assert!(
+            found
+                .iter()
+                .any(|r| r.version == version && r.balance == balance),
+            "account {account}: its newest key is found"
+        );
+    }
+    drop(memories);
+    (counted as f64 / keys, reported as f64 / keys)
+}
+
+/// Rule: a key remembered past the window costs at most 16 bytes of heap, counted by the
+/// allocator and by `KeyMemory::heap_bytes`, with a million keys over a thousand accounts;
+/// both on a replica that folded the keys and on one that loaded them from checkpoints.
+#[test]
+fn a_million_remembered_keys_over_a_thousand_accounts_cost_at_most_16_bytes_each() {
+    // Its own turn too: its million keys would count against another test's peak.
+    let _turn = TURN.blocking_lock();
+    let folded = bytes_per_key(|account, m| {
+        for k in 1..=KEYS_PER_ACCOUNT {
+            let (version, balance, commit_ms) = key_at(k);
+            m.push(key_event_id(account, k), version, balance, commit_ms);
+        }
+    });
+    // A cold replica loads each checkpoint's segment, oldest first; one every 100 keys here,
+    // the tightest spacing a checkpoint takes.
+    let loaded = bytes_per_key(|account, m| {
+        for first in (1..=KEYS_PER_ACCOUNT).step_by(100) {
+            let last = (first + 99).min(KEYS_PER_ACCOUNT);
+            let segment = Segment {
+                after: first - 1,
+                after_ms: key_at(first - 1).2,
+                keys: (first..=last)
+                    .map(|k| {
+                        let (version, balance, _) = key_at(k);
+                        SegmentKey {
+                            fingerprint: fingerprint(key_event_id(account, k)),
+                            version,
+                            balance,
+                        }
+                    })
+                    .collect(),
+            };
+            m.load(&segment, key_at(last).2);
+        }
+    });
+    for (how, (counted, reported)) in [("folded", folded), ("loaded", loaded)] {
+        eprintln!(
+            "{how}: {} keys over {KEY_ACCOUNTS} accounts: {counted:.2} bytes a key by the allocator, {reported:.2} by heap_bytes",
+            KEY_ACCOUNTS * KEYS_PER_ACCOUNT
+        );
+        assert!(
+            counted <= MAX_BYTES_PER_KEY && reported <= MAX_BYTES_PER_KEY,
+            "{how}: {counted:.2} bytes a key counted, {reported:.2} reported; the bound is {MAX_BYTES_PER_KEY}"
+        );
+        // The unit tests bound heap_bytes alone: it must not hide what the allocator holds.
+        assert!(
+            reported >= counted * 0.95,
+            "{how}: heap_bytes reports {reported:.2} bytes a key, the allocator counts {counted:.2}"
+        );
+    }
 }
