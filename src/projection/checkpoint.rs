@@ -329,10 +329,7 @@ impl Projection {
     }
 
     /// The newest checkpoint whose commit is at least `age_ms` older than the server's now,
-    /// with its position: from the tail when it holds one, else by a binary search over the
-    /// older positions of the checkpoint stream (a busy account's tail spans seconds, and a
-    /// trim looks a retention back). Commit times rise with positions, so the search reads
-    /// about log2(positions) checkpoints, one each.
+    /// with its position ([`Projection::newest_checkpoint_where`]).
     pub async fn checkpoint_older_than(
         &self,
         account: AccountId,
@@ -340,8 +337,23 @@ impl Projection {
         age_ms: u64,
     ) -> Result<Option<(u64, Checkpoint)>, StoreError> {
         let tip = self.server_tip_ms();
-        if let Some(cp) = pick(tail.iter(), tip, age_ms) {
-            return Ok(tail.position_of(&cp).map(|at| (at, cp)));
+        self.newest_checkpoint_where(account, tail, |c| c.outside_window(tip, age_ms))
+            .await
+    }
+
+    /// The newest checkpoint that `old_enough` holds for, with its position: from the tail
+    /// when it holds one, else by a binary search over the older positions of the checkpoint
+    /// stream (a busy account's tail spans seconds, and a trim looks a retention back).
+    /// `old_enough` must hold for a prefix of the stream (commit times and versions rise with
+    /// positions), so the search reads about log2(positions) checkpoints, one each.
+    pub async fn newest_checkpoint_where(
+        &self,
+        account: AccountId,
+        tail: &Tail,
+        old_enough: impl Fn(&Checkpoint) -> bool,
+    ) -> Result<Option<(u64, Checkpoint)>, StoreError> {
+        if let Some(&(at, cp)) = tail.checkpoints.iter().rev().find(|(_, c)| old_enough(c)) {
+            return Ok(Some((at, cp)));
         }
         let Some(&(lowest, _)) = tail.checkpoints.first() else {
             return Ok(None);
@@ -358,7 +370,7 @@ impl Projection {
                 .flat_map(|b| b.events.iter())
                 .find_map(Checkpoint::decode);
             match cp {
-                Some(cp) if cp.outside_window(tip, age_ms) => {
+                Some(cp) if old_enough(&cp) => {
                     found = Some((mid, cp));
                     lo = mid + 1;
                 }
@@ -366,6 +378,49 @@ impl Projection {
             }
         }
         Ok(found)
+    }
+
+    /// Where a fold starts without a whole chain of keys: the newest checkpoint a retention
+    /// old, so every key the fold must hold lies after it. With `bounded` (the memory fold,
+    /// whose key memory holds at most `--idempotency-max-keys-per-account`), never further
+    /// back than that many versions below the newest checkpoint: a fold that started further
+    /// back would forget those keys to its cap anyway. Then the keys below the start are
+    /// forgotten ([`Chain::Forgotten`]), and the horizon the account's answers state says
+    /// so. On a stream known trimmed, only at or above the trim: the lowest such when none
+    /// qualifies.
+    async fn start_without_chain(
+        &self,
+        account: AccountId,
+        tail: &Tail,
+        trimmed_at: Option<u64>,
+        bounded: bool,
+    ) -> Result<Option<(Checkpoint, Option<Chain>)>, StoreError> {
+        let (tip, retention) = (self.server_tip_ms(), self.retention_ms());
+        let cap = u64::try_from(self.config.max_keys_per_account).unwrap_or(u64::MAX);
+        let cap_floor = if bounded {
+            tail.newest_version.saturating_sub(cap)
+        } else {
+            0
+        };
+        let old_enough =
+            |c: &Checkpoint| c.outside_window(tip, retention) || c.version <= cap_floor;
+        let readable = |c: &Checkpoint| trimmed_at.is_none_or(|t| c.version >= t);
+        let found = self
+            .newest_checkpoint_where(account, tail, old_enough)
+            .await?
+            .map(|(_, cp)| cp)
+            .filter(readable)
+            .or_else(|| {
+                trimmed_at?;
+                tail.iter()
+                    .filter(|c| readable(c))
+                    .min_by_key(|c| c.version)
+                    .copied()
+            });
+        Ok(found.map(|cp| {
+            let forgets = !cp.outside_window(tip, retention);
+            (cp, forgets.then_some(Chain::Forgotten))
+        }))
     }
 
     /// Checks `cp` against the account stream: reads the batch at its version.
@@ -442,6 +497,7 @@ impl Projection {
                 // The keys at and below it come with it (a keyed chain), or are past the
                 // retention (a checkpoint a retention old): none is folded.
                 match chain.filter(|_| st.keys.is_empty()) {
+                    Some(Chain::Forgotten) => st.keys.forget_below(cp.version, cp.commit_ms),
                     Some(chain) => self.load_chain(&mut st, &chain),
                     None => st.keys.raise_floor(cp.version, cp.commit_ms),
                 }
@@ -520,11 +576,19 @@ impl Projection {
                 }
             }
         }
-        let retention = self.retention_ms();
-        let Some(cp) =
-            pick.or_else(|| pick_readable(&tail, self.server_tip_ms(), retention, trimmed_at))
-        else {
-            return (checkpoint_load::NONE, Some(tail), None, None);
+        let (cp, chain) = match pick {
+            Some(cp) => (cp, chain),
+            None => match self
+                .start_without_chain(account, &tail, trimmed_at, keyed)
+                .await
+            {
+                Ok(Some(start)) => start,
+                Ok(None) => return (checkpoint_load::NONE, Some(tail), None, None),
+                Err(e) => {
+                    tracing::debug!(%account, error = %e, "could not search the checkpoints; folding the whole stream");
+                    return (checkpoint_load::UNAVAILABLE, Some(tail), None, None);
+                }
+            },
         };
         match self.check_checkpoint(account, &cp).await {
             Ok(Ok(())) => (checkpoint_load::USED, Some(tail), Some(cp), chain),

@@ -29,6 +29,9 @@ pub enum Chain {
     Capped(Vec<(Segment, u64)>),
     /// Keys within the retention that no segment carries.
     Broken,
+    /// No chain: the fold starts at a checkpoint younger than the retention, and the keys
+    /// below it are forgotten (`start_without_chain`).
+    Forgotten,
 }
 
 impl Projection {
@@ -114,7 +117,7 @@ impl Projection {
         let (segments, capped) = match chain {
             Chain::Whole(s) => (s, false),
             Chain::Capped(s) => (s, true),
-            Chain::Broken => return,
+            Chain::Broken | Chain::Forgotten => return,
         };
         let before = st.keys.len();
         for (seg, commit_ms) in segments.iter().rev() {

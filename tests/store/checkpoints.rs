@@ -526,6 +526,68 @@ async fn after_an_upgrade_the_first_keyed_checkpoint_makes_the_chain_whole() {
     }
 }
 
+/// Rule: without a whole chain of keys, a cold fold starts no further back than the account's
+/// key cap of versions below the newest checkpoint, even when no checkpoint is a retention
+/// old: keys below that start are forgotten (a fold from further back would drop them to the
+/// cap anyway), and the horizon the account's answers state says so.
+#[tokio::test]
+async fn without_a_chain_a_cold_fold_reads_no_more_than_the_key_cap_and_says_what_it_forgot() {
+    let mut w = World::new();
+    let (retention, cap) = (Duration::from_secs(3_600), 100);
+    let key = w.identity.key(w.account);
+    // An older release's checkpoints (no keys) every 100 versions, all younger than the
+    // retention.
+    for v in 1..=500u64 {
+        w.deposit(1);
+        if v % 100 == 0 {
+            let read = w
+                .log
+                .read(key, &tally::store::ReadFilter::from_version(v))
+                .await;
+            let batch = read.expect("read").batches[0].clone();
+            w.append_checkpoint(&Checkpoint::at(&batch, v as i64, v));
+        }
+        w.server.advance(1_000);
+    }
+    for _ in 0..20 {
+        w.deposit(1);
+    }
+    let cold = Arc::new(hand_clocks::replica(
+        w.log.clone(),
+        w.identity,
+        ProjectionConfig {
+            window: WINDOW,
+            retention,
+            max_keys_per_account: cap,
+            ..ProjectionConfig::default()
+        },
+    ));
+    assert_eq!(fold(&cold, w.account).await, (520, 520));
+    assert_eq!(loads(&cold, "used"), 1);
+    assert_eq!(
+        cold.metrics().events_folded.get(),
+        120,
+        "from the checkpoint at 400, the cap (100) below the newest (500)"
+    );
+    let horizon = cold.key_horizon(&[w.account]);
+    assert!(
+        horizon < retention,
+        "the shorter horizon is stated: {horizon:?}"
+    );
+    let view = AccountView::Memory(cold.resident_slot(w.account).expect("resident"));
+    let found = |seq: u64| {
+        let cold = cold.clone();
+        let view = &view;
+        async move {
+            cold.remembered(w.account, view, u128::from(seq))
+                .await
+                .expect("read")
+        }
+    };
+    assert_eq!(found(450).await.map(|h| h.version), Some(450));
+    assert!(found(350).await.is_none(), "below the start: forgotten");
+}
+
 /// Rule: a trim finds the newest checkpoint old enough even when it lies far below the tail
 /// a cold fold reads (a busy account checkpoints every few seconds), and never one younger
 /// than the idempotency retention.

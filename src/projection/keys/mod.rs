@@ -31,6 +31,9 @@ pub use segment::{MAX_SEGMENT_KEYS, Segment, SegmentKey, UNKNOWN_MS};
 pub const TAIL_KEYS: usize = 1_024;
 /// The largest run a merge makes: what a cap or the retention drops at once, at most.
 pub const MAX_RUN_KEYS: usize = 65_536;
+/// A cap forgets down to this fraction below it: the slack that keeps a memory at its cap
+/// from forgetting on every push.
+pub const CAP_SLACK_DIVISOR: usize = 64;
 /// The most keys one look returns; more matches than that are refused as unanswerable.
 pub const MAX_CANDIDATES: usize = 8;
 
@@ -157,12 +160,35 @@ impl KeyMemory {
         dropped
     }
 
-    /// Drops the oldest runs until at most `max` keys are left; the forgotten horizon moves.
-    /// Returns how many keys went.
+    /// Over `max` keys, forgets the oldest down to [`CAP_SLACK_DIVISOR`] below it (so a
+    /// memory at its cap does not forget a few keys on every push): whole runs while they
+    /// fit, then the oldest keys of the next run. The forgotten horizon moves. Returns how
+    /// many keys went.
     pub fn cap(&mut self, max: usize) -> usize {
+        if self.len() <= max {
+            return 0;
+        }
+        let target = max - max / CAP_SLACK_DIVISOR;
         let mut dropped = 0;
-        while self.len() > max {
-            dropped += self.forget_oldest();
+        while let Some(inner) = self.inner.as_mut() {
+            let excess = inner.len.saturating_sub(target);
+            let Some(oldest) = inner
+                .runs
+                .front()
+                .or(Some(&inner.tail))
+                .filter(|r| r.len() > 0)
+            else {
+                break;
+            };
+            if excess == 0 {
+                break;
+            }
+            if oldest.len() <= excess {
+                dropped += self.forget_oldest();
+                continue;
+            }
+            dropped += inner.forget_oldest_keys(excess);
+            break;
         }
         dropped
     }
@@ -292,6 +318,26 @@ impl Inner {
             Some(run) => Some(run.newest_ms()),
             None => (self.tail.len() > 0).then(|| self.tail.newest_ms()),
         }
+    }
+
+    /// Forgets the `n` oldest keys of the oldest run (fewer than it holds), and any others at
+    /// the same version: the floor moves to that version. Their own commit times are not
+    /// kept, so the forgotten horizon moves to the run's newest: an answer may state a
+    /// shorter horizon than kept, never a longer one.
+    fn forget_oldest_keys(&mut self, n: usize) -> usize {
+        let run = match self.runs.front_mut() {
+            Some(run) => run,
+            None => &mut self.tail,
+        };
+        let through = run.nth_oldest_version(n);
+        let dropped = run.drop_through(through);
+        if through >= self.floor {
+            self.floor = through;
+            self.floor_ms = run.newest_ms();
+        }
+        self.forgotten_ms = self.forgotten_ms.max(run.newest_ms());
+        self.len -= dropped;
+        dropped
     }
 
     /// Takes the oldest run (the tail when no run is sealed).

@@ -123,6 +123,26 @@ impl Run {
         );
     }
 
+    /// The version of the `n`-th oldest key (1-based; `n` at most the run's length).
+    pub(super) fn nth_oldest_version(&self, n: usize) -> u64 {
+        let mut offsets = self.versions.clone();
+        let (_, nth, _) = offsets.select_nth_unstable(n.clamp(1, self.len()) - 1);
+        self.base_version + u64::from(*nth)
+    }
+
+    /// Drops every key of a version at or below `through`, keeping the others in their
+    /// order (a sealed run stays sorted). Returns how many went.
+    pub(super) fn drop_through(&mut self, through: u64) -> usize {
+        let before = self.len();
+        let kept: Vec<usize> = (0..before)
+            .filter(|&i| self.base_version + u64::from(self.versions[i]) > through)
+            .collect();
+        self.fps = kept.iter().map(|&i| self.fps[i]).collect();
+        self.versions = kept.iter().map(|&i| self.versions[i]).collect();
+        self.balances = kept.iter().map(|&i| self.balances[i]).collect();
+        before - self.len()
+    }
+
     /// Two sealed neighbours as one sealed run, when the newer's keys fit the older's
     /// offsets; `None` when they do not.
     pub(super) fn merge(older: &Run, newer: &Run) -> Option<Run> {

@@ -91,8 +91,21 @@ fn retention_expires_old_runs_and_a_cap_forgets_the_oldest() {
     assert!(m.candidates(id(1)).unwrap().is_empty());
     assert_eq!(m.len(), before - gone);
 
+    // Over the cap by 10: down to its slack below it, the oldest keys of the oldest run.
     let dropped = m.cap(TAIL_KEYS);
-    assert_eq!((dropped, m.len()), (TAIL_KEYS, 10));
+    let target = TAIL_KEYS - TAIL_KEYS / CAP_SLACK_DIVISOR;
+    assert_eq!((dropped, m.len()), (TAIL_KEYS + 10 - target, target));
+    assert!(
+        m.candidates(id(2 * TAIL_KEYS as u64 + 1))
+            .unwrap()
+            .is_empty()
+    );
+    let kept = 2 * TAIL_KEYS as u64 + (TAIL_KEYS + 10 - target) as u64 + 1;
+    assert_eq!(
+        m.candidates(id(kept)).unwrap().len(),
+        1,
+        "the next oldest is kept"
+    );
     assert_eq!(m.forgotten_ms(), 3 * TAIL_KEYS as u64 * 10);
     assert_eq!(m.candidates(id(newest)).unwrap().len(), 1);
     assert!(m.floor() > 0, "a cap raises the floor");
