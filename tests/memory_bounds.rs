@@ -296,6 +296,7 @@ fn a_million_remembered_keys_over_a_thousand_accounts_cost_at_most_16_bytes_each
             let segment = Segment {
                 after: first - 1,
                 after_ms: key_at(first - 1).2,
+                forgotten: false,
                 keys: (first..=last)
                     .map(|k| {
                         let (version, balance, _) = key_at(k);

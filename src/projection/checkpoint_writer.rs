@@ -26,7 +26,7 @@ use parking_lot::Mutex;
 use tokio::sync::{Semaphore, mpsc};
 
 use super::checkpoint::Checkpoint;
-use super::keys::{MAX_SEGMENT_KEYS, Segment, UNKNOWN_MS};
+use super::keys::{MAX_SEGMENT_KEYS, Segment};
 use super::state::{AccountState, NewestCheckpoint};
 use super::{AccountSlot, Projection, Snapshot};
 use crate::account::AccountId;
@@ -415,10 +415,19 @@ fn segment_since(st: &AccountState, keys_from: Option<NewestCheckpoint>) -> Segm
     }
     .unwrap_or_default();
     if seg.keys.len() > MAX_SEGMENT_KEYS {
+        // More keys than one segment carries (a history folded at once): the newest go, and
+        // the rest are forgotten, as a cap forgets. A cold replica then loads these and
+        // states the shorter horizon, rather than fold the whole history.
         let cut = seg.keys[seg.keys.len() - MAX_SEGMENT_KEYS - 1].version;
         seg.keys.retain(|k| k.version > cut);
         seg.after = cut;
-        seg.after_ms = UNKNOWN_MS;
+        seg.after_ms = st.keys.commit_ms_through(cut);
+        seg.forgotten = true;
+    }
+    if st.keys.forgotten_ms() > 0 && seg.after == st.keys.floor() {
+        // The memory forgot keys below its floor to a cap: so does the chain.
+        seg.forgotten = true;
+        seg.after_ms = seg.after_ms.max(st.keys.forgotten_ms());
     }
     seg
 }

@@ -6,7 +6,8 @@
 //! ([`super::keys::Segment`]; written by `write_checkpoint`, which reads where the stream
 //! stands first). So the segments of consecutive checkpoints are contiguous. The chain is
 //! whole when it reaches the stream's start, or a segment whose start was committed before
-//! the retention; it is capped when it holds the account's key cap; it is broken at an
+//! the retention; it is capped when it holds the account's key cap, or at a segment whose
+//! writer had forgotten the keys below it; it is broken at an
 //! unkeyed checkpoint, a gap, or a checkpoint the stream no longer has. A broken chain is
 //! never guessed across: the fold starts from a checkpoint a retention old instead.
 
@@ -59,12 +60,12 @@ impl Projection {
             };
             seg.keys.retain(|k| k.version <= need);
             keys += seg.keys.len();
-            let (after, after_ms) = (seg.after, seg.after_ms);
+            let (after, after_ms, forgotten) = (seg.after, seg.after_ms, seg.forgotten);
             segments.push((seg, cp.commit_ms));
             if after == 0 || after_ms < oldest_ms {
                 return Ok(Chain::Whole(segments));
             }
-            if keys >= max {
+            if keys >= max || forgotten {
                 return Ok(Chain::Capped(segments));
             }
             need = after;

@@ -588,6 +588,38 @@ async fn without_a_chain_a_cold_fold_reads_no_more_than_the_key_cap_and_says_wha
     assert!(found(350).await.is_none(), "below the start: forgotten");
 }
 
+/// Rule: a replica that folded more keys since the last checkpoint than one segment carries
+/// writes the newest and forgets the rest, so a cold replica loads those instead of folding
+/// the history, and states the shorter horizon.
+#[tokio::test]
+async fn more_keys_than_a_segment_carries_are_loaded_in_part_with_the_horizon_stated() {
+    use tally::projection::keys::MAX_SEGMENT_KEYS;
+    let mut w = World::new();
+    let retention = Duration::from_secs(3_600);
+    let n = MAX_SEGMENT_KEYS as u64 + 1_000;
+    for _ in 0..n {
+        w.deposit(1);
+    }
+    let writer = w.remembering_for(retention);
+    assert_eq!(fold(&writer, w.account).await, (n as i64, n));
+    writer.write_checkpoint(w.account).await;
+    assert_eq!(written(&writer), 1);
+
+    let cold = w.remembering_for(retention);
+    assert_eq!(fold(&cold, w.account).await, (n as i64, n));
+    assert_eq!(loads(&cold, "used"), 1);
+    assert_eq!(cold.metrics().events_folded.get(), 0, "nothing folded");
+    assert!(
+        cold.key_horizon(&[w.account]) < retention,
+        "the shorter horizon is stated"
+    );
+    let view = AccountView::Memory(cold.resident_slot(w.account).expect("resident"));
+    let newest = cold.remembered(w.account, &view, u128::from(n)).await;
+    assert_eq!(newest.expect("read").map(|h| h.version), Some(n));
+    let oldest = cold.remembered(w.account, &view, 1).await;
+    assert!(oldest.expect("read").is_none(), "forgotten");
+}
+
 /// Rule: a trim finds the newest checkpoint old enough even when it lies far below the tail
 /// a cold fold reads (a busy account checkpoints every few seconds), and never one younger
 /// than the idempotency retention.

@@ -1337,6 +1337,7 @@ mod checkpoint_rules {
         let segment = Segment {
             after: 999,
             after_ms: 1_700_000_000_000,
+            forgotten: false,
             keys,
         };
         let top = 1_000 + MAX_SEGMENT_KEYS as u64 - 1;

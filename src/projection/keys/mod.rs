@@ -135,6 +135,20 @@ impl KeyMemory {
         self.inner.as_ref().map_or(0, |i| i.forgotten_ms)
     }
 
+    /// No earlier than the commit time of the newest key at or below `version` (the newest
+    /// commit of the run that holds it): what a segment cut there says it forgot.
+    pub fn commit_ms_through(&self, version: u64) -> u64 {
+        self.inner.as_ref().map_or(0, |i| {
+            i.runs
+                .iter()
+                .chain(std::iter::once(&i.tail))
+                .filter(|r| r.len() > 0 && r.min_version() <= version)
+                .map(|r| r.newest_ms())
+                .max()
+                .unwrap_or(0)
+        })
+    }
+
     /// Bytes held on the heap (what a remembered key costs, measured).
     pub fn heap_bytes(&self) -> usize {
         self.inner.as_ref().map_or(0, |i| {
@@ -234,6 +248,7 @@ impl KeyMemory {
         Some(Segment {
             after,
             after_ms,
+            forgotten: false,
             keys,
         })
     }

@@ -28,6 +28,11 @@ impl Run {
         self.max_version
     }
 
+    /// The oldest version a key of it may have (its first key's, or below).
+    pub(super) fn min_version(&self) -> u64 {
+        self.base_version
+    }
+
     pub(super) fn newest_ms(&self) -> u64 {
         self.newest_ms
     }

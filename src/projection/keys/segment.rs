@@ -22,6 +22,10 @@ pub struct Segment {
     /// The commit time (server ms) of the batch at `after`; [`UNKNOWN_MS`] when not known.
     /// Once it is past the retention, no key below the segment is needed.
     pub after_ms: u64,
+    /// Its writer had forgotten the keys at and below `after` inside the retention (a cap,
+    /// or more keys than one segment carries): a chain ends here, and `after_ms` is then no
+    /// earlier than the newest of them was committed.
+    pub forgotten: bool,
     pub keys: Vec<SegmentKey>,
 }
 
@@ -32,6 +36,7 @@ impl Segment {
     pub fn encode(&self, out: &mut impl BufMut) {
         out.put_u64_le(self.after);
         out.put_u64_le(self.after_ms);
+        out.put_u8(u8::from(self.forgotten));
         put_varint(out, self.keys.len() as u64);
         let (mut version, mut balance) = (self.after, 0i64);
         for k in &self.keys {
@@ -45,11 +50,16 @@ impl Segment {
     /// The segment `buf` holds; `None` when it is malformed (versions out of order, too many
     /// keys, cut short, or anything left over).
     pub fn decode(mut buf: &[u8], through: u64) -> Option<Self> {
-        if buf.remaining() < 16 {
+        if buf.remaining() < 17 {
             return None;
         }
         let after = buf.get_u64_le();
         let after_ms = buf.get_u64_le();
+        let forgotten = match buf.get_u8() {
+            0 => false,
+            1 => true,
+            _ => return None,
+        };
         let n = usize::try_from(get_varint(&mut buf)?).ok()?;
         if n > MAX_SEGMENT_KEYS || after > through {
             return None;
@@ -75,6 +85,7 @@ impl Segment {
         buf.is_empty().then_some(Self {
             after,
             after_ms,
+            forgotten,
             keys,
         })
     }

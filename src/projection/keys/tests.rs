@@ -136,6 +136,13 @@ fn a_segment_round_trips_and_loads() {
         "a key past the checkpoint"
     );
     assert!(Segment::decode(&buf[..buf.len() - 1], 4_000).is_none());
+    let forgot = Segment {
+        forgotten: true,
+        ..seg.clone()
+    };
+    let mut buf2 = Vec::new();
+    forgot.encode(&mut buf2);
+    assert_eq!(Segment::decode(&buf2, 4_000), Some(forgot));
 
     let mut cold = KeyMemory::default();
     cold.load(&back, 77);
