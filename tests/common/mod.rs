@@ -23,6 +23,7 @@ pub mod hand_clocks;
 pub mod hooked_log;
 pub mod pg;
 pub mod raw_http;
+pub mod remote;
 pub mod required;
 pub mod sse;
 pub mod test_dir;

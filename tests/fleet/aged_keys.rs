@@ -21,7 +21,8 @@ use crate::mixed_fleet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{Reply, leg, metric_sample, metric_sum, new_account};
+use common::remote::Remote;
+use common::{Reply, metric_sample, metric_sum, new_account};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -59,8 +60,8 @@ const LOG_TAIL_LINES: usize = 20;
 /// dropped.
 struct Replica {
     name: &'static str,
-    base: String,
-    client: reqwest::Client,
+    /// Its API, as any base URL's (`get`, `post`, the keyed writes, `balance`, `history`).
+    http: Remote,
     log: Arc<Mutex<Vec<String>>>,
     _child: tokio::process::Child,
 }
@@ -114,74 +115,10 @@ impl Replica {
         common::wait_ready(&client, &[&base], READY_BOUND, READY_PROBE_INTERVAL).await;
         Replica {
             name,
-            base,
-            client,
+            http: Remote { base, client },
             log,
             _child: child,
         }
-    }
-
-    async fn get(&self, path: &str) -> Reply {
-        let sent = self.client.get(format!("{}{path}", self.base)).send().await;
-        common::read(sent.unwrap_or_else(|e| panic!("GET {path} on {}: {e}", self.name))).await
-    }
-
-    async fn post(&self, path: &str, body: &Value, key: &str) -> Reply {
-        let req = self.client.post(format!("{}{path}", self.base)).json(body);
-        let sent = req.header("Idempotency-Key", key).send().await;
-        common::read(sent.unwrap_or_else(|e| panic!("POST {path} on {}: {e}", self.name))).await
-    }
-
-    async fn deposit(&self, account: &str, cents: i64, key: &str) -> Reply {
-        let path = format!("/api/accounts/{account}/deposit");
-        self.post(&path, &json!({ "amountCents": cents }), key)
-            .await
-    }
-
-    async fn withdraw(&self, account: &str, cents: i64, key: &str) -> Reply {
-        let path = format!("/api/accounts/{account}/withdraw");
-        self.post(&path, &json!({ "amountCents": cents }), key)
-            .await
-    }
-
-    async fn transfer(&self, from: &str, to: &str, cents: i64, key: &str) -> Reply {
-        let body = json!({ "fromAccountId": from, "toAccountId": to, "amountCents": cents });
-        self.post("/api/transfers", &body, key).await
-    }
-
-    /// The same transfer by the payer's route.
-    async fn account_transfer(&self, from: &str, to: &str, cents: i64, key: &str) -> Reply {
-        let body = json!({ "toAccountId": to, "amountCents": cents });
-        self.post(&format!("/api/accounts/{from}/transfers"), &body, key)
-            .await
-    }
-
-    async fn balance(&self, account: &str) -> (i64, u64) {
-        let r = self.get(&format!("/api/accounts/{account}/balance")).await;
-        assert_eq!(
-            r.status,
-            StatusCode::OK,
-            "balance on {}: {}",
-            self.name,
-            r.text
-        );
-        leg(&r.body)
-    }
-
-    /// Every event of the stream (one page: these streams are short).
-    async fn history(&self, account: &str) -> Vec<Value> {
-        let r = self
-            .get(&format!("/api/accounts/{account}/history?limit=1000"))
-            .await;
-        assert_eq!(
-            r.status,
-            StatusCode::OK,
-            "history on {}: {}",
-            self.name,
-            r.text
-        );
-        assert!(r.body["nextFromVersion"].is_null(), "one page: {}", r.text);
-        r.body["events"].as_array().cloned().unwrap_or_default()
     }
 
     /// `GET /api/accounts/{account}/writes/{key}` (the keys here are UUIDs: no escaping).
@@ -197,13 +134,21 @@ impl Replica {
     }
 }
 
+impl std::ops::Deref for Replica {
+    type Target = Remote;
+
+    fn deref(&self) -> &Remote {
+        &self.http
+    }
+}
+
 impl Drop for Replica {
     fn drop(&mut self) {
         if std::thread::panicking() {
             eprintln!(
                 "--- replica {} ({}), last lines:\n{}",
                 self.name,
-                self.base,
+                self.http.base,
                 tail(&self.log)
             );
         }

@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use common::fleet_script::{Fleet, FleetStore};
+use common::remote::Remote;
 use common::{Reply, leg, new_account};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -34,139 +35,10 @@ const READY_PROBE_INTERVAL: Duration = Duration::from_millis(100);
 const FLEET_MAX_SECONDS: &str = "150";
 /// Any one HTTP exchange.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(20);
-/// History page size: small, so that following `nextFromVersion` is exercised.
-const HISTORY_PAGE: u64 = 3;
-/// Most history pages read for one stream before the read counts as runaway.
-const MAX_HISTORY_PAGES: usize = 1000;
 /// The whole tally-load run, setup and verification included.
 const LOAD_BOUND: Duration = Duration::from_secs(40);
 /// The idempotency window every write answer names (the server's default).
 const WINDOW: &str = "90";
-
-// --- HTTP against a base URL -----------------------------------------------------------------
-
-/// A plain HTTP client for one base URL (nginx or one replica).
-#[derive(Clone)]
-struct Remote {
-    base: String,
-    client: reqwest::Client,
-}
-
-impl Remote {
-    fn new(base: &str, client: &reqwest::Client) -> Self {
-        Remote {
-            base: base.to_owned(),
-            client: client.clone(),
-        }
-    }
-
-    /// `host:port`, as nginx names an upstream in `X-Tally-Upstream`.
-    fn authority(&self) -> &str {
-        self.base.trim_start_matches("http://")
-    }
-
-    async fn get(&self, path: &str) -> Reply {
-        let resp = self
-            .client
-            .get(format!("{}{path}", self.base))
-            .send()
-            .await
-            .unwrap_or_else(|e| panic!("GET {}{path}: {e}", self.base));
-        common::read(resp).await
-    }
-
-    async fn post(&self, path: &str, body: &Value, key: &str) -> Reply {
-        let resp = self
-            .client
-            .post(format!("{}{path}", self.base))
-            .header("Idempotency-Key", key)
-            .json(body)
-            .send()
-            .await
-            .unwrap_or_else(|e| panic!("POST {}{path}: {e}", self.base));
-        common::read(resp).await
-    }
-
-    async fn deposit(&self, account: &str, cents: i64, key: &str) -> Reply {
-        let path = format!("/api/accounts/{account}/deposit");
-        self.post(&path, &json!({ "amountCents": cents }), key)
-            .await
-    }
-
-    async fn withdraw(&self, account: &str, cents: i64, key: &str) -> Reply {
-        let path = format!("/api/accounts/{account}/withdraw");
-        self.post(&path, &json!({ "amountCents": cents }), key)
-            .await
-    }
-
-    /// `POST /api/transfers` (nginx spreads these at random).
-    async fn transfer(&self, from: &str, to: &str, cents: i64, key: &str) -> Reply {
-        let body = json!({ "fromAccountId": from, "toAccountId": to, "amountCents": cents });
-        self.post("/api/transfers", &body, key).await
-    }
-
-    /// `POST /api/accounts/{from}/transfers` (nginx routes these by the payer).
-    async fn account_transfer(&self, from: &str, to: &str, cents: i64, key: &str) -> Reply {
-        let body = json!({ "toAccountId": to, "amountCents": cents });
-        self.post(&format!("/api/accounts/{from}/transfers"), &body, key)
-            .await
-    }
-
-    async fn balance(&self, account: &str) -> (i64, u64) {
-        let r = self.get(&format!("/api/accounts/{account}/balance")).await;
-        assert_eq!(
-            r.status,
-            StatusCode::OK,
-            "balance on {}: {}",
-            self.base,
-            r.text
-        );
-        leg(&r.body)
-    }
-
-    /// Every event of the stream, following `nextFromVersion` over small pages.
-    async fn history(&self, account: &str) -> Vec<Value> {
-        let mut events: Vec<Value> = Vec::new();
-        let mut from = 1u64;
-        for _ in 0..MAX_HISTORY_PAGES {
-            let r = self
-                .get(&format!(
-                    "/api/accounts/{account}/history?fromVersion={from}&limit={HISTORY_PAGE}"
-                ))
-                .await;
-            assert_eq!(
-                r.status,
-                StatusCode::OK,
-                "history on {}: {}",
-                self.base,
-                r.text
-            );
-            let page = r.body["events"].as_array().cloned().unwrap_or_default();
-            assert!(
-                page.len() as u64 <= HISTORY_PAGE,
-                "a page holds at most its limit: {}",
-                r.text
-            );
-            for e in &page {
-                let v = e["aggregateVersion"].as_u64().expect("aggregateVersion");
-                let last = events.last().and_then(|l| l["aggregateVersion"].as_u64());
-                assert!(
-                    last.is_none_or(|l| v > l),
-                    "history versions rise across pages: {v} after {last:?}"
-                );
-            }
-            events.extend(page);
-            match r.body["nextFromVersion"].as_u64() {
-                Some(next) => {
-                    assert!(next > from, "nextFromVersion moves on: {}", r.text);
-                    from = next;
-                }
-                None => return events,
-            }
-        }
-        panic!("history of {account} on {} did not end", self.base);
-    }
-}
 
 /// The fleet, as the scenarios see it.
 struct Cluster {
