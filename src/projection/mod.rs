@@ -31,6 +31,7 @@ mod catch_up_tests;
 pub mod checkpoint;
 pub mod checkpoint_writer;
 pub mod clock;
+mod cold_start;
 pub mod config;
 mod existed;
 pub mod index;
