@@ -86,6 +86,7 @@ fn context(client_id: u128, tip_ms: u64) -> FoldContext {
         retention_ms: WINDOW_MS,
         tip_ms,
         now_ms: NOW_MS,
+        holds: false,
     }
 }
 

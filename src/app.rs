@@ -71,6 +71,8 @@ pub struct App {
     /// server-clock anchor fresh.
     startup: Startup,
     sweeper: JoinHandle<()>,
+    /// The hold sweeper, with `--holds true`.
+    hold_sweeper: Option<JoinHandle<()>>,
 }
 
 /// Builds an [`App`]; the store and clock can be supplied (tests, in-process fleets).
@@ -151,6 +153,13 @@ impl AppBuilder {
                 .clone()
                 .run_sweeper(SWEEP_INTERVAL, std::future::pending()),
         );
+        let hold_sweeper = config.holds.then(|| {
+            tokio::spawn(
+                writes
+                    .clone()
+                    .run_hold_sweeper(config.hold_sweep_interval(), config.hold_sweep_budget),
+            )
+        });
         Ok(Arc::new(App {
             store_ping: SharedPing::default(),
             stall: StallWatch::start(metrics.clone(), config.http.max_queue_wait()),
@@ -169,6 +178,7 @@ impl AppBuilder {
             shutting_down: AtomicBool::new(false),
             startup,
             sweeper,
+            hold_sweeper,
         }))
     }
 }
@@ -224,6 +234,9 @@ impl Drop for App {
     fn drop(&mut self) {
         // The start-up tasks are aborted when `startup` drops.
         self.sweeper.abort();
+        if let Some(hold_sweeper) = &self.hold_sweeper {
+            hold_sweeper.abort();
+        }
         self.watch.shutdown();
     }
 }

@@ -60,6 +60,20 @@ pub struct Config {
     #[arg(help_heading = "Accounts", long = "accounts", env = "TALLY_ACCOUNTS", value_enum, value_parser = crate::flag::named::<AccountsMode>(), default_value_t = AccountsMode::Implicit)]
     pub accounts: AccountsMode,
 
+    /// Holds: reserve money, then post, void or let it expire (`/api/accounts/{id}/holds`).
+    /// A fleet with holds is Tally-only: the replaced service cannot fold hold events.
+    /// Off, a replica refuses an account whose stream holds one (503 `HOLDS_OFF`).
+    #[arg(help_heading = "Accounts", long, env = "TALLY_HOLDS", action = clap::ArgAction::Set, default_value_t = false)]
+    pub holds: bool,
+
+    /// How often the hold sweeper looks for due holds, in milliseconds.
+    #[arg(help_heading = "Accounts", long, env = "TALLY_HOLD_SWEEP_INTERVAL_MS", default_value_t = crate::write_loop::sweeper::DEFAULT_HOLD_SWEEP_INTERVAL.as_millis() as u64, value_parser = clap::value_parser!(u64).range(10..=3_600_000))]
+    pub hold_sweep_interval_ms: u64,
+
+    /// The most accounts one hold-sweeper pass expires holds on.
+    #[arg(help_heading = "Accounts", long, env = "TALLY_HOLD_SWEEP_BUDGET", default_value_t = crate::write_loop::sweeper::DEFAULT_HOLD_SWEEP_BUDGET, value_parser = crate::flag::usize_in(1..=100_000))]
+    pub hold_sweep_budget: usize,
+
     /// Seed the demo accounts (Alice, Bob, Charlie) at start. Default: on the memory store only.
     #[arg(help_heading = "Accounts", long, env = "TALLY_SEED_DEMO_ACCOUNTS")]
     pub seed_demo_accounts: Option<bool>,
@@ -250,6 +264,12 @@ impl Config {
 
     // The Postgres projection.
     fn check_postgres_has_a_url(&self) -> Result<(), ConfigError> {
+        // Its rows carry a balance, not an account's open holds.
+        if self.projection.kind == ProjectionKind::Postgres && self.holds {
+            return Err(ConfigError(
+                "--holds true needs the memory projection: the Postgres projection does not carry holds".into(),
+            ));
+        }
         if self.projection.kind == ProjectionKind::Postgres
             && self
                 .projection
@@ -318,6 +338,10 @@ impl Config {
         Duration::from_secs(self.idempotency_window)
     }
 
+    pub fn hold_sweep_interval(&self) -> Duration {
+        Duration::from_millis(self.hold_sweep_interval_ms)
+    }
+
     pub fn retention(&self) -> Duration {
         Duration::from_secs(self.idempotency_retention)
     }
@@ -334,6 +358,7 @@ impl Config {
             scan_window: (self.idempotency_scan_window > 0)
                 .then(|| Duration::from_secs(self.idempotency_scan_window)),
             checkpoints: self.projection.checkpoints(),
+            holds: self.holds,
         }
     }
 

@@ -194,6 +194,9 @@ pub struct Metrics {
     // Batches (`http/batch.rs`)
     pub batch_items: Histogram,
     pub batch_item_results: IntCounterVec,
+    // Holds (`write_loop/expiry.rs`, `write_loop/sweeper.rs`)
+    pub holds_expired: IntCounter,
+    pub hold_sweeps: IntCounterVec,
     // The key memory past the window (`projection/keys/`)
     pub remembered_keys: IntGauge,
     pub remembered_keys_cap: IntGauge,
@@ -685,6 +688,17 @@ impl Metrics {
                 "tally_batch_item_results_total",
                 "Batch items by the status of their result: 2xx, 4xx (a refusal), 409 and 503 (retryable), 5xx.",
                 &["status"],
+            ),
+            holds_expired: counter(
+                r,
+                "tally_holds_expired_total",
+                "Hold expiries this replica wrote that landed (by a write's touch or by the sweeper).",
+            ),
+            hold_sweeps: counter_vec(
+                r,
+                "tally_hold_sweeps_total",
+                "Hold sweeper passes by result: idle (nothing due), swept, busy (skipped: the write side was busy), failed.",
+                &["result"],
             ),
             remembered_keys: gauge(
                 r,

@@ -1329,6 +1329,7 @@ impl Fleet for OverHttp {
                 let body = serde_json::json!({ "accountId": account.to_string() });
                 app.post("/api/accounts", &body, Some(&k)).await
             }
+            _ => unreachable!("the simulation sends no hold operation over HTTP"),
         };
         seen_over_http(
             op,
@@ -1365,6 +1366,7 @@ fn seen_over_http(
         Operation::Transfer { from, to, .. } => leg(&body["from"], from)
             .zip(leg(&body["to"], to))
             .map(|(a, b)| vec![a, b]),
+        _ => unreachable!("the simulation sends no hold operation over HTTP"),
     };
     let code = body["error"].as_str().unwrap_or("");
     match (status, code) {
@@ -1491,7 +1493,7 @@ fn batch_item(key: u128, op: Operation) -> serde_json::Value {
             "type": "transfer", "fromAccountId": from.to_string(), "toAccountId": to.to_string(),
             "amountCents": amount.get(), "idempotencyKey": k,
         }),
-        Operation::Open { .. } => unreachable!("the simulation opens no account in a batch"),
+        _ => unreachable!("the simulation opens no account and places no hold in a batch"),
     }
 }
 

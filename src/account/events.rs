@@ -8,12 +8,25 @@
 //! service folds a type it does not know as a zero amount, so its balances stay right; a
 //! Tally older than this event stops on it (a poisoned account), which is why a fleet is
 //! upgraded whole before anyone opens an account.
+//!
+//! Majors 6 to 9 are holds (`account/holds.rs`), Tally's own too, written only with
+//! `--holds true`:
+//! - 6 `HoldPlaced` `{"AmountCents":N}`, with `"ToAccountId"` and `"ExpiresInSecs"` when
+//!   given; the hold's id is the event's own id;
+//! - 7 `HoldPosted` `{"HoldId":..,"AmountCents":N}`: a debit of the posted amount;
+//! - 8 `HoldVoided` and 9 `HoldExpired` `{"HoldId":..}`.
+//!
+//! The replaced service would fold a post as a zero amount and misstate the balance, so a
+//! fleet with holds is Tally-only.
+
+use std::num::NonZeroU32;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::AccountId;
+use super::holds::HoldId;
 use crate::store::EventType;
 
 pub const DEPOSITED: EventType = EventType { major: 1, minor: 0 };
@@ -21,16 +34,56 @@ pub const WITHDRAWN: EventType = EventType { major: 2, minor: 0 };
 pub const TRANSFERRED_OUT: EventType = EventType { major: 3, minor: 0 };
 pub const TRANSFERRED_IN: EventType = EventType { major: 4, minor: 0 };
 pub const ACCOUNT_OPENED: EventType = EventType { major: 5, minor: 0 };
+pub const HOLD_PLACED: EventType = EventType { major: 6, minor: 0 };
+pub const HOLD_POSTED: EventType = EventType { major: 7, minor: 0 };
+pub const HOLD_VOIDED: EventType = EventType { major: 8, minor: 0 };
+pub const HOLD_EXPIRED: EventType = EventType { major: 9, minor: 0 };
 
 /// One fact about an account. Amounts are cents. `Opened` is an opened account's first
 /// event, written only at version 0.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum AccountEvent {
-    Deposited { amount: i64 },
-    Withdrawn { amount: i64 },
-    TransferredOut { amount: i64, to: AccountId },
-    TransferredIn { amount: i64, from: AccountId },
+    Deposited {
+        amount: i64,
+    },
+    Withdrawn {
+        amount: i64,
+    },
+    TransferredOut {
+        amount: i64,
+        to: AccountId,
+    },
+    TransferredIn {
+        amount: i64,
+        from: AccountId,
+    },
     Opened,
+    /// Reserves `amount`; the hold's id is this event's id.
+    HoldPlaced {
+        amount: i64,
+        to: Option<AccountId>,
+        expires_in_secs: Option<NonZeroU32>,
+    },
+    /// Resolves the hold, taking `amount` (at most what it held) out of the balance.
+    HoldPosted {
+        hold: HoldId,
+        amount: i64,
+    },
+    HoldVoided {
+        hold: HoldId,
+    },
+    HoldExpired {
+        hold: HoldId,
+    },
+}
+
+/// How an event moves the balance.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Effect {
+    Credit(i64),
+    Debit(i64),
+    /// It moves no money (an open, a hold's placement, void or expiry).
+    None,
 }
 
 /// Why an event could not be decoded. The fold stops on it: nothing is silently skipped.
@@ -66,23 +119,85 @@ struct InPayload {
     from_account_id: Uuid,
 }
 
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct PlacedPayload {
+    amount_cents: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    to_account_id: Option<Uuid>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    expires_in_secs: Option<NonZeroU32>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct PostedPayload {
+    hold_id: Uuid,
+    amount_cents: i64,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct HoldPayload {
+    hold_id: Uuid,
+}
+
 impl AccountEvent {
+    /// The amount the event names: what it moves, or what a placement holds.
     pub fn amount(&self) -> i64 {
         match *self {
             AccountEvent::Deposited { amount }
             | AccountEvent::Withdrawn { amount }
             | AccountEvent::TransferredOut { amount, .. }
-            | AccountEvent::TransferredIn { amount, .. } => amount,
-            AccountEvent::Opened => 0,
+            | AccountEvent::TransferredIn { amount, .. }
+            | AccountEvent::HoldPlaced { amount, .. }
+            | AccountEvent::HoldPosted { amount, .. } => amount,
+            AccountEvent::Opened
+            | AccountEvent::HoldVoided { .. }
+            | AccountEvent::HoldExpired { .. } => 0,
         }
     }
 
-    /// Whether this event adds to the balance (a credit) or takes from it (a debit).
+    /// How this event moves the balance.
+    pub fn effect(&self) -> Effect {
+        match *self {
+            AccountEvent::Deposited { amount } | AccountEvent::TransferredIn { amount, .. } => {
+                Effect::Credit(amount)
+            }
+            AccountEvent::Withdrawn { amount }
+            | AccountEvent::TransferredOut { amount, .. }
+            | AccountEvent::HoldPosted { amount, .. } => Effect::Debit(amount),
+            AccountEvent::Opened
+            | AccountEvent::HoldPlaced { .. }
+            | AccountEvent::HoldVoided { .. }
+            | AccountEvent::HoldExpired { .. } => Effect::None,
+        }
+    }
+
+    /// Whether this event adds to the balance (a credit).
     pub fn is_credit(&self) -> bool {
+        matches!(self.effect(), Effect::Credit(_))
+    }
+
+    /// Whether this is one of the hold events, which only a fleet with holds on writes.
+    pub fn is_hold(&self) -> bool {
         matches!(
             self,
-            AccountEvent::Deposited { .. } | AccountEvent::TransferredIn { .. }
+            AccountEvent::HoldPlaced { .. }
+                | AccountEvent::HoldPosted { .. }
+                | AccountEvent::HoldVoided { .. }
+                | AccountEvent::HoldExpired { .. }
         )
+    }
+
+    /// The hold a post, void or expiry resolves.
+    pub fn resolves(&self) -> Option<HoldId> {
+        match *self {
+            AccountEvent::HoldPosted { hold, .. }
+            | AccountEvent::HoldVoided { hold }
+            | AccountEvent::HoldExpired { hold } => Some(hold),
+            _ => None,
+        }
     }
 
     /// The name used on the wire of the history API.
@@ -93,6 +208,10 @@ impl AccountEvent {
             AccountEvent::TransferredOut { .. } => "TransferredOut",
             AccountEvent::TransferredIn { .. } => "TransferredIn",
             AccountEvent::Opened => "AccountOpened",
+            AccountEvent::HoldPlaced { .. } => "HoldPlaced",
+            AccountEvent::HoldPosted { .. } => "HoldPosted",
+            AccountEvent::HoldVoided { .. } => "HoldVoided",
+            AccountEvent::HoldExpired { .. } => "HoldExpired",
         }
     }
 
@@ -103,6 +222,10 @@ impl AccountEvent {
             AccountEvent::TransferredOut { .. } => TRANSFERRED_OUT,
             AccountEvent::TransferredIn { .. } => TRANSFERRED_IN,
             AccountEvent::Opened => ACCOUNT_OPENED,
+            AccountEvent::HoldPlaced { .. } => HOLD_PLACED,
+            AccountEvent::HoldPosted { .. } => HOLD_POSTED,
+            AccountEvent::HoldVoided { .. } => HOLD_VOIDED,
+            AccountEvent::HoldExpired { .. } => HOLD_EXPIRED,
         }
     }
 
@@ -121,6 +244,22 @@ impl AccountEvent {
                 amount_cents,
                 from_account_id: from.0,
             }),
+            AccountEvent::HoldPlaced {
+                to,
+                expires_in_secs,
+                ..
+            } => serde_json::to_vec(&PlacedPayload {
+                amount_cents,
+                to_account_id: to.map(|t| t.0),
+                expires_in_secs,
+            }),
+            AccountEvent::HoldPosted { hold, .. } => serde_json::to_vec(&PostedPayload {
+                hold_id: hold.0,
+                amount_cents,
+            }),
+            AccountEvent::HoldVoided { hold } | AccountEvent::HoldExpired { hold } => {
+                serde_json::to_vec(&HoldPayload { hold_id: hold.0 })
+            }
         };
         // Serialising these plain structs into a Vec cannot fail.
         Bytes::from(json.unwrap_or_default())
@@ -154,6 +293,33 @@ impl AccountEvent {
                         parse("AccountOpened", payload)?;
                 }
                 Ok(AccountEvent::Opened)
+            }
+            (6, 0) => {
+                let p: PlacedPayload = parse("HoldPlaced", payload)?;
+                Ok(AccountEvent::HoldPlaced {
+                    amount: p.amount_cents,
+                    to: p.to_account_id.map(AccountId),
+                    expires_in_secs: p.expires_in_secs,
+                })
+            }
+            (7, 0) => {
+                let p: PostedPayload = parse("HoldPosted", payload)?;
+                Ok(AccountEvent::HoldPosted {
+                    hold: HoldId(p.hold_id),
+                    amount: p.amount_cents,
+                })
+            }
+            (8, 0) => {
+                let p: HoldPayload = parse("HoldVoided", payload)?;
+                Ok(AccountEvent::HoldVoided {
+                    hold: HoldId(p.hold_id),
+                })
+            }
+            (9, 0) => {
+                let p: HoldPayload = parse("HoldExpired", payload)?;
+                Ok(AccountEvent::HoldExpired {
+                    hold: HoldId(p.hold_id),
+                })
             }
             (major, minor) => Err(CodecError::UnknownType { major, minor }),
         }
@@ -234,8 +400,17 @@ mod tests {
     #[test]
     fn unknown_types_and_bad_payloads_fail_loudly() {
         assert_eq!(
-            AccountEvent::decode(EventType { major: 9, minor: 0 }, b"{}"),
-            Err(CodecError::UnknownType { major: 9, minor: 0 })
+            AccountEvent::decode(
+                EventType {
+                    major: 99,
+                    minor: 0
+                },
+                b"{}"
+            ),
+            Err(CodecError::UnknownType {
+                major: 99,
+                minor: 0
+            })
         );
         assert!(AccountEvent::decode(EventType { major: 1, minor: 1 }, b"{}").is_err());
         for bad in [
@@ -279,14 +454,53 @@ mod tests {
         }
     }
 
+    /// Rule: hold events are written in the streams' own style (PascalCase JSON), and only a
+    /// post moves money.
+    #[test]
+    fn hold_events_carry_their_hold_and_only_a_post_moves_money() {
+        let hold = HoldId(Uuid::from_u128(3));
+        let placed = AccountEvent::HoldPlaced {
+            amount: 7,
+            to: Some(acct(1)),
+            expires_in_secs: NonZeroU32::new(60),
+        };
+        assert_eq!(
+            &placed.encode()[..],
+            br#"{"AmountCents":7,"ToAccountId":"00000000-0000-0000-0000-000000000001","ExpiresInSecs":60}"#
+        );
+        let bare = AccountEvent::HoldPlaced {
+            amount: 7,
+            to: None,
+            expires_in_secs: None,
+        };
+        assert_eq!(&bare.encode()[..], br#"{"AmountCents":7}"#);
+        let posted = AccountEvent::HoldPosted { hold, amount: 5 };
+        assert_eq!(
+            &posted.encode()[..],
+            br#"{"HoldId":"00000000-0000-0000-0000-000000000003","AmountCents":5}"#
+        );
+        assert_eq!(posted.effect(), Effect::Debit(5));
+        assert_eq!(placed.effect(), Effect::None);
+        assert_eq!(AccountEvent::HoldVoided { hold }.effect(), Effect::None);
+        assert_eq!(AccountEvent::HoldExpired { hold }.resolves(), Some(hold));
+        assert!(placed.is_hold() && !AccountEvent::Opened.is_hold());
+        assert!(AccountEvent::decode(HOLD_VOIDED, b"{}").is_err());
+    }
+
     proptest! {
         #[test]
-        fn every_event_round_trips(amount in 0i64..=i64::MAX, other in any::<u128>(), kind in 0u8..5) {
+        fn every_event_round_trips(amount in 0i64..=i64::MAX, other in any::<u128>(), kind in 0u8..11, secs in 0u32..) {
+            let hold = HoldId(Uuid::from_u128(other));
             let e = match kind {
                 0 => AccountEvent::Deposited { amount },
                 1 => AccountEvent::Withdrawn { amount },
                 2 => AccountEvent::TransferredOut { amount, to: acct(other) },
                 3 => AccountEvent::TransferredIn { amount, from: acct(other) },
+                4 => AccountEvent::HoldPlaced { amount, to: None, expires_in_secs: None },
+                5 => AccountEvent::HoldPlaced { amount, to: Some(acct(other)), expires_in_secs: NonZeroU32::new(secs) },
+                6 => AccountEvent::HoldPosted { hold, amount },
+                7 => AccountEvent::HoldVoided { hold },
+                8 => AccountEvent::HoldExpired { hold },
                 _ => AccountEvent::Opened,
             };
             prop_assert_eq!(AccountEvent::decode(e.event_type(), &e.encode()), Ok(e));

@@ -1,6 +1,7 @@
 //! The fold: how one event changes an account's balance.
 
 use super::AccountEvent;
+use super::events::Effect;
 
 /// Why the fold cannot apply an event.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -17,11 +18,10 @@ pub enum FoldError {
 /// reported, never wrapped.
 #[inline]
 pub fn apply(balance: i64, event: &AccountEvent) -> Result<i64, FoldError> {
-    let amount = event.amount();
-    let next = if event.is_credit() {
-        balance.checked_add(amount)
-    } else {
-        balance.checked_sub(amount)
+    let (next, amount) = match event.effect() {
+        Effect::Credit(amount) => (balance.checked_add(amount), amount),
+        Effect::Debit(amount) => (balance.checked_sub(amount), amount),
+        Effect::None => return Ok(balance),
     };
     next.ok_or(FoldError::Overflow {
         event: event.name(),

@@ -2,6 +2,7 @@
 
 pub mod events;
 pub mod fold;
+pub mod holds;
 pub mod rules;
 
 use std::fmt;

@@ -25,11 +25,25 @@ pub(super) struct BalanceBody {
     pub(super) aggregate_version: u64,
 }
 
-impl From<Balance> for BalanceBody {
-    fn from(b: Balance) -> Self {
+/// A balance read's body: with holds on, also what is available and what is held.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct BalanceRead {
+    balance_cents: i64,
+    aggregate_version: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    available_cents: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    held_cents: Option<i64>,
+}
+
+impl BalanceRead {
+    fn of(b: Balance, holds: bool) -> Self {
         Self {
             balance_cents: b.balance_cents,
             aggregate_version: b.version,
+            available_cents: holds.then(|| b.balance_cents.saturating_sub(b.held_cents)),
+            held_cents: holds.then_some(b.held_cents),
         }
     }
 }
@@ -57,7 +71,10 @@ pub async fn balance(
         .map(|(_, v)| v)
         .next_back();
     let balance = app.reader.balance(account, min_version).await?;
-    Ok(json_response(StatusCode::OK, &BalanceBody::from(balance)))
+    Ok(json_response(
+        StatusCode::OK,
+        &BalanceRead::of(balance, app.config.holds),
+    ))
 }
 
 /// `GET /api/accounts/{id}/history[?fromVersion=N&limit=N]`
@@ -101,6 +118,25 @@ pub(super) fn history_event(entry: &HistoryEntry) -> serde_json::Value {
     match e {
         AccountEvent::TransferredOut { to, .. } => v["toAccountId"] = json!(to.to_string()),
         AccountEvent::TransferredIn { from, .. } => v["fromAccountId"] = json!(from.to_string()),
+        AccountEvent::HoldPlaced {
+            to,
+            expires_in_secs,
+            ..
+        } => {
+            // A hold's id is the id of the event that placed it.
+            if let Some(id) = entry.event_id {
+                v["holdId"] = json!(Uuid::from_u128(id).to_string());
+            }
+            if let Some(to) = to {
+                v["toAccountId"] = json!(to.to_string());
+            }
+            if let Some(secs) = expires_in_secs {
+                v["expiresInSecs"] = json!(secs.get());
+            }
+        }
+        AccountEvent::HoldPosted { hold, .. }
+        | AccountEvent::HoldVoided { hold }
+        | AccountEvent::HoldExpired { hold } => v["holdId"] = json!(hold.to_string()),
         _ => {}
     }
     if let Some(id) = entry.event_id {

@@ -11,7 +11,10 @@ use super::accounts::BalanceBody;
 use super::error::{ApiError, ErrorCode};
 use super::idempotency;
 use super::response::{Resp, json_response};
-use crate::account::Operation;
+use std::num::NonZeroU32;
+
+use crate::account::holds::{HoldId, Resolution};
+use crate::account::{AccountId, Operation};
 use crate::auth::Caller;
 use crate::write_loop::{LegResult, WriteOutcome};
 
@@ -36,6 +39,19 @@ pub(super) enum Shown {
     EveryLeg,
     /// A transfer's source leg only: its caller may not read the destination.
     SourceLeg,
+    /// A hold placed: 201 with the hold.
+    HoldPlaced {
+        hold: HoldId,
+        amount: i64,
+        to: Option<AccountId>,
+        expires_in_secs: Option<NonZeroU32>,
+    },
+    /// A hold posted, voided or expired: the hold and the held account's balance.
+    HoldResolved {
+        hold: HoldId,
+        how: Resolution,
+        amount: i64,
+    },
 }
 
 impl Shown {
@@ -45,6 +61,33 @@ impl Shown {
             Operation::Transfer { to, .. } if caller.is_some_and(|c| !c.may_read(to.0)) => {
                 Shown::SourceLeg
             }
+            Operation::PlaceHold {
+                hold,
+                amount,
+                to,
+                expires_in_secs,
+                ..
+            } => Shown::HoldPlaced {
+                hold: *hold,
+                amount: amount.get(),
+                to: *to,
+                expires_in_secs: *expires_in_secs,
+            },
+            Operation::PostHold { hold, amount, .. } => Shown::HoldResolved {
+                hold: *hold,
+                how: Resolution::Posted,
+                amount: amount.get(),
+            },
+            Operation::VoidHold { hold, .. } => Shown::HoldResolved {
+                hold: *hold,
+                how: Resolution::Voided,
+                amount: 0,
+            },
+            Operation::ExpireHold { hold, .. } => Shown::HoldResolved {
+                hold: *hold,
+                how: Resolution::Expired,
+                amount: 0,
+            },
             _ => Shown::EveryLeg,
         }
     }
@@ -76,6 +119,9 @@ pub(super) fn landed(outcome: &WriteOutcome, shown: Shown) -> Result<Landed, Api
         body,
         location: None,
     };
+    if let Some(landed) = hold_answer(outcome, shown) {
+        return Ok(landed);
+    }
     Ok(match outcome.legs.as_slice() {
         [from, _] if shown == Shown::SourceLeg => answer(
             StatusCode::OK,
@@ -103,6 +149,50 @@ pub(super) fn landed(outcome: &WriteOutcome, shown: Shown) -> Result<Landed, Api
                 message: "a write produced no legs".into(),
             });
         }
+    })
+}
+
+/// A hold write's answer: its first leg is the held account's. `None` for any other write.
+fn hold_answer(outcome: &WriteOutcome, shown: Shown) -> Option<Landed> {
+    let leg = outcome.legs.first()?;
+    let mut body = json!({
+        "accountId": leg.account.to_string(),
+        "balanceCents": leg.balance,
+        "aggregateVersion": leg.version,
+    });
+    let (status, location) = match shown {
+        Shown::HoldPlaced {
+            hold,
+            amount,
+            to,
+            expires_in_secs,
+        } => {
+            body["holdId"] = json!(hold.to_string());
+            body["status"] = json!("open");
+            body["amountCents"] = json!(amount);
+            if let Some(to) = to {
+                body["toAccountId"] = json!(to.to_string());
+            }
+            if let Some(secs) = expires_in_secs {
+                body["expiresInSecs"] = json!(secs.get());
+            }
+            let at = format!("/api/accounts/{}/holds/{hold}", leg.account);
+            (StatusCode::CREATED, Some(at))
+        }
+        Shown::HoldResolved { hold, how, amount } => {
+            body["holdId"] = json!(hold.to_string());
+            body["status"] = json!(how.name());
+            if how == Resolution::Posted {
+                body["amountCents"] = json!(amount);
+            }
+            (StatusCode::OK, None)
+        }
+        Shown::Opened | Shown::EveryLeg | Shown::SourceLeg => return None,
+    };
+    Some(Landed {
+        status,
+        body: LandedBody::Object(body),
+        location,
     })
 }
 

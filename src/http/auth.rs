@@ -161,11 +161,5 @@ pub fn authorize_operation(
     caller: Option<&Caller>,
     op: &Operation,
 ) -> Result<(), ApiError> {
-    let account = match op {
-        Operation::Deposit { account, .. }
-        | Operation::Withdraw { account, .. }
-        | Operation::Open { account } => account,
-        Operation::Transfer { from, .. } => from,
-    };
-    authorize_account(app, caller, account.0)
+    authorize_account(app, caller, op.account().0)
 }

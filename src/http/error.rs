@@ -56,17 +56,21 @@ pub enum ErrorCode {
     NotFound,
     AccountNotFound,
     KeyNotFound,
+    HoldNotFound,
     MethodNotAllowed,
     PayloadTooLarge,
     UriTooLong,
     UnsupportedMediaType,
     HeadersTooLarge,
-    // 409: retryable, or final (`AccountExists`).
+    // 409: retryable, or final (`AccountExists`, `HoldResolved`).
     Conflict,
     AccountExists,
+    HoldResolved,
     // 422: well-formed, but against a rule.
     ValidationError,
     InsufficientFunds,
+    HoldAmountExceeded,
+    HoldLimit,
     IdempotencyKeyReused,
     LinkedItemFailed,
     DeviceRunOverLimit,
@@ -83,13 +87,14 @@ pub enum ErrorCode {
     // 503: retryable.
     ServiceUnavailable,
     StoreUnavailable,
+    HoldsOff,
     /// A device sync's own code (the device protocol's); its status follows its kind.
     Sync(SyncCode),
 }
 
 impl ErrorCode {
     /// Every code, once.
-    pub const ALL: [ErrorCode; 58] = [
+    pub const ALL: [ErrorCode; 63] = [
         ErrorCode::BadRequest,
         ErrorCode::InvalidJson,
         ErrorCode::InvalidId,
@@ -108,6 +113,7 @@ impl ErrorCode {
         ErrorCode::NotFound,
         ErrorCode::AccountNotFound,
         ErrorCode::KeyNotFound,
+        ErrorCode::HoldNotFound,
         ErrorCode::MethodNotAllowed,
         ErrorCode::PayloadTooLarge,
         ErrorCode::UriTooLong,
@@ -115,8 +121,11 @@ impl ErrorCode {
         ErrorCode::HeadersTooLarge,
         ErrorCode::Conflict,
         ErrorCode::AccountExists,
+        ErrorCode::HoldResolved,
         ErrorCode::ValidationError,
         ErrorCode::InsufficientFunds,
+        ErrorCode::HoldAmountExceeded,
+        ErrorCode::HoldLimit,
         ErrorCode::IdempotencyKeyReused,
         ErrorCode::LinkedItemFailed,
         ErrorCode::DeviceRunOverLimit,
@@ -130,6 +139,7 @@ impl ErrorCode {
         ErrorCode::CrossShard,
         ErrorCode::ServiceUnavailable,
         ErrorCode::StoreUnavailable,
+        ErrorCode::HoldsOff,
         ErrorCode::Sync(SyncCode::InvalidDeviceId),
         ErrorCode::Sync(SyncCode::DeviceIdReserved),
         ErrorCode::Sync(SyncCode::InvalidAccount),
@@ -171,6 +181,7 @@ impl ErrorCode {
             ErrorCode::NotFound => "NOT_FOUND",
             ErrorCode::AccountNotFound => "ACCOUNT_NOT_FOUND",
             ErrorCode::KeyNotFound => "KEY_NOT_FOUND",
+            ErrorCode::HoldNotFound => "HOLD_NOT_FOUND",
             ErrorCode::MethodNotAllowed => "METHOD_NOT_ALLOWED",
             ErrorCode::PayloadTooLarge => "PAYLOAD_TOO_LARGE",
             ErrorCode::UriTooLong => "URI_TOO_LONG",
@@ -178,8 +189,11 @@ impl ErrorCode {
             ErrorCode::HeadersTooLarge => "HEADERS_TOO_LARGE",
             ErrorCode::Conflict => "CONFLICT",
             ErrorCode::AccountExists => "ACCOUNT_EXISTS",
+            ErrorCode::HoldResolved => "HOLD_RESOLVED",
             ErrorCode::ValidationError => "VALIDATION_ERROR",
             ErrorCode::InsufficientFunds => "INSUFFICIENT_FUNDS",
+            ErrorCode::HoldAmountExceeded => "HOLD_AMOUNT_EXCEEDED",
+            ErrorCode::HoldLimit => "HOLD_LIMIT",
             ErrorCode::IdempotencyKeyReused => "IDEMPOTENCY_KEY_REUSED",
             ErrorCode::LinkedItemFailed => "LINKED_ITEM_FAILED",
             ErrorCode::DeviceRunOverLimit => "DEVICE_RUN_OVER_LIMIT",
@@ -193,6 +207,7 @@ impl ErrorCode {
             ErrorCode::CrossShard => "CROSS_SHARD",
             ErrorCode::ServiceUnavailable => "SERVICE_UNAVAILABLE",
             ErrorCode::StoreUnavailable => "STORE_UNAVAILABLE",
+            ErrorCode::HoldsOff => "HOLDS_OFF",
             ErrorCode::Sync(code) => code.as_str(),
         }
     }
@@ -214,17 +229,22 @@ impl ErrorCode {
             ErrorCode::Forbidden | ErrorCode::InsufficientScope | ErrorCode::HostNotAllowed => {
                 StatusCode::FORBIDDEN
             }
-            ErrorCode::NotFound | ErrorCode::AccountNotFound | ErrorCode::KeyNotFound => {
-                StatusCode::NOT_FOUND
-            }
+            ErrorCode::NotFound
+            | ErrorCode::AccountNotFound
+            | ErrorCode::KeyNotFound
+            | ErrorCode::HoldNotFound => StatusCode::NOT_FOUND,
             ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorCode::UriTooLong => StatusCode::URI_TOO_LONG,
             ErrorCode::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ErrorCode::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            ErrorCode::Conflict | ErrorCode::AccountExists => StatusCode::CONFLICT,
+            ErrorCode::Conflict | ErrorCode::AccountExists | ErrorCode::HoldResolved => {
+                StatusCode::CONFLICT
+            }
             ErrorCode::ValidationError
             | ErrorCode::InsufficientFunds
+            | ErrorCode::HoldAmountExceeded
+            | ErrorCode::HoldLimit
             | ErrorCode::IdempotencyKeyReused
             | ErrorCode::LinkedItemFailed
             | ErrorCode::DeviceRunOverLimit => StatusCode::UNPROCESSABLE_ENTITY,
@@ -236,7 +256,7 @@ impl ErrorCode {
             | ErrorCode::AccountUnreadable
             | ErrorCode::AccountTrimmed
             | ErrorCode::CrossShard => StatusCode::INTERNAL_SERVER_ERROR,
-            ErrorCode::ServiceUnavailable | ErrorCode::StoreUnavailable => {
+            ErrorCode::ServiceUnavailable | ErrorCode::StoreUnavailable | ErrorCode::HoldsOff => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             ErrorCode::Sync(code) => sync_status(code),
@@ -309,6 +329,20 @@ pub enum ApiError {
     Validation(String),
     #[error("insufficient funds")]
     InsufficientFunds { balance: i64 },
+    /// 422 `INSUFFICIENT_FUNDS` on an account with open holds: the body states what is
+    /// available and what is held.
+    #[error("{message}")]
+    InsufficientAvailable {
+        available: i64,
+        held: i64,
+        message: String,
+    },
+    /// 409 `HOLD_RESOLVED`, final: the hold already resolved, and the body names how.
+    #[error("{message}")]
+    HoldResolved {
+        resolution: &'static str,
+        message: String,
+    },
     #[error("this Idempotency-Key was already used for a different operation or payload")]
     KeyReused,
     /// 422 with a code of its own: the request is well-formed JSON but breaks a rule of its
@@ -421,7 +455,10 @@ impl ApiError {
             ApiError::MethodNotAllowed { .. } => ErrorCode::MethodNotAllowed,
             ApiError::UnsupportedMediaType(_) => ErrorCode::UnsupportedMediaType,
             ApiError::Validation(_) => ErrorCode::ValidationError,
-            ApiError::InsufficientFunds { .. } => ErrorCode::InsufficientFunds,
+            ApiError::InsufficientFunds { .. } | ApiError::InsufficientAvailable { .. } => {
+                ErrorCode::InsufficientFunds
+            }
+            ApiError::HoldResolved { .. } => ErrorCode::HoldResolved,
             ApiError::KeyReused => ErrorCode::IdempotencyKeyReused,
             ApiError::Conflict(_) => ErrorCode::Conflict,
             ApiError::Unavailable(_) | ApiError::Shed { .. } => ErrorCode::ServiceUnavailable,
@@ -434,8 +471,16 @@ impl ApiError {
         let status = self.status();
         let mut body =
             json!({ "error": self.code().as_str(), "message": bounded_message(self.to_string()) });
-        if let ApiError::InsufficientFunds { balance } = &self {
-            body["balanceCents"] = json!(balance);
+        match &self {
+            ApiError::InsufficientFunds { balance } => body["balanceCents"] = json!(balance),
+            ApiError::InsufficientAvailable {
+                available, held, ..
+            } => {
+                body["availableCents"] = json!(available);
+                body["heldCents"] = json!(held);
+            }
+            ApiError::HoldResolved { resolution, .. } => body["resolution"] = json!(resolution),
+            _ => {}
         }
         if status == StatusCode::INTERNAL_SERVER_ERROR {
             let error_id = Uuid::new_v4();
@@ -554,6 +599,31 @@ impl From<RuleError> for ApiError {
                 code: ErrorCode::AccountExists,
                 message: e.to_string(),
             },
+            RuleError::InsufficientAvailable { available, held } => {
+                ApiError::InsufficientAvailable {
+                    available,
+                    held,
+                    message: e.to_string(),
+                }
+            }
+            RuleError::HoldNotFound { .. } => ApiError::Unprocessable {
+                code: ErrorCode::HoldNotFound,
+                message: e.to_string(),
+            },
+            // Final: a resolution is never undone, and a retry of the resolving write is
+            // replayed before anything is decided.
+            RuleError::HoldResolved { how, .. } => ApiError::HoldResolved {
+                resolution: how.name(),
+                message: e.to_string(),
+            },
+            RuleError::HoldExceeded { .. } => ApiError::Unprocessable {
+                code: ErrorCode::HoldAmountExceeded,
+                message: e.to_string(),
+            },
+            RuleError::HoldLimit => ApiError::Unprocessable {
+                code: ErrorCode::HoldLimit,
+                message: e.to_string(),
+            },
         }
     }
 }
@@ -571,6 +641,10 @@ impl From<ProjectionError> for ApiError {
             },
             ProjectionError::Store(s) => s.into(),
             ProjectionError::Database => ApiError::Unavailable(e.to_string()),
+            ProjectionError::HoldsOff { .. } => ApiError::RetryLater {
+                code: ErrorCode::HoldsOff,
+                message: e.to_string(),
+            },
         }
     }
 }
@@ -601,6 +675,10 @@ impl From<ReadError> for ApiError {
             },
             ReadError::Store(s) => s.into(),
             ReadError::AccountNotFound { .. } => ApiError::AccountNotFound(e.to_string()),
+            ReadError::HoldsOff(message) => ApiError::RetryLater {
+                code: ErrorCode::HoldsOff,
+                message,
+            },
         }
     }
 }

@@ -22,6 +22,7 @@ pub mod gate;
 mod gauge;
 pub mod head;
 mod headers;
+mod holds;
 pub mod idempotency;
 mod layer;
 pub mod openapi;

@@ -17,8 +17,9 @@ use super::auth::{Access, Named};
 use super::error::{ApiError, ErrorCode};
 use super::response::Resp;
 use super::watch::{self, HttpBody};
-use super::{accounts, batch, console, devices, openapi, ops, write_lookup, writes};
+use super::{accounts, batch, console, devices, holds, openapi, ops, write_lookup, writes};
 use crate::account::AccountId;
+use crate::account::holds::HoldId;
 use crate::app::App;
 use crate::auth::Scope;
 
@@ -50,7 +51,17 @@ pub enum Route {
     WriteLookup(AccountId),
     /// `POST /api/batch`: many writes, each item under its own key.
     Batch,
+    /// An account's open holds (GET) and a new hold on it (POST), `--holds true`.
+    Holds(AccountId),
+    PlaceHold(AccountId),
+    /// One hold, and its post and void.
+    Hold(AccountId, HoldId),
+    PostHold(AccountId, HoldId),
+    VoidHold(AccountId, HoldId),
 }
+
+/// The nil hold id, for the listing below.
+const NIL_HOLD: HoldId = HoldId(Uuid::nil());
 
 /// The nil id, for the listing below.
 const NIL: AccountId = AccountId(Uuid::nil());
@@ -59,7 +70,7 @@ impl Route {
     /// Every route once (ids nil): what `docs/openapi.json` is checked against. A new route
     /// is added here and in [`Route::listed_at`] (whose exhaustive match fails to compile
     /// until it is), then to the spec.
-    pub const ALL: [Route; 18] = [
+    pub const ALL: [Route; 23] = [
         Route::Healthz,
         Route::Readyz,
         Route::Metrics,
@@ -78,6 +89,11 @@ impl Route {
         Route::OpenAccount,
         Route::WriteLookup(NIL),
         Route::Batch,
+        Route::Holds(NIL),
+        Route::PlaceHold(NIL),
+        Route::Hold(NIL, NIL_HOLD),
+        Route::PostHold(NIL, NIL_HOLD),
+        Route::VoidHold(NIL, NIL_HOLD),
     ];
 
     /// The route's place in [`Route::ALL`].
@@ -101,6 +117,11 @@ impl Route {
             Route::OpenAccount => 15,
             Route::WriteLookup(_) => 16,
             Route::Batch => 17,
+            Route::Holds(_) => 18,
+            Route::PlaceHold(_) => 19,
+            Route::Hold(..) => 20,
+            Route::PostHold(..) => 21,
+            Route::VoidHold(..) => 22,
         }
     }
 
@@ -132,6 +153,10 @@ impl Route {
             Route::WatchStream => "/api/watch/stream",
             Route::WriteLookup(_) => "/api/accounts/{id}/writes/{idempotencyKey}",
             Route::Batch => "/api/batch",
+            Route::Holds(_) | Route::PlaceHold(_) => "/api/accounts/{id}/holds",
+            Route::Hold(..) => "/api/accounts/{id}/holds/{holdId}",
+            Route::PostHold(..) => "/api/accounts/{id}/holds/{holdId}/post",
+            Route::VoidHold(..) => "/api/accounts/{id}/holds/{holdId}/void",
         }
     }
 
@@ -143,7 +168,10 @@ impl Route {
             | Route::Transfers
             | Route::DeviceSync(_)
             | Route::OpenAccount
-            | Route::Batch => Method::POST,
+            | Route::Batch
+            | Route::PlaceHold(_)
+            | Route::PostHold(..)
+            | Route::VoidHold(..) => Method::POST,
             _ => Method::GET,
         }
     }
@@ -173,6 +201,9 @@ impl Route {
                 | Route::Transfers
                 | Route::OpenAccount
                 | Route::Batch
+                | Route::PlaceHold(_)
+                | Route::PostHold(..)
+                | Route::VoidHold(..)
         )
     }
 
@@ -191,11 +222,16 @@ impl Route {
             Route::Balance(a)
             | Route::History(a)
             | Route::AccountEvents(a)
-            | Route::WriteLookup(a) => (Scope::AccountsRead, Account(a)),
+            | Route::WriteLookup(a)
+            | Route::Holds(a)
+            | Route::Hold(a, _) => (Scope::AccountsRead, Account(a)),
             Route::WatchStream => (Scope::AccountsRead, EveryAccount),
-            Route::Deposit(a) | Route::Withdraw(a) | Route::AccountTransfer(a) => {
-                (Scope::AccountsWrite, Account(a))
-            }
+            Route::Deposit(a)
+            | Route::Withdraw(a)
+            | Route::AccountTransfer(a)
+            | Route::PlaceHold(a)
+            | Route::PostHold(a, _)
+            | Route::VoidHold(a, _) => (Scope::AccountsWrite, Account(a)),
             // A batch's items name their accounts: each is checked on its own
             // (`http::batch`), and one the token may not write is that item's 403.
             Route::Transfers | Route::OpenAccount | Route::Batch => (Scope::AccountsWrite, Nothing),
@@ -217,6 +253,11 @@ impl Route {
                 | Route::DeviceSync(_)
                 | Route::WriteLookup(_)
                 | Route::Batch
+                | Route::Holds(_)
+                | Route::PlaceHold(_)
+                | Route::Hold(..)
+                | Route::PostHold(..)
+                | Route::VoidHold(..)
         )
     }
 
@@ -254,6 +295,18 @@ impl Route {
                     )
                 })?)
             }
+            ["api", "accounts", acct, "holds"] => {
+                let route = if *method == Method::POST {
+                    Route::PlaceHold(NIL)
+                } else {
+                    Route::Holds(NIL)
+                };
+                route.check_method(method)?;
+                return Ok(match route {
+                    Route::PlaceHold(_) => Route::PlaceHold(id(acct)?),
+                    _ => Route::Holds(id(acct)?),
+                });
+            }
             ["api", "accounts", acct, action] => {
                 let make: fn(AccountId) -> Route = match *action {
                     "balance" => Route::Balance,
@@ -267,6 +320,19 @@ impl Route {
                 // Resolve the method before the id, so a wrong method is 405 either way.
                 make(AccountId(Uuid::nil())).check_method(method)?;
                 return Ok(make(id(acct)?));
+            }
+            ["api", "accounts", acct, "holds", hold] => {
+                Route::Hold(NIL, NIL_HOLD).check_method(method)?;
+                return Ok(Route::Hold(id(acct)?, hold_id(hold)?));
+            }
+            ["api", "accounts", acct, "holds", hold, action] => {
+                let make: fn(AccountId, HoldId) -> Route = match *action {
+                    "post" => Route::PostHold,
+                    "void" => Route::VoidHold,
+                    _ => return Err(not_found(path)),
+                };
+                make(NIL, NIL_HOLD).check_method(method)?;
+                return Ok(make(id(acct)?, hold_id(hold)?));
             }
             // The key is read by the handler, after the caller is known (keys are the
             // caller's own): any segment is the route, and a malformed key its 400.
@@ -292,7 +358,10 @@ impl Route {
     }
 
     fn method_name(&self) -> &'static str {
-        if matches!(self, Route::Accounts | Route::OpenAccount) {
+        if matches!(
+            self,
+            Route::Accounts | Route::OpenAccount | Route::Holds(_) | Route::PlaceHold(_)
+        ) {
             "GET, HEAD, POST"
         } else if self.method() == Method::POST {
             "POST"
@@ -305,6 +374,16 @@ impl Route {
 /// The scope a route needs; `None` for the open routes ([`Route::access`]).
 pub fn required_scope(route: &Route) -> Option<Scope> {
     route.access().map(|access| access.scope)
+}
+
+/// A hold id in a path: a UUID, or 400 `INVALID_ID`.
+fn hold_id(s: &str) -> Result<HoldId, ApiError> {
+    s.parse().map(HoldId).map_err(|_| {
+        ApiError::bad_request(
+            ErrorCode::InvalidId,
+            format!("{s:?} is not a valid hold id (a UUID)"),
+        )
+    })
 }
 
 fn not_found(path: &str) -> ApiError {
@@ -346,6 +425,11 @@ pub async fn dispatch(
         Route::AccountTransfer(from) => writes::account_transfer(app, from, req, slots).await,
         Route::Transfers => writes::transfer(app, req, slots).await,
         Route::Batch => batch::batch(app, req, slots).await,
+        Route::Holds(account) => holds::list(app, account).await,
+        Route::PlaceHold(account) => holds::place(app, account, req, slots).await,
+        Route::Hold(account, hold) => holds::get(app, account, hold).await,
+        Route::PostHold(account, hold) => holds::post(app, account, hold, req, slots).await,
+        Route::VoidHold(account, hold) => holds::void(app, account, hold, req, slots).await,
         Route::WriteLookup(account) => write_lookup::find(app, account, &req).await,
         Route::DeviceSync(device) => devices::sync(app, device, req, slots).await,
         Route::OpenApi => Ok(openapi::document()),

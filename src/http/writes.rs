@@ -229,12 +229,71 @@ where
     B: DeserializeOwned,
     F: FnOnce(B, Uuid) -> Result<Operation, ApiError>,
 {
-    // Before anything of this attempt can land: what it writes is remembered from its
-    // landing, so at least from here.
+    let keyed = parse_keyed(app, req, slots).await?;
+    let op = build(keyed.body, keyed.head.key.event_id)?;
+    answer_keyed(app, keyed.head, op).await
+}
+
+/// A keyed write's request, read: its key and caller, when it began, and its body.
+pub(super) struct Keyed<B> {
+    pub(super) head: KeyedHead,
+    pub(super) body: B,
+}
+
+/// What a keyed write's answer needs of its request.
+pub(super) struct KeyedHead {
+    pub(super) key: IdempotencyKey,
+    pub(super) caller: Option<Caller>,
+    /// Before anything of this attempt can land: what it writes is remembered from its
+    /// landing, so at least from here.
+    pub(super) started: std::time::Instant,
+}
+
+/// The write's key and body, from the request's headers and body (changing nothing on bad
+/// input). With authentication on, keys belong to their caller.
+pub(super) async fn parse_keyed<B: DeserializeOwned>(
+    app: &Arc<App>,
+    req: Request<Incoming>,
+    slots: &RequestSlots,
+) -> Result<Keyed<B>, ApiError> {
     let started = std::time::Instant::now();
     let caller = req.extensions().get::<Caller>().cloned();
-    let (key, op) = parse_write(app, req, slots, build).await?;
+    let key = IdempotencyKey::from_headers(req.headers(), caller.as_ref().map(|c| c.id.as_str()))?;
+    RequestNote::key_hash(|| key.short_hash());
+    // The body read is bounded as any request is; the write is bounded below.
+    let body: B = tokio::time::timeout(request_deadline(app), read_json(req, slots))
+        .await
+        .map_err(|_| took_too_long())??;
+    Ok(Keyed {
+        head: KeyedHead {
+            key,
+            caller,
+            started,
+        },
+        body,
+    })
+}
+
+/// Runs `op` under the request's key and answers it with the window and key headers. A body
+/// account (the source of `/api/transfers`) is checked before anything is written.
+pub(super) async fn answer_keyed(
+    app: &Arc<App>,
+    head: KeyedHead,
+    op: Operation,
+) -> Result<Resp, ApiError> {
+    let KeyedHead {
+        key,
+        caller,
+        started,
+    } = head;
+    super::auth::authorize_operation(app, caller.as_ref(), &op)?;
     refuse_if_stood_still(app)?;
+    if app.config.holds {
+        // Whichever replica next writes an account expires its due holds first.
+        for leg in op.legs().as_slice() {
+            app.writes.expire_before_write(leg.account).await;
+        }
+    }
     if key.minted {
         app.metrics.idem_keys_minted.inc();
     }
@@ -254,31 +313,6 @@ where
     let accounts: Vec<_> = op.legs().as_slice().iter().map(|l| l.account).collect();
     let horizon = app.projection.key_horizon(&accounts);
     Ok(keyed_answer(app, &key, answer, shown, (since, horizon)))
-}
-
-/// The write's key and operation, from the request's headers and body (changing nothing on
-/// bad input). With authentication on, keys belong to their caller, and a body account (the
-/// source of `/api/transfers`) is checked before anything is written.
-async fn parse_write<B, F>(
-    app: &Arc<App>,
-    req: Request<Incoming>,
-    slots: &RequestSlots,
-    build: F,
-) -> Result<(IdempotencyKey, Operation), ApiError>
-where
-    B: DeserializeOwned,
-    F: FnOnce(B, Uuid) -> Result<Operation, ApiError>,
-{
-    let caller = req.extensions().get::<Caller>().cloned();
-    let key = IdempotencyKey::from_headers(req.headers(), caller.as_ref().map(|c| c.id.as_str()))?;
-    RequestNote::key_hash(|| key.short_hash());
-    // The body read is bounded as any request is; the write is bounded below.
-    let body: B = tokio::time::timeout(request_deadline(app), read_json(req, slots))
-        .await
-        .map_err(|_| took_too_long())??;
-    let op = build(body, key.event_id)?;
-    super::auth::authorize_operation(app, caller.as_ref(), &op)?;
-    Ok((key, op))
 }
 
 /// Read just after the replica stood still, the request may have waited unread through the

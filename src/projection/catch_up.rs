@@ -201,6 +201,7 @@ impl Projection {
             retention_ms: self.retention_ms(),
             tip_ms: self.server_tip_ms(),
             now_ms: self.now_ms(),
+            holds: self.config.holds,
         }
     }
 }

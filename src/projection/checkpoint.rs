@@ -26,9 +26,14 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
+use std::num::NonZeroU32;
+
+use uuid::Uuid;
+
 use super::Projection;
 use super::keys::Segment;
 use crate::account::AccountId;
+use crate::account::holds::{Commit, HoldBook, HoldId, OpenHold, Resolution, Resolved};
 use crate::store::{Batch, Event, EventType, StoreError, read_whole};
 
 /// The event type of a checkpoint (in the checkpoint stream, never in an account).
@@ -38,6 +43,10 @@ const FORMAT: u8 = 1;
 /// The layout that carries the keys of the versions since the checkpoint before
 /// ([`Segment`]) after the same fixed part.
 const FORMAT_KEYED: u8 = 2;
+/// The keyed layout with the account's holds between the fixed part and the keys: a `u32`
+/// length, then the open holds and the remembered resolutions ([`encode_holds`]). Written
+/// only for an account that has holds; a replica with holds off never uses one.
+const FORMAT_HELD: u8 = 3;
 const ENCODED_LEN: usize = 1 + 5 * 8;
 /// The newest checkpoints a cold fold reads to pick from (one read). The writer spaces
 /// checkpoints at least a quarter window apart, so these span at least four windows.
@@ -58,6 +67,8 @@ pub struct Checkpoint {
     /// A keyed checkpoint's segment starts after this version: it carries every key the
     /// fold took above it. `None`: it carries no keys (written by an older release).
     pub keys_after: Option<u64>,
+    /// The byte length of the holds it carries ([`FORMAT_HELD`]); 0: the account had none.
+    pub holds_len: u32,
 }
 
 /// Why a checkpoint was not used.
@@ -81,6 +92,7 @@ impl Checkpoint {
             commit_ms: batch.server_timestamp_ms,
             fingerprint: fingerprint(batch),
             keys_after: None,
+            holds_len: 0,
         }
     }
 
@@ -91,14 +103,45 @@ impl Checkpoint {
         b.freeze()
     }
 
-    /// It, carrying `keys` (the keys of the versions after `keys.after`).
-    pub fn keyed(mut self, keys: &Segment) -> (Self, Bytes) {
+    /// It, carrying `keys` (the keys of the versions after `keys.after`), and the account's
+    /// holds when it has any.
+    pub fn keyed(mut self, keys: &Segment, holds: Option<&HoldBook>) -> (Self, Bytes) {
         self.keys_after = Some(keys.after);
-        let mut b = BytesMut::with_capacity(ENCODED_LEN + 24 + keys.keys.len() * 8);
-        b.put_u8(FORMAT_KEYED);
+        let held = holds.filter(|b| !b.is_empty()).map(encode_holds);
+        let held_len = held.as_ref().map_or(0, |h| 4 + h.len());
+        let mut b = BytesMut::with_capacity(ENCODED_LEN + held_len + 24 + keys.keys.len() * 8);
+        b.put_u8(if held.is_some() {
+            FORMAT_HELD
+        } else {
+            FORMAT_KEYED
+        });
         self.encode_fixed(&mut b);
+        if let Some(held) = held {
+            self.holds_len = held.len() as u32;
+            b.put_u32_le(self.holds_len);
+            b.put_slice(&held);
+        }
         keys.encode(&mut b);
         (self, b.freeze())
+    }
+
+    /// Where the keys start in its event's payload.
+    fn keys_offset(&self) -> usize {
+        if self.holds_len > 0 {
+            ENCODED_LEN + 4 + self.holds_len as usize
+        } else {
+            ENCODED_LEN
+        }
+    }
+
+    /// The holds its event carries: empty when it carries none; `None` when they do not
+    /// decode (a malformed checkpoint: not used).
+    pub fn holds(&self, event: &Event) -> Option<HoldBook> {
+        if self.holds_len == 0 {
+            return Some(HoldBook::default());
+        }
+        let at = ENCODED_LEN + 4;
+        decode_holds(event.payload.get(at..at + self.holds_len as usize)?)
     }
 
     fn encode_fixed(&self, b: &mut BytesMut) {
@@ -116,9 +159,10 @@ impl Checkpoint {
         if event.event_type != CHECKPOINT_EVENT || p.len() < ENCODED_LEN {
             return None;
         }
-        let keyed = match p.get_u8() {
-            FORMAT if p.len() == ENCODED_LEN - 1 => false,
-            FORMAT_KEYED if p.len() >= ENCODED_LEN - 1 + 8 => true,
+        let (keyed, held) = match p.get_u8() {
+            FORMAT if p.len() == ENCODED_LEN - 1 => (false, false),
+            FORMAT_KEYED if p.len() >= ENCODED_LEN - 1 + 8 => (true, false),
+            FORMAT_HELD if p.len() >= ENCODED_LEN - 1 + 4 + 8 => (true, true),
             _ => return None,
         };
         let mut cp = Self {
@@ -128,7 +172,15 @@ impl Checkpoint {
             commit_ms: p.get_u64_le(),
             fingerprint: p.get_u64_le(),
             keys_after: None,
+            holds_len: 0,
         };
+        if held {
+            cp.holds_len = p.get_u32_le();
+            if cp.holds_len == 0 || p.len() < cp.holds_len as usize + 8 {
+                return None;
+            }
+            p.advance(cp.holds_len as usize);
+        }
         if keyed {
             let after = p.get_u64_le();
             cp.keys_after = (after < cp.version).then_some(after);
@@ -140,7 +192,7 @@ impl Checkpoint {
     /// The keys a keyed checkpoint's event carries; `None` for an unkeyed or malformed one.
     pub fn segment(&self, event: &Event) -> Option<Segment> {
         self.keys_after?;
-        let keys = event.payload.get(ENCODED_LEN..)?;
+        let keys = event.payload.get(self.keys_offset()..)?;
         Segment::decode(keys, self.version)
     }
 
@@ -177,6 +229,103 @@ impl Checkpoint {
         }
         Ok(())
     }
+}
+
+/// One hold's bytes: id, amount, destination (flagged), expiry seconds (0: none), placing
+/// version and commit time (flagged exact or a lower bound).
+const HOLD_LEN: usize = 16 + 8 + 1 + 16 + 4 + 8 + 1 + 8;
+/// A resolution's bytes: the hold's, then how (1 post, 2 void, 3 expiry) and what a post took.
+const RESOLVED_LEN: usize = HOLD_LEN + 1 + 8;
+
+/// An account's holds as a checkpoint carries them: the counts, the open holds, then the
+/// remembered resolutions, oldest first.
+fn encode_holds(book: &HoldBook) -> Vec<u8> {
+    let open = book.open();
+    let resolved: Vec<&Resolved> = book.resolutions().collect();
+    let mut b = BytesMut::with_capacity(8 + open.len() * HOLD_LEN + resolved.len() * RESOLVED_LEN);
+    b.put_u32_le(open.len() as u32);
+    b.put_u32_le(resolved.len() as u32);
+    for (id, h) in &open {
+        put_hold(&mut b, *id, h);
+    }
+    for r in resolved {
+        put_hold(&mut b, r.hold, &r.was);
+        b.put_u8(match r.how {
+            Resolution::Posted => 1,
+            Resolution::Voided => 2,
+            Resolution::Expired => 3,
+        });
+        b.put_i64_le(r.posted);
+    }
+    b.to_vec()
+}
+
+fn put_hold(b: &mut BytesMut, id: HoldId, h: &OpenHold) {
+    b.put_u128_le(id.as_u128());
+    b.put_i64_le(h.amount);
+    b.put_u8(u8::from(h.to.is_some()));
+    b.put_u128_le(h.to.map_or(0, |t| t.as_u128()));
+    b.put_u32_le(h.expires_in_secs.map_or(0, |s| s.get()));
+    b.put_u64_le(h.placed_version);
+    let (exact, ms) = match h.placed {
+        Commit::Known(ms) => (1, ms),
+        Commit::AtLeast(ms) => (0, ms),
+    };
+    b.put_u8(exact);
+    b.put_u64_le(ms);
+}
+
+fn get_hold(p: &mut &[u8]) -> (HoldId, OpenHold) {
+    let id = HoldId(Uuid::from_u128(p.get_u128_le()));
+    let amount = p.get_i64_le();
+    let has_to = p.get_u8() == 1;
+    let to = p.get_u128_le();
+    let secs = p.get_u32_le();
+    let placed_version = p.get_u64_le();
+    let exact = p.get_u8() == 1;
+    let ms = p.get_u64_le();
+    let hold = OpenHold {
+        amount,
+        to: has_to.then(|| AccountId(Uuid::from_u128(to))),
+        expires_in_secs: NonZeroU32::new(secs),
+        placed_version,
+        placed: if exact {
+            Commit::Known(ms)
+        } else {
+            Commit::AtLeast(ms)
+        },
+    };
+    (id, hold)
+}
+
+/// The holds [`encode_holds`] wrote; `None` for bytes it did not write.
+fn decode_holds(mut p: &[u8]) -> Option<HoldBook> {
+    if p.len() < 8 {
+        return None;
+    }
+    let open = p.get_u32_le() as usize;
+    let resolved = p.get_u32_le() as usize;
+    if p.len() != open.checked_mul(HOLD_LEN)? + resolved.checked_mul(RESOLVED_LEN)? {
+        return None;
+    }
+    let open: Vec<_> = (0..open).map(|_| get_hold(&mut p)).collect();
+    let mut done = Vec::with_capacity(resolved);
+    for _ in 0..resolved {
+        let (hold, was) = get_hold(&mut p);
+        let how = match p.get_u8() {
+            1 => Resolution::Posted,
+            2 => Resolution::Voided,
+            3 => Resolution::Expired,
+            _ => return None,
+        };
+        done.push(Resolved {
+            hold,
+            how,
+            posted: p.get_i64_le(),
+            was,
+        });
+    }
+    HoldBook::from_parts(open, done)
 }
 
 /// A stable 64-bit digest of a batch's writer and events (FNV-1a: the same in every build,
@@ -359,6 +508,38 @@ impl Projection {
         Ok(found)
     }
 
+    /// The holds a checkpoint carries, from its event: in `tail` when it is there, else read
+    /// from the checkpoint stream (it was found by a search below the tail).
+    pub async fn checkpoint_holds(
+        &self,
+        account: AccountId,
+        tail: Option<&Tail>,
+        cp: &Checkpoint,
+    ) -> Result<Option<HoldBook>, StoreError> {
+        if cp.holds_len == 0 {
+            return Ok(Some(HoldBook::default()));
+        }
+        if let Some(tail) = tail
+            && let Some(at) = tail.checkpoints.iter().position(|(_, c)| c == cp)
+        {
+            return Ok(cp.holds(&tail.events[at]));
+        }
+        let empty = Tail::default();
+        let found = self
+            .newest_checkpoint_where(account, tail.unwrap_or(&empty), |c| c.version <= cp.version)
+            .await?;
+        let Some((at, found)) = found.filter(|(_, c)| c == cp) else {
+            return Ok(None);
+        };
+        let key = self.identity.checkpoint_key(account);
+        let events = read_whole(self.log.as_ref(), key, at, at).await?;
+        Ok(events
+            .iter()
+            .flat_map(|b| b.events.iter())
+            .find(|e| Checkpoint::decode(e).as_ref() == Some(&found))
+            .and_then(|e| found.holds(e)))
+    }
+
     /// Checks `cp` against the account stream: reads the batch at its version.
     pub async fn check_checkpoint(
         &self,
@@ -441,5 +622,49 @@ mod tests {
         assert_eq!(cp.check(&batch(9, 1_001, 4)), Err(Mismatch::OtherBatch));
         assert_eq!(cp.check(&batch(9, 1_000, 5)), Err(Mismatch::OtherBatch));
         assert_eq!(cp.check(&batch(8, 1_000, 4)), Err(Mismatch::Missing));
+    }
+
+    /// Rule: a checkpoint of an account with holds carries its open holds and remembered
+    /// resolutions, exact and lower-bound commit times alike, and its keys still read after
+    /// them; one without holds keeps the keyed layout.
+    #[test]
+    fn a_checkpoint_carries_the_holds_and_the_keys_after_them() {
+        use crate::account::holds::HoldChange;
+        let id = |n| HoldId(Uuid::from_u128(n));
+        let mut book = HoldBook::default();
+        for (n, placed) in [
+            (1, Commit::Known(5)),
+            (2, Commit::AtLeast(7)),
+            (3, Commit::Known(9)),
+        ] {
+            book.apply(HoldChange::Placed {
+                hold: id(n),
+                amount: 10 * n as i64,
+                to: (n == 2).then(|| AccountId(Uuid::from_u128(77))),
+                expires_in_secs: NonZeroU32::new(n as u32 * 60),
+                version: n as u64,
+                placed,
+            })
+            .unwrap();
+        }
+        book.apply(HoldChange::Resolved {
+            hold: id(3),
+            how: Resolution::Posted,
+            posted: 12,
+        })
+        .unwrap();
+        let mut m = super::super::keys::KeyMemory::default();
+        m.push(5, 8, 1, 1_000);
+        let segment = m.segment(0, 0, 9).expect("a segment");
+        let (cp, payload) = Checkpoint::at(&batch(9, 1_000, 4), 3, 4).keyed(&segment, Some(&book));
+        let event = Checkpoint::event_of(payload);
+        let read = Checkpoint::decode(&event).expect("decodes");
+        assert_eq!(read, cp);
+        assert_eq!(read.holds(&event), Some(book));
+        assert_eq!(read.segment(&event), Some(segment.clone()));
+        let (bare, payload) =
+            Checkpoint::at(&batch(9, 1_000, 4), 3, 4).keyed(&segment, Some(&HoldBook::default()));
+        assert_eq!(bare.holds_len, 0);
+        assert_eq!(payload[0], FORMAT_KEYED);
     }
 }

@@ -30,6 +30,7 @@ use super::keys::{MAX_SEGMENT_KEYS, Segment};
 use super::state::{AccountState, NewestCheckpoint};
 use super::{AccountSlot, Projection, Snapshot};
 use crate::account::AccountId;
+use crate::account::holds::HoldBook;
 use crate::metrics::{checkpoint_write, trim};
 use crate::store::{AggregateWrite, StoreError, read_whole};
 
@@ -217,10 +218,12 @@ impl Projection {
                 drop(st);
                 return self.count_write(checkpoint_write::SKIPPED);
             }
-            (st.snapshot(), segment_since(&st, keys_from))
+            let holds = st.holds.as_deref().cloned();
+            (st.snapshot(), (segment_since(&st, keys_from), holds))
         };
+        let (keys, holds) = keys;
         let result = self
-            .try_write_checkpoint(account, snap, stream_version, &keys)
+            .try_write_checkpoint(account, snap, stream_version, (&keys, holds.as_ref()))
             .await;
         let outcome = self.finish_checkpoint(account, &slot, snap, result);
         self.count_write(outcome);
@@ -302,14 +305,15 @@ impl Projection {
         account: AccountId,
         snap: Snapshot,
         expected: u64,
-        keys: &Segment,
+        (keys, holds): (&Segment, Option<&HoldBook>),
     ) -> Result<Wrote, StoreError> {
         let key = self.identity.key(account);
         let batches = read_whole(self.log.as_ref(), key, snap.version, snap.version).await?;
         let batch = batches
             .first()
             .ok_or_else(|| StoreError::shed("the checkpointed version was not read back"))?;
-        let (cp, payload) = Checkpoint::at(batch, snap.balance, snap.max_client_seq).keyed(keys);
+        let (cp, payload) =
+            Checkpoint::at(batch, snap.balance, snap.max_client_seq).keyed(keys, holds);
         let write = AggregateWrite {
             key: self.identity.checkpoint_key(account),
             events: vec![Checkpoint::event_of(payload)],

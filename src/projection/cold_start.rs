@@ -7,6 +7,7 @@ use super::key_chain::Chain;
 use super::state::NewestCheckpoint;
 use super::{AccountSlot, Projection};
 use crate::account::AccountId;
+use crate::account::holds::HoldBook;
 use crate::metrics::checkpoint_load;
 use crate::store::StoreError;
 
@@ -68,6 +69,9 @@ impl Projection {
         trimmed_at: Option<u64>,
     ) -> (u64, bool) {
         let (result, tail, used, chain) = self.usable_checkpoint(account, trimmed_at, true).await;
+        let (result, used, holds) = self
+            .with_holds(account, tail.as_ref(), (result, used))
+            .await;
         self.metrics
             .checkpoint_loads
             .with_label_values(&[result])
@@ -101,6 +105,7 @@ impl Projection {
                 st.balance = cp.balance;
                 st.version = cp.version;
                 st.max_client_seq = st.max_client_seq.max(cp.max_client_seq);
+                st.holds = holds.filter(|b| !b.is_empty()).map(Box::new);
                 // The keys at and below it come with it (a keyed chain), or are past the
                 // retention (a checkpoint a retention old): none is folded.
                 match chain.filter(|_| st.keys.is_empty()) {
@@ -131,12 +136,46 @@ impl Projection {
             .checkpoint_loads
             .with_label_values(&[result])
             .inc();
-        if let Some(cp) = used.filter(|cp| cp.version > st.version) {
+        // Holds need the memory projection: a checkpoint that carries some is not this fold's
+        // start, and the fold meets the hold events themselves.
+        if let Some(cp) = used.filter(|cp| cp.version > st.version && cp.holds_len == 0) {
             st.balance = cp.balance;
             st.version = cp.version;
             st.max_client_seq = st.max_client_seq.max(cp.max_client_seq);
         }
         result != checkpoint_load::UNAVAILABLE
+    }
+
+    /// The holds of the checkpoint a fold starts from. With holds off, a checkpoint that
+    /// carries some is not used: the fold meets the hold events and answers `HOLDS_OFF`.
+    /// Holds that cannot be read make the checkpoint unusable, as any read that fails.
+    async fn with_holds(
+        &self,
+        account: AccountId,
+        tail: Option<&Tail>,
+        (result, used): (&'static str, Option<Checkpoint>),
+    ) -> (&'static str, Option<Checkpoint>, Option<HoldBook>) {
+        let Some(cp) = used else {
+            return (result, None, None);
+        };
+        if cp.holds_len == 0 {
+            return (result, Some(cp), None);
+        }
+        if !self.config.holds {
+            return (checkpoint_load::NONE, None, None);
+        }
+        match self.checkpoint_holds(account, tail, &cp).await {
+            Ok(Some(book)) => (result, Some(cp), Some(book)),
+            Ok(None) => {
+                tracing::warn!(%account, version = cp.version,
+                    "a checkpoint's holds do not decode; ignored, folding the whole stream");
+                (checkpoint_load::REJECTED, None, None)
+            }
+            Err(e) => {
+                tracing::debug!(%account, error = %e, "could not read a checkpoint's holds; folding the whole stream");
+                (checkpoint_load::UNAVAILABLE, None, None)
+            }
+        }
     }
 
     /// What [`Projection::start_from_checkpoint`] starts from, and the metric's result.

@@ -34,6 +34,7 @@ pub mod clock;
 mod cold_start;
 pub mod config;
 mod existed;
+mod holds;
 pub mod index;
 mod index_room;
 mod key_chain;
@@ -63,6 +64,7 @@ pub use anchor::SERVER_CLOCK_RESYNC;
 pub use checkpoint::{CHECKPOINT_TAIL, Checkpoint};
 pub use checkpoint_writer::{CheckpointConfig, TrimReport};
 pub use clock::{Clock, ManualClock, MonotonicClock};
+pub use holds::HoldView;
 pub use index::{RecentIndex, RecentWrite};
 pub use index_room::IndexFull;
 pub use own_write::RecordedWrite;
@@ -119,6 +121,9 @@ pub struct ProjectionConfig {
     pub scan_window: Option<Duration>,
     /// When checkpoints are written, and how history is retained (`checkpoint_writer.rs`).
     pub checkpoints: CheckpointConfig,
+    /// Holds are on (`--holds`): the fold keeps each account's holds. Off, a hold event
+    /// stops an account's fold.
+    pub holds: bool,
 }
 
 impl Default for ProjectionConfig {
@@ -133,6 +138,7 @@ impl Default for ProjectionConfig {
             max_index_entries: DEFAULT_MAX_INDEX_ENTRIES,
             scan_window: None,
             checkpoints: CheckpointConfig::default(),
+            holds: false,
         }
     }
 }
@@ -162,6 +168,11 @@ pub enum ProjectionError {
     /// answered to a client.
     #[error("the projection database did not answer; retry shortly")]
     Database,
+    /// The account's stream holds a hold event and this replica runs with holds off.
+    #[error(
+        "account {account} has holds (a hold event at version {version}), and this replica runs with --holds false: it cannot state the account's balance; send the request to a replica with holds on"
+    )]
+    HoldsOff { account: AccountId, version: u64 },
 }
 
 /// One resident account: its state under a short, synchronous lock (never held across an
@@ -339,6 +350,10 @@ pub(crate) fn broken_error(account: AccountId, st: &AccountState) -> ProjectionE
             account,
             version: *version,
             reason: reason.clone(),
+        },
+        Some(Broken::HoldsOff { version }) => ProjectionError::HoldsOff {
+            account,
+            version: *version,
         },
         None => ProjectionError::Poisoned {
             account,

@@ -3,7 +3,9 @@
 
 use crate::account::{AccountEvent, AccountId};
 
+use super::state::{apply_holds, hold_change};
 use super::{AccountSlot, AccountState, Projection, RecentWrite};
+use crate::account::holds::Commit;
 
 impl Projection {
     /// Records this replica's own successful write to one account: index entries first (or
@@ -61,7 +63,10 @@ impl Projection {
             };
             st.recent.insert(event_id, w);
         }
-        if st.version == write.expected_version && st.broken.is_none() {
+        if st.version == write.expected_version
+            && st.broken.is_none()
+            && self.apply_own_holds(st, write)
+        {
             // Keys follow the cursor: the fold that moves it past this version later skips
             // the batch, so this is the one place its keys are remembered here. Its commit
             // time is not in the store's answer; the estimate never runs ahead of it.
@@ -83,6 +88,37 @@ impl Projection {
         }
         st.last_touch_ms = self.now_ms();
         self.add_index_entries(st.recent.len() as i64 - before as i64);
+    }
+}
+
+impl Projection {
+    /// The write's hold events on the account's holds, all or none. Their commit time is
+    /// not in the store's answer: a placement's is taken as at least the estimate of the
+    /// server's now, which never runs ahead of it (`account/holds.rs`, `Commit`). Returns
+    /// false when the holds cannot take them (a decision on state that was not the
+    /// account's): the cursor then stays, and the next catch-up folds the batch as written.
+    fn apply_own_holds(&self, st: &mut AccountState, write: &RecordedWrite<'_>) -> bool {
+        if !write.events.iter().any(|(_, _, e)| e.is_hold()) {
+            return true;
+        }
+        let at = (write.new_version, Commit::AtLeast(self.server_tip_ms()));
+        let mut changes = Vec::with_capacity(write.events.len());
+        for &(event_id, _, event) in write.events {
+            match hold_change(&event, Some(event_id), at) {
+                Ok(change) => changes.extend(change),
+                Err(_) => return false,
+            }
+        }
+        match apply_holds(&mut st.holds, &changes) {
+            Ok(()) => true,
+            Err(_) => {
+                tracing::error!(
+                    version = write.new_version,
+                    "an own write's holds do not apply to the state it was decided on; the account is read again"
+                );
+                false
+            }
+        }
     }
 }
 

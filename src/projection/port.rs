@@ -8,6 +8,7 @@ use super::postgres::{RecordRow, RowLife, WarmUpdate};
 use super::state::Snapshot;
 use super::{AccountSlot, Backend, Projection, ProjectionError, RecentWrite, RecordedWrite};
 use crate::account::AccountId;
+use crate::account::holds::{HoldId, HoldStatus};
 use crate::log_limit::{LogLimit, REPORT_INTERVAL};
 
 /// What a load handed back to answer index lookups from.
@@ -175,6 +176,19 @@ impl Projection {
             AccountView::Postgres(hits) => {
                 hits.iter().find(|(id, _)| *id == event_id).map(|(_, w)| *w)
             }
+        }
+    }
+
+    /// What the account's fold shows of hold `id` now. Holds need the memory projection.
+    pub fn hold_status(&self, view: &AccountView, id: HoldId) -> HoldStatus {
+        match view {
+            AccountView::Memory(slot) => slot
+                .state
+                .lock()
+                .holds
+                .as_deref()
+                .map_or(HoldStatus::Unknown, |book| book.status(id)),
+            AccountView::Postgres(_) => HoldStatus::Unknown,
         }
     }
 

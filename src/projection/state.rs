@@ -3,6 +3,7 @@
 
 use crate::account::AccountEvent;
 use crate::account::fold;
+use crate::account::holds::{Commit, HoldBook, HoldChange, HoldId, Resolution};
 use crate::store::Batch;
 
 use super::index::{self, Bulk, RecentIndex, RecentWrite};
@@ -15,8 +16,18 @@ const FOLD_LOOKAHEAD: usize = 8;
 /// Why a fold stopped; kept on the account so every later request answers the same.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Broken {
-    Poisoned { version: u64, reason: String },
-    Trimmed { min_available: u64 },
+    Poisoned {
+        version: u64,
+        reason: String,
+    },
+    Trimmed {
+        min_available: u64,
+    },
+    /// A hold event at `version`, on a replica with holds off: it could not state the
+    /// balance a fleet with holds on folds, so it answers nothing for the account.
+    HoldsOff {
+        version: u64,
+    },
 }
 
 /// The highest client sequence of ours a fold takes. Our sequences count our writes from 1,
@@ -31,6 +42,9 @@ pub struct Snapshot {
     pub balance: i64,
     pub version: u64,
     pub max_client_seq: u64,
+    /// The sum of the open holds, and how many there are.
+    pub held: i64,
+    pub open_holds: usize,
     /// The fold generation it was taken from (`regress.rs`; 0 for a Postgres row): a write
     /// decided on it moves the cursor of that fold only, never of one dropped and read
     /// again meanwhile.
@@ -49,6 +63,8 @@ pub struct FoldContext {
     pub tip_ms: u64,
     /// Local monotonic now.
     pub now_ms: u64,
+    /// Holds are on (`--holds`): off, a hold event stops the fold ([`Broken::HoldsOff`]).
+    pub holds: bool,
 }
 
 /// One account's folded state.
@@ -65,6 +81,8 @@ pub struct AccountState {
     pub recent: RecentIndex,
     /// Every key that landed within the retention, a few bytes each (`keys/`).
     pub keys: KeyMemory,
+    /// The account's holds; `None` until it has any (most accounts never do).
+    pub holds: Option<Box<HoldBook>>,
     pub last_touch_ms: u64,
     /// Postgres projection only: no warm copy of this account is built before this local
     /// time, because the last one had too many rows (see `postgres/warm.rs`).
@@ -121,10 +139,13 @@ impl NewestCheckpoint {
 
 impl AccountState {
     pub fn snapshot(&self) -> Snapshot {
+        let book = self.holds.as_deref();
         Snapshot {
             balance: self.balance,
             version: self.version,
             max_client_seq: self.max_client_seq,
+            held: book.map_or(0, HoldBook::held),
+            open_holds: book.map_or(0, HoldBook::open_count),
             generation: self.generation,
         }
     }
@@ -144,6 +165,7 @@ impl AccountState {
         }
         let mut applied = 0u64;
         let mut landed: Vec<(u128, i64)> = Vec::new();
+        let mut changes: Vec<HoldChange> = Vec::new();
         // Records are appended as the fold goes and indexed in one pass when `index` drops,
         // on every return path.
         let mut index = self.recent.bulk();
@@ -171,16 +193,19 @@ impl AccountState {
             let start = (self.balance, self.max_client_seq);
             let remember = age < ctx.retention_ms;
             landed.clear();
+            changes.clear();
             let keys = remember.then_some(&mut landed);
-            let (balance, max_seq) = match fold_batch(&mut index, batch, start, expires, own, keys)
-            {
+            let out = BatchOut {
+                keys,
+                holds: ctx.holds.then_some(&mut changes),
+            };
+            let folded = fold_batch(&mut index, batch, start, (expires, own), out)
+                .and_then(|after| apply_holds(&mut self.holds, &changes).map(|()| after));
+            let (balance, max_seq) = match folded {
                 Ok(after) => after,
-                Err(reason) => {
+                Err(failure) => {
                     index.rollback(mark);
-                    return Err(Broken::Poisoned {
-                        version: batch.version,
-                        reason,
-                    });
+                    return Err(failure.at(batch.version));
                 }
             };
             self.balance = balance;
@@ -194,6 +219,72 @@ impl AccountState {
         }
         Ok(applied)
     }
+}
+
+/// Applies one batch's hold changes, all or none.
+pub(super) fn apply_holds(
+    holds: &mut Option<Box<HoldBook>>,
+    changes: &[HoldChange],
+) -> Result<(), FoldFailure> {
+    if changes.is_empty() {
+        return Ok(());
+    }
+    let book = holds.get_or_insert_with(Box::default);
+    book.apply_all(changes)
+        .map_err(|e| FoldFailure::Poison(e.to_string()))
+}
+
+/// Why a batch did not fold, before the version it stopped at is known.
+pub(super) enum FoldFailure {
+    Poison(String),
+    HoldsOff,
+}
+
+impl FoldFailure {
+    fn at(self, version: u64) -> Broken {
+        match self {
+            FoldFailure::Poison(reason) => Broken::Poisoned { version, reason },
+            FoldFailure::HoldsOff => Broken::HoldsOff { version },
+        }
+    }
+}
+
+/// What a batch's fold hands back besides the balance: each keyed event's id and balance
+/// when the batch is younger than the retention, and its hold changes when holds are on
+/// (`None`: a hold event stops the fold).
+struct BatchOut<'a> {
+    keys: Option<&'a mut Vec<(u128, i64)>>,
+    holds: Option<&'a mut Vec<HoldChange>>,
+}
+
+/// The book's change for one hold event landed at `version` and committed at `placed`.
+pub(super) fn hold_change(
+    event: &AccountEvent,
+    event_id: Option<u128>,
+    (version, placed): (u64, Commit),
+) -> Result<Option<HoldChange>, String> {
+    let resolved = |hold, how, posted| HoldChange::Resolved { hold, how, posted };
+    Ok(Some(match *event {
+        AccountEvent::HoldPlaced {
+            amount,
+            to,
+            expires_in_secs,
+        } => {
+            let id = event_id.ok_or("a hold placed by an event without an id")?;
+            HoldChange::Placed {
+                hold: HoldId(uuid::Uuid::from_u128(id)),
+                amount,
+                to,
+                expires_in_secs,
+                version,
+                placed,
+            }
+        }
+        AccountEvent::HoldPosted { hold, amount } => resolved(hold, Resolution::Posted, amount),
+        AccountEvent::HoldVoided { hold } => resolved(hold, Resolution::Voided, 0),
+        AccountEvent::HoldExpired { hold } => resolved(hold, Resolution::Expired, 0),
+        _ => return Ok(None),
+    }))
 }
 
 /// Each batch's events sit in their own allocation, and each payload in another: prefetch
@@ -217,27 +308,38 @@ fn prefetch_ahead(batches: &[Batch], at: usize) {
 
 /// Applies one batch's events on top of `(balance, highest own sequence)` and appends an
 /// index record for each when the batch `expires` at all (it is younger than the window),
-/// and each keyed event's balance to `keys` when given (it is younger than the retention).
-/// Returns the pair after the batch, or why one of its events cannot be applied; the
-/// records appended before that event are the caller's to roll back.
+/// and what `out` asks for (`BatchOut`). Returns the pair after the batch, or why one of
+/// its events cannot be applied; the records appended before that event are the caller's
+/// to roll back.
 #[inline]
 fn fold_batch(
     index: &mut Bulk<'_>,
     batch: &Batch,
     (mut balance, mut max_seq): (i64, u64),
-    expires: Option<u64>,
-    own: bool,
-    mut keys: Option<&mut Vec<(u128, i64)>>,
-) -> Result<(i64, u64), String> {
+    (expires, own): (Option<u64>, bool),
+    out: BatchOut<'_>,
+) -> Result<(i64, u64), FoldFailure> {
+    let BatchOut {
+        mut keys,
+        mut holds,
+    } = out;
+    let poison = |reason: String| FoldFailure::Poison(reason);
     for e in batch.events.iter() {
-        let event =
-            AccountEvent::decode(e.event_type, &e.payload).map_err(|err| err.to_string())?;
-        balance = fold::apply(balance, &event).map_err(|err| err.to_string())?;
+        let event = AccountEvent::decode(e.event_type, &e.payload)
+            .map_err(|err| poison(err.to_string()))?;
+        if event.is_hold() {
+            let Some(holds) = holds.as_deref_mut() else {
+                return Err(FoldFailure::HoldsOff);
+            };
+            let at = (batch.version, Commit::Known(batch.server_timestamp_ms));
+            holds.extend(hold_change(&event, e.event_id, at).map_err(poison)?);
+        }
+        balance = fold::apply(balance, &event).map_err(|err| poison(err.to_string()))?;
         if own && e.client_seq > MAX_OWN_CLIENT_SEQ {
-            return Err(format!(
+            return Err(poison(format!(
                 "client sequence {} of ours is past {MAX_OWN_CLIENT_SEQ}: no next one can be derived",
                 e.client_seq
-            ));
+            )));
         }
         if own && e.client_seq > max_seq {
             max_seq = e.client_seq;

@@ -19,6 +19,8 @@ const MIN_VERSION_BACKOFF: Duration = Duration::from_millis(20);
 pub struct Balance {
     pub balance_cents: i64,
     pub version: u64,
+    /// The sum of the open holds (0 with holds off).
+    pub held_cents: i64,
 }
 
 impl From<Snapshot> for Balance {
@@ -26,6 +28,7 @@ impl From<Snapshot> for Balance {
         Self {
             balance_cents: s.balance,
             version: s.version,
+            held_cents: s.held,
         }
     }
 }

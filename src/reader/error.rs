@@ -68,6 +68,9 @@ pub enum ReadError {
     /// Accounts are explicit and the store has no stream for this one: it was never opened.
     #[error("account {account} was never opened")]
     AccountNotFound { account: AccountId },
+    /// The account has holds and this replica runs with holds off.
+    #[error("{0}")]
+    HoldsOff(String),
 }
 
 impl From<ProjectionError> for ReadError {
@@ -91,6 +94,7 @@ impl From<ProjectionError> for ReadError {
             },
             ProjectionError::Store(s) => ReadError::Store(s),
             ProjectionError::Database => ReadError::Database,
+            e @ ProjectionError::HoldsOff { .. } => ReadError::HoldsOff(e.to_string()),
         }
     }
 }

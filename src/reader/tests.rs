@@ -396,7 +396,8 @@ async fn a_min_version_this_replica_has_not_seen_is_a_typed_error_after_its_atte
         f.reader.balance(f.account, Some(2)).await,
         Ok(Balance {
             balance_cents: 12,
-            version: 2
+            version: 2,
+            held_cents: 0,
         })
     );
 }

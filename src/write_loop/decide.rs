@@ -1,8 +1,9 @@
 //! Deciding a run's open requests on one attempt's state: a pure function from the state
 //! and the members to a plan, with the rule that makes a refusal final in one place.
 
+use crate::account::holds::{HoldId, HoldStatus, Resolution};
 use crate::account::rules::{Legs, decide_leg};
-use crate::account::{AccountsMode, RuleError, Standing};
+use crate::account::{AccountEvent, AccountsMode, RuleError, Standing};
 
 /// What [`decide`] needs of one open request.
 pub(super) struct Candidate {
@@ -10,6 +11,9 @@ pub(super) struct Candidate {
     /// Each leg's account, as an index into the run's accounts.
     pub accounts: [usize; 2],
     pub landing: Landing,
+    /// What the attempt's state shows of the hold its first leg resolves (a post, void or
+    /// expiry); `None` for any other request.
+    pub hold: Option<HoldStatus>,
 }
 
 /// What is known of a candidate's own landing, which decides what a refusal of it means.
@@ -77,16 +81,23 @@ pub(super) fn decide(
     members: Members,
 ) -> Result<Vec<Verdict>, NeedsCurrentState> {
     let mut running = accounts.to_vec();
-    // `running` includes requests that have not landed (or not visibly).
+    // `running` includes requests that have not landed (or not visibly), and so do the
+    // holds resolved by earlier candidates.
     let mut speculative = false;
+    let mut resolved_here: Vec<(HoldId, Resolution)> = Vec::new();
     let mut verdicts = Vec::with_capacity(candidates.len());
     for c in candidates {
         let mut next = running.clone();
         let mut after = [0i64; 2];
         let mut broke: Option<RuleError> = None;
+        let resolving = c.legs.as_slice()[0].event.resolves();
+        let hold = match resolving.and_then(|id| resolved_here.iter().find(|(h, _)| *h == id)) {
+            Some(&(_, how)) => Some(HoldStatus::Resolved(how)),
+            None => c.hold,
+        };
         for (li, leg) in c.legs.as_slice().iter().enumerate() {
             let ai = c.accounts[li];
-            match decide_leg(next[ai], leg, mode) {
+            match decide_leg(next[ai], leg, mode, hold) {
                 Ok(b) => {
                     next[ai] = b;
                     after[li] = b.balance;
@@ -101,6 +112,9 @@ pub(super) fn decide(
             None => {
                 running = next;
                 speculative = true;
+                if let Some(id) = resolving {
+                    resolved_here.push((id, resolution_of(&c.legs.as_slice()[0].event)));
+                }
                 if c.landing == Landing::Proven {
                     Verdict::AlreadyLanded
                 } else {
@@ -116,6 +130,15 @@ pub(super) fn decide(
         verdicts.push(verdict);
     }
     Ok(verdicts)
+}
+
+/// How a resolving event resolves its hold.
+fn resolution_of(event: &AccountEvent) -> Resolution {
+    match event {
+        AccountEvent::HoldPosted { .. } => Resolution::Posted,
+        AccountEvent::HoldVoided { .. } => Resolution::Voided,
+        _ => Resolution::Expired,
+    }
 }
 
 #[cfg(test)]
@@ -136,6 +159,7 @@ mod tests {
             .map(|&balance| Standing {
                 balance,
                 exists: true,
+                ..Standing::default()
             })
             .collect();
         super::decide(
@@ -156,6 +180,7 @@ mod tests {
             legs: op.legs(),
             accounts: [0, 0],
             landing: Landing::Impossible,
+            hold: None,
         }
     }
 
@@ -233,6 +258,7 @@ mod tests {
                 legs: op.legs(),
                 accounts: [0, 0],
                 landing: Landing::Impossible,
+                hold: None,
             }
         };
         assert_eq!(
@@ -277,6 +303,7 @@ mod tests {
             Standing {
                 balance: 10,
                 exists: true,
+                ..Standing::default()
             };
             1
         ];
@@ -301,5 +328,50 @@ mod tests {
             together.unwrap()[1],
             Verdict::Refused(RuleError::InsufficientFunds { .. })
         ));
+    }
+
+    /// Rule: two requests resolving one hold in one run: the second sees it resolved by the
+    /// first, and since that has not landed, its refusal is deferred, never final.
+    #[test]
+    fn a_second_resolution_of_a_hold_in_one_run_is_deferred() {
+        use crate::account::holds::{Commit, OpenHold};
+        let account = AccountId(Uuid::from_u128(1));
+        let hold = HoldId(Uuid::from_u128(7));
+        let open = HoldStatus::Open(OpenHold {
+            amount: 10,
+            to: None,
+            expires_in_secs: None,
+            placed_version: 1,
+            placed: Commit::Known(0),
+        });
+        let resolve = |op: Operation| Candidate {
+            legs: op.legs(),
+            accounts: [0, 0],
+            landing: Landing::Impossible,
+            hold: Some(open),
+        };
+        let post = resolve(Operation::PostHold {
+            account,
+            hold,
+            amount: AmountCents::new(4).expect("amount"),
+            to: None,
+        });
+        let void = resolve(Operation::VoidHold { account, hold });
+        let accounts = [Standing {
+            balance: 50,
+            exists: true,
+            held: 10,
+            open_holds: 1,
+        }];
+        let verdicts = super::decide(
+            &accounts,
+            &[post, void],
+            Freshness::AtTip,
+            AccountsMode::Implicit,
+            Members::Independent,
+        )
+        .expect("current state decides");
+        assert_eq!(verdicts[0], Verdict::Write { balances: [46, 0] });
+        assert_eq!(verdicts[1], Verdict::Deferred);
     }
 }

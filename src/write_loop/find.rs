@@ -11,6 +11,9 @@
 use super::error::{WriteError, invariant};
 use super::service::WriteService;
 use super::{LegResult, WriteOutcome};
+use uuid::Uuid;
+
+use crate::account::holds::HoldId;
 use crate::account::{AccountEvent, AccountId, AmountCents, Operation};
 use crate::projection::{RecentWrite, Snapshot};
 
@@ -94,6 +97,36 @@ impl WriteService {
                 };
                 let other = self.other_leg(&op, from, event_id).await?;
                 found(op, vec![other, leg(&hit)])
+            }
+            AccountEvent::HoldPlaced {
+                amount,
+                to,
+                expires_in_secs,
+            } => found(
+                Operation::PlaceHold {
+                    account,
+                    hold: HoldId(Uuid::from_u128(event_id)),
+                    amount: amount_of(amount)?,
+                    to,
+                    expires_in_secs,
+                },
+                vec![leg(&hit)],
+            ),
+            // A post is answered with the held account's leg, as its write route answers it.
+            AccountEvent::HoldPosted { hold, amount } => found(
+                Operation::PostHold {
+                    account,
+                    hold,
+                    amount: amount_of(amount)?,
+                    to: None,
+                },
+                vec![leg(&hit)],
+            ),
+            AccountEvent::HoldVoided { hold } => {
+                found(Operation::VoidHold { account, hold }, vec![leg(&hit)])
+            }
+            AccountEvent::HoldExpired { hold } => {
+                found(Operation::ExpireHold { account, hold }, vec![leg(&hit)])
             }
         }
     }

@@ -44,10 +44,12 @@ mod coalesce;
 pub mod config;
 mod decide;
 mod error;
+pub mod expiry;
 mod find;
 mod lanes;
 mod run;
 pub mod service;
+pub mod sweeper;
 pub mod verify;
 
 use std::time::Duration;

@@ -95,7 +95,13 @@ impl WriteService {
         &self.projection
     }
 
-    fn metrics(&self) -> &Metrics {
+    /// Whether more than half of the live-write permits are in use: background writes (the
+    /// hold sweeper) wait.
+    pub(super) fn busy(&self) -> bool {
+        self.live.available_permits() < self.config.max_live_writes.max(1) / 2
+    }
+
+    pub(super) fn metrics(&self) -> &Metrics {
         self.projection.metrics()
     }
 

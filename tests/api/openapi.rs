@@ -80,6 +80,15 @@ fn one_of_each() -> Vec<ApiError> {
         ApiError::UnsupportedMediaType(""),
         ApiError::Validation("x".into()),
         ApiError::InsufficientFunds { balance: 0 },
+        ApiError::InsufficientAvailable {
+            available: 0,
+            held: 1,
+            message: "x".into(),
+        },
+        ApiError::HoldResolved {
+            resolution: "posted",
+            message: "x".into(),
+        },
         ApiError::KeyReused,
         ApiError::Unprocessable {
             code: ErrorCode::Sync(SyncCode::EmptyRun),
@@ -142,6 +151,8 @@ fn variant(e: &ApiError) -> usize {
         ApiError::StoreUnavailable => 21,
         ApiError::Limited { .. } => 22,
         ApiError::KeyNotFound(_) => 23,
+        ApiError::InsufficientAvailable { .. } => 24,
+        ApiError::HoldResolved { .. } => 25,
     }
 }
 

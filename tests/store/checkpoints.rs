@@ -259,6 +259,7 @@ async fn a_checkpoint_past_the_tip_is_ignored_counted_and_the_whole_stream_folde
         commit_ms: 1,
         fingerprint: 0,
         keys_after: None,
+        holds_len: 0,
     });
     w.server.advance(WINDOW_MS + 1);
     let cold = w.cold();
@@ -284,7 +285,7 @@ async fn a_checkpoint_whose_commit_time_does_not_match_is_ignored() {
         balance: 999,
         ..real
     }
-    .keyed(&Segment::default());
+    .keyed(&Segment::default(), None);
     w.append_event(Checkpoint::event_of(payload));
     w.server.advance(WINDOW_MS + 1);
     let cold = w.cold();

@@ -1285,6 +1285,7 @@ mod checkpoint_rules {
             commit_ms: 1_700_000_000_123,
             fingerprint: 0xfeed_f00d,
             keys_after: None,
+            holds_len: 0,
         };
         assert_eq!(
             log.write(c, vec![checkpoint_write(key, &cp, 0)]).await,
@@ -1348,8 +1349,9 @@ mod checkpoint_rules {
             commit_ms: 1_700_000_000_500,
             fingerprint: 1,
             keys_after: None,
+            holds_len: 0,
         };
-        let (cp, payload) = cp.keyed(&segment);
+        let (cp, payload) = cp.keyed(&segment, None);
         let bytes = payload.len();
         assert!(bytes > 400_000, "the largest segment is {bytes} bytes");
         let w = AggregateWrite {

@@ -758,6 +758,7 @@ async fn the_shared_cursor_never_moves_backwards() {
         version,
         max_client_seq: version,
         generation: 0,
+        ..Snapshot::default()
     };
     pg.persist(account, snap(50, 5), None, &[], 0)
         .await
@@ -820,6 +821,7 @@ async fn a_late_record_never_takes_an_index_row_back_to_an_older_landing() {
         version: 10,
         max_client_seq: 10,
         generation: 0,
+        ..Snapshot::default()
     };
     pg.persist(account, snap, None, &lived(vec![(key, newer)]), 0)
         .await
@@ -984,6 +986,7 @@ async fn a_load_returns_every_live_row_above_since_or_none_past_the_cap() {
         version,
         max_client_seq: version,
         generation: 0,
+        ..Snapshot::default()
     };
     // Ten live rows and two expired ones (at tip 1_000).
     let mut ten = rows(1, 10, 5_000);

@@ -1957,7 +1957,14 @@ async fn an_undecodable_event_poisons_the_account_naming_its_version() {
     );
 
     // An unknown event type poisons too, and is named.
-    env.foreign_write(y, EventType { major: 9, minor: 0 }, b"{}");
+    env.foreign_write(
+        y,
+        EventType {
+            major: 99,
+            minor: 0,
+        },
+        b"{}",
+    );
     let got = cold.run(deposit(y, 5, E3)).await;
     assert_eq!(poisoned_at(&got), Some((y, 1)), "{got:?}");
 

@@ -51,11 +51,11 @@ pub struct RecentWrite {
 }
 
 /// The bits of a write tag an index entry keeps ([`RecentWrite::write_tag`]).
-const WRITE_TAG_BITS: u32 = 29;
+const WRITE_TAG_BITS: u32 = 27;
 
 /// The tag of an event written with `client_seq` at `timestamp_ms`: a mix of both, cut to
 /// [`WRITE_TAG_BITS`]. Equal for the same write; for two different writes equal only by a
-/// 1-in-2^29 chance, and then a landing is taken as possibly one's own (never a wrong
+/// 1-in-2^27 chance, and then a landing is taken as possibly one's own (never a wrong
 /// replay claim).
 pub fn write_tag(client_seq: u64, timestamp_ms: u64) -> u32 {
     let mixed = (client_seq ^ timestamp_ms.rotate_left(23)).wrapping_mul(0x9E37_79B9_7F4A_7C15);

@@ -2,8 +2,11 @@
 //! lookup. It knows nothing of the table that holds the records. The packing is what keeps a cold catch-up's index small and sequential; nothing
 //! outside this file reads a record's bits.
 
+use std::num::NonZeroU32;
+
 use uuid::Uuid;
 
+use crate::account::holds::HoldId;
 use crate::account::{AccountEvent, AccountId};
 
 use super::RecentWrite;
@@ -21,24 +24,32 @@ pub(super) struct Record {
     version: u64,
     pub(super) expires_at_ms: u64,
     amount: i64,
-    /// The event kind in the low two bits; bit 2 set when the write tag is known, the tag
-    /// in bits 3..32; for a transfer, the low 32 bits of its counterparty's sequence in
-    /// `Inner::parties` in the high 32; for an open ([`OPENED`]), bit 32.
+    /// The event kind in the low three bits; bit 3 set when the write tag is known, the tag
+    /// in bits 5..32; bit 4 set when the event has a party (a transfer's counterparty, a
+    /// hold's destination or the hold a resolution names) kept in `Inner::parties`, the low
+    /// 32 bits of its sequence there in the high 32; for an open ([`OPENED`]), bit 32.
     meta: u64,
 }
 
 const _: () = assert!(std::mem::size_of::<Record>() == 56);
 
-const KIND_MASK: u64 = 0b11;
+const KIND_MASK: u64 = 0b111;
 const KIND_DEPOSITED: u64 = 0;
 const KIND_WITHDRAWN: u64 = 1;
 const KIND_TRANSFERRED_OUT: u64 = 2;
 const KIND_TRANSFERRED_IN: u64 = 3;
-/// An open: kind [`KIND_DEPOSITED`] with this bit, which only a transfer's counterparty bits
-/// could otherwise hold (a deposit never sets them), and no amount.
+/// A placement: `amount` keeps the held amount in its low 32 bits (an amount never exceeds
+/// `i32::MAX`) and the expiry in seconds in its high 32 (0: none).
+const KIND_HOLD_PLACED: u64 = 4;
+const KIND_HOLD_POSTED: u64 = 5;
+const KIND_HOLD_VOIDED: u64 = 6;
+const KIND_HOLD_EXPIRED: u64 = 7;
+/// An open: kind [`KIND_DEPOSITED`] with this bit, which only a party's bits could
+/// otherwise hold (a deposit never has one), and no amount.
 const OPENED: u64 = 1 << 32;
-const TAG_KNOWN: u64 = 1 << 2;
-const TAG_SHIFT: u32 = 3;
+const TAG_KNOWN: u64 = 1 << 3;
+const HAS_PARTY: u64 = 1 << 4;
+const TAG_SHIFT: u32 = 5;
 const _: () = assert!(
     TAG_SHIFT + WRITE_TAG_BITS <= 32,
     "the tag stays below the party bits"
@@ -49,15 +60,15 @@ impl Record {
         (u128::from(self.id_hi) << 64) | u128::from(self.id_lo)
     }
 
-    pub(super) fn is_transfer(&self) -> bool {
-        self.meta & KIND_MASK >= KIND_TRANSFERRED_OUT
+    /// Whether it keeps a party in `Inner::parties`.
+    pub(super) fn has_party(&self) -> bool {
+        self.meta & HAS_PARTY != 0
     }
 }
 
 impl Record {
-    /// Packs `write` under `event_id`. A transfer's counterparty is handed back, to be kept
-    /// at sequence `party_seq` of `Inner::parties`; the record keeps that sequence's low 32
-    /// bits.
+    /// Packs `write` under `event_id`. Its party is handed back, to be kept at sequence
+    /// `party_seq` of `Inner::parties`; the record keeps that sequence's low 32 bits.
     #[inline]
     pub(super) fn pack(
         event_id: u128,
@@ -72,6 +83,21 @@ impl Record {
             AccountEvent::TransferredIn { amount, from } => {
                 (KIND_TRANSFERRED_IN, amount, Some(from))
             }
+            AccountEvent::HoldPlaced {
+                amount,
+                to,
+                expires_in_secs,
+            } => {
+                let secs = expires_in_secs.map_or(0, |s| s.get());
+                debug_assert!((0..=i64::from(i32::MAX)).contains(&amount));
+                let packed = (amount & i64::from(u32::MAX)) | (i64::from(secs) << 32);
+                (KIND_HOLD_PLACED, packed, to)
+            }
+            AccountEvent::HoldPosted { hold, amount } => {
+                (KIND_HOLD_POSTED, amount, Some(AccountId(hold.0)))
+            }
+            AccountEvent::HoldVoided { hold } => (KIND_HOLD_VOIDED, 0, Some(AccountId(hold.0))),
+            AccountEvent::HoldExpired { hold } => (KIND_HOLD_EXPIRED, 0, Some(AccountId(hold.0))),
         };
         let mut meta = kind;
         if let Some(tag) = write.write_tag {
@@ -79,7 +105,7 @@ impl Record {
             meta |= TAG_KNOWN | (u64::from(tag & ((1 << WRITE_TAG_BITS) - 1)) << TAG_SHIFT);
         }
         if party.is_some() {
-            meta |= (party_seq & u64::from(u32::MAX)) << 32;
+            meta |= HAS_PARTY | ((party_seq & u64::from(u32::MAX)) << 32);
         }
         let record = Record {
             id_lo: event_id as u64,
@@ -98,6 +124,7 @@ impl Record {
     pub(super) fn unpack(&self, party_at: impl Fn(u32) -> [u8; 16]) -> RecentWrite {
         let amount = self.amount;
         let party = || AccountId(Uuid::from_bytes(party_at((self.meta >> 32) as u32)));
+        let hold = || HoldId(party().0);
         let event = match self.meta & KIND_MASK {
             KIND_DEPOSITED if self.meta & OPENED != 0 => AccountEvent::Opened,
             KIND_DEPOSITED => AccountEvent::Deposited { amount },
@@ -106,10 +133,21 @@ impl Record {
                 amount,
                 to: party(),
             },
-            _ => AccountEvent::TransferredIn {
+            KIND_TRANSFERRED_IN => AccountEvent::TransferredIn {
                 amount,
                 from: party(),
             },
+            KIND_HOLD_PLACED => AccountEvent::HoldPlaced {
+                amount: amount & i64::from(u32::MAX),
+                to: self.has_party().then(party),
+                expires_in_secs: NonZeroU32::new((amount >> 32) as u32),
+            },
+            KIND_HOLD_POSTED => AccountEvent::HoldPosted {
+                hold: hold(),
+                amount,
+            },
+            KIND_HOLD_VOIDED => AccountEvent::HoldVoided { hold: hold() },
+            _ => AccountEvent::HoldExpired { hold: hold() },
         };
         let write_tag = (self.meta & TAG_KNOWN != 0)
             .then(|| ((self.meta & u64::from(u32::MAX)) >> TAG_SHIFT) as u32);

@@ -67,7 +67,7 @@ pub(super) struct Inner {
     pub(super) indexed_seq: u64,
     /// The tags of those pending records, in order, computed as they were appended.
     pub(super) pending_tags: Vec<u32>,
-    /// The counterparties of the transfer records, in record order.
+    /// The parties of the records that have one ([`Record::has_party`]), in record order.
     pub(super) parties: VecDeque<[u8; 16]>,
     /// The sequence number of `parties[0]`.
     pub(super) parties_front_seq: u64,
@@ -182,7 +182,7 @@ impl Inner {
     pub(super) fn pop_front(&mut self) {
         if let Some(popped) = self.records.pop_front() {
             self.front_seq = self.front_seq.wrapping_add(1);
-            if popped.is_transfer() {
+            if popped.has_party() {
                 self.parties.pop_front();
                 self.parties_front_seq = self.parties_front_seq.wrapping_add(1);
             }

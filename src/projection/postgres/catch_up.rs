@@ -254,6 +254,8 @@ impl Projection {
             retention_ms: 0,
             tip_ms: tip,
             now_ms: tip,
+            // Holds need the memory projection (`Config::check`): a hold event stops the fold.
+            holds: false,
         };
         let applied = st.fold(page, &ctx)?;
         self.metrics.events_folded.inc_by(applied);

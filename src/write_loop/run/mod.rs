@@ -30,6 +30,7 @@ use super::classify::{Cause, Failure};
 use super::decide::{self, Candidate, Freshness, Landing, Members, NeedsCurrentState, Verdict};
 use super::error::{WriteError, invariant};
 use super::{Answer, WriteConfig, WriteRequest};
+use crate::account::holds::{HoldId, HoldStatus};
 use crate::account::{AccountId, Identity, Standing};
 use crate::metrics::Metrics;
 use crate::projection::{AccountView, Projection, Snapshot};
@@ -391,9 +392,25 @@ impl<'a> Run<'a> {
                     } else {
                         Landing::Impossible
                     },
+                    hold: m.legs.as_slice()[0]
+                        .event
+                        .resolves()
+                        .map(|id| self.hold_status(m.accounts[0], id)),
                 }
             })
             .collect()
+    }
+
+    /// What this attempt's state of account `ai` shows of hold `id`. The view is the
+    /// account's fold, read now: it may have moved past the snapshot, but only forward, and
+    /// a write decided on an older snapshot bounces off the version guard.
+    fn hold_status(&self, ai: usize, id: HoldId) -> HoldStatus {
+        self.accounts[ai]
+            .view
+            .as_ref()
+            .map_or(HoldStatus::Unknown, |view| {
+                self.cx.projection.hold_status(view, id)
+            })
     }
 
     /// Each account's standing in this attempt's state.
@@ -403,6 +420,8 @@ impl<'a> Run<'a> {
             .map(|t| Standing {
                 balance: t.snap.balance,
                 exists: t.snap.version > 0,
+                held: t.snap.held,
+                open_holds: t.snap.open_holds,
             })
             .collect()
     }

@@ -67,6 +67,10 @@ pub enum OutboxError {
         "accounts are not opened offline: open the account through the Tally API (POST /api/accounts)"
     )]
     OpenOffline,
+    /// Holds reserve money against the account's live balance, which a device offline
+    /// cannot know.
+    #[error("holds are not placed, posted or voided offline: use the Tally API")]
+    HoldOffline,
     #[error("another sync of this outbox is running")]
     SyncRunning,
     #[error("io: {0}")]
@@ -272,8 +276,9 @@ impl Outbox {
     }
 
     /// Records a deposit or withdrawal: assigns the account's next sequence and stores the
-    /// event with it in one transaction. Transfers and opens are refused
-    /// ([`OutboxError::TransferOffline`], [`OutboxError::OpenOffline`]).
+    /// event with it in one transaction. Transfers, opens and holds are refused
+    /// ([`OutboxError::TransferOffline`], [`OutboxError::OpenOffline`],
+    /// [`OutboxError::HoldOffline`]).
     pub fn record(
         &mut self,
         operation: Operation,
@@ -285,6 +290,10 @@ impl Outbox {
             Operation::Withdraw { account, amount } => (account, Kind::Withdraw, amount),
             Operation::Transfer { .. } => return Err(OutboxError::TransferOffline),
             Operation::Open { .. } => return Err(OutboxError::OpenOffline),
+            Operation::PlaceHold { .. }
+            | Operation::PostHold { .. }
+            | Operation::VoidHold { .. }
+            | Operation::ExpireHold { .. } => return Err(OutboxError::HoldOffline),
         };
         let event_id = Uuid::new_v4();
         let tx = self

@@ -82,9 +82,7 @@ fn recorded_of(op: &Operation) -> (AccountId, Kind, i64) {
     match *op {
         Operation::Deposit { account, amount } => (account, Kind::Deposit, amount.get()),
         Operation::Withdraw { account, amount } => (account, Kind::Withdraw, amount.get()),
-        Operation::Transfer { .. } | Operation::Open { .. } => {
-            unreachable!("the simulation records deposits and withdrawals only")
-        }
+        _ => unreachable!("the simulation records deposits and withdrawals only"),
     }
 }
 

@@ -1,0 +1,113 @@
+//! What the write side and the reads ask of an account's holds: a hold's status and details,
+//! the holds due for expiry, and a placement's exact commit time when an own write left it
+//! unknown (`account/holds.rs`, `Commit`).
+
+use crate::account::AccountId;
+use crate::account::holds::{Due, HoldBook, HoldId, OpenHold, Resolved};
+use crate::store::{StoreError, read_whole};
+
+use super::{AccountView, Projection, Snapshot};
+
+/// One hold as a read shows it: open, or resolved while the fold remembers it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HoldView {
+    Open(OpenHold),
+    Resolved(Resolved),
+}
+
+impl Projection {
+    /// Hold `id` in the view's fold, open or resolved; `None` when the fold knows no such
+    /// hold (never placed here, or resolved longer ago than the fold remembers).
+    pub fn hold_view(&self, view: &AccountView, id: HoldId) -> Option<HoldView> {
+        let AccountView::Memory(slot) = view else {
+            return None;
+        };
+        let st = slot.state.lock();
+        let book = st.holds.as_deref()?;
+        if let crate::account::holds::HoldStatus::Open(open) = book.status(id) {
+            return Some(HoldView::Open(open));
+        }
+        book.resolved(id).map(|r| HoldView::Resolved(*r))
+    }
+
+    /// The account's open holds, in id order, and the snapshot they belong to.
+    pub fn open_holds(&self, view: &AccountView) -> Option<(Snapshot, Vec<(HoldId, OpenHold)>)> {
+        let AccountView::Memory(slot) = view else {
+            return None;
+        };
+        let st = slot.state.lock();
+        let open = st.holds.as_deref().map(HoldBook::open).unwrap_or_default();
+        Some((st.snapshot(), open))
+    }
+
+    /// Whether a resident account may hold a hold due now (server time): the cheap test a
+    /// write makes before it touches the account.
+    pub fn may_have_due_holds(&self, account: AccountId) -> bool {
+        let Some(slot) = self.resident_slot(account) else {
+            return false;
+        };
+        let tip = self.server_tip_ms();
+        let st = slot.state.lock();
+        st.holds.as_deref().is_some_and(|b| b.any_due(tip))
+    }
+
+    /// The account's holds due now, at most `limit`, each proven due in server time: a
+    /// placement whose commit time this replica does not know is read from its batch first.
+    pub async fn due_holds(
+        &self,
+        account: AccountId,
+        view: &AccountView,
+        limit: usize,
+    ) -> Result<Vec<HoldId>, StoreError> {
+        let AccountView::Memory(slot) = view else {
+            return Ok(Vec::new());
+        };
+        let due = |tip| {
+            let st = slot.state.lock();
+            let Some(book) = st.holds.as_deref() else {
+                return (Vec::new(), Vec::new());
+            };
+            let due = book.due(tip, limit);
+            let unsure: Vec<u64> = due
+                .iter()
+                .filter(|(_, d)| *d == Due::Unsure)
+                .filter_map(|(id, _)| book.placed(*id))
+                .map(|h| h.placed_version)
+                .collect();
+            (due, unsure)
+        };
+        let (_, unsure) = due(self.server_tip_ms());
+        for version in unsure {
+            let key = self.identity.key(account);
+            let batches = read_whole(self.log.as_ref(), key, version, version).await?;
+            if let Some(b) = batches.first() {
+                self.observe_server_time(b.server_timestamp_ms);
+                if let Some(book) = slot.state.lock().holds.as_deref_mut() {
+                    book.learn_commit(version, b.server_timestamp_ms);
+                }
+            }
+        }
+        Ok(due(self.server_tip_ms())
+            .0
+            .into_iter()
+            .filter(|(_, d)| *d == Due::Yes)
+            .map(|(id, _)| id)
+            .collect())
+    }
+
+    /// Resident accounts whose holds may be due now, at most `limit`: where a sweep starts.
+    pub fn accounts_with_due_holds(&self, limit: usize) -> Vec<AccountId> {
+        let tip = self.server_tip_ms();
+        let mut out = Vec::new();
+        for entry in self.accounts.iter() {
+            if out.len() >= limit {
+                break;
+            }
+            let st = entry.value().state.lock();
+            if st.broken.is_none() && st.holds.as_deref().is_some_and(|b| b.any_due(tip)) {
+                out.push(*entry.key());
+            }
+        }
+        out
+    }
+}
