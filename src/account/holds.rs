@@ -243,6 +243,21 @@ impl HoldBook {
         self.resolved.iter()
     }
 
+    /// The earliest server time an open hold may fall due: its lower bound when the commit
+    /// time is not known exactly. `None` when no open hold expires.
+    pub fn next_due_ms(&self) -> Option<u64> {
+        self.open
+            .values()
+            .filter_map(|h| {
+                let secs = h.expires_in_secs?;
+                let placed = match h.placed {
+                    Commit::Known(ms) | Commit::AtLeast(ms) => ms,
+                };
+                Some(placed.saturating_add(u64::from(secs.get()) * 1000))
+            })
+            .min()
+    }
+
     /// Whether any open hold may be due at server time `now_ms` (a scan of the open holds).
     pub fn any_due(&self, now_ms: u64) -> bool {
         self.open.values().any(|h| h.due(now_ms) != Due::No)

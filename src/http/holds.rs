@@ -152,18 +152,30 @@ pub async fn void(
     answer_keyed(app, keyed.head, Operation::VoidHold { account, hold }).await
 }
 
-/// The hold as placed, open or resolved, on the account caught up; when it is open and due
-/// in server time, its expiry is written first (a post or void never lands after an expiry
-/// this replica could prove). `None` when the account's fold knows no such hold.
+/// The hold as placed, open or resolved: from this replica's copy of the account when it
+/// knows the hold (what a hold moves and where never changes, and the write loop decides on
+/// current state anyway), else from the account caught up. When it is open and due in
+/// server time, its expiry is written first: a post or void never lands after an expiry
+/// this replica can prove. `None` when the account's fold knows no such hold.
 async fn placed_hold(
     app: &Arc<App>,
     account: AccountId,
     hold: HoldId,
 ) -> Result<Option<OpenHold>, ApiError> {
-    let loaded = app.projection.refresh(account, &[]).await?;
-    let view = app.projection.hold_view(&loaded.view, hold);
+    let projection = &app.projection;
+    let known = match projection.current(account, &[]).await? {
+        Some(copy) => projection.hold_view(&copy.view, hold),
+        None => None,
+    };
+    let view = match known {
+        Some(view) => Some(view),
+        None => {
+            let loaded = projection.refresh(account, &[]).await?;
+            projection.hold_view(&loaded.view, hold)
+        }
+    };
     if let Some(HoldView::Open(open)) = view
-        && open.due(app.projection.server_tip_ms()) != Due::No
+        && open.due(projection.server_tip_ms()) != Due::No
     {
         app.writes.expire_due(account).await?;
     }

@@ -79,7 +79,7 @@ impl Projection {
             first_page = false;
             self.fold_page(account, &slot, generation, &page)?;
         }
-        let snap = self.finish_catch_up(&slot, generation, started)?;
+        let snap = self.finish_catch_up(account, &slot, generation, started)?;
         Ok((slot, snap))
     }
 
@@ -121,6 +121,7 @@ impl Projection {
     /// dropped. Returns the state it ends at.
     fn finish_catch_up(
         &self,
+        account: AccountId,
         slot: &AccountSlot,
         generation: u64,
         started: Instant,
@@ -135,6 +136,9 @@ impl Projection {
         st.last_touch_ms = now;
         let expired = st.recent.evict_expired(now);
         self.add_index_entries(-(expired as i64));
+        if self.config.holds {
+            self.note_expiring(account, &st);
+        }
         Ok(st.snapshot())
     }
 

@@ -2,11 +2,25 @@
 //! the holds due for expiry, and a placement's exact commit time when an own write left it
 //! unknown (`account/holds.rs`, `Commit`).
 
+use std::collections::HashMap;
+
+use parking_lot::Mutex;
+
 use crate::account::AccountId;
 use crate::account::holds::{Due, HoldBook, HoldId, OpenHold, Resolved};
 use crate::store::{StoreError, read_whole};
 
-use super::{AccountView, Projection, Snapshot};
+use super::{AccountState, AccountView, Projection, Snapshot};
+
+/// The most accounts with expiring holds a replica tracks for its sweeper. Past it, an
+/// account's due holds are expired when something touches it. About 40 bytes an account.
+pub const MAX_EXPIRING_ACCOUNTS: usize = 1_000_000;
+
+/// Accounts with open holds that expire, and the earliest server time (ms) one of them may
+/// fall due. It outlives an account's eviction: an account nobody touches is the one the
+/// sweeper is for.
+#[derive(Default)]
+pub struct Expiring(Mutex<HashMap<AccountId, u64>>);
 
 /// One hold as a read shows it: open, or resolved while the fold remembers it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -95,19 +109,34 @@ impl Projection {
             .collect())
     }
 
-    /// Resident accounts whose holds may be due now, at most `limit`: where a sweep starts.
+    /// Accounts whose holds may be due now, earliest first, at most `limit`: where a sweep
+    /// starts. Resident or not.
     pub fn accounts_with_due_holds(&self, limit: usize) -> Vec<AccountId> {
         let tip = self.server_tip_ms();
-        let mut out = Vec::new();
-        for entry in self.accounts.iter() {
-            if out.len() >= limit {
-                break;
+        let map = self.expiring.0.lock();
+        let mut due: Vec<(u64, AccountId)> = map
+            .iter()
+            .filter(|(_, at)| **at <= tip)
+            .map(|(a, at)| (*at, *a))
+            .collect();
+        drop(map);
+        due.sort_unstable();
+        due.into_iter().take(limit).map(|(_, a)| a).collect()
+    }
+
+    /// Notes where the account's expiring holds stand after its state changed: tracked
+    /// while it has one, forgotten when it has none.
+    pub(super) fn note_expiring(&self, account: AccountId, st: &AccountState) {
+        let next = st.holds.as_deref().and_then(HoldBook::next_due_ms);
+        let mut map = self.expiring.0.lock();
+        match next {
+            Some(at) if map.len() < MAX_EXPIRING_ACCOUNTS || map.contains_key(&account) => {
+                map.insert(account, at);
             }
-            let st = entry.value().state.lock();
-            if st.broken.is_none() && st.holds.as_deref().is_some_and(|b| b.any_due(tip)) {
-                out.push(*entry.key());
+            Some(_) => {}
+            None => {
+                map.remove(&account);
             }
         }
-        out
     }
 }

@@ -35,6 +35,8 @@ mod cold_start;
 pub mod config;
 mod existed;
 mod holds;
+#[cfg(test)]
+mod holds_tests;
 pub mod index;
 mod index_room;
 mod key_chain;
@@ -203,6 +205,9 @@ pub struct Projection {
     evict_signal: tokio::sync::Notify,
     /// Accounts evicted while they held events: a first touch reads them first.
     existed: existed::Existed,
+    /// Accounts with open holds that expire, resident or not, and the earliest server time
+    /// one may fall due (`holds.rs`): where the hold sweeper looks.
+    expiring: holds::Expiring,
     /// The version the last server-clock probe landed at, and the highest one the store
     /// checks have seen (`regress.rs`).
     probe_version: AtomicU64,
@@ -255,6 +260,7 @@ impl Projection {
             remembered_keys: AtomicI64::new(0),
             evict_signal: tokio::sync::Notify::new(),
             existed: existed::Existed::default(),
+            expiring: holds::Expiring::default(),
             probe_version: AtomicU64::new(0),
             anchor_version: AtomicU64::new(0),
             store_epoch: Mutex::new(None),

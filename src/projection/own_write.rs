@@ -31,6 +31,9 @@ impl Projection {
         self.apply_own_write(&mut st, write, expires_at_ms);
         if st.version == write.new_version && st.generation == write.generation {
             self.note_progress(account, &mut st, write.events.len() as u64);
+            if write.events.iter().any(|(_, _, e)| e.is_hold()) {
+                self.note_expiring(account, &st);
+            }
         }
     }
 

@@ -1,5 +1,5 @@
-//! The hold sweeper: expires due holds of resident accounts nobody writes, on its own
-//! budget, behind client writes.
+//! The hold sweeper: expires due holds of accounts nobody writes, on its own budget, behind
+//! client writes.
 //!
 //! Each pass takes at most `budget` accounts whose holds may be due, one at a time, and
 //! expires theirs ([`WriteService::expire_due`]). It skips a pass while the write side is
@@ -7,8 +7,9 @@
 //! expiry that waits only keeps money held a little longer. An account's next write
 //! expires its due holds itself ([`WriteService::expire_before_write`]).
 //!
-//! Only resident accounts are swept: after a restart an account's due holds are expired
-//! once something reads or writes it here.
+//! It sweeps the accounts this replica has seen with expiring holds since it started, resident
+//! or evicted since (`Projection::accounts_with_due_holds`). After a restart, an account's
+//! due holds are expired once something reads or writes it here, or on another replica.
 
 use std::sync::Arc;
 use std::time::Duration;
