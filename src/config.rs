@@ -428,6 +428,24 @@ mod tests {
         assert!(!c.seeds_demo_accounts());
     }
 
+    /// Rule: holds need the memory projection; a replica asked for both is refused at start.
+    #[test]
+    fn holds_with_the_postgres_projection_are_refused() {
+        let e = Config::refusal(&[
+            "--holds",
+            "true",
+            "--projection",
+            "postgres",
+            "--postgres-url",
+            "postgres://x@localhost/x",
+        ]);
+        assert!(e.contains("--holds true needs the memory projection"), "{e}");
+        let c = Config::parse_from(["tally", "--holds", "true"]);
+        c.validate().unwrap();
+        assert!(c.projection().holds);
+        assert!(!Config::defaults().projection().holds);
+    }
+
     #[test]
     fn admission_flags_are_checked() {
         let c = Config::defaults();
