@@ -439,7 +439,10 @@ mod tests {
             "--postgres-url",
             "postgres://x@localhost/x",
         ]);
-        assert!(e.contains("--holds true needs the memory projection"), "{e}");
+        assert!(
+            e.contains("--holds true needs the memory projection"),
+            "{e}"
+        );
         let c = Config::parse_from(["tally", "--holds", "true"]);
         c.validate().unwrap();
         assert!(c.projection().holds);

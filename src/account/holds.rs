@@ -113,6 +113,13 @@ impl OpenHold {
         }
     }
 
+    /// The earliest server time it may fall due: its expiry, or the expiry's lower bound.
+    pub fn earliest_due_ms(&self) -> Option<u64> {
+        let secs = self.expires_in_secs?;
+        let (Commit::Known(at) | Commit::AtLeast(at)) = self.placed;
+        Some(at.saturating_add(u64::from(secs.get()) * 1000))
+    }
+
     /// Whether it is past its expiry at server time `now_ms`. The expiry is never before
     /// the lower bound's, so below that it is not due either way.
     pub fn due(&self, now_ms: u64) -> Due {
@@ -181,6 +188,8 @@ pub struct HoldBook {
     held: i64,
     /// Oldest first, each with the hold as it was open; at most [`MAX_RESOLUTIONS_KEPT`].
     resolved: VecDeque<Resolved>,
+    /// [`HoldBook::next_due_ms`], kept as the open holds change: a write asks it every time.
+    next_due: Option<u64>,
 }
 
 /// A resolved hold the book still remembers.
@@ -246,21 +255,20 @@ impl HoldBook {
     /// The earliest server time an open hold may fall due: its lower bound when the commit
     /// time is not known exactly. `None` when no open hold expires.
     pub fn next_due_ms(&self) -> Option<u64> {
+        self.next_due
+    }
+
+    /// Recomputes [`HoldBook::next_due_ms`] from the open holds.
+    fn scan_next_due(&self) -> Option<u64> {
         self.open
             .values()
-            .filter_map(|h| {
-                let secs = h.expires_in_secs?;
-                let placed = match h.placed {
-                    Commit::Known(ms) | Commit::AtLeast(ms) => ms,
-                };
-                Some(placed.saturating_add(u64::from(secs.get()) * 1000))
-            })
+            .filter_map(OpenHold::earliest_due_ms)
             .min()
     }
 
-    /// Whether any open hold may be due at server time `now_ms` (a scan of the open holds).
+    /// Whether any open hold may be due at server time `now_ms`.
     pub fn any_due(&self, now_ms: u64) -> bool {
-        self.open.values().any(|h| h.due(now_ms) != Due::No)
+        self.next_due.is_some_and(|at| now_ms >= at)
     }
 
     /// The open holds due, or maybe due, at server time `now_ms`, at most `limit`, in
@@ -286,6 +294,7 @@ impl HoldBook {
                 h.placed = Commit::Known(commit_ms);
             }
         }
+        self.next_due = self.scan_next_due();
     }
 
     /// Applies one hold event. On an error the book is unchanged.
@@ -306,16 +315,17 @@ impl HoldBook {
                     .held
                     .checked_add(amount)
                     .ok_or(HoldFoldError::Overflow)?;
-                self.open.insert(
-                    hold,
-                    OpenHold {
-                        amount,
-                        to,
-                        expires_in_secs,
-                        placed_version: version,
-                        placed,
-                    },
-                );
+                let open = OpenHold {
+                    amount,
+                    to,
+                    expires_in_secs,
+                    placed_version: version,
+                    placed,
+                };
+                if let Some(at) = open.earliest_due_ms() {
+                    self.next_due = Some(self.next_due.map_or(at, |n| n.min(at)));
+                }
+                self.open.insert(hold, open);
             }
             HoldChange::Resolved { hold, how, posted } => {
                 let Some(open) = self.open.get(&hold) else {
@@ -334,6 +344,9 @@ impl HoldBook {
                 let was = *open;
                 self.held -= was.amount;
                 self.open.remove(&hold);
+                if was.earliest_due_ms().is_some() && was.earliest_due_ms() == self.next_due {
+                    self.next_due = self.scan_next_due();
+                }
                 if self.resolved.len() == MAX_RESOLUTIONS_KEPT {
                     self.resolved.pop_front();
                 }
@@ -405,6 +418,7 @@ impl HoldBook {
             }
             book.resolved.push_back(r);
         }
+        book.next_due = book.scan_next_due();
         Some(book)
     }
 }
@@ -542,5 +556,32 @@ mod tests {
         assert!(HoldBook::from_parts(vec![(id(1), h)], vec![voided]).is_none());
         let book = HoldBook::from_parts(vec![(id(1), h), (id(2), h)], vec![]).unwrap();
         assert_eq!(book.held(), 10);
+    }
+
+    proptest::proptest! {
+        /// Rule: the kept earliest due time is always what a scan of the open holds gives,
+        /// whatever the order of placements and resolutions.
+        #[test]
+        fn the_kept_earliest_due_time_matches_a_scan(ops in proptest::collection::vec((0u128..12, proptest::option::of(1u32..100), 0u64..10_000, proptest::bool::ANY), 1..80)) {
+            let mut book = HoldBook::default();
+            for (n, secs, ms, exact) in ops {
+                let change = match book.status(id(n)) {
+                    HoldStatus::Open(_) => resolve(n, Resolution::Voided, 0),
+                    _ => HoldChange::Placed {
+                        hold: id(n),
+                        amount: 1,
+                        to: None,
+                        expires_in_secs: secs.and_then(NonZeroU32::new),
+                        version: ms,
+                        placed: if exact { Commit::Known(ms) } else { Commit::AtLeast(ms) },
+                    },
+                };
+                let _ = book.apply(change);
+                if !exact {
+                    book.learn_commit(ms, ms + 5);
+                }
+                proptest::prop_assert_eq!(book.next_due_ms(), book.scan_next_due());
+            }
+        }
     }
 }
