@@ -229,6 +229,16 @@ def build():
          [t(f"sum by (status) ({rate('tally_batch_item_results_total')})", "{{status}}")], "ops",
          "Each item's result status: 2xx, 4xx (a refusal), 409 and 503 (retryable: resend the item with its key), 5xx.")
 
+    L.row("Holds (--holds true)")
+    L.ts("Hold expiries",
+         [t(f"sum({rate('tally_holds_expired_total')})", "expired (fleet)"),
+          t(f"sum by (instance) ({rate('tally_holds_expired_total')})", "{{instance}}")], "ops",
+         "HoldExpired events each replica wrote: by the next write's touch, a post or void of a due hold, or the sweeper.")
+    L.ts("Hold sweeper passes by result",
+         [t(f"sum by (result) ({rate('tally_hold_sweeps_total')})", "{{result}}")], "ops",
+         "swept: expired due holds; idle: nothing due; busy: skipped while over half the live-write permits are in use "
+         "(client writes first); failed: an expiry not written, tried again next pass.")
+
     L.row("Store (Celeriant)")
     L.ts("Store reachable, by replica", [t(f"min by (instance) (tally_store_reachable{sel()})", "{{instance}}")], "short",
          "1 while the store answers; 0 from a call that reached no node until the next answer. Writes and reads answer 503 STORE_UNAVAILABLE meanwhile (TallyStoreUnreachable).")

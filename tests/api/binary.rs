@@ -40,7 +40,7 @@ const HEADINGS: [&str; 11] = [
 ];
 
 /// Every flag `--help` shows, each settable from the environment.
-const FLAGS: [&str; 69] = [
+const FLAGS: [&str; 72] = [
     // Authentication, rate limits and the admin listener.
     "auth",
     "auth-secret-file",
@@ -113,6 +113,10 @@ const FLAGS: [&str; 69] = [
     "idempotency-max-keys",
     "accounts",
     "device-max-run-withdrawal-cents",
+    // Holds.
+    "holds",
+    "hold-sweep-interval-ms",
+    "hold-sweep-budget",
 ];
 
 /// How long the binary may take to start or stop before a test fails.

@@ -25,9 +25,10 @@ fn spec() -> Value {
     serde_json::from_str(DOCUMENT).expect("docs/openapi.json is JSON")
 }
 
-/// A concrete path for a template: the nil UUID for `{id}`.
+/// A concrete path for a template: the nil UUID for `{id}` and `{holdId}`.
 fn concrete(template: &str) -> String {
-    template.replace("{id}", "00000000-0000-0000-0000-000000000000")
+    let nil = "00000000-0000-0000-0000-000000000000";
+    template.replace("{id}", nil).replace("{holdId}", nil)
 }
 
 const METHODS: [&str; 8] = [
@@ -232,10 +233,10 @@ fn status_of_response(r: &Value) -> u16 {
 fn every_status_the_code_answers_is_documented_and_no_other() {
     let errors = one_of_each();
     let listed: BTreeSet<usize> = errors.iter().map(variant).collect();
-    assert_eq!(listed.len(), 24, "one sample of each ApiError variant");
+    assert_eq!(listed.len(), 26, "one sample of each ApiError variant");
     let mut code: BTreeSet<u16> = errors.iter().map(|e| e.status().as_u16()).collect();
     code.insert(200);
-    // An open's answer (`POST /api/accounts`).
+    // An open's answer (`POST /api/accounts`), and a hold placed's.
     code.insert(201);
     assert_eq!(
         spec_statuses(&spec()),
