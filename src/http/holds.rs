@@ -12,14 +12,15 @@ use serde_json::json;
 use uuid::Uuid;
 
 use super::admission::RequestSlots;
+use super::answer::Shown;
 use super::error::{ApiError, ErrorCode};
 use super::response::{Resp, json_response};
-use super::writes::{answer_keyed, parse_keyed, to_account_id};
+use super::writes::{KeyedHead, answer_keyed, keyed_answer, parse_keyed, to_account_id};
 use crate::account::holds::{Due, HoldId, MAX_HOLD_EXPIRY_SECS, OpenHold};
 use crate::account::{AccountId, AmountCents, Operation, RuleError};
 use crate::app::App;
 use crate::projection::HoldView;
-use crate::write_loop::Found;
+use crate::write_loop::{Found, WriteError};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -122,7 +123,7 @@ pub async fn post(
     let asked = keyed.body.amount_cents.map(AmountCents::new).transpose()?;
     super::auth::authorize_account(app, keyed.head.caller.as_ref(), account.0)?;
     let Some(was) = placed_hold(app, account, hold).await? else {
-        return unknown_hold(app, account, hold, keyed.head.key.event_id).await;
+        return Ok(unknown_hold(app, account, hold, keyed.head).await);
     };
     let op = Operation::PostHold {
         account,
@@ -187,30 +188,46 @@ async fn placed_hold(
 }
 
 /// A post of a hold the account does not know: the original answer when a write under this
-/// key landed (a retry after the hold was forgotten), else 404 `HOLD_NOT_FOUND`.
-async fn unknown_hold(
-    app: &Arc<App>,
-    account: AccountId,
-    hold: HoldId,
-    event_id: Uuid,
-) -> Result<Resp, ApiError> {
-    match app.writes.find_write(account, event_id.as_u128()).await? {
-        Found::Landed { op, .. } if !matches!(op, Operation::PostHold { hold: h, .. } if h == hold) => {
-            Err(ApiError::KeyReused)
-        }
-        Found::Landed { op, outcome } => {
-            let shown = super::answer::Shown::to(None, &op);
-            Ok(super::answer::outcome_response(&outcome, shown))
-        }
-        Found::NotLanded => Err(RuleError::HoldNotFound { hold }.into()),
-    }
+/// key landed (a retry after the hold was forgotten), else 404 `HOLD_NOT_FOUND`; with the key
+/// and window headers, as every keyed write's answer.
+async fn unknown_hold(app: &Arc<App>, account: AccountId, hold: HoldId, head: KeyedHead) -> Resp {
+    let not_found = Operation::PostHold {
+        account,
+        hold,
+        amount: AmountCents::new(1).expect("one cent is an amount"),
+        to: None,
+    };
+    let (op, answer) = match app
+        .writes
+        .find_write(account, head.key.event_id.as_u128())
+        .await
+    {
+        Ok(Found::Landed { op, outcome }) => match op {
+            Operation::PostHold { hold: h, .. } if h == hold => (op, Ok(outcome)),
+            _ => (not_found, Err(WriteError::KeyReused)),
+        },
+        Ok(Found::NotLanded) => (
+            not_found,
+            Err(WriteError::Rule(RuleError::HoldNotFound { hold })),
+        ),
+        Err(e) => (not_found, Err(e)),
+    };
+    let since = head.started.elapsed();
+    let horizon = app.projection.key_horizon(&[account]);
+    let shown = Shown::to(head.caller.as_ref(), &op);
+    keyed_answer(app, &head.key, answer, shown, (since, horizon))
 }
 
 /// `GET /api/accounts/{id}/holds/{holdId}`
 pub async fn get(app: &Arc<App>, account: AccountId, hold: HoldId) -> Result<Resp, ApiError> {
     holds_on(app)?;
     let loaded = app.projection.refresh(account, &[]).await?;
-    let body = match app.projection.hold_view(&loaded.view, hold) {
+    let found = app
+        .projection
+        .hold_view_exact(account, &loaded.view, hold)
+        .await
+        .map_err(ApiError::from)?;
+    let body = match found {
         Some(HoldView::Open(open)) => hold_body(account, hold, &open, "open"),
         Some(HoldView::Resolved(r)) => {
             let mut body = hold_body(account, hold, &r.was, r.how.name());

@@ -20,6 +20,7 @@ use uuid::Uuid;
 
 use super::*;
 use crate::account::AccountEvent;
+use crate::account::holds::HoldId;
 use crate::reader::{HistoryEntry, Writer};
 use crate::watch::Entry;
 
@@ -327,6 +328,37 @@ async fn account_stream_events() -> Vec<Value> {
                 Writer::Service,
             ),
             entry(5, AccountEvent::Opened, Writer::Service),
+            entry(
+                5,
+                AccountEvent::HoldPlaced {
+                    amount: 5,
+                    to: Some(account(2)),
+                    expires_in_secs: std::num::NonZeroU32::new(60),
+                },
+                Writer::Service,
+            ),
+            entry(
+                5,
+                AccountEvent::HoldPosted {
+                    hold: HoldId(Uuid::from_u128(7)),
+                    amount: 4,
+                },
+                Writer::Service,
+            ),
+            entry(
+                5,
+                AccountEvent::HoldVoided {
+                    hold: HoldId(Uuid::from_u128(8)),
+                },
+                Writer::Service,
+            ),
+            entry(
+                5,
+                AccountEvent::HoldExpired {
+                    hold: HoldId(Uuid::from_u128(9)),
+                },
+                Writer::Service,
+            ),
         ],
         encoded: OnceLock::new(),
     };

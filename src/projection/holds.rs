@@ -92,14 +92,7 @@ impl Projection {
         };
         let (_, unsure) = due(self.server_tip_ms());
         for version in unsure {
-            let key = self.identity.key(account);
-            let batches = read_whole(self.log.as_ref(), key, version, version).await?;
-            if let Some(b) = batches.first() {
-                self.observe_server_time(b.server_timestamp_ms);
-                if let Some(book) = slot.state.lock().holds.as_deref_mut() {
-                    book.learn_commit(version, b.server_timestamp_ms);
-                }
-            }
+            self.learn_commit(account, slot, version).await?;
         }
         Ok(due(self.server_tip_ms())
             .0
@@ -107,6 +100,50 @@ impl Projection {
             .filter(|(_, d)| *d == Due::Yes)
             .map(|(id, _)| id)
             .collect())
+    }
+
+    /// Reads the batch at `version` for its commit time: the exact placement time of the
+    /// holds it placed, where this replica had only a lower bound (its own write).
+    async fn learn_commit(
+        &self,
+        account: AccountId,
+        slot: &super::AccountSlot,
+        version: u64,
+    ) -> Result<(), StoreError> {
+        let key = self.identity.key(account);
+        let batches = read_whole(self.log.as_ref(), key, version, version).await?;
+        if let Some(b) = batches.first() {
+            self.observe_server_time(b.server_timestamp_ms);
+            if let Some(book) = slot.state.lock().holds.as_deref_mut() {
+                book.learn_commit(version, b.server_timestamp_ms);
+            }
+        }
+        Ok(())
+    }
+
+    /// Hold `id` as [`Projection::hold_view`] shows it, an open one with its expiry time
+    /// exact: a placement this replica wrote itself has its batch read first.
+    pub async fn hold_view_exact(
+        &self,
+        account: AccountId,
+        view: &AccountView,
+        id: HoldId,
+    ) -> Result<Option<HoldView>, StoreError> {
+        let found = self.hold_view(view, id);
+        // A resolved hold's expiry no longer decides anything: it is shown when known.
+        let Some(HoldView::Open(placed)) = found else {
+            return Ok(found);
+        };
+        let unsure = placed.expires_in_secs.is_some() && placed.expires_at_ms().is_none();
+        let AccountView::Memory(slot) = view else {
+            return Ok(found);
+        };
+        if !unsure {
+            return Ok(found);
+        }
+        self.learn_commit(account, slot, placed.placed_version)
+            .await?;
+        Ok(self.hold_view(view, id))
     }
 
     /// Accounts whose holds may be due now, earliest first, at most `limit`: where a sweep

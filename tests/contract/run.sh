@@ -44,7 +44,8 @@ device=6a1f0c3e-5b2d-4c7e-8f90-1a2b3c4d5e6f
 account=3d7c2b1a-9e8f-4a6b-8c5d-0e1f2a3b4c5d
 peer=5e4d3c2b-1a09-4f8e-9d7c-6b5a4f3e2d1c
 
-"$TALLY_BIN" --listen "127.0.0.1:$port" --store memory \
+# Holds on, so their routes answer as the spec says rather than 503 HOLDS_OFF.
+"$TALLY_BIN" --listen "127.0.0.1:$port" --store memory --holds true \
     --auth jwt --auth-secret-file "$work/secret" --rate-limit-per-caller 0 \
     --auth-failures-per-minute 0 \
     --log-format json > "$work/tally.log" 2>&1 &
