@@ -27,17 +27,10 @@ tasks=${BENCH_TASKS:-64}
 connections=${BENCH_CONNECTIONS:-64}
 accounts=${BENCH_ACCOUNTS:-1000}
 
-for bin in "$server" "$bench" "$release/tally" "$release/tally-load"; do
-    [ -x "$bin" ] || { echo "bench-store: $bin is missing (make bench-store builds Tally; CELERIANT_BIN names the server)" >&2; exit 1; }
-done
-
-work=$(mktemp -d /tmp/tally-bench-store.XXXXXX)
-# shellcheck disable=SC2317 # called by the EXIT trap
-cleanup() {
-    stop_spawned KILL
-    rm -rf "$work"
-}
-trap cleanup EXIT
+need_executables bench-store "make bench-store builds Tally; CELERIANT_BIN names the server" \
+    "$server" "$bench" "$release/tally" "$release/tally-load"
+scratch_dir tally-bench-store
+work=$SCRATCH
 
 # fresh_server NAME: a new server in its own data directory; leaves its port in $port.
 fresh_server() {

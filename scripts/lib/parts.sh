@@ -22,6 +22,23 @@ stop_spawned() {
     SPAWNED=()
 }
 
+# need_executables WHO HINT PATH...: exits, naming the first PATH that is not an executable
+# and how to get it (HINT), unless every PATH is one.
+need_executables() {
+    local who=$1 hint=$2 bin
+    shift 2
+    for bin in "$@"; do
+        [ -x "$bin" ] || { echo "$who: $bin is missing ($hint)" >&2; exit 1; }
+    done
+}
+
+# scratch_dir NAME: a new directory /tmp/NAME.XXXXXX in SCRATCH; when the script exits, every
+# spawned part is killed and the directory removed.
+scratch_dir() {
+    SCRATCH=$(mktemp -d "/tmp/$1.XXXXXX")
+    trap 'stop_spawned KILL; rm -rf "$SCRATCH"' EXIT
+}
+
 # wait_tcp NAME PORT PID LOG: until 127.0.0.1:PORT accepts a connection; fails with LOG when
 # the process PID exits first or the part takes longer than PART_READY_TIMEOUT_SECS.
 wait_tcp() {

@@ -22,23 +22,25 @@
 //!   the single route would have answered, with its key, whether it was a replay, and the
 //!   window and retention it states.
 
+mod result;
 mod run;
+mod slot;
 
 use std::sync::Arc;
 
-use http_body_util::BodyExt;
+use hyper::Request;
 use hyper::body::Incoming;
-use hyper::{Request, StatusCode};
 use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::Value;
 use uuid::Uuid;
 
+use self::slot::Slot;
 use super::admission::RequestSlots;
 use super::body::read_json_within;
 use super::deadline::{request_deadline, took_too_long};
 use super::error::{ApiError, ErrorCode};
-use super::idempotency::{self, IdempotencyKey};
-use super::response::{Resp, json_response};
+use super::idempotency::IdempotencyKey;
+use super::response::Resp;
 use super::writes::{from_account_id, refuse_if_stood_still, to_account_id};
 use crate::account::{AccountId, AmountCents, Operation};
 use crate::app::App;
@@ -47,7 +49,7 @@ use crate::auth::Caller;
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct BatchBody {
-    items: Vec<Value>,
+    items: Vec<Slot>,
 }
 
 /// One item, as the single routes' bodies with a type and the key.
@@ -140,25 +142,12 @@ pub async fn batch(
         })
         .collect();
     let results = run::run_in_order(app, caller.as_ref(), items).await;
-    let mut resp = json_response(StatusCode::OK, &json!({ "results": results }));
-    // The longest wait any retryable item asks for, so a client that resends the open
-    // items together waits enough for each.
-    if let Some(after) = results
-        .iter()
-        .filter_map(|r| r["retryAfter"].as_u64())
-        .max()
-    {
-        resp.headers_mut().insert(
-            hyper::header::RETRY_AFTER,
-            hyper::header::HeaderValue::from(after),
-        );
-    }
-    Ok(resp)
+    Ok(result::answer(&results))
 }
 
 /// The linked group an item names, whatever else is wrong with it (a group is refused whole
 /// when any of its items is).
-fn group_of(item: &Value) -> Option<String> {
+fn group_of(item: &Slot) -> Option<String> {
     match item.get("group")? {
         Value::String(name) => Some(name.clone()),
         Value::Null => None,
@@ -167,11 +156,23 @@ fn group_of(item: &Value) -> Option<String> {
     }
 }
 
+/// The item typed. An item with exactly the fields of the kind its `type` names is read
+/// straight from them. Any other item is read as the tree it is, through the tagged enum,
+/// whose error says what is wrong.
+fn typed(item: Slot) -> Result<Item, ApiError> {
+    let invalid = |e: serde_json::Error| ApiError::Validation(e.to_string());
+    match item.plain_kind() {
+        Some("deposit") => item.typed().map(Item::Deposit),
+        Some("withdraw") => item.typed().map(Item::Withdraw),
+        Some("transfer") => item.typed().map(Item::Transfer),
+        _ => serde_json::from_value(item.into_value()),
+    }
+    .map_err(invalid)
+}
+
 /// An item's key and write, or why it is refused (its own 400, 422 or 403).
-fn prepare(app: &App, caller: Option<&Caller>, item: Value) -> Result<Ready, ApiError> {
-    let item: Item =
-        serde_json::from_value(item).map_err(|e| ApiError::Validation(e.to_string()))?;
-    let (raw_key, op) = match item {
+fn prepare(app: &App, caller: Option<&Caller>, item: Slot) -> Result<Ready, ApiError> {
+    let (raw_key, op) = match typed(item)? {
         Item::Deposit(i) => (
             i.idempotency_key,
             Operation::Deposit {
@@ -200,44 +201,99 @@ fn prepare(app: &App, caller: Option<&Caller>, item: Value) -> Result<Ready, Api
     Ok(Ready { key, op })
 }
 
-/// An item's result: the status and body its single route answered, and what that answer's
-/// headers said of its key.
-pub(super) async fn result_of(resp: Resp) -> Value {
-    let (parts, body) = resp.into_parts();
-    let bytes = match body.collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(never) => match never {},
-    };
-    let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-    let header = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok());
-    let number = |name: &str| header(name).and_then(|v| v.parse::<u64>().ok());
-    let mut result = json!({
-        "status": parts.status.as_u16(),
-        "body": body,
-        "replayed": header(idempotency::REPLAYED_HEADER) == Some("true"),
-    });
-    if let Some(key) = header(idempotency::HEADER) {
-        result["idempotencyKey"] = json!(key);
-    }
-    if let Some(w) = number(idempotency::WINDOW_HEADER) {
-        result["idempotencyWindow"] = json!(w);
-    }
-    if let Some(r) = number(idempotency::RETENTION_HEADER) {
-        result["idempotencyRetention"] = json!(r);
-    }
-    if let Some(after) = number("retry-after") {
-        result["retryAfter"] = json!(after);
-    }
-    result
-}
+#[cfg(test)]
+mod tests {
 
-/// The label an item's status is counted under.
-pub(super) fn status_class(status: u64) -> &'static str {
-    match status {
-        200..=299 => "2xx",
-        409 => "409",
-        503 => "503",
-        400..=499 => "4xx",
-        _ => "5xx",
+    use super::*;
+
+    /// What an item read as: its key and accounts, or the refusal's message.
+    fn read(result: Result<Item, String>) -> Result<(String, Vec<Uuid>), String> {
+        result.map(|item| match item {
+            Item::Deposit(i) | Item::Withdraw(i) => (i.idempotency_key, vec![i.account_id]),
+            Item::Transfer(i) => (i.idempotency_key, vec![i.from_account_id, i.to_account_id]),
+        })
+    }
+
+    /// Rule: an item reads as the tagged enum reads the tree of its JSON: it is accepted or
+    /// refused alike, with the same message, and names the same group. Items with exactly
+    /// one kind's fields take the direct way; the others, the tree's.
+    #[test]
+    fn an_item_reads_as_the_tagged_enum_reads_its_tree() {
+        let (a, b) = (Uuid::from_u128(1), Uuid::from_u128(2));
+        let items = [
+            format!(
+                r#"{{"type":"deposit","accountId":"{a}","amountCents":5,"idempotencyKey":"k"}}"#
+            ),
+            format!(
+                r#"{{"type":"withdraw","accountId":"{a}","amountCents":5,"idempotencyKey":"k","group":"g"}}"#
+            ),
+            format!(
+                r#"{{"type":"transfer","fromAccountId":"{a}","toAccountId":"{b}","amountCents":5,"idempotencyKey":"k"}}"#
+            ),
+            format!(r#"{{"type":"deposit","accountId":"{a}","idempotencyKey":"k"}}"#),
+            format!(
+                r#"{{"type":"deposit","accountId":"{a}","amountCents":5,"idempotencyKey":"k","extra":1}}"#
+            ),
+            format!(
+                r#"{{"type":"deposit","fromAccountId":"{a}","toAccountId":"{b}","amountCents":5,"idempotencyKey":"k"}}"#
+            ),
+            format!(
+                r#"{{"type":"transfer","accountId":"{a}","amountCents":5,"idempotencyKey":"k"}}"#
+            ),
+            r#"{"type":"deposit","accountId":"not-a-uuid","amountCents":5,"idempotencyKey":"k"}"#
+                .to_owned(),
+            format!(
+                r#"{{"type":"deposit","accountId":"{a}","amountCents":"5","idempotencyKey":"k"}}"#
+            ),
+            format!(
+                r#"{{"type":"deposit","accountId":"{a}","amountCents":5.5,"idempotencyKey":"k"}}"#
+            ),
+            format!(r#"{{"type":"deposit","accountId":"{a}","amountCents":5,"idempotencyKey":7}}"#),
+            format!(
+                r#"{{"type":"deposit","accountId":"{a}","amountCents":5,"idempotencyKey":null}}"#
+            ),
+            format!(
+                r#"{{"type":"deposit","accountId":"{a}","amountCents":5,"idempotencyKey":"k","group":3}}"#
+            ),
+            format!(
+                r#"{{"type":"deposit","accountId":"{a}","amountCents":5,"idempotencyKey":"k","group":null}}"#
+            ),
+            format!(
+                r#"{{"type":"deposit","accountId":"{a}","amountCents":5,"amountCents":6,"idempotencyKey":"k"}}"#
+            ),
+            format!(
+                r#"{{"type":"withdraw","type":"deposit","accountId":"{a}","amountCents":5,"idempotencyKey":"k"}}"#
+            ),
+            format!(
+                r#"{{"type":"deposit","accountId":"{a}","amountCents":5,"idempotencyKey":"k","group":"g","group":[1]}}"#
+            ),
+            format!(
+                r#"{{"type":"refund","accountId":"{a}","amountCents":5,"idempotencyKey":"k"}}"#
+            ),
+            format!(r#"{{"type":1,"accountId":"{a}","amountCents":5,"idempotencyKey":"k"}}"#),
+            format!(r#"{{"accountId":"{a}","amountCents":5,"idempotencyKey":"k"}}"#),
+            format!(r#"["deposit","{a}",5,"k"]"#),
+            r#""deposit""#.to_owned(),
+            "12.5".to_owned(),
+            "null".to_owned(),
+            "{}".to_owned(),
+        ];
+        for text in items {
+            let tree: Value = serde_json::from_str(&text).expect("JSON");
+            let slot: Slot = serde_json::from_str(&text).expect("any JSON reads as a slot");
+            assert_eq!(slot.clone().into_value(), tree, "{text}");
+            let group = tree.get("group").map(|g| match g {
+                Value::String(name) => Some(name.clone()),
+                Value::Null => None,
+                other => Some(other.to_string()),
+            });
+            assert_eq!(group_of(&slot), group.flatten(), "{text}");
+            let tagged = serde_json::from_value::<Item>(tree).map_err(|e| e.to_string());
+            let direct = typed(slot).map_err(|e| match e {
+                ApiError::Validation(message) => message,
+                other => format!("not a validation error: {other}"),
+            });
+            assert_eq!(read(direct), read(tagged), "{text}");
+        }
     }
 }

@@ -14,12 +14,14 @@
 //! (or all of them after a whole 503); `--failover` re-sends the unanswered batch to the next
 //! target; `--retry-ratio` re-sends the whole batch, every item under its key.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use bytes::Bytes;
 use hyper::Method;
 use parking_lot::Mutex;
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use tokio::time::Instant;
 use uuid::Uuid;
 
@@ -38,26 +40,32 @@ pub const BATCH_PATH: &str = "/api/batch";
 const UNREADABLE: &str = "unreadable batch answer";
 
 #[derive(Deserialize)]
-struct BatchAnswer {
-    results: Vec<ItemAnswer>,
+struct BatchAnswer<'a> {
+    #[serde(borrow)]
+    results: Vec<ItemAnswer<'a>>,
 }
 
 /// One item's result: the single route's status and body, and whether it is a replay.
+/// Borrowed from the answer: an item's body is kept as the bytes the server sent, never
+/// parsed into a tree and written out again (that cost the generator CPU the server
+/// under test then did not get).
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct ItemAnswer {
+struct ItemAnswer<'a> {
     status: u16,
-    #[serde(default)]
-    body: serde_json::Value,
+    /// None when absent or `null`.
+    #[serde(borrow, default)]
+    body: Option<&'a RawValue>,
     #[serde(default)]
     replayed: bool,
-    idempotency_key: Option<String>,
+    #[serde(borrow)]
+    idempotency_key: Option<Cow<'a, str>>,
 }
 
 /// One operation of the batch.
 struct Item {
-    /// The item as the batch body carries it.
-    wire: serde_json::Value,
+    /// The item as the batch body carries it, written once for every send of it.
+    wire: Bytes,
     key: Uuid,
     record: KeyRecord,
     /// The status its last send got it ([`NO_ANSWER`] for none).
@@ -99,6 +107,7 @@ impl<'a> BatchSends<'a> {
             let Some(wire) = op.batch_item(key) else {
                 continue;
             };
+            let wire = Bytes::from(wire.to_string());
             items.push(Item {
                 wire,
                 key,
@@ -217,8 +226,7 @@ impl<'a> BatchSends<'a> {
         which: &[usize],
         since: Instant,
     ) -> Outcome {
-        let wire: Vec<&serde_json::Value> = which.iter().map(|&i| &self.items[i].wire).collect();
-        let body = Bytes::from(serde_json::json!({ "items": wire }).to_string());
+        let body = self.body_of(which);
         let timeout = self.shared.config.timeout;
         let outcome = self.conns[target]
             .exchange(Method::POST, BATCH_PATH, None, Some(body), timeout)
@@ -228,11 +236,15 @@ impl<'a> BatchSends<'a> {
             Ok(answer) if is_success(answer.status) => match self.results(which, answer) {
                 Ok(results) => {
                     for (&i, result) in which.iter().zip(results) {
+                        let body = match result.body {
+                            Some(raw) => answer.body.slice_ref(raw.get().as_bytes()),
+                            None => Bytes::from_static(b"null"),
+                        };
                         let item = Answer {
                             status: result.status,
                             replayed: result.replayed,
                             retry_after: answer.retry_after,
-                            body: Bytes::from(result.body.to_string()),
+                            body,
                         };
                         self.note(stats, i, &Ok(item));
                     }
@@ -257,6 +269,21 @@ impl<'a> BatchSends<'a> {
         outcome
     }
 
+    /// `{"items":[...]}` of the items `which`, each as written when it was drawn.
+    fn body_of(&self, which: &[usize]) -> Bytes {
+        let items: usize = which.iter().map(|&i| self.items[i].wire.len() + 1).sum();
+        let mut body = Vec::with_capacity(items + 16);
+        body.extend_from_slice(b"{\"items\":[");
+        for (n, &i) in which.iter().enumerate() {
+            if n > 0 {
+                body.push(b',');
+            }
+            body.extend_from_slice(&self.items[i].wire);
+        }
+        body.extend_from_slice(b"]}");
+        Bytes::from(body)
+    }
+
     fn note(&mut self, stats: &mut Stats, index: usize, outcome: &Outcome) {
         let item = &mut self.items[index];
         item.record.observe(outcome);
@@ -270,7 +297,11 @@ impl<'a> BatchSends<'a> {
 
     /// The answer's results, one per item sent, each naming its item's key when it names
     /// one; why not, when they cannot be matched.
-    fn results(&self, which: &[usize], answer: &Answer) -> Result<Vec<ItemAnswer>, String> {
+    fn results<'b>(
+        &self,
+        which: &[usize],
+        answer: &'b Answer,
+    ) -> Result<Vec<ItemAnswer<'b>>, String> {
         let parsed: BatchAnswer =
             serde_json::from_slice(&answer.body).map_err(|e| format!("not a batch answer: {e}"))?;
         if parsed.results.len() != which.len() {
