@@ -207,10 +207,8 @@ pub(super) fn outcome_response(outcome: &WriteOutcome, shown: Shown) -> Resp {
         resp.headers_mut().insert(hyper::header::LOCATION, v);
     }
     if outcome.replayed {
-        resp.headers_mut().insert(
-            idempotency::REPLAYED_HEADER,
-            HeaderValue::from_static("true"),
-        );
+        resp.headers_mut()
+            .insert(idempotency::REPLAYED_NAME, HeaderValue::from_static("true"));
     }
     resp
 }

@@ -13,6 +13,7 @@
 //! derivation above holds, as in the service Tally replaces.
 
 use hyper::HeaderMap;
+use hyper::header::HeaderName;
 use uuid::Uuid;
 
 use super::error::{ApiError, ErrorCode};
@@ -22,6 +23,12 @@ pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 pub const WINDOW_HEADER: &str = "idempotency-window";
 /// How long a landed write's key is remembered, stated on every write answer as the window is.
 pub const RETENTION_HEADER: &str = "idempotency-retention";
+/// The headers' names, parsed once: an answer inserts them by name, and a `&str` would be
+/// parsed on every insert.
+pub const KEY_NAME: HeaderName = HeaderName::from_static(HEADER);
+pub const REPLAYED_NAME: HeaderName = HeaderName::from_static(REPLAYED_HEADER);
+pub const WINDOW_NAME: HeaderName = HeaderName::from_static(WINDOW_HEADER);
+pub const RETENTION_NAME: HeaderName = HeaderName::from_static(RETENTION_HEADER);
 /// The longest key accepted, in characters.
 pub const MAX_KEY_LEN: usize = 255;
 /// The namespace opaque keys are hashed in: a fixed UUID chosen for Tally. Never change it:

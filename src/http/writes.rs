@@ -412,10 +412,10 @@ pub(super) fn keyed_answer(
     let retention = window_header(status, rule_refusal, horizon_secs, since, lookup);
     let h = resp.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&key.echo) {
-        h.insert(idempotency::HEADER, v);
+        h.insert(idempotency::KEY_NAME, v);
     }
-    h.insert(idempotency::WINDOW_HEADER, HeaderValue::from(window));
-    h.insert(idempotency::RETENTION_HEADER, HeaderValue::from(retention));
+    h.insert(idempotency::WINDOW_NAME, HeaderValue::from(window));
+    h.insert(idempotency::RETENTION_NAME, HeaderValue::from(retention));
     resp
 }
 

@@ -15,10 +15,10 @@ use serde::de::IgnoredAny;
 use super::super::idempotency;
 use super::super::response::{Resp, no_sniff};
 
-const KEY: HeaderName = HeaderName::from_static(idempotency::HEADER);
-const REPLAYED: HeaderName = HeaderName::from_static(idempotency::REPLAYED_HEADER);
-const WINDOW: HeaderName = HeaderName::from_static(idempotency::WINDOW_HEADER);
-const RETENTION: HeaderName = HeaderName::from_static(idempotency::RETENTION_HEADER);
+const KEY: HeaderName = idempotency::KEY_NAME;
+const REPLAYED: HeaderName = idempotency::REPLAYED_NAME;
+const WINDOW: HeaderName = idempotency::WINDOW_NAME;
+const RETENTION: HeaderName = idempotency::RETENTION_NAME;
 
 /// One item's result: the status and body its single route answered, and what that
 /// answer's headers said of its key.
