@@ -198,6 +198,9 @@ async fn unknown_hold(
 pub async fn get(app: &Arc<App>, account: AccountId, hold: HoldId) -> Result<Resp, ApiError> {
     holds_on(app)?;
     let loaded = app.projection.refresh(account, &[]).await?;
+    app.projection
+        .learn_placement_commits(account, &loaded.view, Some(hold))
+        .await?;
     let body = match app.projection.hold_view(&loaded.view, hold) {
         Some(HoldView::Open(open)) => hold_body(account, hold, &open, "open"),
         Some(HoldView::Resolved(r)) => {
@@ -216,6 +219,9 @@ pub async fn get(app: &Arc<App>, account: AccountId, hold: HoldId) -> Result<Res
 pub async fn list(app: &Arc<App>, account: AccountId) -> Result<Resp, ApiError> {
     holds_on(app)?;
     let loaded = app.projection.refresh(account, &[]).await?;
+    app.projection
+        .learn_placement_commits(account, &loaded.view, None)
+        .await?;
     let Some((snap, open)) = app.projection.open_holds(&loaded.view) else {
         return Err(ApiError::Internal {
             code: ErrorCode::Internal,

@@ -95,6 +95,35 @@ impl Projection {
             .collect())
     }
 
+    /// Reads the commit time of each placement in the view's fold whose expiry is known only
+    /// by a bound (`hold`'s alone when given), so a read shows `expiresAt` as a replica that
+    /// folded the placement does. One one-batch read a placement, once: learned, it is known.
+    pub async fn learn_placement_commits(
+        &self,
+        account: AccountId,
+        view: &AccountView,
+        hold: Option<HoldId>,
+    ) -> Result<(), StoreError> {
+        let AccountView::Memory(slot) = view else {
+            return Ok(());
+        };
+        let versions = match slot.state.lock().holds.as_deref() {
+            Some(book) => book.unknown_commits(hold),
+            None => return Ok(()),
+        };
+        for version in versions {
+            let key = self.identity.key(account);
+            let batches = read_whole(self.log.as_ref(), key, version, version).await?;
+            if let Some(b) = batches.first() {
+                self.observe_server_time(b.server_timestamp_ms);
+                if let Some(book) = slot.state.lock().holds.as_deref_mut() {
+                    book.learn_commit(version, b.server_timestamp_ms);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Resident accounts whose holds may be due now, at most `limit`: where a sweep starts.
     pub fn accounts_with_due_holds(&self, limit: usize) -> Vec<AccountId> {
         let tip = self.server_tip_ms();
