@@ -6,7 +6,7 @@ use crate::account::AccountId;
 use crate::account::holds::{Due, HoldBook, HoldId, OpenHold, Resolved};
 use crate::store::{StoreError, read_whole};
 
-use super::{AccountView, Projection, Snapshot};
+use super::{AccountSlot, AccountView, Projection, Snapshot};
 
 /// One hold as a read shows it: open, or resolved while the fold remembers it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,14 +78,7 @@ impl Projection {
         };
         let (_, unsure) = due(self.server_tip_ms());
         for version in unsure {
-            let key = self.identity.key(account);
-            let batches = read_whole(self.log.as_ref(), key, version, version).await?;
-            if let Some(b) = batches.first() {
-                self.observe_server_time(b.server_timestamp_ms);
-                if let Some(book) = slot.state.lock().holds.as_deref_mut() {
-                    book.learn_commit(version, b.server_timestamp_ms);
-                }
-            }
+            self.learn_commit_at(account, slot, version).await?;
         }
         Ok(due(self.server_tip_ms())
             .0
@@ -112,13 +105,24 @@ impl Projection {
             None => return Ok(()),
         };
         for version in versions {
-            let key = self.identity.key(account);
-            let batches = read_whole(self.log.as_ref(), key, version, version).await?;
-            if let Some(b) = batches.first() {
-                self.observe_server_time(b.server_timestamp_ms);
-                if let Some(book) = slot.state.lock().holds.as_deref_mut() {
-                    book.learn_commit(version, b.server_timestamp_ms);
-                }
+            self.learn_commit_at(account, slot, version).await?;
+        }
+        Ok(())
+    }
+
+    /// Reads the batch at `version` and learns its commit time: the holds it placed.
+    async fn learn_commit_at(
+        &self,
+        account: AccountId,
+        slot: &AccountSlot,
+        version: u64,
+    ) -> Result<(), StoreError> {
+        let key = self.identity.key(account);
+        let batches = read_whole(self.log.as_ref(), key, version, version).await?;
+        if let Some(b) = batches.first() {
+            self.observe_server_time(b.server_timestamp_ms);
+            if let Some(book) = slot.state.lock().holds.as_deref_mut() {
+                book.learn_commit(version, b.server_timestamp_ms);
             }
         }
         Ok(())
