@@ -74,6 +74,13 @@ async fn amounts(t: &TestApp, account: &str) -> (i64, i64, i64) {
     (n("balanceCents"), n("availableCents"), n("heldCents"))
 }
 
+/// A replica with holds on, and an account on it with one deposit of `cents`.
+async fn funded_app(cents: i64) -> (TestApp, String) {
+    let t = holds_app().await;
+    let account = funded(&t, cents).await;
+    (t, account)
+}
+
 /// An account on `t` with one deposit of `cents`.
 async fn funded(t: &TestApp, cents: i64) -> String {
     common::funded(t, cents).await
@@ -92,8 +99,7 @@ fn types(history: &[Value]) -> Vec<&str> {
 /// is refused and writes nothing.
 #[tokio::test]
 async fn a_placement_reserves_money_and_its_retry_replays_the_same_answer() {
-    let t = holds_app().await;
-    let account = funded(&t, 100).await;
+    let (t, account) = funded_app(100).await;
     let key = uuid::Uuid::new_v4().to_string();
     let first = place(&t, &account, &json!({"amountCents": 30}), Some(&key)).await;
     assert_eq!(first.status, StatusCode::CREATED, "{}", first.text);
@@ -164,8 +170,7 @@ async fn a_placement_reserves_money_and_its_retry_replays_the_same_answer() {
 /// and body, marked, and the key with another body (or on another hold) is refused.
 #[tokio::test]
 async fn a_post_and_a_void_replay_on_retry_and_refuse_their_key_on_another_body() {
-    let t = holds_app().await;
-    let account = funded(&t, 100).await;
+    let (t, account) = funded_app(100).await;
     let a = placed(&t, &account, json!({"amountCents": 40})).await;
     let b = placed(&t, &account, json!({"amountCents": 20})).await;
 
@@ -234,8 +239,7 @@ async fn a_post_and_a_void_replay_on_retry_and_refuse_their_key_on_another_body(
 /// nothing; up to the available amount each goes through.
 #[tokio::test]
 async fn debits_and_new_holds_take_only_the_available_amount_and_a_refusal_writes_nothing() {
-    let t = holds_app().await;
-    let account = funded(&t, 100).await;
+    let (t, account) = funded_app(100).await;
     let other = new_account();
     placed(&t, &account, json!({"amountCents": 60})).await;
     let before = observe(&t, &account).await;
@@ -286,8 +290,7 @@ async fn debits_and_new_holds_take_only_the_available_amount_and_a_refusal_write
 /// a post with no amount takes the whole hold; a post over the held amount is refused.
 #[tokio::test]
 async fn a_post_of_part_takes_that_part_and_releases_the_rest() {
-    let t = holds_app().await;
-    let account = funded(&t, 100).await;
+    let (t, account) = funded_app(100).await;
     let part = placed(&t, &account, json!({"amountCents": 50})).await;
     let whole = placed(&t, &account, json!({"amountCents": 20})).await;
     assert_eq!(amounts(&t, &account).await, (100, 30, 70));
@@ -338,8 +341,7 @@ async fn a_post_of_part_takes_that_part_and_releases_the_rest() {
 /// balances and histories show it.
 #[tokio::test]
 async fn a_post_to_a_destination_moves_the_money_in_one_write_with_history_on_both() {
-    let t = holds_app().await;
-    let account = funded(&t, 100).await;
+    let (t, account) = funded_app(100).await;
     let dest = funded(&t, 7).await;
     let hold = placed(
         &t,
@@ -380,8 +382,7 @@ async fn a_post_to_a_destination_moves_the_money_in_one_write_with_history_on_bo
 /// `HOLD_RESOLVED` naming how it resolved first, and writes nothing.
 #[tokio::test]
 async fn a_second_resolution_of_any_kind_is_refused_naming_the_first() {
-    let t = holds_app().await;
-    let account = funded(&t, 100).await;
+    let (t, account) = funded_app(100).await;
     let posted = placed(&t, &account, json!({"amountCents": 10})).await;
     let voided = placed(&t, &account, json!({"amountCents": 10})).await;
     assert_eq!(
@@ -420,8 +421,7 @@ async fn a_second_resolution_of_any_kind_is_refused_naming_the_first() {
 /// void, and nothing is written; so is a hold of another account.
 #[tokio::test]
 async fn an_unknown_hold_is_not_found_and_nothing_is_written() {
-    let t = holds_app().await;
-    let account = funded(&t, 100).await;
+    let (t, account) = funded_app(100).await;
     let elsewhere = funded(&t, 100).await;
     let theirs = placed(&t, &elsewhere, json!({"amountCents": 5})).await;
     let before = observe(&t, &account).await;
@@ -451,8 +451,7 @@ async fn an_unknown_hold_is_not_found_and_nothing_is_written() {
 /// as its own destination, unknown fields, a hold id that is not a UUID.
 #[tokio::test]
 async fn bad_hold_input_is_refused_and_nothing_is_written() {
-    let t = holds_app().await;
-    let account = funded(&t, 100).await;
+    let (t, account) = funded_app(100).await;
     let hold = placed(&t, &account, json!({"amountCents": 10})).await;
     let before = observe(&t, &account).await;
     let max = tally::account::MAX_AMOUNT_CENTS;
