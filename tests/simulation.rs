@@ -24,6 +24,8 @@
 //! - `TALLY_SIM_SEED=N`: run seed N alone and print its trace hash;
 //! - `TALLY_SIM_SEEDS=K`, `TALLY_SIM_FIRST_SEED=F`: run seeds F..F+K (default 0 and
 //!   [`DEFAULT_SEEDS`]), plus [`REGRESSION_SEEDS`], on every core; `make soak` runs 5000;
+//! - `TALLY_SIM_HOLDS_SEEDS=K`: how many seeds the runs with holds take (`simulation/holds.rs`,
+//!   default [`holds::DEFAULT_HOLDS_SEEDS`]), from `TALLY_SIM_FIRST_SEED`;
 //! - `TALLY_SIM_TRACE=1`: a violation carries every answer and every stream;
 //! - `TALLY_SIM_KEEP_GOING=1`: run every seed and list all that fail;
 //! - `TALLY_SIM_HASHES=1`: print every seed's trace hash (diff two runs to check
@@ -37,6 +39,8 @@
 //! seed.
 
 mod common;
+#[path = "simulation/holds.rs"]
+mod holds;
 #[path = "simulation/hours.rs"]
 mod hours;
 
@@ -53,6 +57,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use reqwest::StatusCode;
 use sha2::{Digest, Sha256};
+use tally::account::events::Effect;
 use tally::account::{AccountEvent, AccountId, AmountCents, Identity, Operation, RuleError};
 use tally::app::App;
 use tally::metrics::arm;
@@ -594,6 +599,8 @@ struct Truth {
     accounts: BTreeMap<AccountId, (i64, u64, u64, BTreeSet<i64>)>,
     /// Per event id: its events, in stream order.
     by_key: BTreeMap<u128, Vec<Landed>>,
+    /// Every event with its id, each account's in stream order (accounts in the plan's).
+    stream: Vec<(u128, Landed)>,
     /// A stable rendering of every stream, for the trace hash.
     dump: String,
 }
@@ -644,10 +651,11 @@ impl Truth {
                     for e in batch.events.iter() {
                         let event = AccountEvent::decode(e.event_type, &e.payload)
                             .map_err(|err| format!("{account} v{version}: {err}"))?;
-                        balance = if event.is_credit() {
-                            balance + event.amount()
-                        } else {
-                            balance - event.amount()
+                        balance += match event.effect() {
+                            Effect::Credit(a) => a,
+                            Effect::Debit(a) => -a,
+                            // A hold's placement, void or expiry moves no money.
+                            Effect::None => 0,
                         };
                         if balance < 0 {
                             return Err(format!(
@@ -666,13 +674,15 @@ impl Truth {
                         let Some(id) = e.event_id else {
                             return Err(format!("{account} v{version}: an event without an id"));
                         };
-                        truth.by_key.entry(id).or_default().push(Landed {
+                        let landed = Landed {
                             account,
                             version,
                             balance,
                             event,
                             at_ms: batch.server_timestamp_ms,
-                        });
+                        };
+                        truth.stream.push((id, landed.clone()));
+                        truth.by_key.entry(id).or_default().push(landed);
                     }
                 }
             }
@@ -753,18 +763,7 @@ fn check(plan: &Plan, journal: &Journal, truth: &Truth) -> Result<Stats, String>
                             o.replica
                         ));
                     };
-                    let want: Vec<(AccountId, i64, u64)> = op
-                        .legs()
-                        .as_slice()
-                        .iter()
-                        .map(|leg| {
-                            let l = landed
-                                .iter()
-                                .find(|l| l.account == leg.account)
-                                .expect("checked above");
-                            (l.account, l.balance, l.version)
-                        })
-                        .collect();
+                    let want = stream_answer(&op, landed);
                     if *legs != want {
                         return Err(format!(
                             "key {key:x} ({op:?}): replica {} answered {legs:?} ({:?}, replayed {replayed}), the stream says {want:?}",
@@ -806,20 +805,45 @@ fn check(plan: &Plan, journal: &Journal, truth: &Truth) -> Result<Stats, String>
         if !any_ok && obs.iter().all(|o| matches!(o.seen, Seen::Retryable(_))) {
             stats.gave_up_keys += 1;
         }
-        // Without faults nothing is ambiguous: the run whose write landed answers it, as its
-        // own; every other answer is a replay.
-        if plan.faults.is_none() && landed.is_some() && !any_ok {
-            return Err(format!(
-                "key {key:x} ({op:?}) landed with no faults on, but no caller got a success: {obs:?}"
-            ));
-        }
-        if plan.faults.is_none() && any_ok && first_hand != 1 {
-            return Err(format!(
-                "key {key:x} ({op:?}): {first_hand} answers not marked as replays, expected exactly 1: {obs:?}"
-            ));
+        if plan.faults.is_none() {
+            unambiguous(*key, &op, landed.is_some(), any_ok, first_hand, obs)?;
         }
     }
     Ok(stats)
+}
+
+/// What the streams say a success for `op` answers: each leg's (account, balance right after
+/// its event, version), in the operation's leg order.
+fn stream_answer(op: &Operation, landed: &[Landed]) -> Vec<(AccountId, i64, u64)> {
+    op.legs()
+        .as_slice()
+        .iter()
+        .filter_map(|leg| landed.iter().find(|l| l.account == leg.account))
+        .map(|l| (l.account, l.balance, l.version))
+        .collect()
+}
+
+/// Without faults nothing is ambiguous: a key that landed was answered by the run whose
+/// write it was, as its own, and every other answer is a replay.
+fn unambiguous(
+    key: u128,
+    op: &Operation,
+    landed: bool,
+    any_ok: bool,
+    first_hand: usize,
+    obs: &impl std::fmt::Debug,
+) -> Result<(), String> {
+    if landed && !any_ok {
+        return Err(format!(
+            "key {key:x} ({op:?}) landed with no faults on, but no caller got a success: {obs:?}"
+        ));
+    }
+    if any_ok && first_hand != 1 {
+        return Err(format!(
+            "key {key:x} ({op:?}): {first_hand} answers not marked as replays, expected exactly 1: {obs:?}"
+        ));
+    }
+    Ok(())
 }
 
 /// Each replica, caught up to the store's tip (a lagging read is retried), reports what the
@@ -904,19 +928,13 @@ fn arms_taken(replicas: &[Arc<App>]) -> BTreeMap<&'static str, u64> {
 }
 
 fn trace_hash(journal: &Journal, truth: &Truth, faults: &FaultCounts) -> String {
-    let mut h = Sha256::new();
-    for o in &journal.obs {
-        h.update(format!(
-            "{} {:x} {} {:?} {:?}\n",
+    let lines = journal.obs.iter().map(|o| {
+        format!(
+            "{} {:x} {} {:?} {:?}",
             o.caller, o.key, o.replica, o.kind, o.seen
-        ));
-    }
-    h.update(truth.dump.as_bytes());
-    h.update(format!("{faults:?}"));
-    h.finalize().iter().fold(String::new(), |mut s, b| {
-        let _ = write!(s, "{b:02x}");
-        s
-    })
+        )
+    });
+    hash_trace(lines, truth, faults)
 }
 
 async fn run_in_process(plan: &Plan) -> Result<RunResult, String> {
@@ -1029,6 +1047,51 @@ fn with_trace(violation: String, journal: &Journal, truth: &Truth) -> String {
         let _ = writeln!(out, "    {line}");
     }
     out
+}
+
+/// With `TALLY_SIM_TRACE` set, a violation carries a whole run told in lines: what the
+/// fleet did between moments, every answer in completion order, then every stream.
+fn tell_story(
+    violation: String,
+    upkeep: &[String],
+    answers: impl IntoIterator<Item = String>,
+    truth: &Truth,
+) -> String {
+    if std::env::var_os("TALLY_SIM_TRACE").is_none() {
+        return violation;
+    }
+    let mut out = format!("{violation}\n  upkeep:\n");
+    for line in upkeep {
+        let _ = writeln!(out, "    {line}");
+    }
+    out.push_str("  answers, in completion order:\n");
+    for line in answers {
+        let _ = writeln!(out, "    {line}");
+    }
+    out.push_str("  streams:\n");
+    for line in truth.dump.lines() {
+        let _ = writeln!(out, "    {line}");
+    }
+    out
+}
+
+/// A run's trace hash over its lines (answers, upkeep), every stream and the faults.
+fn hash_trace(
+    lines: impl IntoIterator<Item = String>,
+    truth: &Truth,
+    faults: &FaultCounts,
+) -> String {
+    let mut h = Sha256::new();
+    for line in lines {
+        h.update(line.as_bytes());
+        h.update(b"\n");
+    }
+    h.update(truth.dump.as_bytes());
+    h.update(format!("{faults:?}"));
+    h.finalize().iter().fold(String::new(), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
 }
 
 /// One seed on its own single-threaded runtime with paused time.
@@ -1186,32 +1249,16 @@ fn hours_seeds() -> Vec<u64> {
 /// its landing and writes nothing; past the retention it lands again.
 #[test]
 fn retries_across_hours_replay_inside_the_retention_and_land_again_past_it() {
-    let print_hashes = std::env::var_os("TALLY_SIM_HASHES").is_some();
-    let (results, elapsed, workers) = run_seeds(&hours_seeds(), hours::run_hours_seed);
-    let mut total = hours::HoursStats::default();
-    for (seed, result) in &results {
-        match result {
-            Err(violation) => panic!(
-                "simulation seed {seed} across hours broke a rule: {violation}\n  reproduce: TALLY_SIM_SEED={seed} cargo test --test simulation retries_across_hours -- --nocapture"
-            ),
-            Ok(r) => {
-                total.add(&r.stats);
-                if results.len() == 1 || print_hashes {
-                    println!(
-                        "seed {seed} (hours): trace {} {:?} {:?}",
-                        r.trace_hash, r.stats, r.faults
-                    );
-                }
-            }
-        }
-    }
-    println!(
-        "{} seeds across hours in {:.2?} on {workers} threads: {total:?}",
-        results.len(),
-        elapsed
+    let (total, runs) = run_and_total(
+        "across hours",
+        "retries_across_hours",
+        &hours_seeds(),
+        hours::run_hours_seed,
+        |r| (&r.stats, r.trace_hash.as_str(), &r.faults),
+        hours::HoursStats::add,
     );
     // A run whose retries never reached a band proves nothing about it.
-    if results.len() >= 10 {
+    if runs >= 10 {
         assert!(
             total.window_replays > 0
                 && total.remembered_replays > 0
@@ -1222,19 +1269,64 @@ fn retries_across_hours_replay_inside_the_retention_and_land_again_past_it() {
     }
 }
 
+/// Runs `run` on `seeds` (as [`run_seeds`]) and sums each run's stats with `add`; panics at
+/// a violation with the command that reproduces it (`filter`: the test's name filter).
+/// Prints each seed's trace hash when one seed ran or `TALLY_SIM_HASHES` is set, then the
+/// total. Returns the total and how many seeds ran.
+fn run_and_total<R: Send, S: Default + std::fmt::Debug>(
+    what: &str,
+    filter: &str,
+    seeds: &[u64],
+    run: impl Fn(u64) -> Result<R, String> + Sync,
+    view: impl Fn(&R) -> (&S, &str, &FaultCounts),
+    add: impl Fn(&mut S, &S),
+) -> (S, usize) {
+    let print_hashes = std::env::var_os("TALLY_SIM_HASHES").is_some();
+    let (results, elapsed, workers) = run_seeds(seeds, run);
+    let mut total = S::default();
+    for (seed, result) in &results {
+        match result {
+            Err(violation) => panic!(
+                "simulation seed {seed} {what} broke a rule: {violation}\n  reproduce: TALLY_SIM_SEED={seed} cargo test --test simulation {filter} -- --nocapture"
+            ),
+            Ok(r) => {
+                let (stats, hash, faults) = view(r);
+                add(&mut total, stats);
+                if results.len() == 1 || print_hashes {
+                    println!("seed {seed} ({what}): trace {hash} {stats:?} {faults:?}");
+                }
+            }
+        }
+    }
+    println!(
+        "{} seeds {what} in {:.2?} on {workers} threads: {total:?}",
+        results.len(),
+        elapsed
+    );
+    (total, results.len())
+}
+
 /// The same seed across hours gives the same run: the same answers, streams and upkeep, or
 /// the same violation.
 #[test]
 fn a_seed_across_hours_reproduces_the_same_run() {
-    let seed = 0;
-    match (hours::run_hours_seed(seed), hours::run_hours_seed(seed)) {
-        (Ok(a), Ok(b)) => assert_eq!(
-            a.trace_hash, b.trace_hash,
-            "seed {seed} across hours is not reproducible"
-        ),
-        (Err(a), Err(b)) => assert_eq!(a, b, "seed {seed} across hours is not reproducible"),
+    assert_reproduces(0, "across hours", hours::run_hours_seed, |r| {
+        r.trace_hash.as_str()
+    });
+}
+
+/// Runs `seed` twice and asserts the same run: the same trace hash, or the same violation.
+fn assert_reproduces<R>(
+    seed: u64,
+    what: &str,
+    run: impl Fn(u64) -> Result<R, String>,
+    hash: impl Fn(&R) -> &str,
+) {
+    match (run(seed), run(seed)) {
+        (Ok(a), Ok(b)) => assert_eq!(hash(&a), hash(&b), "seed {seed} {what} is not reproducible"),
+        (Err(a), Err(b)) => assert_eq!(a, b, "seed {seed} {what} is not reproducible"),
         (a, b) => panic!(
-            "seed {seed} across hours is not reproducible: one run {}, the other {}",
+            "seed {seed} {what} is not reproducible: one run {}, the other {}",
             if a.is_ok() { "passed" } else { "failed" },
             if b.is_ok() { "passed" } else { "failed" }
         ),

@@ -287,14 +287,34 @@ impl HoldBook {
             .collect()
     }
 
-    /// Learns the exact commit time of the batch at `version`: the holds it placed.
+    /// Learns the exact commit time of the batch at `version`: the holds it placed, open or
+    /// remembered as resolved.
     pub fn learn_commit(&mut self, version: u64, commit_ms: u64) {
-        for h in self.open.values_mut() {
+        let resolved = self.resolved.iter_mut().map(|r| &mut r.was);
+        for h in self.open.values_mut().chain(resolved) {
             if h.placed_version == version {
                 h.placed = Commit::Known(commit_ms);
             }
         }
         self.next_due = self.scan_next_due();
+    }
+
+    /// The placing versions of the holds with an expiry whose commit time is only bounded
+    /// (a replica's own placements), open or remembered as resolved; only `hold`'s when given.
+    pub fn unknown_commits(&self, hold: Option<HoldId>) -> Vec<u64> {
+        let resolved = self.resolved.iter().map(|r| (r.hold, r.was));
+        let mut versions: Vec<u64> = self
+            .open
+            .iter()
+            .map(|(&id, &h)| (id, h))
+            .chain(resolved)
+            .filter(|(id, _)| hold.is_none_or(|only| only == *id))
+            .filter(|(_, h)| h.expires_in_secs.is_some() && matches!(h.placed, Commit::AtLeast(_)))
+            .map(|(_, h)| h.placed_version)
+            .collect();
+        versions.sort_unstable();
+        versions.dedup();
+        versions
     }
 
     /// Applies one hold event. On an error the book is unchanged.

@@ -222,12 +222,10 @@ async fn unknown_hold(app: &Arc<App>, account: AccountId, hold: HoldId, head: Ke
 pub async fn get(app: &Arc<App>, account: AccountId, hold: HoldId) -> Result<Resp, ApiError> {
     holds_on(app)?;
     let loaded = app.projection.refresh(account, &[]).await?;
-    let found = app
-        .projection
-        .hold_view_exact(account, &loaded.view, hold)
-        .await
-        .map_err(ApiError::from)?;
-    let body = match found {
+    app.projection
+        .learn_placement_commits(account, &loaded.view, Some(hold))
+        .await?;
+    let body = match app.projection.hold_view(&loaded.view, hold) {
         Some(HoldView::Open(open)) => hold_body(account, hold, &open, "open"),
         Some(HoldView::Resolved(r)) => {
             let mut body = hold_body(account, hold, &r.was, r.how.name());
@@ -245,6 +243,9 @@ pub async fn get(app: &Arc<App>, account: AccountId, hold: HoldId) -> Result<Res
 pub async fn list(app: &Arc<App>, account: AccountId) -> Result<Resp, ApiError> {
     holds_on(app)?;
     let loaded = app.projection.refresh(account, &[]).await?;
+    app.projection
+        .learn_placement_commits(account, &loaded.view, None)
+        .await?;
     let Some((snap, open)) = app.projection.open_holds(&loaded.view) else {
         return Err(ApiError::Internal {
             code: ErrorCode::Internal,

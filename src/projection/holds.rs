@@ -10,7 +10,7 @@ use crate::account::AccountId;
 use crate::account::holds::{Due, HoldBook, HoldId, OpenHold, Resolved};
 use crate::store::{StoreError, read_whole};
 
-use super::{AccountState, AccountView, Projection, Snapshot};
+use super::{AccountSlot, AccountState, AccountView, Projection, Snapshot};
 
 /// The most accounts with expiring holds a replica tracks for its sweeper. Past it, an
 /// account's due holds are expired when something touches it. About 40 bytes an account.
@@ -92,7 +92,7 @@ impl Projection {
         };
         let (_, unsure) = due(self.server_tip_ms());
         for version in unsure {
-            self.learn_commit(account, slot, version).await?;
+            self.learn_commit_at(account, slot, version).await?;
         }
         Ok(due(self.server_tip_ms())
             .0
@@ -102,12 +102,33 @@ impl Projection {
             .collect())
     }
 
-    /// Reads the batch at `version` for its commit time: the exact placement time of the
-    /// holds it placed, where this replica had only a lower bound (its own write).
-    async fn learn_commit(
+    /// Reads the commit time of each placement in the view's fold whose expiry is known only
+    /// by a bound (`hold`'s alone when given), so a read shows `expiresAt` as a replica that
+    /// folded the placement does. One one-batch read a placement, once: learned, it is known.
+    pub async fn learn_placement_commits(
         &self,
         account: AccountId,
-        slot: &super::AccountSlot,
+        view: &AccountView,
+        hold: Option<HoldId>,
+    ) -> Result<(), StoreError> {
+        let AccountView::Memory(slot) = view else {
+            return Ok(());
+        };
+        let versions = match slot.state.lock().holds.as_deref() {
+            Some(book) => book.unknown_commits(hold),
+            None => return Ok(()),
+        };
+        for version in versions {
+            self.learn_commit_at(account, slot, version).await?;
+        }
+        Ok(())
+    }
+
+    /// Reads the batch at `version` and learns its commit time: the holds it placed.
+    async fn learn_commit_at(
+        &self,
+        account: AccountId,
+        slot: &AccountSlot,
         version: u64,
     ) -> Result<(), StoreError> {
         let key = self.identity.key(account);
@@ -119,31 +140,6 @@ impl Projection {
             }
         }
         Ok(())
-    }
-
-    /// Hold `id` as [`Projection::hold_view`] shows it, an open one with its expiry time
-    /// exact: a placement this replica wrote itself has its batch read first.
-    pub async fn hold_view_exact(
-        &self,
-        account: AccountId,
-        view: &AccountView,
-        id: HoldId,
-    ) -> Result<Option<HoldView>, StoreError> {
-        let found = self.hold_view(view, id);
-        // A resolved hold's expiry no longer decides anything: it is shown when known.
-        let Some(HoldView::Open(placed)) = found else {
-            return Ok(found);
-        };
-        let unsure = placed.expires_in_secs.is_some() && placed.expires_at_ms().is_none();
-        let AccountView::Memory(slot) = view else {
-            return Ok(found);
-        };
-        if !unsure {
-            return Ok(found);
-        }
-        self.learn_commit(account, slot, placed.placed_version)
-            .await?;
-        Ok(self.hold_view(view, id))
     }
 
     /// Accounts whose holds may be due now, earliest first, at most `limit`: where a sweep

@@ -15,6 +15,7 @@
 //! - [`idempotency_keys`]: replays, key syntax, minted keys, reuse, concurrent duplicates;
 //! - [`write_lookup`]: a write looked up by its key, without resending it;
 //! - [`accounts`]: opening accounts, and explicit accounts (`--accounts explicit`);
+//! - [`holds`]: holds placed, posted, voided and expired (`--holds true`; memory projection only);
 //! - [`binary`]: the `tally` process itself.
 //!
 //! The edge around it (run once):
@@ -40,6 +41,7 @@ mod accounts;
 mod bad_input;
 mod batch;
 mod binary;
+mod holds;
 mod idempotency_keys;
 mod limits;
 mod routes;

@@ -30,14 +30,12 @@
 //! - every replica, and a fresh one, folds each account to what the stream says.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use sha2::{Digest, Sha256};
 use tally::account::{AccountId, Operation};
 use tally::app::App;
 use tally::projection::ManualClock;
@@ -61,7 +59,7 @@ pub const DEFAULT_HOURS_SEEDS: u64 = 12;
 /// lag the harness gives each replica (re-anchored before it reaches half of this).
 const MARGIN_MS: u64 = 2_000;
 /// The most a replica's local clock falls behind the server's in one jump.
-const CLOCK_LAG_MS: u64 = 20;
+pub const CLOCK_LAG_MS: u64 = 20;
 /// The write deadline: a write's life must fit in the window, which is 2 s at least.
 const DEADLINE_MS: u64 = 1_000;
 /// Virtual time a moment waits after its requests answered, so writes they left behind
@@ -71,7 +69,7 @@ const SETTLE: Duration = Duration::from_millis(200);
 /// The oldest a retry past the retention gets, beyond the retention.
 const PAST_RETENTION_MS: u64 = 30 * 60_000;
 /// The most each store fault's probability may be across hours (a fleet run's are higher).
-const HOURS_FAULT_CEILINGS: FaultCeilings = FaultCeilings {
+pub const HOURS_FAULT_CEILINGS: FaultCeilings = FaultCeilings {
     lost_ack: 0.1,
     lost_request: 0.05,
     refused: 0.05,
@@ -797,38 +795,13 @@ fn check_hours(plan: &HoursPlan, journal: &Journal, truth: &Truth) -> Result<Hou
 }
 
 fn story(violation: String, journal: &Journal, truth: &Truth) -> String {
-    if std::env::var_os("TALLY_SIM_TRACE").is_none() {
-        return violation;
-    }
-    let mut out = format!("{violation}\n  upkeep:\n");
-    for line in &journal.upkeep {
-        let _ = writeln!(out, "    {line}");
-    }
-    out.push_str("  answers, in completion order:\n");
-    for o in &journal.obs {
-        let _ = writeln!(out, "    {o:?}");
-    }
-    out.push_str("  streams:\n");
-    for line in truth.dump.lines() {
-        let _ = writeln!(out, "    {line}");
-    }
-    out
+    let answers = journal.obs.iter().map(|o| format!("{o:?}"));
+    super::tell_story(violation, &journal.upkeep, answers, truth)
 }
 
 fn trace_hash(journal: &Journal, truth: &Truth, faults: &FaultCounts) -> String {
-    let mut h = Sha256::new();
-    for o in &journal.obs {
-        h.update(format!("{o:?}\n"));
-    }
-    for line in &journal.upkeep {
-        h.update(line.as_bytes());
-    }
-    h.update(truth.dump.as_bytes());
-    h.update(format!("{faults:?}"));
-    h.finalize().iter().fold(String::new(), |mut s, b| {
-        let _ = write!(s, "{b:02x}");
-        s
-    })
+    let obs = journal.obs.iter().map(|o| format!("{o:?}"));
+    super::hash_trace(obs.chain(journal.upkeep.iter().cloned()), truth, faults)
 }
 
 impl HoursStats {
