@@ -11,8 +11,10 @@
 //! Layout: keys are appended in version order to a tail of at most [`TAIL_KEYS`]. A full
 //! tail is sorted by fingerprint and sealed into a run; two neighbouring runs of like size
 //! merge (as a binary counter carries) up to [`MAX_RUN_KEYS`]. So a look is a short scan of
-//! the tail and a binary search in each of a few dozen runs, and the oldest keys sit in the
-//! oldest run, dropped whole when they age past the retention or a cap needs room.
+//! the tail and a search in each of a few dozen runs (from where the fingerprint should sit),
+//! and the oldest keys sit in the oldest run, dropped whole when they age past the retention
+//! or a cap needs room. A cold replica's load builds whole runs at once
+//! ([`KeyMemory::load_chain`]).
 //!
 //! Files: this one (the memory and its rules), `run` (one run's packed columns), `segment`
 //! (the keys of a version range as a checkpoint carries them) and `tests`.
