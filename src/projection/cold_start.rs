@@ -110,7 +110,7 @@ impl Projection {
                 // retention (a checkpoint a retention old): none is folded.
                 match chain.filter(|_| st.keys.is_empty()) {
                     Some(Chain::Forgotten) => st.keys.forget_below(cp.version, cp.commit_ms),
-                    Some(chain) => self.load_chain(&mut st, &chain),
+                    Some(chain) => self.load_chain(&mut st, chain),
                     None => st.keys.raise_floor(cp.version, cp.commit_ms),
                 }
                 (cp.version + 1, true)

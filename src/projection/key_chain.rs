@@ -113,19 +113,19 @@ impl Projection {
         Ok(out)
     }
 
-    /// Loads a whole or capped chain's keys into a cold state (oldest segment first).
-    pub(super) fn load_chain(&self, st: &mut AccountState, chain: &Chain) {
+    /// Loads a whole or capped chain's keys into a cold state (oldest segment first), each
+    /// segment dropped once loaded.
+    pub(super) fn load_chain(&self, st: &mut AccountState, chain: Chain) {
         let (segments, capped) = match chain {
             Chain::Whole(s) => (s, false),
             Chain::Capped(s) => (s, true),
             Chain::Broken | Chain::Forgotten => return,
         };
         let before = st.keys.len();
-        for (seg, commit_ms) in segments.iter().rev() {
-            st.keys.load(seg, *commit_ms);
-        }
-        if capped && let Some((last, _)) = segments.last() {
-            st.keys.forget_below(last.after, last.after_ms);
+        let below = segments.last().map(|(last, _)| (last.after, last.after_ms));
+        st.keys.load_chain(segments.into_iter().rev());
+        if capped && let Some((after, after_ms)) = below {
+            st.keys.forget_below(after, after_ms);
         }
         self.keys_changed(st, before);
     }

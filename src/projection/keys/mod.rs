@@ -11,8 +11,10 @@
 //! Layout: keys are appended in version order to a tail of at most [`TAIL_KEYS`]. A full
 //! tail is sorted by fingerprint and sealed into a run; two neighbouring runs of like size
 //! merge (as a binary counter carries) up to [`MAX_RUN_KEYS`]. So a look is a short scan of
-//! the tail and a binary search in each of a few dozen runs, and the oldest keys sit in the
-//! oldest run, dropped whole when they age past the retention or a cap needs room.
+//! the tail and a search in each of a few dozen runs (from where the fingerprint should sit),
+//! and the oldest keys sit in the oldest run, dropped whole when they age past the retention
+//! or a cap needs room. A cold replica's load builds whole runs at once
+//! ([`KeyMemory::load_chain`]).
 //!
 //! Files: this one (the memory and its rules), `run` (one run's packed columns), `segment`
 //! (the keys of a version range as a checkpoint carries them) and `tests`.
@@ -22,6 +24,7 @@ mod segment;
 #[cfg(test)]
 mod tests;
 
+use std::borrow::Borrow;
 use std::collections::VecDeque;
 
 use run::Run;
@@ -277,6 +280,53 @@ impl KeyMemory {
         }
     }
 
+    /// Loads a chain's segments, oldest first, each with its checkpoint's commit time: as
+    /// [`KeyMemory::load`] of each in turn. Into an empty memory it gathers whole runs of
+    /// [`MAX_RUN_KEYS`] and sorts each once, then cuts what is left as the pushes would have
+    /// left it (runs of halving size, then the tail). So a cold replica's million keys cost
+    /// one sort a run, not a sort a tail and a merge a level.
+    ///
+    /// Owned segments are dropped as soon as they are loaded, so their memory serves the
+    /// runs that follow.
+    pub fn load_chain<S: Borrow<Segment>>(&mut self, segments: impl IntoIterator<Item = (S, u64)>) {
+        let mut segments = segments.into_iter();
+        if !self.is_empty() {
+            for (seg, commit_ms) in segments {
+                self.load(seg.borrow(), commit_ms);
+            }
+            return;
+        }
+        let inner = self.inner.get_or_insert_with(Box::default);
+        let mut gathered = Gathered::default();
+        for (seg, commit_ms) in segments.by_ref() {
+            let seg = seg.borrow();
+            let held = inner.len + gathered.run.len();
+            if held == 0 && inner.floor == 0 {
+                inner.floor = seg.after;
+                inner.floor_ms = seg.after_ms;
+            }
+            // As `load`: only what an earlier segment already gave is skipped.
+            let loaded = if held > 0 { gathered.newest_version } else { 0 };
+            gathered.commits.push((gathered.run.len(), commit_ms));
+            for k in seg.keys.iter().filter(|k| k.version > loaded) {
+                if gathered.run.len() == MAX_RUN_KEYS {
+                    gathered.seal_whole(inner, commit_ms);
+                }
+                gathered.make_room();
+                let (fp, ms) = (k.fingerprint, commit_ms);
+                if !gathered.run.try_push(fp, k.version, k.balance, ms) {
+                    gathered.seal_whole(inner, commit_ms);
+                    gathered.make_room();
+                    let pushed = gathered.run.try_push(fp, k.version, k.balance, ms);
+                    debug_assert!(pushed, "a key fits an empty run");
+                }
+                gathered.newest_version = k.version;
+            }
+        }
+        gathered.finish(inner);
+        self.clear_if_empty();
+    }
+
     /// Marks versions up to `version` (committed at `commit_ms`) as not remembered here: a
     /// fold that started above keys past the retention.
     pub fn raise_floor(&mut self, version: u64, commit_ms: u64) {
@@ -384,5 +434,81 @@ impl Inner {
             self.runs.pop_back();
             self.runs.push_back(merged);
         }
+    }
+}
+
+/// Keys a load gathers in version order, not yet sealed into runs.
+#[derive(Default)]
+struct Gathered {
+    run: Run,
+    /// Where each segment's keys start in `run`, with its commit time.
+    commits: Vec<(usize, u64)>,
+    newest_version: u64,
+}
+
+impl Gathered {
+    /// The newest commit time among the keys at `from..to`.
+    fn newest_ms(&self, from: usize, to: usize) -> u64 {
+        self.commits
+            .iter()
+            .enumerate()
+            .filter(|&(i, &(start, _))| {
+                let end = self.commits.get(i + 1).map_or(usize::MAX, |&(s, _)| s);
+                start < to && end > from && start < end
+            })
+            .map(|(_, &(_, ms))| ms)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Room for the next key: doubling, up to a whole run (a run's pushes grow by an
+    /// eighth, which a load of thousands of keys would pay for in copies).
+    fn make_room(&mut self) {
+        let n = self.run.len();
+        if n == self.run.capacity() {
+            self.run.reserve(n.max(TAIL_KEYS).min(MAX_RUN_KEYS - n));
+        }
+    }
+
+    /// Seals every key gathered into one run (full, or the next key does not fit it); the
+    /// keys gathered next start a segment committed at `commit_ms`.
+    fn seal_whole(&mut self, inner: &mut Inner, commit_ms: u64) {
+        let mut run = std::mem::take(&mut self.run);
+        let n = run.len();
+        if n > 0 {
+            run.sort_sealed();
+            inner.runs.push_back(run);
+            inner.len += n;
+        }
+        self.commits.clear();
+        self.commits.push((0, commit_ms));
+    }
+
+    /// Seals what is left as a binary counter of pushes would hold it: runs of halving size
+    /// from [`MAX_RUN_KEYS`] down to [`TAIL_KEYS`], then the rest as the tail, in version
+    /// order.
+    fn finish(mut self, inner: &mut Inner) {
+        let n = self.run.len();
+        if n == MAX_RUN_KEYS {
+            self.seal_whole(inner, 0);
+            return;
+        }
+        let mut from = 0;
+        let mut size = MAX_RUN_KEYS / 2;
+        while size >= TAIL_KEYS {
+            if n - from >= size {
+                let mut run = self
+                    .run
+                    .slice(from..from + size, self.newest_ms(from, from + size));
+                run.sort_sealed();
+                inner.runs.push_back(run);
+                from += size;
+            }
+            size /= 2;
+        }
+        if from < n {
+            inner.tail = self.run.slice(from..n, self.newest_ms(from, n));
+        }
+        inner.len += n;
     }
 }

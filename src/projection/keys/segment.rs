@@ -107,7 +107,15 @@ fn put_varint(out: &mut impl BufMut, mut v: u64) {
     out.put_u8(v as u8);
 }
 
+#[inline]
 fn get_varint(buf: &mut &[u8]) -> Option<u64> {
+    // Most of a busy account's differences fit one byte.
+    if let Some((&byte, rest)) = buf.split_first()
+        && byte < 0x80
+    {
+        *buf = rest;
+        return Some(u64::from(byte));
+    }
     let mut v = 0u64;
     for shift in (0..64).step_by(7) {
         let byte = *buf.first()?;

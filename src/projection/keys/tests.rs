@@ -180,6 +180,61 @@ fn a_loaded_segment_keeps_every_key_of_a_batch() {
     }
 }
 
+/// Every key a memory holds, by what a look answers: the same for two memories when each
+/// event's candidates agree.
+fn agree(a: &KeyMemory, b: &KeyMemory, events: &[u128]) -> Result<(), String> {
+    let facts = |m: &KeyMemory| {
+        (
+            m.len(),
+            m.floor(),
+            m.floor_ms(),
+            m.newest_version(),
+            m.oldest_ms(),
+            m.forgotten_ms(),
+        )
+    };
+    if facts(a) != facts(b) {
+        return Err(format!("{:?} against {:?}", facts(a), facts(b)));
+    }
+    for e in events {
+        let (x, y) = (a.candidates(*e), b.candidates(*e));
+        if x.clone().map(sorted) != y.clone().map(sorted) {
+            return Err(format!("event {e}: {x:?} against {y:?}"));
+        }
+    }
+    Ok(())
+}
+
+/// Rule: a chain loaded at once holds what loading its segments one by one holds, at a
+/// million keys' scale (whole runs sealed at once, then the rest cut as pushes leave it),
+/// and a push after it lands as after the other.
+#[test]
+fn a_chain_loaded_at_once_holds_what_its_segments_loaded_one_by_one_hold() {
+    let mut m = KeyMemory::default();
+    let keys = 3 * MAX_RUN_KEYS as u64 + 5 * TAIL_KEYS as u64 + 77;
+    for k in 1..=keys {
+        m.push(id(k), k / 8 + 1, k as i64, k / 4_000);
+    }
+    let newest = keys / 8 + 1;
+    let cuts: Vec<u64> = (0..newest).step_by(509).chain([newest]).collect();
+    let segments: Vec<(Segment, u64)> = cuts
+        .windows(2)
+        .map(|w| (m.segment(w[0], w[0], w[1]).unwrap(), w[1] * 8 / 4_000))
+        .collect();
+    let (mut one_by_one, mut at_once) = (KeyMemory::default(), KeyMemory::default());
+    for (seg, ms) in &segments {
+        one_by_one.load(seg, *ms);
+    }
+    at_once.load_chain(segments.iter().map(|(s, ms)| (s, *ms)));
+    let events: Vec<u128> = (1..=keys).step_by(7).map(id).collect();
+    agree(&one_by_one, &at_once, &events).unwrap();
+    assert_eq!(at_once.len(), keys as usize);
+    for m in [&mut one_by_one, &mut at_once] {
+        m.push(id(keys + 1), newest + 1, 0, 1_000);
+    }
+    agree(&one_by_one, &at_once, &[id(keys + 1), id(1), id(keys)]).unwrap();
+}
+
 fn sorted(mut v: Vec<Remembered>) -> Vec<Remembered> {
     v.sort_by_key(|r| (r.version, r.balance));
     v
@@ -231,6 +286,62 @@ proptest! {
                 }
                 Err(n) => prop_assert!(n > MAX_CANDIDATES && n >= must.len() && n <= may.len()),
             }
+        }
+    }
+
+    /// Rule: loading a chain at once agrees with loading its segments one by one, whatever
+    /// the segments' overlaps, empty segments and balances that do not fit a run.
+    #[test]
+    fn a_chain_loaded_at_once_agrees_with_one_segment_at_a_time(
+        steps in prop::collection::vec((0u64..3, -3_000_000_000i64..3_000_000_000), 1..5_000),
+        cuts in prop::collection::vec((0u64..4_000, 0u64..3), 1..12),
+    ) {
+        let mut m = KeyMemory::default();
+        let mut version = 1u64;
+        let mut events = Vec::new();
+        for (i, (dv, balance)) in steps.iter().enumerate() {
+            version += dv;
+            let event = id(i as u64);
+            m.push(event, version, *balance, version / 10);
+            events.push(event);
+        }
+        // Segments from version cut points; each may start a little before the last's end.
+        let mut bounds: Vec<u64> = cuts.iter().map(|(at, _)| at % (version + 1)).collect();
+        bounds.push(0);
+        bounds.push(version);
+        bounds.sort_unstable();
+        bounds.dedup();
+        let segments: Vec<(Segment, u64)> = bounds
+            .windows(2)
+            .zip(cuts.iter().cycle())
+            .map(|(w, (_, back))| {
+                let after = w[0].saturating_sub(*back);
+                (m.segment(after, after * 3, w[1]).unwrap(), w[1] / 10)
+            })
+            .collect();
+        let (mut one_by_one, mut at_once) = (KeyMemory::default(), KeyMemory::default());
+        for (seg, ms) in &segments {
+            one_by_one.load(seg, *ms);
+        }
+        at_once.load_chain(segments.iter().map(|(s, ms)| (s, *ms)));
+        prop_assert_eq!(agree(&one_by_one, &at_once, &events), Ok(()));
+        prop_assert_eq!(at_once.len(), steps.len());
+    }
+
+    /// Rule: the search from the expected place finds what a binary search finds, however
+    /// the fingerprints bunch (spread, clustered, repeated, at either end).
+    #[test]
+    fn the_search_from_the_expected_place_agrees_with_a_binary_search(
+        mut fps in prop::collection::vec(
+            prop_oneof![any::<u32>(), 0u32..64, (u32::MAX - 64)..=u32::MAX, Just(1u32 << 31)],
+            0..3_000,
+        ),
+        looks in prop::collection::vec(any::<u32>(), 1..50),
+    ) {
+        fps.sort_unstable();
+        let probes = looks.iter().copied().chain(fps.iter().step_by(7).copied()).chain([0, u32::MAX]);
+        for fp in probes {
+            prop_assert_eq!(run::lower_bound(&fps, fp), fps.partition_point(|&f| f < fp), "fp {}", fp);
         }
     }
 }
