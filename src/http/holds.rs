@@ -118,10 +118,8 @@ pub async fn post(
     req: Request<Incoming>,
     slots: &RequestSlots,
 ) -> Result<Resp, ApiError> {
-    holds_on(app)?;
-    let keyed = parse_keyed::<PostBody>(app, req, slots).await?;
+    let keyed = parse_resolution::<PostBody>(app, account, req, slots).await?;
     let asked = keyed.body.amount_cents.map(AmountCents::new).transpose()?;
-    super::auth::authorize_account(app, keyed.head.caller.as_ref(), account.0)?;
     let Some(was) = placed_hold(app, account, hold).await? else {
         return Ok(unknown_hold(app, account, hold, keyed.head).await);
     };
@@ -145,12 +143,24 @@ pub async fn void(
     req: Request<Incoming>,
     slots: &RequestSlots,
 ) -> Result<Resp, ApiError> {
-    holds_on(app)?;
-    let keyed = parse_keyed::<VoidBody>(app, req, slots).await?;
-    super::auth::authorize_account(app, keyed.head.caller.as_ref(), account.0)?;
+    let keyed = parse_resolution::<VoidBody>(app, account, req, slots).await?;
     // A due hold expires first: a void never lands after its hold's expiry is known here.
     placed_hold(app, account, hold).await?;
     answer_keyed(app, keyed.head, Operation::VoidHold { account, hold }).await
+}
+
+/// A post's or a void's key and body, once the caller may write the account: checked before
+/// the hold is read, since reading it may write its expiry.
+async fn parse_resolution<B: serde::de::DeserializeOwned>(
+    app: &Arc<App>,
+    account: AccountId,
+    req: Request<Incoming>,
+    slots: &RequestSlots,
+) -> Result<super::writes::Keyed<B>, ApiError> {
+    holds_on(app)?;
+    let keyed = parse_keyed::<B>(app, req, slots).await?;
+    super::auth::authorize_account(app, keyed.head.caller.as_ref(), account.0)?;
+    Ok(keyed)
 }
 
 /// The hold as placed, open or resolved: from this replica's copy of the account when it
