@@ -150,6 +150,26 @@ impl Operation {
         }
     }
 
+    /// The one account of a write that queues in that account's lane and is written in a
+    /// batch with the others queued there: deposits, withdrawals, and the hold operations on
+    /// one account (a post to a destination writes two, as a transfer does). `None` for the
+    /// others, which run alone: transfers, and opens (written at version 0 only).
+    pub fn lane_account(&self) -> Option<AccountId> {
+        match *self {
+            Operation::Deposit { account, .. }
+            | Operation::Withdraw { account, .. }
+            | Operation::PlaceHold { account, .. }
+            | Operation::PostHold {
+                account, to: None, ..
+            }
+            | Operation::VoidHold { account, .. }
+            | Operation::ExpireHold { account, .. } => Some(account),
+            Operation::PostHold { to: Some(_), .. }
+            | Operation::Transfer { .. }
+            | Operation::Open { .. } => None,
+        }
+    }
+
     /// Whether it is one of the hold operations (`--holds true` only).
     pub fn is_hold(&self) -> bool {
         matches!(

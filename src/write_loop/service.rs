@@ -25,7 +25,7 @@ use super::error::{WriteError, invariant};
 use super::lanes::{Lanes, NoPlace, QueuedWrite, Turn};
 use super::run::{Run, RunContext};
 use super::{Answer, LegResult, WriteConfig, WriteOutcome, WriteRequest};
-use crate::account::{AccountId, Operation};
+use crate::account::AccountId;
 use crate::metrics::{Metrics, refused};
 use crate::projection::Projection;
 use crate::store::SharedLog;
@@ -233,10 +233,8 @@ impl WriteService {
     /// A single-account request goes through its account's lane when batching is on; any
     /// other request runs alone.
     async fn execute_uncoalesced(&self, req: WriteRequest, arrived: Instant) -> Answer {
-        match req.op {
-            Operation::Deposit { account, .. } | Operation::Withdraw { account, .. }
-                if self.config.batching =>
-            {
+        match req.op.lane_account() {
+            Some(account) if self.config.batching => {
                 self.submit_batched(account, req, arrived).await
             }
             _ => match self.run(vec![req], arrived).await.pop() {
@@ -369,6 +367,7 @@ mod tests {
 
     use super::super::coalesce::Leader;
     use super::*;
+    use crate::account::Operation;
     use crate::account::{AmountCents, Identity};
     use crate::projection::{ManualClock, ProjectionConfig};
     use crate::store::memory::MemoryLog;
