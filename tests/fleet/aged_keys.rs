@@ -74,17 +74,13 @@ impl Replica {
         let retention = RETENTION_SECS.to_string();
         let every = CHECKPOINT_EVERY_EVENTS.to_string();
         let flags = [
-            "--idempotency-window",
-            &window,
-            "--idempotency-retention",
-            &retention,
-            "--write-deadline-ms",
-            WRITE_DEADLINE_MS,
-            "--celeriant-request-timeout-ms",
-            STORE_REQUEST_TIMEOUT_MS,
-            "--checkpoint-every-events",
-            &every,
-        ];
+            ["--idempotency-window", &window],
+            ["--idempotency-retention", &retention],
+            ["--write-deadline-ms", WRITE_DEADLINE_MS],
+            ["--celeriant-request-timeout-ms", STORE_REQUEST_TIMEOUT_MS],
+            ["--checkpoint-every-events", &every],
+        ]
+        .concat();
         Replica::start_with(name, celeriant, &flags).await
     }
 

@@ -137,30 +137,27 @@ async fn get_hold(r: &Remote, account: &str, hold: &str) -> Reply {
         .await
 }
 
-/// The account's open holds and amounts, asserted 200.
-async fn open_holds(r: &Remote, account: &str) -> Value {
-    let reply = r.get(&format!("/api/accounts/{account}/holds")).await;
+/// The body of a read asserted 200.
+async fn read_ok(r: &Remote, path: &str) -> Value {
+    let reply = r.get(path).await;
     assert_eq!(
         reply.status,
         StatusCode::OK,
-        "on {}: {}",
+        "{path} on {}: {}",
         r.base,
         reply.text
     );
     reply.body
 }
 
-/// The balance read's body, asserted 200.
+/// The account's open holds and amounts.
+async fn open_holds(r: &Remote, account: &str) -> Value {
+    read_ok(r, &format!("/api/accounts/{account}/holds")).await
+}
+
+/// The balance read's body.
 async fn balance_read(r: &Remote, account: &str) -> Value {
-    let reply = r.get(&format!("/api/accounts/{account}/balance")).await;
-    assert_eq!(
-        reply.status,
-        StatusCode::OK,
-        "on {}: {}",
-        r.base,
-        reply.text
-    );
-    reply.body
+    read_ok(r, &format!("/api/accounts/{account}/balance")).await
 }
 
 /// Places a hold and asserts the 201: its id is its key.
