@@ -57,21 +57,36 @@ const LOG_TAIL_LINES: usize = 20;
 // --- Replicas --------------------------------------------------------------------------------
 
 /// One `tally` process (the test profile's binary, as fleet.sh runs it here), killed when
-/// dropped.
-struct Replica {
-    name: &'static str,
+/// dropped. Other process suites start theirs with flags of their own ([`Replica::start_with`]).
+pub(crate) struct Replica {
+    pub(crate) name: &'static str,
     /// Its API, as any base URL's (`get`, `post`, the keyed writes, `balance`, `history`).
-    http: Remote,
+    pub(crate) http: Remote,
     log: Arc<Mutex<Vec<String>>>,
     _child: tokio::process::Child,
 }
 
 impl Replica {
-    /// Starts a replica on a free port over `celeriant` and waits until it is ready.
+    /// Starts a replica on a free port over `celeriant` with this suite's window and
+    /// checkpoint settings, and waits until it is ready.
     async fn start(name: &'static str, celeriant: &str) -> Replica {
         let window = WINDOW_SECS.to_string();
         let retention = RETENTION_SECS.to_string();
         let every = CHECKPOINT_EVERY_EVENTS.to_string();
+        let flags = [
+            ["--idempotency-window", &window],
+            ["--idempotency-retention", &retention],
+            ["--write-deadline-ms", WRITE_DEADLINE_MS],
+            ["--celeriant-request-timeout-ms", STORE_REQUEST_TIMEOUT_MS],
+            ["--checkpoint-every-events", &every],
+        ]
+        .concat();
+        Replica::start_with(name, celeriant, &flags).await
+    }
+
+    /// Starts a replica on a free port over `celeriant` with `flags` added, and waits until
+    /// it is ready.
+    pub(crate) async fn start_with(name: &'static str, celeriant: &str, flags: &[&str]) -> Replica {
         let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_tally"));
         for (var, _) in std::env::vars() {
             if var.starts_with("TALLY_") || var.starts_with("CELERIANT_") || var == "RUST_LOG" {
@@ -81,11 +96,7 @@ impl Replica {
         cmd.args(["--listen", "127.0.0.1:0", "--log-format", "json"])
             .args(["--seed-demo-accounts", "false"])
             .args(["--store", "celeriant", "--celeriant-address", celeriant])
-            .args(["--idempotency-window", &window])
-            .args(["--idempotency-retention", &retention])
-            .args(["--write-deadline-ms", WRITE_DEADLINE_MS])
-            .args(["--celeriant-request-timeout-ms", STORE_REQUEST_TIMEOUT_MS])
-            .args(["--checkpoint-every-events", &every])
+            .args(flags)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
@@ -127,7 +138,7 @@ impl Replica {
             .await
     }
 
-    async fn metrics(&self) -> String {
+    pub(crate) async fn metrics(&self) -> String {
         let r = self.get("/metrics").await;
         assert_eq!(r.status, StatusCode::OK, "metrics on {}", self.name);
         r.text

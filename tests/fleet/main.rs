@@ -9,6 +9,8 @@
 //!   real server, and a `tally-load` exactly-once run;
 //! - [`fleet_script`]: `deploy/fleet.sh` on the embedded store, a replica's death and restart;
 //! - [`mixed_fleet`]: the replaced service and a Tally replica on one real server;
+//! - [`holds`]: real `tally` processes with holds on, racing, expiring and folding holds,
+//!   and one with holds off;
 //! - [`aged_keys`]: real `tally` processes with a short window on the real server, a
 //!   key retried two windows later on a fresh replica and looked up on every replica;
 //! - [`cluster_failover`]: two `tally` processes over a real 2-node cluster whose leader is
@@ -24,4 +26,5 @@ mod cluster_failover;
 mod fleet;
 mod fleet_processes;
 mod fleet_script;
+mod holds;
 mod mixed_fleet;
