@@ -77,6 +77,23 @@ pub enum AccountEvent {
     },
 }
 
+/// A placement's amount and expiry in one `i64`, as the recent-writes index and the Postgres
+/// index rows keep them: the amount in the low 32 bits (an amount never exceeds
+/// [`super::MAX_AMOUNT_CENTS`], which is `i32::MAX`), the expiry's seconds in the high 32
+/// (0: none).
+pub fn pack_placement(amount: i64, expires_in_secs: Option<NonZeroU32>) -> i64 {
+    debug_assert!((0..=i64::from(i32::MAX)).contains(&amount));
+    (amount & i64::from(u32::MAX)) | (i64::from(expires_in_secs.map_or(0, NonZeroU32::get)) << 32)
+}
+
+/// The amount and expiry [`pack_placement`] packed.
+pub fn unpack_placement(packed: i64) -> (i64, Option<NonZeroU32>) {
+    (
+        packed & i64::from(u32::MAX),
+        NonZeroU32::new((packed >> 32) as u32),
+    )
+}
+
 /// How an event moves the balance.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Effect {
@@ -488,6 +505,12 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn a_packed_placement_unpacks_to_itself(amount in 0i64..=i64::from(i32::MAX), secs in 0u32..) {
+            let secs = NonZeroU32::new(secs);
+            prop_assert_eq!(unpack_placement(pack_placement(amount, secs)), (amount, secs));
+        }
+
         #[test]
         fn every_event_round_trips(amount in 0i64..=i64::MAX, other in any::<u128>(), kind in 0u8..11, secs in 0u32..) {
             let hold = HoldId(Uuid::from_u128(other));

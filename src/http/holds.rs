@@ -16,7 +16,7 @@ use super::answer::Shown;
 use super::error::{ApiError, ErrorCode};
 use super::response::{Resp, json_response};
 use super::writes::{KeyedHead, answer_keyed, keyed_answer, parse_keyed, to_account_id};
-use crate::account::holds::{Due, HoldId, MAX_HOLD_EXPIRY_SECS, OpenHold};
+use crate::account::holds::{Due, HoldId, MAX_HOLD_EXPIRY_SECS, OpenHold, Resolution};
 use crate::account::{AccountId, AmountCents, Operation, RuleError};
 use crate::app::App;
 use crate::projection::HoldView;
@@ -201,30 +201,29 @@ async fn placed_hold(
 /// key landed (a retry after the hold was forgotten), else 404 `HOLD_NOT_FOUND`; with the key
 /// and window headers, as every keyed write's answer.
 async fn unknown_hold(app: &Arc<App>, account: AccountId, hold: HoldId, head: KeyedHead) -> Resp {
-    let not_found = Operation::PostHold {
-        account,
+    // What a refusal shows is its error alone; a landed post shows itself.
+    let mut shown = Shown::HoldResolved {
         hold,
-        amount: AmountCents::new(1).expect("one cent is an amount"),
-        to: None,
+        how: Resolution::Posted,
+        amount: 0,
     };
-    let (op, answer) = match app
+    let answer = match app
         .writes
         .find_write(account, head.key.event_id.as_u128())
         .await
     {
         Ok(Found::Landed { op, outcome }) => match op {
-            Operation::PostHold { hold: h, .. } if h == hold => (op, Ok(outcome)),
-            _ => (not_found, Err(WriteError::KeyReused)),
+            Operation::PostHold { hold: h, .. } if h == hold => {
+                shown = Shown::to(head.caller.as_ref(), &op);
+                Ok(outcome)
+            }
+            _ => Err(WriteError::KeyReused),
         },
-        Ok(Found::NotLanded) => (
-            not_found,
-            Err(WriteError::Rule(RuleError::HoldNotFound { hold })),
-        ),
-        Err(e) => (not_found, Err(e)),
+        Ok(Found::NotLanded) => Err(WriteError::Rule(RuleError::HoldNotFound { hold })),
+        Err(e) => Err(e),
     };
     let since = head.started.elapsed();
     let horizon = app.projection.key_horizon(&[account]);
-    let shown = Shown::to(head.caller.as_ref(), &op);
     keyed_answer(app, &head.key, answer, shown, (since, horizon))
 }
 

@@ -2,10 +2,9 @@
 //! lookup. It knows nothing of the table that holds the records. The packing is what keeps a cold catch-up's index small and sequential; nothing
 //! outside this file reads a record's bits.
 
-use std::num::NonZeroU32;
-
 use uuid::Uuid;
 
+use crate::account::events::{pack_placement, unpack_placement};
 use crate::account::holds::HoldId;
 use crate::account::{AccountEvent, AccountId};
 
@@ -38,8 +37,8 @@ const KIND_DEPOSITED: u64 = 0;
 const KIND_WITHDRAWN: u64 = 1;
 const KIND_TRANSFERRED_OUT: u64 = 2;
 const KIND_TRANSFERRED_IN: u64 = 3;
-/// A placement: `amount` keeps the held amount in its low 32 bits (an amount never exceeds
-/// `i32::MAX`) and the expiry in seconds in its high 32 (0: none).
+/// A placement: `amount` keeps the held amount and the expiry together
+/// ([`pack_placement`]).
 const KIND_HOLD_PLACED: u64 = 4;
 const KIND_HOLD_POSTED: u64 = 5;
 const KIND_HOLD_VOIDED: u64 = 6;
@@ -87,12 +86,11 @@ impl Record {
                 amount,
                 to,
                 expires_in_secs,
-            } => {
-                let secs = expires_in_secs.map_or(0, |s| s.get());
-                debug_assert!((0..=i64::from(i32::MAX)).contains(&amount));
-                let packed = (amount & i64::from(u32::MAX)) | (i64::from(secs) << 32);
-                (KIND_HOLD_PLACED, packed, to)
-            }
+            } => (
+                KIND_HOLD_PLACED,
+                pack_placement(amount, expires_in_secs),
+                to,
+            ),
             AccountEvent::HoldPosted { hold, amount } => {
                 (KIND_HOLD_POSTED, amount, Some(AccountId(hold.0)))
             }
@@ -137,11 +135,14 @@ impl Record {
                 amount,
                 from: party(),
             },
-            KIND_HOLD_PLACED => AccountEvent::HoldPlaced {
-                amount: amount & i64::from(u32::MAX),
-                to: self.has_party().then(party),
-                expires_in_secs: NonZeroU32::new((amount >> 32) as u32),
-            },
+            KIND_HOLD_PLACED => {
+                let (amount, expires_in_secs) = unpack_placement(amount);
+                AccountEvent::HoldPlaced {
+                    amount,
+                    to: self.has_party().then(party),
+                    expires_in_secs,
+                }
+            }
             KIND_HOLD_POSTED => AccountEvent::HoldPosted {
                 hold: hold(),
                 amount,

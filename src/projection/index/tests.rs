@@ -4,6 +4,7 @@
 use super::table::{MAX_RECORDS, assert_addressable};
 use super::*;
 use crate::account::AccountId;
+use crate::account::holds::HoldId;
 use proptest::prelude::*;
 use std::collections::{HashMap, VecDeque};
 use uuid::Uuid;
@@ -196,8 +197,8 @@ impl Model {
     }
 }
 
-/// A record of one of the five kinds, its fields derived from the draws; transfers
-/// name a counterparty that differs per record, so a mix-up of parties shows.
+/// A record of one of the ten kinds, its fields derived from the draws; transfers and holds
+/// name a party that differs per record, so a mix-up of parties shows.
 fn drawn(expires: u16, balance: i8, kind: u8, party: u16) -> RecentWrite {
     let amount = i64::from(party) - 300;
     let party = AccountId(uuid::Uuid::from_u128(u128::from(party) * 0x1_0000_0001));
@@ -205,13 +206,28 @@ fn drawn(expires: u16, balance: i8, kind: u8, party: u16) -> RecentWrite {
         balance: i64::from(balance),
         version: u64::from(party.0.as_u128() as u16),
         expires_at_ms: u64::from(expires),
-        event: match kind % 5 {
+        event: match kind % 10 {
             0 => AccountEvent::Deposited { amount },
             1 => AccountEvent::Withdrawn { amount },
             2 => AccountEvent::TransferredOut { amount, to: party },
             3 => AccountEvent::TransferredIn {
                 amount,
                 from: party,
+            },
+            5 | 6 => AccountEvent::HoldPlaced {
+                amount: amount.abs(),
+                to: (kind % 10 == 6).then_some(party),
+                expires_in_secs: std::num::NonZeroU32::new(u32::from(expires)),
+            },
+            7 => AccountEvent::HoldPosted {
+                hold: HoldId(party.0),
+                amount,
+            },
+            8 => AccountEvent::HoldVoided {
+                hold: HoldId(party.0),
+            },
+            9 => AccountEvent::HoldExpired {
+                hold: HoldId(party.0),
             },
             _ => AccountEvent::Opened,
         },

@@ -5,6 +5,7 @@ use tokio_postgres::types::{FromSql, ToSql};
 use uuid::Uuid;
 
 use super::PgRow;
+use crate::account::events::{pack_placement, unpack_placement};
 use crate::account::holds::HoldId;
 use crate::account::{AccountEvent, AccountId};
 use crate::projection::RecentWrite;
@@ -91,16 +92,12 @@ impl IndexRows {
             // The event's type major, as for the others (not in the first migration's list:
             // the column takes any kind, and an open has no amount).
             AccountEvent::Opened => (5, 0, None),
-            // A placement keeps its expiry in the amount's high 32 bits (an amount fits 31).
+            // A placement keeps its expiry beside the amount, as the index does.
             AccountEvent::HoldPlaced {
                 amount,
                 to,
                 expires_in_secs,
-            } => (
-                6,
-                amount | (i64::from(expires_in_secs.map_or(0, |s| s.get())) << 32),
-                to.map(|t| t.0),
-            ),
+            } => (6, pack_placement(amount, expires_in_secs), to.map(|t| t.0)),
             AccountEvent::HoldPosted { hold, amount } => (7, amount, Some(hold.0)),
             AccountEvent::HoldVoided { hold } => (8, 0, Some(hold.0)),
             AccountEvent::HoldExpired { hold } => (9, 0, Some(hold.0)),
@@ -151,11 +148,14 @@ fn event_of(kind: i16, amount: i64, party: Option<Uuid>) -> Result<AccountEvent,
             amount,
             from: AccountId(from),
         },
-        (6, to) => AccountEvent::HoldPlaced {
-            amount: amount & i64::from(u32::MAX),
-            to: to.map(AccountId),
-            expires_in_secs: std::num::NonZeroU32::new((amount >> 32) as u32),
-        },
+        (6, to) => {
+            let (amount, expires_in_secs) = unpack_placement(amount);
+            AccountEvent::HoldPlaced {
+                amount,
+                to: to.map(AccountId),
+                expires_in_secs,
+            }
+        }
         (7, Some(hold)) => AccountEvent::HoldPosted {
             hold: HoldId(hold),
             amount,
